@@ -1,0 +1,1 @@
+"""Verbs of the `foresight` command, one module each (see foresight.cli)."""
