@@ -15,10 +15,6 @@ from collections.abc import Sequence
 from foresight import commands
 
 
-class CliError(ValueError):
-    """A bad argument: printed as one line, exit status 2."""
-
-
 def _verbs() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
 
