@@ -1,0 +1,387 @@
+"""Golden Eviction labels (ForesightKV §3.2, Eqs. 3-5; ALGORITHMS.md §4).
+
+A trace is teacher-forced once through the frozen model with the full cache. Eviction step
+t = 1..M runs after position p_t = B + tL - 1, when the cache first holds B + L entries; block j is
+the L queries at positions (p_j, p_j + L]. Per (layer, KV head):
+
+- block score ã_{i,j} (Eqs. 3-4): mean over the block's queries and the G query heads of the group of
+  the full-cache attention weight on entry i (each row a float32 softmax over all its causal keys);
+- future score α_{i,t} = max_{j >= t} ã_{i,j} (Eq. 5);
+- golden schedule, greedy: the candidates of step t are the entries kept at step t - 1 plus the L
+  that just left the recent window (step 1: positions 0..B-1), and the B - L candidates with the
+  largest α_{·,t} are kept (Eq. 5, Top_{B-L}). Ties keep the lower position.
+
+M = floor((T - B) / L), the number of steps with p_t <= T - 1. The last block is masked where the
+trace ends inside it. If L divides T - B, step M falls on the last token and its block holds no
+query: its ã is 0, so every α of that step is 0 and the tie rule decides (the paper's
+M = ceil((T - B) / L) - 1 drops that step; we keep it so that every eviction the runtime would run
+has a label).
+
+Memory: the T x T attention is never formed. The forward runs in chunks with a DynamicCache; an
+attention function registered through transformers' AttentionInterface records post-RoPE queries
+and keeps a reference to the cached keys (no copy), and computes the layer output with SDPA. Then
+one layer at a time: block scores one block at a time (O(L*T)), future scores [M, Hkv, T] for that
+layer only, the greedy schedule batched over heads, and the layer's queries and keys are freed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+CAPTURE_ATTENTION = "foresight_golden_capture"
+FORMAT = "foresight-golden-labels/1"
+
+
+class TraceTooShort(ValueError):
+    """A trace shorter than B + L never fills the cache, so it has no eviction step to label."""
+
+
+def check_budget(budget: int, interval: int) -> None:
+    """Enforce the cadence's requirement B > L >= 1 (ALGORITHMS.md §1)."""
+    if interval < 1:
+        raise ValueError(f"interval L={interval} must be at least 1")
+    if budget <= interval:
+        raise ValueError(f"budget B={budget} must be larger than the interval L={interval}")
+
+
+def eviction_steps(num_tokens: int, budget: int, interval: int) -> int:
+    """M = floor((T - B) / L): the steps whose position p_t = B + tL - 1 lies inside the trace."""
+    check_budget(budget, interval)
+    if num_tokens < budget + interval:
+        raise TraceTooShort(
+            f"trace of {num_tokens} tokens is shorter than B + L = {budget + interval}: no eviction step"
+        )
+    return (num_tokens - budget) // interval
+
+
+@dataclass(frozen=True)
+class GoldenLabels:
+    """Golden Eviction labels of one trace: per step t and (layer, KV head), the B candidates and their α.
+
+    candidates: [M, layers, Hkv, B] int32 positions, ascending along the last dim.
+    alpha: [M, layers, Hkv, B] float32 future scores α_{i,t} of those candidates (Eq. 5).
+    trace_index is -1 when the ids do not come from a trace store.
+    """
+
+    candidates: torch.Tensor
+    alpha: torch.Tensor
+    budget: int
+    interval: int
+    num_tokens: int
+    trace_index: int = -1
+    model_name: str = ""
+    model_shape: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return self.candidates.shape[0]
+
+    def kept(self, step: int) -> torch.Tensor:
+        """Kept positions [layers, Hkv, B - L] of eviction step `step` (1..M, as in the paper)."""
+        if not 1 <= step <= self.num_steps:
+            raise ValueError(f"step {step} is out of range: this trace has steps 1..{self.num_steps}")
+        return keep_top(self.candidates[step - 1], self.alpha[step - 1], self.budget - self.interval)
+
+    def kept_positions(self) -> torch.Tensor:
+        """Kept positions [M, layers, Hkv, B - L] of every step."""
+        return keep_top(self.candidates, self.alpha, self.budget - self.interval)
+
+
+def keep_top(candidates: torch.Tensor, alpha: torch.Tensor, count: int) -> torch.Tensor:
+    """Top_{B-L} of Eq. 5: the `count` candidates with the largest α, returned in ascending position.
+
+    `candidates` must be ascending along the last dim; the stable sort then breaks ties towards the
+    lower position. Works on any leading dims.
+    """
+    order = torch.sort(alpha, dim=-1, descending=True, stable=True).indices[..., :count]
+    return candidates.gather(-1, order.sort(dim=-1).values)
+
+
+def golden_schedule(
+    future: torch.Tensor, budget: int, interval: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the greedy golden schedule for a batch of heads.
+
+    future: [M, heads, N] future scores α_{i,t} of positions 0..N-1, N >= B + (M - 1)L.
+    Returns candidates [M, heads, B] int64 (ascending) and their α [M, heads, B].
+    kept_0 is taken as 0..B-L-1 and the window leaving at step 1 as B-L..B-1, so step 1's
+    candidates are 0..B-1 like every later step's are kept_{t-1} plus the L that left the window.
+    """
+    num_steps, heads, _ = future.shape
+    device = future.device
+    candidates = torch.empty(num_steps, heads, budget, dtype=torch.long, device=device)
+    kept = torch.arange(budget - interval, device=device).expand(heads, -1)
+    for step in range(num_steps):
+        left_window = budget + (step - 1) * interval
+        leaving = torch.arange(left_window, left_window + interval, device=device).expand(heads, -1)
+        candidates[step] = torch.cat([kept, leaving], dim=-1)
+        kept = keep_top(candidates[step], future[step].gather(-1, candidates[step]), budget - interval)
+    return candidates, future.gather(-1, candidates)
+
+
+def block_scores(
+    queries: torch.Tensor, keys: torch.Tensor, start: int, scaling: float
+) -> torch.Tensor:
+    """ã of one block (Eqs. 3-4): mean over the block's queries and each group's G heads.
+
+    queries: [Hq, n, D] of positions start..start+n-1; keys: [Hkv, start + n, D] (all causal keys).
+    Returns [Hkv, start + n] in float32; row i's softmax runs over keys 0..start+i only.
+    """
+    num_kv_heads, length, dim = keys.shape
+    n = queries.shape[1]
+    grouped = queries.float().view(num_kv_heads, -1, n, dim)
+    logits = torch.einsum("hgnd,hkd->hgnk", grouped, keys.float()) * scaling
+    query_pos = torch.arange(start, start + n, device=keys.device)
+    future_key = torch.arange(length, device=keys.device) > query_pos[:, None]
+    weights = logits.masked_fill(future_key, float("-inf")).softmax(dim=-1)
+    return weights.mean(dim=(1, 2))
+
+
+def future_scores(
+    queries: torch.Tensor, keys: torch.Tensor, budget: int, interval: int, scaling: float
+) -> torch.Tensor:
+    """α_{i,t} = max_{j >= t} ã_{i,j} (Eq. 5) for one layer: [M, Hkv, N], N = B + (M - 1)L.
+
+    N covers every position that can be a candidate. Blocks run from last to first so the suffix
+    max builds in place; a block is truncated at the trace's end, and an empty one scores 0.
+    """
+    num_tokens = keys.shape[1]
+    num_steps = eviction_steps(num_tokens, budget, interval)
+    width = budget + (num_steps - 1) * interval
+    future = torch.zeros(num_steps, keys.shape[0], width, device=keys.device)
+    for step in range(num_steps, 0, -1):
+        start = budget + step * interval
+        end = min(start + interval, num_tokens)
+        if start < end:
+            scores = block_scores(queries[:, start:end], keys[:, :end], start, scaling)
+            future[step - 1, :, : min(end, width)] = scores[:, :width]
+        if step < num_steps:
+            torch.maximum(future[step - 1], future[step], out=future[step - 1])
+    return future
+
+
+class _Capture:
+    """Post-RoPE queries of every layer (preallocated, model dtype) and references to the cached keys."""
+
+    def __init__(self, num_tokens: int):
+        self.num_tokens = num_tokens
+        self.queries: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.scaling: dict[int, float] = {}
+
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        if layer not in self.queries:
+            heads, _, dim = query.shape[1:]
+            self.queries[layer] = query.new_empty(heads, self.num_tokens, dim)
+        end = key.shape[-2]
+        self.queries[layer][:, end - query.shape[-2] : end] = query[0]
+        self.keys[layer] = key[0]  # the DynamicCache's own tensor: grows each chunk, never copied
+        self.scaling[layer] = scaling
+
+
+def _capture_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    golden_capture: _Capture,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention function for AttentionInterface: record Q/K for the labels, compute the output with SDPA."""
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(
+            f"layer {module.layer_idx} uses a sliding window of {kwargs['sliding_window']}; "
+            "golden labels need full causal attention"
+        )
+    golden_capture.record(module.layer_idx, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
+
+
+def _capture_forward(model: PreTrainedModel, input_ids: torch.Tensor, chunk_size: int) -> _Capture:
+    """One teacher-forced, chunked forward of the trace with the full cache; returns the capture."""
+    capture = _Capture(input_ids.numel())
+    cache = DynamicCache(config=model.config)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_ATTENTION)
+    try:
+        for chunk in input_ids.to(model.device).split(chunk_size):
+            model(
+                input_ids=chunk[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                golden_capture=capture,
+            )
+    finally:
+        model.set_attn_implementation(previous)
+    num_layers = model.config.num_hidden_layers
+    if sorted(capture.queries) != list(range(num_layers)):
+        raise ValueError(
+            f"{type(model).__name__} did not route attention through transformers' AttentionInterface "
+            f"(captured layers {sorted(capture.queries)} of {num_layers})"
+        )
+    return capture
+
+
+@torch.no_grad()
+def compute_golden_labels(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    budget: int,
+    interval: int,
+    *,
+    trace_index: int = -1,
+    model_name: str | None = None,
+    chunk_size: int = 256,
+) -> GoldenLabels:
+    """Golden Eviction labels of one trace (1-D token ids, prompt + completion).
+
+    Raises TraceTooShort when T < B + L. chunk_size only bounds the forward's working memory.
+    model_name defaults to the model config's name_or_path.
+    """
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D (one trace), got shape {tuple(input_ids.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be at least 1")
+    num_tokens = input_ids.numel()
+    eviction_steps(num_tokens, budget, interval)
+    capture = _capture_forward(model, input_ids, chunk_size)
+    shape = {
+        "num_layers": len(capture.queries),
+        "num_query_heads": capture.queries[0].shape[0],
+        "num_kv_heads": capture.keys[0].shape[0],
+        "head_dim": capture.queries[0].shape[-1],
+    }
+    candidates, alpha = [], []
+    for layer in range(shape["num_layers"]):
+        queries, keys = capture.queries.pop(layer), capture.keys.pop(layer)
+        future = future_scores(queries, keys, budget, interval, capture.scaling[layer])
+        del queries, keys
+        layer_candidates, layer_alpha = golden_schedule(future, budget, interval)
+        candidates.append(layer_candidates.to("cpu", torch.int32))
+        alpha.append(layer_alpha.cpu())
+    return GoldenLabels(
+        candidates=torch.stack(candidates, dim=1),
+        alpha=torch.stack(alpha, dim=1),
+        budget=budget,
+        interval=interval,
+        num_tokens=num_tokens,
+        trace_index=trace_index,
+        model_name=model.config.name_or_path if model_name is None else model_name,
+        model_shape=shape,
+    )
+
+
+def labels_dir(traces_dir: str | os.PathLike, budget: int, interval: int) -> Path:
+    """Where the labels of a traces folder live for one (B, L): TRACES_DIR/labels-B{B}-L{L}."""
+    check_budget(budget, interval)
+    return Path(traces_dir) / f"labels-B{budget}-L{interval}"
+
+
+def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
+    """Write labels as safetensors with their metadata, atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "format": FORMAT,
+        "budget": str(labels.budget),
+        "interval": str(labels.interval),
+        "num_tokens": str(labels.num_tokens),
+        "trace_index": str(labels.trace_index),
+        "model": labels.model_name,
+        **{key: str(value) for key, value in labels.model_shape.items()},
+    }
+    tensors = {"candidates": labels.candidates.contiguous(), "alpha": labels.alpha.contiguous()}
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def load_labels(
+    path: str | os.PathLike,
+    *,
+    expect_budget: int,
+    expect_interval: int,
+    expect_num_tokens: int,
+    expect_trace_index: int,
+) -> GoldenLabels:
+    """Read labels and check they were made for this trace and this (B, L); one-line ValueError if not."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"no golden labels at {path}; make them with `foresight labels --traces {path.parent.parent} "
+            f"--budget {expect_budget} --interval {expect_interval}`"
+        )
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a golden labels file (format {metadata.get('format')!r}, expected {FORMAT!r})")
+        tensors = {name: handle.get_tensor(name) for name in ("candidates", "alpha")}
+    expected = {
+        "budget": expect_budget,
+        "interval": expect_interval,
+        "num_tokens": expect_num_tokens,
+        "trace_index": expect_trace_index,
+    }
+    for key, value in expected.items():
+        if int(metadata[key]) != value:
+            raise ValueError(f"labels at {path} were made with {key}={metadata[key]}, but {key}={value} was asked for")
+    shape_keys = ("num_layers", "num_query_heads", "num_kv_heads", "head_dim")
+    return GoldenLabels(
+        candidates=tensors["candidates"],
+        alpha=tensors["alpha"],
+        budget=expect_budget,
+        interval=expect_interval,
+        num_tokens=expect_num_tokens,
+        trace_index=expect_trace_index,
+        model_name=metadata["model"],
+        model_shape={key: int(metadata[key]) for key in shape_keys},
+    )
+
+
+class LabelStore:
+    """The golden labels of a traces folder for one (B, L), read by trace index."""
+
+    def __init__(self, traces_dir: str | os.PathLike, budget: int, interval: int):
+        self.traces_dir = Path(traces_dir)
+        self.budget = budget
+        self.interval = interval
+        self.directory = labels_dir(traces_dir, budget, interval)
+
+    def path(self, trace_index: int) -> Path:
+        return self.directory / f"trace-{trace_index:06d}.safetensors"
+
+    def __contains__(self, trace_index: int) -> bool:
+        return self.path(trace_index).is_file()
+
+    def load(self, trace_index: int, *, num_tokens: int) -> GoldenLabels:
+        """Labels of one trace, checked against its length and this store's (B, L)."""
+        return load_labels(
+            self.path(trace_index),
+            expect_budget=self.budget,
+            expect_interval=self.interval,
+            expect_num_tokens=num_tokens,
+            expect_trace_index=trace_index,
+        )
