@@ -1,0 +1,99 @@
+"""The Policy base: what a policy needs from the runtime and the one method that scores candidates.
+
+A policy is a small dataclass (its fields are its options, with the paper's defaults) whose
+`keep_scores` maps tensors to a KEEP score per candidate (higher = keep). Cache surgery, the recent
+window, sinks, prompt protection and top-k live in the engine, so every score is a pure function of
+tensors with a slow loop-based twin in the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+
+from foresight.runtime.cache import StateField
+from foresight.runtime.capture import attention_logits, block_attention
+
+
+@dataclass
+class EvictionContext:
+    """What a policy sees at one eviction step of one layer, for the batch rows that evict now.
+
+    The first `num_candidates` slots are the candidates; the last `interval` slots are the recent
+    window, which is always kept. Invalid slots (padding) have position -1 and are dropped first
+    whatever their score."""
+
+    layer_idx: int
+    num_layers: int
+    keys: torch.Tensor  # [batch, Hkv, N, D], post-RoPE
+    values: torch.Tensor  # [batch, Hkv, N, D]
+    positions: torch.Tensor  # [batch, Hkv, N], -1 on invalid slots
+    num_candidates: int
+    scaling: float
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # [batch, Hkv, N, *trailing]
+    queries: torch.Tensor | None = None  # [batch, Hq, L, D] the last L queries, oldest first
+    query_positions: torch.Tensor | None = None  # [batch, L]
+
+    @cached_property
+    def attention(self) -> torch.Tensor:
+        """Block attention [batch, Hkv, G, L, N] (ALGORITHMS.md section 2), computed once per step."""
+        return block_attention(self.queries, self.query_positions, self.keys, self.positions, self.scaling)
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        """Raw attention logits Q K^T * scaling [batch, Hkv, G, L, N] (float32, unmasked)."""
+        return attention_logits(self.queries, self.keys, self.scaling)
+
+    @property
+    def candidate_positions(self) -> torch.Tensor:
+        return self.positions[..., : self.num_candidates]
+
+
+@dataclass
+class Policy:
+    """Base of every eviction policy. Subclasses set `name`, declare their needs and implement
+    `keep_scores`; policies with per-entry state declare `state_fields` and implement `observe`."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    evicts: ClassVar[bool] = True
+    needs_attention: ClassVar[bool] = False
+    state_fields: ClassVar[tuple[StateField, ...]] = ()
+    default_sinks: ClassVar[int] = 0
+    default_protect_prompt: ClassVar[bool] = False
+
+    def reset(self) -> None:
+        """Called at the start of every generation or replay (policies with run state override it)."""
+
+    def tapped_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers whose output hidden states the policy reads after each forward."""
+        return ()
+
+    def on_forward(self, hidden_states: dict[int, torch.Tensor], positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token state of the tokens just added ({name: [batch, q]}), from tapped hidden states
+        ({layer: [batch, q, hidden]}) and their positions [batch, q]; written to every layer and head."""
+        return {}
+
+    def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
+        """New per-entry state for this step, read from the context (e.g. accumulated attention)."""
+        return {}
+
+    def keep_scores(self, context: EvictionContext) -> torch.Tensor:
+        """KEEP score of each candidate: [batch, Hkv, num_candidates], higher = keep."""
+        raise NotImplementedError
+
+    @property
+    def needs(self) -> str:
+        """What the policy reads from the runtime, in words (for `foresight policies`)."""
+        parts = []
+        if self.needs_attention:
+            parts.append("block attention")
+        if self.tapped_layers(32):
+            parts.append("hidden states")
+        return ", ".join(parts) or "nothing"
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}

@@ -1,0 +1,24 @@
+"""StreamingLLM (Xiao et al., 2024): attention sinks plus the most recent entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foresight.policies import register
+from foresight.policies.base import EvictionContext, Policy
+
+
+@register
+@dataclass
+class Streaming(Policy):
+    """Keeps the first `sinks` entries (the engine never evicts them; default S = 4) and otherwise
+    the most recent candidates: the keep score is the entry's position."""
+
+    name = "streaming"
+    summary = "sinks + most recent"
+    default_sinks = 4
+
+    def keep_scores(self, context: EvictionContext) -> torch.Tensor:
+        return context.candidate_positions.float()

@@ -1,0 +1,117 @@
+"""The attention function of the eviction runtime, registered through transformers' AttentionInterface.
+
+It computes each layer's output with SDPA (or FlashAttention when installed and the layout allows)
+over the evicting cache, records the last L post-RoPE queries for block attention, and never builds a
+T x T matrix: block attention is computed only at eviction steps, from the buffered queries.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from foresight.runtime.cache import EvictionCache, EvictionLayer
+
+ATTENTION_NAME = "foresight"
+HAS_FLASH_ATTENTION = importlib.util.find_spec("flash_attn") is not None
+
+
+def eviction_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    eviction_cache: EvictionCache | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the evicting cache. query [batch, Hq, q, D]; key/value [batch, Hkv, N, D] hold the
+    whole cache including the q new entries (the last q slots). Returns [batch, q, Hq, D]."""
+    if eviction_cache is None:
+        raise ValueError("the 'foresight' attention runs only inside the eviction engine (no eviction_cache given)")
+    layer = eviction_cache.layers[module.layer_idx]
+    layer.scaling = scaling
+    if layer.query_window:
+        layer.record_queries(query, layer.pending_positions)
+    if HAS_FLASH_ATTENTION and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        if bool((layer.lengths == key.shape[2]).all()):
+            return _flash_attention(query, key, value, scaling), None
+    mask = _padding_causal_mask(layer, query.shape[2])
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _padding_causal_mask(layer: EvictionLayer, num_queries: int) -> torch.Tensor | None:
+    """[batch, 1, q, N] boolean mask: causal among the q new entries (the last q slots) and no padding.
+
+    Padding query rows (only in a padded prefill) keep their causal row so they never see an empty
+    row (no NaN); nothing valid attends to them. Returns None when nothing needs masking."""
+    entries = layer.get_seq_length()
+    no_padding = bool((layer.lengths == entries).all())
+    if num_queries == 1 and no_padding:
+        return None
+    slots = torch.arange(entries, device=layer.device)
+    query_slots = slots[entries - num_queries :]
+    causal = slots[None, :] <= query_slots[:, None]  # [q, N]
+    if no_padding:
+        return causal[None, None]
+    valid = layer.valid  # [batch, N]
+    query_valid = valid[:, entries - num_queries :]  # [batch, q]
+    mask = causal[None] & (valid[:, None, :] | ~query_valid[:, :, None])
+    return mask[:, None]
+
+
+def _flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None):
+    """FlashAttention with bottom-right causal alignment (the new queries are the last keys)."""
+    from flash_attn import flash_attn_func
+
+    output = flash_attn_func(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
+    )
+    return output
+
+
+def block_attention(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """ALGORITHMS.md section 2: A = softmax(Q_buf K^T * scaling + causal mask) in float32.
+
+    queries [batch, Hq, L, D] in query order, query_positions [batch, L], keys [batch, Hkv, N, D],
+    key_positions [batch, Hkv, N] (-1 marks an invalid entry). Returns [batch, Hkv, G, L, N];
+    masked entries are exactly 0."""
+    logits = attention_logits(queries, keys, scaling)
+    visible = _visible(query_positions, key_positions)
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def attention_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Q K^T * scaling in float32, grouped by KV head: [batch, Hkv, G, L, N]."""
+    batch, query_heads, window, dim = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = queries.reshape(batch, kv_heads, query_heads // kv_heads, window, dim).float()
+    return torch.einsum("bhgld,bhnd->bhgln", grouped, keys.float()) * scaling
+
+
+def _visible(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """[batch, Hkv, 1, L, N]: entry is valid and not after the query."""
+    keys = key_positions[:, :, None, None, :]
+    return (keys >= 0) & (keys <= query_positions[:, None, None, :, None])
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The model's own mask is never used: `eviction_attention` builds its mask from the cache."""
+    return None
+
+
+AttentionInterface.register(ATTENTION_NAME, eviction_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)

@@ -1,0 +1,412 @@
+"""The eviction engine: prefill, batched decode and teacher-forced replay under one eviction cadence.
+
+ALGORITHMS.md section 1. Each row's cache grows by one entry per token; when a row holds
+B + L (+ its protected prompt) valid entries, an eviction step keeps the most recent L entries and
+the top B - L candidates by the policy's keep score, bringing the row back to B. Rows of a batch
+evict on their own schedule (left padding shifts it), so a batch decodes exactly as each row alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.cache import EvictionCache, EvictionLayer
+from foresight.runtime.capture import ATTENTION_NAME
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Budget B (entries kept after an eviction) and interval L (entries evicted per step).
+
+    `sinks` and `protect_prompt` default to the policy's own defaults when None."""
+
+    budget: int
+    interval: int
+    sinks: int | None = None
+    protect_prompt: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"interval L={self.interval} must be >= 1")
+        if self.budget <= self.interval:
+            raise ValueError(f"budget B={self.budget} must be greater than the interval L={self.interval}")
+        if self.sinks is not None and not 0 <= self.sinks <= self.budget - self.interval:
+            raise ValueError(f"sinks={self.sinks} must be between 0 and B - L = {self.budget - self.interval}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass
+class RunStats:
+    """Counters of one generation or replay run."""
+
+    tokens: int = 0
+    evictions: int = 0
+    max_entries: int = 0
+    forward_seconds: float = 0.0
+    eviction_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)  # decode latency per generated token
+
+    @property
+    def eviction_share(self) -> float:
+        total = self.forward_seconds + self.eviction_seconds
+        return self.eviction_seconds / total if total else 0.0
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # new tokens per row, up to and including EOS
+    stats: RunStats
+    logits: torch.Tensor | None = None  # [batch, steps, vocab] when asked for
+
+
+@dataclass
+class ReplayOutput:
+    """Teacher-forced losses per row; entry j is for predicting token j+1 from tokens <= j."""
+
+    nll: list[torch.Tensor]
+    entropy: list[torch.Tensor]
+    first_eviction: list[int | None]  # position of the first token predicted with an evicted cache
+    stats: RunStats
+
+
+@dataclass
+class _Run:
+    """Per-run bookkeeping: the cache and each row's cadence."""
+
+    cache: EvictionCache
+    protected: torch.Tensor  # [batch] prompt entries that are never evicted
+    limits: torch.Tensor  # [batch] entries at which the row evicts
+    keep_counts: torch.Tensor  # [batch] candidates kept by an eviction step
+    sinks: int
+    first_eviction: torch.Tensor  # [batch] next position at the first eviction, -1 before
+    next_positions: torch.Tensor  # [batch]
+    stats: RunStats = field(default_factory=RunStats)
+
+
+class EvictionEngine:
+    """Runs a frozen causal LM with its KV cache held to a budget by `policy`.
+
+    `config=None` (or a policy that does not evict) keeps the full cache."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, config: EvictionConfig | None = None):
+        if policy.evicts and config is None:
+            raise ValueError(f"policy {policy.name!r} evicts and needs a budget and an interval")
+        self.model = model
+        self.policy = policy
+        self.config = config
+        self.sinks = 0 if config is None else (policy.default_sinks if config.sinks is None else config.sinks)
+        self.protect_prompt = bool(
+            config is not None
+            and (policy.default_protect_prompt if config.protect_prompt is None else config.protect_prompt)
+        )
+        text_config = model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.group_size = text_config.num_attention_heads // text_config.num_key_value_heads
+        self.evicts = policy.evicts and config is not None
+        self._taps: dict[int, torch.Tensor] = {}
+        self._tap_layers = policy.tapped_layers(self.num_layers)
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    # -- public entry points -------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingConfig = SamplingConfig(),
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int = 0,
+        return_logits: bool = False,
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationOutput:
+        """Prefill left-padded prompts, then decode up to `max_new_tokens` per row."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+        logits = self._forward(run, input_ids, positions, valid)[:, -1]
+        processors = _logits_processors(sampling)
+        generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
+        eos = torch.tensor(sorted(_as_set(eos_token_id)), dtype=torch.long, device=logits.device)
+        finished = torch.zeros(len(prompts), dtype=torch.bool, device=logits.device)
+        new_tokens, all_logits = [], []
+        ones = torch.ones(len(prompts), dtype=torch.long, device=logits.device)
+        for _ in range(max_new_tokens):
+            if return_logits:
+                all_logits.append(logits)
+            token = _next_token(logits, processors, sampling, generator)
+            token = token.masked_fill(finished, pad_token_id)
+            new_tokens.append(token)
+            finished |= torch.isin(token, eos)
+            if on_token is not None:
+                on_token(len(new_tokens))
+            if bool(finished.all()) or len(new_tokens) == max_new_tokens:
+                break
+            start = time.perf_counter()
+            logits = self._forward(run, token[:, None], run.next_positions[:, None], ones)[:, -1]
+            run.stats.step_seconds.append(time.perf_counter() - start)
+        tokens = _trim_after_eos(torch.stack(new_tokens, 1) if new_tokens else input_ids[:, :0], eos)
+        stacked = torch.stack(all_logits, 1) if return_logits and all_logits else None
+        return GenerationOutput(tokens=tokens, stats=run.stats, logits=stacked)
+
+    @torch.no_grad()
+    def replay(
+        self,
+        sequences: Sequence[torch.Tensor],
+        prompt_lengths: Sequence[int],
+        max_chunk: int | None = None,
+        pad_token_id: int = 0,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> ReplayOutput:
+        """Teacher-forced replay: prefill each prompt, then feed the rest in chunks of at most
+        `max_chunk` (default L) that end exactly where a row evicts, so the result equals
+        token-by-token decoding with the same evictions."""
+        for sequence, length in zip(sequences, prompt_lengths, strict=True):
+            if not 1 <= length <= len(sequence):
+                raise ValueError(f"prompt length {length} must be between 1 and the sequence length {len(sequence)}")
+        prompts = [seq[:length].tolist() for seq, length in zip(sequences, prompt_lengths)]
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+        device = input_ids.device
+        rest = _right_pad([seq[length:].to(device) for seq, length in zip(sequences, prompt_lengths)], pad_token_id)
+        layout = torch.cat([input_ids, rest, rest.new_full((len(prompts), 1), pad_token_id)], dim=1)
+        columns = [_token_losses(self._forward(run, input_ids, positions, valid), layout[:, 1 : input_ids.shape[1] + 1])]
+        chunk_cap = max_chunk or (self.config.interval if self.config else rest.shape[1] or 1)
+        done = 0
+        ones = torch.ones(len(prompts), dtype=torch.long, device=device)
+        while done < rest.shape[1]:
+            size = min(chunk_cap, rest.shape[1] - done, self._room(run))
+            offsets = torch.arange(size, device=device)
+            chunk_positions = run.next_positions[:, None] + offsets
+            logits = self._forward(run, rest[:, done : done + size], chunk_positions, ones * size)
+            start = input_ids.shape[1] + done
+            columns.append(_token_losses(logits, layout[:, start + 1 : start + size + 1]))
+            done += size
+            if on_tokens is not None:
+                on_tokens(size)
+        nll = torch.cat([c[0] for c in columns], 1)
+        entropy = torch.cat([c[1] for c in columns], 1)
+        pad = input_ids.shape[1]
+        rows = range(len(sequences))
+        spans = [slice(pad - prompt_lengths[r], pad - prompt_lengths[r] + len(sequences[r]) - 1) for r in rows]
+        first = [int(v) if v >= 0 else None for v in run.first_eviction.tolist()]
+        return ReplayOutput(
+            nll=[nll[r, spans[r]].cpu() for r in rows],
+            entropy=[entropy[r, spans[r]].cpu() for r in rows],
+            first_eviction=first,
+            stats=run.stats,
+        )
+
+    # -- one forward and one eviction step -------------------------------------------------------
+    def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        device = self.model.device
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        width = int(lengths.max())
+        input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
+        positions = torch.full_like(input_ids, -1)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), device=device)
+            positions[row, width - len(prompt) :] = torch.arange(len(prompt), device=device)
+        protected = lengths if self.protect_prompt else torch.zeros_like(lengths)
+        budget, interval = (self.config.budget, self.config.interval) if self.evicts else (0, 0)
+        limits = protected + budget + interval if self.evicts else torch.full_like(lengths, torch.iinfo(torch.long).max)
+        self.policy.reset()
+        cache = EvictionCache(
+            self.num_layers,
+            state_fields=self.policy.state_fields,
+            group_size=self.group_size,
+            query_window=interval if self.evicts and self.policy.needs_attention else 0,
+        )
+        run = _Run(
+            cache=cache,
+            protected=protected,
+            limits=limits,
+            keep_counts=protected + budget - interval,
+            sinks=self.sinks,
+            first_eviction=torch.full_like(lengths, -1),
+            next_positions=lengths.clone(),
+        )
+        return run, input_ids, positions, lengths
+
+    def _room(self, run: _Run) -> int:
+        """Tokens every row can still take before its next eviction."""
+        return int((run.limits - run.cache.lengths).min()) if self.evicts else torch.iinfo(torch.long).max
+
+    def _forward(self, run: _Run, input_ids, positions, valid) -> torch.Tensor:
+        start = time.perf_counter()
+        run.cache.begin_forward(positions, valid)
+        hooks = self._install_taps()
+        try:
+            output = self.model(
+                input_ids=input_ids,
+                position_ids=positions.clamp(min=0),
+                past_key_values=run.cache,
+                use_cache=True,
+                eviction_cache=run.cache,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if self._tap_layers:
+            self._store_token_state(run, positions)
+        run.next_positions = positions.max(dim=1).values + 1
+        run.stats.tokens += int(valid.sum())
+        run.stats.forward_seconds += time.perf_counter() - start
+        run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
+        if self.evicts:
+            self._evict_due_rows(run)
+        return output.logits
+
+    def _install_taps(self) -> list:
+        if not self._tap_layers:
+            return []
+        layers = self.model.get_decoder().layers
+
+        def tap(index: int):
+            def hook(module, args, output):
+                self._taps[index] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        return [layers[i].register_forward_hook(tap(i)) for i in self._tap_layers]
+
+    def _store_token_state(self, run: _Run, positions: torch.Tensor) -> None:
+        token_state = self.policy.on_forward(self._taps, positions)
+        count = positions.shape[1]
+        for layer in run.cache.layers:
+            for name, values in token_state.items():
+                layer.state[name][:, :, -count:] = values[:, None, :].to(layer.state[name].dtype)
+
+    def _evict_due_rows(self, run: _Run) -> None:
+        due = run.cache.lengths >= run.limits
+        if not bool(due.any()):
+            return
+        start = time.perf_counter()
+        rows = None if bool(due.all()) else due.nonzero().squeeze(1)
+        for layer_idx, layer in enumerate(run.cache.layers):
+            layer.compact(self._keep_mask(run, layer_idx, layer, rows))
+        run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
+        run.stats.evictions += 1
+        run.stats.eviction_seconds += time.perf_counter() - start
+
+    def _keep_mask(self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None) -> torch.Tensor:
+        """[batch, Hkv, N] entries to keep: the recent window, sinks, protected prompt and the top
+        candidates by keep score for the evicting rows; everything valid for the others."""
+
+        def select(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if rows is None else tensor[rows]
+
+        interval = self.config.interval
+        entries = layer.get_seq_length()
+        positions = select(layer.entry_positions())
+        context = EvictionContext(
+            layer_idx=layer_idx,
+            num_layers=self.num_layers,
+            keys=select(layer.keys),
+            values=select(layer.values),
+            positions=positions,
+            num_candidates=entries - interval,
+            scaling=layer.scaling,
+            state={name: select(value) for name, value in layer.state.items()},
+        )
+        if self.policy.needs_attention:
+            context.queries, context.query_positions = layer.buffered_queries(rows)
+        for name, value in self.policy.observe(context).items():
+            context.state[name] = value
+            if rows is None:
+                layer.state[name] = value
+            else:
+                layer.state[name][rows] = value
+        scores = self.policy.keep_scores(context).float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
+        candidates = positions[..., : entries - interval]
+        protected = (candidates >= 0) & (
+            (candidates < run.sinks) | (candidates < select(run.protected)[:, None, None])
+        )
+        scores = scores.masked_fill(protected, float("inf")).masked_fill(candidates < 0, float("-inf"))
+        keep_candidates = _top_k_mask(scores, select(run.keep_counts))
+        recent = torch.ones_like(keep_candidates[..., :interval])
+        keep_rows = torch.cat([keep_candidates, recent], dim=-1)
+        if rows is None:
+            return keep_rows
+        keep = layer.valid[:, None, :].expand(-1, keep_rows.shape[1], -1).clone()
+        keep[rows] = keep_rows
+        return keep
+
+
+def _top_k_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the `counts[b]` highest scores of each row and head (ties: older first)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    return ranks < counts[:, None, None]
+
+
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position NLL of `targets` and entropy of the predictive distribution, in float32."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return nll, entropy
+
+
+def _logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
+    processors = LogitsProcessorList()
+    if sampling.temperature > 0:
+        processors.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k > 0:
+            processors.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            processors.append(TopPLogitsWarper(sampling.top_p))
+    return processors
+
+
+def _next_token(logits, processors, sampling, generator) -> torch.Tensor:
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    scores = processors(None, logits.float())
+    return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
+
+
+def _as_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
+def _trim_after_eos(tokens: torch.Tensor, eos: torch.Tensor) -> list[list[int]]:
+    stops, rows = set(eos.tolist()), []
+    for row in tokens.tolist():
+        stop = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        rows.append(row[:stop])
+    return rows
+
+
+def _right_pad(rows: Sequence[torch.Tensor], pad_token_id: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=rows[0].device)
+    for index, row in enumerate(rows):
+        out[index, : len(row)] = row
+    return out
