@@ -1,0 +1,118 @@
+"""Attention features a_n of the learned scorer (ForesightKV §3.1 Eq. 1, App. B.1; ALGORITHMS.md section 5).
+
+At an eviction step the runtime hands one layer's block attention A [batch, Hkv, G, L, N]: the softmax
+over the N cache entries of the last L buffered queries, rows oldest first, causally masked entries 0.
+Each entry n gets F numbers per query head of its group, concatenated over the G heads, so
+a_n has F*G numbers. Two per-entry state tensors [batch, Hkv, N, G] carry history across steps:
+the cumulative sum of attention received over all blocks so far, and the decayed sum
+d <- 0.9 d + (this block's sum). Both include the current block. They hold RAW sums; new entries
+start at 0 and the cache gathers them along dim 2 on eviction.
+
+Feature order (part of a saved scorer's contract; never reorder): a_n[g*F + f] is feature f of query
+head g of the group (head-major), with f following `FEATURE_NAMES`:
+- "paper" (F = 6, the paper's App. B.1): sums of attention received from the last 8, 16, 32 and L
+  queries of the block, cumulative sum, decayed sum.
+- "official-8" (F = 8, the authors' released feature set): max and min over the block's queries,
+  sum over the block, sums over the last 16, 8 and 32 queries, cumulative sum, decayed sum.
+A window larger than L covers the whole block (it clamps to L), so with L < 32 some window sums equal
+the block sum.
+
+The authors' evaluation code overwrote the decayed sum with the cumulative one; we compute the
+decayed sum in training and inference alike.
+
+Normalisation: every feature is passed through log1p. Raw sums grow with the window (up to 32 or L)
+and the cumulative sum grows without bound with the trace (an attention sink collects thousands
+after a few blocks of 256 queries), which would swamp the keys and values in the first linear layer
+and blow up gradients. log1p is monotone (no ranking information is lost), near identity for the
+small sums of ordinary entries, and logarithmic for sinks. It is applied here and nowhere else, so
+training and inference see identical features; the state keeps raw sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+import torch
+
+DECAY = 0.9
+"""Per-block decay factor of the decayed sum (ForesightKV App. B.1)."""
+
+
+class FeatureSet(str, Enum):
+    """Which attention features the scorer reads."""
+
+    PAPER = "paper"
+    OFFICIAL_8 = "official-8"
+
+    @classmethod
+    def parse(cls, value: str | FeatureSet) -> FeatureSet:
+        """The feature set named `value`, or a one-line ValueError listing the allowed names."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(member.value) for member in cls)
+            raise ValueError(f"unknown feature set {value!r}; allowed: {allowed}") from None
+
+
+FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
+    FeatureSet.PAPER: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed"),
+    FeatureSet.OFFICIAL_8: ("max", "min", "block", "last_16", "last_8", "last_32", "cumulative", "decayed"),
+}
+"""Per-query-head feature order of each set (see the module docstring)."""
+
+_WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
+
+
+def feature_dim(feature_set: str | FeatureSet) -> int:
+    """F, the number of features per query head."""
+    return len(FEATURE_NAMES[FeatureSet.parse(feature_set)])
+
+
+def attention_features(
+    block_attention: torch.Tensor,
+    cumulative: torch.Tensor,
+    decayed: torch.Tensor,
+    feature_set: str | FeatureSet = FeatureSet.PAPER,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features of every cache entry from one step's block attention, and the updated state.
+
+    block_attention: [batch, Hkv, G, L, N]; cumulative, decayed: [batch, Hkv, N, G] raw sums before this
+    block. Returns (features [batch, Hkv, N, F*G] after log1p, new cumulative, new decayed), the states
+    in the dtype they came in.
+    """
+    names = FEATURE_NAMES[FeatureSet.parse(feature_set)]
+    if block_attention.dim() != 5:
+        raise ValueError(
+            f"block attention must be [batch, Hkv, G, L, N], got shape {tuple(block_attention.shape)}"
+        )
+    batch, kv_heads, group, _, entries = block_attention.shape
+    state_shape = (batch, kv_heads, entries, group)
+    for name, state in (("cumulative", cumulative), ("decayed", decayed)):
+        if tuple(state.shape) != state_shape:
+            raise ValueError(
+                f"{name} state must be [batch, Hkv, N, G] = {state_shape} to match block attention "
+                f"{tuple(block_attention.shape)}, got {tuple(state.shape)}"
+            )
+
+    # Everything below is laid out [batch, Hkv, N, G].
+    rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, L]
+    block_sum = rows.sum(-1).transpose(-1, -2)
+    new_cumulative = cumulative + block_sum
+    new_decayed = DECAY * decayed + block_sum
+
+    def window_sum(size: int) -> torch.Tensor:
+        return rows[..., -min(size, rows.shape[-1]) :].sum(-1).transpose(-1, -2)
+
+    compute: dict[str, Callable[[], torch.Tensor]] = {
+        "max": lambda: rows.amax(-1).transpose(-1, -2),
+        "min": lambda: rows.amin(-1).transpose(-1, -2),
+        "block": lambda: block_sum,
+        "last_L": lambda: block_sum,
+        "cumulative": lambda: new_cumulative,
+        "decayed": lambda: new_decayed,
+        **{name: (lambda size=size: window_sum(size)) for name, size in _WINDOWS.items()},
+    }
+    stacked = torch.stack([compute[name]().to(block_attention.dtype) for name in names], dim=-1)
+    features = torch.log1p(stacked.flatten(-2))  # [batch, Hkv, N, G*F], head-major
+    return features, new_cumulative.to(cumulative.dtype), new_decayed.to(decayed.dtype)
