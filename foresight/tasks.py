@@ -1,0 +1,212 @@
+"""Prompt sources and answer checking for trace generation (ForesightKV App. E.1: traces are kept
+only when their answer is correct, so every source says how to check one).
+
+A SOURCE is one of
+- ``reasoning-gym:TASK``: procedural problems from the ``reasoning-gym`` package (offline, the same
+  problems for the same seed), checked by the task's own scorer;
+- a JSONL file of ``{"prompt": ..., "answer": ...}`` objects (``answer`` optional), checked with
+  ``math-verify``;
+- a folder written by ``datasets.Dataset.save_to_disk`` with a ``prompt`` or ``question`` column and an
+  optional ``answer`` column, checked with ``math-verify``.
+
+Final-answer rule (:func:`extract_answer`), applied to every completion before checking: the content
+of the last ``\\boxed{...}``; else the first non-empty line after the last ``Answer:`` (any case, the
+rest of its own line when that is not empty); else the last non-empty line. Trailing whitespace and
+periods are stripped from the last two.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REASONING_GYM = "reasoning-gym:"
+# Appended to reasoning-gym questions (which carry no format instruction) so that a model's final
+# answer lands where extract_answer looks first.
+ANSWER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+_SHOWN_LINES = 10  # bad JSONL line numbers named in the warning
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer.
+
+    ``index`` is the problem's position in its source (0-based; traces and shards are keyed by it),
+    ``answer`` is None when the source has none, ``metadata`` holds what the source's scorer needs
+    (for reasoning-gym: the dataset entry).
+    """
+
+    index: int
+    prompt: str
+    answer: str | None
+    source: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def load_problems(source: str, num: int, seed: int = 0) -> list[Problem]:
+    """The first ``num`` problems of ``source`` (see the module docstring for the forms).
+
+    ``seed`` picks the reasoning-gym problems; file and dataset sources are read in order.
+    """
+    if num < 1:
+        raise ValueError(f"num must be at least 1, got {num}")
+    if source.startswith(REASONING_GYM):
+        return _reasoning_gym_problems(source, num, seed)
+    path = Path(source)
+    if path.is_dir():
+        problems = _disk_dataset_problems(path, source)
+    elif path.is_file():
+        problems = _jsonl_problems(path, source)
+    else:
+        raise ValueError(
+            f"prompt source {source!r} is neither 'reasoning-gym:TASK', a JSONL file nor a saved dataset folder"
+        )
+    if len(problems) < num:
+        raise ValueError(f"asked for {num} problems but {source} has only {len(problems)}")
+    return problems[:num]
+
+
+def _reasoning_gym_problems(source: str, num: int, seed: int) -> list[Problem]:
+    import reasoning_gym
+
+    task = source[len(REASONING_GYM) :]
+    if task not in reasoning_gym.factory.DATASETS:
+        raise ValueError(f"unknown reasoning-gym task {task!r}; known tasks: {', '.join(sorted(reasoning_gym.factory.DATASETS))}")
+    dataset = reasoning_gym.create_dataset(task, size=num, seed=seed)
+    return [
+        Problem(i, f"{entry['question']}\n{ANSWER_INSTRUCTION}", str(entry["answer"]), source, dict(entry))
+        for i, entry in enumerate(dataset)
+    ]
+
+
+def _jsonl_problems(path: Path, source: str) -> list[Problem]:
+    """Problems from a JSONL file; lines that are not a JSON object with a string "prompt" are
+    skipped and named in one warning; blank lines are ignored."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"prompt file {source} is not JSONL (not UTF-8 text)") from None
+    problems: list[Problem] = []
+    bad: list[int] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        record = _parse_record(line)
+        if record is None:
+            bad.append(number)
+            continue
+        problems.append(Problem(len(problems), record["prompt"], _answer_text(record.get("answer")), source))
+    if not problems:
+        raise ValueError(f'prompt file {source} is not JSONL: no line is a JSON object with a "prompt" string')
+    if bad:
+        shown = ", ".join(map(str, bad[:_SHOWN_LINES])) + (", ..." if len(bad) > _SHOWN_LINES else "")
+        warnings.warn(f'{source}: skipped {len(bad)} line(s) that are not JSON objects with a "prompt" string (line {shown})', stacklevel=3)
+    return problems
+
+
+def _parse_record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        return None
+    return record
+
+
+def _disk_dataset_problems(path: Path, source: str) -> list[Problem]:
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise ValueError(f"prompt folder {source} is not a dataset saved with save_to_disk") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        raise ValueError(f"prompt folder {source} holds splits {sorted(dataset)}; pass one split's folder")
+    column = next((name for name in ("prompt", "question") if name in dataset.column_names), None)
+    if column is None:
+        raise ValueError(f"dataset {source} has no 'prompt' or 'question' column (columns: {dataset.column_names})")
+    answers = dataset["answer"] if "answer" in dataset.column_names else [None] * len(dataset)
+    return [Problem(i, str(p), _answer_text(a), source) for i, (p, a) in enumerate(zip(dataset[column], answers))]
+
+
+def _answer_text(answer: Any) -> str | None:
+    return None if answer is None else str(answer)
+
+
+def extract_answer(completion: str) -> str:
+    """The final answer in a completion, by the rule in the module docstring."""
+    boxed = _last_boxed(completion)
+    if boxed is not None:
+        return boxed.strip()
+    marks = list(re.finditer(r"answer\s*:", completion, flags=re.IGNORECASE))
+    if marks:
+        return _clean(_non_empty_lines(completion[marks[-1].end() :])[:1])
+    return _clean(_non_empty_lines(completion)[-1:])
+
+
+def _non_empty_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _clean(lines: list[str]) -> str:
+    """The one line given (or ""), without surrounding whitespace and trailing periods."""
+    return lines[0].strip().rstrip(".").rstrip() if lines else ""
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, open_at = 0, start + len("\\boxed")
+        for position in range(open_at, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[position], 0)
+            if depth == 0:
+                return text[open_at + 1 : position]
+        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try the one before
+    return None
+
+
+def check_answer(problem: Problem, completion: str) -> bool | None:
+    """Whether the completion's final answer is right; None when the problem has no answer.
+
+    reasoning-gym problems use the task's own scorer (correct = full score 1.0); other sources
+    compare with ``math-verify`` (numbers and LaTeX expressions by value).
+    """
+    if problem.answer is None:
+        return None
+    predicted = extract_answer(completion)
+    if problem.source.startswith(REASONING_GYM):
+        score = _reasoning_gym_scorer(problem.source[len(REASONING_GYM) :])(predicted, problem.metadata)
+        return score >= 1.0
+    from math_verify import verify
+
+    return bool(verify(_math_parse(problem.answer), _math_parse(predicted)))
+
+
+@functools.cache
+def _reasoning_gym_scorer(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def _math_parse(text: str) -> list:
+    """math-verify's parse; a bare expression it cannot read (``x+1``) is retried as ``$x+1$``."""
+    from math_verify import parse
+
+    return parse(text) or parse(f"${text}$")
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a user turn: the model's chat template with the assistant turn opened, or the
+    plain encoding (with the tokenizer's special tokens) when it has no template."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(tokenizer(prompt).input_ids)
