@@ -1,0 +1,319 @@
+"""The learned scorer: one small MLP per (layer, KV head), stacked (ForesightKV §3.1 Eq. 1, App. B.1 Eq. 22).
+
+phi_n = W2 GELU(W1 x_n + b1) + b2 with x_n = [k_n || v_n || a_n] (key, value, attention features of
+`foresight.features`), W1: (2D + F*G) x H, W2: H x 1, H = 16. phi_n is a KEEP score (higher = keep).
+All layers' and heads' MLPs live in four stacked parameters and run as batched einsums:
+    w1 [layers, Hkv, 2D + F*G, H]   b1 [layers, Hkv, H]   w2 [layers, Hkv, H]   b2 [layers, Hkv]
+Init: each (layer, head) slice is initialised like its own `nn.Linear` (uniform in +-1/sqrt(fan_in)
+for weights and biases), so the stack starts distributed exactly like the paper's independent MLPs.
+
+Save/load goes through huggingface_hub's PyTorchModelHubMixin: `save_pretrained(dir)` writes
+config.json (the `ScorerConfig`: base model shape, feature set, B, L) and model.safetensors;
+`from_pretrained(dir_or_repo)` reads safetensors only, strictly (every tensor must match). (No
+`from __future__ import annotations` here: the mixin reads the `config: ScorerConfig` annotation at
+runtime to rebuild the dataclass.)
+
+The scorer's eviction rule lives here too: `evict_lowest` (deterministic), `sample_eviction` (Eq. 2)
+and `plackett_luce_logprob` (the action log-probability GRPO needs).
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import safetensors.torch
+import torch
+from huggingface_hub import PyTorchModelHubMixin, constants, hf_hub_download
+from torch import nn
+
+from foresight.features import FeatureSet, feature_dim
+
+
+class HasModelShape(Protocol):
+    """What a scorer must agree on with the model it scores (`foresight.models.ModelShape` has it)."""
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _shape_key(shape: HasModelShape) -> tuple[int, int, int, int]:
+    return shape.num_layers, shape.num_query_heads, shape.num_kv_heads, shape.head_dim
+
+
+def describe_shape(shape: HasModelShape) -> str:
+    """One-line description of a model shape, as error messages print it."""
+    return "layers={}, query heads={}, KV heads={}, head dim={}".format(*_shape_key(shape))
+
+
+@dataclass
+class ScorerConfig:
+    """Everything needed to rebuild a scorer and to refuse a model it was not trained for.
+
+    num_layers, num_query_heads, num_kv_heads, head_dim: the base model's shape (Hq must be a multiple
+    of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
+    (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
+    width (16 in the paper). feature_set: "paper" (F = 6) or "official-8" (F = 8).
+    """
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    budget: int
+    interval: int
+    base_model: str
+    hidden: int = 16
+    feature_set: FeatureSet = FeatureSet.PAPER
+
+    def __post_init__(self) -> None:
+        self.feature_set = FeatureSet.parse(self.feature_set)
+        for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "hidden", "interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_query_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_query_heads={self.num_query_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if not isinstance(self.budget, int) or self.budget <= self.interval:
+            raise ValueError(f"budget must be an integer > interval={self.interval}, got {self.budget!r}")
+
+    @property
+    def group_size(self) -> int:
+        """G, query heads per KV head."""
+        return self.num_query_heads // self.num_kv_heads
+
+    @property
+    def feature_width(self) -> int:
+        """F*G, the width of a_n."""
+        return feature_dim(self.feature_set) * self.group_size
+
+    @property
+    def input_dim(self) -> int:
+        """2D + F*G, the width of x_n."""
+        return 2 * self.head_dim + self.feature_width
+
+
+class ForesightScorer(
+    nn.Module,
+    PyTorchModelHubMixin,
+    library_name="foresightkv",
+    tags=["kv-cache", "kv-cache-eviction", "foresightkv"],
+):
+    """All (layer, KV head) scoring MLPs of one base model as a single module (see module docstring)."""
+
+    def __init__(self, config: ScorerConfig) -> None:
+        super().__init__()
+        self.config = config
+        layers, heads, hidden = config.num_layers, config.num_kv_heads, config.hidden
+        self.w1 = nn.Parameter(torch.empty(layers, heads, config.input_dim, hidden))
+        self.b1 = nn.Parameter(torch.empty(layers, heads, hidden))
+        self.w2 = nn.Parameter(torch.empty(layers, heads, hidden))
+        self.b2 = nn.Parameter(torch.empty(layers, heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init, per (layer, head): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        layers = ((self.w1, self.b1, self.config.input_dim), (self.w2, self.b2, self.config.hidden))
+        with torch.no_grad():
+            for weight, bias, fan_in in layers:
+                weight.uniform_(-(fan_in**-0.5), fan_in**-0.5)
+                bias.uniform_(-(fan_in**-0.5), fan_in**-0.5)
+
+    def check_compatible(self, shape: HasModelShape) -> None:
+        """Raise a one-line ValueError naming both shapes when `shape` is not the model this scorer is for."""
+        mine = self.config
+        if _shape_key(mine) != _shape_key(shape):
+            raise ValueError(
+                f"scorer trained for {mine.base_model} ({describe_shape(mine)}) does not fit the model "
+                f"({describe_shape(shape)})"
+            )
+
+    def score_layer(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor
+    ) -> torch.Tensor:
+        """KEEP scores of one layer's entries: keys, values [batch, Hkv, N, D], features [batch, Hkv, N, F*G]
+        -> [batch, Hkv, N] (inference)."""
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer {layer} out of range: the scorer has layers 0..{self.config.num_layers - 1}")
+        inputs = self._inputs(keys, values, features, leading=1)
+        return self._mlp(inputs, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])
+
+    def forward(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """KEEP scores of every layer at once (training): keys, values [layers, batch, Hkv, N, D], features
+        [layers, batch, Hkv, N, F*G] -> [layers, batch, Hkv, N]."""
+        inputs = self._inputs(keys, values, features, leading=2)
+        if inputs.shape[0] != self.config.num_layers:
+            raise ValueError(f"expected {self.config.num_layers} layers on dim 0, got {inputs.shape[0]}")
+        # A singleton batch dim lets each layer's weights broadcast over the batch.
+        return self._mlp(inputs, self.w1[:, None], self.b1[:, None], self.w2[:, None], self.b2[:, None])
+
+    def _inputs(
+        self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int
+    ) -> torch.Tensor:
+        """x_n = [k_n || v_n || a_n] in the parameters' dtype, after checking the shapes."""
+        config = self.config
+        layout = "[layers, batch, Hkv, N, *]" if leading == 2 else "[batch, Hkv, N, *]"
+        widths = {"keys": config.head_dim, "values": config.head_dim, "features": config.feature_width}
+        for (name, width), tensor in zip(widths.items(), (keys, values, features)):
+            heads = tensor.shape[-3] if tensor.dim() >= 3 else None
+            if tensor.dim() != leading + 3 or tensor.shape[-1] != width or heads != config.num_kv_heads:
+                raise ValueError(
+                    f"{name} must be {layout} with Hkv={config.num_kv_heads} and last dim {width}, "
+                    f"got shape {tuple(tensor.shape)}"
+                )
+        if not keys.shape[:-1] == values.shape[:-1] == features.shape[:-1]:
+            raise ValueError(
+                f"keys {tuple(keys.shape)}, values {tuple(values.shape)} and features "
+                f"{tuple(features.shape)} disagree before the last dim"
+            )
+        return torch.cat([keys, values, features], dim=-1).to(self.w1.dtype)
+
+    @staticmethod
+    def _mlp(
+        inputs: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+    ) -> torch.Tensor:
+        """ForesightKV Eq. 22 for every head at once: inputs [..., Hkv, N, in], weights [..., Hkv, in, H]."""
+        hidden = torch.einsum("...ni,...ih->...nh", inputs, w1) + b1.unsqueeze(-2)
+        return torch.einsum("...nh,...h->...n", nn.functional.gelu(hidden), w2) + b2.unsqueeze(-1)
+
+    @classmethod
+    def _from_pretrained(
+        cls,
+        *,
+        model_id: str,
+        revision: str | None,
+        cache_dir: str | os.PathLike | None,
+        force_download: bool,
+        local_files_only: bool,
+        token: str | bool | None,
+        map_location: str = "cpu",
+        **model_kwargs,
+    ) -> "ForesightScorer":
+        """Load model.safetensors strictly; never falls back to a pickled checkpoint."""
+        model = cls(**model_kwargs)
+        if os.path.isdir(model_id):
+            weights = os.path.join(model_id, constants.SAFETENSORS_SINGLE_FILE)
+        else:
+            weights = hf_hub_download(
+                repo_id=model_id,
+                filename=constants.SAFETENSORS_SINGLE_FILE,
+                revision=revision,
+                cache_dir=cache_dir,
+                force_download=force_download,
+                token=token,
+                local_files_only=local_files_only,
+            )
+        safetensors.torch.load_model(model, weights, strict=True, device=map_location)
+        return model.eval()
+
+
+# Eviction with a scorer (ForesightKV Eq. 2, App. B.2). Scores are KEEP scores [..., C] over the C
+# candidates (any leading dims, e.g. [batch, Hkv]); `eligible` [..., C] (or anything that broadcasts to
+# it, e.g. [C]) marks the candidates that may be evicted, so sinks or protected entries are never picked.
+# Scores must be finite.
+
+
+def _masked(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None) -> torch.Tensor:
+    """Scores with ineligible candidates at +inf (never among the lowest), after checking the request."""
+    candidates = scores.shape[-1]
+    if not 1 <= num_evict <= candidates:
+        raise ValueError(f"num_evict must be in 1..{candidates} (the number of candidates), got {num_evict}")
+    if eligible is None:
+        return scores
+    if eligible.dtype != torch.bool:
+        raise ValueError(f"eligible must be a bool mask, got dtype {eligible.dtype}")
+    try:
+        eligible = torch.broadcast_to(eligible, scores.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"eligible mask {tuple(eligible.shape)} does not broadcast to scores {tuple(scores.shape)}"
+        ) from None
+    fewest = int(eligible.sum(-1).min()) if eligible.numel() else candidates
+    if fewest < num_evict:
+        raise ValueError(f"a row has only {fewest} eligible candidates, fewer than num_evict={num_evict}")
+    return scores.masked_fill(~eligible, float("inf"))
+
+
+def _logits(masked: torch.Tensor) -> torch.Tensor:
+    """Eviction logits = negated keep scores, in at least float32 (ineligible: -inf)."""
+    return -masked.to(torch.promote_types(masked.dtype, torch.float32))
+
+
+def evict_lowest(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """Deterministic eviction: the `num_evict` eligible candidates with the lowest scores, lowest first
+    -> indices [..., num_evict]."""
+    return _masked(scores, num_evict, eligible).topk(num_evict, dim=-1, largest=False).indices
+
+
+def eviction_pool(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampling pool of Eq. 2: the min(2 * num_evict, C) lowest-scoring candidates, lowest first
+    -> indices [..., P]. Rows with fewer than P eligible candidates fill the pool with ineligible ones,
+    which have probability 0."""
+    return _pool(_masked(scores, num_evict, eligible), num_evict)
+
+
+def _pool(masked: torch.Tensor, num_evict: int) -> torch.Tensor:
+    return masked.topk(min(2 * num_evict, masked.shape[-1]), dim=-1, largest=False).indices
+
+
+def sample_eviction(
+    scores: torch.Tensor,
+    num_evict: int,
+    generator: torch.Generator | None = None,
+    eligible: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample which candidates to evict (ForesightKV Eq. 2): softmax over the negated scores of the pool
+    (`eviction_pool`), then `num_evict` draws without replacement.
+
+    Returns (indices [..., num_evict] into the candidates, in sampled order; their Plackett-Luce
+    log-probability [...], as `plackett_luce_logprob` computes it). The pool is `eviction_pool` of the
+    same arguments (record it for GRPO ratios).
+
+    Sequential draws without replacement from softmax(l) are the Plackett-Luce distribution over
+    orders. The Gumbel-top-k trick samples it exactly in one batched step: add independent Gumbel(0, 1)
+    noise g_i to every logit l_i and read off the k largest l_i + g_i in decreasing order. The largest
+    is a softmax sample (Gumbel-max), and by the max-stability of the Gumbel distribution the remaining
+    perturbed logits, given which one was largest, are again independent Gumbels around their logits,
+    so the next largest is a softmax sample over the rest, and so on (Yellott 1977; Kool et al. 2019).
+    """
+    masked = _masked(scores, num_evict, eligible)
+    pool = _pool(masked, num_evict)
+    logits = _logits(masked).gather(-1, pool)
+    uniform = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(logits.dtype).tiny)))
+    picks = (logits + gumbel).topk(num_evict, dim=-1).indices
+    order = pool.gather(-1, picks)
+    return order, _plackett_luce(masked, pool, order)
+
+
+def plackett_luce_logprob(
+    scores: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, eligible: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Log-probability [...] of evicting `order` [..., L] (candidate indices, in sampled order) by
+    sequential softmax draws over the negated scores of `pool` [..., P] (ForesightKV Eq. 2; the
+    action probability of GRPO, Eq. 10). Differentiable w.r.t. the scores; the pool itself is taken
+    as given, as recorded at sampling time."""
+    if pool.shape[:-1] != scores.shape[:-1] or order.shape[:-1] != scores.shape[:-1]:
+        raise ValueError(
+            f"pool {tuple(pool.shape)} and order {tuple(order.shape)} must share the leading dims of "
+            f"scores {tuple(scores.shape)}"
+        )
+    masked = _masked(scores, order.shape[-1], eligible)
+    return _plackett_luce(masked, pool, order)
+
+
+def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """sum_k [l(o_k) - logsumexp of l over the pool entries not yet drawn]. The entries still available
+    at draw k are the pool entries never drawn plus o_k..o_L, so each denominator is a logaddexp of one
+    logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor."""
+    logits = _logits(masked)
+    drawn = torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
+    if bool((drawn.sum(-1) != order.shape[-1]).any()):
+        raise ValueError("order must hold distinct candidates that all lie in the pool")
+    never_drawn = logits.gather(-1, pool).masked_fill(drawn, float("-inf")).logsumexp(-1, keepdim=True)
+    drawn_logits = logits.gather(-1, order)
+    remaining_drawn = drawn_logits.flip(-1).logcumsumexp(-1).flip(-1)
+    return (drawn_logits - torch.logaddexp(never_drawn, remaining_drawn)).sum(-1)

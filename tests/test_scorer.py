@@ -1,0 +1,295 @@
+"""The stacked scorer against independent MLPs, its Hub save/load, and eviction sampling (Eq. 2)."""
+
+import itertools
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from foresight.scorer import (
+    ForesightScorer,
+    ScorerConfig,
+    evict_lowest,
+    eviction_pool,
+    plackett_luce_logprob,
+    sample_eviction,
+)
+
+
+def make_config(**overrides) -> ScorerConfig:
+    options = dict(num_layers=3, num_query_heads=4, num_kv_heads=2, head_dim=8, budget=16, interval=4,
+                   base_model="tiny-llama", feature_set="official-8")
+    return ScorerConfig(**{**options, **overrides})
+
+
+def make_scorer(seed: int = 0, **overrides) -> ForesightScorer:
+    torch.manual_seed(seed)
+    return ForesightScorer(make_config(**overrides))
+
+
+def random_inputs(config: ScorerConfig, *leading: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (*leading, config.num_kv_heads, 5)
+    return (
+        torch.randn(*shape, config.head_dim, generator=generator),
+        torch.randn(*shape, config.head_dim, generator=generator),
+        torch.rand(*shape, config.feature_width, generator=generator),
+    )
+
+
+def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequential:
+    """The paper's per-(layer, head) MLP as plain modules, holding the stacked weights of that slice."""
+    config = scorer.config
+    mlp = nn.Sequential(nn.Linear(config.input_dim, config.hidden), nn.GELU(), nn.Linear(config.hidden, 1))
+    with torch.no_grad():
+        mlp[0].weight.copy_(scorer.w1[layer, head].T)
+        mlp[0].bias.copy_(scorer.b1[layer, head])
+        mlp[2].weight.copy_(scorer.w2[layer, head][None])
+        mlp[2].bias.copy_(scorer.b2[layer, head][None])
+    return mlp
+
+
+def test_stacked_scorer_equals_independent_mlps():
+    scorer = make_scorer()
+    config = scorer.config
+    keys, values, features = random_inputs(config, config.num_layers, 2)
+    all_layers = scorer(keys, values, features)
+    assert all_layers.shape == (config.num_layers, 2, config.num_kv_heads, 5)
+    for layer in range(config.num_layers):
+        one_layer = scorer.score_layer(layer, keys[layer], values[layer], features[layer])
+        for head in range(config.num_kv_heads):
+            x = torch.cat([keys[layer, :, head], values[layer, :, head], features[layer, :, head]], -1)
+            expected = independent_mlp(scorer, layer, head)(x).squeeze(-1)
+            torch.testing.assert_close(one_layer[:, head], expected, rtol=0, atol=1e-6)
+            torch.testing.assert_close(all_layers[layer, :, head], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("layers, kv_heads", [(1, 1), (3, 2), (4, 4)])
+def test_einsum_calls_do_not_grow_with_layers_or_heads(monkeypatch, layers, kv_heads):
+    calls = []
+    einsum = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda *args: calls.append(args[0]) or einsum(*args))
+    scorer = make_scorer(num_layers=layers, num_kv_heads=kv_heads, num_query_heads=2 * kv_heads)
+    keys, values, features = random_inputs(scorer.config, layers, 2)
+    scorer(keys, values, features)
+    scorer.score_layer(layers - 1, keys[0], values[0], features[0])
+    assert len(calls) == 4  # two per call: hidden layer and output layer
+
+
+def test_init_is_linear_default_per_head():
+    scorer = make_scorer(num_layers=4)
+    config = scorer.config
+    for params, fan_in in (((scorer.w1, scorer.b1), config.input_dim), ((scorer.w2, scorer.b2), config.hidden)):
+        bound = fan_in**-0.5
+        for param in params:
+            assert param.abs().max() <= bound
+            assert param.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.25)
+    assert not torch.equal(scorer.w1[0, 0], scorer.w1[0, 1])
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    scorer = make_scorer(seed=3, hidden=7, budget=64, interval=16)
+    scorer.save_pretrained(tmp_path)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == {"num_layers": 3, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8, "budget": 64,
+                     "interval": 16, "base_model": "tiny-llama", "hidden": 7, "feature_set": "official-8"}
+    loaded = ForesightScorer.from_pretrained(tmp_path)
+    assert loaded.config == scorer.config
+    assert loaded.state_dict().keys() == scorer.state_dict().keys()
+    for name, tensor in scorer.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    keys, values, features = random_inputs(scorer.config, 3, 2)
+    assert torch.equal(loaded(keys, values, features), scorer(keys, values, features))
+    assert torch.equal(loaded.score_layer(1, keys[1], values[1], features[1]),
+                       scorer.score_layer(1, keys[1], values[1], features[1]))
+
+
+def test_loading_is_strict(tmp_path):
+    scorer = make_scorer()
+    scorer.save_pretrained(tmp_path)
+    weights = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    del weights["b2"]
+    safetensors.torch.save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(RuntimeError, match="b2"):
+        ForesightScorer.from_pretrained(tmp_path)
+
+
+def test_check_compatible_names_both_shapes():
+    scorer = make_scorer()
+    scorer.check_compatible(SimpleNamespace(num_layers=3, num_query_heads=4, num_kv_heads=2, head_dim=8))
+    other = SimpleNamespace(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64)
+    with pytest.raises(ValueError) as error:
+        scorer.check_compatible(other)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "tiny-llama (layers=3, query heads=4, KV heads=2, head dim=8)" in message
+    assert "(layers=30, query heads=9, KV heads=3, head dim=64)" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"num_query_heads": 5}, "num_query_heads=5 is not a multiple of num_kv_heads=2"),
+        ({"budget": 4}, "budget must be an integer > interval=4, got 4"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"feature_set": "h2o"}, "unknown feature set 'h2o'"),
+    ],
+)
+def test_bad_config_raises(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        make_config(**overrides)
+
+
+def test_bad_inputs_raise():
+    scorer = make_scorer()
+    keys, values, features = random_inputs(scorer.config, 2)
+    with pytest.raises(ValueError, match=r"features must be .*last dim 16, got shape \(2, 2, 5, 12\)"):
+        scorer.score_layer(0, keys, values, features[..., :12])
+    with pytest.raises(ValueError, match="layer 3 out of range"):
+        scorer.score_layer(3, keys, values, features)
+    with pytest.raises(ValueError, match="expected 3 layers on dim 0, got 2"):
+        scorer(*random_inputs(scorer.config, 2, 1))
+
+
+def test_low_precision_inputs_are_scored_in_parameter_dtype():
+    scorer = make_scorer()
+    keys, values, features = random_inputs(scorer.config, 2)
+    half = scorer.score_layer(0, keys.bfloat16(), values.bfloat16(), features)
+    assert half.dtype == torch.float32
+    assert torch.equal(half, scorer.score_layer(0, keys.bfloat16().float(), values.bfloat16().float(), features))
+
+
+# -- eviction (Eq. 2) --------------------------------------------------------------------------------
+
+
+def lowest_reference(scores, num_evict, eligible=None):
+    """Per row, in python: eligible candidates sorted by score, the first num_evict."""
+    rows = scores.reshape(-1, scores.shape[-1])
+    allowed = torch.ones_like(scores, dtype=torch.bool) if eligible is None else eligible.expand_as(scores)
+    allowed = allowed.reshape(rows.shape)
+    picked = []
+    for r in range(rows.shape[0]):
+        candidates = [i for i in range(rows.shape[1]) if allowed[r, i]]
+        picked.append(sorted(candidates, key=lambda i: float(rows[r, i]))[:num_evict])
+    return torch.tensor(picked).view(*scores.shape[:-1], num_evict)
+
+
+def sequential_logprob(scores, pool, order, eligible=None):
+    """Draw by draw: log softmax of the negated score over the pool entries still available."""
+    result = torch.zeros(scores.shape[:-1], dtype=torch.float64)
+    for index in itertools.product(*map(range, scores.shape[:-1])):
+        available = [int(i) for i in pool[index] if eligible is None or eligible[index][int(i)]]
+        total = 0.0
+        for chosen in order[index].tolist():
+            logits = torch.tensor([-float(scores[index][i]) for i in available], dtype=torch.float64)
+            total += -float(scores[index][chosen]) - float(logits.logsumexp(0))
+            available.remove(chosen)
+        result[index] = total
+    return result
+
+
+def test_evict_lowest_matches_sort_reference():
+    scores = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(evict_lowest(scores, 3), lowest_reference(scores, 3))
+    assert torch.equal(eviction_pool(scores, 3), lowest_reference(scores, 6))
+    assert torch.equal(eviction_pool(scores, 7), lowest_reference(scores, 10))  # pool clamps to C
+
+
+def test_evict_lowest_respects_eligibility():
+    scores = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(1))
+    sinks = torch.arange(10) >= 2  # first two candidates are sinks, broadcast to every row
+    per_row = torch.rand(3, 4, 10, generator=torch.Generator().manual_seed(2)) > 0.3
+    per_row[..., :4] = True
+    for eligible in (sinks, per_row):
+        evicted = evict_lowest(scores, 3, eligible)
+        assert torch.equal(evicted, lowest_reference(scores, 3, eligible))
+        assert eligible.expand_as(scores).gather(-1, evicted).all()
+
+
+def test_eviction_request_errors():
+    scores = torch.randn(2, 5)
+    with pytest.raises(ValueError, match="num_evict must be in 1..5 .* got 6"):
+        evict_lowest(scores, 6)
+    with pytest.raises(ValueError, match="only 1 eligible candidates, fewer than num_evict=2"):
+        sample_eviction(scores, 2, eligible=torch.tensor([True, False, False, False, False]))
+    with pytest.raises(ValueError, match=r"eligible mask \(3,\) does not broadcast to scores \(2, 5\)"):
+        evict_lowest(scores, 2, eligible=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="order must hold distinct candidates that all lie in the pool"):
+        plackett_luce_logprob(scores, torch.tensor([[0, 1], [0, 1]]), torch.tensor([[0, 2], [1, 0]]))
+
+
+def test_logprob_matches_sequential_reference():
+    scores = torch.randn(2, 3, 9, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    eligible = torch.rand(2, 3, 9, generator=torch.Generator().manual_seed(4)) > 0.2
+    eligible[..., :5] = True
+    for mask in (None, eligible):
+        order, logprob = sample_eviction(scores, 3, torch.Generator().manual_seed(5), eligible=mask)
+        pool = eviction_pool(scores, 3, mask)
+        expected = sequential_logprob(scores, pool, order, mask)
+        torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-10)
+        torch.testing.assert_close(plackett_luce_logprob(scores, pool, order, mask), expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "scores, eligible",
+    [
+        ([0.3, -0.5, 1.2, 0.0], None),  # pool = all four
+        ([0.3, -0.5, 1.2, 0.0, 2.0, 0.7], None),  # pool = the four lowest of six
+        ([0.3, -0.5, 1.2, 0.0, -2.0], [True, True, True, True, False]),  # lowest is a sink
+        ([0.3, -0.5, 1.2, 0.0], [True, False, True, True]),  # pool holds an ineligible entry
+    ],
+)
+def test_orderings_sum_to_one_and_sampling_frequencies_match(scores, eligible):
+    scores = torch.tensor(scores)
+    eligible = None if eligible is None else torch.tensor(eligible)
+    candidates, num_evict = scores.shape[0], 2
+    pool = eviction_pool(scores, num_evict, eligible)
+    pairs = torch.tensor(list(itertools.permutations(range(candidates), num_evict)))
+    in_pool = torch.isin(pairs, pool).all(-1)
+    allowed = in_pool if eligible is None else in_pool & eligible[pairs].all(-1)
+    pairs = pairs[allowed]
+    probability = plackett_luce_logprob(
+        scores.expand(len(pairs), -1), pool.expand(len(pairs), -1), pairs, eligible
+    ).exp()
+    assert probability.sum().item() == pytest.approx(1.0, abs=1e-6)
+
+    draws = 20000
+    order, _ = sample_eviction(scores.expand(draws, -1), num_evict, torch.Generator().manual_seed(0), eligible)
+    codes = order[:, 0] * candidates + order[:, 1]
+    assert torch.isin(codes, pairs[:, 0] * candidates + pairs[:, 1]).all(), "sampled outside the pool or a sink"
+    counts = torch.stack([(codes == a * candidates + b).sum() for a, b in pairs.tolist()]).double()
+    expected = draws * probability.double()
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    assert chi_square < 3 * len(pairs) + 10  # df = len(pairs) - 1 <= 11: fails only at p-values below ~1e-3
+
+
+def test_sampled_logprob_is_that_of_the_sampled_order():
+    scores = torch.randn(64, 6, generator=torch.Generator().manual_seed(6))
+    order, logprob = sample_eviction(scores, 2, torch.Generator().manual_seed(7))
+    expected = sequential_logprob(scores, eviction_pool(scores, 2), order)
+    torch.testing.assert_close(logprob.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    scores = torch.randn(4, 3, 20)
+    first = sample_eviction(scores, 5, torch.Generator().manual_seed(11))
+    second = sample_eviction(scores, 5, torch.Generator().manual_seed(11))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.parametrize("candidates, num_evict", [(8, 3), (3, 3)])  # (3, 3): every pool entry is drawn
+def test_logprob_gradient_flows_to_pool_only(candidates, num_evict):
+    scores = torch.randn(2, candidates, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    order, _ = sample_eviction(scores.detach(), num_evict, torch.Generator().manual_seed(9))
+    pool = eviction_pool(scores.detach(), num_evict)
+    plackett_luce_logprob(scores, pool, order).sum().backward()
+    assert torch.isfinite(scores.grad).all()
+    outside = torch.ones_like(scores, dtype=torch.bool).scatter(-1, pool, False)
+    assert (scores.grad[outside] == 0).all()
+    if candidates > num_evict:
+        assert (scores.grad[~outside] != 0).any()
