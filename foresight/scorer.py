@@ -270,7 +270,7 @@ def sample_eviction(
 
     Returns (indices [..., num_evict] into the candidates, in sampled order; their Plackett-Luce
     log-probability [...], as `plackett_luce_logprob` computes it). The pool is `eviction_pool` of the
-    same arguments (record it for GRPO ratios).
+    same arguments (record it for GRPO ratios). A `generator` must live on the scores' device.
 
     Sequential draws without replacement from softmax(l) are the Plackett-Luce distribution over
     orders. The Gumbel-top-k trick samples it exactly in one batched step: add independent Gumbel(0, 1)
