@@ -166,7 +166,7 @@ def future_scores(
             scores = block_scores(queries[:, start:end], keys[:, :end], start, scaling)
             future[step - 1, :, : min(end, width)] = scores[:, :width]
         if step < num_steps:
-            torch.maximum(future[step - 1], future[step], out=future[step - 1])
+            future[step - 1] = torch.maximum(future[step - 1], future[step])
     return future
 
 

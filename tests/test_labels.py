@@ -1,0 +1,213 @@
+"""Golden Eviction labels against a dense, loop-based reference built from the full T x T attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from foresight.labels import (
+    GoldenLabels,
+    LabelStore,
+    TraceTooShort,
+    compute_golden_labels,
+    eviction_steps,
+    golden_schedule,
+    keep_top,
+    labels_dir,
+    load_labels,
+    save_labels,
+)
+
+# initializer_range 0.2 sharpens the random attention so that later blocks often outscore earlier
+# ones and the suffix max of Eq. 5 matters.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, initializer_range=0.2)
+
+
+def tiny_model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16)).eval()
+
+
+def token_ids(length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_labels(model, ids: torch.Tensor, budget: int, interval: int) -> tuple[list, list]:
+    """Slow twin: eager T x T attention, block scores by loops, greedy schedule on Python lists.
+
+    Returns candidates[layer][head][step] and alpha[layer][head][step] as lists.
+    """
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = model(ids[None], output_attentions=True).attentions
+    model.set_attn_implementation(previous)
+    length = ids.numel()
+    steps = (length - budget) // interval
+    all_candidates, all_alpha = [], []
+    for attention in attentions:
+        attention = attention[0].float()  # [Hq, T, T]
+        group = attention.shape[0] // model.config.num_key_value_heads
+        layer_candidates, layer_alpha = [], []
+        for head in range(model.config.num_key_value_heads):
+            heads = attention[head * group:(head + 1) * group]
+            block = {}
+            for j in range(1, steps + 1):
+                rows = [q for q in range(budget + j * interval, budget + (j + 1) * interval) if q < length]
+                block[j] = [
+                    sum(heads[g, q, i].item() for g in range(group) for q in rows) / (group * len(rows)) if rows else 0.0
+                    for i in range(length)
+                ]
+            kept, head_candidates, head_alpha = [], [], []
+            for t in range(1, steps + 1):
+                alpha = [max(block[j][i] for j in range(t, steps + 1)) for i in range(length)]
+                window_left = range(0, budget) if t == 1 else range(budget + (t - 2) * interval, budget + (t - 1) * interval)
+                candidates = sorted(kept + list(window_left))
+                head_candidates.append(candidates)
+                head_alpha.append([alpha[i] for i in candidates])
+                kept = sorted(sorted(candidates, key=lambda i: (-alpha[i], i))[: budget - interval])
+            layer_candidates.append(head_candidates)
+            layer_alpha.append(head_alpha)
+        all_candidates.append(layer_candidates)
+        all_alpha.append(layer_alpha)
+    return all_candidates, all_alpha
+
+
+@pytest.mark.parametrize(
+    "arch, length, budget, interval, chunk_size",
+    [
+        ("llama", 50, 12, 4, 7),  # last block holds 2 of its 4 queries
+        ("llama", 48, 12, 4, 48),  # L divides T - B: the last block is empty, every α of step M is 0
+        ("qwen3", 45, 10, 3, 16),  # last block holds 2 of 3
+        ("qwen3", 31, 24, 6, 5),  # a single step (M = 1)
+    ],
+)
+def test_labels_match_dense_reference(arch, length, budget, interval, chunk_size):
+    model = tiny_model(arch)
+    ids = token_ids(length)
+    labels = compute_golden_labels(model, ids, budget, interval, trace_index=3, chunk_size=chunk_size)
+    expected_candidates, expected_alpha = reference_labels(model, ids, budget, interval)
+    steps = eviction_steps(length, budget, interval)
+    assert labels.candidates.shape == (steps, 2, 2, budget)
+    assert labels.candidates.dtype == torch.int32 and labels.alpha.dtype == torch.float32
+    assert labels.candidates.permute(1, 2, 0, 3).tolist() == expected_candidates
+    torch.testing.assert_close(labels.alpha.permute(1, 2, 0, 3), torch.tensor(expected_alpha), atol=1e-5, rtol=0)
+    assert (labels.num_tokens, labels.trace_index, labels.budget, labels.interval) == (length, 3, budget, interval)
+    assert labels.model_shape == {"num_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_empty_last_block_keeps_lowest_positions():
+    labels = compute_golden_labels(tiny_model("llama"), token_ids(48), 12, 4)
+    assert torch.all(labels.alpha[-1] == 0)
+    assert torch.equal(labels.kept(labels.num_steps), labels.candidates[-1, ..., :8])
+
+
+@pytest.fixture(scope="module")
+def labels() -> GoldenLabels:
+    return compute_golden_labels(tiny_model("qwen3"), token_ids(90, seed=5), 16, 4, trace_index=7)
+
+
+def test_schedule_invariants(labels):
+    budget, interval = labels.budget, labels.interval
+    candidates, alpha, kept = labels.candidates.long(), labels.alpha, labels.kept_positions().long()
+    assert candidates.shape[-1] == budget and kept.shape[-1] == budget - interval
+    assert torch.all(candidates.diff(dim=-1) > 0)  # sorted and unique
+    assert torch.all(kept.diff(dim=-1) > 0)
+    assert torch.equal(candidates[0], torch.arange(budget).expand_as(candidates[0]))
+    for step in range(1, labels.num_steps + 1):
+        index = step - 1
+        assert torch.equal(kept[index], labels.kept(step).long())
+        is_kept = (candidates[index][..., :, None] == kept[index][..., None, :]).any(-1)
+        assert torch.equal(is_kept.sum(-1), torch.full(is_kept.shape[:-1], budget - interval))  # kept ⊂ candidates
+        lowest_kept = alpha[index].masked_fill(~is_kept, float("inf")).min(-1).values
+        highest_evicted = alpha[index].masked_fill(is_kept, float("-inf")).max(-1).values
+        assert torch.all(lowest_kept >= highest_evicted)  # kept are the top B - L by α
+        if index > 0:
+            left_window = torch.arange(budget + (step - 2) * interval, budget + (step - 1) * interval)
+            previous = torch.cat([kept[index - 1], left_window.expand(*kept.shape[1:3], -1)], dim=-1)
+            assert torch.equal(candidates[index], previous)
+
+
+def test_alpha_non_increasing_for_entries_that_stay(labels):
+    for index in range(1, labels.num_steps):
+        before, after = labels.candidates[index - 1].long(), labels.candidates[index].long()
+        same = before[..., :, None] == after[..., None, :]  # [layers, Hkv, B, B]
+        earlier = labels.alpha[index - 1][..., :, None].expand_as(same)[same]
+        later = labels.alpha[index][..., None, :].expand_as(same)[same]
+        assert same.any() and torch.all(later <= earlier)
+
+
+def test_keep_top_breaks_ties_towards_lower_position():
+    candidates = torch.tensor([2, 5, 7, 9, 11])
+    alpha = torch.tensor([0.1, 0.3, 0.1, 0.3, 0.1])
+    assert keep_top(candidates, alpha, 3).tolist() == [2, 5, 9]
+
+
+def test_golden_schedule_hand_computed():
+    # B = 3, L = 1, M = 2: step 1 candidates 0,1,2 keep 2; step 2 adds position 3.
+    future = torch.tensor([[[0.5, 0.2, 0.4, 0.9, 0.0]], [[0.1, 0.2, 0.05, 0.3, 0.0]]])
+    candidates, alpha = golden_schedule(future, budget=3, interval=1)
+    assert candidates.tolist() == [[[0, 1, 2]], [[0, 2, 3]]]
+    torch.testing.assert_close(alpha, torch.tensor([[[0.5, 0.2, 0.4]], [[0.1, 0.05, 0.3]]]))
+
+
+def test_trace_too_short():
+    model = tiny_model("llama")
+    with pytest.raises(TraceTooShort, match="shorter than B \\+ L = 16"):
+        compute_golden_labels(model, token_ids(15), 12, 4)
+    assert compute_golden_labels(model, token_ids(16), 12, 4).num_steps == 1
+
+
+@pytest.mark.parametrize("budget, interval, message", [(4, 4, "B=4 must be larger"), (8, 0, "L=0 must be at least 1")])
+def test_bad_budget_or_interval(budget, interval, message):
+    with pytest.raises(ValueError, match=message):
+        eviction_steps(100, budget, interval)
+
+
+def test_save_load_round_trip_is_bit_exact(labels, tmp_path):
+    store = LabelStore(tmp_path, 16, 4)
+    assert store.path(7) == tmp_path / "labels-B16-L4" / "trace-000007.safetensors"
+    assert 7 not in store
+    save_labels(labels, store.path(7))
+    assert 7 in store and [p.name for p in store.directory.iterdir()] == ["trace-000007.safetensors"]
+    loaded = store.load(7, num_tokens=90)
+    assert torch.equal(loaded.candidates, labels.candidates) and torch.equal(loaded.alpha, labels.alpha)
+    assert loaded.alpha.view(torch.int32).equal(labels.alpha.view(torch.int32))
+    assert loaded.model_shape == labels.model_shape and loaded.model_name == labels.model_name
+    assert torch.equal(loaded.kept_positions(), labels.kept_positions())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"expect_budget": 32}, "budget=16, but budget=32"),
+        ({"expect_interval": 8}, "interval=4, but interval=8"),
+        ({"expect_num_tokens": 91}, "num_tokens=90, but num_tokens=91"),
+        ({"expect_trace_index": 8}, "trace_index=7, but trace_index=8"),
+    ],
+)
+def test_load_rejects_labels_made_for_something_else(labels, tmp_path, change, message):
+    path = tmp_path / "labels.safetensors"
+    save_labels(labels, path)
+    expect = dict(expect_budget=16, expect_interval=4, expect_num_tokens=90, expect_trace_index=7) | change
+    with pytest.raises(ValueError, match=message):
+        load_labels(path, **expect)
+
+
+def test_missing_labels_name_the_path_and_the_command(tmp_path):
+    store = LabelStore(tmp_path, 16, 4)
+    with pytest.raises(ValueError) as error:
+        store.load(3, num_tokens=90)
+    message = str(error.value)
+    assert str(store.path(3)) in message
+    assert f"foresight labels --traces {tmp_path} --budget 16 --interval 4" in message
+    assert "\n" not in message
+
+
+def test_labels_dir_layout(tmp_path):
+    assert labels_dir(tmp_path, 128, 32) == tmp_path / "labels-B128-L32"
