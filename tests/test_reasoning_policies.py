@@ -1,0 +1,424 @@
+"""LagKV, LazyEviction, RaaS and EpiKV against slow loop-based twins, step-by-step replays, and in the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import foresight.policies.base as policy_base
+import foresight.runtime.capture as capture
+from foresight.models import tiny_model
+from foresight.policies import EvictionContext, make_policy
+from foresight.policies.epikv import Z_EPSILON, band_layers, rolling_z_scores
+from foresight.policies.lagkv import RANGE_EPSILON
+from foresight.policies.lazy import MRI_EPSILON
+from foresight.runtime.cache import EvictionLayer
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+
+KV_HEADS, GROUP, DIM = 2, 2, 8
+INVALID_PER_ROW = (0, 3)  # left padding / eviction leftovers in front of row 1
+NEW_POLICIES = ("lagkv", "lazy", "raas", "epikv")
+
+
+# -- random eviction steps ---------------------------------------------------------------------------
+def random_context(candidates: int, interval: int, seed: int, state: dict | None = None) -> EvictionContext:
+    """An eviction step as the engine builds it: `candidates` slots (each head its own sorted
+    positions, row 1 with invalid slots in front) then the recent window, whose tokens are the
+    buffered queries."""
+    generator = torch.Generator().manual_seed(seed)
+    window_start = 3 * candidates
+    rows = []
+    for invalid in INVALID_PER_ROW:
+        heads = []
+        for _ in range(KV_HEADS):
+            chosen = torch.randperm(window_start, generator=generator)[: candidates - invalid].sort().values
+            heads.append(torch.cat([torch.full((invalid,), -1), chosen]))
+        rows.append(torch.stack(heads))
+    recent = torch.arange(window_start, window_start + interval)
+    positions = torch.cat([torch.stack(rows), recent.expand(2, KV_HEADS, -1)], dim=-1)
+    shape = (2, KV_HEADS, candidates + interval, DIM)
+    return EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=torch.randn(shape, generator=generator) * 2,
+        values=torch.randn(shape, generator=generator),
+        positions=positions,
+        num_candidates=candidates,
+        scaling=DIM**-0.5,
+        state=state or {},
+        queries=torch.randn(2, KV_HEADS * GROUP, interval, DIM, generator=generator) * 2,
+        query_positions=recent.expand(2, -1).clone(),
+    )
+
+
+def with_queries(context: EvictionContext, rows: slice, state: dict) -> EvictionContext:
+    """The same step seen by only the buffered queries in `rows` (a decode step is one query)."""
+    return EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=context.keys,
+        values=context.values,
+        positions=context.positions,
+        num_candidates=context.num_candidates,
+        scaling=context.scaling,
+        state=state,
+        queries=context.queries[:, :, rows],
+        query_positions=context.query_positions[:, rows],
+    )
+
+
+def valid_close(actual: torch.Tensor, expected: list, context: EvictionContext, atol: float = 1e-5) -> None:
+    """Compare [batch, Hkv, C] on valid candidates (the engine drops the others whatever they score)."""
+    expected = torch.tensor(expected, dtype=torch.float64)
+    valid = context.candidate_positions >= 0
+    torch.testing.assert_close(actual.double()[valid], expected[valid], atol=atol, rtol=0)
+
+
+def strongest(context: EvictionContext) -> list:
+    """Block attention max over the G heads, as nested lists [batch][Hkv][L][N]."""
+    return context.attention.amax(dim=2).tolist()
+
+
+# -- LagKV ---------------------------------------------------------------------------------------------
+def reference_lagkv(keys, values, positions, candidates: int, lag: int) -> list:
+    """Chunks of `lag` cut from the newest candidate back, each against the `lag` entries after it:
+    per-channel min-max normalisation, unbiased std over channels, softmax over the chunk's valid
+    entries, keys + values, then the rank within the chunk over its valid entries."""
+
+    def std(vector):
+        mean = sum(vector) / len(vector)
+        return math.sqrt(sum((x - mean) ** 2 for x in vector) / (len(vector) - 1))
+
+    def lag_std(states, slot, reference):
+        result = []
+        for d in range(len(states[slot])):
+            column = [states[r][d] for r in reference]
+            low, high = min(column), max(column)
+            result.append((states[slot][d] - low) / max(high - low, RANGE_EPSILON))
+        return std(result)
+
+    def softmax(scores):
+        top = max(scores.values())
+        exps = {slot: math.exp(v - top) for slot, v in scores.items()}
+        return {slot: e / sum(exps.values()) for slot, e in exps.items()}
+
+    out = [[[float("nan")] * candidates for _ in positions[0]] for _ in positions]
+    for b in range(len(positions)):
+        for h in range(len(positions[b])):
+            end = candidates
+            while end > 0:
+                chunk = [n for n in range(max(0, end - lag), end) if positions[b][h][n] >= 0]
+                reference = list(range(end, end + lag))
+                if chunk:
+                    key = softmax({n: lag_std(keys[b][h], n, reference) for n in chunk})
+                    value = softmax({n: lag_std(values[b][h], n, reference) for n in chunk})
+                    score = {n: key[n] + value[n] for n in chunk}
+                    for n in chunk:
+                        below = sum(1 for m in chunk if score[m] < score[n] or (score[m] == score[n] and m < n))
+                        out[b][h][n] = below / len(chunk)
+                end -= lag
+    return out
+
+
+@pytest.mark.parametrize("candidates, interval, lag", [(14, 4, None), (16, 4, None), (13, 5, 3), (9, 3, 1)])
+def test_lagkv_matches_reference(candidates, interval, lag):
+    fill = {"lagkv_rank": torch.full((2, KV_HEADS, candidates + interval), float("nan"))}
+    context = random_context(candidates, interval, seed=candidates + interval, state=fill)
+    policy = make_policy("lagkv", lag_size=lag)
+    context.state.update(policy.observe(context))
+    expected = reference_lagkv(
+        context.keys.tolist(), context.values.tolist(), context.positions.tolist(), candidates, lag or interval
+    )
+    valid_close(policy.keep_scores(context), expected, context, atol=1e-6)
+
+
+def test_lagkv_scores_are_frozen_and_steady_state_scores_the_newest_chunk():
+    """Scored entries keep their score; the L entries that just left the recent window are scored
+    against the recent window, exactly as when every candidate is new."""
+    candidates, interval = 12, 4
+    unscored = {"lagkv_rank": torch.full((2, KV_HEADS, candidates + interval), float("nan"))}
+    context = random_context(candidates, interval, seed=5, state=unscored)
+    policy = make_policy("lagkv")
+    fresh = policy.observe(context)["lagkv_rank"]
+    frozen = torch.rand(2, KV_HEADS, candidates + interval)
+    frozen[..., candidates - interval :] = float("nan")
+    context.state = {"lagkv_rank": frozen.clone()}
+    steady = policy.observe(context)["lagkv_rank"]
+    old = slice(0, candidates - interval)
+    assert torch.equal(steady[..., old], frozen[..., old])
+    newest = slice(candidates - interval, candidates)
+    assert torch.equal(steady[..., newest], fresh[..., newest])
+
+
+def test_lagkv_constant_channel_gives_no_nan():
+    context = random_context(12, 4, seed=3, state={"lagkv_rank": torch.full((2, KV_HEADS, 16), float("nan"))})
+    context.keys[..., 0] = 1.5  # a channel constant everywhere
+    context.values[..., :] = 0.25  # every value channel constant
+    scores = make_policy("lagkv").observe(context)["lagkv_rank"][..., :12]
+    valid = context.candidate_positions >= 0
+    assert not scores.isnan().any()
+    assert ((scores[valid] >= 0) & (scores[valid] < 1)).all()
+
+
+def test_lagkv_needs_no_attention_and_rejects_a_lag_beyond_the_interval():
+    assert not make_policy("lagkv").needs_attention and make_policy("lagkv").default_sinks == 16
+    context = random_context(12, 4, seed=0, state={"lagkv_rank": torch.full((2, KV_HEADS, 16), float("nan"))})
+    with pytest.raises(ValueError, match="lag_size=5 must be at most the interval L=4"):
+        make_policy("lagkv", lag_size=5).observe(context)
+
+
+# -- LazyEviction and RaaS -----------------------------------------------------------------------------
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def reference_lazy(attention, query_positions, t_last, mri, threshold):
+    """One query at a time, one entry at a time: MRI = max(MRI, t - t_last), t_last = t on a hit;
+    then H1 + H2 at the newest query."""
+    t_last, mri = [[list(h) for h in b] for b in t_last], [[list(h) for h in b] for b in mri]
+    scores = []
+    for b, rows in enumerate(attention):
+        now = max(query_positions[b])
+        row_scores = []
+        for h, head in enumerate(rows):
+            for q, t in enumerate(query_positions[b]):
+                for n, weight in enumerate(head[q]):
+                    if t >= 0 and weight >= threshold:
+                        mri[b][h][n] = max(mri[b][h][n], t - t_last[b][h][n])
+                        t_last[b][h][n] = t
+            row_scores.append([
+                2 * sigmoid(-(1 + (now - tl) / (m + MRI_EPSILON))) + (2 * sigmoid(1 - m) if m > 0 else 0.0)
+                for tl, m in zip(t_last[b][h], mri[b][h])
+            ])
+        scores.append(row_scores)
+    return t_last, mri, scores
+
+
+def lazy_state(context: EvictionContext, seed: int) -> dict:
+    """t_last between 0 and each entry's position - 1 (or its prompt value 0), MRI a few steps."""
+    generator = torch.Generator().manual_seed(seed)
+    positions = context.positions.clamp(min=0).float()
+    t_last = (torch.rand(positions.shape, generator=generator) * positions).floor()
+    t_last = torch.where(torch.rand(positions.shape, generator=generator) < 0.3, torch.zeros_like(t_last), t_last)
+    mri = torch.randint(0, 4, positions.shape, generator=generator).float()
+    return {"lazy_t_last": t_last, "lazy_mri": mri}
+
+
+@pytest.mark.parametrize("threshold", [1e-4, 0.05, 0.2])
+def test_lazy_matches_reference(threshold):
+    context = random_context(14, 6, seed=7)
+    context.state = lazy_state(context, seed=1)
+    policy = make_policy("lazy", threshold=threshold)
+    before = {name: value.tolist() for name, value in context.state.items()}
+    context.state.update(policy.observe(context))
+    t_last, mri, scores = reference_lazy(
+        strongest(context), context.query_positions.tolist(), before["lazy_t_last"], before["lazy_mri"], threshold
+    )
+    valid = context.positions >= 0
+    for name, expected in (("lazy_t_last", t_last), ("lazy_mri", mri)):
+        torch.testing.assert_close(context.state[name][valid], torch.tensor(expected)[valid], atol=0, rtol=0)
+    valid_close(policy.keep_scores(context), [[h[:14] for h in b] for b in scores], context)
+
+
+def test_lazy_hand_computed_score():
+    """At step 10: t_last = 5, MRI = 3 gives H1 = 2 sigma(-(1 + 5/3)) and H2 = 2 sigma(-2); an entry
+    never seen again (MRI 0) gets H2 = 0; one seen right now gets H1 = 2 sigma(-1)."""
+    context = EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=torch.zeros(1, 1, 4, DIM),
+        values=torch.zeros(1, 1, 4, DIM),
+        positions=torch.tensor([[[1, 8, 9, 10]]]),
+        num_candidates=3,
+        scaling=1.0,
+        state={"lazy_t_last": torch.tensor([[[5.0, 9.0, 10.0, 10.0]]]), "lazy_mri": torch.tensor([[[3.0, 0, 0, 0]]])},
+        query_positions=torch.tensor([[10]]),
+    )
+    expected = [2 * sigmoid(-(1 + 5 / (3 + 1e-5))) + 2 * sigmoid(-2), 2 * sigmoid(-(1 + 1 / 1e-5)), 2 * sigmoid(-1)]
+    scores = make_policy("lazy").keep_scores(context)[0, 0]
+    torch.testing.assert_close(scores.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def reference_raas(attention, query_positions, timestamps, positions, threshold):
+    out = []
+    for b, rows in enumerate(attention):
+        out.append([])
+        for h, head in enumerate(rows):
+            stamps = [max(s, float(p)) for s, p in zip(timestamps[b][h], positions[b][h])]
+            for q, t in enumerate(query_positions[b]):
+                for n, weight in enumerate(head[q]):
+                    if t >= 0 and weight >= threshold:
+                        stamps[n] = float(t)
+            out[b].append(stamps)
+    return out
+
+
+@pytest.mark.parametrize("threshold", [1e-4, 0.05, 0.2])
+def test_raas_matches_reference(threshold):
+    context = random_context(14, 6, seed=8)
+    stored = torch.where(torch.rand(context.positions.shape) < 0.5, context.positions + 2.0, float("-inf"))
+    context.state = {"raas_timestamp": stored}
+    policy = make_policy("raas", threshold=threshold)
+    expected = reference_raas(
+        strongest(context), context.query_positions.tolist(), stored.tolist(), context.positions.tolist(), threshold
+    )
+    context.state.update(policy.observe(context))
+    valid_close(policy.keep_scores(context), [[h[:14] for h in b] for b in expected], context, atol=0)
+    assert policy.default_protect_prompt and policy.needs_attention
+
+
+@pytest.mark.parametrize("name, threshold", [("lazy", 0.05), ("lazy", 1e-4), ("raas", 0.05)])
+def test_block_replay_equals_one_decode_step_at_a_time(name, threshold):
+    """Observing the L buffered queries at once leaves the state that observing each decode step
+    (one query) in order leaves."""
+    interval = 6
+    context = random_context(14, interval, seed=11)
+    policy = make_policy(name, threshold=threshold)
+    start = lazy_state(context, seed=2) if name == "lazy" else {
+        "raas_timestamp": torch.full(context.positions.shape, float("-inf"))
+    }
+    block = policy.observe(with_queries(context, slice(None), dict(start)))
+    state = dict(start)
+    for q in range(interval):
+        state.update(policy.observe(with_queries(context, slice(q, q + 1), state)))
+    for field, value in block.items():
+        torch.testing.assert_close(value, state[field], atol=0, rtol=0)
+    if name == "lazy":
+        assert (block["lazy_mri"] > start["lazy_mri"]).any(), "the block should lengthen some recurrence intervals"
+
+
+def test_lazy_stamps_prompt_entries_zero_and_new_entries_their_position_minus_one():
+    policy = make_policy("lazy")
+    policy.reset()
+    prompt = policy.on_forward({}, torch.tensor([[-1, 0, 1], [0, 1, 2]]))["lazy_t_last"]
+    decode = policy.on_forward({}, torch.tensor([[2], [3]]))["lazy_t_last"]
+    assert prompt.tolist() == [[0, 0, 0], [0, 0, 0]] and decode.tolist() == [[1], [2]]
+    policy.reset()
+    assert policy.on_forward({}, torch.tensor([[5]]))["lazy_t_last"].tolist() == [[0]]
+
+
+# -- EpiKV ---------------------------------------------------------------------------------------------
+def reference_epikv(hidden_a, hidden_b, positions, window: int) -> list:
+    """Per row, per token in order: g = ||h(t) - h(t-1)||, z against the last `window` g values
+    (population std), score z_a - z_b; tokens at position < 1 get no g and score 0."""
+    scores = []
+    for b in range(len(positions)):
+        history = {"a": [], "b": []}
+        row = []
+        for t, position in enumerate(positions[b]):
+            if position < 1:
+                row.append(0.0)
+                continue
+            z = {}
+            for band, hidden in (("a", hidden_a), ("b", hidden_b)):
+                g = math.sqrt(sum((x - y) ** 2 for x, y in zip(hidden[b][t], hidden[b][t - 1])))
+                history[band].append(g)
+                recent = history[band][-window:]
+                mean = sum(recent) / len(recent)
+                std = math.sqrt(sum((x - mean) ** 2 for x in recent) / len(recent))
+                z[band] = (g - mean) / (std + Z_EPSILON)
+            row.append(z["a"] - z["b"])
+        scores.append(row)
+    return scores
+
+
+def run_epikv(policy, hidden: dict, positions: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    policy.reset()
+    out, start = [], 0
+    for size in chunks:
+        part = {layer: h[:, start : start + size] for layer, h in hidden.items()}
+        out.append(policy.on_forward(part, positions[:, start : start + size])["epikv_score"])
+        start += size
+    return torch.cat(out, dim=1)
+
+
+def test_epikv_scores_match_reference_and_do_not_depend_on_chunking():
+    generator = torch.Generator().manual_seed(4)
+    length, hidden_size, window = 23, 16, 5
+    hidden = {layer: torch.randn(2, length, hidden_size, generator=generator) * (1 + layer) for layer in (0, 2)}
+    positions = torch.stack([torch.arange(length), torch.arange(length) - 4]).clamp(min=-1)  # row 1 left-padded
+    policy = make_policy("epikv", window=window)
+    assert policy.tapped_layers(4) == (0, 2)  # hidden states 1 and 3 = decoder layers 0 and 2
+    whole = run_epikv(policy, hidden, positions, [length])
+    expected = reference_epikv(hidden[0].tolist(), hidden[2].tolist(), positions.tolist(), window)
+    torch.testing.assert_close(whole.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-4, rtol=0)
+    for chunks in ([1] * length, [9, 1, 1, 7, 5], [4, 19]):
+        torch.testing.assert_close(run_epikv(policy, hidden, positions, chunks), whole, atol=1e-5, rtol=0)
+
+
+def test_rolling_z_score_of_a_constant_or_missing_signal_is_zero():
+    values = torch.tensor([[float("nan"), 2.0, 2.0, 2.0]])
+    assert rolling_z_scores(values, torch.full((1, 3), float("nan"))).tolist() == [[0.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("layers, bands", [(32, (10, 21)), (30, (9, 20)), (4, (1, 3)), (2, (1, 2))])
+def test_epikv_band_layers_scale_with_depth(layers, bands):
+    assert band_layers(layers) == bands
+
+
+def test_epikv_bad_layers_are_one_line():
+    with pytest.raises(ValueError, match="at least 2 decoder layers"):
+        band_layers(1)
+    with pytest.raises(ValueError, match="layer_b=9 must be a hidden-state layer in 1..4"):
+        make_policy("epikv", layer_b=9).tapped_layers(4)
+    with pytest.raises(ValueError, match="layer_a and layer_b are both 2"):
+        make_policy("epikv", layer_a=2, layer_b=2).tapped_layers(4)
+
+
+def test_epikv_never_computes_attention(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("EpiKV must not compute attention")
+
+    monkeypatch.setattr(capture, "block_attention", forbidden)
+    monkeypatch.setattr(policy_base, "block_attention", forbidden)
+    monkeypatch.setattr(policy_base, "attention_logits", forbidden)
+    monkeypatch.setattr(EvictionLayer, "record_queries", forbidden)  # the query ring buffer stays empty
+    engine = EvictionEngine(tiny_model("llama", num_hidden_layers=4), make_policy("epikv"), EvictionConfig(12, 4))
+    output = engine.generate([[3, 1, 4, 1, 5]], 30)
+    assert output.stats.evictions > 0 and not make_policy("epikv").needs_attention
+
+
+# -- in the engine -------------------------------------------------------------------------------------
+B, L = 16, 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3", num_hidden_layers=3)
+
+
+def config_for(name: str) -> EvictionConfig:
+    return EvictionConfig(B, L, sinks=2 if name == "lagkv" else None)
+
+
+def prompt_tokens(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_engine_batch_decodes_as_each_row_alone_within_budget(model, name):
+    batch = prompt_tokens([4, 9, 15], seed=1)
+    policy = make_policy(name)
+    engine = EvictionEngine(model, policy, config_for(name))
+    together = engine.generate(batch, 40)
+    assert together.stats.evictions > 0
+    for row, prompt in enumerate(batch):
+        alone = engine.generate([prompt], 40)
+        assert together.tokens[row] == alone.tokens[0]
+        limit = B + L + (len(prompt) if policy.default_protect_prompt else 0)
+        assert alone.stats.max_entries == limit  # reached at every eviction step, never passed
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_engine_chunked_replay_equals_token_by_token(model, name):
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, 128, (n,), generator=generator) for n in (50, 70)]
+    engine = EvictionEngine(model, make_policy(name), config_for(name))
+    chunked = engine.replay(sequences, [7, 30])  # unless protected, row 1's prompt evicts at prefill
+    for row, (sequence, prompt_length) in enumerate(zip(sequences, [7, 30])):
+        stepwise = engine.replay([sequence], [prompt_length], max_chunk=1)
+        torch.testing.assert_close(chunked.nll[row], stepwise.nll[0], atol=1e-4, rtol=0)
+        assert chunked.first_eviction[row] == stepwise.first_eviction[0] is not None
