@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from foresight import cli
 from foresight.labels import (
     GoldenLabels,
     LabelStore,
@@ -18,22 +18,20 @@ from foresight.labels import (
     load_labels,
     save_labels,
 )
-
-# initializer_range 0.2 sharpens the random attention so that later blocks often outscore earlier
-# ones and the suffix max of Eq. 5 matters.
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, initializer_range=0.2)
+from foresight.models import tiny_model
+from foresight.traces import TraceStore, generate_traces
+from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
 
 
-def tiny_model(arch: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    return Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16)).eval()
+
+def sharp_model(arch: str) -> torch.nn.Module:
+    """A tiny GQA model whose larger initial weights sharpen its attention, so that later blocks often
+    outscore earlier ones and the suffix max of Eq. 5 matters."""
+    return tiny_model(arch, initializer_range=0.2)
 
 
 def token_ids(length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, TINY["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 128, (length,), generator=torch.Generator().manual_seed(seed))
 
 
 def reference_labels(model, ids: torch.Tensor, budget: int, interval: int) -> tuple[list, list]:
@@ -87,7 +85,7 @@ def reference_labels(model, ids: torch.Tensor, budget: int, interval: int) -> tu
     ],
 )
 def test_labels_match_dense_reference(arch, length, budget, interval, chunk_size):
-    model = tiny_model(arch)
+    model = sharp_model(arch)
     ids = token_ids(length)
     labels = compute_golden_labels(model, ids, budget, interval, trace_index=3, chunk_size=chunk_size)
     expected_candidates, expected_alpha = reference_labels(model, ids, budget, interval)
@@ -102,14 +100,14 @@ def test_labels_match_dense_reference(arch, length, budget, interval, chunk_size
 
 
 def test_empty_last_block_keeps_lowest_positions():
-    labels = compute_golden_labels(tiny_model("llama"), token_ids(48), 12, 4)
+    labels = compute_golden_labels(sharp_model("llama"), token_ids(48), 12, 4)
     assert torch.all(labels.alpha[-1] == 0)
     assert torch.equal(labels.kept(labels.num_steps), labels.candidates[-1, ..., :8])
 
 
 @pytest.fixture(scope="module")
 def labels() -> GoldenLabels:
-    return compute_golden_labels(tiny_model("qwen3"), token_ids(90, seed=5), 16, 4, trace_index=7)
+    return compute_golden_labels(sharp_model("qwen3"), token_ids(90, seed=5), 16, 4, trace_index=7)
 
 
 def test_schedule_invariants(labels):
@@ -157,7 +155,7 @@ def test_golden_schedule_hand_computed():
 
 
 def test_trace_too_short():
-    model = tiny_model("llama")
+    model = sharp_model("llama")
     with pytest.raises(TraceTooShort, match="shorter than B \\+ L = 16"):
         compute_golden_labels(model, token_ids(15), 12, 4)
     assert compute_golden_labels(model, token_ids(16), 12, 4).num_steps == 1
@@ -211,3 +209,42 @@ def test_missing_labels_name_the_path_and_the_command(tmp_path):
 
 def test_labels_dir_layout(tmp_path):
     assert labels_dir(tmp_path, 128, 32) == tmp_path / "labels-B128-L32"
+
+
+def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
+    model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
+    generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), out_dir=tmp_path, num=6, max_new_tokens=12,
+                    progress=False, model_name="tiny")
+    lengths = {trace.index: trace.input_ids.numel() for trace in TraceStore(tmp_path)}
+    interval = 4
+    budget = sorted(set(lengths.values()))[1] - interval  # the shortest traces have no eviction step
+    short = sum(length < budget + interval for length in lengths.values())
+    loads = []
+    monkeypatch.setattr("foresight.commands.labels.load_model",
+                        lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1])
+    args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
+    assert cli.main(args) == 0
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last_line.startswith(
+        f"{tmp_path / f'labels-B{budget}-L{interval}'}: labelled {6 - short} traces, skipped {short} too short "
+        f"(< B + L = {budget + interval} tokens), 0 already labelled; "
+    )
+    assert last_line.endswith(" s") and loads == ["tiny"]
+    store = LabelStore(tmp_path, budget, interval)
+    for trace in TraceStore(tmp_path):
+        assert (trace.index in store) == (lengths[trace.index] >= budget + interval)
+        if trace.index in store:
+            stored = store.load(trace.index, num_tokens=lengths[trace.index])
+            direct = compute_golden_labels(model, trace.input_ids, budget, interval)
+            assert torch.equal(stored.candidates, direct.candidates) and torch.equal(stored.alpha, direct.alpha)
+            assert stored.model_name == "tiny"
+
+    assert cli.main([*args, "--model", "tiny"]) == 0
+    assert f"labelled 0 traces, skipped {short} too short" in capsys.readouterr().out
+    assert loads == ["tiny"]  # nothing left to do: the model is not even loaded
+
+    assert cli.main([*args, "--model", "other"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == f"foresight labels: error: --model 'other' is not the model that made the traces in {tmp_path} ('tiny')"
+    assert cli.main(["labels", "--traces", str(tmp_path), "-B", "6", "-L", "6"]) == 2
+    assert "budget B=6 must be larger than the interval L=6" in capsys.readouterr().err
