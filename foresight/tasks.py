@@ -10,9 +10,9 @@ A SOURCE is one of
   optional ``answer`` column, checked with ``math-verify``.
 
 Final-answer rule (:func:`extract_answer`), applied to every completion before checking: the content
-of the last ``\\boxed{...}``; else the first non-empty line after the last ``Answer:`` (any case, the
-rest of its own line when that is not empty); else the last non-empty line. Trailing whitespace and
-periods are stripped from the last two.
+of the last non-empty ``\\boxed{...}``; else the first non-empty line after the last ``Answer:`` (any
+case, the rest of its own line when that is not empty); else the last non-empty line. Trailing
+whitespace and periods are stripped from the last two.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def _reasoning_gym_problems(source: str, num: int, seed: int) -> list[Problem]:
 
     task = source[len(REASONING_GYM) :]
     if task not in reasoning_gym.factory.DATASETS:
-        raise ValueError(f"unknown reasoning-gym task {task!r}; known tasks: {', '.join(sorted(reasoning_gym.factory.DATASETS))}")
+        known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
+        raise ValueError(f"unknown reasoning-gym task {task!r}; known tasks: {known}")
     dataset = reasoning_gym.create_dataset(task, size=num, seed=seed)
     return [
         Problem(i, f"{entry['question']}\n{ANSWER_INSTRUCTION}", str(entry["answer"]), source, dict(entry))
@@ -105,7 +106,10 @@ def _jsonl_problems(path: Path, source: str) -> list[Problem]:
         raise ValueError(f'prompt file {source} is not JSONL: no line is a JSON object with a "prompt" string')
     if bad:
         shown = ", ".join(map(str, bad[:_SHOWN_LINES])) + (", ..." if len(bad) > _SHOWN_LINES else "")
-        warnings.warn(f'{source}: skipped {len(bad)} line(s) that are not JSON objects with a "prompt" string (line {shown})', stacklevel=3)
+        warnings.warn(
+            f'{source}: skipped {len(bad)} line(s) that are not JSON objects with a "prompt" string (line {shown})',
+            stacklevel=3,
+        )
     return problems
 
 
@@ -160,15 +164,24 @@ def _clean(lines: list[str]) -> str:
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    """Content of the last ``\\boxed{...}`` with balanced braces and a non-blank content (an empty
+    one is the instruction echoed back, not an answer), or None."""
     start = text.rfind("\\boxed{")
     while start != -1:
-        depth, open_at = 0, start + len("\\boxed")
-        for position in range(open_at, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[position], 0)
-            if depth == 0:
-                return text[open_at + 1 : position]
-        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try the one before
+        content = _braced(text, start + len("\\boxed"))
+        if content is not None and content.strip():
+            return content
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+def _braced(text: str, open_at: int) -> str | None:
+    """What lies between the brace at ``open_at`` and its matching brace; None if unbalanced."""
+    depth = 0
+    for position in range(open_at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        if depth == 0:
+            return text[open_at + 1 : position]
     return None
 
 
@@ -197,10 +210,11 @@ def _reasoning_gym_scorer(task: str):
 
 
 def _math_parse(text: str) -> list:
-    """math-verify's parse; a bare expression it cannot read (``x+1``) is retried as ``$x+1$``."""
+    """The whole text read as one LaTeX expression (``$text$``), so that ``\\frac{5}{6}+1`` is not
+    cut to its first term; math-verify's own extraction only when that reads nothing."""
     from math_verify import parse
 
-    return parse(text) or parse(f"${text}$")
+    return parse(f"${text}$") or parse(text)
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -208,5 +222,6 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     plain encoding (with the tokenizer's special tokens) when it has no template."""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
     return list(tokenizer(prompt).input_ids)

@@ -139,10 +139,10 @@ class TraceRunSummary:
     def describe(self) -> str:
         """One line stating what the folder holds for this call's shards."""
         c = self.counts
-        accuracy = "no answers to check" if c.accuracy is None else f"accuracy {c.accuracy:.1%} ({c.correct}/{c.checked})"
+        accuracy = f"accuracy {c.accuracy:.1%} ({c.correct}/{c.checked})" if c.checked else "no answers to check"
         return (
-            f"{self.out_dir}: kept {c.kept} of {c.generated} traces ({c.too_short} too short, {c.incorrect} incorrect, "
-            f"{c.truncated} truncated), {accuracy}, {c.tokens} tokens; "
+            f"{self.out_dir}: kept {c.kept} of {c.generated} traces ({c.too_short} too short, "
+            f"{c.incorrect} incorrect, {c.truncated} truncated), {accuracy}, {c.tokens} tokens; "
             f"{self.shards_written} shard(s) written, {self.shards_skipped} already complete"
         )
 
@@ -211,10 +211,12 @@ def generate_traces(
     """Sample one trace per problem of ``source`` (see foresight.tasks) into ``out_dir``.
 
     Sampling follows the paper's evaluation settings (T = 0.6, top-k 20, top-p 0.95; temperature 0
-    is greedy). A trace is kept when its length (prompt + completion) is at least ``min_tokens`` and,
-    with ``only_correct``, its answer checks as correct (App. E.1 keeps correct traces over 4096
-    tokens). ``shard=(i, n)`` makes this call write only shards k with k % n == i. ``model_name``
-    (default: the model's ``name_or_path``) is recorded and checked on reruns.
+    is greedy; options not named here, e.g. a repetition penalty, come from the model's
+    ``generation_config`` as in ``transformers``). A trace is kept when its length (prompt +
+    completion) is at least ``min_tokens`` and, with ``only_correct``, its answer checks as correct
+    (App. E.1 keeps correct traces over 4096 tokens). ``shard=(i, n)`` makes this call write only
+    shards k with k % n == i. ``model_name`` (default: the model's ``name_or_path``) is recorded and
+    checked on reruns.
     """
     index, count = shard
     if not 0 <= index < count:
@@ -241,7 +243,8 @@ def generate_traces(
     for k in owned:
         writer.remove_leftovers(k)
     sampler = _Sampler(model, tokenizer, settings, batch_size)
-    with tqdm(total=sum(len(settings.shard_range(k)) for k in todo), disable=not progress, unit="problem", desc="traces") as bar:
+    pending = sum(len(settings.shard_range(k)) for k in todo)
+    with tqdm(total=pending, disable=not progress, unit="problem", desc="traces") as bar:
         for k in todo:
             with torch.random.fork_rng(devices=_rng_devices(model), device_type=model.device.type):
                 torch.manual_seed(_shard_seed(seed, k))
@@ -315,11 +318,15 @@ class _Sampler:
         lengths = torch.where(ended, is_eos.int().argmax(dim=1) + 1, out.shape[1])
         return [row[:n].tolist() for row, n in zip(out.cpu(), lengths.tolist())], (~ended).tolist()
 
-    def _add(self, rows: dict[str, list], problem: Problem, prompt: list[int], completion: list[int], truncated: bool) -> TraceCounts:
+    def _add(
+        self, rows: dict[str, list], problem: Problem, prompt: list[int], completion: list[int], truncated: bool
+    ) -> TraceCounts:
         """Check and filter one trace; append it to ``rows`` when kept."""
         text = self.tokenizer.decode(completion, skip_special_tokens=True)
         correct = check_answer(problem, text)
-        counts = dict(generated=1, checked=int(correct is not None), correct=int(bool(correct)), truncated=int(truncated))
+        counts = dict(
+            generated=1, checked=int(correct is not None), correct=int(bool(correct)), truncated=int(truncated)
+        )
         input_ids = prompt + completion
         if len(input_ids) < self.settings.min_tokens:
             return TraceCounts(too_short=1, **counts)
@@ -402,10 +409,11 @@ class _ShardWriter:
 
 
 def _check_same_settings(out_dir: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
-    differing = [f"{name} {stored.get(name)!r} -> {value!r}" for name, value in wanted.items() if stored.get(name) != value]
+    differing = [f"{name} {stored.get(name)!r} -> {new!r}" for name, new in wanted.items() if stored.get(name) != new]
     if differing:
         raise ValueError(
-            f"{out_dir} holds traces made with other settings ({', '.join(differing)}); use another output folder or the same settings"
+            f"{out_dir} holds traces made with other settings ({', '.join(differing)}); "
+            "use another output folder or the same settings"
         )
 
 
@@ -469,7 +477,9 @@ class TraceStore(TraceView):
         manifest = _read_json(out_dir / MANIFEST)
         if manifest is None:
             raise ValueError(f"{out_dir} is not a trace folder (no {MANIFEST}); write one with `foresight traces`")
-        shards = [datasets.load_from_disk(str(path.parent)) for path in sorted(out_dir.glob(f"shard-*/{SHARD_RECORD}"))]
-        dataset = datasets.concatenate_datasets(shards) if shards else datasets.Dataset.from_dict({n: [] for n in FEATURES}, features=FEATURES)
+        records = sorted(out_dir.glob(f"shard-*/{SHARD_RECORD}"))
+        shards = [datasets.load_from_disk(str(path.parent)) for path in records]
+        empty = datasets.Dataset.from_dict({name: [] for name in FEATURES}, features=FEATURES)
+        dataset = datasets.concatenate_datasets(shards) if shards else empty
         super().__init__(dataset, manifest["settings"])
         self.out_dir = out_dir

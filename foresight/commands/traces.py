@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from foresight.models import load_model
 from foresight.traces import generate_traces
 
 
@@ -27,24 +28,30 @@ def _shard_spec(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model: 'default', a Hub id or a local folder")
-    parser.add_argument("--prompts", required=True, metavar="SOURCE", help="reasoning-gym:TASK, a JSONL file or a dataset folder")
+    parser.add_argument(
+        "--prompts", required=True, metavar="SOURCE", help="reasoning-gym:TASK, a JSONL file or a dataset folder"
+    )
     parser.add_argument("--num", type=int, required=True, help="number of problems (one trace each)")
     parser.add_argument("--max-new-tokens", type=int, required=True, help="most tokens generated per trace")
     parser.add_argument("--out", type=Path, required=True, help="output folder (shards and manifest.json)")
-    parser.add_argument("--min-tokens", type=int, default=0, help="keep traces of at least this many tokens, prompt included")
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, help="keep traces of at least this many tokens, prompt included"
+    )
     parser.add_argument("--only-correct", action="store_true", help="keep only traces whose answer checks as correct")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 is greedy")
     parser.add_argument("--top-k", type=int, default=20, help="sample from the k most likely tokens; 0 disables")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (left-padded)")
     parser.add_argument("--shard-size", type=int, default=64, help="problems per stored shard (the unit of resuming)")
-    parser.add_argument("--shard", type=_shard_spec, default="0/1", metavar="i/n", help="write only shards k with k %% n == i")
-    parser.add_argument("--seed", type=int, default=0, help="picks reasoning-gym problems and seeds each shard's sampling")
+    parser.add_argument(
+        "--shard", type=_shard_spec, default="0/1", metavar="i/n", help="write only shards k with k %% n == i"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="picks reasoning-gym problems and seeds each shard's sampling"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from foresight.models import load_model
-
     model, tokenizer = load_model(args.model)
     summary = generate_traces(
         model,

@@ -1,0 +1,158 @@
+"""Prompt sources, final-answer extraction, answer checking and chat encoding (foresight.tasks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import reasoning_gym
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from foresight.tasks import ANSWER_INSTRUCTION, Problem, chat_prompt_ids, check_answer, extract_answer, load_problems
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (id = code point) plus <pad> 0, <s> 1, </s> 2: the
+    special ids of foresight.models.tiny_model, whose 128-token vocabulary it fits."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 10, **{chr(code): code for code in range(32, 127)}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def write_lines(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_reasoning_gym_problems_are_the_packages_with_the_instruction():
+    problems = load_problems("reasoning-gym:basic_arithmetic", 4, seed=3)
+    entries = list(reasoning_gym.create_dataset("basic_arithmetic", size=4, seed=3))
+    assert [p.index for p in problems] == [0, 1, 2, 3]
+    assert [p.prompt for p in problems] == [f"{e['question']}\n{ANSWER_INSTRUCTION}" for e in entries]
+    assert [p.answer for p in problems] == [str(e["answer"]) for e in entries]
+    assert load_problems("reasoning-gym:basic_arithmetic", 4, seed=3) == problems
+    assert load_problems("reasoning-gym:basic_arithmetic", 2, seed=3) == problems[:2]
+    other_seed = load_problems("reasoning-gym:basic_arithmetic", 4, seed=4)
+    assert [p.prompt for p in other_seed] != [p.prompt for p in problems]
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("so 3 + 4 = 7, hence \\boxed{7}. Done.", "7"),
+        ("\\boxed{1} first, then \\boxed{\\frac{3}{4}} at last", "\\frac{3}{4}"),
+        ("unbalanced \\boxed{2 and \\boxed{5}", "5"),
+        ("\\boxed{8}, put within \\boxed{ }", "8"),  # an empty box is the instruction echoed back
+        ("the final answer within \\boxed{}\nis 41.", "is 41"),
+        ("steps...\nFinal answer: -12.\nThanks", "-12"),
+        ("answer: 3\nANSWER:  41 ", "41"),
+        ("the answer is below\nAnswer:\n\n  9.\nmore text", "9"),
+        ("we add them\n\n  15.  \n\n", "15"),
+        ("", ""),
+        ("\\boxed{-4", "\\boxed{-4"),  # no closing brace: falls through to the last line
+    ],
+)
+def test_extract_answer(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+def test_check_answer_uses_reasoning_gym_scorer():
+    problem = next(p for p in load_problems("reasoning-gym:basic_arithmetic", 10) if p.answer == "-4")
+    assert check_answer(problem, "5 - 3 = 2, 2 - 6 = -4, so \\boxed{-4}") is True
+    assert check_answer(problem, "Answer: -4") is True
+    assert check_answer(problem, "\\boxed{4}") is False
+    assert check_answer(problem, "it is -4 or maybe 3") is False
+
+
+def test_check_answer_uses_math_verify_for_files():
+    problem = Problem(0, "What is 1/2 + 1/4?", "\\frac{3}{4}", "problems.jsonl")
+    assert check_answer(problem, "\\boxed{0.75}") is True
+    assert check_answer(problem, "Answer: 3/4") is True
+    assert check_answer(problem, "\\boxed{\\dfrac{6}{8}}") is True
+    assert check_answer(problem, "\\boxed{\\frac{2}{3}}") is False
+    assert check_answer(Problem(0, "Simplify x + x - 1.", "2x-1", "p.jsonl"), "\\boxed{-1 + 2x}") is True
+    assert check_answer(Problem(0, "Say hi.", None, "p.jsonl"), "hi") is None
+
+
+def test_shipped_prompt_set_answers_check():
+    problems = load_problems(str(DATA / "arithmetic.jsonl"), 30)
+    assert all(p.answer for p in problems)
+    assert all(check_answer(p, f"work...\n\\boxed{{{p.answer}}}") for p in problems)
+    assert not any(check_answer(p, f"\\boxed{{{p.answer}+1}}") for p in problems)
+
+
+def test_jsonl_bad_lines_are_skipped_and_counted(tmp_path):
+    source = write_lines(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"prompt": "a", "answer": "1"}),
+            "not json",
+            json.dumps({"question": "no prompt key"}),
+            "",
+            json.dumps({"prompt": "b", "answer": 2}),
+            json.dumps(["prompt", "in a list"]),
+            json.dumps({"prompt": "c"}),
+        ],
+    )
+    with pytest.warns(UserWarning, match=r"skipped 3 line\(s\) .* \(line 2, 3, 6\)"):
+        problems = load_problems(source, 3)
+    assert [(p.index, p.prompt, p.answer) for p in problems] == [(0, "a", "1"), (1, "b", "2"), (2, "c", None)]
+
+
+def test_file_that_is_not_jsonl_is_one_line_error(tmp_path):
+    text = write_lines(tmp_path / "notes.txt", ["just some", "notes"])
+    with pytest.raises(ValueError, match="is not JSONL") as error:
+        load_problems(text, 1)
+    assert "\n" not in str(error.value)
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match="is not JSONL"):
+        load_problems(str(binary), 1)
+
+
+def test_bad_sources_and_counts(tmp_path):
+    with pytest.raises(ValueError, match="neither 'reasoning-gym:TASK'"):
+        load_problems(str(tmp_path / "missing.jsonl"), 1)
+    with pytest.raises(ValueError, match="unknown reasoning-gym task 'no_such_task'"):
+        load_problems("reasoning-gym:no_such_task", 1)
+    source = write_lines(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
+    with pytest.raises(ValueError, match="asked for 2 problems but .* has only 1"):
+        load_problems(source, 2)
+    with pytest.raises(ValueError, match="num must be at least 1, got 0"):
+        load_problems(source, 0)
+
+
+def test_saved_dataset_source(tmp_path):
+    datasets.Dataset.from_dict({"question": ["q0", "q1"], "answer": [3, 4]}).save_to_disk(str(tmp_path / "qa"))
+    problems = load_problems(str(tmp_path / "qa"), 2)
+    assert [(p.prompt, p.answer) for p in problems] == [("q0", "3"), ("q1", "4")]
+    datasets.Dataset.from_dict({"prompt": ["p0"]}).save_to_disk(str(tmp_path / "p"))
+    assert load_problems(str(tmp_path / "p"), 1)[0].answer is None
+    datasets.Dataset.from_dict({"text": ["t"]}).save_to_disk(str(tmp_path / "t"))
+    with pytest.raises(ValueError, match="no 'prompt' or 'question' column"):
+        load_problems(str(tmp_path / "t"), 1)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["p"]})}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"holds splits \['train'\]"):
+        load_problems(str(tmp_path / "dd"), 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a dataset saved with save_to_disk"):
+        load_problems(str(tmp_path / "empty"), 1)
+
+
+def test_chat_prompt_ids_applies_template_when_there_is_one():
+    assert chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), "Hi") == [ord(c) for c in "<user>Hi\n<assistant>"]
+    assert chat_prompt_ids(char_tokenizer(), "Hi") == [ord("H"), ord("i")]
