@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -10,22 +10,26 @@ from foresight.policies import register
 from foresight.policies.base import EvictionContext, Policy
 
 
+def uniform_hash(seed: int, layer: int, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform pseudo-random number in [0, 1) per (seed, layer, head, position), by integer mixing."""
+    mixed = positions * 0x9E3779B1 + (heads + 131 * layer) * 0x85EBCA77 + seed * 0xC2B2AE3D
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
+        mixed = (mixed ^ (mixed >> shift)) * multiplier & 0x7FFFFFFF
+    return mixed.double().div(2**31).float()
+
+
 @register
 @dataclass
 class RandomEviction(Policy):
-    """Uniform random keep scores, reproducible from `seed` (reset at the start of every run)."""
+    """Uniform random keep scores. Each entry draws its score once, as a fixed pseudo-random function
+    of (seed, layer, KV head, position), so a batch evicts exactly as its rows alone and a run is
+    reproducible from `seed` (default 0)."""
 
     name = "random"
     summary = "uniform random keep scores"
     seed: int = 0
-    _generator: torch.Generator = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self._generator = torch.Generator().manual_seed(self.seed)
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        shape = context.candidate_positions.shape
-        return torch.rand(shape, generator=self._generator).to(context.keys.device)
+        positions = context.candidate_positions
+        heads = torch.arange(positions.shape[1], device=positions.device)[None, :, None]
+        return uniform_hash(self.seed, context.layer_idx, heads, positions)

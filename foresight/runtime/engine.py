@@ -9,7 +9,8 @@ evict on their own schedule (left padding shifts it), so a batch decodes exactly
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +89,7 @@ class ReplayOutput:
 
     nll: list[torch.Tensor]
     entropy: list[torch.Tensor]
-    first_eviction: list[int | None]  # position of the first token predicted with an evicted cache
+    first_eviction: list[int | None]  # first position processed with an evicted cache: nll[j] for j >= it
     stats: RunStats
 
 
@@ -109,9 +110,17 @@ class _Run:
 class EvictionEngine:
     """Runs a frozen causal LM with its KV cache held to a budget by `policy`.
 
-    `config=None` (or a policy that does not evict) keeps the full cache."""
+    `config=None` (or a policy that does not evict) keeps the full cache. The model runs with the
+    runtime's attention function (`attention`, a name registered in AttentionInterface) during a
+    run only; its own implementation is restored afterwards."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, config: EvictionConfig | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        policy: Policy,
+        config: EvictionConfig | None = None,
+        attention: str = ATTENTION_NAME,
+    ):
         if policy.evicts and config is None:
             raise ValueError(f"policy {policy.name!r} evicts and needs a budget and an interval")
         self.model = model
@@ -128,7 +137,8 @@ class EvictionEngine:
         self.evicts = policy.evicts and config is not None
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
-        model.set_attn_implementation(ATTENTION_NAME)
+        self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
+        self.attention = attention
 
     # -- public entry points -------------------------------------------------------------------------
     @torch.no_grad()
@@ -145,6 +155,10 @@ class EvictionEngine:
         """Prefill left-padded prompts, then decode up to `max_new_tokens` per row."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        with self._runtime_attention():
+            return self._generate(prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token)
+
+    def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token):
         run, input_ids, positions, valid = self._start(prompts, pad_token_id)
         logits = self._forward(run, input_ids, positions, valid)[:, -1]
         processors = _logits_processors(sampling)
@@ -186,6 +200,10 @@ class EvictionEngine:
         for sequence, length in zip(sequences, prompt_lengths, strict=True):
             if not 1 <= length <= len(sequence):
                 raise ValueError(f"prompt length {length} must be between 1 and the sequence length {len(sequence)}")
+        with self._runtime_attention():
+            return self._replay(sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens)
+
+    def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens) -> ReplayOutput:
         prompts = [seq[:length].tolist() for seq, length in zip(sequences, prompt_lengths)]
         run, input_ids, positions, valid = self._start(prompts, pad_token_id)
         device = input_ids.device
@@ -219,6 +237,15 @@ class EvictionEngine:
         )
 
     # -- one forward and one eviction step -------------------------------------------------------
+    @contextmanager
+    def _runtime_attention(self) -> Iterator[None]:
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.attention)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
+
     def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -240,6 +267,7 @@ class EvictionEngine:
             group_size=self.group_size,
             query_window=interval if self.evicts and self.policy.needs_attention else 0,
         )
+        self.last_cache = cache
         run = _Run(
             cache=cache,
             protected=protected,

@@ -1,0 +1,54 @@
+"""Generate text with the KV cache held to a budget by an eviction policy."""
+
+from __future__ import annotations
+
+import argparse
+
+from tqdm import tqdm
+
+from foresight.commands._common import add_policy_arguments, policy_from_args
+from foresight.models import load_model
+from foresight.runtime.engine import EvictionEngine, SamplingConfig
+from foresight.tasks import chat_prompt_ids
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="+", help="one or more prompts (several are decoded as one batch)")
+    add_policy_arguments(parser, default_policy="rkv")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 disables")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
+
+
+def run(args: argparse.Namespace) -> int:
+    policy, config = policy_from_args(args)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    model, tokenizer = load_model(args.model)
+    prompts = [
+        tokenizer.encode(text) if args.no_chat_template else chat_prompt_ids(tokenizer, text) for text in args.prompt
+    ]
+    engine = EvictionEngine(model, policy, config)
+    with tqdm(total=args.max_new_tokens, desc=f"{policy.name} decode", unit="tok") as bar:
+        output = engine.generate(
+            prompts,
+            args.max_new_tokens,
+            sampling,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id or 0,
+            on_token=lambda count: bar.update(count - bar.n),
+        )
+    for tokens in output.tokens:
+        print(tokenizer.decode(tokens, skip_special_tokens=True))
+        print()
+    stats = output.stats
+    decoded = sum(len(t) for t in output.tokens)
+    seconds = sum(stats.step_seconds)
+    note = "" if stats.evictions or config is None else f" (no eviction: the sequence never reached B + L = {config.budget + config.interval})"
+    print(
+        f"{decoded} tokens at {len(stats.step_seconds) * len(prompts) / max(seconds, 1e-9):.1f} tokens/s, "
+        f"largest cache held {stats.max_entries} entries, {stats.evictions} eviction steps{note}"
+    )
+    return 0
