@@ -1,0 +1,106 @@
+"""Our policies against NVIDIA kvpress: one prefill of the same tiny model and prompt is compressed by a
+kvpress press and by our engine with the policy set to the same rule; the kept positions must agree
+on every layer and KV head. kvpress pins transformers < 5.3, so this runs in its own virtualenv
+(docs/kvpress.md); elsewhere it is skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+kvpress = pytest.importorskip("kvpress")
+
+from foresight.models import tiny_model  # noqa: E402
+from foresight.policies import make_policy  # noqa: E402
+from foresight.runtime.engine import EvictionConfig, EvictionEngine  # noqa: E402
+
+SINKS, LAG, PARTITIONS = 4, 4, 8
+LENGTH = SINKS + PARTITIONS * LAG  # LagKV's partitions then tile the prompt after the sinks exactly
+KEPT_PER_PARTITION = 2
+BUDGET = SINKS + LAG + KEPT_PER_PARTITION * (PARTITIONS - 1)  # no rank ties across partitions at the cut
+ARCHS = ("llama", "qwen3")
+
+
+def ratio_keeping(length: int, kept: int) -> float:
+    """A kvpress compression ratio whose n_kept = int(length * (1 - ratio)) is exactly `kept`."""
+    ratio = 1 - (kept + 0.5) / length
+    assert kvpress.utils.compute_n_kept(length, ratio) == kept
+    return ratio
+
+
+def prompt(seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (1, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def kvpress_kept(arch: str, press, ids: torch.Tensor) -> list[list[list[int]]]:
+    """Positions [layer][head] kvpress keeps when it compresses the prefill of `ids`, found by
+    matching each kept key to the full cache's keys (kvpress stores them in top-k order)."""
+    model = tiny_model(arch)
+    model.set_attn_implementation("eager")  # TOVA reads the returned attention weights
+    full, compressed = DynamicCache(), DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=full, use_cache=True)
+        with press(model):
+            model(ids, past_key_values=compressed, use_cache=True)
+    kept = []
+    for full_layer, layer in zip(full.layers, compressed.layers):
+        matches = (layer.keys[0, :, :, None, :] == full_layer.keys[0, :, None, :, :]).all(-1)  # [Hkv, kept, T]
+        assert (matches.sum(-1) == 1).all(), "every kept key is exactly one prefill key"
+        kept.append(matches.float().argmax(-1).sort(-1).values.tolist())
+    return kept
+
+
+def our_kept(arch: str, policy: str, config: EvictionConfig, ids: torch.Tensor) -> list[list[list[int]]]:
+    """Positions [layer][head] our engine keeps after the eviction step that follows the prefill."""
+    engine = EvictionEngine(tiny_model(arch), make_policy(policy), config)
+    output = engine.generate(ids.tolist(), max_new_tokens=1)
+    assert output.stats.evictions == 1
+    kept = []
+    for layer in engine.last_cache.layers:
+        positions = layer.entry_positions()[0]
+        kept.append([sorted(p for p in head if p >= 0) for head in positions.tolist()])
+    return kept
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streaming_matches_streamingllm_press(arch):
+    ids = prompt(1)
+    press = kvpress.StreamingLLMPress(compression_ratio=ratio_keeping(LENGTH, BUDGET), n_sink=SINKS)
+    ours = our_kept(arch, "streaming", EvictionConfig(BUDGET, LAG, sinks=SINKS), ids)
+    assert ours == kvpress_kept(arch, press, ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tova_matches_tova_press(arch):
+    """kvpress's TOVA always keeps the last token and ranks the rest by the last query's attention,
+    averaged over every head of the layer: our tova with a recent window of L = 1."""
+    ids = prompt(2)
+    press = kvpress.TOVAPress(compression_ratio=ratio_keeping(LENGTH, BUDGET))
+    ours = our_kept(arch, "tova", EvictionConfig(BUDGET, 1), ids)
+    assert ours == kvpress_kept(arch, press, ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_knorm_matches_knorm_press_on_the_candidates(arch):
+    """kvpress's Knorm has no recent window: a key's score depends on the key alone, and a causal
+    model gives the first T - L tokens the same keys with or without the last L, so kvpress
+    compressing the candidates alone to B - L must keep exactly our kept candidates."""
+    ids = prompt(3)
+    candidates = LENGTH - LAG
+    press = kvpress.KnormPress(compression_ratio=ratio_keeping(candidates, BUDGET - LAG))
+    ours = our_kept(arch, "knorm", EvictionConfig(BUDGET, LAG, sinks=0), ids)
+    ours_candidates = [[[p for p in head if p < candidates] for head in layer] for layer in ours]
+    assert ours_candidates == kvpress_kept(arch, press, ids[:, :candidates])
+    recent = list(range(candidates, LENGTH))
+    assert all(head[-LAG:] == recent for layer in ours for head in layer)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lagkv_matches_lagkv_press(arch):
+    """kvpress's settings: n_sink sinks, partitions of lag_size after them, the last partition kept
+    as the window, scores ranked within partitions. Ours: sinks = n_sink, L = lag_size."""
+    ids = prompt(4)
+    press = kvpress.LagKVPress(compression_ratio=ratio_keeping(LENGTH, BUDGET), n_sink=SINKS, lag_size=LAG)
+    ours = our_kept(arch, "lagkv", EvictionConfig(BUDGET, LAG, sinks=SINKS), ids)
+    assert ours == kvpress_kept(arch, press, ids)
