@@ -8,8 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+_overrides = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
 kvpress = pytest.importorskip("kvpress")
+# Importing kvpress wraps every attention function registered so far (for AdaKV's head-wise masks,
+# which no press compared here uses) and its wrapper passes `dropout` positionally; undo it so that
+# the attention functions of the rest of the suite run unwrapped in this virtualenv.
+ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
+ALL_ATTENTION_FUNCTIONS._local_mapping.update(_overrides)
 
 from foresight.models import tiny_model  # noqa: E402
 from foresight.policies import make_policy  # noqa: E402

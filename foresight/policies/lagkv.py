@@ -49,7 +49,9 @@ def within_chunk_ranks(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tenso
     return ranks.masked_fill(~valid, -1.0)
 
 
-def lagkv_chunk_ranks(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, num_candidates: int, lag: int):
+def lagkv_chunk_ranks(
+    keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, num_candidates: int, lag: int
+) -> torch.Tensor:
     """Within-chunk ranks [batch, Hkv, num_candidates] of every candidate against its lag reference.
 
     keys, values [batch, Hkv, N, D]; valid [batch, Hkv, N]; the candidates are the first
@@ -57,7 +59,9 @@ def lagkv_chunk_ranks(keys: torch.Tensor, values: torch.Tensor, valid: torch.Ten
     pad = -num_candidates % lag
     chunks = (num_candidates + pad) // lag
 
-    def chunked(tensor: torch.Tensor, fill) -> torch.Tensor:
+    def chunked(tensor: torch.Tensor, fill: float | bool) -> torch.Tensor:
+        """[batch, Hkv, chunks + 1, lag, ...]: the candidates front-padded to whole chunks, then
+        the last chunk's reference."""
         tensor = tensor[:, :, : num_candidates + lag]
         trailing = (0, 0) * (tensor.dim() - 3)
         padded = F.pad(tensor, (*trailing, pad, 0), value=fill)
