@@ -1,0 +1,120 @@
+"""Teacher-forced metrics of an evicting run against the full cache (ALGORITHMS.md section 8).
+
+Pure functions of per-token tensors, so each has a hand-computed check in the tests. The caller
+chooses the tokens (those predicted with an evicted cache, see `scored_tokens`) and pools traces by
+concatenating tokens or by adding the counts these functions return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LOW_ENTROPY_SHARE = 0.8  # ForesightKV §2.2: the bottom 80% of a trace's tokens by entropy
+DAMAGE_THRESHOLD = 1.5  # η of ForesightKV §3.3: a loss increase above it damages a token
+
+
+def scored_tokens(num_predictions: int, first_eviction: int | None) -> torch.Tensor:
+    """[num_predictions] bool: the predictions made with an evicted cache.
+
+    Prediction j (of token j + 1) is scored when j >= first_eviction, the first position processed
+    after the first eviction step (`ReplayOutput.first_eviction`); none when nothing was evicted."""
+    if first_eviction is None:
+        return torch.zeros(num_predictions, dtype=torch.bool)
+    return torch.arange(num_predictions) >= first_eviction
+
+
+def loss_ratio(evicted_nll: torch.Tensor, full_nll: torch.Tensor) -> float:
+    """Mean NLL with eviction / mean NLL with the full cache over the same tokens (ForesightKV Table 2).
+
+    Pooling traces: concatenate their scored tokens, so every token weighs the same."""
+    _check_same_tokens(evicted_nll, full_nll)
+    return float(evicted_nll.double().sum() / full_nll.double().sum())
+
+
+@dataclass(frozen=True)
+class EntropyDamage:
+    """Counts of the low-entropy damage of one or more traces; add them to pool traces.
+
+    low_entropy: tokens in their trace's bottom share by full-cache entropy;
+    damaged: those of them whose loss grew by more than the threshold (ΔL > η);
+    squared_sum: Σ ΔL² over the damaged tokens."""
+
+    low_entropy: int = 0
+    damaged: int = 0
+    squared_sum: float = 0.0
+
+    def __add__(self, other: EntropyDamage) -> EntropyDamage:
+        return EntropyDamage(
+            self.low_entropy + other.low_entropy, self.damaged + other.damaged, self.squared_sum + other.squared_sum
+        )
+
+    @property
+    def share(self) -> float:
+        """Share of low-entropy tokens that are damaged (0 when there are none)."""
+        return self.damaged / self.low_entropy if self.low_entropy else 0.0
+
+    @property
+    def mean_squared(self) -> float:
+        """Mean ΔL² over the damaged tokens: minus the GRPO reward of ALGORITHMS.md §7 (0 when none)."""
+        return self.squared_sum / self.damaged if self.damaged else 0.0
+
+
+def low_entropy_tokens(entropy: torch.Tensor, share: float = LOW_ENTROPY_SHARE) -> torch.Tensor:
+    """Bool mask of the tokens whose entropy is at most the `share` quantile of `entropy` (linear
+    interpolation, torch.quantile): the bottom `share` of the tokens, ties included."""
+    if not 0 < share <= 1:
+        raise ValueError(f"low-entropy share must be in (0, 1], got {share}")
+    if entropy.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    return entropy <= torch.quantile(entropy.double(), share).to(entropy.dtype)
+
+
+def low_entropy_damage(
+    evicted_nll: torch.Tensor,
+    full_nll: torch.Tensor,
+    full_entropy: torch.Tensor,
+    share: float = LOW_ENTROPY_SHARE,
+    threshold: float = DAMAGE_THRESHOLD,
+) -> EntropyDamage:
+    """Low-entropy damage of one trace (ForesightKV §2.2 and the reward of §3.3).
+
+    All three tensors hold the trace's scored tokens. Low-entropy tokens are the bottom `share` by
+    full-cache entropy among them (`low_entropy_tokens`); a low-entropy token is damaged when
+    ΔL = evicted_nll - full_nll > threshold."""
+    _check_same_tokens(evicted_nll, full_nll)
+    _check_same_tokens(full_entropy, full_nll)
+    low = low_entropy_tokens(full_entropy, share)
+    delta = (evicted_nll.double() - full_nll.double())[low]
+    damaged = delta[delta > threshold]
+    return EntropyDamage(int(low.sum()), damaged.numel(), float(damaged.square().sum()))
+
+
+def attention_cosine(evicted_output: torch.Tensor, full_output: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of attention outputs [..., D] -> [...], in float32 (ForesightKV Table 7).
+
+    Compare one head's output for the same token in the evicted run and in the full-cache run."""
+    if evicted_output.shape != full_output.shape:
+        raise ValueError(f"attention outputs differ in shape: {tuple(evicted_output.shape)} vs {tuple(full_output.shape)}")
+    return F.cosine_similarity(evicted_output.float(), full_output.float(), dim=-1)
+
+
+def golden_overlap(kept: torch.Tensor, golden_kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of a policy's kept candidates the golden schedule also keeps, per head.
+
+    kept [..., N]: positions of the policy's kept candidates (-1 pads); golden_kept [..., K]: the
+    golden kept set of the same step, ascending. Returns (hits, kept count), both [...]; the overlap
+    of one step is hits / kept count."""
+    valid = kept >= 0
+    slot = torch.searchsorted(golden_kept, kept.contiguous()).clamp(max=golden_kept.shape[-1] - 1)
+    hits = valid & (golden_kept.gather(-1, slot) == kept)
+    return hits.sum(-1), valid.sum(-1)
+
+
+def _check_same_tokens(first: torch.Tensor, second: torch.Tensor) -> None:
+    if first.shape != second.shape or first.dim() != 1:
+        raise ValueError(f"per-token metrics need two 1-D tensors of one length, got {tuple(first.shape)} and {tuple(second.shape)}")
+    if first.numel() == 0:
+        raise ValueError("no scored tokens: the run never evicted (is every trace shorter than B + L?)")
