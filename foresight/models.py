@@ -230,6 +230,7 @@ def _atomic_folder(final: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield staging
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as a plain folder
         try:
             staging.rename(final)
         except OSError:

@@ -192,6 +192,7 @@ def test_atomic_folder_publishes_complete_folder_only(tmp_path: Path) -> None:
         (staging / "weights").write_text("complete")
         assert not final.exists()
     assert (final / "weights").read_text() == "complete"
+    assert final.stat().st_mode & 0o777 == 0o755
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
