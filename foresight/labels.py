@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -37,6 +37,8 @@ from safetensors.torch import save_file
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from foresight.models import ModelShape, describe
 
 CAPTURE_ATTENTION = "foresight_golden_capture"
 FORMAT = "foresight-golden-labels/1"
@@ -78,9 +80,9 @@ class GoldenLabels:
     budget: int
     interval: int
     num_tokens: int
+    model_shape: ModelShape
     trace_index: int = -1
     model_name: str = ""
-    model_shape: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -263,14 +265,8 @@ def compute_golden_labels(
     num_tokens = input_ids.numel()
     eviction_steps(num_tokens, budget, interval)
     capture = _capture_forward(model, input_ids, chunk_size)
-    shape = {
-        "num_layers": len(capture.queries),
-        "num_query_heads": capture.queries[0].shape[0],
-        "num_kv_heads": capture.keys[0].shape[0],
-        "head_dim": capture.queries[0].shape[-1],
-    }
     candidates, alpha = [], []
-    for layer in range(shape["num_layers"]):
+    for layer in range(len(capture.queries)):
         queries, keys = capture.queries.pop(layer), capture.keys.pop(layer)
         future = future_scores(queries, keys, budget, interval, capture.scaling[layer])
         del queries, keys
@@ -283,9 +279,9 @@ def compute_golden_labels(
         budget=budget,
         interval=interval,
         num_tokens=num_tokens,
+        model_shape=describe(model),
         trace_index=trace_index,
         model_name=model.config.name_or_path if model_name is None else model_name,
-        model_shape=shape,
     )
 
 
@@ -306,7 +302,7 @@ def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
         "num_tokens": str(labels.num_tokens),
         "trace_index": str(labels.trace_index),
         "model": labels.model_name,
-        **{key: str(value) for key, value in labels.model_shape.items()},
+        **{key: str(value) for key, value in asdict(labels.model_shape).items()},
     }
     tensors = {"candidates": labels.candidates.contiguous(), "alpha": labels.alpha.contiguous()}
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -348,16 +344,15 @@ def load_labels(
     for key, value in expected.items():
         if int(metadata[key]) != value:
             raise ValueError(f"labels at {path} were made with {key}={metadata[key]}, but {key}={value} was asked for")
-    shape_keys = ("num_layers", "num_query_heads", "num_kv_heads", "head_dim")
     return GoldenLabels(
         candidates=tensors["candidates"],
         alpha=tensors["alpha"],
         budget=expect_budget,
         interval=expect_interval,
         num_tokens=expect_num_tokens,
+        model_shape=ModelShape(**{f.name: int(metadata[f.name]) for f in fields(ModelShape)}),
         trace_index=expect_trace_index,
         model_name=metadata["model"],
-        model_shape={key: int(metadata[key]) for key in shape_keys},
     )
 
 

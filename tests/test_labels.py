@@ -18,7 +18,7 @@ from foresight.labels import (
     load_labels,
     save_labels,
 )
-from foresight.models import tiny_model
+from foresight.models import ModelShape, tiny_model
 from foresight.traces import TraceStore, generate_traces
 from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
 
@@ -95,7 +95,7 @@ def test_labels_match_dense_reference(arch, length, budget, interval, chunk_size
     assert labels.candidates.permute(1, 2, 0, 3).tolist() == expected_candidates
     torch.testing.assert_close(labels.alpha.permute(1, 2, 0, 3), torch.tensor(expected_alpha), atol=1e-5, rtol=0)
     assert (labels.num_tokens, labels.trace_index, labels.budget, labels.interval) == (length, 3, budget, interval)
-    assert labels.model_shape == {"num_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+    assert labels.model_shape == ModelShape(num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=16)
     assert model.config._attn_implementation == "sdpa"  # restored
 
 

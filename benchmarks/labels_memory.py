@@ -1,0 +1,89 @@
+"""Peak memory of Golden Eviction labelling (foresight.labels.compute_golden_labels) against trace length.
+
+Each length runs in a fresh subprocess: load the default model, label a trace of B + L tokens (so the
+weights are paged in and the allocator warm), note the memory in use, reset the peak, label random
+token ids, read the peak. On CPU the peak is the process's resident set high-water
+mark (Linux VmHWM, reset through /proc/self/clear_refs so the model load's own peak does not count);
+on CUDA it is torch.cuda.max_memory_allocated. "Above model" is the peak minus the memory in use
+before labelling. Doubling T should about double it (captured queries and keys are linear in T);
+materialising T x T attention would quadruple it.
+
+    python benchmarks/labels_memory.py                      # T = 2048 and 4096, B = 128, L = 32, CPU
+    python benchmarks/labels_memory.py --device cuda --lengths 4096 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _status_bytes(field: str) -> int:
+    """A memory line of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def measure(length: int, budget: int, interval: int, device: str) -> dict[str, float]:
+    """Label one random trace of `length` tokens in this process; memory in MiB, time in s."""
+    import torch
+
+    from foresight.labels import compute_golden_labels
+    from foresight.models import load_model
+
+    model, _ = load_model("default", device=device)
+    ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
+    compute_golden_labels(model, ids[: budget + interval], budget, interval)  # page in the weights, warm up
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = _status_bytes("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    started = time.perf_counter()
+    labels = compute_golden_labels(model, ids, budget, interval)
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else _status_bytes("VmHWM")
+    return {"tokens": length, "steps": labels.num_steps, "before": before / MIB, "peak": peak / MIB,
+            "above_model": (peak - before) / MIB, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="trace lengths T")
+    parser.add_argument("--budget", type=int, default=128, help="B")
+    parser.add_argument("--interval", type=int, default=32, help="L")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        print(json.dumps(measure(args.worker, args.budget, args.interval, args.device)))
+        return
+    rows = []
+    for length in args.lengths:
+        command = [sys.executable, __file__, "--worker", str(length), "--budget", str(args.budget),
+                   "--interval", str(args.interval), "--device", args.device]
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(output.strip().splitlines()[-1]))
+    first = rows[0]
+    print(f"Golden labels, default model, B = {args.budget}, L = {args.interval}, device {args.device}\n")
+    print("| T | steps M | before (MiB) | peak (MiB) | above model (MiB) | ratio peak | ratio above model | time (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['tokens']} | {row['steps']} | {row['before']:.0f} | {row['peak']:.0f} | {row['above_model']:.0f} "
+            f"| {row['peak'] / first['peak']:.2f}x | {row['above_model'] / first['above_model']:.2f}x | {row['seconds']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
