@@ -12,7 +12,7 @@ from tqdm import tqdm
 from foresight.commands._common import add_policy_arguments, policy_from_args
 from foresight.models import load_model
 from foresight.policies import make_policy
-from foresight.runtime.engine import EvictionEngine
+from foresight.runtime.engine import EvictionEngine, ReplayOutput
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,21 @@ def read_documents(path: Path, tokenizer, max_tokens: int) -> list[tuple[torch.T
     return documents
 
 
+def loss_ratio_after_first_eviction(full: ReplayOutput, evicted: ReplayOutput) -> tuple[float, int]:
+    """Mean NLL with eviction / with the full cache over tokens predicted after each row's first
+    eviction (ALGORITHMS.md section 8), and how many tokens that is (0: nothing was evicted)."""
+    masks = [
+        torch.arange(len(nll)) >= first if first is not None else torch.zeros(len(nll), dtype=torch.bool)
+        for nll, first in zip(evicted.nll, evicted.first_eviction)
+    ]
+    scored = sum(int(m.sum()) for m in masks)
+    if scored == 0:
+        return float("nan"), 0
+    full_nll = torch.cat([n[m] for n, m in zip(full.nll, masks)]).mean()
+    evicted_nll = torch.cat([n[m] for n, m in zip(evicted.nll, masks)]).mean()
+    return float(evicted_nll / full_nll), scored
+
+
 def run(args: argparse.Namespace) -> int:
     policy, config = policy_from_args(args)
     if config is None:
@@ -60,21 +75,9 @@ def run(args: argparse.Namespace) -> int:
     for name, engine in (("full", EvictionEngine(model, make_policy("full"))), (policy.name, EvictionEngine(model, policy, config))):
         with tqdm(total=total, desc=f"{name} replay", unit="tok") as bar:
             results[name] = engine.replay(sequences, prompt_lengths, on_tokens=bar.update)
-    evicted = results[policy.name]
-    # Tokens predicted after each row's first eviction (ALGORITHMS.md section 8).
-    masks = [
-        torch.arange(len(nll)) >= first if first is not None else torch.zeros(len(nll), dtype=torch.bool)
-        for nll, first in zip(evicted.nll, evicted.first_eviction)
-    ]
-    scored = sum(int(m.sum()) for m in masks)
+    ratio, scored = loss_ratio_after_first_eviction(results["full"], results[policy.name])
     if scored == 0:
-        print(f"no eviction: every document is shorter than B + L = {config.budget + config.interval} tokens; "
-              f"mean NLL {torch.cat(results['full'].nll).mean():.4f} (full cache)")
+        print(f"no eviction: every document is shorter than B + L = {config.budget + config.interval} tokens")
         return 0
-    full_nll = torch.cat([n[m] for n, m in zip(results["full"].nll, masks)]).mean()
-    evicted_nll = torch.cat([n[m] for n, m in zip(evicted.nll, masks)]).mean()
-    print(
-        f"{policy.name} B={config.budget} L={config.interval}: mean NLL {evicted_nll:.4f} vs full {full_nll:.4f} "
-        f"over {scored} tokens after the first eviction, loss ratio {evicted_nll / full_nll:.4f}"
-    )
+    print(f"{policy.name} B={config.budget} L={config.interval}: loss ratio {ratio:.4f} over {scored} tokens after the first eviction")
     return 0

@@ -1,0 +1,60 @@
+"""The main job on the embedded default model: a generation with eviction, then a teacher-forced
+comparison of every heuristic policy on that generation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from foresight.commands.bench import selected_policies
+from foresight.commands.replay import loss_ratio_after_first_eviction
+from foresight.models import load_model
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.tasks import chat_prompt_ids
+
+PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic.jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--policy", default="rkv", help="the policy of the generation")
+    parser.add_argument("--budget", "-B", type=int, default=128, help="budget of the generation")
+    parser.add_argument("--interval", "-L", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=384)
+    parser.add_argument("--replay-budget", type=int, default=64, help="budget of the policy comparison")
+    parser.add_argument("--replay-interval", type=int, default=16)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer = load_model(args.model)
+    problem = json.loads(PROMPTS.read_text().splitlines()[0])
+    prompt = chat_prompt_ids(tokenizer, problem["prompt"])
+    engine = EvictionEngine(model, make_policy(args.policy), EvictionConfig(args.budget, args.interval))
+    with tqdm(total=args.max_new_tokens, desc=f"generate ({args.policy})", unit="tok") as bar:
+        output = engine.generate(
+            [prompt], args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, on_token=lambda n: bar.update(n - bar.n)
+        )
+    print(tokenizer.decode(output.tokens[0], skip_special_tokens=True))
+    stats = output.stats
+    print(f"\n{len(output.tokens[0])} tokens, largest cache held {stats.max_entries} entries "
+          f"(B + L = {args.budget + args.interval}), {stats.evictions} eviction steps\n")
+
+    sequence = torch.tensor(prompt + output.tokens[0])
+    config = EvictionConfig(args.replay_budget, args.replay_interval)
+    full = EvictionEngine(model, make_policy("full")).replay([sequence], [len(prompt)])
+    rows = []
+    for name in tqdm(selected_policies("all")[1:], desc="replay policies"):
+        evicted = EvictionEngine(model, make_policy(name), config).replay([sequence], [len(prompt)])
+        ratio, scored = loss_ratio_after_first_eviction(full, evicted)
+        rows.append((name, ratio, scored))
+    print(f"Teacher-forced loss ratio on that generation, B = {config.budget}, L = {config.interval} (1.0 = full cache):")
+    for name, ratio, scored in sorted(rows, key=lambda row: row[1]):
+        print(f"  {name:<10} {ratio:.4f}  ({scored} tokens)")
+    best = min(rows, key=lambda row: row[1])
+    print(f"best heuristic at B = {config.budget}: {best[0]} (loss ratio {best[1]:.4f})")
+    return 0
