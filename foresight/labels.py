@@ -20,8 +20,10 @@ has a label).
 Memory: the T x T attention is never formed. The forward runs in chunks with a DynamicCache; an
 attention function registered through transformers' AttentionInterface records post-RoPE queries
 and keeps a reference to the cached keys (no copy), and computes the layer output with SDPA. Then
-one layer at a time: block scores one block at a time (O(L*T)), future scores [M, Hkv, T] for that
-layer only, the greedy schedule batched over heads, and the layer's queries and keys are freed.
+one layer at a time: block scores one block at a time (O(L*T)), future scores [M, Hkv, N <= T] for
+that layer only (M*N = O(T^2 / L) floats, a few MB where the captured queries and keys take hundreds),
+the greedy schedule batched over heads, and the layer's queries and keys are freed. Peak memory is
+the captured queries (model dtype, all layers) plus the cache's keys and values: linear in T.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class GoldenLabels:
 
     candidates: [M, layers, Hkv, B] int32 positions, ascending along the last dim.
     alpha: [M, layers, Hkv, B] float32 future scores α_{i,t} of those candidates (Eq. 5).
-    trace_index is -1 when the ids do not come from a trace store.
+    trace_index is -1 when the ids do not come from a trace store; model_shape is the labelling
+    model's (None only for labels built by hand, which cannot be saved).
     """
 
     candidates: torch.Tensor
@@ -80,9 +83,9 @@ class GoldenLabels:
     budget: int
     interval: int
     num_tokens: int
-    model_shape: ModelShape
     trace_index: int = -1
     model_name: str = ""
+    model_shape: ModelShape | None = None
 
     @property
     def num_steps(self) -> int:
@@ -279,9 +282,9 @@ def compute_golden_labels(
         budget=budget,
         interval=interval,
         num_tokens=num_tokens,
-        model_shape=describe(model),
         trace_index=trace_index,
         model_name=model.config.name_or_path if model_name is None else model_name,
+        model_shape=describe(model),
     )
 
 
@@ -293,6 +296,8 @@ def labels_dir(traces_dir: str | os.PathLike, budget: int, interval: int) -> Pat
 
 def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
     """Write labels as safetensors with their metadata, atomically (temporary file, then rename)."""
+    if labels.model_shape is None:
+        raise ValueError("labels without a model shape cannot be saved; make them with compute_golden_labels")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {
@@ -350,9 +355,9 @@ def load_labels(
         budget=expect_budget,
         interval=expect_interval,
         num_tokens=expect_num_tokens,
-        model_shape=ModelShape(**{f.name: int(metadata[f.name]) for f in fields(ModelShape)}),
         trace_index=expect_trace_index,
         model_name=metadata["model"],
+        model_shape=ModelShape(**{f.name: int(metadata[f.name]) for f in fields(ModelShape)}),
     )
 
 

@@ -248,3 +248,10 @@ def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     assert error == f"foresight labels: error: --model 'other' is not the model that made the traces in {tmp_path} ('tiny')"
     assert cli.main(["labels", "--traces", str(tmp_path), "-B", "6", "-L", "6"]) == 2
     assert "budget B=6 must be larger than the interval L=6" in capsys.readouterr().err
+
+
+def test_labels_built_by_hand_without_a_model_shape_are_not_saved(labels, tmp_path):
+    by_hand = GoldenLabels(labels.candidates, labels.alpha, labels.budget, labels.interval, labels.num_tokens)
+    with pytest.raises(ValueError, match="without a model shape cannot be saved"):
+        save_labels(by_hand, tmp_path / "labels.safetensors")
+    assert not any(tmp_path.iterdir())
