@@ -255,3 +255,10 @@ def test_labels_built_by_hand_without_a_model_shape_are_not_saved(labels, tmp_pa
     with pytest.raises(ValueError, match="without a model shape cannot be saved"):
         save_labels(by_hand, tmp_path / "labels.safetensors")
     assert not any(tmp_path.iterdir())
+
+
+def test_sliding_window_layers_are_refused_and_attention_is_restored():
+    model = tiny_model("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ValueError, match="layer 0 uses a sliding window of 8"):
+        compute_golden_labels(model, token_ids(40), 12, 4)
+    assert model.config._attn_implementation == "sdpa"
