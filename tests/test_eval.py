@@ -1,0 +1,265 @@
+"""`foresight eval` end to end on a tiny model, against per-trace references computed without the
+evaluation's batching and attention probe."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from foresight import cli
+from foresight.evaluation import PolicySpec, evaluate, resolve_policies
+from foresight.labels import LabelStore, compute_golden_labels, save_labels
+from foresight.metrics import attention_cosine
+from foresight.models import tiny_model
+from foresight.policies import POLICIES, make_policy
+from foresight.runtime.capture import eviction_attention
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.traces import Trace, TraceStore, generate_traces, token_losses
+from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
+
+B, L = 16, 4
+UNLABELLED_B = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def traces_dir(tmp_path_factory, model) -> Path:
+    """Four traces of the tiny model, with golden labels at (B, L) but not at (UNLABELLED_B, L)."""
+    out = tmp_path_factory.mktemp("traces")
+    generate_traces(model, char_tokenizer(CHAT_TEMPLATE), str(DATA / "arithmetic.jsonl"), out_dir=out, num=4,
+                    max_new_tokens=32, progress=False, model_name="tiny")
+    store = LabelStore(out, B, L)
+    for trace in TraceStore(out):
+        labels = compute_golden_labels(model, trace.input_ids, B, L, trace_index=trace.index, model_name="tiny")
+        save_labels(labels, store.path(trace.index))
+    return out
+
+
+@pytest.fixture
+def patched_model(monkeypatch, model):
+    loads = []
+    monkeypatch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (loads.append(name), (model, None))[1])
+    return loads
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, traces_dir, model):
+    """`foresight eval --policies all` at a labelled and an unlabelled budget: (rows, stdout, out)."""
+    out = tmp_path_factory.mktemp("eval")
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        patch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
+        code = cli.main(["eval", "--traces", str(traces_dir), "--policies", "all", "--budgets", f"{B},{UNLABELLED_B}",
+                         "-L", str(L), "--out", str(out), "--batch-size", "3"])
+    assert code == 0
+    return json.loads((out / "results.json").read_text()), stdout.getvalue(), out
+
+
+def rows_of(rows, budget):
+    return {row["policy"]: row for row in rows if row["budget"] == budget}
+
+
+RUNNABLE = {name for name in POLICIES if name != "foresight"}  # the learned scorer needs a scorer
+
+
+def test_every_runnable_policy_has_a_row_and_golden_only_where_labelled(evaluated):
+    rows, stdout, _ = evaluated
+    runnable = RUNNABLE
+    assert set(rows_of(rows, B)) == runnable
+    assert set(rows_of(rows, UNLABELLED_B)) == runnable - {"golden"}
+    assert f"B={UNLABELLED_B}: golden skipped" in stdout
+    if "foresight" in POLICIES:
+        assert "foresight: skipped, it needs scorer" in stdout
+
+
+def test_reference_golden_and_heuristic_rows(evaluated, traces_dir):
+    rows, _, _ = evaluated
+    lengths = [t.input_ids.numel() for t in TraceStore(traces_dir)]
+    for budget in (B, UNLABELLED_B):
+        by_policy = rows_of(rows, budget)
+        full = by_policy["full"]
+        assert full["loss_ratio"] == 1.0 and full["attn_cosine"] == 1.0 and full["low_entropy_damage"] == 0.0
+        assert full["golden_overlap"] is None
+        assert full["tokens"] == sum(n - 1 - (budget + L) for n in lengths)
+        for name, row in by_policy.items():
+            assert row["traces"] == len(lengths), name
+            if name not in ("full", "raas", "epikv"):  # the prompt-protecting ones start later
+                assert row["tokens"] == full["tokens"], name
+            assert 0.0 < row["loss_ratio"] < 10.0, name
+            assert 0.0 < row["attn_cosine"] <= 1.0 + 1e-6, name
+            labelled = budget == B and name != "full"
+            assert (row["golden_overlap"] is not None) == labelled, name
+    golden = rows_of(rows, B)["golden"]
+    assert golden["golden_overlap"] == 1.0
+    assert all(row["golden_overlap"] < 1.0 for name, row in rows_of(rows, B).items() if name not in ("golden", "full"))
+
+
+def test_report_files(evaluated):
+    rows, stdout, out = evaluated
+    with open(out / "results.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert [(r["policy"], int(r["budget"])) for r in table] == [(r["policy"], r["budget"]) for r in rows]
+    markdown = (out / "results.md").read_text()
+    assert "| policy | B | L | loss ratio |" in markdown and f"| golden | {B} | {L} |" in markdown
+    for metric in ("loss_ratio", "low_entropy_damage", "attn_cosine", "golden_overlap"):
+        assert (out / f"{metric}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = stdout.strip().splitlines()
+    assert "| policy | B | L | loss ratio |" in stdout
+    assert lines[-1].startswith(f"evaluated 4 traces x {len(RUNNABLE)} policies x 2 budgets in ")
+    assert lines[-1].endswith(f"results written to {out} (results.json, results.csv, results.md, loss_ratio.png, "
+                              "low_entropy_damage.png, low_entropy_dl2.png, attn_cosine.png, golden_overlap.png)")
+
+
+class _OutputRecorder:
+    """Per-trace reference: attention outputs of every layer (o_proj inputs) and, through the runtime's
+    attention function, the entries held at each forward; batch of one row, forwards in order."""
+
+    def __init__(self, model):
+        self.model = model
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self.entries: list[tuple[int, list[int], torch.Tensor]] = []
+
+    def __call__(self, module, query, key, value, attention_mask, eviction_cache=None, **kwargs):
+        layer = eviction_cache.layers[module.layer_idx]
+        self.entries.append((module.layer_idx, layer.pending_positions[0].tolist(), layer.entry_positions()[0].clone()))
+        return eviction_attention(module, query, key, value, attention_mask, eviction_cache=eviction_cache, **kwargs)
+
+    def hooks(self):
+        def hook(index):
+            return lambda module, args: self.outputs.setdefault(index, []).append(args[0][0])
+
+        return [layer.self_attn.o_proj.register_forward_pre_hook(hook(i)) for i, layer in enumerate(self.model.model.layers)]
+
+    def per_layer(self) -> torch.Tensor:
+        """[layers, T, Hq, D] attention outputs, every forward's tokens concatenated."""
+        heads = self.model.config.num_attention_heads
+        return torch.stack([torch.cat(chunks).unflatten(-1, (heads, -1)) for _, chunks in sorted(self.outputs.items())])
+
+
+def reference_row(model, traces, build, config, labels_store):
+    """Loss ratio, attention cosine and golden overlap of one policy by a loop over single traces;
+    `build(trace)` makes the policy for a trace."""
+    evicted_nll, full_nll, cosines, hits, kept = [], [], [], 0, 0
+    for trace in traces:
+        full = _OutputRecorder(model)
+        handles = full.hooks()
+        with torch.no_grad():
+            model(trace.input_ids[None])
+        for handle in handles:
+            handle.remove()
+        recorder = _OutputRecorder(model)
+        AttentionInterface.register("eval-test-recording", recorder)
+        engine = EvictionEngine(model, build(trace), config, attention="eval-test-recording")
+        prefill = trace.prompt_length if engine.protect_prompt else min(trace.prompt_length, B + L)
+        handles = recorder.hooks()
+        output = engine.replay([trace.input_ids], [prefill])
+        for handle in handles:
+            handle.remove()
+        first = output.first_eviction[0]
+        evicted_nll.append(output.nll[0][first:])
+        full_nll.append(trace.token_nll[first:])
+        predictions = trace.input_ids.numel() - 1
+        cosine = attention_cosine(recorder.per_layer(), full.per_layer())[:, first:predictions]
+        cosines.append(cosine.mean(dim=(0, 2)))
+        golden = labels_store.load(trace.index, num_tokens=trace.input_ids.numel())
+        for layer, positions, entries in recorder.entries:
+            for step in range(1, golden.num_steps + 1):
+                if B + step * L in positions:
+                    golden_kept = [set(head) for head in golden.kept(step)[layer].tolist()]
+                    for head, held in enumerate(entries.tolist()):
+                        older = [p for p in held if 0 <= p <= B + step * L - 1 - L]
+                        kept += len(older)
+                        hits += sum(p in golden_kept[head] for p in older)
+    evicted, full_cache = torch.cat(evicted_nll).double(), torch.cat(full_nll).double()
+    return float(evicted.mean() / full_cache.mean()), float(torch.cat(cosines).mean()), hits / kept
+
+
+@pytest.mark.parametrize("name", ["h2o", "raas", "golden"])
+def test_rows_equal_a_per_trace_reference(evaluated, traces_dir, model, name):
+    rows, _, _ = evaluated
+    row = rows_of(rows, B)[name]
+    store = LabelStore(traces_dir, B, L)
+    if name == "golden":
+        def build(trace):
+            return make_policy(name, labels=[store.load(trace.index, num_tokens=trace.input_ids.numel())])
+
+        config = EvictionConfig(B, L, sinks=0, protect_prompt=False)
+    else:
+        def build(trace):
+            return make_policy(name)
+
+        config = EvictionConfig(B, L)
+    ratio, cosine, overlap = reference_row(model, list(TraceStore(traces_dir)), build, config, store)
+    assert row["loss_ratio"] == pytest.approx(ratio, abs=1e-5)
+    assert row["attn_cosine"] == pytest.approx(cosine, abs=1e-4)
+    assert row["golden_overlap"] == pytest.approx(overlap, abs=1e-12)
+    assert name != "golden" or overlap == 1.0
+
+
+def test_stored_full_cache_losses_match_a_full_cache_replay(traces_dir, model):
+    traces = list(TraceStore(traces_dir))
+    output = EvictionEngine(model, make_policy("full")).replay([t.input_ids for t in traces], [t.prompt_length for t in traces])
+    for trace, nll, entropy in zip(traces, output.nll, output.entropy):
+        torch.testing.assert_close(nll, trace.token_nll, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, trace.token_entropy, atol=1e-5, rtol=0)
+
+
+def synthetic_trace(model, index: int, length: int, prompt: int = 6) -> Trace:
+    ids = torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(index))
+    nll, entropy = token_losses(model, ids)
+    return Trace(index, ids, prompt, nll, entropy, None, None, "", "")
+
+
+def test_short_traces_are_skipped_and_counted(model):
+    traces = [synthetic_trace(model, i, n) for i, n in enumerate([40, B + L - 1, B + L, 33])]
+    result = evaluate(model, traces, [PolicySpec("full"), PolicySpec("knorm")], [B], L, progress=False)
+    assert result.notes == [f"B={B}: skipped 1 of 4 traces shorter than B + L = {B + L} tokens"]
+    knorm = rows_of(result.rows, B)["knorm"]
+    # The trace of exactly B + L tokens evicts after its last token: nothing left to score.
+    assert (knorm["traces"], knorm["never_evicted"]) == (2, 1)
+    assert knorm["tokens"] == (40 - 1 - (B + L)) + (33 - 1 - (B + L))
+
+
+def test_policy_selection():
+    specs, notes = resolve_policies("all")
+    names = [spec.name for spec in specs]
+    assert "golden" in names and "full" in names and "foresight" not in names
+    assert ("foresight" in POLICIES) == any(note.startswith("foresight: skipped") for note in notes)
+    assert [s.name for s in resolve_policies(" h2o, snapkv,h2o")[0]] == ["h2o", "snapkv"]
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        resolve_policies("h2o,nope")
+    with pytest.raises(ValueError, match="names no policy"):
+        resolve_policies(",")
+
+
+def test_cli_options_and_errors(traces_dir, tmp_path, patched_model, capsys):
+    base = ["eval", "--traces", str(traces_dir), "--budgets", str(B), "-L", str(L), "--out", str(tmp_path)]
+    assert cli.main([*base, "--policies", "knorm", "--max-traces", "2", "--model", "tiny"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["policy"], r["traces"]) for r in rows] == [("knorm", 2)]
+    assert patched_model == ["tiny"]
+    held_out = len(TraceStore(traces_dir).split(0.5, seed=1)[1])
+    assert 0 < held_out < 4  # this seed's split holds some traces out, but not all
+    assert cli.main([*base, "--policies", "full", "--holdout", "0.5", "--holdout-seed", "1"]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())[0]["traces"] == held_out
+    capsys.readouterr()
+    for extra, message in [
+        (["--policies", "nope"], "unknown policy 'nope'"),
+        (["--policies", "knorm", "--model", "other"], "--model 'other' is not the model that made the traces"),
+        (["--policies", "knorm", "-L", str(B)], f"budget B={B} must be larger than the interval L={B}"),
+        (["--policies", "knorm", "--max-traces", "0"], "--max-traces must be at least 1"),
+    ]:
+        assert cli.main([*base, *extra]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error
