@@ -12,8 +12,10 @@ the metrics of `foresight.metrics` compare it with the full cache:
 - overlap with the golden kept set, where labels exist for (B, L). Steps are aligned by position:
   golden step t keeps its set right after position p_t = B + tL - 1, and the policy's kept
   candidates at that moment are the entries it holds with position <= p_t - L (older than the recent
-  window), read by the same attention function at the forward that processes position p_t + 1.
-  For a policy on the golden cadence these are exactly the candidates it kept at its own step t.
+  window), read by the same attention function at the forward that processes position p_t + 1
+  (so steps after a trace's last token, whose kept set serves no token, are not counted). For a
+  policy on the golden cadence these are exactly the candidates it kept at its own step t; the
+  overlap pools hits / kept over every step, layer and KV head.
 
 Cadence. The golden schedule counts steps from the first token (p_t = B + tL - 1, prompt
 included), so every policy that does not protect the prompt is replayed on that cadence: a batch
@@ -82,7 +84,15 @@ class PolicySpec:
 
     @property
     def needs_labels(self) -> bool:
-        return "labels" in _init_fields(self.policy_class)
+        return any(f.init and f.name == "labels" for f in fields(self.policy_class))
+
+    @property
+    def missing_artifacts(self) -> list[str]:
+        """Required constructor arguments that eval cannot give (every one but golden's labels)."""
+        return [
+            f.name for f in fields(self.policy_class)
+            if f.init and f.default is f.default_factory is MISSING and f.name != "labels"
+        ]
 
     @property
     def evicts(self) -> bool:
@@ -105,8 +115,7 @@ class PolicySpec:
         return EvictionConfig(budget, interval)
 
 
-def _init_fields(cls: type[Policy]) -> set[str]:
-    return {f.name for f in fields(cls) if f.init}
+REFERENCE = PolicySpec("full")
 
 
 def resolve_policies(text: str) -> tuple[list[PolicySpec], list[str]]:
@@ -114,7 +123,7 @@ def resolve_policies(text: str) -> tuple[list[PolicySpec], list[str]]:
     if text == "all":
         specs, notes = [], []
         for name in sorted(POLICIES):
-            missing = _missing_artifacts(PolicySpec(name))
+            missing = PolicySpec(name).missing_artifacts
             if missing:
                 notes.append(f"{name}: skipped, it needs {', '.join(missing)}, which eval does not provide yet")
             else:
@@ -126,18 +135,10 @@ def resolve_policies(text: str) -> tuple[list[PolicySpec], list[str]]:
     for name in names:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; choose 'all' or some of: {', '.join(sorted(POLICIES))}")
-        missing = _missing_artifacts(PolicySpec(name))
+        missing = PolicySpec(name).missing_artifacts
         if missing:
             raise ValueError(f"policy {name!r} needs {', '.join(missing)}, which eval does not provide yet")
     return [PolicySpec(name) for name in dict.fromkeys(names)], []
-
-
-def _missing_artifacts(spec: PolicySpec) -> list[str]:
-    """Required constructor arguments of the policy that eval cannot give (all but golden's labels)."""
-    return [
-        f.name for f in fields(spec.policy_class)
-        if f.init and f.default is f.default_factory is MISSING and f.name != "labels"
-    ]
 
 
 # -- recording attention outputs and kept entries ------------------------------------------------
@@ -373,9 +374,6 @@ def _prefill(batch: Sequence[Trace], budget: int, interval: int, protects_prompt
         return [t.prompt_length for t in batch]
     shared = min(budget + interval, *(t.prompt_length for t in batch))
     return [shared] * len(batch)
-
-
-REFERENCE = PolicySpec("full")
 
 
 def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
