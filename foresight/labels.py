@@ -200,9 +200,10 @@ def _capture_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
     *,
     golden_capture: _Capture,
-    scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention function for AttentionInterface: record Q/K for the labels, compute the output with SDPA."""
@@ -212,7 +213,7 @@ def _capture_attention(
             "golden labels need full causal attention"
         )
     golden_capture.record(module.layer_idx, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)

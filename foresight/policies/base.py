@@ -74,7 +74,8 @@ class Policy:
 
     def on_forward(self, hidden_states: dict[int, torch.Tensor], positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token state of the tokens just added ({name: [batch, q]}), from tapped hidden states
-        ({layer: [batch, q, hidden]}) and their positions [batch, q]; written to every layer and head."""
+        ({layer: [batch, q, hidden]}, empty when nothing is tapped) and their positions [batch, q];
+        called after every forward and written to every layer and head."""
         return {}
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:

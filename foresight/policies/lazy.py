@@ -11,9 +11,8 @@ code (the paper's text lost them), ALGORITHMS.md section 3:
 
 Time is measured in sequence positions: "decode step t" is the query of the token at position t,
 and the score is taken at the newest buffered query. A new entry starts with t_last = t - 1 (its own
-position minus one) and MRI = 0; prompt entries start with t_last = 0. The engine writes per-token
-state only through `on_forward`, which it calls for policies that tap a layer, so this policy taps
-the last decoder layer and reads nothing from it but the positions of the new tokens.
+position minus one) and MRI = 0; prompt entries start with t_last = 0 (set in `on_forward`, which
+the engine calls after every forward with the positions of the new tokens).
 """
 
 from __future__ import annotations
@@ -78,9 +77,6 @@ class LazyEviction(Policy):
 
     def reset(self) -> None:
         self._prompt_seen = False
-
-    def tapped_layers(self, num_layers: int) -> tuple[int, ...]:
-        return (num_layers - 1,)
 
     def on_forward(self, hidden_states: dict[int, torch.Tensor], positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """t_last of the new tokens: 0 for the prompt (the first forward of a run), t - 1 afterwards."""

@@ -77,7 +77,9 @@ class EvictionLayer(CacheLayerMixin):
             self.state[field.name] = torch.cat([self.state[field.name], fresh], dim=2)
         return self.keys, self.values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.3 passes cache_position
+            query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -85,6 +87,8 @@ class EvictionLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    get_max_cache_shape = get_max_length  # the name of this abstract method in transformers < 5.3
 
     def reset(self) -> None:
         self.__init__(self.state_fields, self.group_size, self.query_window)

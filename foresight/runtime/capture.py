@@ -26,8 +26,8 @@ def eviction_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     eviction_cache: EvictionCache | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:

@@ -298,8 +298,7 @@ class EvictionEngine:
         finally:
             for hook in hooks:
                 hook.remove()
-        if self._tap_layers:
-            self._store_token_state(run, positions)
+        self._store_token_state(run, positions)
         run.next_positions = positions.max(dim=1).values + 1
         run.stats.tokens += int(valid.sum())
         run.stats.forward_seconds += time.perf_counter() - start
