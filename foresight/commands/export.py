@@ -1,0 +1,37 @@
+"""Export a trained scorer as a Hugging Face Hub folder (config.json, model.safetensors, README.md model card).
+
+--checkpoint is a Lightning checkpoint of the supervised stage (e.g. RUN/checkpoints/last.ckpt) or a
+scorer folder. --evaluation adds a markdown file (e.g. the table of `foresight eval`) to the card.
+--push-to-hub uploads the folder through huggingface_hub; without a token or a network it stops
+with a one-line error and the folder stays complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from foresight.export import export_scorer, push_folder, read_checkpoint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a supervised-stage .ckpt file or a scorer folder")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write")
+    parser.add_argument("--evaluation", type=Path, default=None, help="markdown file with an evaluation table for the card")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the folder to this Hub repo")
+    parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.evaluation is not None and not args.evaluation.is_file():
+        raise ValueError(f"--evaluation {args.evaluation} does not exist")
+    scorer, training = read_checkpoint(args.checkpoint)
+    evaluation = args.evaluation.read_text() if args.evaluation is not None else None
+    folder = export_scorer(scorer, args.out, training=training, evaluation=evaluation)
+    config = scorer.config
+    summary = f"{folder}: scorer for {config.base_model} (B={config.budget}, L={config.interval}, {config.feature_set.value} features)"
+    if args.push_to_hub:
+        url = push_folder(folder, args.push_to_hub, private=args.private)
+        summary += f", pushed to {url}"
+    print(summary)
+    return 0

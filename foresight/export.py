@@ -1,0 +1,141 @@
+"""Export a trained scorer as a Hugging Face Hub folder with a model card, and push it.
+
+A folder holds config.json (the `ScorerConfig`), model.safetensors and README.md, a model card
+naming the base model, B, L, the features, how the scorer was trained and how to load it. A
+Lightning checkpoint of the supervised stage carries what the card needs under two entries it
+writes itself (`SCORER_CONFIG_KEY`, `TRAINING_KEY`), so exporting needs neither Lightning nor the
+training data. Checkpoints are read with `torch.load(weights_only=True)`: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
+
+from foresight.features import FEATURE_NAMES
+from foresight.models import DEFAULT_MODEL
+from foresight.policies.foresight import load_scorer
+from foresight.scorer import ForesightScorer, ScorerConfig
+
+SCORER_CONFIG_KEY = "scorer_config"
+"""Checkpoint entry: the `ScorerConfig` as plain values."""
+TRAINING_KEY = "foresight_training"
+"""Checkpoint entry: what the scorer was trained on and its latest metrics (plain values)."""
+SCORER_PREFIX = "scorer."
+"""Prefix of the scorer's tensors in a Lightning checkpoint's state dict."""
+DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub id of the embedded default model (`foresight.models`), for the card's metadata."""
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[ForesightScorer, dict[str, Any]]:
+    """The scorer and its training record from a supervised-stage Lightning checkpoint (.ckpt), or from
+    a scorer folder (whose record is empty)."""
+    path = Path(path)
+    if path.is_dir():
+        return load_scorer(path), {}
+    if not path.is_file():
+        raise ValueError(f"no checkpoint at {path}: expected a Lightning .ckpt file or a scorer folder")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several unrelated types for a file that is not a checkpoint
+        raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__})") from None
+    if SCORER_CONFIG_KEY not in checkpoint:
+        raise ValueError(f"{path} is not a checkpoint of the supervised scorer (no {SCORER_CONFIG_KEY!r} entry)")
+    scorer = ForesightScorer(ScorerConfig(**checkpoint[SCORER_CONFIG_KEY]))
+    state = {
+        name[len(SCORER_PREFIX) :]: tensor
+        for name, tensor in checkpoint["state_dict"].items()
+        if name.startswith(SCORER_PREFIX)
+    }
+    scorer.load_state_dict(state, strict=True)
+    return scorer.eval(), checkpoint.get(TRAINING_KEY, {})
+
+
+def export_scorer(
+    scorer: ForesightScorer,
+    out_dir: str | os.PathLike,
+    training: dict[str, Any] | None = None,
+    evaluation: str | None = None,
+) -> Path:
+    """Write config.json, model.safetensors and README.md (the model card) to `out_dir`."""
+    out_dir = Path(out_dir)
+    scorer.save_pretrained(out_dir)
+    model_card(scorer.config, training or {}, evaluation).save(out_dir / "README.md")
+    return out_dir
+
+
+def push_folder(folder: str | os.PathLike, repo_id: str, private: bool = False) -> str:
+    """Upload an exported folder to the Hub repo `repo_id` (created if missing); returns its URL.
+
+    Failures (no token, no network, a refused repo) become one-line ValueErrors; the folder is left
+    as it was, complete, to push later."""
+    retry = f"the folder {folder} is complete; push it later with `hf upload {repo_id} {folder}`"
+    if get_token() is None:
+        raise ValueError(f"cannot push to {repo_id}: no Hugging Face token (run `hf auth login` or set HF_TOKEN); {retry}")
+    api = HfApi()
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload ForesightKV scorer")
+    except Exception as error:  # network and Hub errors come in many types (httpx, HfHubHTTPError, offline mode)
+        reason = " ".join(str(error).split()[:20]) or type(error).__name__
+        raise ValueError(f"cannot push to {repo_id}: {reason}; {retry}") from None
+    return str(url)
+
+
+def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str | None) -> ModelCard:
+    """The README of an exported scorer."""
+    base = DEFAULT_BASE_MODEL_ID if config.base_model == DEFAULT_MODEL else config.base_model
+    on_hub = not Path(base).exists()
+    data = ModelCardData(
+        library_name="foresightkv",
+        license="apache-2.0",
+        tags=["kv-cache", "kv-cache-eviction", "foresightkv"],
+        base_model=base if on_hub else None,
+    )
+    features = ", ".join(FEATURE_NAMES[config.feature_set])
+    sections = [
+        f"# ForesightKV scorer for {base}",
+        "Learned KV-cache eviction scores (ForesightKV, §3.1): one MLP per (layer, KV head), "
+        f"x = [key || value || attention features] -> Linear({config.input_dim}, {config.hidden}) -> GELU -> "
+        "Linear(1), a keep score per cache entry.",
+        "| setting | value |\n|---|---|\n"
+        f"| base model | `{config.base_model}` ({config.num_layers} layers, {config.num_query_heads} query heads, "
+        f"{config.num_kv_heads} KV heads, head dim {config.head_dim}) |\n"
+        f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
+        f"| features | `{config.feature_set.value}`: {features} (per query head, log1p) |\n"
+        f"| hidden width H | {config.hidden} |",
+        "## Training\n" + _training_text(training),
+    ]
+    if evaluation:
+        sections.append("## Evaluation\n" + evaluation.strip())
+    sections.append(
+        "## Use\n```python\nfrom foresight.models import load_model\nfrom foresight.policies import make_policy\n"
+        "from foresight.runtime.engine import EvictionConfig, EvictionEngine\n\n"
+        f"model, tokenizer = load_model({config.base_model!r})\n"
+        'policy = make_policy("foresight", scorer="PATH_OR_REPO_ID")\n'
+        f"engine = EvictionEngine(model, policy, EvictionConfig(budget={config.budget}, interval={config.interval}))\n"
+        "```\n"
+        f"or `foresight generate --policy foresight -o scorer=PATH_OR_REPO_ID -B {config.budget} -L {config.interval} "
+        '"your prompt"`. The scorer refuses a model of another shape and a cache with another B or L.'
+    )
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
+
+
+def _training_text(training: dict[str, Any]) -> str:
+    if not training:
+        return "No training record was exported with this scorer."
+    lines = [f"- {key.replace('_', ' ')}: {_plain(value)}" for key, value in training.items() if key != "metrics"]
+    metrics = training.get("metrics") or {}
+    if metrics:
+        lines.append(
+            "\n| metric | value |\n|---|---|\n" + "\n".join(f"| {name} | {_plain(value)} |" for name, value in metrics.items())
+        )
+    return "Supervised stage (ForesightKV §3.2): pairwise ranking loss (Eq. 6) against Golden Eviction future scores.\n\n" + "\n".join(lines)
+
+
+def _plain(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

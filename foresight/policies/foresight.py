@@ -1,0 +1,234 @@
+"""ForesightKV's learned scorer as an eviction policy (ForesightKV §3.1 Eqs. 1-2, App. B; ALGORITHMS.md §5)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from huggingface_hub import constants
+from huggingface_hub.errors import HFValidationError
+
+from foresight.features import attention_features
+from foresight.models import ModelShape
+from foresight.policies import register
+from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.cache import StateField
+from foresight.scorer import ForesightScorer, eviction_pool, plackett_luce_logprob, sample_eviction
+
+CUMULATIVE = "cumulative"
+DECAYED = "decayed"
+FEATURE_STATE = (StateField(CUMULATIVE, per_query_head=True), StateField(DECAYED, per_query_head=True))
+"""Per-entry state of the attention features: raw cumulative and decayed sums per query head."""
+SCORER_FILES = (constants.CONFIG_NAME, constants.SAFETENSORS_SINGLE_FILE)
+
+
+def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Attention features a_n of every entry at this step and the updated feature state.
+
+    Shared by the learned policy and the supervised data maker, so that training and inference
+    compute features from the same block attention and state in the same way."""
+    features, cumulative, decayed = attention_features(
+        context.attention, context.state[CUMULATIVE], context.state[DECAYED], feature_set
+    )
+    return features, {CUMULATIVE: cumulative, DECAYED: decayed}
+
+
+def load_scorer(source: str | os.PathLike) -> ForesightScorer:
+    """A scorer from a Hub-format folder (config.json + model.safetensors) or, for a path that does not
+    exist locally, a Hub repo id."""
+    path = Path(source)
+    if path.exists():
+        missing = [name for name in SCORER_FILES if not (path / name).is_file()]
+        if missing:
+            raise ValueError(
+                f"{path} is not a scorer folder (no {' or '.join(missing)}); `foresight fit` and "
+                "`foresight export` write one"
+            )
+        return ForesightScorer.from_pretrained(path)
+    try:
+        return ForesightScorer.from_pretrained(os.fspath(source))
+    except (OSError, HFValidationError) as error:
+        reason = " ".join(str(error).split()[:12])
+        raise ValueError(
+            f"cannot load a scorer from {os.fspath(source)!r}: no such folder, and not a reachable Hub repo ({reason})"
+        ) from None
+
+
+class EvictionMode(str, Enum):
+    """How keep scores become evictions: the L lowest, or sampled by Eq. 2."""
+
+    DETERMINISTIC = "deterministic"
+    SAMPLED = "sampled"
+
+    @classmethod
+    def parse(cls, value: str | EvictionMode) -> EvictionMode:
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(member.value) for member in cls)
+            raise ValueError(f"unknown eviction mode {value!r}; allowed: {allowed}") from None
+
+
+@dataclass(frozen=True)
+class SampledEviction:
+    """One layer's sampled eviction at one step (Eq. 2), as the GRPO stage needs it.
+
+    The batch dim holds the rows that evicted at this step (all rows when they evict together, as
+    the rollouts of one trace do); `query_positions` [batch, L] names the step. The scorer inputs of
+    the pool P = min(2L, candidates) are kept (the Plackett-Luce probability depends on the pool's
+    scores only): keys, values [batch, Hkv, P, D], features [batch, Hkv, P, F*G], eligible
+    [batch, Hkv, P] (False: an invalid slot with probability 0). `order` [batch, Hkv, L] indexes the
+    pool in sampled order; `logprob` [batch, Hkv] is its log-probability under the sampling scorer.
+    """
+
+    layer: int
+    query_positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    features: torch.Tensor
+    eligible: torch.Tensor
+    order: torch.Tensor
+    logprob: torch.Tensor
+
+    def logprob_under(self, scorer: ForesightScorer) -> torch.Tensor:
+        """Log-probability [batch, Hkv] of the recorded eviction under `scorer` (differentiable; the
+        ratio of GRPO, ForesightKV Eq. 10)."""
+        scores = scorer.score_layer(self.layer, self.keys, self.values, self.features)
+        pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+        return plackett_luce_logprob(scores, pool, self.order, eligible=self.eligible)
+
+
+@register
+@dataclass
+class Foresight(Policy):
+    """The learned scorer of ForesightKV (§3.1, App. B): one MLP per (layer, KV head) maps
+    x_n = [k_n || v_n || a_n] to a keep score, a_n being attention features of the block attention
+    (`foresight.features`) whose cumulative and decayed sums live in the per-entry state.
+
+    scorer: a `ForesightScorer`, or a folder / Hub repo id to load one from (required).
+    mode: "deterministic" (default) evicts the L lowest-scoring candidates; "sampled" draws the
+      L evictions from the 2L lowest by Eq. 2 (softmax over the negated scores, without
+      replacement), using a generator seeded with `seed` at the start of every run, and records
+      each layer's draw in `records` (a list of `SampledEviction`) for the reinforcement stage.
+    seed: seed of the sampled mode (default 0).
+
+    The scorer fits one model shape and one (B, L); both are checked against the cache at the
+    first eviction step of a run. B is read from the valid candidates per row, which number
+    exactly B at every step but a prefill of a prompt longer than B + L, so the policy refuses a
+    protected prompt (the scorer never saw one in training). In sampled mode the engine must add no
+    sinks (the default), so that it evicts exactly the sampled entries.
+    """
+
+    name = "foresight"
+    summary = "learned per-(layer, KV head) MLP keep scores (ForesightKV)"
+    needs_attention = True
+    state_fields = FEATURE_STATE
+
+    scorer: ForesightScorer | str | os.PathLike
+    mode: str = EvictionMode.DETERMINISTIC.value
+    seed: int = 0
+    records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
+    _pending: tuple[EvictionContext, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+
+    SAMPLED_SCORE: ClassVar[float] = 0.0  # keep score of an entry sampled for eviction; others get 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scorer, (str, os.PathLike)):
+            self.scorer = load_scorer(self.scorer)
+        if not isinstance(self.scorer, ForesightScorer):
+            raise ValueError(f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}")
+        self.mode = EvictionMode.parse(self.mode).value
+
+    def reset(self) -> None:
+        self.records = []
+        self._steps = 0
+        self._pending = None
+        self._generator = None
+
+    def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
+        if context.layer_idx == 0:
+            self._check(context)
+        features, state = observe_features(context, self.scorer.config.feature_set)
+        self._pending = (context, features)
+        if context.layer_idx == context.num_layers - 1:
+            self._steps += 1
+        return state
+
+    def keep_scores(self, context: EvictionContext) -> torch.Tensor:
+        if self._pending is None or self._pending[0] is not context:
+            raise RuntimeError("keep_scores must follow observe on the same eviction context")
+        features = self._pending[1][..., : context.num_candidates, :]
+        self._pending = None
+        candidates = slice(0, context.num_candidates)
+        keys, values = context.keys[..., candidates, :], context.values[..., candidates, :]
+        scores = self.scorer.score_layer(context.layer_idx, keys, values, features)
+        if self.mode == EvictionMode.DETERMINISTIC.value:
+            return scores
+        return self._sample(context, scores, keys, values, features)
+
+    def _sample(self, context, scores, keys, values, features) -> torch.Tensor:
+        """Eq. 2: draw L evictions among the 2L lowest; keep scores 1, sampled entries 0."""
+        interval = self.scorer.config.interval
+        eligible = context.candidate_positions >= 0
+        if self._generator is None:
+            self._generator = torch.Generator(device=scores.device).manual_seed(self.seed)
+        order, logprob = sample_eviction(scores, interval, self._generator, eligible=eligible)
+        pool = eviction_pool(scores, interval, eligible)
+        in_pool = (pool[..., None, :] == order[..., :, None]).int().argmax(-1)
+
+        def pooled(tensor: torch.Tensor) -> torch.Tensor:
+            index = pool[..., None].expand(*pool.shape, tensor.shape[-1])
+            return tensor.gather(-2, index)
+
+        self.records.append(
+            SampledEviction(
+                layer=context.layer_idx,
+                query_positions=context.query_positions,
+                keys=pooled(keys),
+                values=pooled(values),
+                features=pooled(features),
+                eligible=eligible.gather(-1, pool),
+                order=in_pool,
+                logprob=logprob,
+            )
+        )
+        sampled = torch.zeros_like(eligible).scatter(-1, order, True)
+        return torch.where(sampled, self.SAMPLED_SCORE, 1.0).to(scores.dtype)
+
+    def _check(self, context: EvictionContext) -> None:
+        """One-line errors when the cache is not the model shape or the (B, L) the scorer was trained for."""
+        scorer = self.scorer
+        if context.queries is None:
+            raise ValueError("the foresight policy needs the buffered queries of block attention")
+        scorer.check_compatible(
+            ModelShape(
+                num_layers=context.num_layers,
+                num_query_heads=context.queries.shape[1],
+                num_kv_heads=context.keys.shape[1],
+                head_dim=context.keys.shape[-1],
+            )
+        )
+        scorer.to(context.keys.device)
+        config = scorer.config
+        interval = context.keys.shape[2] - context.num_candidates
+        valid = (context.candidate_positions[:, 0] >= 0).sum(-1)
+        fewest, most = int(valid.min()), int(valid.max())
+        # A prefill of a long prompt may bring more candidates, only at the run's first step.
+        budget_fits = fewest >= config.budget and (self._steps == 0 or most == config.budget)
+        if interval != config.interval or not budget_fits:
+            seen = fewest if fewest < config.budget else most
+            raise ValueError(
+                f"scorer trained for {config.base_model} with B={config.budget}, L={config.interval} does not fit "
+                f"this cache (B={seen}, L={interval})"
+            )
+        if self.mode == EvictionMode.SAMPLED.value and most != config.budget:
+            raise ValueError(
+                f"sampled eviction removes exactly L={config.interval} of B={config.budget} candidates per step, "
+                f"but a row holds {most} candidates (a prompt longer than B + L); use deterministic mode"
+            )

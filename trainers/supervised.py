@@ -1,0 +1,108 @@
+"""The supervised stage as a LightningModule: the stacked scorer trained with the pairwise ranking loss
+(ForesightKV §3.2 Eq. 6, App. E.1; ALGORITHMS.md §6).
+
+A batch holds the eviction steps of a few traces (`trainers.data`): keys, values [steps, layers, Hkv, B, D],
+features [steps, layers, Hkv, B, F*G], alpha [steps, layers, Hkv, B]. Every (step, layer, KV head)
+is one ranking problem; the loss is Eq. 6's per-problem mean over pairs with α_i < α_j, averaged over
+all problems of the global batch (a problem without a pair, all α equal, adds 0). Under DDP each rank
+divides its sum by the problem count of all ranks, so the averaged gradient is exactly that of the
+whole batch on one process, whatever the number of steps each rank's traces bring.
+
+Only the scorer has parameters: the frozen model ran once, without grad, when the data was made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import lightning as L
+import torch
+
+from foresight.export import SCORER_CONFIG_KEY, TRAINING_KEY
+from foresight.scorer import ForesightScorer, ScorerConfig
+from trainers.ranking import DEFAULT_MARGIN, MeanOverProblems, kept_overlap, pairwise_ranking_loss, spearman
+
+def scorer_config_dict(config: ScorerConfig) -> dict:
+    """A `ScorerConfig` as JSON-friendly values."""
+    return {**asdict(config), "feature_set": config.feature_set.value}
+
+
+class SupervisedScorer(L.LightningModule):
+    """Trains a `ForesightScorer` to rank candidates like their future scores.
+
+    scorer: the `ScorerConfig` fields fixed by the data (model shape, B, L, features, base model);
+      LightningCLI links them from the data module.
+    hidden: H, the MLP width (16). margin: m of Eq. 6 (0.01). lr, weight_decay: AdamW, the learning
+      rate annealed by a cosine from `lr` to 0 over the run's optimisation steps (paper: lr 1e-2).
+    pair_chunk: rows of the pair matrix built at once (memory only; the loss uses every pair).
+    """
+
+    def __init__(
+        self,
+        scorer: dict,
+        hidden: int = 16,
+        margin: float = DEFAULT_MARGIN,
+        lr: float = 1e-2,
+        weight_decay: float = 0.0,
+        pair_chunk: int = 256,
+    ) -> None:
+        super().__init__()
+        if lr <= 0 or margin < 0 or weight_decay < 0:
+            raise ValueError(
+                f"need lr > 0, margin >= 0 and weight_decay >= 0, got lr={lr}, margin={margin}, weight_decay={weight_decay}"
+            )
+        self.save_hyperparameters()
+        self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden))
+        self.val_overlap = MeanOverProblems()
+        self.val_spearman = MeanOverProblems()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Keep scores [steps, layers, Hkv, B] of every candidate of every step of the batch."""
+        inputs = [batch[name].transpose(0, 1) for name in ("keys", "values", "features")]  # layers first
+        return self.scorer(*inputs).transpose(0, 1)
+
+    def _loss(self, scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global-batch mean of Eq. 6 (see the module docstring)."""
+        per_problem, _ = pairwise_ranking_loss(scores, alpha, self.hparams.margin, self.hparams.pair_chunk)
+        count = torch.tensor(float(per_problem.numel()), device=per_problem.device)
+        world = self.trainer.world_size
+        total = self.trainer.strategy.reduce(count, reduce_op="sum") if world > 1 else count
+        return per_problem.sum() * world / total
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(self(batch), batch["alpha"])
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["alpha"].shape[0])
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch["alpha"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        scores, alpha = self(batch), batch["alpha"]
+        size = alpha.shape[0]
+        self.log("val/loss", self._loss(scores, alpha), prog_bar=True, sync_dist=True, batch_size=size)
+        keep = self.scorer.config.budget - self.scorer.config.interval
+        self.val_overlap.update(kept_overlap(scores, alpha, keep))
+        self.val_spearman.update(spearman(scores, alpha))
+        self.log("val/overlap", self.val_overlap, prog_bar=True, batch_size=size)
+        self.log("val/spearman", self.val_spearman, batch_size=size)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(
+            self.scorer.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def training_record(self, extra_metrics: dict | None = None) -> dict:
+        """What the scorer was trained on and its latest metrics (with `extra_metrics`), as plain values
+        (for the model card)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        data = datamodule.summary() if hasattr(datamodule, "summary") else {}
+        latest = {**(extra_metrics or {}), **self.trainer.callback_metrics}
+        metrics = {name: round(float(value), 6) for name, value in sorted(latest.items())}
+        return {**data, "optimisation steps": self.global_step, "metrics": metrics}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the scorer's config and training record so `foresight export` needs only the file."""
+        checkpoint[SCORER_CONFIG_KEY] = scorer_config_dict(self.scorer.config)
+        checkpoint[TRAINING_KEY] = self.training_record()
