@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from foresight.models import describe, load_model
 from foresight.policies import POLICIES, make_policy
+from foresight.report import write_section
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, RunStats
 from foresight.tasks import chat_prompt_ids
 
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=2048)
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="markdown report to (re)write")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="markdown report whose decode section is rewritten")
 
 
 @dataclass
@@ -87,10 +88,9 @@ def run(args: argparse.Namespace) -> int:
         for name in selected_policies(args.policies):
             results.append(_decode(model, name, config, [prompt] * batch, args.max_new_tokens, len(prompt)))
     report = _report(args, results, describe(model), device, model.dtype)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+    write_section(args.out, f"decode-{device}", report)
     print(report)
-    print(f"wrote {args.out}")
+    print(f"wrote the decode section of {args.out}")
     return 0
 
 
@@ -129,7 +129,7 @@ def _report(args, results: list[DecodeResult], shape, device: str, dtype) -> str
     steps = max(len(r.stats.step_seconds) for r in results)
     windows = [(start, min(start + WINDOW, steps)) for start in range(0, steps, WINDOW)]
     lines = [
-        "## Decode benchmark",
+        f"### Decode benchmark ({device})",
         "",
         f"Command: `{command}`",
         "",
