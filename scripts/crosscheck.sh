@@ -10,5 +10,5 @@ fi
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q kvpress "transformers==5.2.*" -c <(printf 'torch==2.13.0\n')
-python -m pip install -q -e . -c <(printf 'torch==2.13.0\ntransformers==5.2.0\n')
+python -m pip install -q -e ".[dev]" -c <(printf 'torch==2.13.0\ntransformers==5.2.0\n')
 python -m pytest tests/test_kvpress_crosscheck.py -q "$@"
