@@ -315,7 +315,7 @@ class StopAfterFirstEpoch(L.Callback):
 
 
 def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir, capsys):
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, shuffle=False)
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
     two_epochs = ("trainer.max_epochs=2", "trainer.max_steps=-1")
     whole = tmp_path / "whole"
     assert cli.main(fit_args(config, whole, traces_dir, *two_epochs)) == 0
@@ -390,9 +390,10 @@ def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_path, tiny_dir, traces_dir):
     """Two gloo processes with 2 traces each per step against one process with 4: the logged losses
-    and the trained weights agree (the loss is normalised by the global problem count)."""
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, shuffle=False, holdout=0.0,
-                         cache_dir=str(tmp_path / "features"), traces_dir=str(traces_dir))
+    and the trained weights agree (the same shuffled global batches; the loss is normalised by the
+    global problem count)."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0, cache_dir=str(tmp_path / "features"),
+                         traces_dir=str(traces_dir))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = {}
     for name, devices, batch in (("one", 1, 4), ("two", 2, 2)):

@@ -34,7 +34,7 @@ import lightning as L
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 from transformers import AutoConfig, PreTrainedConfig
 
@@ -379,10 +379,17 @@ class GoldenDataModule(L.LightningDataModule):
         return dict(self._summary)
 
     def train_dataloader(self) -> DataLoader:
-        replayed = isinstance(self.train, ReplayedTraces)
+        """Cached traces go through a `DistributedSampler` on one process too: its order is a function
+        of (split_seed, epoch) only, so a resumed run and a run on any number of ranks see the same
+        global batches."""
+        if isinstance(self.train, ReplayedTraces):  # orders and shards itself
+            return DataLoader(self.train, batch_size=self.batch_size, collate_fn=concat_steps)
+        sampler = DistributedSampler(
+            self.train, num_replicas=_world_size(), rank=_rank(), shuffle=self.shuffle, seed=self.split_seed
+        )
         return DataLoader(
-            self.train, batch_size=self.batch_size, shuffle=self.shuffle and not replayed, collate_fn=concat_steps,
-            drop_last=len(self.train) >= self.batch_size,
+            self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=concat_steps,
+            drop_last=len(sampler) >= self.batch_size,
         )
 
     def val_dataloader(self) -> DataLoader | list:
