@@ -80,13 +80,15 @@ class SampledEviction:
     The batch dim holds the rows that evicted at this step (all rows when they evict together, as
     the rollouts of one trace do); `query_positions` [batch, L] names the step. The scorer inputs of
     the pool P = min(2L, candidates) are kept (the Plackett-Luce probability depends on the pool's
-    scores only): keys, values [batch, Hkv, P, D], features [batch, Hkv, P, F*G], eligible
-    [batch, Hkv, P] (False: an invalid slot with probability 0). `order` [batch, Hkv, L] indexes the
-    pool in sampled order; `logprob` [batch, Hkv] is its log-probability under the sampling scorer.
+    scores only): keys, values [batch, Hkv, P, D], features [batch, Hkv, P, F*G], their sequence
+    positions [batch, Hkv, P] and eligible [batch, Hkv, P] (False: an invalid slot, probability 0).
+    `order` [batch, Hkv, L] indexes the pool in sampled order; `logprob` [batch, Hkv] is its
+    log-probability under the sampling scorer.
     """
 
     layer: int
     query_positions: torch.Tensor
+    positions: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
     features: torch.Tensor
@@ -190,6 +192,7 @@ class Foresight(Policy):
             SampledEviction(
                 layer=context.layer_idx,
                 query_positions=context.query_positions,
+                positions=context.candidate_positions.gather(-1, pool),
                 keys=pooled(keys),
                 values=pooled(values),
                 features=pooled(features),

@@ -1,0 +1,98 @@
+"""`foresight export`: a Lightning checkpoint of the supervised stage becomes a complete Hub folder with
+a model card; pushing without a token or a network fails in one line and leaves the folder complete."""
+
+from __future__ import annotations
+
+import huggingface_hub
+import lightning as L
+import pytest
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from foresight import cli
+from foresight.export import SCORER_CONFIG_KEY, read_checkpoint
+from foresight.policies.foresight import load_scorer
+from tests.test_trainer import scorer_spec, synthetic_traces
+from trainers.data import concat_steps
+from trainers.supervised import SupervisedScorer
+
+FILES = {"README.md", "config.json", "model.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real supervised-stage checkpoint after a few steps on synthetic traces."""
+    folder = tmp_path_factory.mktemp("run")
+    module = SupervisedScorer(scorer_spec())
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=folder, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(synthetic_traces(4, 2), batch_size=2, collate_fn=concat_steps),
+                DataLoader(synthetic_traces(2, 2, seed=1), batch_size=2, collate_fn=concat_steps))
+    path = folder / "last.ckpt"
+    trainer.save_checkpoint(path)
+    return path, module
+
+
+def test_export_writes_a_complete_folder_from_a_checkpoint(checkpoint, tmp_path, capsys):
+    path, module = checkpoint
+    evaluation = tmp_path / "eval.md"
+    evaluation.write_text("| policy | loss ratio |\n|---|---|\n| foresight | 1.0123 |\n")
+    out = tmp_path / "export"
+    assert cli.main(["export", "--checkpoint", str(path), "--out", str(out), "--evaluation", str(evaluation)]) == 0
+    assert capsys.readouterr().out.strip() == f"{out}: scorer for tiny (B=16, L=4, paper features)"
+    assert FILES <= {p.name for p in out.iterdir()}
+    scorer = load_scorer(out)
+    for name, tensor in module.scorer.state_dict().items():
+        torch.testing.assert_close(scorer.state_dict()[name], tensor, rtol=0, atol=0)
+    assert scorer.config == module.scorer.config
+    card = (out / "README.md").read_text()
+    front_matter = yaml.safe_load(card.split("---")[1])
+    assert front_matter["library_name"] == "foresightkv" and "kv-cache-eviction" in front_matter["tags"]
+    for text in ("| budget B | 16 |", "| interval L | 4 |", "last_8, last_16, last_32, last_L, cumulative, decayed",
+                 "(2 layers, 4 query heads, 2 KV heads, head dim 16)", "optimisation steps: 3", "| val/overlap |",
+                 "| foresight | 1.0123 |", 'make_policy("foresight", scorer="PATH_OR_REPO_ID")',
+                 "EvictionConfig(budget=16, interval=4)"):
+        assert text in card, text
+
+
+def test_export_reexports_a_scorer_folder(checkpoint, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(first)]) == 0
+    assert cli.main(["export", "--checkpoint", str(first), "--out", str(second)]) == 0
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+
+
+def test_push_without_a_token_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("foresight.export.get_token", lambda: None)
+    out = tmp_path / "export"
+    args = ["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"]
+    assert cli.main(args) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("foresight export: error: cannot push to someone/scorer: no Hugging Face token")
+    assert error.endswith(f"the folder {out} is complete; push it later with `hf upload someone/scorer {out}`")
+    assert "\n" not in error and FILES <= {p.name for p in out.iterdir()}
+
+
+def test_push_offline_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("foresight.export.get_token", lambda: "hf_not_a_real_token")
+    out = tmp_path / "export"
+    assert cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("foresight export: error: cannot push to someone/scorer: ")
+    assert "\n" not in error and FILES <= {p.name for p in out.iterdir()}
+
+
+def test_checkpoints_that_are_not_the_scorers_are_refused(tmp_path, capsys):
+    other = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}}, other)
+    assert cli.main(["export", "--checkpoint", str(other), "--out", str(tmp_path / "x")]) == 2
+    assert f"{other} is not a checkpoint of the supervised scorer (no {SCORER_CONFIG_KEY!r} entry)" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="garbage.ckpt is not a readable checkpoint"):
+        read_checkpoint(garbage)
+    assert cli.main(["export", "--checkpoint", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err

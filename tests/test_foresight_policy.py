@@ -1,0 +1,239 @@
+"""The learned `foresight` policy: keep scores against independent MLPs on loop-computed features, batched
+generation, the sampled mode (Eq. 2) against the engine's evictions and a loop Plackett-Luce, and its errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from foresight.features import DECAY
+from foresight.models import describe, tiny_model
+from foresight.policies import make_policy
+from foresight.policies.base import EvictionContext
+from foresight.policies.foresight import CUMULATIVE, DECAYED
+from foresight.runtime.cache import EvictionLayer
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.scorer import ForesightScorer, ScorerConfig
+
+B, L = 12, 4
+WINDOWS = (8, 16, 32)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
+    shape = describe(model)
+    options = dict(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
+                   head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny-llama")
+    torch.manual_seed(seed)
+    scorer = ForesightScorer(ScorerConfig(**{**options, **overrides}))
+    with torch.no_grad():  # larger weights than nn.Linear's init: keep scores far apart, evictions decisive
+        scorer.w1.mul_(4)
+    return scorer
+
+
+def prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
+
+
+# -- keep scores --------------------------------------------------------------------------------
+def loop_features(attention: torch.Tensor, cumulative: torch.Tensor, decayed: torch.Tensor) -> torch.Tensor:
+    """Paper features of one (row, KV head) by loops: attention [G, L, N], states [N, G] -> [N, 6G]."""
+    group, window, entries = attention.shape
+    rows = []
+    for n in range(entries):
+        row = []
+        for g in range(group):
+            received = [float(attention[g, q, n]) for q in range(window)]
+            sums = [sum(received[max(0, window - size):]) for size in WINDOWS] + [sum(received)]
+            row += sums + [float(cumulative[n, g]) + sum(received), DECAY * float(decayed[n, g]) + sum(received)]
+        rows.append(row)
+    return torch.log1p(torch.tensor(rows))
+
+
+def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequential:
+    config = scorer.config
+    mlp = nn.Sequential(nn.Linear(config.input_dim, config.hidden), nn.GELU(), nn.Linear(config.hidden, 1))
+    with torch.no_grad():
+        mlp[0].weight.copy_(scorer.w1[layer, head].T)
+        mlp[0].bias.copy_(scorer.b1[layer, head])
+        mlp[2].weight.copy_(scorer.w2[layer, head][None])
+        mlp[2].bias.copy_(scorer.b2[layer, head][None])
+    return mlp
+
+
+def test_keep_scores_equal_independent_mlps_on_loop_features(llama):
+    """A hand-built step of layer 1 (two rows, one with padding slots): the new state and the keep scores
+    of the candidates equal the per-(layer, head) MLP of [k || v || a] with loop-computed features."""
+    scorer = random_scorer(llama)
+    shape = describe(llama)
+    generator = torch.Generator().manual_seed(5)
+    rows, kv_heads, group, dim, entries = 2, shape.num_kv_heads, shape.group_size, shape.head_dim, B + L
+    positions = torch.arange(entries).repeat(rows, kv_heads, 1)
+    positions[1, :, :3] = -1  # padding in front of row 1
+    context = EvictionContext(
+        layer_idx=1, num_layers=shape.num_layers,
+        keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        positions=positions, num_candidates=B, scaling=dim**-0.5,
+        state={CUMULATIVE: torch.rand(rows, kv_heads, entries, group, generator=generator) * 3,
+               DECAYED: torch.rand(rows, kv_heads, entries, group, generator=generator)},
+        queries=torch.randn(rows, shape.num_query_heads, L, dim, generator=generator),
+        query_positions=torch.arange(B, B + L).repeat(rows, 1),
+    )
+    policy = make_policy("foresight", scorer=scorer)
+    state = policy.observe(context)
+    received = context.attention.sum(3).transpose(-1, -2)  # [rows, Hkv, N, G]
+    torch.testing.assert_close(state[CUMULATIVE], context.state[CUMULATIVE] + received)
+    torch.testing.assert_close(state[DECAYED], DECAY * context.state[DECAYED] + received)
+    scores = policy.keep_scores(context)
+    assert scores.shape == (rows, kv_heads, B)
+    for row, head in itertools.product(range(rows), range(kv_heads)):
+        features = loop_features(context.attention[row, head], context.state[CUMULATIVE][row, head],
+                                 context.state[DECAYED][row, head])
+        inputs = torch.cat([context.keys[row, head], context.values[row, head], features], -1)[:B]
+        expected = independent_mlp(scorer, 1, head)(inputs).squeeze(-1)
+        torch.testing.assert_close(scores[row, head], expected, rtol=0, atol=1e-5)
+
+
+# -- in the engine --------------------------------------------------------------------------------
+class EvictionLog:
+    """Records every compaction, layer after layer and step after step: (positions before
+    [b, Hkv, N], keep mask), in the order the policy scored them."""
+
+    def __init__(self, monkeypatch):
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        compact = EvictionLayer.compact
+
+        def recording(layer, keep):
+            self.steps.append((layer.entry_positions().clone(), keep.clone()))
+            compact(layer, keep)
+
+        monkeypatch.setattr(EvictionLayer, "compact", recording)
+
+    def evicted(self, index: int) -> list[list[set[int]]]:
+        """Positions evicted at compaction `index`, per row and head."""
+        positions, keep = self.steps[index]
+        dropped = positions.masked_fill(keep | (positions < 0), -1)
+        return [[set(p for p in head.tolist() if p >= 0) for head in row] for row in dropped]
+
+
+@pytest.fixture
+def eviction_log(monkeypatch):
+    return EvictionLog(monkeypatch)
+
+
+def test_batched_generation_holds_the_budget_and_equals_each_row_alone(llama):
+    scorer = random_scorer(llama)
+    batch = prompts([5, 11, 20], seed=1)  # the 20-token prompt evicts right after prefill
+    engine = EvictionEngine(llama, make_policy("foresight", scorer=scorer), EvictionConfig(B, L))
+    together = engine.generate(batch, 30, return_logits=True)
+    assert together.stats.evictions > 5
+    assert bool((engine.last_cache.lengths < B + L).all())
+    for row, prompt in enumerate(batch):
+        alone = engine.generate([prompt], 30, return_logits=True)
+        assert together.tokens[row] == alone.tokens[0]
+        torch.testing.assert_close(together.logits[row], alone.logits[0], atol=1e-4, rtol=0)
+
+
+def test_deterministic_mode_evicts_the_lowest_scores(llama, eviction_log):
+    scorer = random_scorer(llama)
+    policy = make_policy("foresight", scorer=scorer)
+    seen = []
+    keep_scores = policy.keep_scores
+    policy.keep_scores = lambda context: seen.append((context.candidate_positions, keep_scores(context))) or seen[-1][1]
+    EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(prompts([6, 6], seed=2), 24)
+    assert len(seen) == len(eviction_log.steps) > 4
+    for index, (candidates, scores) in enumerate(seen):
+        lowest = scores.argsort(-1)[..., :L]
+        expected = candidates.gather(-1, lowest)
+        for row, head in itertools.product(range(2), range(candidates.shape[1])):
+            assert eviction_log.evicted(index)[row][head] == set(expected[row, head].tolist())
+
+
+def loop_plackett_luce(scores: torch.Tensor, order: list[int], eligible: list[bool]) -> float:
+    """log P(order) of sequential softmax draws over the negated scores of the eligible pool entries."""
+    remaining = [i for i in range(len(scores)) if eligible[i]]
+    total = 0.0
+    for pick in order:
+        logits = torch.stack([-scores[i] for i in remaining])
+        total += float(-scores[pick] - torch.logsumexp(logits, 0))
+        remaining.remove(pick)
+    return total
+
+
+def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama, eviction_log):
+    scorer = random_scorer(llama)
+    policy = make_policy("foresight", scorer=scorer, mode="sampled", seed=3)
+    EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(prompts([7, 7], seed=4), 30)
+    assert len(policy.records) == len(eviction_log.steps) > 4
+    for index, record in enumerate(policy.records):
+        assert record.order.shape == (2, scorer.config.num_kv_heads, L) and record.positions.shape[-1] == 2 * L
+        sampled = record.positions.gather(-1, record.order)
+        evicted = eviction_log.evicted(index)
+        with torch.no_grad():
+            scores = scorer.score_layer(record.layer, record.keys, record.values, record.features)
+            recomputed = record.logprob_under(scorer)
+        torch.testing.assert_close(recomputed, record.logprob, rtol=0, atol=1e-5)
+        for row, head in itertools.product(range(2), range(scorer.config.num_kv_heads)):
+            assert evicted[row][head] == set(sampled[row, head].tolist())
+            expected = loop_plackett_luce(scores[row, head], record.order[row, head].tolist(),
+                                          record.eligible[row, head].tolist())
+            assert abs(float(record.logprob[row, head]) - expected) < 1e-4
+    # Reproducible from the seed, and another seed samples other evictions.
+    again = make_policy("foresight", scorer=scorer, mode="sampled", seed=3)
+    EvictionEngine(llama, again, EvictionConfig(B, L)).generate(prompts([7, 7], seed=4), 30)
+    assert all(torch.equal(a.order, b.order) for a, b in zip(policy.records, again.records))
+    other = make_policy("foresight", scorer=scorer, mode="sampled", seed=4)
+    EvictionEngine(llama, other, EvictionConfig(B, L)).generate(prompts([7, 7], seed=4), 30)
+    assert any(not torch.equal(a.order, b.order) for a, b in zip(policy.records, other.records))
+
+
+# -- errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "scorer_overrides, config, message",
+    [
+        (dict(num_layers=3), EvictionConfig(B, L),
+         "scorer trained for tiny-llama (layers=3, query heads=4, KV heads=2, head dim=16) does not fit the model "
+         "(layers=2, query heads=4, KV heads=2, head dim=16)"),
+        (dict(), EvictionConfig(B + 4, L), "scorer trained for tiny-llama with B=12, L=4 does not fit this cache (B=16, L=4)"),
+        (dict(), EvictionConfig(B - 4, L), "scorer trained for tiny-llama with B=12, L=4 does not fit this cache (B=8, L=4)"),
+        (dict(), EvictionConfig(B, L - 1), "with B=12, L=4 does not fit this cache (B=12, L=3)"),
+        (dict(), EvictionConfig(B, L, protect_prompt=True), "with B=12, L=4 does not fit this cache (B=17, L=4)"),
+    ],
+)
+def test_another_model_or_cadence_is_a_one_line_error(llama, scorer_overrides, config, message):
+    policy = make_policy("foresight", scorer=random_scorer(llama, **scorer_overrides))
+    with pytest.raises(ValueError) as error:
+        EvictionEngine(llama, policy, config).generate(prompts([5])[0:1], 40)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_sampled_mode_refuses_a_prefill_beyond_the_budget(llama):
+    policy = make_policy("foresight", scorer=random_scorer(llama), mode="sampled")
+    with pytest.raises(ValueError, match=r"sampled eviction removes exactly L=4 of B=12 candidates per step, but a row "
+                                         r"holds 16 candidates"):
+        EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(prompts([20]), 4)
+
+
+def test_policy_loads_a_saved_scorer_and_refuses_bad_input(llama, tmp_path):
+    scorer = random_scorer(llama)
+    scorer.save_pretrained(tmp_path / "scorer")
+    loaded = make_policy("foresight", scorer=str(tmp_path / "scorer"))
+    batch = prompts([9], seed=5)
+    expected = EvictionEngine(llama, make_policy("foresight", scorer=scorer), EvictionConfig(B, L)).generate(batch, 20)
+    assert EvictionEngine(llama, loaded, EvictionConfig(B, L)).generate(batch, 20).tokens == expected.tokens
+    with pytest.raises(TypeError):  # a learned policy cannot be built by name alone
+        make_policy("foresight")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty is not a scorer folder \(no config.json or model.safetensors\)"):
+        make_policy("foresight", scorer=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="unknown eviction mode 'greedy'; allowed: 'deterministic', 'sampled'"):
+        make_policy("foresight", scorer=scorer, mode="greedy")
