@@ -10,6 +10,7 @@ training data. Checkpoints are read with `torch.load(weights_only=True)`: nothin
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,11 @@ SCORER_PREFIX = "scorer."
 """Prefix of the scorer's tensors in a Lightning checkpoint's state dict."""
 DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """The Hub id of the embedded default model (`foresight.models`), for the card's metadata."""
+
+
+def scorer_config_dict(config: ScorerConfig) -> dict[str, Any]:
+    """A `ScorerConfig` as plain values (what `SCORER_CONFIG_KEY` holds)."""
+    return {**asdict(config), "feature_set": config.feature_set.value}
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[ForesightScorer, dict[str, Any]]:

@@ -170,8 +170,8 @@ class CachedTraces(Dataset):
 class ReplayedTraces(IterableDataset):
     """The examples of traces made on the fly: each pass replays the traces through the frozen model.
 
-    For runs whose examples are too large to cache (the paper's B = 1024 needs ~150 MB per step of
-    a 4B model). Each pass visits the traces in a new seeded order (or in order, without `shuffle`),
+    For runs whose examples are too large to cache (at the paper's B = 1024, one eviction step of a
+    4B model holds 0.15-0.3 GB of keys and values). Each pass visits the traces in a new seeded order (or in order, without `shuffle`),
     split across DDP ranks and data-loader workers; every rank gets the same number of traces (the
     order is padded by repeating its start), so ranks run the same number of steps.
     """

@@ -8,23 +8,17 @@ all problems of the global batch (a problem without a pair, all α equal, adds 0
 divides its sum by the problem count of all ranks, so the averaged gradient is exactly that of the
 whole batch on one process, whatever the number of steps each rank's traces bring.
 
-Only the scorer has parameters: the frozen model ran once, without grad, when the data was made.
+Only the scorer has parameters: the frozen model runs only to make the data, without grad.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import lightning as L
 import torch
 
-from foresight.export import SCORER_CONFIG_KEY, TRAINING_KEY
+from foresight.export import SCORER_CONFIG_KEY, TRAINING_KEY, scorer_config_dict
 from foresight.scorer import ForesightScorer, ScorerConfig
 from trainers.ranking import DEFAULT_MARGIN, MeanOverProblems, kept_overlap, pairwise_ranking_loss, spearman
-
-def scorer_config_dict(config: ScorerConfig) -> dict:
-    """A `ScorerConfig` as JSON-friendly values."""
-    return {**asdict(config), "feature_set": config.feature_set.value}
 
 
 class SupervisedScorer(L.LightningModule):

@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from huggingface_hub import constants
@@ -118,11 +117,11 @@ class Foresight(Policy):
       each layer's draw in `records` (a list of `SampledEviction`) for the reinforcement stage.
     seed: seed of the sampled mode (default 0).
 
-    The scorer fits one model shape and one (B, L); both are checked against the cache at the
-    first eviction step of a run. B is read from the valid candidates per row, which number
-    exactly B at every step but a prefill of a prompt longer than B + L, so the policy refuses a
-    protected prompt (the scorer never saw one in training). In sampled mode the engine must add no
-    sinks (the default), so that it evicts exactly the sampled entries.
+    The scorer fits one model shape and one (B, L); both are checked against the cache at every
+    eviction step. B is read from the valid candidates per row, which number exactly B at every
+    step but the run's first (a prefill of a prompt longer than B + L brings more), so the policy
+    refuses a protected prompt (the scorer never saw one in training). In sampled mode the engine
+    must add no sinks (the default), so that it evicts exactly the sampled entries.
     """
 
     name = "foresight"
@@ -137,8 +136,6 @@ class Foresight(Policy):
     _steps: int = field(default=0, init=False, repr=False)
     _pending: tuple[EvictionContext, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
-
-    SAMPLED_SCORE: ClassVar[float] = 0.0  # keep score of an entry sampled for eviction; others get 1
 
     def __post_init__(self) -> None:
         if isinstance(self.scorer, (str, os.PathLike)):
@@ -202,7 +199,7 @@ class Foresight(Policy):
             )
         )
         sampled = torch.zeros_like(eligible).scatter(-1, order, True)
-        return torch.where(sampled, self.SAMPLED_SCORE, 1.0).to(scores.dtype)
+        return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
 
     def _check(self, context: EvictionContext) -> None:
         """One-line errors when the cache is not the model shape or the (B, L) the scorer was trained for."""
