@@ -23,8 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_documents(path: Path, tokenizer, max_tokens: int) -> list[tuple[torch.Tensor, int]]:
     """(token ids, prompt length) per document; plain text is one document with a one-token prompt."""
-    if not path.is_file():
-        raise ValueError(f"replay file {str(path)!r} does not exist")
     text = path.read_text()
     if path.suffix != ".jsonl":
         return [(torch.tensor(tokenizer.encode(text)[:max_tokens]), 1)]
@@ -67,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     policy, config = policy_from_args(args)
     if config is None:
         raise ValueError("replay compares an evicting policy with the full cache; choose a policy other than 'full'")
+    if not args.file.is_file():
+        raise ValueError(f"replay file {str(args.file)!r} does not exist")
     model, tokenizer = load_model(args.model)
     documents = read_documents(args.file, tokenizer, args.max_tokens)
     sequences, prompt_lengths = [d[0] for d in documents], [d[1] for d in documents]
