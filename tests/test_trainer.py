@@ -240,7 +240,11 @@ def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_pat
     assert after["val/spearman"] > 0.9 > before["val/spearman"] + 0.3
     assert after["val/overlap"] > 0.85
     assert trainer.optimizers[0].param_groups[0]["lr"] < 1e-4  # the cosine schedule ran down to ~0
+    assert "val/overlap_cumulative" in after
     batch = next(iter(train))
+    group = batch["features"].shape[-1] // 6
+    cumulative = torch.stack([batch["features"][..., g * 6 + 4] for g in range(group)], -1).mean(-1)
+    torch.testing.assert_close(module.cumulative_attention(batch), cumulative)
     module._loss(module(batch), batch["alpha"]).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
 

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 from foresight.export import SCORER_CONFIG_KEY, TRAINING_KEY, scorer_config_dict
+from foresight.features import FEATURE_NAMES
 from foresight.scorer import ForesightScorer, ScorerConfig
 from trainers.ranking import DEFAULT_MARGIN, MeanOverProblems, kept_overlap, pairwise_ranking_loss, spearman
 
@@ -49,6 +50,9 @@ class SupervisedScorer(L.LightningModule):
         self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden))
         self.val_overlap = MeanOverProblems()
         self.val_spearman = MeanOverProblems()
+        self.val_overlap_cumulative = MeanOverProblems()
+        names = FEATURE_NAMES[self.scorer.config.feature_set]
+        self._cumulative, self._features_per_head = names.index("cumulative"), len(names)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Keep scores [steps, layers, Hkv, B] of every candidate of every step of the batch."""
@@ -76,8 +80,16 @@ class SupervisedScorer(L.LightningModule):
         keep = self.scorer.config.budget - self.scorer.config.interval
         self.val_overlap.update(kept_overlap(scores, alpha, keep))
         self.val_spearman.update(spearman(scores, alpha))
+        self.val_overlap_cumulative.update(kept_overlap(self.cumulative_attention(batch), alpha, keep))
         self.log("val/overlap", self.val_overlap, prog_bar=True, batch_size=size)
         self.log("val/spearman", self.val_spearman, batch_size=size)
+        self.log("val/overlap_cumulative", self.val_overlap_cumulative, batch_size=size)
+
+    def cumulative_attention(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A heuristic to compare with: the cumulative-attention feature averaged over the G query heads
+        (H2O's statistic, under log1p), as keep scores [steps, layers, Hkv, B]."""
+        features = batch["features"][..., self._cumulative :: self._features_per_head]
+        return features.mean(-1)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(
