@@ -40,13 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json/.csv/.md and the plots")
     parser.add_argument(
         "--model", default=None,
-        help="the model that made the traces (default: the one named in the traces manifest; another is refused)",
+        help="the model that made the traces; None: the one named in the traces manifest (another is refused)",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
-    parser.add_argument("--max-traces", type=int, default=None, help="evaluate at most this many traces (in order)")
+    parser.add_argument("--max-traces", type=int, default=None, help="evaluate at most this many traces (in order); None: all")
     parser.add_argument(
         "--holdout", type=float, default=None, metavar="FRACTION",
-        help="evaluate only the held-out split of this fraction (the split of TraceView.split; default: all traces)",
+        help="evaluate only the held-out split of this fraction (TraceView.split); None: every trace",
     )
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
     parser.add_argument("--batch-size", type=int, default=4, help="traces replayed together")
