@@ -125,8 +125,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         'policy = make_policy("foresight", scorer="PATH_OR_REPO_ID")\n'
         f"engine = EvictionEngine(model, policy, EvictionConfig(budget={config.budget}, interval={config.interval}))\n"
         "```\n"
-        f"or `foresight generate --policy foresight -o scorer=PATH_OR_REPO_ID -B {config.budget} -L {config.interval} "
-        '"your prompt"`. The scorer refuses a model of another shape and a cache with another B or L.'
+        "The scorer refuses a model of another shape and a cache with another B or L."
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
@@ -135,12 +134,20 @@ def _training_text(training: dict[str, Any]) -> str:
     if not training:
         return "No training record was exported with this scorer."
     lines = [f"- {key.replace('_', ' ')}: {_plain(value)}" for key, value in training.items() if key != "metrics"]
-    metrics = training.get("metrics") or {}
+    metrics = reported_metrics(training)
     if metrics:
         lines.append(
             "\n| metric | value |\n|---|---|\n" + "\n".join(f"| {name} | {_plain(value)} |" for name, value in metrics.items())
+            + "\n\nloss: Eq. 6; overlap: share of the golden kept set (top B - L by α) that the scorer keeps; "
+            "overlap_cumulative: the same for ranking by cumulative attention (H2O's statistic); spearman: rank "
+            "correlation of the scores with α. val/: held-out traces."
         )
     return "Supervised stage (ForesightKV §3.2): pairwise ranking loss (Eq. 6) against Golden Eviction future scores.\n\n" + "\n".join(lines)
+
+
+def reported_metrics(training: dict[str, Any]) -> dict[str, float]:
+    """The metrics of a training record worth reporting: all but the learning rate."""
+    return {name: value for name, value in (training.get("metrics") or {}).items() if not name.endswith("/lr")}
 
 
 def _plain(value: Any) -> str:

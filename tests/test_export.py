@@ -54,6 +54,7 @@ def test_export_writes_a_complete_folder_from_a_checkpoint(checkpoint, tmp_path,
                  "| foresight | 1.0123 |", 'make_policy("foresight", scorer="PATH_OR_REPO_ID")',
                  "EvictionConfig(budget=16, interval=4)"):
         assert text in card, text
+    assert "train/lr" not in card  # the learning rate is not a result
 
 
 def test_export_reexports_a_scorer_folder(checkpoint, tmp_path):

@@ -4,6 +4,7 @@ generation, the sampled mode (Eq. 2) against the engine's evictions and a loop P
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,3 +238,17 @@ def test_policy_loads_a_saved_scorer_and_refuses_bad_input(llama, tmp_path):
         make_policy("foresight", scorer=str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="unknown eviction mode 'greedy'; allowed: 'deterministic', 'sampled'"):
         make_policy("foresight", scorer=scorer, mode="greedy")
+
+
+@pytest.mark.slow
+def test_the_shipped_default_scorer_runs_on_the_default_model():
+    from foresight.models import load_model
+
+    model, tokenizer = load_model("default")
+    policy = make_policy("foresight", scorer=str(Path(__file__).resolve().parents[1] / "checkpoints" / "default"))
+    assert (policy.scorer.config.budget, policy.scorer.config.interval) == (128, 32)
+    prompt = tokenizer.encode("Count from one to one hundred in words: one, two, three, four, five," * 3)
+    output = EvictionEngine(model, policy, EvictionConfig(128, 32)).generate([prompt], 200)
+    assert output.stats.evictions >= 3 and output.stats.max_entries <= 128 + 32
+    with pytest.raises(ValueError, match="scorer trained for default with B=128, L=32 does not fit this cache"):
+        EvictionEngine(model, policy, EvictionConfig(256, 32)).generate([prompt], 300)  # caught at its 2nd step

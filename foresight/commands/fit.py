@@ -14,7 +14,7 @@ import argparse
 import warnings
 from pathlib import Path
 
-from foresight.export import export_scorer
+from foresight.export import export_scorer, reported_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +72,6 @@ def run(args: argparse.Namespace) -> int:
     module = cli.model
     record = module.training_record(extra_metrics=train_metrics)
     folder = export_scorer(module.scorer, args.out / "scorer", training=record)
-    metrics = ", ".join(f"{name} {value:.4f}" for name, value in record["metrics"].items() if "lr" not in name)
+    metrics = ", ".join(f"{name} {value:.4f}" for name, value in reported_metrics(record).items())
     print(f"{folder}: scorer trained for {module.global_step} steps; {metrics}")
     return 0
