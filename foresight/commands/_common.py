@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import MISSING, fields
 
 from foresight.policies import POLICIES, Policy, make_policy
 from foresight.runtime.engine import EvictionConfig
@@ -40,11 +41,15 @@ def _parse_option(text: str) -> tuple[str, str]:
 
 
 def _typed_options(name: str, options: dict[str, str]) -> dict[str, object]:
-    """Convert option strings to the type of the policy's default for that option."""
-    defaults = POLICIES[name]() if name in POLICIES else None
+    """Convert option strings to the type of the policy's default for that option; options without
+    a default (a scorer folder, a labels path) stay strings."""
+    defaults = {f.name: f.default for f in fields(POLICIES[name]) if f.init} if name in POLICIES else {}
     typed: dict[str, object] = {}
     for key, value in options.items():
-        default = getattr(defaults, key, value)
+        default = defaults.get(key, MISSING)
+        if default is MISSING or default is None:
+            typed[key] = value
+            continue
         try:
             typed[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else type(default)(value)
         except ValueError:
