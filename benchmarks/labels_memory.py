@@ -21,7 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from foresight.report import write_section
+
 MIB = 2**20
+REPORT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
 def _status_bytes(field: str) -> int:
@@ -75,14 +78,27 @@ def main() -> None:
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(output.strip().splitlines()[-1]))
     first = rows[0]
-    print(f"Golden labels, default model, B = {args.budget}, L = {args.interval}, device {args.device}\n")
-    print("| T | steps M | before (MiB) | peak (MiB) | above model (MiB) | ratio peak | ratio above model | time (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    lengths = " ".join(str(length) for length in args.lengths)
+    lines = [
+        f"### Golden labels: peak memory against trace length ({args.device})",
+        "",
+        f"Command: `python benchmarks/labels_memory.py --lengths {lengths} --budget {args.budget} "
+        f"--interval {args.interval} --device {args.device}`",
+        "",
+        f"Default model, B = {args.budget}, L = {args.interval}. Target: the memory above the model at the "
+        "largest T is below 2.5x that at the smallest when T doubles (linear, not quadratic).",
+        "",
+        "| T | steps M | before (MiB) | peak (MiB) | above model (MiB) | ratio peak | ratio above model | time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        print(
+        lines.append(
             f"| {row['tokens']} | {row['steps']} | {row['before']:.0f} | {row['peak']:.0f} | {row['above_model']:.0f} "
             f"| {row['peak'] / first['peak']:.2f}x | {row['above_model'] / first['above_model']:.2f}x | {row['seconds']:.1f} |"
         )
+    report = "\n".join(lines) + "\n"
+    print(report)
+    write_section(REPORT, f"labels-memory-{args.device}", report)
 
 
 if __name__ == "__main__":
