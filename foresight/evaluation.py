@@ -503,24 +503,28 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
 
 
 def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path) -> Path:
-    """Budget against `metric`, one line per policy (matplotlib, Agg backend)."""
+    """Budget against `metric`, one line per policy (matplotlib, Agg backend); each policy gets its
+    own colour and marker, the full-cache reference a dashed black line."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for policy in dict.fromkeys(row["policy"] for row in rows):
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    tab20 = plt.get_cmap("tab20").colors
+    colours, markers = tab20[0::2] + tab20[1::2], "osD^v<>pPhX*"  # the ten strong colours first
+    for index, policy in enumerate(dict.fromkeys(row["policy"] for row in rows)):
         points = sorted((r["budget"], r[metric]) for r in rows if r["policy"] == policy and r[metric] is not None)
-        if points:
-            axes.plot(*zip(*points), marker="o", label=policy)
-    budgets = sorted({row["budget"] for row in rows})
-    axes.set_xticks(budgets)
+        if not points:
+            continue
+        style = dict(color="black", linestyle="--") if policy == REFERENCE.name else dict(color=colours[index % 20])
+        axes.plot(*zip(*points), marker=markers[index % len(markers)], label=policy, **style)
+    axes.set_xticks(sorted({row["budget"] for row in rows}))
     axes.set_xlabel("budget B (cache entries)")
     axes.set_ylabel(metric.replace("_", " "))
     axes.set_title(f"{metric.replace('_', ' ')} by budget (L={rows[0]['interval']})")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small", ncol=2)
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()
     with _atomic_path(path) as temporary:
         figure.savefig(temporary, dpi=120, format="png")
