@@ -344,10 +344,16 @@ def evaluate(
             for batch in batches:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
                 _evaluate_batch(model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar)
-            rows += [
+            budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
                 for spec in budget_specs
             ]
+            notes += [
+                f"B={budget}: {row['policy']} never evicted on {row['never_evicted']} trace(s) (too short for its "
+                "cadence, e.g. after a protected prompt); its row leaves them out"
+                for spec, row in zip(budget_specs, budget_rows) if spec.evicts and row["never_evicted"]
+            ]
+            rows += budget_rows
     return EvaluationResult(rows=rows, notes=notes)
 
 

@@ -224,7 +224,11 @@ def synthetic_trace(model, index: int, length: int, prompt: int = 6) -> Trace:
 def test_short_traces_are_skipped_and_counted(model):
     traces = [synthetic_trace(model, i, n) for i, n in enumerate([40, B + L - 1, B + L, 33])]
     result = evaluate(model, traces, [PolicySpec("full"), PolicySpec("knorm")], [B], L, progress=False)
-    assert result.notes == [f"B={B}: skipped 1 of 4 traces shorter than B + L = {B + L} tokens"]
+    assert result.notes == [
+        f"B={B}: skipped 1 of 4 traces shorter than B + L = {B + L} tokens",
+        f"B={B}: knorm never evicted on 1 trace(s) (too short for its cadence, e.g. after a protected prompt); "
+        "its row leaves them out",
+    ]
     knorm = rows_of(result.rows, B)["knorm"]
     # The trace of exactly B + L tokens evicts after its last token: nothing left to score.
     assert (knorm["traces"], knorm["never_evicted"]) == (2, 1)
