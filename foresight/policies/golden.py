@@ -80,7 +80,7 @@ class GoldenEviction(Policy):
 
     name = "golden"
     summary = "oracle: the golden schedule of stored labels (needs labels)"
-    labels: Sequence[GoldenLabels]
+    labels: Sequence[GoldenLabels] = field(repr=False)
     schedule: GoldenSchedule = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
