@@ -59,6 +59,8 @@ from foresight.metrics import (
     scored_tokens,
 )
 from foresight.policies import POLICIES, Policy, make_policy
+from foresight.policies.foresight import load_scorer
+from foresight.scorer import ForesightScorer
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, ReplayOutput
@@ -113,6 +115,44 @@ class PolicySpec:
         if self.needs_labels:
             return EvictionConfig(budget, interval, sinks=0, protect_prompt=False)
         return EvictionConfig(budget, interval)
+
+    def skip_reason(self, budget: int, interval: int) -> str | None:
+        """Why the policy cannot run at this budget and interval (a learned scorer runs only at its own)."""
+        return None
+
+
+@dataclass(frozen=True)
+class ScorerSpec(PolicySpec):
+    """The learned `foresight` policy with one trained scorer, run at the B and L it was trained for,
+    with no sinks and no protected prompt (as in training)."""
+
+    scorer: ForesightScorer = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_source(cls, source: str, several: bool) -> ScorerSpec:
+        """A spec named `foresight`, or `foresight:FOLDER` when several scorers are compared."""
+        name = f"foresight:{Path(source).name}" if several else "foresight"
+        return cls(name=name, scorer=load_scorer(source))
+
+    @property
+    def policy_class(self) -> type[Policy]:
+        return POLICIES["foresight"]
+
+    @property
+    def missing_artifacts(self) -> list[str]:
+        return []
+
+    def build(self, labels: Sequence[GoldenLabels] | None) -> Policy:
+        return make_policy("foresight", scorer=self.scorer)
+
+    def config(self, budget: int, interval: int) -> EvictionConfig | None:
+        return EvictionConfig(budget, interval, sinks=0, protect_prompt=False)
+
+    def skip_reason(self, budget: int, interval: int) -> str | None:
+        trained = (self.scorer.config.budget, self.scorer.config.interval)
+        if (budget, interval) == trained:
+            return None
+        return f"{self.name} skipped at B={budget}, L={interval}: its scorer was trained for B={trained[0]}, L={trained[1]}"
 
 
 REFERENCE = PolicySpec("full")
@@ -331,6 +371,8 @@ def evaluate(
         budget_specs = [s for s in specs if not (s.needs_labels and batch_labels is None)]
         if len(budget_specs) < len(specs):
             notes.append(f"B={budget}: golden skipped (no labels for every trace at B={budget}, L={interval})")
+        notes += [reason for s in budget_specs if (reason := s.skip_reason(budget, interval))]
+        budget_specs = [s for s in budget_specs if s.skip_reason(budget, interval) is None]
         batches = [eligible[i : i + batch_size] for i in range(0, len(eligible), batch_size)]
         plans.append((budget, budget_specs, batches, batch_labels))
     total = sum(

@@ -14,7 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
-from foresight.evaluation import evaluate, markdown_table, resolve_policies, write_report
+from foresight.evaluation import ScorerSpec, evaluate, markdown_table, resolve_policies, write_report
 from foresight.models import load_model
 from foresight.traces import TraceStore, TraceView
 
@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
     parser.add_argument("--batch-size", type=int, default=4, help="traces replayed together")
+    parser.add_argument(
+        "--scorer", action="append", default=[], metavar="DIR",
+        help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
+        "it was trained for; repeat to compare several",
+    )
 
 
 def select_traces(store: TraceStore, holdout: float | None, seed: int, max_traces: int | None) -> TraceView:
@@ -65,6 +70,9 @@ def select_traces(store: TraceStore, holdout: float | None, seed: int, max_trace
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     specs, notes = resolve_policies(args.policies)
+    if args.scorer:
+        specs += [ScorerSpec.from_source(source, several=len(args.scorer) > 1) for source in args.scorer]
+        notes = [note for note in notes if not note.startswith("foresight:")]
     store = TraceStore(args.traces)
     made_with = store.settings["model"]
     if args.model is not None and args.model != made_with:
