@@ -267,3 +267,34 @@ def test_cli_options_and_errors(traces_dir, tmp_path, patched_model, capsys):
         assert cli.main([*base, *extra]) == 2
         error = capsys.readouterr().err.strip()
         assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error
+
+
+def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tmp_path, patched_model, model, capsys):
+    """`--scorer DIR` adds a `foresight` row at the scorer's B and L, equal to a direct replay, and a
+    note (no row) at another budget."""
+    from foresight.models import describe
+    from foresight.scorer import ForesightScorer, ScorerConfig
+
+    torch.manual_seed(0)
+    shape = describe(model)
+    config = ScorerConfig(
+        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny",
+    )
+    scorer_dir = tmp_path / "scorer"
+    ForesightScorer(config).save_pretrained(scorer_dir)
+    out = tmp_path / "eval"
+    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o", "--scorer", str(scorer_dir),
+            "--budgets", f"{B},{UNLABELLED_B}", "-L", str(L), "--out", str(out)]
+    assert cli.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())
+    learned = [row for row in rows if row["policy"] == "foresight"]
+    assert [row["budget"] for row in learned] == [B]
+    assert 0 <= learned[0]["golden_overlap"] <= 1 and learned[0]["loss_ratio"] > 0
+    assert f"foresight skipped at B={UNLABELLED_B}, L={L}" in capsys.readouterr().out
+    loss_ratio, cosine, overlap = reference_row(
+        model, list(TraceStore(traces_dir)), lambda trace: make_policy("foresight", scorer=str(scorer_dir)),
+        EvictionConfig(B, L, sinks=0, protect_prompt=False), LabelStore(traces_dir, B, L),
+    )
+    assert learned[0]["loss_ratio"] == pytest.approx(loss_ratio, abs=1e-5)
+    assert learned[0]["golden_overlap"] == pytest.approx(overlap, abs=1e-9)
