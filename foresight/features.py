@@ -31,28 +31,20 @@ training and inference see identical features; the state keeps raw sums.
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 
 import torch
+
+from foresight.choices import Choice
 
 DECAY = 0.9
 """Per-block decay factor of the decayed sum (ForesightKV App. B.1)."""
 
 
-class FeatureSet(str, Enum):
+class FeatureSet(Choice):
     """Which attention features the scorer reads."""
 
     PAPER = "paper"
     OFFICIAL_8 = "official-8"
-
-    @classmethod
-    def parse(cls, value: str | FeatureSet) -> FeatureSet:
-        """The feature set named `value`, or a one-line ValueError listing the allowed names."""
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(repr(member.value) for member in cls)
-            raise ValueError(f"unknown feature set {value!r}; allowed: {allowed}") from None
 
 
 FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {

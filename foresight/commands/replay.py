@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from foresight.commands._common import add_policy_arguments, policy_from_args
+from foresight.metrics import loss_ratio, scored_tokens
 from foresight.models import load_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionEngine, ReplayOutput
@@ -49,16 +50,13 @@ def read_documents(path: Path, tokenizer, max_tokens: int) -> list[tuple[torch.T
 def loss_ratio_after_first_eviction(full: ReplayOutput, evicted: ReplayOutput) -> tuple[float, int]:
     """Mean NLL with eviction / with the full cache over tokens predicted after each row's first
     eviction (ALGORITHMS.md section 8), and how many tokens that is (0: nothing was evicted)."""
-    masks = [
-        torch.arange(len(nll)) >= first if first is not None else torch.zeros(len(nll), dtype=torch.bool)
-        for nll, first in zip(evicted.nll, evicted.first_eviction)
-    ]
+    masks = [scored_tokens(len(nll), first) for nll, first in zip(evicted.nll, evicted.first_eviction)]
     scored = sum(int(m.sum()) for m in masks)
     if scored == 0:
         return float("nan"), 0
-    full_nll = torch.cat([n[m] for n, m in zip(full.nll, masks)]).mean()
-    evicted_nll = torch.cat([n[m] for n, m in zip(evicted.nll, masks)]).mean()
-    return float(evicted_nll / full_nll), scored
+    evicted_nll = torch.cat([n[m] for n, m in zip(evicted.nll, masks)])
+    full_nll = torch.cat([n[m] for n, m in zip(full.nll, masks)])
+    return loss_ratio(evicted_nll, full_nll), scored
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import HFValidationError
 
+from foresight.choices import Choice
 from foresight.features import attention_features
 from foresight.models import ModelShape
 from foresight.policies import register
@@ -57,19 +57,11 @@ def load_scorer(source: str | os.PathLike) -> ForesightScorer:
         ) from None
 
 
-class EvictionMode(str, Enum):
+class EvictionMode(Choice):
     """How keep scores become evictions: the L lowest, or sampled by Eq. 2."""
 
     DETERMINISTIC = "deterministic"
     SAMPLED = "sampled"
-
-    @classmethod
-    def parse(cls, value: str | EvictionMode) -> EvictionMode:
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(repr(member.value) for member in cls)
-            raise ValueError(f"unknown eviction mode {value!r}; allowed: {allowed}") from None
 
 
 @dataclass(frozen=True)
