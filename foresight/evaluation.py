@@ -46,8 +46,6 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from foresight.labels import GoldenLabels, LabelStore, check_budget
 from foresight.metrics import (
@@ -62,7 +60,7 @@ from foresight.policies import POLICIES, Policy, make_policy
 from foresight.policies.foresight import load_scorer
 from foresight.scorer import ForesightScorer
 from foresight.policies.golden import GoldenSchedule
-from foresight.runtime.capture import eviction_attention
+from foresight.runtime.capture import eviction_attention, register_runtime_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, ReplayOutput
 from foresight.traces import Trace
 
@@ -272,13 +270,7 @@ def _probe_attention(module, query, key, value, attention_mask, eviction_cache=N
     return output, weights
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """As for the runtime's own attention: the mask is built from the cache, never by the model."""
-    return None
-
-
-AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
-AttentionMaskInterface.register(PROBE_ATTENTION, _no_mask)
+register_runtime_attention(PROBE_ATTENTION, _probe_attention)
 
 
 # -- the replay loop -----------------------------------------------------------------------------

@@ -113,5 +113,11 @@ def _no_mask(*args, **kwargs) -> None:
     return None
 
 
-AttentionInterface.register(ATTENTION_NAME, eviction_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+def register_runtime_attention(name: str, function) -> None:
+    """Register an attention function for the engine (`EvictionEngine(attention=name)`), e.g. one that
+    wraps `eviction_attention` to record what it sees; the model then builds no mask of its own."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, _no_mask)
+
+
+register_runtime_attention(ATTENTION_NAME, eviction_attention)
