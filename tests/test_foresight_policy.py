@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from foresight.features import DECAY
 from foresight.models import describe, tiny_model
@@ -18,6 +17,7 @@ from foresight.policies.foresight import CUMULATIVE, DECAYED
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.scorer import ForesightScorer, ScorerConfig
+from tests.test_scorer import independent_mlp
 
 B, L = 12, 4
 WINDOWS = (8, 16, 32)
@@ -57,17 +57,6 @@ def loop_features(attention: torch.Tensor, cumulative: torch.Tensor, decayed: to
             row += sums + [float(cumulative[n, g]) + sum(received), DECAY * float(decayed[n, g]) + sum(received)]
         rows.append(row)
     return torch.log1p(torch.tensor(rows))
-
-
-def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequential:
-    config = scorer.config
-    mlp = nn.Sequential(nn.Linear(config.input_dim, config.hidden), nn.GELU(), nn.Linear(config.hidden, 1))
-    with torch.no_grad():
-        mlp[0].weight.copy_(scorer.w1[layer, head].T)
-        mlp[0].bias.copy_(scorer.b1[layer, head])
-        mlp[2].weight.copy_(scorer.w2[layer, head][None])
-        mlp[2].bias.copy_(scorer.b2[layer, head][None])
-    return mlp
 
 
 def test_keep_scores_equal_independent_mlps_on_loop_features(llama):
