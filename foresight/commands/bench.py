@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="markdown report whose decode section is rewritten")
+    parser.add_argument("--section", default=None, help="name of the report section to rewrite (default: decode-DEVICE)")
 
 
 @dataclass
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         for name in selected_policies(args.policies):
             results.append(_decode(model, name, config, [prompt] * batch, args.max_new_tokens, len(prompt)))
     report = _report(args, results, describe(model), device, model.dtype)
-    write_section(args.out, f"decode-{device}", report)
+    write_section(args.out, args.section or f"decode-{device}", report)
     print(report)
     print(f"wrote the decode section of {args.out}")
     return 0
@@ -122,7 +123,7 @@ def _report(args, results: list[DecodeResult], shape, device: str, dtype) -> str
     command = (
         f"foresight bench decode --model {args.model} --policies {args.policies} --budget {args.budget} "
         f"--interval {args.interval} --max-new-tokens {args.max_new_tokens} --batch-sizes {args.batch_sizes} "
-        f"--dtype {args.dtype} --out {shlex.quote(str(args.out))}"
+        f"--dtype {args.dtype} --out {shlex.quote(str(args.out))}" + (f" --section {args.section}" if args.section else "")
     )
     cpu = f"{torch.get_num_threads()} CPU threads ({platform.processor() or platform.machine()})"
     where = torch.cuda.get_device_name() if device == "cuda" else cpu
