@@ -322,6 +322,8 @@ class EvictionEngine:
 
     def _store_token_state(self, run: _Run, positions: torch.Tensor) -> None:
         token_state = self.policy.on_forward(self._taps, positions)
+        if not token_state:
+            return
         count = positions.shape[1]
         for layer in run.cache.layers:
             for name, values in token_state.items():
