@@ -28,14 +28,14 @@ def clustered_keys(generator: torch.Generator, count: int) -> torch.Tensor:
     return torch.where(use_centre, near + noise, noise * 2.0)
 
 
-def candidate_positions(generator: torch.Generator, window_start: int) -> torch.Tensor:
+def candidate_positions(generator: torch.Generator, window_start: int, candidates: int = CANDIDATES) -> torch.Tensor:
     """[batch, Hkv, C]: each head its own sorted candidate positions below `window_start`,
     after the row's invalid (-1) slots."""
     rows = []
     for invalid in INVALID_PER_ROW:
         heads = []
         for _ in range(KV_HEADS):
-            chosen = torch.randperm(window_start, generator=generator)[: CANDIDATES - invalid].sort().values
+            chosen = torch.randperm(window_start, generator=generator)[: candidates - invalid].sort().values
             heads.append(torch.cat([torch.full((invalid,), -1), chosen]))
         rows.append(torch.stack(heads))
     return torch.stack(rows)

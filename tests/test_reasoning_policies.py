@@ -16,9 +16,9 @@ from foresight.policies.lagkv import RANGE_EPSILON
 from foresight.policies.lazy import MRI_EPSILON
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.test_policy_scores import INVALID_PER_ROW, KV_HEADS, candidate_positions
 
-KV_HEADS, GROUP, DIM = 2, 2, 8
-INVALID_PER_ROW = (0, 3)  # left padding / eviction leftovers in front of row 1
+GROUP, DIM = 2, 8
 NEW_POLICIES = ("lagkv", "lazy", "raas", "epikv")
 
 
@@ -29,15 +29,10 @@ def random_context(candidates: int, interval: int, seed: int, state: dict | None
     buffered queries."""
     generator = torch.Generator().manual_seed(seed)
     window_start = 3 * candidates
-    rows = []
-    for invalid in INVALID_PER_ROW:
-        heads = []
-        for _ in range(KV_HEADS):
-            chosen = torch.randperm(window_start, generator=generator)[: candidates - invalid].sort().values
-            heads.append(torch.cat([torch.full((invalid,), -1), chosen]))
-        rows.append(torch.stack(heads))
     recent = torch.arange(window_start, window_start + interval)
-    positions = torch.cat([torch.stack(rows), recent.expand(2, KV_HEADS, -1)], dim=-1)
+    positions = torch.cat(
+        [candidate_positions(generator, window_start, candidates), recent.expand(2, KV_HEADS, -1)], dim=-1
+    )
     shape = (2, KV_HEADS, candidates + interval, DIM)
     return EvictionContext(
         layer_idx=0,

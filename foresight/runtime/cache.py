@@ -165,9 +165,17 @@ class EvictionCache(Cache):
     ):
         layers = [EvictionLayer(state_fields, group_size, query_window) for _ in range(num_layers)]
         super().__init__(layers=layers)
+        self.has_padding = False
 
     def begin_forward(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch]."""
+        """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch].
+
+        Also decides once per forward (one host sync, not one per layer) whether any row will hold
+        invalid slots, which every layer's attention needs to know."""
+        first = self.layers[0]
+        entries = first.get_seq_length() + positions.shape[1]
+        lengths = valid if first.lengths is None else first.lengths + valid
+        self.has_padding = bool((lengths < entries).any())
         for layer in self.layers:
             layer.pending_positions = positions
             layer.pending_valid = valid

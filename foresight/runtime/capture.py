@@ -39,21 +39,21 @@ def eviction_attention(
     layer.scaling = scaling
     if layer.query_window:
         layer.record_queries(query, layer.pending_positions)
-    if HAS_FLASH_ATTENTION and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        if bool((layer.lengths == key.shape[2]).all()):
-            return _flash_attention(query, key, value, scaling), None
-    mask = _padding_causal_mask(layer, query.shape[2])
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if HAS_FLASH_ATTENTION and query.is_cuda and half and not eviction_cache.has_padding:
+        return _flash_attention(query, key, value, scaling), None
+    mask = _padding_causal_mask(layer, query.shape[2], eviction_cache.has_padding)
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
 
 
-def _padding_causal_mask(layer: EvictionLayer, num_queries: int) -> torch.Tensor | None:
+def _padding_causal_mask(layer: EvictionLayer, num_queries: int, has_padding: bool) -> torch.Tensor | None:
     """[batch, 1, q, N] boolean mask: causal among the q new entries (the last q slots) and no padding.
 
     Padding query rows (only in a padded prefill) keep their causal row so they never see an empty
     row (no NaN); nothing valid attends to them. Returns None when nothing needs masking."""
     entries = layer.get_seq_length()
-    no_padding = bool((layer.lengths == entries).all())
+    no_padding = not has_padding
     if num_queries == 1 and no_padding:
         return None
     slots = torch.arange(entries, device=layer.device)
