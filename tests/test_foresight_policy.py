@@ -12,7 +12,7 @@ import torch
 from foresight.features import DECAY
 from foresight.models import describe, tiny_model
 from foresight.policies import make_policy
-from foresight.policies.base import EvictionContext
+from foresight.runtime.policy import EvictionContext
 from foresight.policies.foresight import CUMULATIVE, DECAYED
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine

@@ -9,7 +9,7 @@ from transformers import AttentionInterface
 from foresight.labels import GoldenLabels, compute_golden_labels
 from foresight.models import tiny_model
 from foresight.policies import POLICIES, make_policy
-from foresight.policies.base import EvictionContext
+from foresight.runtime.policy import EvictionContext
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import foresight.policies.base as policy_base
+import foresight.runtime.policy as policy_base
 import foresight.runtime.capture as capture
 from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy

@@ -198,7 +198,7 @@ def test_short_sequences_run_without_eviction(llama):
 
 @pytest.mark.parametrize(
     ("budget", "interval", "message"),
-    [(32, 32, "budget B=32 must be greater than the interval L=32"), (8, 0, "interval L=0 must be >= 1")],
+    [(32, 32, "budget B=32 must be larger than the interval L=32"), (8, 0, "interval L=0 must be at least 1")],
 )
 def test_bad_budget_or_interval_is_one_line(budget, interval, message):
     with pytest.raises(ValueError, match=message) as error:

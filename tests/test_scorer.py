@@ -135,7 +135,7 @@ def test_check_compatible_names_both_shapes():
     "overrides, match",
     [
         ({"num_query_heads": 5}, "num_query_heads=5 is not a multiple of num_kv_heads=2"),
-        ({"budget": 4}, "budget must be an integer > interval=4, got 4"),
+        ({"budget": 4}, "budget B=4 must be larger than the interval L=4"),
         ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
         ({"feature_set": "h2o"}, "unknown feature set 'h2o'"),
     ],

@@ -23,7 +23,7 @@ from foresight.features import DECAY, FEATURE_NAMES, FeatureSet
 from foresight.labels import LabelStore, compute_golden_labels
 from foresight.models import describe, tiny_model
 from foresight.commands.fit import lightning_args
-from foresight.policies.foresight import load_scorer
+from foresight.scorer import load_scorer
 from foresight.traces import TraceStore, generate_traces
 from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
 from trainers import data as data_module

@@ -10,6 +10,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import Metric
 
+from foresight.cadence import top_k_mask
+
 DEFAULT_MARGIN = 0.01
 """m of ForesightKV Eq. 6 (App. E.1)."""
 
@@ -56,16 +58,9 @@ def _hinge_sum(
     return (hinge * ordered).sum((-1, -2))
 
 
-def keep_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """The `count` highest scores of each problem, ties to the lower position: the engine's rule for
-    keep scores and `foresight.labels.keep_top`'s rule for the golden set."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
-    return torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, True)
-
-
 def kept_overlap(scores: torch.Tensor, alpha: torch.Tensor, count: int) -> torch.Tensor:
     """Share [...] of the golden kept set (the `count` largest α) that the scorer also keeps."""
-    return (keep_mask(scores, count) & keep_mask(alpha, count)).sum(-1) / count
+    return (top_k_mask(scores, count) & top_k_mask(alpha, count)).sum(-1) / count
 
 
 def average_ranks(values: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from foresight.export import SCORER_CONFIG_KEY, TRAINING_KEY, scorer_config_dict
+from foresight.export import checkpoint_entries
 from foresight.features import FEATURE_NAMES
 from foresight.scorer import ForesightScorer, ScorerConfig
 from trainers.ranking import DEFAULT_MARGIN, MeanOverProblems, kept_overlap, pairwise_ranking_loss, spearman
@@ -110,5 +110,4 @@ class SupervisedScorer(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the scorer's config and training record so `foresight export` needs only the file."""
-        checkpoint[SCORER_CONFIG_KEY] = scorer_config_dict(self.scorer.config)
-        checkpoint[TRAINING_KEY] = self.training_record()
+        checkpoint.update(checkpoint_entries(self.scorer, self.training_record()))

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from foresight.cadence import step_of
 from foresight.labels import GoldenLabels
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,7 @@ class GoldenSchedule:
 
     def step_of(self, newest: torch.Tensor) -> torch.Tensor:
         """Step t of an eviction whose newest position is p_t = B + tL - 1 (0 where none is)."""
-        offset = newest + 1 - self.budget
-        on_cadence = (offset % self.interval == 0) & (offset >= self.interval)
-        return torch.where(on_cadence, offset // self.interval, 0)
+        return step_of(newest, self.budget, self.interval)
 
 
 @register

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
 
 RANGE_EPSILON = 1e-6

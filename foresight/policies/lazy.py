@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 from foresight.policies.raas import NO_HIT, attention_hits, hit_times
 from foresight.runtime.cache import StateField
 

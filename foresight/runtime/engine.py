@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from foresight.policies.base import EvictionContext, Policy
+from foresight.cadence import check_budget, top_k_mask
+from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME
 
@@ -33,10 +34,7 @@ class EvictionConfig:
     protect_prompt: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.interval < 1:
-            raise ValueError(f"interval L={self.interval} must be >= 1")
-        if self.budget <= self.interval:
-            raise ValueError(f"budget B={self.budget} must be greater than the interval L={self.interval}")
+        check_budget(self.budget, self.interval)
         if self.sinks is not None and not 0 <= self.sinks <= self.budget - self.interval:
             raise ValueError(f"sinks={self.sinks} must be between 0 and B - L = {self.budget - self.interval}")
 
@@ -375,7 +373,7 @@ class EvictionEngine:
             (candidates < run.sinks) | (candidates < select(run.protected)[:, None, None])
         )
         scores = scores.masked_fill(protected, float("inf")).masked_fill(candidates < 0, float("-inf"))
-        keep_candidates = _top_k_mask(scores, select(run.keep_counts))
+        keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
         recent = torch.ones_like(keep_candidates[..., :interval])
         keep_rows = torch.cat([keep_candidates, recent], dim=-1)
         if rows is None:
@@ -383,14 +381,6 @@ class EvictionEngine:
         keep = layer.valid[:, None, :].expand(-1, keep_rows.shape[1], -1).clone()
         keep[rows] = keep_rows
         return keep
-
-
-def _top_k_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the `counts[b]` highest scores of each row and head (ties: older first)."""
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
-    return ranks < counts[:, None, None]
 
 
 def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

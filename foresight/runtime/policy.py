@@ -1,4 +1,6 @@
-"""The Policy base: what a policy needs from the runtime and the one method that scores candidates.
+"""The interface between the runtime and the policies: what a policy sees at an eviction step
+(`EvictionContext`) and what the engine calls on it (`Policy`). It lives in the runtime so that the
+runtime never imports a policy; `foresight.policies` implements it, one small module per policy.
 
 A policy is a small dataclass (its fields are its options, with the paper's defaults) whose
 `keep_scores` maps tensors to a KEEP score per candidate (higher = keep). Cache surgery, the recent
