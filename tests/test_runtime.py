@@ -35,11 +35,6 @@ def prompts(lengths, seed=0, vocab=128):
     return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_keep_everything_matches_hf_generate(arch):
     model = tiny_model(arch)
