@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from torchmetrics import Metric
 
 DEFAULT_MARGIN = 0.01
 """m of ForesightKV Eq. 6 (App. E.1)."""
@@ -85,23 +84,3 @@ def spearman(scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     norms = centred[0].square().sum(-1).sqrt() * centred[1].square().sum(-1).sqrt()
     return (covariance / norms.masked_fill(norms == 0, float("nan"))).float()
 
-
-class MeanOverProblems(Metric):
-    """Mean of a per-problem value over every problem seen (NaN values skipped), synced across ranks."""
-
-    full_state_update = False
-    higher_is_better = True
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-
-    def update(self, values: torch.Tensor) -> None:
-        finite = values.isfinite()
-        # Out of place: states reset inside a `validate` call are inference tensors.
-        self.total = self.total + values[finite].double().sum()
-        self.count = self.count + finite.sum()
-
-    def compute(self) -> torch.Tensor:
-        return (self.total / self.count.clamp_min(1)).float()
