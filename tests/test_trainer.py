@@ -335,6 +335,11 @@ def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, tr
     assert cli.main(fit_args(config, out, traces_dir, "data.cache_dir=null", "trainer.max_steps=3")) == 0
     assert not (out / "features").exists()
     assert "scorer trained for 3 steps" in capsys.readouterr().out
+    # The LearningRateMonitor logs the cosine schedule from lr = 0.01 to 0 at every step.
+    logged = tensorboard_scalars(out, "train/lr")
+    assert sorted(logged) == [0, 1, 2]
+    for step, value in logged.items():
+        assert math.isclose(value, 0.005 * (1 + math.cos(math.pi * step / 3)), rel_tol=1e-6)
 
 
 def test_fit_makes_its_traces_from_the_recipe(tmp_path, tiny_dir, capsys):
@@ -363,8 +368,8 @@ def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
 def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = run.rglob("events.out.tfevents.*")
-    accumulator = EventAccumulator(str(events))
+    (logs,) = {events.parent for events in run.rglob("events.out.tfevents.*")}  # one run: fit, then validate
+    accumulator = EventAccumulator(str(logs))
     accumulator.Reload()
     return {event.step: event.value for event in accumulator.Scalars(tag)}
 

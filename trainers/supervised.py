@@ -73,7 +73,6 @@ class SupervisedScorer(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(self(batch), batch["alpha"])
         self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["alpha"].shape[0])
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch["alpha"].shape[0])
         return loss
 
     def on_validation_epoch_start(self) -> None:
@@ -106,7 +105,8 @@ class SupervisedScorer(L.LightningModule):
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        # The name is the tag under which the CLI's LearningRateMonitor logs the learning rate.
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
 
     def training_record(self, extra_metrics: dict | None = None) -> dict:
         """What the scorer was trained on and its latest metrics (with `extra_metrics`), as plain values
