@@ -1,4 +1,4 @@
-"""Golden Eviction labels (ForesightKV §3.2, Eqs. 3-5; ALGORITHMS.md §4).
+"""Golden Eviction labels (ForesightKV §3.2, Eqs. 3-5; docs/algorithms.md §4).
 
 A trace is teacher-forced once through the frozen model with the full cache. Eviction step
 t = 1..M runs after position p_t = B + tL - 1, when the cache first holds B + L entries; block j is
@@ -51,7 +51,7 @@ class TraceTooShort(ValueError):
 
 
 def check_budget(budget: int, interval: int) -> None:
-    """Enforce the cadence's requirement B > L >= 1 (ALGORITHMS.md §1)."""
+    """Enforce the cadence's requirement B > L >= 1 (docs/algorithms.md §1)."""
     if interval < 1:
         raise ValueError(f"interval L={interval} must be at least 1")
     if budget <= interval:

@@ -17,7 +17,7 @@ def pairwise_ranking_loss(
     scores: torch.Tensor, alpha: torch.Tensor, margin: float = DEFAULT_MARGIN, chunk_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ForesightKV Eq. 6 per ranking problem: the mean over ordered pairs (i, j) with α_i < α_j of
-    max(0, m - (φ_j - φ_i)) (ALGORITHMS.md §6). Returns (loss [...], number of pairs [...]); a
+    max(0, m - (φ_j - φ_i)) (docs/algorithms.md §6). Returns (loss [...], number of pairs [...]); a
     problem without a pair (all α equal) has loss 0 and 0 pairs.
 
     Every pair is used, none sampled. The N x N pair matrix is built in chunks of `chunk_size`

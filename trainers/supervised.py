@@ -1,5 +1,5 @@
 """The supervised stage as a LightningModule: the stacked scorer trained with the pairwise ranking loss
-(ForesightKV §3.2 Eq. 6, App. E.1; ALGORITHMS.md §6).
+(ForesightKV §3.2 Eq. 6, App. E.1; docs/algorithms.md §6).
 
 A batch holds the eviction steps of a few traces (`trainers.data`): keys, values [steps, layers, Hkv, B, D],
 features [steps, layers, Hkv, B, F*G], alpha [steps, layers, Hkv, B]. Every (step, layer, KV head)
