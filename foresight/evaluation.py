@@ -1,4 +1,4 @@
-"""Teacher-forced evaluation of every policy on stored traces, and its report (ALGORITHMS.md section 8).
+"""Teacher-forced evaluation of every policy on stored traces, and its report (docs/algorithms.md section 8).
 
 Each trace is replayed through the frozen model under every policy and budget B (one interval L);
 the metrics of `foresight.metrics` compare it with the full cache:

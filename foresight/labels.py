@@ -1,4 +1,4 @@
-"""Golden Eviction labels (ForesightKV §3.2, Eqs. 3-5; ALGORITHMS.md §4).
+"""Golden Eviction labels (ForesightKV §3.2, Eqs. 3-5; docs/algorithms.md §4).
 
 A trace is teacher-forced once through the frozen model with the full cache. Eviction step
 t = 1..M runs after position p_t = B + tL - 1, when the cache first holds B + L entries; block j is

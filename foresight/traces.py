@@ -2,7 +2,7 @@
 
 Traces are sampled from the frozen model with the full cache (``model.generate``, left-padded
 batches), then teacher-forced once more to store each token's full-cache loss and entropy: the
-reinforcement stage's reward and the evaluation's loss ratio compare against them (ALGORITHMS.md
+reinforcement stage's reward and the evaluation's loss ratio compare against them (docs/algorithms.md
 §7-8).
 
 Layout of an output folder::

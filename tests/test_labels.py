@@ -18,7 +18,7 @@ from foresight.labels import (
 )
 from foresight.models import ModelShape, tiny_model
 from foresight.traces import TraceStore, generate_traces
-from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 
 

@@ -16,7 +16,7 @@ from foresight.policies.lagkv import RANGE_EPSILON
 from foresight.policies.lazy import MRI_EPSILON
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.test_policy_scores import INVALID_PER_ROW, KV_HEADS, candidate_positions
+from tests.helpers import KV_HEADS, candidate_positions, random_prompts
 
 GROUP, DIM = 2, 8
 NEW_POLICIES = ("lagkv", "lazy", "raas", "epikv")
@@ -388,14 +388,9 @@ def config_for(name: str) -> EvictionConfig:
     return EvictionConfig(B, L, sinks=2 if name == "lagkv" else None)
 
 
-def prompt_tokens(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("name", NEW_POLICIES)
 def test_engine_batch_decodes_as_each_row_alone_within_budget(model, name):
-    batch = prompt_tokens([4, 9, 15], seed=1)
+    batch = random_prompts([4, 9, 15], seed=1)
     policy = make_policy(name)
     engine = EvictionEngine(model, policy, config_for(name))
     together = engine.generate(batch, 40)

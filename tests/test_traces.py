@@ -21,7 +21,7 @@ from foresight import cli, traces
 from foresight.models import tiny_model
 from foresight.tasks import chat_prompt_ids, check_answer, load_problems
 from foresight.traces import Trace, TraceStore, generate_traces, token_losses
-from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2

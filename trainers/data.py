@@ -2,7 +2,7 @@
 
 Each trace is teacher-forced through the frozen model (no grad) in the eviction runtime, its cache
 following the golden schedule of its labels (the `golden` policy), so later layers see the evicted
-cache as they would at inference (ALGORITHMS.md §6). At every eviction step t and layer, a recorder
+cache as they would at inference (docs/algorithms.md §6). At every eviction step t and layer, a recorder
 wrapped around the golden policy reads, from the same `EvictionContext` the learned policy sees, the
 scorer inputs of the B candidates (keys, values, and attention features computed exactly as the
 `foresight` policy computes them) and pairs them with the candidates' future scores α_{·,t}.

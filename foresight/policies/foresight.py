@@ -1,4 +1,4 @@
-"""ForesightKV's learned scorer as an eviction policy (ForesightKV §3.1 Eqs. 1-2, App. B; ALGORITHMS.md §5)."""
+"""ForesightKV's learned scorer as an eviction policy (ForesightKV §3.1 Eqs. 1-2, App. B; docs/algorithms.md §5)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Golden Eviction (ForesightKV §3.2, Eq. 5): replay the stored golden schedule of a trace.
 
-The oracle of ALGORITHMS.md section 4, for teacher-forced replay of the very traces its labels were
+The oracle of docs/algorithms.md section 4, for teacher-forced replay of the very traces its labels were
 made from: at eviction step t it keeps the B - L candidates with the largest future score α_{·,t},
 read from the labels (`GoldenLabels.kept_positions`). It is what every learned or heuristic policy
 is measured against (ForesightKV Table 2).
@@ -132,7 +132,7 @@ class GoldenEviction(Policy):
             )
 
     def _steps(self, context: EvictionContext) -> torch.Tensor:
-        """Step t of each row, from its newest position p_t = B + tL - 1 (ALGORITHMS.md §4)."""
+        """Step t of each row, from its newest position p_t = B + tL - 1 (docs/algorithms.md §4)."""
         newest = context.positions.amax(dim=(1, 2)).cpu()
         steps = self.schedule.step_of(newest)
         if bool((steps == 0).any()):

@@ -3,7 +3,7 @@
 Time is measured in sequence positions: the query of the token at position t is "decode step t", so
 a new entry's timestamp is its own position and every query that gives it attention >= theta moves
 its timestamp to that query's position. The block attention replays the buffered queries in order,
-which equals refreshing the timestamps at every decode step (ALGORITHMS.md section 2).
+which equals refreshing the timestamps at every decode step (docs/algorithms.md section 2).
 """
 
 from __future__ import annotations

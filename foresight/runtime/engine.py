@@ -1,6 +1,6 @@
 """The eviction engine: prefill, batched decode and teacher-forced replay under one eviction cadence.
 
-ALGORITHMS.md section 1. Each row's cache grows by one entry per token; when a row holds
+docs/algorithms.md section 1. Each row's cache grows by one entry per token; when a row holds
 B + L (+ its protected prompt) valid entries, an eviction step keeps the most recent L entries and
 the top B - L candidates by the policy's keep score, bringing the row back to B. Rows of a batch
 evict on their own schedule (left padding shifts it), so a batch decodes exactly as each row alone.

@@ -41,7 +41,7 @@ class EvictionContext:
 
     @cached_property
     def attention(self) -> torch.Tensor:
-        """Block attention [batch, Hkv, G, L, N] (ALGORITHMS.md section 2), computed once per step."""
+        """Block attention [batch, Hkv, G, L, N] (docs/algorithms.md section 2), computed once per step."""
         return block_attention(self.queries, self.query_positions, self.keys, self.positions, self.scaling)
 
     @cached_property
