@@ -46,7 +46,8 @@ def build_parser() -> ArgumentParser:
     for name in _verbs():
         module = importlib.import_module(f"foresight.commands.{name}")
         doc = (module.__doc__ or name).strip()
-        verb = sub.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=HelpFormatter)
+        summary = " ".join(doc.split("\n\n")[0].split())  # the docstring's first paragraph
+        verb = sub.add_parser(name, help=summary, description=doc, formatter_class=HelpFormatter)
         module.add_arguments(verb)
         verb.set_defaults(run=module.run)
     return parser

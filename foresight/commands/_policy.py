@@ -26,7 +26,7 @@ def add_cadence_arguments(
     -B/--budgets takes a comma-separated list."""
     if several_budgets:
         parser.add_argument(
-            "--budgets", "-B", type=_int_list, default=budget, required=budget is None,
+            "--budgets", "-B", type=int_list, default=budget, required=budget is None,
             help="budgets B to evaluate, comma-separated, e.g. 64,128",
         )
     else:
@@ -130,7 +130,8 @@ def describe_type(annotation: Any) -> str:
     return " or ".join(_describe(kind) for kind in _text_types(annotation))
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma-separated list of integers, e.g. 64,128."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from foresight.commands._model import add_model_arguments, model_options
-from foresight.commands._policy import add_cadence_arguments, add_policies_argument
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument, int_list
 from foresight.models import describe, load_model
 from foresight.policies import POLICIES, make_policy
 from foresight.report import write_section
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_policies_argument(parser, "every policy that needs no labels or scorer; full is always included")
     add_cadence_arguments(parser, budget=256, interval=64)
     parser.add_argument("--max-new-tokens", type=int, default=2048, help="tokens decoded per policy and batch size")
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--batch-sizes", type=int_list, default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="markdown report whose decode section is rewritten")
     parser.add_argument("--section", default=None, help="name of the report section to rewrite (default: decode-DEVICE)")
 
@@ -80,15 +80,15 @@ def _constructible(cls) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    names = selected_policies(args.policies)
     options = model_options(args)
     device = options["device"]
     model, tokenizer = load_model(args.model, **options)
     prompt = chat_prompt_ids(tokenizer, PROMPT)
     config = EvictionConfig(args.budget, args.interval)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results = []
-    for batch in batch_sizes:
-        for name in selected_policies(args.policies):
+    for batch in args.batch_sizes:
+        for name in names:
             results.append(_decode(model, name, config, [prompt] * batch, args.max_new_tokens, len(prompt)))
     report = _report(args, results, describe(model), device, model.dtype)
     write_section(args.out, args.section or f"decode-{torch.device(device).type}", report)
@@ -124,7 +124,7 @@ def _peak_kv_bytes(cache, max_entries: int) -> int:
 def _report(args, results: list[DecodeResult], shape, device: str, dtype) -> str:
     command = (
         f"foresight bench decode --model {args.model} --policies {args.policies} --budget {args.budget} "
-        f"--interval {args.interval} --max-new-tokens {args.max_new_tokens} --batch-sizes {args.batch_sizes} "
+        f"--interval {args.interval} --max-new-tokens {args.max_new_tokens} --batch-sizes {','.join(map(str, args.batch_sizes))} "
         f"--device {args.device} --dtype {args.dtype} --out {shlex.quote(str(args.out))}" + (f" --section {args.section}" if args.section else "")
     )
     cpu = f"{torch.get_num_threads()} CPU threads ({platform.processor() or platform.machine()})"
