@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from foresight.commands._model import add_model_arguments, model_options
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument, int_list
 from foresight.models import describe, load_model
 from foresight.policies import POLICIES, make_policy
 from foresight.report import write_section
@@ -28,13 +30,11 @@ PROMPT = "Solve step by step: a train leaves at 9:40 and travels 3 hours 35 minu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["decode"], help="what to benchmark")
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--policies", default="all", help="'all' or a comma-separated list (full is always included)")
-    parser.add_argument("--budget", "-B", type=int, default=256)
-    parser.add_argument("--interval", "-L", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=2048)
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_model_arguments(parser, device="auto", dtype="auto")
+    add_policies_argument(parser, "every policy that needs no labels or scorer; full is always included")
+    add_cadence_arguments(parser, budget=256, interval=64)
+    parser.add_argument("--max-new-tokens", type=int, default=2048, help="tokens decoded per policy and batch size")
+    parser.add_argument("--batch-sizes", type=int_list, default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="markdown report whose decode section is rewritten")
     parser.add_argument("--section", default=None, help="name of the report section to rewrite (default: decode-DEVICE)")
 
@@ -66,6 +66,8 @@ def selected_policies(text: str) -> list[str]:
     for name in names:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
+        if not _constructible(POLICIES[name]):
+            raise ValueError(f"policy {name!r} needs labels or a scorer, which bench does not provide")
     return ["full"] + [n for n in names if n != "full"]
 
 
@@ -78,18 +80,18 @@ def _constructible(cls) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model(args.model, dtype=dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device=device)
+    names = selected_policies(args.policies)
+    options = model_options(args)
+    device = options["device"]
+    model, tokenizer = load_model(args.model, **options)
     prompt = chat_prompt_ids(tokenizer, PROMPT)
     config = EvictionConfig(args.budget, args.interval)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results = []
-    for batch in batch_sizes:
-        for name in selected_policies(args.policies):
+    for batch in args.batch_sizes:
+        for name in names:
             results.append(_decode(model, name, config, [prompt] * batch, args.max_new_tokens, len(prompt)))
     report = _report(args, results, describe(model), device, model.dtype)
-    write_section(args.out, args.section or f"decode-{device}", report)
+    write_section(args.out, args.section or f"decode-{torch.device(device).type}", report)
     print(report)
     print(f"wrote the decode section of {args.out}")
     return 0
@@ -122,15 +124,15 @@ def _peak_kv_bytes(cache, max_entries: int) -> int:
 def _report(args, results: list[DecodeResult], shape, device: str, dtype) -> str:
     command = (
         f"foresight bench decode --model {args.model} --policies {args.policies} --budget {args.budget} "
-        f"--interval {args.interval} --max-new-tokens {args.max_new_tokens} --batch-sizes {args.batch_sizes} "
-        f"--dtype {args.dtype} --out {shlex.quote(str(args.out))}" + (f" --section {args.section}" if args.section else "")
+        f"--interval {args.interval} --max-new-tokens {args.max_new_tokens} --batch-sizes {','.join(map(str, args.batch_sizes))} "
+        f"--device {args.device} --dtype {args.dtype} --out {shlex.quote(str(args.out))}" + (f" --section {args.section}" if args.section else "")
     )
     cpu = f"{torch.get_num_threads()} CPU threads ({platform.processor() or platform.machine()})"
-    where = torch.cuda.get_device_name() if device == "cuda" else cpu
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu
     steps = max(len(r.stats.step_seconds) for r in results)
     windows = [(start, min(start + WINDOW, steps)) for start in range(0, steps, WINDOW)]
     lines = [
-        f"### Decode benchmark ({device})",
+        f"### Decode benchmark ({torch.device(device).type})",
         "",
         f"Command: `{command}`",
         "",

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-path", default=None, help="checkpoint to resume from, or 'last' for OUT/checkpoints/last.ckpt")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, e.g. --set trainer.max_steps=50 --set data.batch_size=4",
+        help="override a config value, e.g. --set trainer.max_steps=50 --set data.device=cuda --set data.dtype=bfloat16",
     )
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from foresight.cadence import TraceTooShort, eviction_steps
+from foresight.commands._model import add_model_arguments, model_of_traces, model_options
+from foresight.commands._policy import add_cadence_arguments
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.models import load_model
 from foresight.traces import TraceStore
@@ -22,13 +24,8 @@ from foresight.traces import TraceStore
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", type=Path, required=True, help="traces folder written by `foresight traces`")
-    parser.add_argument("--budget", "-B", type=int, required=True, help="entries kept after an eviction (B)")
-    parser.add_argument("--interval", "-L", type=int, required=True, help="entries evicted per step, every L tokens")
-    parser.add_argument(
-        "--model", default=None,
-        help="the model that made the traces (default: the one named in the traces manifest; another is refused)",
-    )
-    parser.add_argument("--device", default="cpu", help="torch device of the forward pass, e.g. cuda")
+    add_cadence_arguments(parser, budget=None, interval=None)
+    add_model_arguments(parser, made_traces=True)
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per forward chunk (bounds working memory)")
 
 
@@ -36,9 +33,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     store = LabelStore(args.traces, args.budget, args.interval)
     traces = TraceStore(args.traces)
-    made_with = traces.settings["model"]
-    if args.model is not None and args.model != made_with:
-        raise ValueError(f"--model {args.model!r} is not the model that made the traces in {args.traces} ({made_with!r})")
+    made_with = model_of_traces(args, args.traces, traces.settings["model"])
     todo, too_short, done = [], 0, 0
     for trace in traces:
         try:
@@ -51,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             todo.append(trace)
     if todo:
-        model, _ = load_model(made_with, device=args.device)
+        model, _ = load_model(made_with, **model_options(args))
         for trace in tqdm(todo, desc="labels", unit="trace"):
             labels = compute_golden_labels(
                 model, trace.input_ids, args.budget, args.interval,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from foresight.commands._model import add_model_arguments, model_options
 from foresight.models import load_model
 from foresight.traces import generate_traces
 
@@ -27,7 +28,7 @@ def _shard_spec(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="model: 'default', a Hub id or a local folder")
+    add_model_arguments(parser)
     parser.add_argument(
         "--prompts", required=True, metavar="SOURCE", help="reasoning-gym:TASK, a JSONL file or a dataset folder"
     )
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, **model_options(args))
     summary = generate_traces(
         model,
         tokenizer,
