@@ -34,12 +34,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from foresight.artifacts import file_problem
 from foresight.models import ModelShape, describe
 
 CAPTURE_ATTENTION = "foresight_golden_capture"
@@ -321,6 +322,11 @@ def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
         raise
 
 
+def labels_command(traces_dir: str | os.PathLike, budget: int, interval: int) -> str:
+    """The command that makes (or remakes) the labels of a traces folder for one (B, L)."""
+    return f"`foresight labels --traces {traces_dir} --budget {budget} --interval {interval}`"
+
+
 def load_labels(
     path: str | os.PathLike,
     *,
@@ -331,16 +337,17 @@ def load_labels(
 ) -> GoldenLabels:
     """Read labels and check they were made for this trace and this (B, L); one-line ValueError if not."""
     path = Path(path)
+    command = labels_command(path.parent.parent, expect_budget, expect_interval)
     if not path.is_file():
-        raise ValueError(
-            f"no golden labels at {path}; make them with `foresight labels --traces {path.parent.parent} "
-            f"--budget {expect_budget} --interval {expect_interval}`"
-        )
-    with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a golden labels file (format {metadata.get('format')!r}, expected {FORMAT!r})")
-        tensors = {name: handle.get_tensor(name) for name in ("candidates", "alpha")}
+        raise ValueError(f"no golden labels at {path}; make them with {command}")
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != FORMAT:
+                raise ValueError(f"{path} is not a golden labels file (format {metadata.get('format')!r}, expected {FORMAT!r})")
+            tensors = {name: handle.get_tensor(name) for name in ("candidates", "alpha")}
+    except SafetensorError as error:
+        raise ValueError(f"{path} is damaged ({error}); remake it with {command}") from None
     expected = {
         "budget": expect_budget,
         "interval": expect_interval,
@@ -376,6 +383,21 @@ class LabelStore:
 
     def __contains__(self, trace_index: int) -> bool:
         return self.path(trace_index).is_file()
+
+    def problem(self, trace_index: int, *, num_tokens: int) -> str | None:
+        """Why the labels file of a trace is not usable (missing, damaged, made for something else), or None;
+        reads only its header."""
+        expected = {"format": FORMAT, "budget": str(self.budget), "interval": str(self.interval),
+                    "num_tokens": str(num_tokens), "trace_index": str(trace_index)}
+        return file_problem(self.path(trace_index), expected)
+
+    def require(self, trace_index: int, *, num_tokens: int) -> None:
+        """A one-line ValueError naming the command that makes the labels, unless they are usable."""
+        problem = self.problem(trace_index, num_tokens=num_tokens)
+        if problem is not None:
+            command = labels_command(self.traces_dir, self.budget, self.interval)
+            path = self.path(trace_index)
+            raise ValueError(f"the golden labels of trace {trace_index} ({path}) are {problem}; make them with {command}")
 
     def load(self, trace_index: int, *, num_tokens: int) -> GoldenLabels:
         """Labels of one trace, checked against its length and this store's (B, L)."""

@@ -157,6 +157,23 @@ def load_model(
     return _frozen(model.to(device)), tokenizer
 
 
+def load_config(name: str | os.PathLike[str] = DEFAULT_MODEL) -> PreTrainedConfig:
+    """The config of the model `load_model(name)` loads, without its weights (the default is
+    converted once if needed)."""
+    if os.fspath(name) == DEFAULT_MODEL:
+        folder = cache_dir() / DEFAULT_CACHE_NAME
+        if not folder.is_dir():
+            _convert_default(folder)
+        return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError:
+        raise ModelLoadError(
+            f"cannot read the config of model {os.fspath(name)!r}: expected {DEFAULT_MODEL!r}, a local model folder, "
+            "or a reachable Hugging Face Hub id"
+        ) from None
+
+
 def _frozen(model: PreTrainedModel) -> PreTrainedModel:
     """The model is only ever read in this project: eval mode, no gradients."""
     return model.eval().requires_grad_(False)
