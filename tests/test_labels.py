@@ -220,7 +220,7 @@ def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     budget = sorted(set(lengths.values()))[1] - interval  # the shortest traces have no eviction step
     short = sum(length < budget + interval for length in lengths.values())
     loads = []
-    monkeypatch.setattr("foresight.commands.labels.load_model",
+    monkeypatch.setattr("foresight.pipeline.load_model",
                         lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1])
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0
