@@ -6,10 +6,11 @@ prints one line, and skips what is already made, so a rerun resumes: traces (sam
 config's `traces` recipe unless --traces names an existing folder, like `foresight traces`), their
 golden labels (`foresight labels`), the feature cache (`foresight features`; skipped when
 data.features_dir is null, which replays the traces on every pass), then training. Everything goes
-under --out: traces/ and its labels, features/, checkpoints/ (last.ckpt; resume with --ckpt-path
-last), lightning_logs/ (TensorBoard) and scorer/ (config.json, model.safetensors, README.md). Under a
-DDP strategy (--set trainer.strategy=ddp --set trainer.devices=N) every process runs this command;
-the steps run under a file lock in --out, so one process makes the data and the others find it made.
+under --out: traces/ and its labels, features/ (unless the config replays), checkpoints/ (last.ckpt;
+resume with --ckpt-path last), lightning_logs/ (TensorBoard) and scorer/ (config.json,
+model.safetensors, README.md). Under a DDP strategy (--set trainer.strategy=ddp --set
+trainer.devices=N) every process runs this command; the steps run under a file lock in --out, so one
+process makes the data and the others find it made.
 """
 
 from __future__ import annotations
