@@ -155,17 +155,21 @@ def load_model(
     return _frozen(model.to(device)), tokenizer
 
 
-def base_model_config(name: str) -> PreTrainedConfig:
-    """The frozen model's config without loading its weights (the default is converted once if needed)."""
-    if name == DEFAULT_MODEL:
+def load_config(name: str | os.PathLike[str] = DEFAULT_MODEL) -> PreTrainedConfig:
+    """The config of the model `load_model(name)` loads, without its weights (the default is
+    converted once if needed)."""
+    if os.fspath(name) == DEFAULT_MODEL:
         folder = cache_dir() / DEFAULT_CACHE_NAME
         if not folder.is_dir():
-            load_model(DEFAULT_MODEL)
+            _convert_default(folder)
         return AutoConfig.from_pretrained(folder)
     try:
         return AutoConfig.from_pretrained(name)
     except OSError:
-        raise ModelLoadError(f"cannot read the config of model {name!r}: expected 'default', a model folder or a Hub id") from None
+        raise ModelLoadError(
+            f"cannot read the config of model {os.fspath(name)!r}: expected {DEFAULT_MODEL!r}, a local model folder, "
+            "or a reachable Hugging Face Hub id"
+        ) from None
 
 
 def _frozen(model: PreTrainedModel) -> PreTrainedModel:

@@ -9,7 +9,7 @@ bash scripts/setup.sh
 . .venv/bin/activate
 out=${1:-runs/main}
 foresight fit --config configs/default.yaml --out "$out" \
-  --set data.generate.num=24 --set data.generate.max_new_tokens=512 \
+  --set traces.num=24 --set traces.max_new_tokens=512 \
   --set data.holdout=0.25 --set trainer.max_steps=120
 foresight eval --traces "$out/traces" --holdout 0.25 --policies all --scorer "$out/scorer" \
   --budgets 128 --interval 32 --out "$out/eval"

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,7 +24,7 @@ from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, Policy
 from foresight.scorer import ForesightScorer, ScorerConfig
 from foresight.traces import generate_traces
-from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
 
@@ -192,7 +193,9 @@ def scorer_dir(tmp_path_factory, model) -> Path:
     return folder
 
 
-MODEL_VERBS = ("generate", "replay", "demo", "bench", "traces", "labels", "eval")
+MODEL_VERBS = ("generate", "replay", "demo", "bench", "traces", "labels", "features", "eval")
+PIPELINE_VERBS = ("traces", "labels", "features")
+"""The verbs that run a step of `foresight.pipeline`, which loads the model for them."""
 
 
 def model_verb_args(traces_dir: Path, tmp_path: Path) -> dict[str, list[str]]:
@@ -207,26 +210,35 @@ def model_verb_args(traces_dir: Path, tmp_path: Path) -> dict[str, list[str]]:
         "traces": ["traces", "--prompts", str(DATA / "arithmetic.jsonl"), "--num", "1", "--max-new-tokens", "4",
                    "--out", str(tmp_path / "traces")],
         "labels": ["labels", "--traces", str(traces_dir), "-B", "8", "-L", "4"],
+        "features": ["features", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4", "--out",
+                     str(tmp_path / "features")],
         "eval": ["eval", "--traces", str(traces_dir), "--policies", "h2o", "-B", "8", "-L", "4", "--out",
                  str(tmp_path / "eval")],
     }
 
 
 @pytest.mark.parametrize("verb", MODEL_VERBS)
-def test_device_and_dtype_reach_load_model(verb, traces_dir, tmp_path, monkeypatch):
+def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, monkeypatch):
     calls = []
 
     def load_model(name, **options):
         calls.append((name, options))
         raise Loaded
 
-    monkeypatch.setattr(f"foresight.commands.{verb}.load_model", load_model)
+    if verb == "features":  # the features step needs labelled traces
+        shutil.copytree(traces_dir, tmp_path / "labelled")
+        monkeypatch.setattr("foresight.pipeline.load_model", lambda name, **options: (model, None))
+        assert main(["labels", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4"]) == 0
+    module = "foresight.pipeline" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
+    monkeypatch.setattr(f"{module}.load_model", load_model)
     argv = model_verb_args(traces_dir, tmp_path)[verb]
     with pytest.raises(Loaded):
         main([*argv, "--device", "cpu", "--dtype", "bfloat16"])
+    if verb == "features":  # the first run claimed its folder for bfloat16 features
+        argv[-1] += "-float16"
     with pytest.raises(Loaded):
         main([*argv, "--device", "cpu", "--dtype", "float16"])
-    model_name = "tiny" if verb in ("labels", "eval") else "default"
+    model_name = "tiny" if verb in ("labels", "features", "eval") else "default"
     assert calls == [
         (model_name, {"device": "cpu", "dtype": torch.bfloat16}),
         (model_name, {"device": "cpu", "dtype": torch.float16}),
