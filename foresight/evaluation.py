@@ -1,4 +1,4 @@
-"""Teacher-forced evaluation of every policy on stored traces, and its report (ALGORITHMS.md section 8).
+"""Teacher-forced evaluation of every policy on stored traces, and its report (docs/algorithms.md section 8).
 
 Each trace is replayed through the frozen model under every policy and budget B (one interval L);
 the metrics of `foresight.metrics` compare it with the full cache:
@@ -47,7 +47,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from foresight.labels import GoldenLabels, LabelStore, check_budget
+from foresight.artifacts import atomic_file, write_text
+from foresight.cadence import check_budget, golden_prefill, step_of, step_position
+from foresight.labels import GoldenLabels, LabelStore
 from foresight.metrics import (
     EntropyDamage,
     attention_cosine,
@@ -57,7 +59,7 @@ from foresight.metrics import (
     scored_tokens,
 )
 from foresight.policies import POLICIES, Policy, make_policy
-from foresight.policies.foresight import load_scorer
+from foresight.scorer import load_scorer
 from foresight.scorer import ForesightScorer
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.capture import eviction_attention, register_runtime_attention
@@ -245,9 +247,9 @@ class AttentionProbe:
         """Golden step t is read at the forward that processes position p_t + 1 = B + tL."""
         schedule = self.schedule
         budget, interval = schedule.budget, schedule.interval
-        starts = positions[(positions >= budget + interval) & ((positions - budget) % interval == 0)]
-        for start in starts.unique().tolist():
-            step = (start - budget) // interval
+        steps = step_of(positions - 1, budget, interval)
+        for step in steps[steps > 0].unique().tolist():
+            start = step_position(step, budget, interval) + 1
             reached = (positions == start).any(dim=1).cpu() & (step <= schedule.num_steps) & (start < self.lengths)
             rows = reached.nonzero().squeeze(1)
             if rows.numel() == 0:
@@ -397,7 +399,7 @@ def _labels_for(
     """Labels of every trace by index, or None (with a note) when some trace has none."""
     if store is None or not traces:
         return None
-    missing = [t.index for t in traces if t.index not in store]
+    missing = [t.index for t in traces if not store.path(t.index).is_file()]  # a damaged file fails in load
     if missing:
         notes.append(
             f"B={budget}: no golden labels for {len(missing)} of {len(traces)} traces in {store.directory} "
@@ -412,8 +414,7 @@ def _prefill(batch: Sequence[Trace], budget: int, interval: int, protects_prompt
     true prompts for policies that protect them)."""
     if protects_prompt:
         return [t.prompt_length for t in batch]
-    shared = min(budget + interval, *(t.prompt_length for t in batch))
-    return [shared] * len(batch)
+    return [golden_prefill([t.prompt_length for t in batch], budget, interval)] * len(batch)
 
 
 def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
@@ -526,8 +527,8 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = sorted_rows(result.rows)
     paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
-    _write_atomic(paths[0], json.dumps(rows, indent=1))
-    with _atomic_path(paths[1]) as temporary, open(temporary, "w", newline="") as handle:
+    write_text(paths[0], json.dumps(rows, indent=1))
+    with atomic_file(paths[1]) as temporary, open(temporary, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else [key for key, _, _ in COLUMNS])
         writer.writeheader()
         writer.writerows(rows)
@@ -535,7 +536,7 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
     note_lines = [f"- {note}" for note in result.notes] or ["- none"]
     text = "\n".join(["# Teacher-forced evaluation", "", *setting_lines, "", "Notes:", "", *note_lines, "",
                       markdown_table(rows), ""])
-    _write_atomic(paths[2], text)
+    write_text(paths[2], text)
     for metric in METRICS:
         if any(row[metric] is not None for row in rows):
             paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png"))
@@ -566,23 +567,8 @@ def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path) -> Path
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()
-    with _atomic_path(path) as temporary:
+    with atomic_file(path) as temporary:
         figure.savefig(temporary, dpi=120, format="png")
     plt.close(figure)
     return path
 
-
-@contextlib.contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path`, renamed onto it when the block succeeds."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield temporary
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    with _atomic_path(path) as temporary:
-        temporary.write_text(text)

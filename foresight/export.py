@@ -2,9 +2,9 @@
 
 A folder holds config.json (the `ScorerConfig`), model.safetensors and README.md, a model card
 naming the base model, B, L, the features, how the scorer was trained and how to load it. A
-Lightning checkpoint of the supervised stage carries what the card needs under two entries it
-writes itself (`SCORER_CONFIG_KEY`, `TRAINING_KEY`), so exporting needs neither Lightning nor the
-training data. Checkpoints are read with `torch.load(weights_only=True)`: nothing is unpickled.
+Lightning checkpoint of a training stage carries the scorer and what the card needs under two
+entries the stage writes with `checkpoint_entries` (`SCORER_KEY`, `TRAINING_KEY`), so exporting
+needs neither Lightning, nor the trainer's module layout, nor the training data. Checkpoints are read with `torch.load(weights_only=True)`: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
 
 from foresight.features import FEATURE_NAMES
 from foresight.models import DEFAULT_MODEL
-from foresight.policies.foresight import load_scorer
-from foresight.scorer import ForesightScorer, ScorerConfig
+from foresight.scorer import ForesightScorer, ScorerConfig, load_scorer
 
-SCORER_CONFIG_KEY = "scorer_config"
-"""Checkpoint entry: the `ScorerConfig` as plain values."""
+SCORER_KEY = "foresight_scorer"
+"""Checkpoint entry: {"config": the `ScorerConfig` as plain values, "state_dict": the scorer's tensors}."""
 TRAINING_KEY = "foresight_training"
 """Checkpoint entry: what the scorer was trained on and its latest metrics (plain values)."""
-SCORER_PREFIX = "scorer."
-"""Prefix of the scorer's tensors in a Lightning checkpoint's state dict."""
 DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """The Hub id of the embedded default model (`foresight.models`), for the card's metadata."""
 
@@ -35,6 +32,13 @@ DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def scorer_config_dict(config: ScorerConfig) -> dict[str, Any]:
     """A `ScorerConfig` as plain values (what `SCORER_CONFIG_KEY` holds)."""
     return {**asdict(config), "feature_set": config.feature_set.value}
+
+
+def checkpoint_entries(scorer: ForesightScorer, training: dict[str, Any]) -> dict[str, Any]:
+    """The entries a training stage adds to its Lightning checkpoint so that `read_checkpoint` can
+    rebuild the scorer from the file alone."""
+    state = {name: tensor.detach().cpu() for name, tensor in scorer.state_dict().items()}
+    return {SCORER_KEY: {"config": scorer_config_dict(scorer.config), "state_dict": state}, TRAINING_KEY: training}
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[ForesightScorer, dict[str, Any]]:
@@ -49,15 +53,10 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ForesightScorer, dict[str,
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several unrelated types for a file that is not a checkpoint
         raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__})") from None
-    if SCORER_CONFIG_KEY not in checkpoint:
-        raise ValueError(f"{path} is not a checkpoint of the supervised scorer (no {SCORER_CONFIG_KEY!r} entry)")
-    scorer = ForesightScorer(ScorerConfig(**checkpoint[SCORER_CONFIG_KEY]))
-    state = {
-        name[len(SCORER_PREFIX) :]: tensor
-        for name, tensor in checkpoint["state_dict"].items()
-        if name.startswith(SCORER_PREFIX)
-    }
-    scorer.load_state_dict(state, strict=True)
+    if SCORER_KEY not in checkpoint:
+        raise ValueError(f"{path} is not a checkpoint of a scorer training stage (no {SCORER_KEY!r} entry)")
+    scorer = ForesightScorer(ScorerConfig(**checkpoint[SCORER_KEY]["config"]))
+    scorer.load_state_dict(checkpoint[SCORER_KEY]["state_dict"], strict=True)
     return scorer.eval(), checkpoint.get(TRAINING_KEY, {})
 
 

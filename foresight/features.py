@@ -1,4 +1,4 @@
-"""Attention features a_n of the learned scorer (ForesightKV §3.1 Eq. 1, App. B.1; ALGORITHMS.md section 5).
+"""Attention features a_n of the learned scorer (ForesightKV §3.1 Eq. 1, App. B.1; docs/algorithms.md section 5).
 
 At an eviction step the runtime hands one layer's block attention A [batch, Hkv, G, L, N]: the softmax
 over the N cache entries of the last L buffered queries, rows oldest first, causally masked entries 0.

@@ -1,4 +1,4 @@
-"""Golden Eviction labels (ForesightKV §3.2, Eqs. 3-5; ALGORITHMS.md §4).
+"""Golden Eviction labels (ForesightKV §3.2, Eqs. 3-5; docs/algorithms.md §4).
 
 A trace is teacher-forced once through the frozen model with the full cache. Eviction step
 t = 1..M runs after position p_t = B + tL - 1, when the cache first holds B + L entries; block j is
@@ -29,43 +29,20 @@ the captured queries (model dtype, all layers) plus the cache's keys and values:
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from foresight.artifacts import check_metadata, is_readable, read_tensors, save_tensors
+from foresight.cadence import check_budget, eviction_steps, keep_top
 from foresight.models import ModelShape, describe
 
 CAPTURE_ATTENTION = "foresight_golden_capture"
 FORMAT = "foresight-golden-labels/1"
-
-
-class TraceTooShort(ValueError):
-    """A trace shorter than B + L never fills the cache, so it has no eviction step to label."""
-
-
-def check_budget(budget: int, interval: int) -> None:
-    """Enforce the cadence's requirement B > L >= 1 (ALGORITHMS.md §1)."""
-    if interval < 1:
-        raise ValueError(f"interval L={interval} must be at least 1")
-    if budget <= interval:
-        raise ValueError(f"budget B={budget} must be larger than the interval L={interval}")
-
-
-def eviction_steps(num_tokens: int, budget: int, interval: int) -> int:
-    """M = floor((T - B) / L): the steps whose position p_t = B + tL - 1 lies inside the trace."""
-    check_budget(budget, interval)
-    if num_tokens < budget + interval:
-        raise TraceTooShort(
-            f"trace of {num_tokens} tokens is shorter than B + L = {budget + interval}: no eviction step"
-        )
-    return (num_tokens - budget) // interval
 
 
 @dataclass(frozen=True)
@@ -100,16 +77,6 @@ class GoldenLabels:
     def kept_positions(self) -> torch.Tensor:
         """Kept positions [M, layers, Hkv, B - L] of every step."""
         return keep_top(self.candidates, self.alpha, self.budget - self.interval)
-
-
-def keep_top(candidates: torch.Tensor, alpha: torch.Tensor, count: int) -> torch.Tensor:
-    """Top_{B-L} of Eq. 5: the `count` candidates with the largest α, returned in ascending position.
-
-    `candidates` must be ascending along the last dim; the stable sort then breaks ties towards the
-    lower position. Works on any leading dims.
-    """
-    order = torch.sort(alpha, dim=-1, descending=True, stable=True).indices[..., :count]
-    return candidates.gather(-1, order.sort(dim=-1).values)
 
 
 def golden_schedule(
@@ -299,8 +266,6 @@ def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
     """Write labels as safetensors with their metadata, atomically (temporary file, then rename)."""
     if labels.model_shape is None:
         raise ValueError("labels without a model shape cannot be saved; make them with compute_golden_labels")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {
         "format": FORMAT,
         "budget": str(labels.budget),
@@ -310,15 +275,7 @@ def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
         "model": labels.model_name,
         **{key: str(value) for key, value in asdict(labels.model_shape).items()},
     }
-    tensors = {"candidates": labels.candidates.contiguous(), "alpha": labels.alpha.contiguous()}
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    save_tensors(path, {"candidates": labels.candidates, "alpha": labels.alpha}, metadata)
 
 
 def load_labels(
@@ -329,27 +286,19 @@ def load_labels(
     expect_num_tokens: int,
     expect_trace_index: int,
 ) -> GoldenLabels:
-    """Read labels and check they were made for this trace and this (B, L); one-line ValueError if not."""
+    """Read labels and check they were made for this trace and this (B, L); a missing, damaged or
+    mismatched file is a one-line `ArtifactError` naming the command that remakes it."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(
-            f"no golden labels at {path}; make them with `foresight labels --traces {path.parent.parent} "
-            f"--budget {expect_budget} --interval {expect_interval}`"
-        )
-    with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a golden labels file (format {metadata.get('format')!r}, expected {FORMAT!r})")
-        tensors = {name: handle.get_tensor(name) for name in ("candidates", "alpha")}
+    remake = f"foresight labels --traces {path.parent.parent} --budget {expect_budget} --interval {expect_interval}"
+    metadata, tensors = read_tensors(path, remake, names=("candidates", "alpha"))
     expected = {
+        "format": FORMAT,
         "budget": expect_budget,
         "interval": expect_interval,
         "num_tokens": expect_num_tokens,
         "trace_index": expect_trace_index,
     }
-    for key, value in expected.items():
-        if int(metadata[key]) != value:
-            raise ValueError(f"labels at {path} were made with {key}={metadata[key]}, but {key}={value} was asked for")
+    check_metadata(path, metadata, expected, remake)
     return GoldenLabels(
         candidates=tensors["candidates"],
         alpha=tensors["alpha"],
@@ -375,7 +324,8 @@ class LabelStore:
         return self.directory / f"trace-{trace_index:06d}.safetensors"
 
     def __contains__(self, trace_index: int) -> bool:
-        return self.path(trace_index).is_file()
+        """True when the trace's labels file is complete (a damaged one counts as missing)."""
+        return is_readable(self.path(trace_index))
 
     def load(self, trace_index: int, *, num_tokens: int) -> GoldenLabels:
         """Labels of one trace, checked against its length and this store's (B, L)."""

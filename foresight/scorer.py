@@ -19,13 +19,16 @@ and `plackett_luce_logprob` (the action log-probability GRPO needs).
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import safetensors.torch
 import torch
 from huggingface_hub import PyTorchModelHubMixin, constants, hf_hub_download
+from huggingface_hub.errors import HFValidationError
 from torch import nn
 
+from foresight.cadence import check_budget
 from foresight.features import FeatureSet, feature_dim
 
 
@@ -69,7 +72,7 @@ class ScorerConfig:
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)
-        for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "hidden", "interval"):
+        for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -77,8 +80,7 @@ class ScorerConfig:
             raise ValueError(
                 f"num_query_heads={self.num_query_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if not isinstance(self.budget, int) or self.budget <= self.interval:
-            raise ValueError(f"budget must be an integer > interval={self.interval}, got {self.budget!r}")
+        check_budget(self.budget, self.interval)
 
     @property
     def group_size(self) -> int:
@@ -317,3 +319,28 @@ def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor
     drawn_logits = logits.gather(-1, order)
     remaining_drawn = drawn_logits.flip(-1).logcumsumexp(-1).flip(-1)
     return (drawn_logits - torch.logaddexp(never_drawn, remaining_drawn)).sum(-1)
+
+
+SCORER_FILES = (constants.CONFIG_NAME, constants.SAFETENSORS_SINGLE_FILE)
+"""What a scorer folder holds (`ForesightScorer.save_pretrained`)."""
+
+
+def load_scorer(source: str | os.PathLike) -> ForesightScorer:
+    """A scorer from a Hub-format folder (config.json + model.safetensors) or, for a path that does not
+    exist locally, a Hub repo id."""
+    path = Path(source)
+    if path.exists():
+        missing = [name for name in SCORER_FILES if not (path / name).is_file()]
+        if missing:
+            raise ValueError(
+                f"{path} is not a scorer folder (no {' or '.join(missing)}); `foresight fit` and "
+                "`foresight export` write one"
+            )
+        return ForesightScorer.from_pretrained(path)
+    try:
+        return ForesightScorer.from_pretrained(os.fspath(source))
+    except (OSError, HFValidationError) as error:
+        reason = " ".join(str(error).split()[:12])
+        raise ValueError(
+            f"cannot load a scorer from {os.fspath(source)!r}: no such folder, and not a reachable Hub repo ({reason})"
+        ) from None

@@ -2,7 +2,7 @@
 
 Traces are sampled from the frozen model with the full cache (``model.generate``, left-padded
 batches), then teacher-forced once more to store each token's full-cache loss and entropy: the
-reinforcement stage's reward and the evaluation's loss ratio compare against them (ALGORITHMS.md
+reinforcement stage's reward and the evaluation's loss ratio compare against them (docs/algorithms.md
 §7-8).
 
 Layout of an output folder::
@@ -31,7 +31,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -44,6 +43,7 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from foresight.artifacts import atomic_folder, remove_leftovers, write_text
 from foresight.tasks import REASONING_GYM, Problem, chat_prompt_ids, check_answer, load_problems
 
 MANIFEST = "manifest.json"
@@ -241,7 +241,7 @@ def generate_traces(
     owned = list(range(index, settings.num_shards, count))
     todo = [k for k in owned if not writer.is_complete(k)]
     for k in owned:
-        writer.remove_leftovers(k)
+        remove_leftovers(writer.shard_dir(k))
     sampler = _Sampler(model, tokenizer, settings, batch_size)
     pending = sum(len(settings.shard_range(k)) for k in todo)
     with tqdm(total=pending, disable=not progress, unit="problem", desc="traces") as bar:
@@ -372,28 +372,18 @@ class _ShardWriter:
     def counts(self, shard: int) -> TraceCounts:
         return TraceCounts.from_record(_read_json(self.shard_dir(shard) / SHARD_RECORD))
 
-    def remove_leftovers(self, shard: int) -> None:
-        """Delete temporary folders of this shard left by a killed run."""
-        for leftover in self.out_dir.glob(f".{self.shard_dir(shard).name}.tmp-*"):
-            shutil.rmtree(leftover)
-
     def write(self, shard: int, rows: dict[str, list], record: dict[str, Any]) -> None:
         """Save the shard to a temporary folder, then publish it with one rename."""
-        final = self.shard_dir(shard)
-        temporary = self.out_dir / f".{final.name}.tmp-{os.getpid()}"
         span = self.settings.shard_range(shard)
-        with _quiet_datasets():
-            datasets.Dataset.from_dict(rows, features=FEATURES).save_to_disk(str(temporary), num_shards=1)
         record = {"shard": shard, "indices": [span.start, span.stop], **record}
-        (temporary / SHARD_RECORD).write_text(json.dumps(record, indent=1))
-        os.rename(temporary, final)
+        with atomic_folder(self.shard_dir(shard)) as staging, _quiet_datasets():
+            datasets.Dataset.from_dict(rows, features=FEATURES).save_to_disk(str(staging), num_shards=1)
+            (staging / SHARD_RECORD).write_text(json.dumps(record, indent=1))
         with self.lock:
             self._write_manifest()
 
     def _write_manifest(self) -> None:
         """Rebuild manifest.json from the complete shards (call with the lock held)."""
-        for stale in self.out_dir.glob(f".{MANIFEST}.*.tmp"):
-            stale.unlink()
         shards = [_read_json(path) for path in sorted(self.out_dir.glob(f"shard-*/{SHARD_RECORD}"))]
         total = sum(map(TraceCounts.from_record, shards), TraceCounts())
         manifest = {
@@ -403,9 +393,7 @@ class _ShardWriter:
             "total": asdict(total),
             "shards": shards,
         }
-        temporary = self.out_dir / f".{MANIFEST}.{os.getpid()}.tmp"
-        temporary.write_text(json.dumps(manifest, indent=1))
-        os.replace(temporary, self.out_dir / MANIFEST)
+        write_text(self.out_dir / MANIFEST, json.dumps(manifest, indent=1))
 
 
 def _check_same_settings(out_dir: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:

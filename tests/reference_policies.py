@@ -4,7 +4,7 @@ keys [batch][Hkv][N][D], positions [batch][Hkv][N] (-1 invalid), queries [batch]
 query_positions [batch][L]. Every scoring function returns scores [batch][Hkv][C]; invalid
 candidates get NaN (their score is never used).
 
-The per-query rules (H2O, LazyEviction, RaaS) are written as ALGORITHMS.md section 3 states them:
+The per-query rules (H2O, LazyEviction, RaaS) are written as docs/algorithms.md section 3 states them:
 one query at a time, in position order, each updating a per-entry state held in a dict or list
 (keyed by slot or by position) from the attention that query gave, `{entry: [weight per query head of
 the group]}` (`group_attention`)."""
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 NAN = float("nan")
-MRI_EPSILON = 1e-5  # LazyEviction's H1 denominator (ALGORITHMS.md section 3)
+MRI_EPSILON = 1e-5  # LazyEviction's H1 denominator (docs/algorithms.md section 3)
 
 
 def dot(a: list[float], b: list[float]) -> float:

@@ -21,8 +21,8 @@ def test_policies_lists_every_constructible_policy_with_needs(capsys):
     ("argv", "message"),
     [
         (["generate", "--policy", "h3o", "hi"], "unknown policy 'h3o'"),
-        (["generate", "--budget", "32", "--interval", "32", "hi"], "budget B=32 must be greater than the interval L=32"),
-        (["generate", "--interval", "0", "hi"], "interval L=0 must be >= 1"),
+        (["generate", "--budget", "32", "--interval", "32", "hi"], "budget B=32 must be larger than the interval L=32"),
+        (["generate", "--interval", "0", "hi"], "interval L=0 must be at least 1"),
         (["generate", "--model", "no/such-model-anywhere", "hi"], "no/such-model-anywhere"),
         (["generate", "-o", "seed", "--policy", "random", "hi"], "KEY=VALUE"),
         (["replay", "/no/such/file.txt"], "does not exist"),

@@ -22,7 +22,7 @@ from foresight.policies import POLICIES, make_policy
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.traces import Trace, TraceStore, generate_traces, token_losses
-from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
 UNLABELLED_B = 24

@@ -11,9 +11,9 @@ import yaml
 from torch.utils.data import DataLoader
 
 from foresight import cli
-from foresight.export import SCORER_CONFIG_KEY, read_checkpoint
-from foresight.policies.foresight import load_scorer
-from tests.test_trainer import scorer_spec, synthetic_traces
+from foresight.export import SCORER_KEY, read_checkpoint
+from foresight.scorer import load_scorer
+from tests.helpers import scorer_spec, synthetic_traces
 from trainers.data import concat_steps
 from trainers.supervised import SupervisedScorer
 
@@ -90,7 +90,7 @@ def test_checkpoints_that_are_not_the_scorers_are_refused(tmp_path, capsys):
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {}}, other)
     assert cli.main(["export", "--checkpoint", str(other), "--out", str(tmp_path / "x")]) == 2
-    assert f"{other} is not a checkpoint of the supervised scorer (no {SCORER_CONFIG_KEY!r} entry)" in capsys.readouterr().err
+    assert f"{other} is not a checkpoint of a scorer training stage (no {SCORER_KEY!r} entry)" in capsys.readouterr().err
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="garbage.ckpt is not a readable checkpoint"):

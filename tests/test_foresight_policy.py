@@ -10,22 +10,17 @@ import pytest
 import torch
 
 from foresight.features import DECAY
-from foresight.models import describe, tiny_model
+from foresight.models import describe
 from foresight.policies import make_policy
-from foresight.policies.base import EvictionContext
+from foresight.runtime.policy import EvictionContext
 from foresight.policies.foresight import CUMULATIVE, DECAYED
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.scorer import ForesightScorer, ScorerConfig
-from tests.test_scorer import independent_mlp
+from tests.helpers import independent_mlp, random_prompts
 
 B, L = 12, 4
 WINDOWS = (8, 16, 32)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
@@ -37,11 +32,6 @@ def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
     with torch.no_grad():  # larger weights than nn.Linear's init: keep scores far apart, evictions decisive
         scorer.w1.mul_(4)
     return scorer
-
-
-def prompts(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
 
 
 # -- keep scores --------------------------------------------------------------------------------
@@ -122,7 +112,7 @@ def eviction_log(monkeypatch):
 
 def test_batched_generation_holds_the_budget_and_equals_each_row_alone(llama):
     scorer = random_scorer(llama)
-    batch = prompts([5, 11, 20], seed=1)  # the 20-token prompt evicts right after prefill
+    batch = random_prompts([5, 11, 20], seed=1)  # the 20-token prompt evicts right after prefill
     engine = EvictionEngine(llama, make_policy("foresight", scorer=scorer), EvictionConfig(B, L))
     together = engine.generate(batch, 30, return_logits=True)
     assert together.stats.evictions > 5
@@ -139,7 +129,7 @@ def test_deterministic_mode_evicts_the_lowest_scores(llama, eviction_log):
     seen = []
     keep_scores = policy.keep_scores
     policy.keep_scores = lambda context: seen.append((context.candidate_positions, keep_scores(context))) or seen[-1][1]
-    EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(prompts([6, 6], seed=2), 24)
+    EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([6, 6], seed=2), 24)
     assert len(seen) == len(eviction_log.steps) > 4
     for index, (candidates, scores) in enumerate(seen):
         lowest = scores.argsort(-1)[..., :L]
@@ -162,7 +152,7 @@ def loop_plackett_luce(scores: torch.Tensor, order: list[int], eligible: list[bo
 def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama, eviction_log):
     scorer = random_scorer(llama)
     policy = make_policy("foresight", scorer=scorer, mode="sampled", seed=3)
-    EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(prompts([7, 7], seed=4), 30)
+    EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([7, 7], seed=4), 30)
     assert len(policy.records) == len(eviction_log.steps) > 4
     for index, record in enumerate(policy.records):
         assert record.order.shape == (2, scorer.config.num_kv_heads, L) and record.positions.shape[-1] == 2 * L
@@ -179,10 +169,10 @@ def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama,
             assert abs(float(record.logprob[row, head]) - expected) < 1e-4
     # Reproducible from the seed, and another seed samples other evictions.
     again = make_policy("foresight", scorer=scorer, mode="sampled", seed=3)
-    EvictionEngine(llama, again, EvictionConfig(B, L)).generate(prompts([7, 7], seed=4), 30)
+    EvictionEngine(llama, again, EvictionConfig(B, L)).generate(random_prompts([7, 7], seed=4), 30)
     assert all(torch.equal(a.order, b.order) for a, b in zip(policy.records, again.records))
     other = make_policy("foresight", scorer=scorer, mode="sampled", seed=4)
-    EvictionEngine(llama, other, EvictionConfig(B, L)).generate(prompts([7, 7], seed=4), 30)
+    EvictionEngine(llama, other, EvictionConfig(B, L)).generate(random_prompts([7, 7], seed=4), 30)
     assert any(not torch.equal(a.order, b.order) for a, b in zip(policy.records, other.records))
 
 
@@ -202,7 +192,7 @@ def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama,
 def test_another_model_or_cadence_is_a_one_line_error(llama, scorer_overrides, config, message):
     policy = make_policy("foresight", scorer=random_scorer(llama, **scorer_overrides))
     with pytest.raises(ValueError) as error:
-        EvictionEngine(llama, policy, config).generate(prompts([5])[0:1], 40)
+        EvictionEngine(llama, policy, config).generate(random_prompts([5])[0:1], 40)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -210,14 +200,14 @@ def test_sampled_mode_refuses_a_prefill_beyond_the_budget(llama):
     policy = make_policy("foresight", scorer=random_scorer(llama), mode="sampled")
     with pytest.raises(ValueError, match=r"sampled eviction removes exactly L=4 of B=12 candidates per step, but a row "
                                          r"holds 16 candidates"):
-        EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(prompts([20]), 4)
+        EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([20]), 4)
 
 
 def test_policy_loads_a_saved_scorer_and_refuses_bad_input(llama, tmp_path):
     scorer = random_scorer(llama)
     scorer.save_pretrained(tmp_path / "scorer")
     loaded = make_policy("foresight", scorer=str(tmp_path / "scorer"))
-    batch = prompts([9], seed=5)
+    batch = random_prompts([9], seed=5)
     expected = EvictionEngine(llama, make_policy("foresight", scorer=scorer), EvictionConfig(B, L)).generate(batch, 20)
     assert EvictionEngine(llama, loaded, EvictionConfig(B, L)).generate(batch, 20).tokens == expected.tokens
     with pytest.raises(TypeError):  # a learned policy cannot be built by name alone

@@ -9,7 +9,7 @@ from transformers import AttentionInterface
 from foresight.labels import GoldenLabels, compute_golden_labels
 from foresight.models import tiny_model
 from foresight.policies import POLICIES, make_policy
-from foresight.policies.base import EvictionContext
+from foresight.runtime.policy import EvictionContext
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
@@ -106,12 +106,35 @@ def test_step_of_reads_the_cadence():
     assert schedule.step_of(newest).tolist() == [1, 2, 3, 4, 0, 0, 0]
 
 
-def test_rows_past_their_trace_score_zero(model, traces, labels):
-    """The shorter row replays padding after its trace ends: its extra steps keep nothing by score."""
-    engine = golden_engine(model, labels)
-    output = engine.replay(traces, [PROMPT] * 2)
+def test_rows_past_their_trace_score_zero(model, traces, labels, monkeypatch):
+    """Replayed together, the shorter row goes on through padding after its trace ends. At each of
+    its labelled steps every row scores 1 on exactly its golden kept set and 0 on the other
+    candidates; at the steps past its last label it scores 0 on every candidate."""
+    policy = make_policy("golden", labels=labels)
+    keep_scores, scored = policy.keep_scores, []
+
+    def recording(context):
+        scores = keep_scores(context)
+        scored.append((context.layer_idx, context.positions.amax(dim=(1, 2)), context.candidate_positions, scores))
+        return scores
+
+    monkeypatch.setattr(policy, "keep_scores", recording)
+    output = EvictionEngine(model, policy, EvictionConfig(B, L)).replay(traces, [PROMPT] * 2)
     assert output.first_eviction == [B + L, B + L]
-    assert labels[1].num_steps < labels[0].num_steps
+    seen = set()
+    for layer, newest, candidates, scores in scored:
+        for row, label in enumerate(labels):
+            step = (int(newest[row]) + 1 - B) // L  # p_t = B + tL - 1
+            if step <= label.num_steps:
+                kept = label.kept(step)[layer].long()  # [Hkv, B - L]
+                expected = (candidates[row, :, :, None] == kept[:, None, :]).any(-1).float()
+            else:
+                expected = torch.zeros_like(scores[row])
+            assert torch.equal(scores[row], expected), (row, step, layer)
+            seen.add((row, step))
+    last = labels[0].num_steps
+    assert labels[1].num_steps < last
+    assert seen == {(row, step) for row in range(2) for step in range(1, last + 1)}
 
 
 def test_bad_settings_are_one_line_errors(model, traces, labels):

@@ -6,21 +6,19 @@ import pytest
 import torch
 
 from foresight import cli
+from foresight.cadence import TraceTooShort, eviction_steps, keep_top
 from foresight.labels import (
     GoldenLabels,
     LabelStore,
-    TraceTooShort,
     compute_golden_labels,
-    eviction_steps,
     golden_schedule,
-    keep_top,
     labels_dir,
     load_labels,
     save_labels,
 )
 from foresight.models import ModelShape, tiny_model
 from foresight.traces import TraceStore, generate_traces
-from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 
 
@@ -183,10 +181,10 @@ def test_save_load_round_trip_is_bit_exact(labels, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"expect_budget": 32}, "budget=16, but budget=32"),
-        ({"expect_interval": 8}, "interval=4, but interval=8"),
-        ({"expect_num_tokens": 91}, "num_tokens=90, but num_tokens=91"),
-        ({"expect_trace_index": 8}, "trace_index=7, but trace_index=8"),
+        ({"expect_budget": 32}, "budget='16', not '32'"),
+        ({"expect_interval": 8}, "interval='4', not '8'"),
+        ({"expect_num_tokens": 91}, "num_tokens='90', not '91'"),
+        ({"expect_trace_index": 8}, "trace_index='7', not '8'"),
     ],
 )
 def test_load_rejects_labels_made_for_something_else(labels, tmp_path, change, message):
@@ -262,3 +260,28 @@ def test_sliding_window_layers_are_refused_and_attention_is_restored():
     with pytest.raises(ValueError, match="layer 0 uses a sliding window of 8"):
         compute_golden_labels(model, token_ids(40), 12, 4)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path, monkeypatch, capsys):
+    model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
+    generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), out_dir=tmp_path, num=2, max_new_tokens=12,
+                    progress=False, model_name="tiny")
+    monkeypatch.setattr("foresight.commands.labels.load_model", lambda name, **kwargs: (model, tokenizer))
+    budget, interval = 8, 4
+    args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
+    assert cli.main(args) == 0
+    store, trace = LabelStore(tmp_path, budget, interval), TraceStore(tmp_path)[0]
+    path = store.path(trace.index)
+    path.write_bytes(path.read_bytes()[:-64])  # a truncated copy, a full disk
+    assert trace.index not in store
+    with pytest.raises(ValueError) as error:
+        store.load(trace.index, num_tokens=trace.input_ids.numel())
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message and "damaged" in message
+    assert message.endswith(f"`foresight labels --traces {tmp_path} --budget {budget} --interval {interval}`")
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    assert "labelled 1 traces, skipped 0 too short (< B + L = 12 tokens), 1 already labelled" in capsys.readouterr().out
+    relabelled = store.load(trace.index, num_tokens=trace.input_ids.numel())
+    direct = compute_golden_labels(model, trace.input_ids, budget, interval)
+    assert torch.equal(relabelled.candidates, direct.candidates) and torch.equal(relabelled.alpha, direct.alpha)

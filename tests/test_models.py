@@ -183,37 +183,6 @@ def test_rejects_non_float_dtype() -> None:
         load_model(dtype=torch.int64)
 
 
-# --- atomic cache writes --------------------------------------------------------------------------
-
-
-def test_atomic_folder_publishes_complete_folder_only(tmp_path: Path) -> None:
-    final = tmp_path / "model"
-    with models._atomic_folder(final) as staging:
-        (staging / "weights").write_text("complete")
-        assert not final.exists()
-    assert (final / "weights").read_text() == "complete"
-    assert final.stat().st_mode & 0o777 == 0o755
-    assert [p.name for p in tmp_path.iterdir()] == ["model"]
-
-
-def test_atomic_folder_failed_write_leaves_nothing(tmp_path: Path) -> None:
-    final = tmp_path / "model"
-    with pytest.raises(RuntimeError), models._atomic_folder(final) as staging:
-        (staging / "weights").write_text("partial")
-        raise RuntimeError("killed")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_atomic_folder_keeps_the_copy_published_first(tmp_path: Path) -> None:
-    final = tmp_path / "model"
-    with models._atomic_folder(final) as staging:
-        (staging / "weights").write_text("second")
-        with models._atomic_folder(final) as rival:  # another process finishes first
-            (rival / "weights").write_text("first")
-    assert (final / "weights").read_text() == "first"
-    assert [p.name for p in tmp_path.iterdir()] == ["model"]
-
-
 # --- the embedded default -------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
-"""H2O, LazyEviction and RaaS in the engine against ALGORITHMS.md's written rule: the whole attention
-history, one query at a time from position 0 (from the first decode query for LazyEviction and RaaS),
-on a tiny model's teacher-forced replay whose prompt is longer than L, or longer than B + L so that
-it evicts at prefill. The policies that read only the last L queries observe nothing else."""
+"""H2O, LazyEviction and RaaS in the engine against the written rule of docs/algorithms.md: the whole
+attention history, one query at a time from position 0 (from the first decode query for LazyEviction
+and RaaS), on a tiny model's teacher-forced replay whose prompt is longer than L, or longer than B + L
+so that it evicts at prefill. The policies that read only the last L queries observe nothing else."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-import reference_policies as ref
-from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.runtime.capture import eviction_attention, register_runtime_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests import reference_policies as ref
 
 B, L, LENGTH = 16, 4, 64
 RECORDING = "foresight-history"
@@ -106,22 +105,16 @@ def replay_recording(model, policy, sequence: torch.Tensor, prompt_length: int):
 
 
 @pytest.fixture(scope="module")
-def model():
-    """Peaked attention (a larger init than the default) so that thresholds and sums discriminate."""
-    return tiny_model("llama", initializer_range=0.1)
-
-
-@pytest.fixture(scope="module")
 def sequence():
     return torch.randint(3, 128, (LENGTH,), generator=torch.Generator().manual_seed(5))
 
 
 @pytest.mark.parametrize("prompt_length", [10, 26])  # L < 10 < B + L; 26 > B + L evicts at prefill
 @pytest.mark.parametrize("name, threshold", [("h2o", None), ("lazy", 1e-4), ("lazy", 0.05), ("raas", 0.05)])
-def test_scores_follow_the_written_rule_over_the_whole_history(model, sequence, name, threshold, prompt_length):
+def test_scores_follow_the_written_rule_over_the_whole_history(peaked_llama, sequence, name, threshold, prompt_length):
     policy = make_policy(name) if threshold is None else make_policy(name, threshold=threshold)
-    recorder, calls, scaling = replay_recording(model, policy, sequence, prompt_length)
-    histories = {layer: recorder.history(layer, scaling) for layer in range(model.config.num_hidden_layers)}
+    recorder, calls, scaling = replay_recording(peaked_llama, policy, sequence, prompt_length)
+    histories = {layer: recorder.history(layer, scaling) for layer in range(peaked_llama.config.num_hidden_layers)}
     steps = [call[1:] for call in calls if call[0] == "step"]
     assert len(steps) >= 2 * len(histories)
     for layer, positions, num_candidates, scores in steps:
@@ -136,11 +129,11 @@ def test_scores_follow_the_written_rule_over_the_whole_history(model, sequence, 
 
 
 @pytest.mark.parametrize("name, first", [("h2o", 0), ("lazy", 26), ("raas", 26), ("snapkv", None)])
-def test_each_query_is_observed_once_in_order_before_every_eviction_step(model, sequence, name, first):
+def test_each_query_is_observed_once_in_order_before_every_eviction_step(peaked_llama, sequence, name, first):
     """At each eviction step, an every-query policy has seen each query from position `first` to the
     newest exactly once and in order, in blocks of at most L; snapkv sees the last L queries at each
     eviction step of each layer and nothing else."""
-    _, calls, _ = replay_recording(model, make_policy(name), sequence, prompt_length=26)
+    _, calls, _ = replay_recording(peaked_llama, make_policy(name), sequence, prompt_length=26)
     seen = defaultdict(list)
     steps = 0
     for kind, layer, *details in calls:
@@ -154,6 +147,6 @@ def test_each_query_is_observed_once_in_order_before_every_eviction_step(model, 
             assert seen.pop(layer, None) == list(range(newest - L + 1, newest + 1))
         else:
             assert seen[layer] == list(range(first, newest + 1))
-    assert steps >= 2 * model.config.num_hidden_layers
+    assert steps >= 2 * peaked_llama.config.num_hidden_layers
     if first is None:
         assert not seen

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference_policies as ref
 from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests import reference_policies as ref
+from tests.helpers import INVALID_PER_ROW, KV_HEADS, candidate_positions
 
-KV_HEADS, DIM, INTERVAL, CANDIDATES = 2, 8, 4, 14
-INVALID_PER_ROW = (0, 3)  # left padding / eviction leftovers in front of row 1
+DIM, INTERVAL, CANDIDATES = 8, 4, 14
 BATCH = len(INVALID_PER_ROW)
 SCALING = DIM**-0.5
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -28,19 +28,6 @@ def clustered_keys(generator: torch.Generator, count: int) -> torch.Tensor:
     return torch.where(use_centre, near + noise, noise * 2.0)
 
 
-def candidate_positions(generator: torch.Generator, window_start: int, candidates: int = CANDIDATES) -> torch.Tensor:
-    """[batch, Hkv, C]: each head its own sorted candidate positions below `window_start`,
-    after the row's invalid (-1) slots."""
-    rows = []
-    for invalid in INVALID_PER_ROW:
-        heads = []
-        for _ in range(KV_HEADS):
-            chosen = torch.randperm(window_start, generator=generator)[: candidates - invalid].sort().values
-            heads.append(torch.cat([torch.full((invalid,), -1), chosen]))
-        rows.append(torch.stack(heads))
-    return torch.stack(rows)
-
-
 def random_context(group: int, seed: int = 0, query_start: int | None = None) -> EvictionContext:
     """An eviction step as the engine builds it: C candidates below position 40, then the recent
     window of L entries at 40..43, whose tokens are the L buffered queries. `query_start` moves the
@@ -48,7 +35,7 @@ def random_context(group: int, seed: int = 0, query_start: int | None = None) ->
     generator = torch.Generator().manual_seed(seed)
     window_start = 40
     recent = torch.arange(window_start, window_start + INTERVAL)
-    positions = torch.cat([candidate_positions(generator, window_start), recent.expand(BATCH, KV_HEADS, -1)], dim=-1)
+    positions = torch.cat([candidate_positions(generator, window_start, CANDIDATES), recent.expand(BATCH, KV_HEADS, -1)], dim=-1)
     keys = clustered_keys(generator, CANDIDATES + INTERVAL)
     first_query = window_start if query_start is None else query_start
     return EvictionContext(
@@ -187,7 +174,7 @@ def test_h2o_accumulates_like_reference_over_steps(group):
     query_bank = torch.randn(BATCH, KV_HEADS * group, total, DIM, generator=generator) * 1.5
     positions = torch.cat(
         [
-            candidate_positions(generator, window_start),
+            candidate_positions(generator, window_start, CANDIDATES),
             torch.arange(window_start, window_start + INTERVAL).expand(BATCH, KV_HEADS, -1),
         ],
         dim=-1,

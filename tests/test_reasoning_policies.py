@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-import foresight.policies.base as policy_base
+import foresight.runtime.policy as policy_base
 import foresight.runtime.capture as capture
-import reference_policies as ref
 from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.policies.epikv import Z_EPSILON, band_layers, rolling_z_scores
 from foresight.policies.lagkv import RANGE_EPSILON
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.test_policy_scores import KV_HEADS, candidate_positions
+from tests import reference_policies as ref
+from tests.helpers import KV_HEADS, candidate_positions, random_prompts
 
 GROUP, DIM = 2, 8
 NEW_POLICIES = ("lagkv", "lazy", "raas", "epikv")
@@ -377,14 +377,9 @@ def config_for(name: str) -> EvictionConfig:
     return EvictionConfig(B, L, sinks=2 if name == "lagkv" else None)
 
 
-def prompt_tokens(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("name", NEW_POLICIES)
 def test_engine_batch_decodes_as_each_row_alone_within_budget(model, name):
-    batch = prompt_tokens([4, 9, 15], seed=1)
+    batch = random_prompts([4, 9, 15], seed=1)
     policy = make_policy(name)
     engine = EvictionEngine(model, policy, config_for(name))
     together = engine.generate(batch, 40)

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import safetensors.torch
 import torch
-from torch import nn
 
 from foresight.scorer import (
     ForesightScorer,
@@ -18,6 +17,7 @@ from foresight.scorer import (
     plackett_luce_logprob,
     sample_eviction,
 )
+from tests.helpers import independent_mlp
 
 
 def make_config(**overrides) -> ScorerConfig:
@@ -39,18 +39,6 @@ def random_inputs(config: ScorerConfig, *leading: int, seed: int = 1):
         torch.randn(*shape, config.head_dim, generator=generator),
         torch.rand(*shape, config.feature_width, generator=generator),
     )
-
-
-def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequential:
-    """The paper's per-(layer, head) MLP as plain modules, holding the stacked weights of that slice."""
-    config = scorer.config
-    mlp = nn.Sequential(nn.Linear(config.input_dim, config.hidden), nn.GELU(), nn.Linear(config.hidden, 1))
-    with torch.no_grad():
-        mlp[0].weight.copy_(scorer.w1[layer, head].T)
-        mlp[0].bias.copy_(scorer.b1[layer, head])
-        mlp[2].weight.copy_(scorer.w2[layer, head][None])
-        mlp[2].bias.copy_(scorer.b2[layer, head][None])
-    return mlp
 
 
 def test_stacked_scorer_equals_independent_mlps():
@@ -135,7 +123,7 @@ def test_check_compatible_names_both_shapes():
     "overrides, match",
     [
         ({"num_query_heads": 5}, "num_query_heads=5 is not a multiple of num_kv_heads=2"),
-        ({"budget": 4}, "budget must be an integer > interval=4, got 4"),
+        ({"budget": 4}, "budget B=4 must be larger than the interval L=4"),
         ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
         ({"feature_set": "h2o"}, "unknown feature set 'h2o'"),
     ],

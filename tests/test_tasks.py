@@ -3,39 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import datasets
 import pytest
 import reasoning_gym
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
 from foresight.tasks import ANSWER_INSTRUCTION, Problem, chat_prompt_ids, check_answer, extract_answer, load_problems
-
-DATA = Path(__file__).resolve().parents[1] / "data"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-
-
-def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character (id = code point) plus <pad> 0, <s> 1, </s> 2: the
-    special ids of foresight.models.tiny_model, whose 128-token vocabulary it fits."""
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 10, **{chr(code): code for code in range(32, 127)}}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def write_lines(path: Path, lines: list[str]) -> str:
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
 
 
 def test_reasoning_gym_problems_are_the_packages_with_the_instruction():

@@ -23,9 +23,9 @@ from foresight.features import DECAY, FEATURE_NAMES, FeatureSet
 from foresight.labels import LabelStore, compute_golden_labels
 from foresight.models import describe, tiny_model
 from foresight.commands.fit import lightning_args
-from foresight.policies.foresight import load_scorer
+from foresight.scorer import load_scorer
 from foresight.traces import TraceStore, generate_traces
-from tests.test_tasks import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, scorer_spec, synthetic_traces
 from trainers import data as data_module
 from trainers.cli import cli_main
 from trainers.data import concat_steps, golden_steps
@@ -204,28 +204,6 @@ def test_making_examples_allocates_no_gradient_for_the_model(traces_dir):
 
 
 # -- the LightningModule ----------------------------------------------------------------------------
-def scorer_spec(model=None) -> dict:
-    shape = describe(model or tiny_model("llama"))
-    return dict(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-                head_dim=shape.head_dim, budget=B, interval=L_, base_model="tiny", feature_set="paper")
-
-
-def synthetic_traces(count: int, steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Traces whose α is a fixed linear function of the keys plus one feature: learnable by the scorer."""
-    spec = scorer_spec()
-    generator = torch.Generator().manual_seed(seed)
-    direction = torch.randn(spec["head_dim"], generator=torch.Generator().manual_seed(99))
-    shape = (steps, spec["num_layers"], spec["num_kv_heads"], B)
-    traces = []
-    for _ in range(count):
-        keys = torch.randn(*shape, spec["head_dim"], generator=generator)
-        features = torch.rand(*shape, 6 * spec["num_query_heads"] // spec["num_kv_heads"], generator=generator)
-        alpha = torch.sigmoid(keys @ direction + 2 * features[..., 4])
-        traces.append({"keys": keys, "values": torch.randn(*shape, spec["head_dim"], generator=generator),
-                       "features": features, "alpha": alpha})
-    return traces
-
-
 def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_path):
     module = SupervisedScorer(scorer_spec(), lr=3e-2)
     assert {id(p) for p in module.parameters()} == {id(p) for p in module.scorer.parameters()}
@@ -357,6 +335,11 @@ def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, tr
     assert cli.main(fit_args(config, out, traces_dir, "data.cache_dir=null", "trainer.max_steps=3")) == 0
     assert not (out / "features").exists()
     assert "scorer trained for 3 steps" in capsys.readouterr().out
+    # The LearningRateMonitor logs the cosine schedule from lr = 0.01 to 0 at every step.
+    logged = tensorboard_scalars(out, "train/lr")
+    assert sorted(logged) == [0, 1, 2]
+    for step, value in logged.items():
+        assert math.isclose(value, 0.005 * (1 + math.cos(math.pi * step / 3)), rel_tol=1e-6)
 
 
 def test_fit_makes_its_traces_from_the_recipe(tmp_path, tiny_dir, capsys):
@@ -385,8 +368,8 @@ def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
 def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = run.rglob("events.out.tfevents.*")
-    accumulator = EventAccumulator(str(events))
+    (logs,) = {events.parent for events in run.rglob("events.out.tfevents.*")}  # one run: fit, then validate
+    accumulator = EventAccumulator(str(logs))
     accumulator.Reload()
     return {event.step: event.value for event in accumulator.Scalars(tag)}
 

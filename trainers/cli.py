@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from trainers.data import GoldenDataModule
@@ -19,11 +19,13 @@ from trainers.supervised import SupervisedScorer
 
 class SupervisedCLI(LightningCLI):
     """LightningCLI with a `checkpoint` section (a ModelCheckpoint that keeps `last.ckpt` in a fixed
-    folder, so `--ckpt_path last` finds it) and the data -> model link."""
+    folder, so `--ckpt_path last` finds it), an `lr_monitor` section (a LearningRateMonitor that logs
+    the learning rate every optimisation step as `train/lr`) and the data -> model link."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True})
+        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.set_defaults({"checkpoint.save_last": True, "lr_monitor.logging_interval": "step"})
         parser.link_arguments("data.scorer_spec", "model.scorer", apply_on="instantiate")
 
 

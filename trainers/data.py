@@ -2,7 +2,7 @@
 
 Each trace is teacher-forced through the frozen model (no grad) in the eviction runtime, its cache
 following the golden schedule of its labels (the `golden` policy), so later layers see the evicted
-cache as they would at inference (ALGORITHMS.md §6). At every eviction step t and layer, a recorder
+cache as they would at inference (docs/algorithms.md §6). At every eviction step t and layer, a recorder
 wrapped around the golden policy reads, from the same `EvictionContext` the learned policy sees, the
 scorer inputs of the B candidates (keys, values, and attention features computed exactly as the
 `foresight` policy computes them) and pairs them with the candidates' future scores α_{·,t}.
@@ -36,21 +36,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
-from transformers import AutoConfig, PreTrainedConfig
 
 from foresight.features import FeatureSet
-from foresight.labels import (
-    GoldenLabels,
-    LabelStore,
-    TraceTooShort,
-    check_budget,
-    compute_golden_labels,
-    eviction_steps,
-    save_labels,
-)
-from foresight.models import DEFAULT_CACHE_NAME, DEFAULT_MODEL, cache_dir, describe, load_model
+from foresight.cadence import TraceTooShort, check_budget, eviction_steps
+from foresight.labels import GoldenLabels, LabelStore, compute_golden_labels, save_labels
+from foresight.models import DEFAULT_MODEL, base_model_config, describe, load_model
 from foresight.policies import make_policy
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 from foresight.policies.foresight import FEATURE_STATE, observe_features
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.traces import Trace, TraceStore, generate_traces
@@ -235,19 +227,6 @@ class TraceRecipe:
     batch_size: int = 8
     shard_size: int = 64
     seed: int = 0
-
-
-def base_model_config(name: str) -> PreTrainedConfig:
-    """The frozen model's config without loading its weights (the default is converted once if needed)."""
-    if name == DEFAULT_MODEL:
-        folder = cache_dir() / DEFAULT_CACHE_NAME
-        if not folder.is_dir():
-            load_model(DEFAULT_MODEL)
-        return AutoConfig.from_pretrained(folder)
-    try:
-        return AutoConfig.from_pretrained(name)
-    except OSError:
-        raise ValueError(f"cannot read the config of model {name!r}: expected 'default', a model folder or a Hub id") from None
 
 
 class GoldenDataModule(L.LightningDataModule):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from torchmetrics import Metric
+
+from foresight.cadence import top_k_mask
 
 DEFAULT_MARGIN = 0.01
 """m of ForesightKV Eq. 6 (App. E.1)."""
@@ -18,7 +19,7 @@ def pairwise_ranking_loss(
     scores: torch.Tensor, alpha: torch.Tensor, margin: float = DEFAULT_MARGIN, chunk_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ForesightKV Eq. 6 per ranking problem: the mean over ordered pairs (i, j) with α_i < α_j of
-    max(0, m - (φ_j - φ_i)) (ALGORITHMS.md §6). Returns (loss [...], number of pairs [...]); a
+    max(0, m - (φ_j - φ_i)) (docs/algorithms.md §6). Returns (loss [...], number of pairs [...]); a
     problem without a pair (all α equal) has loss 0 and 0 pairs.
 
     Every pair is used, none sampled. The N x N pair matrix is built in chunks of `chunk_size`
@@ -56,16 +57,9 @@ def _hinge_sum(
     return (hinge * ordered).sum((-1, -2))
 
 
-def keep_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """The `count` highest scores of each problem, ties to the lower position: the engine's rule for
-    keep scores and `foresight.labels.keep_top`'s rule for the golden set."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
-    return torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, True)
-
-
 def kept_overlap(scores: torch.Tensor, alpha: torch.Tensor, count: int) -> torch.Tensor:
     """Share [...] of the golden kept set (the `count` largest α) that the scorer also keeps."""
-    return (keep_mask(scores, count) & keep_mask(alpha, count)).sum(-1) / count
+    return (top_k_mask(scores, count) & top_k_mask(alpha, count)).sum(-1) / count
 
 
 def average_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -85,23 +79,3 @@ def spearman(scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     norms = centred[0].square().sum(-1).sqrt() * centred[1].square().sum(-1).sqrt()
     return (covariance / norms.masked_fill(norms == 0, float("nan"))).float()
 
-
-class MeanOverProblems(Metric):
-    """Mean of a per-problem value over every problem seen (NaN values skipped), synced across ranks."""
-
-    full_state_update = False
-    higher_is_better = True
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-
-    def update(self, values: torch.Tensor) -> None:
-        finite = values.isfinite()
-        # Out of place: states reset inside a `validate` call are inference tensors.
-        self.total = self.total + values[finite].double().sum()
-        self.count = self.count + finite.sum()
-
-    def compute(self) -> torch.Tensor:
-        return (self.total / self.count.clamp_min(1)).float()

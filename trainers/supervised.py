@@ -1,5 +1,5 @@
 """The supervised stage as a LightningModule: the stacked scorer trained with the pairwise ranking loss
-(ForesightKV §3.2 Eq. 6, App. E.1; ALGORITHMS.md §6).
+(ForesightKV §3.2 Eq. 6, App. E.1; docs/algorithms.md §6).
 
 A batch holds the eviction steps of a few traces (`trainers.data`): keys, values [steps, layers, Hkv, B, D],
 features [steps, layers, Hkv, B, F*G], alpha [steps, layers, Hkv, B]. Every (step, layer, KV head)
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from torchmetrics import MeanMetric
 
-from foresight.export import SCORER_CONFIG_KEY, TRAINING_KEY, scorer_config_dict
+from foresight.export import checkpoint_entries
 from foresight.features import FEATURE_NAMES
 from foresight.scorer import ForesightScorer, ScorerConfig
-from trainers.ranking import DEFAULT_MARGIN, MeanOverProblems, kept_overlap, pairwise_ranking_loss, spearman
+from trainers.ranking import DEFAULT_MARGIN, kept_overlap, pairwise_ranking_loss, spearman
 
 
 class SupervisedScorer(L.LightningModule):
@@ -48,9 +49,11 @@ class SupervisedScorer(L.LightningModule):
             )
         self.save_hyperparameters()
         self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden))
-        self.val_overlap = MeanOverProblems()
-        self.val_spearman = MeanOverProblems()
-        self.val_overlap_cumulative = MeanOverProblems()
+        # Means over every ranking problem of the validation set, synced across ranks; a problem whose
+        # Spearman correlation is undefined (NaN: all α equal) is left out.
+        self.val_overlap = MeanMetric(nan_strategy="ignore")
+        self.val_spearman = MeanMetric(nan_strategy="ignore")
+        self.val_overlap_cumulative = MeanMetric(nan_strategy="ignore")
         names = FEATURE_NAMES[self.scorer.config.feature_set]
         self._cumulative, self._features_per_head = names.index("cumulative"), len(names)
 
@@ -70,8 +73,13 @@ class SupervisedScorer(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(self(batch), batch["alpha"])
         self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["alpha"].shape[0])
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch["alpha"].shape[0])
         return loss
+
+    def on_validation_epoch_start(self) -> None:
+        """Fresh metric states made in this loop's grad mode: a standalone `validate` runs under
+        inference mode, and the states it leaves cannot be updated in place by `fit`'s validation."""
+        for metric in (self.val_overlap, self.val_spearman, self.val_overlap_cumulative):
+            metric.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         scores, alpha = self(batch), batch["alpha"]
@@ -97,7 +105,8 @@ class SupervisedScorer(L.LightningModule):
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        # The name is the tag under which the CLI's LearningRateMonitor logs the learning rate.
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
 
     def training_record(self, extra_metrics: dict | None = None) -> dict:
         """What the scorer was trained on and its latest metrics (with `extra_metrics`), as plain values
@@ -110,5 +119,4 @@ class SupervisedScorer(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the scorer's config and training record so `foresight export` needs only the file."""
-        checkpoint[SCORER_CONFIG_KEY] = scorer_config_dict(self.scorer.config)
-        checkpoint[TRAINING_KEY] = self.training_record()
+        checkpoint.update(checkpoint_entries(self.scorer, self.training_record()))

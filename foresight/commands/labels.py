@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from foresight.labels import LabelStore, TraceTooShort, compute_golden_labels, eviction_steps, save_labels
+from foresight.cadence import TraceTooShort, eviction_steps
+from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.models import load_model
 from foresight.traces import TraceStore
 

@@ -49,7 +49,7 @@ def read_documents(path: Path, tokenizer, max_tokens: int) -> list[tuple[torch.T
 
 def loss_ratio_after_first_eviction(full: ReplayOutput, evicted: ReplayOutput) -> tuple[float, int]:
     """Mean NLL with eviction / with the full cache over tokens predicted after each row's first
-    eviction (ALGORITHMS.md section 8), and how many tokens that is (0: nothing was evicted)."""
+    eviction (docs/algorithms.md section 8), and how many tokens that is (0: nothing was evicted)."""
     masks = [scored_tokens(len(nll), first) for nll, first in zip(evicted.nll, evicted.first_eviction)]
     scored = sum(int(m.sum()) for m in masks)
     if scored == 0:

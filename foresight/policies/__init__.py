@@ -7,7 +7,7 @@ import pkgutil
 from dataclasses import fields
 from typing import Any
 
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 
 POLICIES: dict[str, type[Policy]] = {}
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
 
 Z_EPSILON = 1e-6

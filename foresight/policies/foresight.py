@@ -1,28 +1,24 @@
-"""ForesightKV's learned scorer as an eviction policy (ForesightKV §3.1 Eqs. 1-2, App. B; ALGORITHMS.md §5)."""
+"""ForesightKV's learned scorer as an eviction policy (ForesightKV §3.1 Eqs. 1-2, App. B; docs/algorithms.md §5)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from huggingface_hub import constants
-from huggingface_hub.errors import HFValidationError
 
 from foresight.choices import Choice
 from foresight.features import attention_features
 from foresight.models import ModelShape
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
-from foresight.scorer import ForesightScorer, eviction_pool, plackett_luce_logprob, sample_eviction
+from foresight.scorer import ForesightScorer, eviction_pool, load_scorer, plackett_luce_logprob, sample_eviction
 
 CUMULATIVE = "cumulative"
 DECAYED = "decayed"
 FEATURE_STATE = (StateField(CUMULATIVE, per_query_head=True), StateField(DECAYED, per_query_head=True))
 """Per-entry state of the attention features: raw cumulative and decayed sums per query head."""
-SCORER_FILES = (constants.CONFIG_NAME, constants.SAFETENSORS_SINGLE_FILE)
 
 
 def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -34,27 +30,6 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
         context.attention, context.state[CUMULATIVE], context.state[DECAYED], feature_set
     )
     return features, {CUMULATIVE: cumulative, DECAYED: decayed}
-
-
-def load_scorer(source: str | os.PathLike) -> ForesightScorer:
-    """A scorer from a Hub-format folder (config.json + model.safetensors) or, for a path that does not
-    exist locally, a Hub repo id."""
-    path = Path(source)
-    if path.exists():
-        missing = [name for name in SCORER_FILES if not (path / name).is_file()]
-        if missing:
-            raise ValueError(
-                f"{path} is not a scorer folder (no {' or '.join(missing)}); `foresight fit` and "
-                "`foresight export` write one"
-            )
-        return ForesightScorer.from_pretrained(path)
-    try:
-        return ForesightScorer.from_pretrained(os.fspath(source))
-    except (OSError, HFValidationError) as error:
-        reason = " ".join(str(error).split()[:12])
-        raise ValueError(
-            f"cannot load a scorer from {os.fspath(source)!r}: no such folder, and not a reachable Hub repo ({reason})"
-        ) from None
 
 
 class EvictionMode(Choice):

@@ -1,6 +1,6 @@
 """Golden Eviction (ForesightKV §3.2, Eq. 5): replay the stored golden schedule of a trace.
 
-The oracle of ALGORITHMS.md section 4, for teacher-forced replay of the very traces its labels were
+The oracle of docs/algorithms.md section 4, for teacher-forced replay of the very traces its labels were
 made from: at eviction step t it keeps the B - L candidates with the largest future score α_{·,t},
 read from the labels (`GoldenLabels.kept_positions`). It is what every learned or heuristic policy
 is measured against (ForesightKV Table 2).
@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from foresight.cadence import step_of
 from foresight.labels import GoldenLabels
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,7 @@ class GoldenSchedule:
 
     def step_of(self, newest: torch.Tensor) -> torch.Tensor:
         """Step t of an eviction whose newest position is p_t = B + tL - 1 (0 where none is)."""
-        offset = newest + 1 - self.budget
-        on_cadence = (offset % self.interval == 0) & (offset >= self.interval)
-        return torch.where(on_cadence, offset // self.interval, 0)
+        return step_of(newest, self.budget, self.interval)
 
 
 @register
@@ -133,7 +132,7 @@ class GoldenEviction(Policy):
             )
 
     def _steps(self, context: EvictionContext) -> torch.Tensor:
-        """Step t of each row, from its newest position p_t = B + tL - 1 (ALGORITHMS.md §4)."""
+        """Step t of each row, from its newest position p_t = B + tL - 1 (docs/algorithms.md §4)."""
         newest = context.positions.amax(dim=(1, 2)).cpu()
         steps = self.schedule.step_of(newest)
         if bool((steps == 0).any()):

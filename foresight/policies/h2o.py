@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, ObservedQueries, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import StateField
 
 CUMULATIVE = "cumulative"
@@ -18,7 +18,7 @@ CUMULATIVE = "cumulative"
 class H2O(Policy):
     """Heavy-Hitter Oracle, as run by ForesightKV's baselines (App. E.2): keep the candidates with
     the largest cumulative attention received, summed over every query seen so far and averaged
-    over the G query heads of each KV head's group (ALGORITHMS.md section 3).
+    over the G query heads of each KV head's group (docs/algorithms.md section 3).
 
     The sum lives in the per-entry state `cumulative` and travels with the entry when others are
     evicted. The runtime hands `observe` every query exactly once, the prompt's included, in blocks

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 
 
 @register

@@ -4,7 +4,7 @@ LagKV Eqs. 7-10, per KV head, for keys and values alike: over the L entries of t
 take each channel's min and max, normalise the chunk x_bar = (x - min) / (max - min), take the std
 over channels, softmax over the chunk; the token score is key score + value score. Attention-free.
 
-Adapted to our cadence (ALGORITHMS.md section 3):
+Adapted to our cadence (docs/algorithms.md section 3):
 - Chunks of `lag_size` entries are cut from the newest candidate backwards, so every chunk's
   reference is exactly the `lag_size` entries after it (the newest chunk's is the recent window);
   only the oldest chunk can be short. In steady state this is the paper's oldest-first partition:
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
 
 RANGE_EPSILON = 1e-6

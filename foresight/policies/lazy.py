@@ -2,7 +2,7 @@
 
 Each entry carries t_last (the last step at which it drew attention >= theta) and its Maximum
 Recurrence Interval MRI (the longest gap between two such steps). The formulas follow the authors'
-code (the paper's text lost them), ALGORITHMS.md section 3:
+code (the paper's text lost them), docs/algorithms.md section 3:
 
     per decode query t, in order, for every entry with attention >= theta (max over the G heads):
         MRI <- max(MRI, t - t_last);  t_last <- t
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, ObservedQueries, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.policies.raas import NO_HIT, attention_hits, hit_times
 from foresight.runtime.cache import StateField
 

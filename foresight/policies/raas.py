@@ -4,7 +4,7 @@ Time is measured in sequence positions: the query of the token at position t is 
 a new entry's timestamp is its own position and every decode query that gives it attention >= theta
 moves its timestamp to that query's position. The runtime hands `observe` every decode query (every
 query after the prompt) exactly once, in order and in blocks, which equals refreshing the timestamps
-at every decode step (ALGORITHMS.md sections 2-3).
+at every decode step (docs/algorithms.md sections 2-3).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, ObservedQueries, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import StateField
 
 NO_HIT = float("-inf")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext
+from foresight.runtime.policy import EvictionContext
 from foresight.policies.snapkv import SnapKV, masked_softmax
 
 NORM_EPSILON = 1e-8  # R-KV Eq. 5

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 
 
 @register

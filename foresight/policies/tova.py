@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.policies.base import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, Policy
 
 
 @register
@@ -15,7 +15,7 @@ from foresight.policies.base import EvictionContext, Policy
 class TOVA(Policy):
     """Token Omission Via Attention: the keep score of a candidate is the attention it receives
     from the last query only, averaged over all Hkv x G query heads of the layer, as in the
-    authors' official code (ALGORITHMS.md section 3). The score is shared by every KV head, so all
+    authors' official code (docs/algorithms.md section 3). The score is shared by every KV head, so all
     heads of a layer keep the same set. R-KV's repository calls this rule "H2O"; ours is `h2o`.
     No options.
     """

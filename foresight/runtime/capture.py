@@ -84,7 +84,7 @@ def block_attention(
     key_positions: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """ALGORITHMS.md section 2: A = softmax(Q_buf K^T * scaling + causal mask) in float32.
+    """docs/algorithms.md section 2: A = softmax(Q_buf K^T * scaling + causal mask) in float32.
 
     queries [batch, Hq, L, D] in query order, query_positions [batch, L], keys [batch, Hkv, N, D],
     key_positions [batch, Hkv, N] (-1 marks an invalid entry). Returns [batch, Hkv, G, L, N];

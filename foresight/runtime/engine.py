@@ -1,6 +1,6 @@
 """The eviction engine: prefill, batched decode and teacher-forced replay under one eviction cadence.
 
-ALGORITHMS.md section 1. Each row's cache grows by one entry per token; when a row holds
+docs/algorithms.md section 1. Each row's cache grows by one entry per token; when a row holds
 B + L (+ its protected prompt) valid entries, an eviction step keeps the most recent L entries and
 the top B - L candidates by the policy's keep score, bringing the row back to B. Rows of a batch
 evict on their own schedule (left padding shifts it), so a batch decodes exactly as each row alone.
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from foresight.policies.base import EvictionContext, ObservedQueries, Policy
+from foresight.cadence import check_budget, top_k_mask
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME
 
@@ -35,10 +36,7 @@ class EvictionConfig:
     protect_prompt: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.interval < 1:
-            raise ValueError(f"interval L={self.interval} must be >= 1")
-        if self.budget <= self.interval:
-            raise ValueError(f"budget B={self.budget} must be greater than the interval L={self.interval}")
+        check_budget(self.budget, self.interval)
         if self.sinks is not None and not 0 <= self.sinks <= self.budget - self.interval:
             raise ValueError(f"sinks={self.sinks} must be between 0 and B - L = {self.budget - self.interval}")
 
@@ -353,7 +351,7 @@ class EvictionEngine:
         run.stats.eviction_seconds += time.perf_counter() - start
 
     def _observe_queries(self, run: _Run, complete_blocks_only: bool) -> None:
-        """ALGORITHMS.md sections 2-3: `observe` each recorded query once, in query order, in blocks of at
+        """docs/algorithms.md sections 2-3: `observe` each recorded query once, in query order, in blocks of at
         most L, for every row, against the keys in the cache now. No row has evicted since those queries
         ran (this runs before every eviction step), so each still sees exactly the entries it attended to:
         the causal mask hides the later ones."""
@@ -411,7 +409,7 @@ class EvictionEngine:
             (candidates < run.sinks) | (candidates < select(run.protected)[:, None, None])
         )
         scores = scores.masked_fill(protected, float("inf")).masked_fill(candidates < 0, float("-inf"))
-        keep_candidates = _top_k_mask(scores, select(run.keep_counts))
+        keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
         recent = torch.ones_like(keep_candidates[..., :interval])
         keep_rows = torch.cat([keep_candidates, recent], dim=-1)
         if rows is None:
@@ -419,14 +417,6 @@ class EvictionEngine:
         keep = layer.valid[:, None, :].expand(-1, keep_rows.shape[1], -1).clone()
         keep[rows] = keep_rows
         return keep
-
-
-def _top_k_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the `counts[b]` highest scores of each row and head (ties: older first)."""
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
-    return ranks < counts[:, None, None]
 
 
 def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

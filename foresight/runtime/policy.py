@@ -1,4 +1,6 @@
-"""The Policy base: what a policy needs from the runtime and the one method that scores candidates.
+"""The interface between the runtime and the policies: what a policy sees at an eviction step
+(`EvictionContext`) and what the engine calls on it (`Policy`). It lives in the runtime so that the
+runtime never imports a policy; `foresight.policies` implements it, one small module per policy.
 
 A policy is a small dataclass (its fields are its options, with the paper's defaults) whose
 `keep_scores` maps tensors to a KEEP score per candidate (higher = keep). Cache surgery, the recent
@@ -20,7 +22,7 @@ from foresight.runtime.capture import attention_logits, block_attention
 
 
 class ObservedQueries(str, Enum):
-    """Which queries a policy's `observe` sees (ALGORITHMS.md sections 2-3).
+    """Which queries a policy's `observe` sees (docs/algorithms.md sections 2-3).
 
     WINDOW: at each eviction step, the last L queries (rules that read the latest attention).
     DECODE and ALL: every query after the prompt (DECODE) or from position 0 (ALL), each exactly once
@@ -63,7 +65,7 @@ class EvictionContext:
 
     @cached_property
     def attention(self) -> torch.Tensor:
-        """Block attention [batch, Hkv, G, L, N] (ALGORITHMS.md section 2), computed once per step."""
+        """Block attention [batch, Hkv, G, L, N] (docs/algorithms.md section 2), computed once per step."""
         return block_attention(self.queries, self.query_positions, self.keys, self.positions, self.scaling)
 
     @cached_property
