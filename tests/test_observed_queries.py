@@ -87,7 +87,8 @@ def replay_recording(model, policy, sequence: torch.Tensor, prompt_length: int):
 
     def recording_keep_scores(context: EvictionContext) -> torch.Tensor:
         scores = keep_scores(context)
-        calls.append(("step", context.layer_idx, context.positions[0].tolist(), context.num_candidates, scores[0].tolist()))
+        step = (context.layer_idx, context.positions[0].tolist(), context.num_candidates, scores[0].tolist())
+        calls.append(("step", *step))
         return scores
 
     def recording_observe(context: EvictionContext) -> dict[str, torch.Tensor]:
