@@ -28,10 +28,8 @@ class HistoryRecorder:
 
     def __call__(self, module, query, key, value, attention_mask, eviction_cache=None, **kwargs):
         layer = eviction_cache.layers[module.layer_idx]
-        self.forwards.append(
-            (module.layer_idx, query[0].clone(), layer.pending_positions[0].tolist(),
-             layer.entry_positions()[0].tolist(), key[0].clone())
-        )
+        positions, entries = layer.pending_positions[0].tolist(), layer.entry_positions()[0].tolist()
+        self.forwards.append((module.layer_idx, query[0].clone(), positions, entries, key[0].clone()))
         return eviction_attention(module, query, key, value, attention_mask, eviction_cache=eviction_cache, **kwargs)
 
     def history(self, layer: int, scaling: float) -> list[tuple[int, list[dict[int, list[float]]]]]:
@@ -115,7 +113,8 @@ def sequence():
 def test_scores_follow_the_written_rule_over_the_whole_history(peaked_llama, sequence, name, threshold, prompt_length):
     policy = make_policy(name) if threshold is None else make_policy(name, threshold=threshold)
     recorder, calls, scaling = replay_recording(peaked_llama, policy, sequence, prompt_length)
-    histories = {layer: recorder.history(layer, scaling) for layer in range(peaked_llama.config.num_hidden_layers)}
+    layers = range(peaked_llama.config.num_hidden_layers)
+    histories = {layer: recorder.history(layer, scaling) for layer in layers}
     steps = [call[1:] for call in calls if call[0] == "step"]
     assert len(steps) >= 2 * len(histories)
     for layer, positions, num_candidates, scores in steps:
