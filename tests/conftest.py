@@ -45,3 +45,11 @@ def traces_dir(tmp_path_factory, tiny_dir) -> Path:
 def fresh_traces(tmp_path, traces_dir) -> Path:
     """A copy of `traces_dir` without any labels, for a test that labels or damages files."""
     return Path(shutil.copytree(traces_dir, tmp_path / "traces", ignore=shutil.ignore_patterns("labels-*")))
+
+
+@pytest.fixture(scope="module")
+def peaked_llama():
+    """The tiny Llama with peaked attention (a larger init), for tests where attention must discriminate:
+    at the default init attention is near uniform, so thresholds pass everything and H2O, summing every
+    query, keeps the oldest entries on every head."""
+    return tiny_model("llama", initializer_range=0.1)

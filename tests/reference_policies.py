@@ -1,14 +1,20 @@
 """Slow, obvious twins of the heuristic policies: explicit Python loops over batch, head, query
 and entry, on plain floats (float64). Inputs are nested lists from `Tensor.tolist()`:
 keys [batch][Hkv][N][D], positions [batch][Hkv][N] (-1 invalid), queries [batch][Hq][L][D],
-query_positions [batch][L]. Every function returns scores [batch][Hkv][C]; invalid candidates get
-NaN (their score is never used)."""
+query_positions [batch][L]. Every scoring function returns scores [batch][Hkv][C]; invalid
+candidates get NaN (their score is never used).
+
+The per-query rules (H2O, LazyEviction, RaaS) are written as docs/algorithms.md section 3 states them:
+one query at a time, in position order, each updating a per-entry state held in a dict or list
+(keyed by slot or by position) from the attention that query gave, `{entry: [weight per query head of
+the group]}` (`group_attention`)."""
 
 from __future__ import annotations
 
 import math
 
 NAN = float("nan")
+MRI_EPSILON = 1e-5  # LazyEviction's H1 denominator (docs/algorithms.md section 3)
 
 
 def dot(a: list[float], b: list[float]) -> float:
@@ -35,6 +41,56 @@ def attention_row(query, keys, positions, query_position, scaling, upto=None) ->
         if positions[n] >= 0 and positions[n] <= query_position
     }
     return softmax(logits)
+
+
+def group_attention(query_heads, keys, positions, query_position, scaling) -> dict[int, list[float]]:
+    """The attention one token's G query heads give one KV head's entries it can see:
+    {slot: [weight per query head]}."""
+    rows = [attention_row(query, keys, positions, query_position, scaling) for query in query_heads]
+    return {n: [row[n] for row in rows] for n in rows[0]}
+
+
+def observed_attention(queries, query_positions, keys, positions, scaling):
+    """Yield (row, KV head, query position, group attention) for every real query (position >= 0), in order."""
+    for b in range(len(keys)):
+        group = len(queries[b]) // len(keys[b])
+        for h in range(len(keys[b])):
+            for l, t in enumerate(query_positions[b]):
+                if t >= 0:
+                    heads = [queries[b][h * group + g][l] for g in range(group)]
+                    yield b, h, t, group_attention(heads, keys[b][h], positions[b][h], t, scaling)
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def h2o_observe(cumulative, weights) -> None:
+    """H2O: each entry adds the attention this query gives it, mean over the G query heads."""
+    for entry, heads in weights.items():
+        cumulative[entry] += sum(heads) / len(heads)
+
+
+def lazy_observe(t_last, mri, weights, t: int, threshold: float) -> None:
+    """LazyEviction at decode query t: an entry with attention >= theta (max over the G heads) gets
+    MRI = max(MRI, t - t_last), then t_last = t."""
+    for entry, heads in weights.items():
+        if max(heads) >= threshold:
+            mri[entry] = max(mri[entry], t - t_last[entry])
+            t_last[entry] = t
+
+
+def lazy_score(t_last: float, mri: float, now: int) -> float:
+    """LazyEviction's keep score H1 + H2 at step `now`."""
+    h1 = 2 * sigmoid(-(1 + (now - t_last) / (mri + MRI_EPSILON)))
+    return h1 + (2 * sigmoid(1 - mri) if mri > 0 else 0.0)
+
+
+def raas_observe(timestamps, weights, t: int, threshold: float) -> None:
+    """RaaS at decode query t: an entry with attention >= theta (max over the G heads) gets timestamp t."""
+    for entry, heads in weights.items():
+        if max(heads) >= threshold:
+            timestamps[entry] = float(t)
 
 
 def knorm(keys, positions, candidates):

@@ -249,10 +249,10 @@ def test_policy_runs_in_engine_within_budget(name):
         assert generate(make_policy(name), prompts=(prompt,)).tokens[0] == tokens
 
 
-@pytest.mark.parametrize("name, shared", [("tova", True), ("h2o", False)])
+@pytest.mark.parametrize("name, shared", [("tova", True), ("snapkv", False)])
 def test_tova_keeps_one_set_per_layer(name, shared):
     """Kept sets show up as the entry positions of the next eviction step: identical across KV
-    heads for tova; h2o (per-head scores) is the control that the check can tell them apart."""
+    heads for tova; snapkv (per-head scores) is the control that the check can tell them apart."""
     policy = make_policy(name)
     seen = record_positions(policy)
     generate(policy, prompts=PROMPTS[:1])

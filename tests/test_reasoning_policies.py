@@ -13,9 +13,9 @@ from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.policies.epikv import Z_EPSILON, band_layers, rolling_z_scores
 from foresight.policies.lagkv import RANGE_EPSILON
-from foresight.policies.lazy import MRI_EPSILON
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests import reference_policies as ref
 from tests.helpers import KV_HEADS, candidate_positions, random_prompts
 
 GROUP, DIM = 2, 8
@@ -69,11 +69,6 @@ def valid_close(actual: torch.Tensor, expected: list, context: EvictionContext, 
     expected = torch.tensor(expected, dtype=torch.float64)
     valid = context.candidate_positions >= 0
     torch.testing.assert_close(actual.double()[valid], expected[valid], atol=atol, rtol=0)
-
-
-def strongest(context: EvictionContext) -> list:
-    """Block attention max over the G heads, as nested lists [batch][Hkv][L][N]."""
-    return context.attention.amax(dim=2).tolist()
 
 
 # -- LagKV ---------------------------------------------------------------------------------------------
@@ -165,29 +160,26 @@ def test_lagkv_needs_no_attention_and_rejects_a_lag_beyond_the_interval():
 
 
 # -- LazyEviction and RaaS -----------------------------------------------------------------------------
-def sigmoid(x: float) -> float:
-    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+def context_lists(context: EvictionContext) -> dict:
+    return dict(
+        queries=context.queries.tolist(),
+        query_positions=context.query_positions.tolist(),
+        keys=context.keys.tolist(),
+        positions=context.positions.tolist(),
+        scaling=context.scaling,
+    )
 
 
-def reference_lazy(attention, query_positions, t_last, mri, threshold):
-    """One query at a time, one entry at a time: MRI = max(MRI, t - t_last), t_last = t on a hit;
-    then H1 + H2 at the newest query."""
+def reference_lazy(context: EvictionContext, t_last, mri, threshold):
+    """The written rule on one step's entries: every query in order, then H1 + H2 at the newest token."""
     t_last, mri = [[list(h) for h in b] for b in t_last], [[list(h) for h in b] for b in mri]
-    scores = []
-    for b, rows in enumerate(attention):
-        now = max(query_positions[b])
-        row_scores = []
-        for h, head in enumerate(rows):
-            for q, t in enumerate(query_positions[b]):
-                for n, weight in enumerate(head[q]):
-                    if t >= 0 and weight >= threshold:
-                        mri[b][h][n] = max(mri[b][h][n], t - t_last[b][h][n])
-                        t_last[b][h][n] = t
-            row_scores.append([
-                2 * sigmoid(-(1 + (now - tl) / (m + MRI_EPSILON))) + (2 * sigmoid(1 - m) if m > 0 else 0.0)
-                for tl, m in zip(t_last[b][h], mri[b][h])
-            ])
-        scores.append(row_scores)
+    for b, h, t, weights in ref.observed_attention(**context_lists(context)):
+        ref.lazy_observe(t_last[b][h], mri[b][h], weights, t, threshold)
+    now = context.positions[:, 0, -1].tolist()
+    scores = [
+        [[ref.lazy_score(tl, m, now[b]) for tl, m in zip(t_last[b][h], mri[b][h])] for h in range(len(t_last[b]))]
+        for b in range(len(t_last))
+    ]
     return t_last, mri, scores
 
 
@@ -208,9 +200,7 @@ def test_lazy_matches_reference(threshold):
     policy = make_policy("lazy", threshold=threshold)
     before = {name: value.tolist() for name, value in context.state.items()}
     context.state.update(policy.observe(context))
-    t_last, mri, scores = reference_lazy(
-        strongest(context), context.query_positions.tolist(), before["lazy_t_last"], before["lazy_mri"], threshold
-    )
+    t_last, mri, scores = reference_lazy(context, before["lazy_t_last"], before["lazy_mri"], threshold)
     valid = context.positions >= 0
     for name, expected in (("lazy_t_last", t_last), ("lazy_mri", mri)):
         torch.testing.assert_close(context.state[name][valid], torch.tensor(expected)[valid], atol=0, rtol=0)
@@ -229,25 +219,26 @@ def test_lazy_hand_computed_score():
         num_candidates=3,
         scaling=1.0,
         state={"lazy_t_last": torch.tensor([[[5.0, 9.0, 10.0, 10.0]]]), "lazy_mri": torch.tensor([[[3.0, 0, 0, 0]]])},
-        query_positions=torch.tensor([[10]]),
     )
-    expected = [2 * sigmoid(-(1 + 5 / (3 + 1e-5))) + 2 * sigmoid(-2), 2 * sigmoid(-(1 + 1 / 1e-5)), 2 * sigmoid(-1)]
+    expected = [
+        2 * ref.sigmoid(-(1 + 5 / (3 + 1e-5))) + 2 * ref.sigmoid(-2),
+        2 * ref.sigmoid(-(1 + 1 / 1e-5)),
+        2 * ref.sigmoid(-1),
+    ]
     scores = make_policy("lazy").keep_scores(context)[0, 0]
     torch.testing.assert_close(scores.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
-def reference_raas(attention, query_positions, timestamps, positions, threshold):
-    out = []
-    for b, rows in enumerate(attention):
-        out.append([])
-        for h, head in enumerate(rows):
-            stamps = [max(s, float(p)) for s, p in zip(timestamps[b][h], positions[b][h])]
-            for q, t in enumerate(query_positions[b]):
-                for n, weight in enumerate(head[q]):
-                    if t >= 0 and weight >= threshold:
-                        stamps[n] = float(t)
-            out[b].append(stamps)
-    return out
+def reference_raas(context: EvictionContext, last_hits, threshold):
+    """The written rule: each entry's timestamp is its own position until a query with attention
+    >= theta refreshes it to that query's position; every query in order."""
+    stamps = [
+        [[max(s, float(p)) for s, p in zip(hits, head)] for hits, head in zip(row_hits, row)]
+        for row_hits, row in zip(last_hits, context.positions.tolist())
+    ]
+    for b, h, t, weights in ref.observed_attention(**context_lists(context)):
+        ref.raas_observe(stamps[b][h], weights, t, threshold)
+    return stamps
 
 
 @pytest.mark.parametrize("threshold", [1e-4, 0.05, 0.2])
@@ -256,9 +247,7 @@ def test_raas_matches_reference(threshold):
     stored = torch.where(torch.rand(context.positions.shape) < 0.5, context.positions + 2.0, float("-inf"))
     context.state = {"raas_timestamp": stored}
     policy = make_policy("raas", threshold=threshold)
-    expected = reference_raas(
-        strongest(context), context.query_positions.tolist(), stored.tolist(), context.positions.tolist(), threshold
-    )
+    expected = reference_raas(context, stored.tolist(), threshold)
     context.state.update(policy.observe(context))
     valid_close(policy.keep_scores(context), [[h[:14] for h in b] for b in expected], context, atol=0)
     assert policy.default_protect_prompt and policy.needs_attention

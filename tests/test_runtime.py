@@ -76,7 +76,8 @@ def _masked_reference_attention(allowed):
 
 
 @pytest.mark.parametrize("policy_name", ["knorm", "random", "streaming", "h2o", "snapkv"])
-def test_per_head_eviction_equals_full_cache_with_evicted_entries_masked(llama, policy_name):
+def test_per_head_eviction_equals_full_cache_with_evicted_entries_masked(peaked_llama, policy_name):
+    llama = peaked_llama
     prompt = prompts([7])[0]
     recorder = _Recorder()
     AttentionInterface.register("foresight-recording", recorder)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import StateField
 
 CUMULATIVE = "cumulative"
@@ -21,14 +21,15 @@ class H2O(Policy):
     over the G query heads of each KV head's group (docs/algorithms.md section 3).
 
     The sum lives in the per-entry state `cumulative` and travels with the entry when others are
-    evicted. Each eviction step adds the block attention of the L queries decoded since the last
-    step; the runtime observes every query exactly once, so the state equals H2O's per-step
-    accumulation (at prefill only the last L prompt queries are observed). No options.
+    evicted. The runtime hands `observe` every query exactly once, the prompt's included, in blocks
+    of at most L; each block adds its attention, so the state equals H2O's per-query accumulation
+    from position 0. No options.
     """
 
     name = "h2o"
     summary = "cumulative attention received (mean over the G heads)"
     needs_attention = True
+    observed_queries = ObservedQueries.ALL
     state_fields = (StateField(CUMULATIVE),)
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:

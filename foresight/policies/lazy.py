@@ -10,9 +10,10 @@ code (the paper's text lost them), docs/algorithms.md section 3:
                                      H2 = 2 sigmoid(1 - MRI) if MRI > 0 else 0.
 
 Time is measured in sequence positions: "decode step t" is the query of the token at position t,
-and the score is taken at the newest buffered query. A new entry starts with t_last = t - 1 (its own
-position minus one) and MRI = 0; prompt entries start with t_last = 0 (set in `on_forward`, which
-the engine calls after every forward with the positions of the new tokens).
+and the score is taken at the newest token. The runtime hands `observe` every decode query (every
+query after the prompt) exactly once, in order and in blocks. A new entry starts with t_last = t - 1
+(its own position minus one) and MRI = 0; prompt entries start with t_last = 0 (set in `on_forward`,
+which the engine calls after every forward, before observing its queries).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.policies.raas import NO_HIT, attention_hits, hit_times
 from foresight.runtime.cache import StateField
 
@@ -67,6 +68,7 @@ class LazyEviction(Policy):
     name = "lazy"
     summary = "recurrence interval (MRI) tracking"
     needs_attention = True
+    observed_queries = ObservedQueries.DECODE
     state_fields = (StateField("lazy_t_last"), StateField("lazy_mri"))
     threshold: float = 1e-4
     _prompt_seen: bool = field(default=False, init=False, repr=False, compare=False)
@@ -92,6 +94,5 @@ class LazyEviction(Policy):
         return {"lazy_t_last": t_last, "lazy_mri": mri}
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        now = context.query_positions.amax(dim=1)
-        scores = recurrence_scores(context.state["lazy_t_last"], context.state["lazy_mri"], now)
+        scores = recurrence_scores(context.state["lazy_t_last"], context.state["lazy_mri"], context.newest_position)
         return scores[..., : context.num_candidates]

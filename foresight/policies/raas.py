@@ -1,9 +1,10 @@
 """RaaS (Hu et al., 2025, "Reasoning-aware attention sparsity"): an attention-refreshed LRU timestamp.
 
 Time is measured in sequence positions: the query of the token at position t is "decode step t", so
-a new entry's timestamp is its own position and every query that gives it attention >= theta moves
-its timestamp to that query's position. The block attention replays the buffered queries in order,
-which equals refreshing the timestamps at every decode step (docs/algorithms.md section 2).
+a new entry's timestamp is its own position and every decode query that gives it attention >= theta
+moves its timestamp to that query's position. The runtime hands `observe` every decode query (every
+query after the prompt) exactly once, in order and in blocks, which equals refreshing the timestamps
+at every decode step (docs/algorithms.md sections 2-3).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import StateField
 
 NO_HIT = float("-inf")
@@ -40,11 +41,14 @@ class RaaS(Policy):
     """Keep the entries with the newest timestamps (RaaS).
 
     threshold (theta, default 1e-4): attention, max over the G query heads of a KV head, at or above
-    which a query refreshes an entry's timestamp. The prompt is protected by default, as in RaaS."""
+    which a query refreshes an entry's timestamp. The prompt is protected by default, as in RaaS.
+    The state `raas_timestamp` holds the latest refreshing query (-inf before any); the timestamp
+    is the later of it and the entry's own position."""
 
     name = "raas"
     summary = "newest attention-refreshed timestamp"
     needs_attention = True
+    observed_queries = ObservedQueries.DECODE
     default_protect_prompt = True
     state_fields = (StateField("raas_timestamp", fill=NO_HIT),)
     threshold: float = 1e-4
@@ -56,8 +60,8 @@ class RaaS(Policy):
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
         hits = attention_hits(context.attention, context.query_positions, self.threshold)
         last_hit = hit_times(hits, context.query_positions).amax(dim=2)
-        timestamp = torch.maximum(context.state["raas_timestamp"], context.positions.float())
-        return {"raas_timestamp": torch.maximum(timestamp, last_hit)}
+        return {"raas_timestamp": torch.maximum(context.state["raas_timestamp"], last_hit)}
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        return context.state["raas_timestamp"][..., : context.num_candidates]
+        timestamp = torch.maximum(context.state["raas_timestamp"], context.positions.float())
+        return timestamp[..., : context.num_candidates]

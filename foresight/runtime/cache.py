@@ -7,7 +7,8 @@ Layout of one layer (N = entries held, the same for every row and head of a laye
                                      last `lengths[b]` slots (left padding and eviction leftovers sit in
                                      front), so validity is derived, never stored per head;
 - state          {name: [batch, Hkv, N, *trailing]}  per-entry policy state, gathered with K and V;
-- a ring buffer of the last L post-RoPE queries and their positions, for block attention.
+- the post-RoPE queries the policy observes: a ring buffer of the last L queries and their positions,
+  or, for a policy that observes every query, each query until it has been handed out once.
 
 Entries stay in position order, so the most recent L entries of a row are its last L slots.
 """
@@ -36,17 +37,26 @@ class EvictionLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, state_fields: tuple[StateField, ...] = (), group_size: int = 1, query_window: int = 0):
+    def __init__(
+        self,
+        state_fields: tuple[StateField, ...] = (),
+        group_size: int = 1,
+        query_window: int = 0,
+        keep_every_query: bool = False,
+    ):
         super().__init__()
         self.state_fields = state_fields
         self.group_size = group_size
         self.query_window = query_window
+        self.keep_every_query = keep_every_query
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.queries: torch.Tensor | None = None  # [batch, Hq, window, D] ring buffer
         self.query_positions: torch.Tensor | None = None  # [batch, window]
         self.query_cursor = 0  # next slot of the ring buffer
+        self.unobserved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (queries, positions) not yet handed out
+        self.unobserved_count = 0  # queries in `unobserved`
         self.scaling: float | None = None  # softmax scale of the layer's attention, set on first use
         self.pending_positions: torch.Tensor | None = None  # [batch, q] positions of the tokens being added
         self.pending_valid: torch.Tensor | None = None  # [batch] valid (non-padding) tokens among them
@@ -91,7 +101,7 @@ class EvictionLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the name of this abstract method in transformers < 5.3
 
     def reset(self) -> None:
-        self.__init__(self.state_fields, self.group_size, self.query_window)
+        self.__init__(self.state_fields, self.group_size, self.query_window, self.keep_every_query)
 
     # -- eviction runtime --------------------------------------------------------------------------
     def _new_state(self, field: StateField, batch: int, heads: int, count: int) -> torch.Tensor:
@@ -109,7 +119,12 @@ class EvictionLayer(CacheLayerMixin):
         return self.positions.masked_fill(~self.valid[:, None, :], -1)
 
     def record_queries(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
-        """Keep the last `query_window` post-RoPE queries [batch, Hq, q, D] in the ring buffer."""
+        """Record a forward's post-RoPE queries [batch, Hq, q, D] and their positions [batch, q]: every one
+        until `take_unobserved` hands it out (`keep_every_query`), else the last `query_window` in the ring buffer."""
+        if self.keep_every_query:
+            self.unobserved.append((queries, positions))
+            self.unobserved_count += queries.shape[2]
+            return
         window = self.query_window
         if self.queries is None:
             batch, heads, _, dim = queries.shape
@@ -128,6 +143,20 @@ class EvictionLayer(CacheLayerMixin):
         if rows is not None:
             queries, positions = queries[rows], positions[rows]
         return queries, positions
+
+    def take_unobserved(self, complete_blocks_only: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Hand out the recorded queries, oldest first, in blocks of `query_window`: [(queries [batch, Hq, l, D],
+        positions [batch, l])] with l <= L. With `complete_blocks_only`, a last block shorter than L stays for later."""
+        if not self.unobserved:
+            return []
+        queries = torch.cat([q for q, _ in self.unobserved], dim=2)
+        positions = torch.cat([p for _, p in self.unobserved], dim=1)
+        window, count = self.query_window, self.unobserved_count
+        end = count - count % window if complete_blocks_only else count
+        blocks = [(queries[:, :, s : s + window], positions[:, s : s + window]) for s in range(0, end, window)]
+        self.unobserved = [(queries[:, :, end:], positions[:, end:])] if end < count else []
+        self.unobserved_count = count - end
+        return blocks
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep the entries where `keep` [batch, Hkv, N] is True, in position order, right-aligned.
@@ -162,13 +191,16 @@ class EvictionCache(Cache):
         state_fields: tuple[StateField, ...] = (),
         group_size: int = 1,
         query_window: int = 0,
+        keep_every_query: bool = False,
     ):
-        layers = [EvictionLayer(state_fields, group_size, query_window) for _ in range(num_layers)]
+        layers = [EvictionLayer(state_fields, group_size, query_window, keep_every_query) for _ in range(num_layers)]
         super().__init__(layers=layers)
         self.has_padding = False
+        self.records_queries = True
 
-    def begin_forward(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch].
+    def begin_forward(self, positions: torch.Tensor, valid: torch.Tensor, record_queries: bool = True) -> None:
+        """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch], and
+        whether their queries are recorded (where the layers record queries at all).
 
         Also decides once per forward (one host sync, not one per layer) whether any row will hold
         invalid slots, which every layer's attention needs to know."""
@@ -176,6 +208,7 @@ class EvictionCache(Cache):
         entries = first.get_seq_length() + positions.shape[1]
         lengths = valid if first.lengths is None else first.lengths + valid
         self.has_padding = bool((lengths < entries).any())
+        self.records_queries = record_queries
         for layer in self.layers:
             layer.pending_positions = positions
             layer.pending_valid = valid

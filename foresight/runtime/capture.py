@@ -1,8 +1,8 @@
 """The attention function of the eviction runtime, registered through transformers' AttentionInterface.
 
 It computes each layer's output with SDPA (or FlashAttention when installed and the layout allows)
-over the evicting cache, records the last L post-RoPE queries for block attention, and never builds a
-T x T matrix: block attention is computed only at eviction steps, from the buffered queries.
+over the evicting cache, records the post-RoPE queries for block attention, and never builds a
+T x T matrix: block attention is computed later by the engine, at most L recorded queries at a time.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def eviction_attention(
         raise ValueError("the 'foresight' attention runs only inside the eviction engine (no eviction_cache given)")
     layer = eviction_cache.layers[module.layer_idx]
     layer.scaling = scaling
-    if layer.query_window:
+    if layer.query_window and eviction_cache.records_queries:
         layer.record_queries(query, layer.pending_positions)
     half = query.dtype in (torch.float16, torch.bfloat16)
     if HAS_FLASH_ATTENTION and query.is_cuda and half and not eviction_cache.has_padding:
@@ -88,10 +88,11 @@ def block_attention(
 
     queries [batch, Hq, L, D] in query order, query_positions [batch, L], keys [batch, Hkv, N, D],
     key_positions [batch, Hkv, N] (-1 marks an invalid entry). Returns [batch, Hkv, G, L, N];
-    masked entries are exactly 0."""
+    masked entries and the rows of padding queries (position -1, which see nothing) are exactly 0."""
     logits = attention_logits(queries, keys, scaling)
     visible = _visible(query_positions, key_positions)
-    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    return weights.masked_fill((query_positions < 0)[:, None, None, :, None], 0.0)
 
 
 def attention_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

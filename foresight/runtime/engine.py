@@ -4,6 +4,8 @@ docs/algorithms.md section 1. Each row's cache grows by one entry per token; whe
 B + L (+ its protected prompt) valid entries, an eviction step keeps the most recent L entries and
 the top B - L candidates by the policy's keep score, bringing the row back to B. Rows of a batch
 evict on their own schedule (left padding shifts it), so a batch decodes exactly as each row alone.
+A policy that observes every query (H2O, LazyEviction, RaaS) is handed each query once, in blocks of
+L after the forward that completes a block, and what is left before any row's eviction step.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from foresight.cadence import check_budget, top_k_mask
-from foresight.runtime.policy import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME
 
@@ -102,6 +104,7 @@ class _Run:
     sinks: int
     first_eviction: torch.Tensor  # [batch] next position at the first eviction, -1 before
     next_positions: torch.Tensor  # [batch]
+    prefilled: bool = False
     stats: RunStats = field(default_factory=RunStats)
 
 
@@ -133,6 +136,7 @@ class EvictionEngine:
         self.num_layers = text_config.num_hidden_layers
         self.group_size = text_config.num_attention_heads // text_config.num_key_value_heads
         self.evicts = policy.evicts and config is not None
+        self.observes_every_query = self.evicts and policy.observed_queries is not ObservedQueries.WINDOW
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
         self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
@@ -264,6 +268,7 @@ class EvictionEngine:
             state_fields=self.policy.state_fields,
             group_size=self.group_size,
             query_window=interval if self.evicts and self.policy.needs_attention else 0,
+            keep_every_query=self.observes_every_query,
         )
         self.last_cache = cache
         run = _Run(
@@ -283,7 +288,8 @@ class EvictionEngine:
 
     def _forward(self, run: _Run, input_ids, positions, valid) -> torch.Tensor:
         start = time.perf_counter()
-        run.cache.begin_forward(positions, valid)
+        skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
+        run.cache.begin_forward(positions, valid, record_queries=not skip_prompt)
         hooks = self._install_taps()
         try:
             output = self.model(
@@ -297,6 +303,7 @@ class EvictionEngine:
             for hook in hooks:
                 hook.remove()
         self._store_token_state(run, positions)
+        run.prefilled = True
         run.next_positions = positions.max(dim=1).values + 1
         run.stats.tokens += int(valid.sum())
         run.stats.forward_seconds += time.perf_counter() - start
@@ -328,16 +335,44 @@ class EvictionEngine:
                 layer.state[name][:, :, -count:] = values[:, None, :].to(layer.state[name].dtype)
 
     def _evict_due_rows(self, run: _Run) -> None:
-        due = run.cache.lengths >= run.limits
-        if not bool(due.any()):
-            return
+        """Hand every-query policies their complete query blocks (all that is left when a row evicts),
+        then run an eviction step for the rows that reached their limit."""
         start = time.perf_counter()
-        rows = None if bool(due.all()) else due.nonzero().squeeze(1)
-        for layer_idx, layer in enumerate(run.cache.layers):
-            layer.compact(self._keep_mask(run, layer_idx, layer, rows))
-        run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
-        run.stats.evictions += 1
+        due = run.cache.lengths >= run.limits
+        evicting = bool(due.any())
+        if self.observes_every_query:
+            self._observe_queries(run, complete_blocks_only=not evicting)
+        if evicting:
+            rows = None if bool(due.all()) else due.nonzero().squeeze(1)
+            for layer_idx, layer in enumerate(run.cache.layers):
+                layer.compact(self._keep_mask(run, layer_idx, layer, rows))
+            run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
+            run.stats.evictions += 1
         run.stats.eviction_seconds += time.perf_counter() - start
+
+    def _observe_queries(self, run: _Run, complete_blocks_only: bool) -> None:
+        """docs/algorithms.md sections 2-3: `observe` each recorded query once, in query order, in blocks of at
+        most L, for every row, against the keys in the cache now. No row has evicted since those queries
+        ran (this runs before every eviction step), so each still sees exactly the entries it attended to:
+        the causal mask hides the later ones."""
+        if run.cache.layers[0].unobserved_count < (self.config.interval if complete_blocks_only else 1):
+            return
+        for layer_idx, layer in enumerate(run.cache.layers):
+            positions = layer.entry_positions()
+            for queries, query_positions in layer.take_unobserved(complete_blocks_only):
+                context = EvictionContext(
+                    layer_idx=layer_idx,
+                    num_layers=self.num_layers,
+                    keys=layer.keys,
+                    values=layer.values,
+                    positions=positions,
+                    num_candidates=0,
+                    scaling=layer.scaling,
+                    state=dict(layer.state),
+                    queries=queries,
+                    query_positions=query_positions,
+                )
+                layer.state.update(self.policy.observe(context))
 
     def _keep_mask(self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None) -> torch.Tensor:
         """[batch, Hkv, N] entries to keep: the recent window, sinks, protected prompt and the top
@@ -359,14 +394,15 @@ class EvictionEngine:
             scaling=layer.scaling,
             state={name: select(value) for name, value in layer.state.items()},
         )
-        if self.policy.needs_attention:
-            context.queries, context.query_positions = layer.buffered_queries(rows)
-        for name, value in self.policy.observe(context).items():
-            context.state[name] = value
-            if rows is None:
-                layer.state[name] = value
-            else:
-                layer.state[name][rows] = value
+        if not self.observes_every_query:  # every-query policies observed all their queries already
+            if self.policy.needs_attention:
+                context.queries, context.query_positions = layer.buffered_queries(rows)
+            for name, value in self.policy.observe(context).items():
+                context.state[name] = value
+                if rows is None:
+                    layer.state[name] = value
+                else:
+                    layer.state[name][rows] = value
         scores = self.policy.keep_scores(context).float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
         candidates = positions[..., : entries - interval]
         protected = (candidates >= 0) & (

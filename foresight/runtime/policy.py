@@ -11,6 +11,7 @@ tensors with a slow loop-based twin in the tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -20,9 +21,32 @@ from foresight.runtime.cache import StateField
 from foresight.runtime.capture import attention_logits, block_attention
 
 
+class ObservedQueries(str, Enum):
+    """Which queries a policy's `observe` sees (docs/algorithms.md sections 2-3).
+
+    WINDOW: at each eviction step, the last L queries (rules that read the latest attention).
+    DECODE and ALL: every query after the prompt (DECODE) or from position 0 (ALL), each exactly once
+    and in query order, in blocks of at most L, against the keys in the cache when the block is
+    observed: after the forward that made it, or at the latest at the row's next eviction step, so
+    every entry the query saw is still there and the causal mask hides the later ones. Per-step
+    rules (H2O, LazyEviction, RaaS) replay these blocks, which equals observing each query as it runs."""
+
+    WINDOW = "window"
+    DECODE = "decode"
+    ALL = "all"
+
+
+_OBSERVED_IN_WORDS = {
+    ObservedQueries.WINDOW: "",
+    ObservedQueries.DECODE: " of every decode query",
+    ObservedQueries.ALL: " of every query",
+}
+
+
 @dataclass
 class EvictionContext:
-    """What a policy sees at one eviction step of one layer, for the batch rows that evict now.
+    """What a policy sees at one eviction step of one layer, for the batch rows that evict now; or,
+    for a policy that observes every query, one block of queries for every row (no candidates then).
 
     The first `num_candidates` slots are the candidates; the last `interval` slots are the recent
     window, which is always kept. Invalid slots (padding) have position -1 and are dropped first
@@ -36,8 +60,8 @@ class EvictionContext:
     num_candidates: int
     scaling: float
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # [batch, Hkv, N, *trailing]
-    queries: torch.Tensor | None = None  # [batch, Hq, L, D] the last L queries, oldest first
-    query_positions: torch.Tensor | None = None  # [batch, L]
+    queries: torch.Tensor | None = None  # [batch, Hq, l, D] the observed queries (l <= L), oldest first
+    query_positions: torch.Tensor | None = None  # [batch, l], -1 for padding
 
     @cached_property
     def attention(self) -> torch.Tensor:
@@ -53,16 +77,25 @@ class EvictionContext:
     def candidate_positions(self) -> torch.Tensor:
         return self.positions[..., : self.num_candidates]
 
+    @property
+    def newest_position(self) -> torch.Tensor:
+        """[batch] position of each row's newest token: its last slot, as entries stay in position order."""
+        return self.positions[:, 0, -1]
+
 
 @dataclass
 class Policy:
     """Base of every eviction policy. Subclasses set `name`, declare their needs and implement
-    `keep_scores`; policies with per-entry state declare `state_fields` and implement `observe`."""
+    `keep_scores`; policies with per-entry state declare `state_fields` and implement `observe`.
+    A policy that needs attention reads the last L queries at each eviction step unless it declares
+    `observed_queries` DECODE or ALL; then the runtime keeps every such query for it, and the others
+    pay nothing."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     evicts: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = False
+    observed_queries: ClassVar[ObservedQueries] = ObservedQueries.WINDOW
     state_fields: ClassVar[tuple[StateField, ...]] = ()
     default_sinks: ClassVar[int] = 0
     default_protect_prompt: ClassVar[bool] = False
@@ -81,7 +114,8 @@ class Policy:
         return {}
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
-        """New per-entry state for this step, read from the context (e.g. accumulated attention)."""
+        """New per-entry state read from the context (e.g. accumulated attention): at each eviction step,
+        or for each block of queries when the policy observes every query (`observed_queries`)."""
         return {}
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
@@ -93,7 +127,7 @@ class Policy:
         """What the policy reads from the runtime, in words (for `foresight policies`)."""
         parts = []
         if self.needs_attention:
-            parts.append("block attention")
+            parts.append(f"block attention{_OBSERVED_IN_WORDS[self.observed_queries]}")
         if self.tapped_layers(32):
             parts.append("hidden states")
         return ", ".join(parts) or "nothing"
