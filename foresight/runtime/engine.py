@@ -159,7 +159,7 @@ class EvictionEngine:
             return self._generate(prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token)
 
     def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token):
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id, max_new_tokens)
         logits = self._forward(run, input_ids, positions, valid)[:, -1]
         processors = _logits_processors(sampling)
         generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
@@ -205,7 +205,8 @@ class EvictionEngine:
 
     def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens) -> ReplayOutput:
         prompts = [seq[:length].tolist() for seq, length in zip(sequences, prompt_lengths)]
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+        fed = max(len(seq) - length for seq, length in zip(sequences, prompt_lengths))
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id, fed)
         device = input_ids.device
         rest = _right_pad([seq[length:].to(device) for seq, length in zip(sequences, prompt_lengths)], pad_token_id)
         layout = torch.cat([input_ids, rest, rest.new_full((len(prompts), 1), pad_token_id)], dim=1)
@@ -246,7 +247,7 @@ class EvictionEngine:
         finally:
             self.model.set_attn_implementation(previous)
 
-    def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int):
+    def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int, new_tokens: int):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
@@ -266,6 +267,7 @@ class EvictionEngine:
             state_fields=self.policy.state_fields,
             group_size=self.group_size,
             query_window=interval if self.evicts and self.policy.needs_attention else 0,
+            capacity=min(width + new_tokens, int(limits.max())),  # the most entries a layer holds
         )
         self.last_cache = cache
         run = _Run(
@@ -365,10 +367,7 @@ class EvictionEngine:
             context.queries, context.query_positions = layer.buffered_queries(rows)
         for name, value in self.policy.observe(context).items():
             context.state[name] = value
-            if rows is None:
-                layer.state[name] = value
-            else:
-                layer.state[name][rows] = value
+            layer.write_state(name, value, rows)
         scores = self.policy.keep_scores(context).float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
         candidates = positions[..., : entries - interval]
         protected = (candidates >= 0) & (
