@@ -74,27 +74,38 @@ ROUNDING = {torch.bfloat16: 0.02, torch.float16: 0.004, torch.float32: 1e-4}
 a few units in the last place of the dtype (kernels for different shapes round differently)."""
 
 
-def assert_batch_decodes_as_each_row_alone(model, policy_name: str, batch: list[list[int]], new_tokens: int) -> int:
-    """Greedy decoding of a left-padded batch equals decoding each row alone, up to rounding: the logits
-    agree within ROUNDING of the largest |logit| up to and including the first step where the tokens
-    part (rounding may pick the other one of two near-equal logits; every later step has other inputs).
-    A fault (padding attended, a wrong eviction) moves logits by far more than rounding before any
-    token can part. Returns the fewest steps compared in a row."""
+def assert_decodes_alike(tokens, logits, reference_tokens, reference_logits, dtype: torch.dtype) -> int:
+    """Two greedy decodings of the same prompt agree up to rounding: their logits [steps, vocab] agree
+    within ROUNDING of the largest |logit| up to and including the first step where the tokens part
+    (rounding may pick the other one of two near-equal logits; every later step has other inputs).
+    A fault (padding attended, a wrong entry kept) moves logits by far more than rounding before any
+    token can part. Returns the number of steps compared."""
+    parted = next((step for step, (a, b) in enumerate(zip(tokens, reference_tokens)) if a != b), None)
+    compared = min(len(tokens), len(reference_tokens)) if parted is None else parted + 1
+    expected = reference_logits[:compared].float()
+    difference = float((logits[:compared].float() - expected).abs().max())
+    assert difference <= ROUNDING[dtype] * float(expected.abs().max()), f"logits differ by {difference:.4g}"
+    return compared
+
+
+def assert_batch_decodes_as_each_row_alone(model, policy_name: str, batch: list[list[int]], new_tokens: int) -> None:
+    """Greedy decoding of a left-padded batch equals decoding each row alone, up to rounding: each row
+    decoded alone agrees with its batch row up to their first near-tie (`assert_decodes_alike`), and
+    replayed alone token by token along the batch row's tokens it gives every one of them the same
+    log-probability (within rounding), so every step is compared, near-ties or not."""
     policy = make(policy_name, model)
     engine = EvictionEngine(model, policy, EvictionConfig(B, L) if policy.evicts else None)
     together = engine.generate(batch, new_tokens, return_logits=True)
     assert not policy.evicts or together.stats.evictions > 0
-    fewest = new_tokens
     for row, prompt in enumerate(batch):
+        tokens, logits = together.tokens[row], together.logits[row, : len(together.tokens[row])].float()
         alone = engine.generate([prompt], new_tokens, return_logits=True)
-        ours, theirs = together.tokens[row], alone.tokens[0]
-        parted = next((step for step, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        compared = len(theirs) if parted is None else parted + 1
-        expected = alone.logits[0, :compared].float()
-        difference = (together.logits[row, :compared].float() - expected).abs().max()
-        assert float(difference) <= ROUNDING[model.dtype] * float(expected.abs().max()), f"row {row}"
-        fewest = min(fewest, compared)
-    return fewest
+        assert_decodes_alike(tokens, logits, alone.tokens[0], alone.logits[0], model.dtype)
+        replayed = engine.replay([torch.tensor(prompt + tokens)], [len(prompt)], max_chunk=1)
+        expected = replayed.nll[0][len(prompt) - 1 :]  # entry j predicts token j + 1
+        nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, device=logits.device)[:, None])
+        tolerance = 2 * ROUNDING[model.dtype] * float(logits.abs().max())  # a log-softmax moves by twice the logits
+        assert float((nll.squeeze(-1).cpu() - expected).abs().max()) <= tolerance, f"row {row}"
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -103,6 +114,4 @@ def test_half_precision_batch_decodes_as_each_row_alone(name, dtype):
     """Policies whose keep sets hinge on near-equal scores (knorm's norms of rounded keys) may keep
     other entries under rounding; these three keep the same sets in a batch and alone."""
     model = tiny_model("qwen3").to(dtype)
-    batch = prompts([5, 11, 20], seed=1)
-    compared = assert_batch_decodes_as_each_row_alone(model, name, batch, 30)
-    assert compared > B + L - len(batch[0])  # past the shortest row's first eviction
+    assert_batch_decodes_as_each_row_alone(model, name, prompts([5, 11, 20], seed=1), 30)
