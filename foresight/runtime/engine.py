@@ -138,6 +138,7 @@ class EvictionEngine:
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
         self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
+        self.last_stats: RunStats | None = None  # its counters, also when a callback ended it early
         self.attention = attention
 
     # -- public entry points -------------------------------------------------------------------------
@@ -279,6 +280,7 @@ class EvictionEngine:
             first_eviction=torch.full_like(lengths, -1),
             next_positions=lengths.clone(),
         )
+        self.last_stats = run.stats
         return run, input_ids, positions, lengths
 
     def _room(self, run: _Run) -> int:
