@@ -260,6 +260,7 @@ class EvictionLayer(CacheLayerMixin):
 
         Every row keeps the same count on each of its heads; rows may differ (padding, protected
         prompts), so the layer narrows to the largest count and shorter rows get invalid slots in front.
+        Reading that count is this layer's one host synchronisation per eviction step (none per token).
         """
         kept_per_row = keep[:, 0].sum(-1)
         width = int(kept_per_row.max())

@@ -3,9 +3,9 @@
 It computes each layer's output over the evicting cache, records the last L post-RoPE queries for
 block attention, and never builds a T x T matrix: block attention is computed only at eviction steps,
 from the buffered queries. Kernels, best first:
-- CUDA, bf16/fp16, `flash-attn` installed: its KV-cache kernel, for every batch: grouped-query heads,
-  bottom-right causal alignment, and a per-row start (`cache_leftpad`) that skips left padding and
-  eviction leftovers, so padded batches run fused without a mask.
+- CUDA, bf16/fp16, `flash-attn` (>= 2.6.3) installed: its kernels, with grouped-query heads and
+  bottom-right causal alignment; for a padded batch its KV-cache kernel with a per-row start
+  (`cache_leftpad`) that skips left padding and eviction leftovers, so no mask is needed.
 - CUDA otherwise: PyTorch SDPA; without padding it gets no mask (one query) or a lower-right causal
   bias, both of which SDPA's fused flash kernel runs; with padding, a boolean mask (SDPA's math kernel).
 - CPU: SDPA with the boolean padding-and-causal mask, or none for one query without padding.
@@ -86,20 +86,22 @@ def _flash_attention(
     scaling: float | None,
     has_padding: bool,
 ) -> torch.Tensor:
-    """flash-attn's KV-cache kernel over the cache as it is (no copy). Row b attends to its valid
-    entries, the last `lengths[b]` slots, from slot `cache_leftpad[b]` on, with the new queries
-    aligned to the last keys (bottom-right causal); a padding query that sees no entry gets 0."""
-    from flash_attn import flash_attn_with_kvcache
+    """flash-attn over the cache as it is (no copy), the new queries aligned to the last keys
+    (bottom-right causal). With padding, its KV-cache kernel lets row b attend to its valid entries
+    only, the last `lengths[b]` slots, from slot `cache_leftpad[b]` on; a padding query that sees no
+    entry gets 0."""
+    from flash_attn import flash_attn_func, flash_attn_with_kvcache
 
-    batch, _, entries, _ = key.shape
-    ends = torch.full((batch,), entries, dtype=torch.int32, device=key.device)
-    starts = (entries - layer.lengths).to(torch.int32) if has_padding else None
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if not has_padding:
+        return flash_attn_func(query, key, value, softmax_scale=scaling, causal=True)
+    batch, entries = key.shape[:2]
     return flash_attn_with_kvcache(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        cache_seqlens=ends,
-        cache_leftpad=starts,
+        query,
+        key,
+        value,
+        cache_seqlens=torch.full((batch,), entries, dtype=torch.int32, device=key.device),
+        cache_leftpad=(entries - layer.lengths).to(torch.int32),
         softmax_scale=scaling,
         causal=True,
     )
