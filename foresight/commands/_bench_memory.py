@@ -3,7 +3,7 @@
 For each policy, decode a fixed-length continuation (EOS ignored) and, after every generated token,
 note the bytes of the cache's storage, how often it was allocated, and the memory the process holds
 (`foresight.memory`: CUDA allocations, or the C heap in use on CPU). From the first eviction on (the
-full cache: from the first token) the report gives how much each grew and the peak above what was
+full cache: from the second token) the report gives how much each grew and the peak above what was
 held then (CUDA: max_memory_allocated; CPU: the resident set's high-water mark).
 """
 
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass
 class MemoryTrace:
     """What one run held after each generated token, from its reference step on (the first eviction,
-    or the first token for a cache that never evicts)."""
+    or the second token for a cache that never evicts)."""
 
     policy: str
     max_entries: int = 0
@@ -75,7 +75,8 @@ class _Sampler:
         cache, trace = self.engine.last_cache, self.trace
         filled = cache.layers[0].get_seq_length()
         evicted = self.filled is not None and filled < self.filled
-        if trace.start is None and (evicted or not self.engine.evicts):
+        # The full cache's reference is the second token: the prefill's logits are gone by then.
+        if trace.start is None and (evicted or (not self.engine.evicts and count == 2)):
             trace.start = count
             trace.storage_start, trace.held_start = cache.storage_bytes(), held_bytes(self.device)
             trace.resident_start = resident_bytes(self.device)
@@ -119,7 +120,8 @@ def _report(args, traces: list[MemoryTrace], shape, device: str, dtype, prompt_l
         "",
         f"Model {args.model} ({shape}), {dtype}, on {machine(device)}; batch {args.batch_size} x {prompt_length}-token "
         f"prompt, B = {args.budget}, L = {args.interval}, {args.max_new_tokens} new tokens, EOS ignored. From = the "
-        "generated token at which the first eviction had happened (full: the first). Storage = the cache's "
+        "generated token at which the first eviction had happened (full: the second, after the prefill's "
+        "logits are freed). Storage = the cache's "
         f"buffers (K, V, positions, policy state, query ring buffer); allocations = times a layer allocated them. "
         f"Held = {held}, sampled after every token; peak above held = {peak} after the reference step minus "
         "what was resident then. Entry = the bytes one more cache entry takes (K, V, position, state; every "
