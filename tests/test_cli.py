@@ -18,7 +18,7 @@ import torch
 from foresight.choices import Choice
 from foresight.cli import ArgumentParser, HelpFormatter, _verbs, main
 from foresight.commands._model import model_options
-from foresight.commands._policy import parse_value, policy_options, settable_options
+from foresight.commands._policy import policy_options, settable_options
 from foresight.commands.eval import policy_specs
 from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, Policy
@@ -229,8 +229,11 @@ def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, mo
         shutil.copytree(traces_dir, tmp_path / "labelled")
         monkeypatch.setattr("foresight.pipeline.load_model", lambda name, **options: (model, None))
         assert main(["labels", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4"]) == 0
-    module = "foresight.pipeline" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
-    monkeypatch.setattr(f"{module}.load_model", load_model)
+    if verb == "bench":  # benchmarks also build models from architecture configs
+        monkeypatch.setattr("foresight.commands._bench_common.load_for_benchmark", load_model)
+    else:
+        module = "foresight.pipeline" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
+        monkeypatch.setattr(f"{module}.load_model", load_model)
     argv = model_verb_args(traces_dir, tmp_path)[verb]
     with pytest.raises(Loaded):
         main([*argv, "--device", "cpu", "--dtype", "bfloat16"])
@@ -251,7 +254,11 @@ def test_model_verbs_are_the_verbs_with_device_and_dtype():
     for verb in _verbs():
         parser = ArgumentParser()
         importlib.import_module(f"foresight.commands.{verb}").add_arguments(parser)
-        options = {option for action in parser._actions for option in action.option_strings}
+        parsers = [parser] + [
+            sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+            for sub in action.choices.values()
+        ]
+        options = {option for each in parsers for action in each._actions for option in action.option_strings}
         if {"--device", "--dtype"} <= options:
             with_placement.add(verb)
     assert with_placement == set(MODEL_VERBS)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from foresight import cli, pipeline
-from foresight.feature_cache import KEY_FILE, FeatureCache, FeatureKey
+from foresight.feature_cache import FeatureCache, FeatureKey
 from foresight.golden_steps import golden_steps
 from foresight.labels import LabelStore
 from foresight.models import load_model

@@ -9,30 +9,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 from foresight.models import tiny_model
-from foresight.policies import POLICIES, make_policy
+from foresight.policies import make_policy
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.helpers import constructible_policies, prompts
 
 ARCHS = ("llama", "qwen2", "qwen3")
 B, L = 12, 4
-
-
-def constructible_policies() -> list[str]:
-    """Registered evicting policies that need no external artifact (labels, a scorer) to be built."""
-    names = []
-    for name, cls in sorted(POLICIES.items()):
-        try:
-            cls()
-        except TypeError:
-            continue
-        if cls.evicts:
-            names.append(name)
-    return names
-
-
-def prompts(lengths, seed=0, vocab=128):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

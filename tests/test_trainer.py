@@ -25,7 +25,7 @@ from foresight.commands import fit
 from foresight.commands.fit import lightning_args
 from foresight.feature_cache import FeatureCache, FeatureKey
 from foresight.labels import LabelStore
-from foresight.models import describe, load_model, tiny_model
+from foresight.models import load_model, tiny_model
 from foresight.pipeline import FrozenModel, make_features, make_labels
 from foresight.scorer import load_scorer
 from foresight.traces import TraceStore

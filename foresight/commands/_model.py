@@ -18,10 +18,16 @@ _DEVICE = re.compile(r"cpu|mps|cuda(?::(?P<index>\d+))?")
 
 
 def add_model_arguments(
-    parser: argparse.ArgumentParser, *, made_traces: bool = False, device: str = "cpu", dtype: str = "float32"
+    parser: argparse.ArgumentParser,
+    *,
+    made_traces: bool = False,
+    architecture_configs: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> None:
     """Add --model, --device and --dtype. With `made_traces`, --model names the model that made the
-    traces the verb reads, and defaults to the one their manifest names."""
+    traces the verb reads, and defaults to the one their manifest names; with `architecture_configs`
+    (benchmarks, where only the shape matters) it also takes a configs/models/*.json file."""
     if made_traces:
         parser.add_argument(
             "--model", default=None,
@@ -30,7 +36,8 @@ def add_model_arguments(
     else:
         parser.add_argument(
             "--model", default=DEFAULT_MODEL,
-            help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id",
+            help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id"
+            + (", or an architecture config (configs/models/*.json: random weights)" if architecture_configs else ""),
         )
     parser.add_argument(
         "--device", type=device_argument, default=device,

@@ -140,6 +140,7 @@ class EvictionEngine:
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
         self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
+        self.last_stats: RunStats | None = None  # its counters, also when a callback ended it early
         self.attention = attention
 
     # -- public entry points -------------------------------------------------------------------------
@@ -161,7 +162,7 @@ class EvictionEngine:
             return self._generate(prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token)
 
     def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token):
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id, max_new_tokens)
         logits = self._forward(run, input_ids, positions, valid)[:, -1]
         processors = _logits_processors(sampling)
         generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
@@ -207,7 +208,8 @@ class EvictionEngine:
 
     def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens) -> ReplayOutput:
         prompts = [seq[:length].tolist() for seq, length in zip(sequences, prompt_lengths)]
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+        fed = max(len(seq) - length for seq, length in zip(sequences, prompt_lengths))
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id, fed)
         device = input_ids.device
         rest = _right_pad([seq[length:].to(device) for seq, length in zip(sequences, prompt_lengths)], pad_token_id)
         layout = torch.cat([input_ids, rest, rest.new_full((len(prompts), 1), pad_token_id)], dim=1)
@@ -248,7 +250,7 @@ class EvictionEngine:
         finally:
             self.model.set_attn_implementation(previous)
 
-    def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int):
+    def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int, new_tokens: int):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
@@ -269,6 +271,7 @@ class EvictionEngine:
             group_size=self.group_size,
             query_window=interval if self.evicts and self.policy.needs_attention else 0,
             keep_every_query=self.observes_every_query,
+            capacity=min(width + new_tokens, int(limits.max())),  # the most entries a layer holds
         )
         self.last_cache = cache
         run = _Run(
@@ -280,6 +283,7 @@ class EvictionEngine:
             first_eviction=torch.full_like(lengths, -1),
             next_positions=lengths.clone(),
         )
+        self.last_stats = run.stats
         return run, input_ids, positions, lengths
 
     def _room(self, run: _Run) -> int:
@@ -372,7 +376,8 @@ class EvictionEngine:
                     queries=queries,
                     query_positions=query_positions,
                 )
-                layer.state.update(self.policy.observe(context))
+                for name, value in self.policy.observe(context).items():
+                    layer.write_state(name, value)
 
     def _keep_mask(self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None) -> torch.Tensor:
         """[batch, Hkv, N] entries to keep: the recent window, sinks, protected prompt and the top
@@ -399,10 +404,7 @@ class EvictionEngine:
                 context.queries, context.query_positions = layer.buffered_queries(rows)
             for name, value in self.policy.observe(context).items():
                 context.state[name] = value
-                if rows is None:
-                    layer.state[name] = value
-                else:
-                    layer.state[name][rows] = value
+                layer.write_state(name, value, rows)
         scores = self.policy.keep_scores(context).float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
         candidates = positions[..., : entries - interval]
         protected = (candidates >= 0) & (
