@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
-        "it was trained for; repeat to compare several",
+        "it was trained for; repeat to compare several, as NAME=DIR to name each one's rows (e.g. "
+        "foresight-sl=runs/main/scorer --scorer foresight-rl=runs/main/rl/scorer)",
     )
 
 
@@ -73,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if args.scorer:
         specs += [ScorerSpec.from_source(source, several=len(args.scorer) > 1) for source in args.scorer]
         notes = [note for note in notes if not note.startswith("foresight:")]
+    names = [spec.name for spec in specs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
     store = TraceStore(args.traces)
     made_with = store.settings["model"]
     if args.model is not None and args.model != made_with:

@@ -48,13 +48,19 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
         if not args.traces.is_dir():
             raise ValueError(f"--traces {args.traces} is not a folder; make one with `foresight traces`")
         cli_args.append("--data.generate=null")
-    for text in args.overrides:
+    return cli_args + override_args(args.overrides, args.ckpt_path)
+
+
+def override_args(overrides: list[str], ckpt_path: str | None) -> list[str]:
+    """LightningCLI arguments of `--set KEY=VALUE` overrides and `--ckpt-path`."""
+    cli_args = []
+    for text in overrides:
         key, sep, value = text.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--set {text!r} must look like KEY=VALUE, e.g. trainer.max_steps=50")
         cli_args.append(f"--{key.strip()}={value.strip()}")
-    if args.ckpt_path is not None:
-        cli_args.append(f"--ckpt_path={args.ckpt_path}")
+    if ckpt_path is not None:
+        cli_args.append(f"--ckpt_path={ckpt_path}")
     return cli_args
 
 
