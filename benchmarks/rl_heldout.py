@@ -14,6 +14,7 @@ difference. The report goes to a section of docs/benchmarks.md; per-trace figure
 
     python benchmarks/rl_heldout.py --traces runs/rl-default/traces --holdout 0.4 \\
         --scorer supervised=checkpoints/default --scorer reinforced=runs/rl-default/rl/scorer
+    python benchmarks/rl_heldout.py --traces DIR --exclude 0,4,5 ...   # every trace but those trained on
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def pooled(sums: np.ndarray) -> dict[str, np.ndarray]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=Path, required=True, help="traces folder (`foresight traces`)")
-    parser.add_argument("--holdout", type=float, required=True, help="the held-out share used by both training stages")
+    parser.add_argument("--holdout", type=float, default=None,
+                        help="evaluate the held-out split of this share (the one both training stages left out)")
+    parser.add_argument("--exclude", default="", help="comma-separated trace indices to leave out (traces a stage trained on)")
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
     parser.add_argument("--scorer", action="append", required=True, metavar="NAME=DIR",
                         help="exactly two: the supervised scorer first, then the reinforced one")
@@ -86,7 +89,11 @@ def main() -> None:
         raise SystemExit("the two scorers were trained for different B, L")
     store = TraceStore(args.traces)
     minimum = scorers[0].config.budget + scorers[0].config.interval + 2
-    traces = [t for t in select_traces(store, args.holdout, args.holdout_seed, None) if t.input_ids.numel() >= minimum]
+    excluded = {int(index) for index in args.exclude.split(",") if index.strip()}
+    traces = [
+        t for t in select_traces(store, args.holdout, args.holdout_seed, None)
+        if t.input_ids.numel() >= minimum and t.index not in excluded
+    ]
     model, _ = load_model(store.settings["model"])
     started = time.perf_counter()
     rows = {name: per_trace(model, scorer, traces, args.batch_size) for name, scorer in zip(names, scorers)}
@@ -102,10 +109,12 @@ def main() -> None:
     config = scorers[0].config
     lines = [
         f"### Reinforced against supervised scorer on held-out traces ({model.device.type})", "",
-        f"Command: `python benchmarks/rl_heldout.py --traces {args.traces} --holdout {args.holdout} "
-        + " ".join(f"--scorer {t}" for t in args.scorer) + "`", "",
+        f"Command: `python benchmarks/rl_heldout.py --traces {args.traces}"
+        + (f" --holdout {args.holdout}" if args.holdout is not None else "")
+        + (f" --exclude {args.exclude}" if args.exclude else "")
+        + "".join(f" --scorer {t}" for t in args.scorer) + "`", "",
         f"{len(traces)} held-out traces of {store.settings['source']} ({int(sums[0, :, 2].sum())} "
-        f"low-entropy tokens after the first eviction), never used by either stage; B = {config.budget}, "
+        f"low-entropy tokens after the first eviction), never used by either stage (held out, or outside what the stages read); B = {config.budget}, "
         f"L = {config.interval}, deterministic policy; 95% paired bootstrap intervals over traces "
         f"({args.resamples} resamples). Replays took {seconds:.0f} s.", "",
         "| scorer | −R (ΔL²·1[ΔL > 1.5], mean over low-entropy tokens) | loss ratio | damaged share |",
