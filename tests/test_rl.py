@@ -440,7 +440,22 @@ def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_
         for step in one:
             assert math.isclose(one[step], two[step], rel_tol=1e-4, abs_tol=1e-7), (tag, step, one[step], two[step])
     weights = [load_file(runs[name] / "scorer" / "model.safetensors") for name in ("one", "two")]
+    # b2 shifts every keep score of a head alike, which no eviction probability sees: its gradient is 0 up
+    # to rounding, and Adam turns that rounding into steps of any sign, so it is not compared.
     for name, tensor in weights[0].items():
-        torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
+        if name != "b2":
+            torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
     assert any(not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
                for name, tensor in weights[0].items())
+
+
+def test_further_epochs_on_one_batch_clip_the_ratio(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):  # noqa: F811
+    """Three updates on one batch of rollouts (max_steps counts updates): after the first the ratio leaves
+    1 and, with a large learning rate, some evictions are clipped; the rollouts are drawn once."""
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3},
+                       model={"epochs": 3, "lr": 0.5, "warm_up": 0, "max_grad_norm": None})
+    assert cli.main(rl_args(config, start_scorer, tmp_path / "run")) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "scorer refined by GRPO for 3 steps" in last
+    assert float(last.split("train/clip_fraction ")[1].split(",")[0]) > 0
+    assert float(last.split("train/kl ")[1].split(",")[0]) > 0

@@ -63,7 +63,7 @@ class GRPOScorer(L.LightningModule):
       max_grad_norm: gradient norm clipping (1.0, the authors' code; None: none).
     low_entropy_share, damage_threshold: the reward's bottom-entropy share (0.8) and η (1.5).
     storage_dtype: dtype of the recorded scorer inputs between rollout and update ("float32"; "float16"
-      halves the memory of long traces). dtype, device: of the frozen model (device None: the module's).
+      halves the memory of long traces). dtype: of the frozen model, which runs on the module's device.
     seed: seeds every rollout's sampling with (seed, round, trace, row).
     """
 
