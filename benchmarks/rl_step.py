@@ -54,7 +54,7 @@ def main() -> None:
         argv = ["rl", "--config", str(REPO / "configs" / "default-rl.yaml"), "--scorer", args.scorer, "--out", scratch,
                 "--traces", str(args.traces), "--set", f"trainer.max_steps={args.steps}", "--set", "data.batch_size=1",
                 "--set", f"model.group_size={args.group_size}", "--set", "trainer.enable_progress_bar=false",
-                "--set", "trainer.enable_checkpointing=false", "--set", "trainer.logger=false"]
+                "--set", "trainer.logger=false"]
         built = rl_cli_main(lightning_args(cli.build_parser().parse_args(argv))[1:], run=False)
         built.trainer.callbacks.append(figures)
         started = time.perf_counter()

@@ -250,7 +250,7 @@ class GRPOScorer(L.LightningModule):
             + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts"
         )
         metrics = {name: round(float(value), 6) for name, value in sorted(self.trainer.callback_metrics.items())}
-        return {**data, "started from": hparams.scorer, "GRPO": settings, "optimisation steps": self.global_step, "metrics": metrics}
+        return {**data, "GRPO": settings, "optimisation steps": self.global_step, "metrics": metrics}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the scorer's config and training record so `foresight export` needs only the file."""

@@ -76,14 +76,17 @@ class EvictionActions:
         if not steps:
             raise ValueError(f"no eviction step ran before position {before}: nothing to learn from this replay")
 
-        def stacked(name: str, convert=lambda tensor: tensor) -> torch.Tensor:
-            return torch.stack([torch.stack([convert(getattr(r, name)) for r in step]) for step in steps], 1)
+        def stacked(name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+            def value(record: SampledEviction) -> torch.Tensor:
+                tensor = getattr(record, name)
+                return tensor if as_dtype is None else tensor.to(as_dtype)
 
-        to_storage = lambda tensor: tensor.to(dtype)  # noqa: E731
+            return torch.stack([torch.stack([value(record) for record in step]) for step in steps], 1)
+
         return cls(
-            keys=stacked("keys", to_storage),
-            values=stacked("values", to_storage),
-            features=stacked("features", to_storage),
+            keys=stacked("keys", dtype),
+            values=stacked("values", dtype),
+            features=stacked("features", dtype),
             eligible=stacked("eligible"),
             order=stacked("order"),
             evicted=torch.stack([torch.stack([r.positions.gather(-1, r.order) for r in step]) for step in steps], 1),
