@@ -130,7 +130,11 @@ class ScorerSpec(PolicySpec):
 
     @classmethod
     def from_source(cls, source: str, several: bool) -> ScorerSpec:
-        """A spec named `foresight`, or `foresight:FOLDER` when several scorers are compared."""
+        """A spec from `SOURCE` or `NAME=SOURCE` (a folder or Hub id): named NAME when given, else
+        `foresight`, or `foresight:FOLDER` when several scorers are compared."""
+        name, sep, path = source.partition("=")
+        if sep and name and "/" not in name:
+            return cls(name=name, scorer=load_scorer(path))
         name = f"foresight:{Path(source).name}" if several else "foresight"
         return cls(name=name, scorer=load_scorer(source))
 
@@ -317,6 +321,7 @@ class _Tally:
             "nll_full": float(full.double().mean()) if tokens else None,
             "low_entropy_damage": self.damage.share if tokens else None,
             "low_entropy_dl2": self.damage.mean_squared if tokens else None,
+            "low_entropy_penalty": self.damage.penalty if tokens else None,
             "low_entropy_tokens": self.damage.low_entropy,
             "damaged_tokens": self.damage.damaged,
             "attn_cosine": float(torch.cat(self.cosine).mean()) if tokens else None,
@@ -497,6 +502,7 @@ COLUMNS = (
     ("loss_ratio", "loss ratio", "{:.4f}"),
     ("low_entropy_damage", "low-entropy damage", "{:.2%}"),
     ("low_entropy_dl2", "mean ΔL² (damaged)", "{:.3f}"),
+    ("low_entropy_penalty", "−R", "{:.4f}"),
     ("attn_cosine", "attn cosine", "{:.4f}"),
     ("golden_overlap", "golden overlap", "{:.3f}"),
     ("traces", "traces", "{}"),

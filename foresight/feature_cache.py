@@ -26,24 +26,12 @@ import torch
 
 from foresight.artifacts import MISSING, file_problem, save_tensors, write_text
 from foresight.features import FeatureSet
+from foresight.models import float_dtype
 from foresight.cadence import check_budget
 from foresight.traces import Trace
 
 FORMAT = "foresight-golden-steps/2"
 KEY_FILE = "features.json"
-
-
-def float_dtype(name: str, value: str) -> torch.dtype:
-    """The torch float dtype called `value` ('float16', 'bfloat16', 'float32'); `name` is the setting's name."""
-    dtype = getattr(torch, value, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{name} must name a torch float dtype such as 'float16' or 'float32', got {value!r}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float16' for torch.float16: how a dtype is written in configs, keys and commands."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

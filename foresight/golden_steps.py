@@ -1,5 +1,5 @@
 """Scorer inputs along the golden schedule: the training examples of the supervised stage
-(ForesightKV §3.2, App. E.1; ALGORITHMS.md §6).
+(ForesightKV §3.2, App. E.1; docs/algorithms.md §6).
 
 Each trace is teacher-forced through the frozen model (no grad) in the eviction runtime, its cache
 following the golden schedule of its labels (the `golden` policy), so later layers see the evicted

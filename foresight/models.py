@@ -182,6 +182,19 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+def float_dtype(name: str, value: str) -> torch.dtype:
+    """The torch float dtype called `value` ('float16', 'bfloat16', 'float32'); `name` is the setting's name."""
+    dtype = getattr(torch, value, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{name} must name a torch float dtype such as 'float16' or 'float32', got {value!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float16' for torch.float16: how a dtype is written in configs, keys and commands."""
+    return str(dtype).removeprefix("torch.")
+
+
 def cache_dir() -> Path:
     """Where converted models live: `$FORESIGHT_CACHE`, else `~/.cache/foresight`."""
     return Path(os.environ.get("FORESIGHT_CACHE") or Path.home() / ".cache" / "foresight")

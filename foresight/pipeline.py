@@ -20,11 +20,11 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import MISSING
-from foresight.feature_cache import FeatureCache, dtype_name, float_dtype
+from foresight.feature_cache import FeatureCache
 from foresight.golden_steps import golden_steps
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
-from foresight.models import DEFAULT_MODEL, load_model
+from foresight.models import DEFAULT_MODEL, dtype_name, float_dtype, load_model
 from foresight.traces import (
     Trace,
     TraceRunSummary,

@@ -298,3 +298,36 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     )
     assert learned[0]["loss_ratio"] == pytest.approx(loss_ratio, abs=1e-5)
     assert learned[0]["golden_overlap"] == pytest.approx(overlap, abs=1e-9)
+
+
+def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):
+    """`--scorer NAME=DIR` names a learned scorer's row (the supervised and the reinforced one side by
+    side); −R is Σ ΔL² over the damaged tokens / the low-entropy tokens; two rows of one name are refused."""
+    from foresight.models import describe
+    from foresight.scorer import ForesightScorer, ScorerConfig
+
+    shape = describe(model)
+    folders = []
+    for seed, stage in enumerate(("supervised", "reinforcement")):
+        torch.manual_seed(seed)
+        config = ScorerConfig(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads,
+                              num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, budget=B, interval=L,
+                              base_model="tiny", stage=stage)
+        folders.append(tmp_path / stage)
+        ForesightScorer(config).save_pretrained(folders[-1])
+    out = tmp_path / "eval"
+    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o", "--scorer", f"foresight-sl={folders[0]}",
+            "--scorer", f"foresight-rl={folders[1]}", "-B", str(B), "-L", str(L), "--out", str(out)]
+    assert cli.main(argv) == 0
+    rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
+    assert set(rows) == {"h2o", "foresight-sl", "foresight-rl"}
+    assert rows["foresight-sl"]["loss_ratio"] != rows["foresight-rl"]["loss_ratio"]
+    for row in rows.values():
+        penalty = row["low_entropy_dl2"] * row["damaged_tokens"] / row["low_entropy_tokens"]
+        assert row["low_entropy_penalty"] == pytest.approx(penalty, rel=1e-9, abs=1e-12)
+    assert "| −R |" in (out / "results.md").read_text()
+    capsys.readouterr()
+    twice = [*argv[:5], "--scorer", f"h2o={folders[0]}", *argv[7:]]
+    assert cli.main(twice) == 2
+    error = capsys.readouterr().err.strip()
+    assert "two result rows would be named 'h2o'" in error and "\n" not in error

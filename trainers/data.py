@@ -25,12 +25,12 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
-from foresight.feature_cache import FeatureCache, FeatureKey, float_dtype
+from foresight.feature_cache import FeatureCache, FeatureKey
 from foresight.features import FeatureSet
 from foresight.golden_steps import TENSORS, golden_steps
 from foresight.cadence import TraceTooShort, check_budget, eviction_steps
 from foresight.labels import LabelStore
-from foresight.models import DEFAULT_MODEL, describe, load_config
+from foresight.models import DEFAULT_MODEL, describe, float_dtype, load_config
 from foresight.pipeline import FrozenModel
 from foresight.traces import Trace, TraceStore
 

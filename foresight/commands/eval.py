@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
-        "it was trained for; repeat to compare several. Adds foresight to --policies (naming it there is optional)",
+        "it was trained for; repeat to compare several, as NAME=DIR to name each one's rows (e.g. "
+        "foresight-sl=runs/main/scorer --scorer foresight-rl=runs/main/rl/scorer). Adds foresight to "
+        "--policies (naming it there is optional)",
     )
 
 
@@ -58,7 +60,12 @@ def policy_specs(policies: str, scorers: list[str]) -> tuple[list[PolicySpec], l
     others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
     specs, notes = resolve_policies(others) if others.strip(",") else ([], [])
     notes = [note for note in notes if not note.startswith("foresight:")]
-    return specs + [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers], notes
+    specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
+    names = [spec.name for spec in specs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
+    return specs, notes
 
 
 def select_traces(store: TraceStore, holdout: float | None, seed: int, max_traces: int | None) -> TraceView:

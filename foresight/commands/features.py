@@ -15,7 +15,8 @@ from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import add_cadence_arguments
-from foresight.feature_cache import FeatureCache, FeatureKey, dtype_name
+from foresight.feature_cache import FeatureCache, FeatureKey
+from foresight.models import dtype_name
 from foresight.features import FeatureSet
 from foresight.pipeline import FrozenModel, make_features
 from foresight.traces import TraceStore

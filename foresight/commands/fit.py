@@ -58,11 +58,19 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
         if not args.traces.is_dir():
             raise ValueError(f"--traces {args.traces} is not a folder; make one with `foresight traces`")
         cli_args.append("--traces=null")
-    for text in args.overrides:
+    return cli_args + override_args(args.overrides)  # `run` hands --ckpt-path to trainer.fit
+
+
+def override_args(overrides: list[str], ckpt_path: str | None = None) -> list[str]:
+    """LightningCLI arguments of `--set KEY=VALUE` overrides and, when given, `--ckpt-path`."""
+    cli_args = []
+    for text in overrides:
         key, sep, value = text.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--set {text!r} must look like KEY=VALUE, e.g. trainer.max_steps=50")
         cli_args.append(f"--{key.strip()}={value.strip()}")
+    if ckpt_path is not None:
+        cli_args.append(f"--ckpt_path={ckpt_path}")
     return cli_args
 
 
