@@ -9,10 +9,17 @@ A SOURCE is one of
 - a folder written by ``datasets.Dataset.save_to_disk`` with a ``prompt`` or ``question`` column and an
   optional ``answer`` column, checked with ``math-verify``.
 
-Final-answer rule (:func:`extract_answer`), applied to every completion before checking: the content
-of the last non-empty ``\\boxed{...}``; else the first non-empty line after the last ``Answer:`` (any
-case, the rest of its own line when that is not empty); else the last non-empty line. Trailing
-whitespace and periods are stripped from the last two.
+Final-answer rules (:func:`extract_answer`), applied to every completion before checking; both are
+reported, as lm-evaluation-harness does for GSM8K:
+
+- ``strict``: the content of the last non-empty ``\\boxed{...}``; else the first non-empty line after
+  the last ``Answer:`` (any case, the rest of its own line when that is not empty); else nothing;
+- ``flexible`` (the default): the strict answer; else what follows the last "answer is" up to the end
+  of its sentence ("So, the final answer is 3." gives 3); else the last number; else the last
+  non-empty line.
+
+Trailing whitespace and periods are stripped from everything but a boxed answer; the flexible rule
+also strips Markdown emphasis and dollar signs around its answer and commas inside a number.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from foresight.choices import Choice
 
 REASONING_GYM = "reasoning-gym:"
 # Appended to reasoning-gym questions (which carry no format instruction) so that a model's final
@@ -143,15 +152,43 @@ def _answer_text(answer: Any) -> str | None:
     return None if answer is None else str(answer)
 
 
-def extract_answer(completion: str) -> str:
-    """The final answer in a completion, by the rule in the module docstring."""
+class AnswerRule(Choice):
+    """How a completion's final answer is found (module docstring)."""
+
+    STRICT = "strict"
+    FLEXIBLE = "flexible"
+
+
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+)", flags=re.IGNORECASE)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)")
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_answer(completion: str, rule: AnswerRule | str = AnswerRule.FLEXIBLE) -> str:
+    """The final answer in a completion by `rule` (module docstring); "" when the rule finds none."""
+    rule = AnswerRule.parse(rule)
     boxed = _last_boxed(completion)
     if boxed is not None:
         return boxed.strip()
     marks = list(re.finditer(r"answer\s*:", completion, flags=re.IGNORECASE))
     if marks:
         return _clean(_non_empty_lines(completion[marks[-1].end() :])[:1])
-    return _clean(_non_empty_lines(completion)[-1:])
+    if rule is AnswerRule.STRICT:
+        return ""
+    stated = [m.group(1) for m in _ANSWER_IS.finditer(completion)]
+    if stated and (sentence := _loose(_SENTENCE_END.split(stated[-1], maxsplit=1)[0])):
+        return sentence
+    numbers = _NUMBER.findall(completion)
+    if numbers:
+        return _loose(numbers[-1])
+    return _loose(_clean(_non_empty_lines(completion)[-1:]))
+
+
+def _loose(text: str) -> str:
+    """A flexible answer without surrounding emphasis, dollar signs and periods, and a number
+    without its thousands separators."""
+    text = text.strip().strip("*$").strip().rstrip(".").rstrip()
+    return text.replace(",", "") if _NUMBER.fullmatch(text) else text
 
 
 def _non_empty_lines(text: str) -> list[str]:
@@ -185,15 +222,18 @@ def _braced(text: str, open_at: int) -> str | None:
     return None
 
 
-def check_answer(problem: Problem, completion: str) -> bool | None:
-    """Whether the completion's final answer is right; None when the problem has no answer.
+def check_answer(problem: Problem, completion: str, rule: AnswerRule | str = AnswerRule.FLEXIBLE) -> bool | None:
+    """Whether the completion's final answer (found by `rule`) is right; None when the problem has no
+    answer. A completion in which the rule finds no answer is wrong.
 
     reasoning-gym problems use the task's own scorer (correct = full score 1.0); other sources
     compare with ``math-verify`` (numbers and LaTeX expressions by value).
     """
     if problem.answer is None:
         return None
-    predicted = extract_answer(completion)
+    predicted = extract_answer(completion, rule)
+    if not predicted:
+        return False
     if problem.source.startswith(REASONING_GYM):
         score = _reasoning_gym_scorer(problem.source[len(REASONING_GYM) :])(predicted, problem.metadata)
         return score >= 1.0

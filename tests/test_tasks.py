@@ -25,23 +25,47 @@ def test_reasoning_gym_problems_are_the_packages_with_the_instruction():
 
 
 @pytest.mark.parametrize(
-    ("completion", "expected"),
+    ("completion", "strict", "flexible"),
     [
-        ("so 3 + 4 = 7, hence \\boxed{7}. Done.", "7"),
-        ("\\boxed{1} first, then \\boxed{\\frac{3}{4}} at last", "\\frac{3}{4}"),
-        ("unbalanced \\boxed{2 and \\boxed{5}", "5"),
-        ("\\boxed{8}, put within \\boxed{ }", "8"),  # an empty box is the instruction echoed back
-        ("the final answer within \\boxed{}\nis 41.", "is 41"),
-        ("steps...\nFinal answer: -12.\nThanks", "-12"),
-        ("answer: 3\nANSWER:  41 ", "41"),
-        ("the answer is below\nAnswer:\n\n  9.\nmore text", "9"),
-        ("we add them\n\n  15.  \n\n", "15"),
-        ("", ""),
-        ("\\boxed{-4", "\\boxed{-4"),  # no closing brace: falls through to the last line
+        ("so 3 + 4 = 7, hence \\boxed{7}. Done.", "7", "7"),
+        ("\\boxed{1} first, then \\boxed{\\frac{3}{4}} at last", "\\frac{3}{4}", "\\frac{3}{4}"),
+        ("unbalanced \\boxed{2 and \\boxed{5}", "5", "5"),
+        ("\\boxed{8}, put within \\boxed{ }", "8", "8"),  # an empty box is the instruction echoed back
+        ("the final answer within \\boxed{}\nis 41.", "", "41"),
+        ("steps...\nFinal answer: -12.\nThanks", "-12", "-12"),
+        ("answer: 3\nANSWER:  41 ", "41", "41"),
+        ("the answer is below\nAnswer:\n\n  9.\nmore text", "9", "9"),
+        ("we add them\n\n  15.  \n\n", "", "15"),
+        ("", "", ""),
+        ("\\boxed{-4", "", "-4"),  # no closing brace: not strict; the last number for flexible
+        ("2 - -1 means adding 1.\nSo, the final answer is 3.", "", "3"),
+        ("The answer is **-17.5**. Let me check: 4 + 2 = 6.", "", "-17.5"),
+        ("I think the answer is $1,234$.", "", "1234"),
+        ("The answer is: No. Because some reptiles are not butterflies.", "", "No"),
+        ("the answer is 7.\nWait, the answer is 8", "", "8"),  # the last statement
+        ("First 12 apples, then 1,500 more, 2.5 kg each", "", "2.5"),
+        ("There were 3 then 4/5 of them", "", "4/5"),
+        ("The word reversed is\n**olleh**", "", "olleh"),  # no number: the last line
+        ("Answer: 5\nthe answer is 6", "5", "5"),  # an Answer: line outranks a stated answer
+        ("\\boxed{10}\nthe answer is 11", "10", "10"),
     ],
 )
-def test_extract_answer(completion, expected):
-    assert extract_answer(completion) == expected
+def test_extract_answer_strict_and_flexible(completion, strict, flexible):
+    assert extract_answer(completion, "strict") == strict
+    assert extract_answer(completion, "flexible") == flexible
+    assert extract_answer(completion) == flexible
+
+
+def test_extract_answer_names_an_unknown_rule():
+    with pytest.raises(ValueError, match="unknown answer rule 'loose'; allowed: 'strict', 'flexible'"):
+        extract_answer("42", "loose")
+
+
+def test_the_flexible_rule_reads_a_stated_answer_that_the_strict_rule_misses():
+    problem = Problem(0, "Calculate 2 - -1.", "3", "reasoning-gym:basic_arithmetic", {"answer": "3"})
+    assert check_answer(problem, "So, the final answer is 3.", "strict") is False
+    assert check_answer(problem, "So, the final answer is 3.", "flexible") is True
+    assert check_answer(problem, "So, the final answer is 4.", "flexible") is False
 
 
 def test_check_answer_uses_reasoning_gym_scorer():
