@@ -265,3 +265,13 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     return list(tokenizer(prompt).input_ids)
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The tokens that end the model's turn: its generation config's EOS (one id or several), else the
+    tokenizer's."""
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    if eos is None:
+        raise ValueError("neither the model's generation config nor its tokenizer names an EOS token")
+    return [eos] if isinstance(eos, int) else list(eos)
