@@ -1,8 +1,12 @@
-"""Benchmark decoding under every policy: latency against generated length, memory, eviction time share.
+"""Benchmark decoding under every policy: latency, memory and eviction time share; the largest batch and
+the throughput under a KV-memory cap.
 
 `foresight bench decode` decodes a fixed-length continuation (EOS ignored) for each policy and
-batch size in one process, so every figure in a table comes from one run on one machine, and writes
-a markdown report with the command that made it.
+batch size in one process. `foresight bench serve` finds, by running it, the largest concurrent
+batch the full cache and each policy can run under a KV-memory cap at growing generation lengths,
+with its throughput, peak memory and eviction time share, and runs kvpress beside them when given its
+environment. Every figure of a table comes from one run on one machine; each writes its section of a
+markdown report with the command that made it.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from foresight.commands import _bench_serve
 from foresight.commands._model import add_model_arguments, model_options
-from foresight.commands._policy import add_cadence_arguments, add_policies_argument, int_list
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument, int_list, selected_policies
 from foresight.models import describe, load_model
-from foresight.policies import POLICIES, make_policy
+from foresight.policies import make_policy
 from foresight.report import write_section
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, RunStats
 from foresight.tasks import chat_prompt_ids
@@ -29,7 +34,20 @@ PROMPT = "Solve step by step: a train leaves at 9:40 and travels 3 hours 35 minu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=["decode"], help="what to benchmark")
+    benchmarks = parser.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
+    decode = benchmarks.add_parser(
+        "decode", help="latency against generated length, memory, eviction time share",
+        formatter_class=parser.formatter_class,
+    )
+    add_decode_arguments(decode)
+    serve = benchmarks.add_parser(
+        "serve", help="largest batch and throughput under a KV-memory cap, beside kvpress",
+        description=_bench_serve.__doc__, formatter_class=parser.formatter_class,
+    )
+    _bench_serve.add_arguments(serve)
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, device="auto", dtype="auto")
     add_policies_argument(parser, "every policy that needs no labels or scorer; full is always included")
     add_cadence_arguments(parser, budget=256, interval=64)
@@ -61,25 +79,9 @@ class DecodeResult:
         return self.window_ms(steps - WINDOW, steps) / self.window_ms(first_eviction, first_eviction + WINDOW)
 
 
-def selected_policies(text: str) -> list[str]:
-    names = sorted(n for n, cls in POLICIES.items() if _constructible(cls)) if text == "all" else text.split(",")
-    for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
-        if not _constructible(POLICIES[name]):
-            raise ValueError(f"policy {name!r} needs labels or a scorer, which bench does not provide")
-    return ["full"] + [n for n in names if n != "full"]
-
-
-def _constructible(cls) -> bool:
-    try:
-        cls()
-    except TypeError:  # needs labels or a scorer
-        return False
-    return True
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.what == "serve":
+        return _bench_serve.run(args)
     names = selected_policies(args.policies)
     options = model_options(args)
     device = options["device"]
