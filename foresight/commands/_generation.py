@@ -26,20 +26,19 @@ DEFAULT_BATCH = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("generation mode (--prompts)")
-    group.add_argument(
+    parser.add_argument(
         "--prompts", action="append", default=[], metavar="SOURCE",
         help="generate instead of replaying traces: problems from reasoning-gym:TASK, a JSONL file or a saved "
         "dataset folder (foresight.tasks); repeat to pool several sources. --model then defaults to the embedded one",
     )
-    group.add_argument("--num", type=int, default=20, help="problems per source")
-    group.add_argument("--problem-seed", type=int, default=0, help="seed that picks the reasoning-gym problems")
-    group.add_argument("--samples", "-k", type=int, default=4, help="completions sampled per problem (k)")
-    group.add_argument("--max-new-tokens", type=int, default=512, help="most tokens generated per completion")
-    group.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
-    group.add_argument("--top-k", type=int, default=20, help="sample from the k most likely tokens; 0 disables")
-    group.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 disables")
-    group.add_argument("--seed", type=int, default=0, help="seed of the sampling (each completion's own is derived from it)")
+    parser.add_argument("--num", type=int, default=20, help="problems per source")
+    parser.add_argument("--problem-seed", type=int, default=0, help="seed that picks the reasoning-gym problems")
+    parser.add_argument("--samples", "-k", type=int, default=4, help="completions sampled per problem (k)")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="most tokens generated per completion")
+    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
+    parser.add_argument("--top-k", type=int, default=20, help="sample from the k most likely tokens; 0 disables")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 disables")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (each completion's own is derived from it)")
 
 
 def run(args: argparse.Namespace, specs, notes: list[str]) -> int:

@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
     parser.add_argument(
         "--batch-size", type=int, default=None,
-        help=f"traces replayed together (default {TRACE_BATCH}), or completions generated together with --prompts "
-        f"(default {_generation.DEFAULT_BATCH})",
+        help="traces replayed together, or completions generated together with --prompts "
+        f"(default: {TRACE_BATCH} traces, {_generation.DEFAULT_BATCH} completions)",
     )
     parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
