@@ -16,6 +16,7 @@ of the scoring; kvpress scores them too).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -76,7 +77,9 @@ class KvpressDecoder:
 def _serve(config: dict[str, Any]) -> None:
     """The worker: answer run requests from stdin until it closes. Its stdout carries the answers
     only; anything else the libraries print goes to stderr."""
-    answers, sys.stdout = sys.stdout, sys.stderr
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # also what C code writes to fd 1
+    sys.stdout = sys.stderr
     import kvpress
     import torch
 
