@@ -2,8 +2,10 @@
 only when their answer is correct, so every source says how to check one).
 
 A SOURCE is one of
-- ``reasoning-gym:TASK``: procedural problems from the ``reasoning-gym`` package (offline, the same
-  problems for the same seed), checked by the task's own scorer;
+- ``reasoning-gym:TASK`` or ``reasoning-gym:TASK:KEY=VALUE,...``: procedural problems from the
+  ``reasoning-gym`` package (offline, the same problems for the same seed), checked by the task's own
+  scorer; the options set fields of the task's config, e.g. ``reasoning-gym:chain_sum:max_terms=2``
+  (values read as JSON, else as text);
 - a JSONL file of ``{"prompt": ..., "answer": ...}`` objects (``answer`` optional), checked with
   ``math-verify``;
 - a folder written by ``datasets.Dataset.save_to_disk`` with a ``prompt`` or ``question`` column and an
@@ -15,15 +17,16 @@ reported, as lm-evaluation-harness does for GSM8K:
 - ``strict``: the content of the last non-empty ``\\boxed{...}``; else the first non-empty line after
   the last ``Answer:`` (any case, the rest of its own line when that is not empty); else nothing;
 - ``flexible`` (the default): the strict answer; else what follows the last "answer is" up to the end
-  of its sentence ("So, the final answer is 3." gives 3); else the last number; else the last
-  non-empty line.
+  of its sentence or clause ("So, the final answer is 3." gives 3, "the answer is yes, it follows"
+  gives yes); else the last number; else the last non-empty line.
 
 Trailing whitespace and periods are stripped from everything but a boxed answer; the flexible rule
-also strips Markdown emphasis and dollar signs around its answer and commas inside a number.
+also strips Markdown emphasis, dollar signs and quotes around its answer and commas inside a number.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -83,15 +86,37 @@ def load_problems(source: str, num: int, seed: int = 0) -> list[Problem]:
 def _reasoning_gym_problems(source: str, num: int, seed: int) -> list[Problem]:
     import reasoning_gym
 
-    task = source[len(REASONING_GYM) :]
+    task, options = _reasoning_gym_task(source)
     if task not in reasoning_gym.factory.DATASETS:
         known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
         raise ValueError(f"unknown reasoning-gym task {task!r}; known tasks: {known}")
-    dataset = reasoning_gym.create_dataset(task, size=num, seed=seed)
+    fields = [f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[task][1]) if f.name not in ("seed", "size")]
+    unknown = [key for key in options if key not in fields]
+    if unknown:
+        raise ValueError(f"reasoning-gym task {task!r} has no option {unknown[0]!r}; its options are: {', '.join(fields)}")
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=num, seed=seed, **options)
+    except (AssertionError, TypeError, ValueError) as error:
+        raise ValueError(f"reasoning-gym task {task!r} refused the options {options}: {error}") from None
     return [
         Problem(i, f"{entry['question']}\n{ANSWER_INSTRUCTION}", str(entry["answer"]), source, dict(entry))
         for i, entry in enumerate(dataset)
     ]
+
+
+def _reasoning_gym_task(source: str) -> tuple[str, dict[str, Any]]:
+    """The task name and config options of a ``reasoning-gym:TASK[:KEY=VALUE,...]`` source."""
+    task, _, text = source[len(REASONING_GYM) :].partition(":")
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"reasoning-gym option {item!r} in {source!r} must look like KEY=VALUE")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value.strip()
+    return task, options
 
 
 def _jsonl_problems(path: Path, source: str) -> list[Problem]:
@@ -160,7 +185,7 @@ class AnswerRule(Choice):
 
 
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+)", flags=re.IGNORECASE)
-_SENTENCE_END = re.compile(r"\.(?:\s|$)")
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|,\s")  # "the answer is yes, it follows" gives yes
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 
@@ -187,7 +212,7 @@ def extract_answer(completion: str, rule: AnswerRule | str = AnswerRule.FLEXIBLE
 def _loose(text: str) -> str:
     """A flexible answer without surrounding emphasis, dollar signs and periods, and a number
     without its thousands separators."""
-    text = text.strip().strip("*$").strip().rstrip(".").rstrip()
+    text = text.strip().strip("*$\"'").strip().rstrip(".").rstrip()
     return text.replace(",", "") if _NUMBER.fullmatch(text) else text
 
 
@@ -235,7 +260,7 @@ def check_answer(problem: Problem, completion: str, rule: AnswerRule | str = Ans
     if not predicted:
         return False
     if problem.source.startswith(REASONING_GYM):
-        score = _reasoning_gym_scorer(problem.source[len(REASONING_GYM) :])(predicted, problem.metadata)
+        score = _reasoning_gym_scorer(_reasoning_gym_task(problem.source)[0])(predicted, problem.metadata)
         return score >= 1.0
     from math_verify import verify
 
