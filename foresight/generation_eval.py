@@ -149,8 +149,21 @@ class CompletionStore:
             write_text(settings_file, json.dumps(wanted, indent=1))
 
     def job_folder(self, job: Job) -> Path:
+        """The job's folder; on first use it records what the policy is (for a learned scorer, a digest
+        of its weights), and a later job of the same name but another policy is refused."""
         name = re.sub(r"[^\w.-]", "_", job.spec.name)
-        return self.folder / name / ("" if job.budget is None else f"B{job.budget}-L{job.interval}")
+        folder = self.folder / name / ("" if job.budget is None else f"B{job.budget}-L{job.interval}")
+        identity_file, identity = folder / "policy.json", _identity(job.spec)
+        if identity_file.is_file():
+            stored = json.loads(identity_file.read_text())
+            if stored != identity:
+                raise ArtifactError(
+                    f"the completions in {folder} were made by another {job.spec.name} ({stored}, not {identity}); "
+                    "give another --out"
+                )
+        else:
+            write_text(identity_file, json.dumps(identity))
+        return folder
 
     def load(self, job: Job) -> dict[RowKey, dict[str, Any]]:
         records = {}
@@ -164,6 +177,18 @@ class CompletionStore:
         folder.mkdir(parents=True, exist_ok=True)
         number = len(list(folder.glob("batch-*.json")))
         write_text(folder / f"batch-{number:05d}.json", json.dumps(records))
+
+
+def _identity(spec: PolicySpec) -> dict[str, str]:
+    """What makes a policy's completions: its name, and the weights of a learned scorer."""
+    scorer = getattr(spec, "scorer", None)
+    if scorer is None:
+        return {"policy": spec.name}
+    digest = hashlib.sha256()
+    for name, tensor in sorted(scorer.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return {"policy": spec.name, "scorer_sha256": digest.hexdigest()}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from foresight import cli
 from foresight.artifacts import ArtifactError
@@ -222,3 +223,26 @@ def test_eval_prompts_bad_input_is_one_line(tmp_path, patched_load, capsys, extr
     assert cli.main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error
+
+
+def test_the_learned_policy_runs_at_its_budget_and_another_scorer_is_not_mixed_in(model, tmp_path):
+    """A scorer trained at (B, L) = (16, 4) runs at B = 16 only; completions of another scorer under
+    the same name are refused, not counted as this one's."""
+    from foresight.evaluation import ScorerSpec
+    from foresight.scorer import ForesightScorer, ScorerConfig
+    from tests.helpers import scorer_spec
+
+    def learned(seed: int) -> ScorerSpec:
+        torch.manual_seed(seed)
+        return ScorerSpec(name="foresight", scorer=ForesightScorer(ScorerConfig(**scorer_spec(model))))
+
+    problems = load_problems(ARITHMETIC, 1)
+    plans, notes = plan_jobs([learned(0)], [16, 24], 4)
+    assert [[job.label for job in plan.jobs] for plan in plans] == [["full", "foresight B=16"], ["full"]]
+    assert notes == ["foresight skipped at B=24, L=4: its scorer was trained for B=16, L=4"]
+    store = CompletionStore(tmp_path, settings(max_new_tokens=30, samples=1))
+    generate_completions(model, char_tokenizer(CHAT_TEMPLATE), problems, plans, store, progress=False)
+    assert len(store.load(plans[0].jobs[1])) == 1
+    other, _ = plan_jobs([learned(1)], [16], 4)
+    with pytest.raises(ArtifactError, match="were made by another foresight"):
+        store.load(other[0].jobs[1])
