@@ -39,6 +39,7 @@ from foresight.serving import (
 from foresight.serving_kvpress import PRESSES, KvpressDecoder
 from foresight.tasks import chat_prompt_ids
 
+BATCH_ONE_REPEATS = 2
 PROMPT = "Solve step by step: a train leaves at 9:40 and travels 3 hours 35 minutes. When does it arrive?"
 
 
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
 def _measure(decoders, paired: list[str], lengths: list[int], cap: int) -> tuple[dict[tuple[str, int], Search], dict[str, RunResult]]:
     """Probe every decoder (refusing a cap below one sequence before any long run), then search each
     one's max batch at every length, shortest first, all decoders at a length in turn; then the batch-1
-    runs of our policies that have a kvpress counterpart, and of kvpress, at the shortest length."""
+    runs of our policies that have a kvpress counterpart, and of kvpress, at the shortest length (the
+    best of BATCH_ONE_REPEATS alternating runs of each)."""
     per_entry = {decoder.name: bytes_per_entry(decoder, lengths[-1]) for decoder in decoders}
     for decoder in decoders:
         check_one_sequence_fits(decoder, lengths[-1], cap, per_entry[decoder.name])
@@ -110,10 +112,14 @@ def _measure(decoders, paired: list[str], lengths: list[int], cap: int) -> tuple
             for decoder in decoders:
                 bar.set_postfix_str(f"{decoder.name} at {length}")
                 searches[decoder.name, length] = max_batch(decoder, length, cap, per_entry[decoder.name], on_run=lambda _: bar.update())
-        for decoder in decoders:
-            if isinstance(decoder, KvpressDecoder) or decoder.name in paired:
+        timed = [decoder for decoder in decoders if isinstance(decoder, KvpressDecoder) or decoder.name in paired]
+        for _ in range(BATCH_ONE_REPEATS):  # alternating, so a change of machine load hits both sides
+            for decoder in timed:
                 bar.set_postfix_str(f"{decoder.name} batch 1")
-                batch_one[decoder.name] = decoder.run(1, lengths[0], None)
+                result = decoder.run(1, lengths[0], None)
+                best = batch_one.get(decoder.name)
+                if best is None or result.tokens_per_second > best.tokens_per_second:
+                    batch_one[decoder.name] = result
                 bar.update()
     return searches, batch_one
 
@@ -172,7 +178,8 @@ def _report(args, cap, decoders, paired, searches, batch_one, shape, options, lo
     if paired:
         shortest = lengths[0]
         lines += ["", f"Ours against kvpress (DecodingPress around the press of the same rule, compression every L steps to "
-                  f"B entries): batch-1 tokens/s at {shortest} new tokens, and tokens/s at each one's max batch.", ""]
+                  f"B entries): batch-1 tokens/s at {shortest} new tokens (best of {BATCH_ONE_REPEATS} alternating runs each), and "
+                  "tokens/s at each one's max batch.", ""]
         header = ["policy", "kvpress press", "batch-1 ours", "batch-1 kvpress", "ours / kvpress"]
         for length in lengths:
             header += [f"{length}: max batch ours / kvpress", f"{length}: tokens/s ours / kvpress"]
