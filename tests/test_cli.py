@@ -248,18 +248,22 @@ def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, mo
     ]
 
 
+def verb_parsers(verb: str) -> list[argparse.ArgumentParser]:
+    """The parser of a verb and those of its sub-commands (bench decode, bench serve)."""
+    parser = ArgumentParser(prog=f"foresight {verb}", formatter_class=HelpFormatter)
+    importlib.import_module(f"foresight.commands.{verb}").add_arguments(parser)
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(sub for action in subparsers for sub in action.choices.values())]
+
+
 def test_model_verbs_are_the_verbs_with_device_and_dtype():
-    """A new verb that loads a model must take --device and --dtype (and join MODEL_VERBS)."""
+    """A new verb that loads a model must take --device and --dtype (and join MODEL_VERBS); a verb with
+    sub-commands takes them in every sub-command."""
     with_placement = set()
     for verb in _verbs():
-        parser = ArgumentParser()
-        importlib.import_module(f"foresight.commands.{verb}").add_arguments(parser)
-        parsers = [parser] + [
-            sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
-            for sub in action.choices.values()
-        ]
-        options = {option for each in parsers for action in each._actions for option in action.option_strings}
-        if {"--device", "--dtype"} <= options:
+        parsers = verb_parsers(verb)
+        options = [{option for action in p._actions for option in action.option_strings} for p in parsers[len(parsers) > 1:]]
+        if all({"--device", "--dtype"} <= found for found in options):
             with_placement.add(verb)
     assert with_placement == set(MODEL_VERBS)
 
@@ -312,16 +316,15 @@ def test_eval_runs_foresight_and_a_heuristic_from_a_scorer_folder(traces_dir, sc
 # -- help texts ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("verb", _verbs())
 def test_help_states_each_default_once(verb):
-    parser = ArgumentParser(prog=f"foresight {verb}", formatter_class=HelpFormatter)
-    importlib.import_module(f"foresight.commands.{verb}").add_arguments(parser)
-    options = [action for action in parser._actions if action.option_strings and action.dest != "help"]
-    assert all(action.help for action in options), "every option explains itself"
-    entries = re.split(r"\n(?=  -)", parser.format_help().split("\noptions:\n")[1])
-    assert len(entries) == len(options) + 1  # --help, then one entry per option
-    for entry in entries:
-        text = " ".join(entry.split())
-        assert text.count("(default") <= 1, text
-        assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text, text
+    for parser in verb_parsers(verb):
+        options = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+        assert all(action.help for action in options), "every option explains itself"
+        entries = re.split(r"\n(?=  -)", parser.format_help().split("\noptions:\n")[1])
+        assert len(entries) == len(options) + 1  # --help, then one entry per option
+        for entry in entries:
+            text = " ".join(entry.split())
+            assert text.count("(default") <= 1, text
+            assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text, text
 
 
 def test_help_adds_a_default_only_where_the_text_has_none():

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from foresight.commands._policy import selected_policies
 from foresight.commands._bench_common import (
     add_common_arguments,
     command_line,
@@ -33,7 +34,6 @@ from foresight.commands._bench_common import (
     load_benchmark_model,
     machine,
     prompt_ids,
-    selected_policies,
 )
 from foresight.models import describe
 from foresight.policies import make_policy

@@ -13,7 +13,6 @@ import torch
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_cadence_arguments, add_policies_argument
 from foresight.models import load_for_benchmark
-from foresight.policies import POLICIES
 from foresight.runtime.engine import EvictionConfig
 from foresight.tasks import chat_prompt_ids
 
@@ -45,25 +44,6 @@ def prompt_ids(tokenizer, vocab_size: int) -> list[int]:
         return chat_prompt_ids(tokenizer, PROMPT)
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (64,), generator=generator).tolist()
-
-
-def selected_policies(text: str) -> list[str]:
-    """'all' (every policy that needs no labels or scorer) or the named ones, full first."""
-    names = sorted(n for n, cls in POLICIES.items() if _constructible(cls)) if text == "all" else text.split(",")
-    for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
-        if not _constructible(POLICIES[name]):
-            raise ValueError(f"policy {name!r} needs labels or a scorer, which bench does not provide")
-    return ["full"] + [n for n in names if n != "full"]
-
-
-def _constructible(cls) -> bool:
-    try:
-        cls()
-    except TypeError:  # needs labels or a scorer
-        return False
-    return True
 
 
 def eviction_config(args: argparse.Namespace) -> EvictionConfig:

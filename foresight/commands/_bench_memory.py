@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from foresight.commands._policy import selected_policies
 from foresight.commands._bench_common import (
     add_common_arguments,
     benchmark_device,
@@ -22,7 +23,6 @@ from foresight.commands._bench_common import (
     load_benchmark_model,
     machine,
     prompt_ids,
-    selected_policies,
 )
 from foresight.memory import held_bytes, peak_bytes, reset_peak, resident_bytes
 from foresight.models import describe
@@ -36,8 +36,8 @@ MIB = 2**20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, budget=256, interval=64)
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="tokens decoded per policy (EOS ignored)")
+    parser.add_argument("--batch-size", type=int, default=4, help="rows decoded together")
 
 
 @dataclass

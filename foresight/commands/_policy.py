@@ -66,6 +66,25 @@ def add_policies_argument(parser: argparse.ArgumentParser, all_means: str) -> No
     )
 
 
+def selected_policies(text: str) -> list[str]:
+    """The full cache and the policies of --policies ('all': every one that needs no labels or scorer)."""
+    names = sorted(n for n, cls in POLICIES.items() if _constructible(cls)) if text == "all" else text.split(",")
+    for name in names:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
+        if not _constructible(POLICIES[name]):
+            raise ValueError(f"policy {name!r} needs labels or a scorer, which bench does not provide")
+    return ["full"] + [n for n in names if n != "full"]
+
+
+def _constructible(cls) -> bool:
+    try:
+        cls()
+    except TypeError:  # needs labels or a scorer
+        return False
+    return True
+
+
 def policy_from_args(args: argparse.Namespace) -> tuple[Policy, EvictionConfig | None]:
     """The policy and eviction config the arguments ask for (one-line errors on bad values)."""
     if args.policy not in POLICIES:

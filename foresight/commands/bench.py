@@ -7,6 +7,9 @@ command that made it, every figure of a table from one run on one machine.
   from the first eviction on (CPU or CUDA).
 - `foresight bench capacity` (CUDA): for generation lengths T, the largest batch each policy decodes
   within the GPU's memory, its throughput against the full cache's, and its eviction time share.
+- `foresight bench serve`: under a KV-memory cap, the largest concurrent batch of the full cache and
+  of each policy at growing generation lengths, found by running it, with throughput, peak memory
+  and eviction share, and kvpress's DecodingPress beside them when given its environment.
 
 `--model` also takes an architecture config (configs/models/*.json): a paper-sized model with random
 weights, since speed and memory depend on the shape alone.
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from foresight.commands import _bench_capacity, _bench_memory
+from foresight.commands import _bench_capacity, _bench_memory, _bench_serve
 from foresight.commands._bench_common import (
     add_common_arguments,
     benchmark_device,
@@ -29,9 +32,8 @@ from foresight.commands._bench_common import (
     load_benchmark_model,
     machine,
     prompt_ids,
-    selected_policies,
 )
-from foresight.commands._policy import int_list
+from foresight.commands._policy import int_list, selected_policies
 from foresight.models import describe
 from foresight.policies import make_policy
 from foresight.report import write_section
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     decode.add_argument("--max-new-tokens", type=int, default=2048, help="tokens decoded per policy and batch size")
     decode.add_argument("--batch-sizes", type=int_list, default=[1, 8], help="comma-separated batch sizes")
     decode.set_defaults(benchmark=run_decode)
-    for module in (_bench_memory, _bench_capacity):
+    for module in (_bench_memory, _bench_capacity, _bench_serve):
         sub = benchmarks.add_parser(
             module.NAME, help=module.__doc__.splitlines()[0], description=module.__doc__, formatter_class=formatter
         )

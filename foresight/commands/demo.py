@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_policy_arguments, policy_from_args
-from foresight.commands._bench_common import selected_policies
+from foresight.commands._policy import selected_policies
 from foresight.commands.replay import loss_ratio_after_first_eviction
 from foresight.models import load_model
 from foresight.policies import make_policy

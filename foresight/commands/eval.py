@@ -1,11 +1,19 @@
-"""Teacher-forced evaluation of eviction policies on stored traces (ForesightKV Table 2 and 7).
+"""Evaluate eviction policies: teacher-forced on stored traces (--traces), or by the accuracy of sampled
+completions (--prompts).
 
-Every trace is replayed through the model that made it under every policy and budget; each row of
+Teacher-forced (ForesightKV Table 2 and 7): every trace is replayed through the model that made it under every policy and budget; each row of
 the report gives the loss ratio against the stored full-cache loss (tokens after the first
 eviction), the low-entropy damage (share of bottom-80%-entropy tokens whose loss grew by more than
 1.5, and their mean squared increase), the cosine similarity of attention outputs with the full
-cache, and the overlap with the golden kept set where labels exist (`foresight labels`). Writes
-OUT/results.json, results.csv, results.md and one PNG per metric (budget on the x axis).
+cache, and the overlap with the golden kept set where labels exist (`foresight labels`).
+
+Generation (--prompts): k completions per problem under the full cache and under every policy and
+budget; pass@1 and pass@k by the strict and the flexible answer rule, agreement with the full
+cache's answer on the same seed, mean length and the share of completions that end in a repetition
+loop. Completions are kept under OUT/completions, so a killed run resumes where it stopped.
+
+Both write OUT/results.json, results.csv, results.md (every figure with its 95% bootstrap interval,
+over traces or problems) and one PNG per figure (budget on the x axis).
 """
 
 from __future__ import annotations
@@ -14,17 +22,19 @@ import argparse
 import time
 from pathlib import Path
 
+from foresight.commands import _generation
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import add_cadence_arguments, add_policies_argument
 from foresight.evaluation import PolicySpec, ScorerSpec, evaluate, markdown_table, resolve_policies, write_report
 from foresight.models import load_model
 from foresight.traces import TraceStore, TraceView
 
+TRACE_BATCH = 4
 LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--traces", type=Path, required=True, help="traces folder written by `foresight traces`")
+    parser.add_argument("--traces", type=Path, help="traces folder written by `foresight traces` (or give --prompts)")
     add_policies_argument(
         parser, "every registered policy that can run; golden where labels exist, foresight with --scorer"
     )
@@ -39,7 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluate only the held-out split of this fraction (TraceView.split) (default: every trace)",
     )
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
-    parser.add_argument("--batch-size", type=int, default=4, help="traces replayed together")
+    parser.add_argument(
+        "--batch-size", type=int, default=None,
+        help="traces replayed together, or completions generated together with --prompts "
+        f"(default: {TRACE_BATCH} traces, {_generation.DEFAULT_BATCH} completions)",
+    )
     parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
@@ -47,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "foresight-sl=runs/main/scorer --scorer foresight-rl=runs/main/rl/scorer). Adds foresight to "
         "--policies (naming it there is optional)",
     )
+    _generation.add_arguments(parser)
 
 
 def policy_specs(policies: str, scorers: list[str]) -> tuple[list[PolicySpec], list[str]]:
@@ -79,8 +94,12 @@ def select_traces(store: TraceStore, holdout: float | None, seed: int, max_trace
 
 
 def run(args: argparse.Namespace) -> int:
-    started = time.perf_counter()
+    if (args.traces is None) == (not args.prompts):
+        raise ValueError("give either --traces (teacher-forced) or --prompts (generation), not both or neither")
     specs, notes = policy_specs(args.policies, args.scorer)
+    if args.prompts:
+        return _generation.run(args, specs, notes)
+    started = time.perf_counter()
     store = TraceStore(args.traces)
     made_with = model_of_traces(args, args.traces, store.settings["model"])
     traces = list(select_traces(store, args.holdout, args.holdout_seed, args.max_traces))
@@ -88,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})")
     model, _ = load_model(made_with, **model_options(args))
     result = evaluate(
-        model, traces, specs, args.budgets, args.interval, labels_root=args.traces, batch_size=args.batch_size
+        model, traces, specs, args.budgets, args.interval, labels_root=args.traces, batch_size=args.batch_size or TRACE_BATCH
     )
     result.notes[:0] = notes
     settings = {

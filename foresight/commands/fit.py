@@ -22,28 +22,25 @@ from pathlib import Path
 import yaml
 from filelock import FileLock
 
+from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
 from foresight.export import export_scorer, reported_metrics
 from foresight.pipeline import make_features, make_labels, make_traces
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, required=True, help="LightningCLI YAML config, e.g. configs/default.yaml")
+    add_training_arguments(
+        parser, "configs/default.yaml", "--set trainer.max_steps=50 --set data.device=cuda --set data.dtype=bfloat16"
+    )
     parser.add_argument("--out", type=Path, required=True, help="run folder (traces, features, checkpoints, logs, scorer)")
     parser.add_argument(
         "--traces", type=Path, default=None,
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
-    parser.add_argument("--ckpt-path", default=None, help="checkpoint to resume from, or 'last' for OUT/checkpoints/last.ckpt")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, e.g. --set trainer.max_steps=50 --set data.device=cuda --set data.dtype=bfloat16",
-    )
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:
     """The LightningCLI arguments of a `foresight fit` call (no subcommand: `prepare` drives the trainer)."""
-    if not args.config.is_file():
-        raise ValueError(f"config {args.config} does not exist; see configs/ for examples")
+    checked_config(args.config)
     out = args.out
     cli_args = [
         f"--config={args.config}",
@@ -55,23 +52,9 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
     if data.get("features_dir") is not None:  # a config that replays (null) keeps doing so
         cli_args.append(f"--data.features_dir={out / 'features'}")
     if args.traces is not None:
-        if not args.traces.is_dir():
-            raise ValueError(f"--traces {args.traces} is not a folder; make one with `foresight traces`")
+        checked_traces(args.traces)
         cli_args.append("--traces=null")
     return cli_args + override_args(args.overrides)  # `run` hands --ckpt-path to trainer.fit
-
-
-def override_args(overrides: list[str], ckpt_path: str | None = None) -> list[str]:
-    """LightningCLI arguments of `--set KEY=VALUE` overrides and, when given, `--ckpt-path`."""
-    cli_args = []
-    for text in overrides:
-        key, sep, value = text.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {text!r} must look like KEY=VALUE, e.g. trainer.max_steps=50")
-        cli_args.append(f"--{key.strip()}={value.strip()}")
-    if ckpt_path is not None:
-        cli_args.append(f"--ckpt_path={ckpt_path}")
-    return cli_args
 
 
 def prepare(args: argparse.Namespace):

@@ -17,26 +17,20 @@ import argparse
 import warnings
 from pathlib import Path
 
-from foresight.commands.fit import override_args
+from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
 from foresight.export import export_scorer, reported_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, required=True, help="LightningCLI YAML config, e.g. configs/default-rl.yaml")
+    add_training_arguments(parser, "configs/default-rl.yaml", "--set trainer.max_steps=20 --set model.group_size=4")
     parser.add_argument("--scorer", required=True, help="the supervised scorer to start from: a folder (`foresight fit` OUT/scorer) or a Hub id")
     parser.add_argument("--out", type=Path, required=True, help="run folder (checkpoints, logs, scorer)")
     parser.add_argument("--traces", type=Path, default=None, help="traces folder to roll out (default: the config's data.traces_dir)")
-    parser.add_argument("--ckpt-path", default=None, help="checkpoint to resume from, or 'last' for OUT/checkpoints/last.ckpt")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, e.g. --set trainer.max_steps=20 --set model.group_size=4",
-    )
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:
     """The LightningCLI arguments of a `foresight rl` call."""
-    if not args.config.is_file():
-        raise ValueError(f"config {args.config} does not exist; see configs/ for examples")
+    checked_config(args.config)
     cli_args = [
         "fit",
         f"--config={args.config}",
@@ -45,8 +39,7 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
         f"--model.scorer={args.scorer}",
     ]
     if args.traces is not None:
-        if not args.traces.is_dir():
-            raise ValueError(f"--traces {args.traces} is not a folder; make one with `foresight traces`")
+        checked_traces(args.traces)
         cli_args.append(f"--data.traces_dir={args.traces}")
     return cli_args + override_args(args.overrides, args.ckpt_path)
 

@@ -154,18 +154,28 @@ class EvictionEngine:
         pad_token_id: int = 0,
         return_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
+        row_seeds: Sequence[int] | None = None,
     ) -> GenerationOutput:
-        """Prefill left-padded prompts, then decode up to `max_new_tokens` per row."""
+        """Prefill left-padded prompts, then decode up to `max_new_tokens` per row.
+
+        Sampling draws from one generator seeded with `sampling.seed`; with `row_seeds` (one per row)
+        each row draws from its own, so a row samples the same tokens whatever rows share its batch
+        and, under another policy, from the same random numbers."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if row_seeds is not None and len(row_seeds) != len(prompts):
+            raise ValueError(f"got {len(row_seeds)} row seeds for {len(prompts)} prompts")
         with self._runtime_attention():
-            return self._generate(prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token)
+            return self._generate(
+                prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
+            )
 
-    def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token):
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id, max_new_tokens)
+    def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds):
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id, max(max_new_tokens - 1, 0))  # the last token is never fed
         logits = self._forward(run, input_ids, positions, valid)[:, -1]
         processors = _logits_processors(sampling)
-        generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
+        seeds = [sampling.seed] if row_seeds is None else row_seeds
+        generators = [torch.Generator(device=logits.device).manual_seed(seed) for seed in seeds]
         eos = torch.tensor(sorted(_as_set(eos_token_id)), dtype=torch.long, device=logits.device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=logits.device)
         new_tokens, all_logits = [], []
@@ -173,7 +183,7 @@ class EvictionEngine:
         for _ in range(max_new_tokens):
             if return_logits:
                 all_logits.append(logits)
-            token = _next_token(logits, processors, sampling, generator)
+            token = _next_token(logits, processors, sampling, generators)
             token = token.masked_fill(finished, pad_token_id)
             new_tokens.append(token)
             finished |= torch.isin(token, eos)
@@ -440,11 +450,15 @@ def _logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
     return processors
 
 
-def _next_token(logits, processors, sampling, generator) -> torch.Tensor:
+def _next_token(logits, processors, sampling, generators: list[torch.Generator]) -> torch.Tensor:
+    """Greedy, or a draw from one generator for the batch or one generator per row."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
-    scores = processors(None, logits.float())
-    return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
+    probabilities = torch.softmax(processors(None, logits.float()), -1)
+    if len(generators) == 1:
+        return torch.multinomial(probabilities, 1, generator=generators[0]).squeeze(1)
+    draws = [torch.multinomial(row, 1, generator=g) for row, g in zip(probabilities, generators, strict=True)]
+    return torch.cat(draws)
 
 
 def _as_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
