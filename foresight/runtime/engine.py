@@ -159,7 +159,7 @@ class EvictionEngine:
     def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token):
         run, input_ids, positions, valid = self._start(prompts, pad_token_id)
         logits = self._forward(run, input_ids, positions, valid)[:, -1]
-        processors = _logits_processors(sampling)
+        processors = logits_processors(sampling)
         generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
         eos = torch.tensor(sorted(_as_set(eos_token_id)), dtype=torch.long, device=logits.device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=logits.device)
@@ -391,7 +391,8 @@ def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     return nll, entropy
 
 
-def _logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
+def logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
+    """The sampling filters in transformers' order: temperature, then top-k, then top-p (none when greedy)."""
     processors = LogitsProcessorList()
     if sampling.temperature > 0:
         processors.append(TemperatureLogitsWarper(sampling.temperature))
