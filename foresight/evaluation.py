@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from foresight.artifacts import atomic_file, write_text
 from foresight.cadence import check_budget, golden_prefill, step_of, step_position
+from foresight.headroom import LEARNED, Headroom, TraceScore, headroom, headroom_rows
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.metrics import (
     EntropyDamage,
@@ -289,6 +290,7 @@ class _Tally:
     traces: int = 0
     never_evicted: int = 0
     seconds: float = 0.0
+    per_trace: list[tuple[Trace, EntropyDamage]] = field(default_factory=list)  # with evicted_nll, in order
 
     def add_trace(self, trace: Trace, nll: torch.Tensor, first_eviction: int | None, cosine: torch.Tensor | None) -> None:
         """Score one replayed trace: nll [T - 1] with eviction; cosine [T - 1] per token (None: 1)."""
@@ -299,8 +301,20 @@ class _Tally:
         self.traces += 1
         self.evicted_nll.append(nll[scored])
         self.full_nll.append(trace.token_nll[scored])
-        self.damage += low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored])
+        damage = low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored])
+        self.damage += damage
+        self.per_trace.append((trace, damage))
         self.cosine.append(torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored])
+
+    def trace_scores(self, policy: str, budget: int) -> list[TraceScore]:
+        """Each scored trace's sums, for intervals over traces (`foresight.headroom`)."""
+        return [
+            TraceScore(
+                policy, budget, trace.index, trace.source, evicted.numel(), float(evicted.double().sum()),
+                float(full.double().sum()), damage.low_entropy, damage.damaged,
+            )
+            for (trace, damage), evicted, full in zip(self.per_trace, self.evicted_nll, self.full_nll)
+        ]
 
     def row(self, policy: str, budget: int, interval: int, overlap: bool) -> dict[str, Any]:
         tokens = sum(t.numel() for t in self.evicted_nll)
@@ -330,6 +344,7 @@ class _Tally:
 class EvaluationResult:
     rows: list[dict[str, Any]]
     notes: list[str]
+    trace_scores: list[TraceScore] = field(default_factory=list)
 
 
 def evaluate(
@@ -373,7 +388,7 @@ def evaluate(
         _work(batch, budget, interval, spec) for budget, budget_specs, batches, _ in plans
         for batch in batches for spec in _replayed(budget_specs)
     )
-    rows = []
+    rows, scores = [], []
     with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
         for budget, budget_specs, batches, batch_labels in plans:
             tallies = {spec.name: _Tally() for spec in budget_specs}
@@ -390,7 +405,8 @@ def evaluate(
                 for spec, row in zip(budget_specs, budget_rows) if spec.evicts and row["never_evicted"]
             ]
             rows += budget_rows
-    return EvaluationResult(rows=rows, notes=notes)
+            scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
+    return EvaluationResult(rows=rows, notes=notes, trace_scores=scores)
 
 
 def _labels_for(
@@ -534,13 +550,27 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
         writer.writerows(rows)
     setting_lines = [f"- {key}: {value}" for key, value in settings.items()]
     note_lines = [f"- {note}" for note in result.notes] or ["- none"]
+    comparisons = learned_headroom(result)
+    sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
     text = "\n".join(["# Teacher-forced evaluation", "", *setting_lines, "", "Notes:", "", *note_lines, "",
-                      markdown_table(rows), ""])
+                      markdown_table(rows), "", *(f"{section}\n" for section in sections)])
     write_text(paths[2], text)
+    paths.append(out_dir / "traces.json")
+    write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))
+    if comparisons:
+        paths.append(out_dir / "headroom.json")
+        write_text(paths[-1], json.dumps([row for c in comparisons for row in headroom_rows(c)], indent=1))
     for metric in METRICS:
         if any(row[metric] is not None for row in rows):
             paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png"))
     return paths
+
+
+def learned_headroom(result: EvaluationResult) -> list[Headroom]:
+    """`foresight.headroom.headroom` of every learned policy at every budget where it can be measured."""
+    runs = sorted({(row["budget"], row["policy"]) for row in result.rows if row["policy"].startswith(LEARNED)})
+    comparisons = (headroom(result.trace_scores, budget, policy) for budget, policy in runs)
+    return [c for c in comparisons if c is not None]
 
 
 def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path) -> Path:

@@ -112,7 +112,8 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"{config.num_kv_heads} KV heads, head dim {config.head_dim}) |\n"
         f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
         f"| features | `{config.feature_set.value}`: {features} (per query head, log1p) |\n"
-        f"| hidden width H | {config.hidden} |",
+        f"| hidden width H | {config.hidden} |"
+        + (f"\n| training sources | {', '.join(f'`{s}`' for s in config.training_sources)} |" if config.training_sources else ""),
         "## Training\n" + _training_text(training),
     ]
     if evaluation:

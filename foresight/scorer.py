@@ -18,7 +18,7 @@ and `plackett_luce_logprob` (the action log-probability GRPO needs).
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -57,7 +57,8 @@ class ScorerConfig:
     num_layers, num_query_heads, num_kv_heads, head_dim: the base model's shape (Hq must be a multiple
     of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
     (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
-    width (16 in the paper). feature_set: "paper" (F = 6) or "official-8" (F = 8).
+    width (16 in the paper). feature_set: "paper" (F = 6) or "official-8" (F = 8). training_sources:
+    the prompt sources of the traces it was trained on (informative; empty when not recorded).
     """
 
     num_layers: int
@@ -69,6 +70,7 @@ class ScorerConfig:
     base_model: str
     hidden: int = 16
     feature_set: FeatureSet = FeatureSet.PAPER
+    training_sources: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)

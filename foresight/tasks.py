@@ -98,6 +98,11 @@ def recorded_source(spec: str) -> str:
     return ",".join(f"{name}={s.weight:g}" for name, s in zip(names, sources))
 
 
+def source_names(spec: str) -> list[str]:
+    """The sources a SOURCE names (one, or each entry of a mixture), as `recorded_source` writes them."""
+    return [recorded_source(s.source) for s in parse_sources(spec)]
+
+
 def mixture_counts(num: int, weights: list[float]) -> list[int]:
     """Problems per source: ``num`` split in proportion to ``weights`` by largest remainders
     (ties to the earlier source)."""

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from foresight.artifacts import atomic_folder, remove_leftovers, write_text
 from foresight.runtime.engine import SamplingConfig
 from foresight.sampler import Completion, Request, auto_batch_size, chunked_losses, sample_completions
-from foresight.tasks import Problem, chat_prompt_ids, check_answer, load_problems, parse_sources, recorded_source
+from foresight.tasks import Problem, chat_prompt_ids, check_answer, load_problems, recorded_source, source_names
 
 MANIFEST = "manifest.json"
 SHARD_RECORD = "shard.json"
@@ -507,6 +507,14 @@ def _quiet_datasets() -> Iterator[None]:
     finally:
         if not was_disabled:
             datasets.enable_progress_bars()
+
+
+def folder_sources(out_dir: str | os.PathLike) -> list[str]:
+    """The prompt sources of a trace folder's traces, from its manifest ([] when there is none yet)."""
+    manifest = _read_json(Path(out_dir) / MANIFEST)
+    if manifest is None:
+        return []
+    return sorted(manifest.get("sources") or source_names(manifest["settings"]["source"]))
 
 
 def describe_traces(traces: Sequence[Trace]) -> str:

@@ -45,7 +45,8 @@ from foresight.policies import make_policy
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.policies.foresight import FEATURE_STATE, observe_features
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.traces import Trace, TraceStore, generate_traces
+from foresight.tasks import source_names
+from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, generate_traces
 
 FORMAT = "foresight-golden-steps/1"
 TENSORS = ("keys", "values", "features", "alpha")
@@ -292,14 +293,17 @@ class GoldenDataModule(L.LightningDataModule):
 
     @property
     def scorer_spec(self) -> dict:
-        """The `ScorerConfig` fields the data fixes (model shape, B, L, features, base model)."""
+        """The `ScorerConfig` fields the data fixes (model shape, B, L, features, base model, the
+        traces' prompt sources)."""
         shape = describe(base_model_config(self.model_name))
+        sources = folder_sources(self.traces_dir) or (source_names(self.recipe.prompts) if self.recipe else [])
         return {
             **asdict(shape),
             "budget": self.budget,
             "interval": self.interval,
             "base_model": self.model_name,
             "feature_set": self.feature_set,
+            "training_sources": sources,
         }
 
     def prepare_data(self) -> None:
@@ -346,8 +350,7 @@ class GoldenDataModule(L.LightningDataModule):
         settings = self._store().settings
         self._summary = {
             "base model": self.model_name,
-            "traces": f"{len(traces)} traces of {settings['source']} ({sum(t.input_ids.numel() for t in traces)} "
-            f"tokens; at most {settings['max_new_tokens']} new tokens, temperature {settings['temperature']})",
+            "traces": describe_traces(traces) + _sampling_words(settings),
             "budget B, interval L": f"{self.budget}, {self.interval}",
             "split": f"{len(splits['train'])} training and {len(splits['val'])} held-out traces",
             "eviction steps (training)": str(sum(self._num_steps(t) for t in splits["train"])),
@@ -462,6 +465,13 @@ class GoldenDataModule(L.LightningDataModule):
         if differing:
             raise ValueError(f"cached examples at {path} were made for something else ({', '.join(differing)}); use another cache_dir")
         return path
+
+
+def _sampling_words(settings: dict) -> str:
+    """How a folder's traces were sampled, or that they were imported."""
+    if "max_new_tokens" not in settings:
+        return f"; imported from {settings['source']}"
+    return f"; at most {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}"
 
 
 def _float_dtype(name: str, value: str) -> torch.dtype:
