@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -45,7 +46,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from foresight.artifacts import write_text
 from foresight.cadence import check_budget, golden_prefill, step_of, step_position
+from foresight.headroom import LEARNED, Headroom, TraceScore, headroom, headroom_rows
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.metrics import (
     EntropyDamage,
@@ -56,8 +59,7 @@ from foresight.metrics import (
     scored_tokens,
 )
 from foresight.policies import POLICIES, Policy, make_policy
-from foresight.scorer import load_scorer
-from foresight.scorer import ForesightScorer
+from foresight.scorer import ForesightScorer, load_scorer
 from foresight.policies.golden import GoldenSchedule
 from foresight.report import Column, set_interval, write_results
 from foresight.report import markdown_table as format_table
@@ -293,6 +295,7 @@ class _Tally:
     overlap_kept: list[int] = field(default_factory=list)
     never_evicted: int = 0
     seconds: float = 0.0
+    traces: list[Trace] = field(default_factory=list)  # the scored traces, in the order of the lists above
 
     def add_trace(
         self,
@@ -311,9 +314,20 @@ class _Tally:
         self.evicted_nll.append(nll[scored])
         self.full_nll.append(trace.token_nll[scored])
         self.damages.append(low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored]))
+        self.traces.append(trace)
         self.cosine.append(torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored])
         self.overlap_hits.append(overlap[0])
         self.overlap_kept.append(overlap[1])
+
+    def trace_scores(self, policy: str, budget: int) -> list[TraceScore]:
+        """Each scored trace's sums, for intervals over traces (`foresight.headroom`)."""
+        return [
+            TraceScore(
+                policy, budget, trace.index, trace.source, evicted.numel(), float(evicted.double().sum()),
+                float(full.double().sum()), damage.low_entropy, damage.damaged,
+            )
+            for trace, damage, evicted, full in zip(self.traces, self.damages, self.evicted_nll, self.full_nll)
+        ]
 
     def row(self, policy: str, budget: int, interval: int, overlap: bool) -> dict[str, Any]:
         tokens = sum(t.numel() for t in self.evicted_nll)
@@ -360,6 +374,7 @@ class _Tally:
 class EvaluationResult:
     rows: list[dict[str, Any]]
     notes: list[str]
+    trace_scores: list[TraceScore] = field(default_factory=list)
 
 
 def evaluate(
@@ -403,7 +418,7 @@ def evaluate(
         _work(batch, budget, interval, spec) for budget, budget_specs, batches, _ in plans
         for batch in batches for spec in _replayed(budget_specs)
     )
-    rows = []
+    rows, scores = [], []
     with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
         for budget, budget_specs, batches, batch_labels in plans:
             tallies = {spec.name: _Tally() for spec in budget_specs}
@@ -420,7 +435,8 @@ def evaluate(
                 for spec, row in zip(budget_specs, budget_rows) if spec.evicts and row["never_evicted"]
             ]
             rows += budget_rows
-    return EvaluationResult(rows=rows, notes=notes)
+            scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
+    return EvaluationResult(rows=rows, notes=notes, trace_scores=scores)
 
 
 def _labels_for(
@@ -547,9 +563,25 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (settings, notes, table) and one PNG
-    per metric (budget against the metric, one line per policy, intervals as error bars). Returns the
-    paths written."""
-    return write_results(
+    per metric (budget against the metric, one line per policy, intervals as error bars), plus
+    traces.json (every scored trace's sums) and, for each learned scorer, its share of the headroom
+    over the best heuristic (a results.md section and headroom.json). Returns the paths written."""
+    comparisons = learned_headroom(result)
+    sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
+    paths = write_results(
         out_dir, "Teacher-forced evaluation", settings, result.notes, sorted_rows(result.rows), COLUMNS, METRICS,
-        reference=REFERENCE.name,
+        reference=REFERENCE.name, sections=sections,
     )
+    paths.append(Path(out_dir) / "traces.json")
+    write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))
+    if comparisons:
+        paths.append(Path(out_dir) / "headroom.json")
+        write_text(paths[-1], json.dumps([row for c in comparisons for row in headroom_rows(c)], indent=1))
+    return paths
+
+
+def learned_headroom(result: EvaluationResult) -> list[Headroom]:
+    """`foresight.headroom.headroom` of every learned policy at every budget where it can be measured."""
+    runs = sorted({(row["budget"], row["policy"]) for row in result.rows if row["policy"].startswith(LEARNED)})
+    comparisons = (headroom(result.trace_scores, budget, policy) for budget, policy in runs)
+    return [c for c in comparisons if c is not None]

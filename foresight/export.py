@@ -113,7 +113,8 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
         f"| features | `{config.feature_set.value}`: {features} (per query head, log1p) |\n"
         f"| hidden width H | {config.hidden} |\n"
-        f"| training stage | {config.stage}{_started_from(config)} |",
+        f"| training stage | {config.stage}{_started_from(config)} |"
+        + (f"\n| training sources | {', '.join(f'`{s}`' for s in config.training_sources)} |" if config.training_sources else ""),
         "## Training\n" + _training_text(config, training),
     ]
     if evaluation:

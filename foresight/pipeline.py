@@ -25,6 +25,7 @@ from foresight.golden_steps import golden_steps
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.models import DEFAULT_MODEL, dtype_name, float_dtype, load_model
+from foresight.tasks import recorded_source
 from foresight.traces import (
     Trace,
     TraceRunSummary,
@@ -32,7 +33,6 @@ from foresight.traces import (
     TraceStore,
     finished_run,
     generate_traces,
-    recorded_source,
 )
 
 
@@ -65,7 +65,7 @@ class TraceRecipe:
     temperature: float = 0.6
     top_k: int = 20
     top_p: float = 0.95
-    batch_size: int = 8
+    batch_size: int | None = None  # rows decoded together; None sizes it to the machine
     shard_size: int = 64
     seed: int = 0
 

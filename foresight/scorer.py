@@ -19,7 +19,7 @@ and `plackett_luce_logprob` (the action log-probability GRPO needs).
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -65,6 +65,8 @@ class ScorerConfig:
     width (16 in the paper). feature_set: "paper" (F = 6) or "official-8" (F = 8). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
     scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
+    training_sources: the prompt sources of the traces it was trained on (informative; empty when not
+    recorded).
     """
 
     num_layers: int
@@ -78,6 +80,7 @@ class ScorerConfig:
     feature_set: FeatureSet = FeatureSet.PAPER
     stage: str = "supervised"
     started_from: str | None = None
+    training_sources: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)

@@ -43,12 +43,23 @@ def bootstrap_interval(
         raise ValueError(f"need one numerator and one denominator per unit, got {top.shape} and {bottom.shape}")
     if top.size == 0:
         return None
-    draws = np.random.default_rng(seed).integers(0, top.size, (resamples, top.size))
-    sums = bottom[draws].sum(axis=1)
+    counts = resample_counts(top.size, resamples, seed)
+    sums = counts @ bottom
     defined = sums != 0
     if not defined.any():
         return None
-    values = top[draws].sum(axis=1)[defined] / sums[defined]
+    return percentile_interval((counts @ top)[defined] / sums[defined], confidence)
+
+
+def resample_counts(units: int, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+    """[resamples, units]: how often resample r draws each unit (with replacement). Every interval of the
+    reports draws from this one function, so figures resampled with one seed are paired."""
+    draws = np.random.default_rng(seed).integers(0, units, (resamples, units))
+    return np.stack([np.bincount(row, minlength=units) for row in draws]).astype(np.float64)
+
+
+def percentile_interval(values: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The (1 - confidence) / 2 and (1 + confidence) / 2 quantiles of resampled values (linear interpolation)."""
     low, high = np.quantile(values, [(1 - confidence) / 2, (1 + confidence) / 2])
     return float(low), float(high)
 

@@ -9,7 +9,11 @@ A SOURCE is one of
 - a JSONL file of ``{"prompt": ..., "answer": ...}`` objects (``answer`` optional), checked with
   ``math-verify``;
 - a folder written by ``datasets.Dataset.save_to_disk`` with a ``prompt`` or ``question`` column and an
-  optional ``answer`` column, checked with ``math-verify``.
+  optional ``answer`` column, checked with ``math-verify``;
+- a mixture ``SOURCE=WEIGHT,SOURCE=WEIGHT,...`` of the above (a weight defaults to 1): ``num`` problems
+  are split between the sources in proportion to their weights (largest remainders) and interleaved
+  so that every prefix of the list holds the sources in about those proportions (a held-out split or
+  a shard sees the whole mixture). Each source's problems are its own first ones, as if read alone.
 
 Final-answer rules (:func:`extract_answer`), applied to every completion before checking; both are
 reported, as lm-evaluation-harness does for GSM8K:
@@ -29,9 +33,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +65,125 @@ class Problem:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class WeightedSource:
+    """One source of a mixture and its weight (share of the problems)."""
+
+    source: str
+    weight: float = 1.0
+
+
+def parse_sources(spec: str) -> list[WeightedSource]:
+    """The sources of ``SOURCE[=WEIGHT][,SOURCE[=WEIGHT]...]``, each named once, weights positive. The
+    options of a reasoning-gym task (``reasoning-gym:TASK:KEY=VALUE,KEY=VALUE``) stay with their task,
+    and such a task takes no weight (its last ``=VALUE`` is an option's)."""
+    parts = _mixture_entries(spec)
+    if not all(parts):
+        raise ValueError(f"prompt source {spec!r} has an empty entry; write SOURCE[=WEIGHT][,SOURCE[=WEIGHT]...]")
+    sources = []
+    for part in parts:
+        name, _, weight = part.rpartition("=")
+        value = _number(weight) if name and not _has_task_options(part) else None
+        if value is None:  # no weight given (a name may itself hold "=")
+            name, value = part, 1.0
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"weight {weight!r} of prompt source {name!r} must be a positive number")
+        sources.append(WeightedSource(name, value))
+    names = [s.source for s in sources]
+    if len(set(names)) < len(names):
+        raise ValueError(f"prompt source {spec!r} names a source twice")
+    return sources
+
+
+def _has_task_options(source: str) -> bool:
+    return source.startswith(REASONING_GYM) and ":" in source[len(REASONING_GYM) :]
+
+
+def _mixture_entries(spec: str) -> list[str]:
+    """``spec`` split on commas, except those between the KEY=VALUE options of a reasoning-gym task."""
+    entries: list[str] = []
+    for part in (part.strip() for part in spec.split(",")):
+        continues_options = (
+            entries and _has_task_options(entries[-1]) and "=" in part and not part.startswith(REASONING_GYM)
+            and not Path(part.rpartition("=")[0]).exists()
+        )
+        if continues_options:
+            entries[-1] += "," + part
+        else:
+            entries.append(part)
+    return entries
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def recorded_source(spec: str) -> str:
+    """A SOURCE as a folder's settings record it: reasoning-gym:TASK as given, a file or folder as its
+    absolute path; in a mixture each entry so, with its weight (weights of 1 written only in mixtures)."""
+    sources = parse_sources(spec)
+    names = [s.source if s.source.startswith(REASONING_GYM) else str(Path(s.source).resolve()) for s in sources]
+    if len(sources) == 1 and sources[0].weight == 1:
+        return names[0]
+    return ",".join(f"{name}={s.weight:g}" for name, s in zip(names, sources))
+
+
+def source_names(spec: str) -> list[str]:
+    """The sources a SOURCE names (one, or each entry of a mixture), as `recorded_source` writes them."""
+    return [recorded_source(s.source) for s in parse_sources(spec)]
+
+
+def mixture_counts(num: int, weights: list[float]) -> list[int]:
+    """Problems per source: ``num`` split in proportion to ``weights`` by largest remainders
+    (ties to the earlier source)."""
+    quotas = [num * w / sum(weights) for w in weights]
+    counts = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[: num - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def mixture_order(counts: list[int]) -> list[int]:
+    """The source of each position: at every step the source furthest behind its share of the steps
+    so far takes the next position (ties to the earlier source), so each prefix follows the weights."""
+    total, taken, order = sum(counts), [0] * len(counts), []
+    for step in range(1, total + 1):
+        source = max(range(len(counts)), key=lambda i: (counts[i] * step / total - taken[i], -i))
+        taken[source] += 1
+        order.append(source)
+    return order
+
+
 def load_problems(source: str, num: int, seed: int = 0) -> list[Problem]:
     """The first ``num`` problems of ``source`` (see the module docstring for the forms).
 
-    ``seed`` picks the reasoning-gym problems; file and dataset sources are read in order.
+    ``seed`` picks the reasoning-gym problems; file and dataset sources are read in order. A
+    problem's ``source`` is the one it came from, as `recorded_source` writes it.
     """
     if num < 1:
         raise ValueError(f"num must be at least 1, got {num}")
+    sources = parse_sources(source)
+    if len(sources) == 1:
+        return _source_problems(sources[0].source, num, seed)
+    counts = mixture_counts(num, [s.weight for s in sources])
+    empty = [s.source for s, count in zip(sources, counts) if count == 0]
+    if empty:
+        raise ValueError(f"{num} problems leave none for {', '.join(empty)}; ask for more problems or raise its weight")
+    pools = [iter(_source_problems(s.source, count, seed)) for s, count in zip(sources, counts)]
+    return [replace(next(pools[s]), index=index) for index, s in enumerate(mixture_order(counts))]
+
+
+def _source_problems(source: str, num: int, seed: int) -> list[Problem]:
+    """The first ``num`` problems of one source, each naming it as `recorded_source` writes it."""
+    recorded = recorded_source(source)
+    return [replace(problem, source=recorded) for problem in _read_source(source, num, seed)]
+
+
+def _read_source(source: str, num: int, seed: int) -> list[Problem]:
     if source.startswith(REASONING_GYM):
         return _reasoning_gym_problems(source, num, seed)
     path = Path(source)
@@ -251,15 +368,16 @@ def check_answer(problem: Problem, completion: str, rule: AnswerRule | str = Ans
     """Whether the completion's final answer (found by `rule`) is right; None when the problem has no
     answer. A completion in which the rule finds no answer is wrong.
 
-    reasoning-gym problems use the task's own scorer (correct = full score 1.0); other sources
-    compare with ``math-verify`` (numbers and LaTeX expressions by value).
+    reasoning-gym problems use the task's own scorer (correct = full score 1.0) when they carry its
+    dataset entry; other sources (and imported rows, which carry none) compare with ``math-verify``
+    (numbers and LaTeX expressions by value).
     """
     if problem.answer is None:
         return None
     predicted = extract_answer(completion, rule)
     if not predicted:
         return False
-    if problem.source.startswith(REASONING_GYM):
+    if problem.source.startswith(REASONING_GYM) and problem.metadata:
         score = _reasoning_gym_scorer(_reasoning_gym_task(problem.source)[0])(predicted, problem.metadata)
         return score >= 1.0
     from math_verify import verify

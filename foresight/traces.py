@@ -1,25 +1,27 @@
 """Reasoning-trace generation and storage (ForesightKV §3.2 and App. E.1).
 
-Traces are sampled from the frozen model with the full cache (``model.generate``, left-padded
-batches), then teacher-forced once more to store each token's full-cache loss and entropy: the
-reinforcement stage's reward and the evaluation's loss ratio compare against them (docs/algorithms.md
-§7-8).
+Traces are sampled from the frozen model with the full cache by continuous batching
+(`foresight.sampler`: a row that ends is replaced by the next problem at once), and each stores
+every token's full-cache loss and entropy, read off the predictions made while sampling: the
+reinforcement stage's reward and the evaluation's loss ratio compare against them
+(docs/algorithms.md §7-8). Traces made by another engine are imported by `foresight.trace_import`
+into the same layout.
 
 Layout of an output folder::
 
-    manifest.json            settings, and per finished shard its record (derived, see below)
+    manifest.json            settings, per finished shard its record, totals overall and per source
     shard-00000/             a `datasets` Arrow folder of the traces of problems [0, shard_size)
-        shard.json           that shard's record: problem range, counts, batch size
+        shard.json           that shard's record: problem range, counts (overall and per source)
     shard-00001/ ...
     .shard-00003.tmp-PID/    a shard being written (renamed to shard-00003 when complete)
     .lock                    file lock guarding manifest.json
 
 Atomic and resumable: a shard is written to a temporary folder and renamed, so a killed run leaves
 complete shards and leftovers only; a rerun skips complete shards and deletes the leftovers of the
-shards it owns. Each shard's sampling is seeded from (seed, shard index), so a resumed run writes the
-same shards as an uninterrupted one (for the same batch size and device: batching changes the
-padding and hence the floating-point path). Concurrency: processes with different ``shard=(i, n)``
-own disjoint shards (k % n == i); the shard folders with their ``shard.json`` are the source of truth
+shards it owns. Each problem samples with its own generator seeded from (seed, problem index), so
+a trace does not depend on the batch size, the shards, the other problems or an interruption (up
+to the rounding of batched kernels). Concurrency: processes with different ``shard=(i, n)`` own
+disjoint shards (k % n == i); the shard folders with their ``shard.json`` are the source of truth
 and ``manifest.json`` is rebuilt from them under a file lock after every shard, so it is never torn
 and never misses a shard. Settings that define the data are fixed by the first run into a folder;
 a rerun with other settings is refused.
@@ -31,7 +33,8 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -41,10 +44,11 @@ import numpy as np
 import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
 
 from foresight.artifacts import atomic_folder, remove_leftovers, write_text
-from foresight.tasks import REASONING_GYM, Problem, chat_prompt_ids, check_answer, load_problems
+from foresight.runtime.engine import SamplingConfig
+from foresight.sampler import Completion, Request, auto_batch_size, chunked_losses, sample_completions
+from foresight.tasks import Problem, chat_prompt_ids, check_answer, load_problems, recorded_source, source_names
 
 MANIFEST = "manifest.json"
 SHARD_RECORD = "shard.json"
@@ -52,6 +56,7 @@ LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 2
 FEATURES = datasets.Features(
     {
         "index": datasets.Value("int64"),
+        "source": datasets.Value("string"),
         "input_ids": datasets.List(datasets.Value("int32")),
         "prompt_length": datasets.Value("int32"),
         "token_nll": datasets.List(datasets.Value("float32")),
@@ -63,11 +68,28 @@ FEATURES = datasets.Features(
     }
 )
 _TENSOR_COLUMNS = ["input_ids", "token_nll", "token_entropy"]
+_SHOWN_ROWS = 8  # row numbers named per rejection reason in a summary
+
+
+class Sharded:
+    """Problems (or imported rows) [0, num) stored in shards of `shard_size`."""
+
+    num: int
+    shard_size: int
+
+    @property
+    def num_shards(self) -> int:
+        return math.ceil(self.num / self.shard_size)
+
+    def shard_range(self, shard: int) -> range:
+        """Problem indices covered by a shard."""
+        return range(shard * self.shard_size, min((shard + 1) * self.shard_size, self.num))
 
 
 @dataclass(frozen=True)
-class TraceSettings:
-    """What defines a trace folder's data; a rerun into the folder must repeat them exactly."""
+class TraceSettings(Sharded):
+    """What defines a trace folder's data; a rerun into the folder must repeat them exactly.
+    `source` is the prompt SOURCE as `foresight.tasks.recorded_source` writes it (a mixture included)."""
 
     model: str
     source: str
@@ -91,19 +113,12 @@ class TraceSettings:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    @property
-    def num_shards(self) -> int:
-        return math.ceil(self.num / self.shard_size)
-
-    def shard_range(self, shard: int) -> range:
-        """Problem indices covered by a shard."""
-        return range(shard * self.shard_size, min((shard + 1) * self.shard_size, self.num))
-
 
 @dataclass(frozen=True)
 class TraceCounts:
-    """What happened to a shard's (or a run's) problems. Filters apply in order: length, then
-    correctness, so generated = kept + too_short + incorrect."""
+    """What happened to a shard's (or a run's) problems. Filters apply in order: rejection (an
+    imported row that cannot be a trace), length, then correctness, so
+    generated = kept + rejected + too_short + incorrect."""
 
     generated: int = 0
     kept: int = 0
@@ -113,14 +128,15 @@ class TraceCounts:
     correct: int = 0
     truncated: int = 0  # reached max_new_tokens without an EOS
     tokens: int = 0  # total length of the kept traces
+    rejected: int = 0  # imported rows that cannot be traces (each with its reason in the shard record)
 
     def __add__(self, other: TraceCounts) -> TraceCounts:
         return TraceCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> TraceCounts:
-        """The counts in a shard record (which holds other keys too)."""
-        return cls(**{f.name: record[f.name] for f in fields(cls)})
+        """The counts in a shard record (which holds other keys too; `rejected` is 0 in older records)."""
+        return cls(**{f.name: record.get(f.name, 0) for f in fields(cls)})
 
     @property
     def accuracy(self) -> float | None:
@@ -129,30 +145,46 @@ class TraceCounts:
 
 @dataclass(frozen=True)
 class TraceRunSummary:
-    """The shards a call owns (written now or found complete) and their summed counts."""
+    """The shards a call owns (written now or found complete), their summed counts, the counts per
+    source and the rows refused with their reasons ({reason: [row, ...]})."""
 
     out_dir: Path
     shards_written: int
     shards_skipped: int
     counts: TraceCounts
+    by_source: dict[str, TraceCounts] = field(default_factory=dict)
+    rejected: dict[str, list[int]] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line stating what the folder holds for this call's shards."""
         c = self.counts
         accuracy = f"accuracy {c.accuracy:.1%} ({c.correct}/{c.checked})" if c.checked else "no answers to check"
-        return (
+        refused = f", {c.rejected} rejected" if c.rejected else ""
+        line = (
             f"{self.out_dir}: kept {c.kept} of {c.generated} traces ({c.too_short} too short, "
-            f"{c.incorrect} incorrect, {c.truncated} truncated), {accuracy}, {c.tokens} tokens; "
+            f"{c.incorrect} incorrect, {c.truncated} truncated{refused}), {accuracy}, {c.tokens} tokens; "
             f"{self.shards_written} shard(s) written, {self.shards_skipped} already complete"
         )
+        if len(self.by_source) > 1:
+            line += "; by source: " + ", ".join(
+                f"{source} {n.kept}/{n.generated}" for source, n in sorted(self.by_source.items())
+            )
+        if self.rejected:
+            line += "; rejected: " + "; ".join(
+                f"{len(rows)} {reason} (row {', '.join(map(str, rows[:_SHOWN_ROWS]))}{', ...' if len(rows) > _SHOWN_ROWS else ''})"
+                for reason, rows in sorted(self.rejected.items())
+            )
+        return line
 
 
 @dataclass(frozen=True)
 class Trace:
     """One stored trace. ``token_nll[j]`` and ``token_entropy[j]`` are the full-cache loss and
-    entropy of predicting ``input_ids[j + 1]`` from ``input_ids[: j + 1]``."""
+    entropy of predicting ``input_ids[j + 1]`` from ``input_ids[: j + 1]``. ``source`` is the
+    prompt source it came from (one entry of a mixture, or an imported row's own)."""
 
     index: int
+    source: str
     input_ids: torch.Tensor = field(repr=False)  # [T] int64, prompt then completion (EOS included when generated)
     prompt_length: int
     token_nll: torch.Tensor = field(repr=False)  # [T - 1] float32
@@ -167,6 +199,12 @@ class Trace:
         return self.input_ids[self.prompt_length :]
 
 
+def check_plain_logits(model) -> None:
+    """Refuse a model whose logits are soft-capped: the stored losses read the LM head directly."""
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"model {model.name_or_path!r} soft-caps its logits, which trace losses do not apply")
+
+
 @torch.inference_mode()
 def token_losses(model, input_ids: torch.Tensor, chunk_size: int = LOSS_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-cache teacher-forced loss and entropy of one sequence, both [T - 1] float32 on CPU.
@@ -174,18 +212,10 @@ def token_losses(model, input_ids: torch.Tensor, chunk_size: int = LOSS_CHUNK) -
     One forward through the decoder, then the LM head over chunks of positions so that the
     [T, vocab] logits never exist at once.
     """
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError(f"model {model.name_or_path!r} soft-caps its logits, which token_losses does not apply")
+    check_plain_logits(model)
     ids = input_ids.to(model.device).unsqueeze(0)
     hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-    targets = ids[0, 1:, None]
-    head = model.get_output_embeddings()
-    nll, entropy = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        log_probs = torch.log_softmax(head(hidden[start : start + chunk_size]).float(), dim=-1)
-        nll.append(-log_probs.gather(-1, targets[start : start + chunk_size]).squeeze(-1))
-        entropy.append(-(log_probs.exp() * log_probs).sum(-1))
-    return torch.cat(nll).cpu(), torch.cat(entropy).cpu()
+    return chunked_losses(model.get_output_embeddings(), hidden, ids[0, 1:], chunk_size)
 
 
 def generate_traces(
@@ -201,27 +231,28 @@ def generate_traces(
     top_p: float = 0.95,
     min_tokens: int = 0,
     only_correct: bool = False,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     shard_size: int = 64,
     shard: tuple[int, int] = (0, 1),
     seed: int = 0,
     progress: bool = True,
     model_name: str | None = None,
 ) -> TraceRunSummary:
-    """Sample one trace per problem of ``source`` (see foresight.tasks) into ``out_dir``.
+    """Sample one trace per problem of ``source`` (see foresight.tasks; a weighted mixture of
+    sources too) into ``out_dir``.
 
     Sampling follows the paper's evaluation settings (T = 0.6, top-k 20, top-p 0.95; temperature 0
-    is greedy; options not named here, e.g. a repetition penalty, come from the model's
-    ``generation_config`` as in ``transformers``). A trace is kept when its length (prompt +
-    completion) is at least ``min_tokens`` and, with ``only_correct``, its answer checks as correct
-    (App. E.1 keeps correct traces over 4096 tokens). ``shard=(i, n)`` makes this call write only
-    shards k with k % n == i. ``model_name`` (default: the model's ``name_or_path``) is recorded and
-    checked on reruns.
+    is greedy; the model's ``generation_config`` is not read). Up to ``batch_size`` problems decode
+    together by continuous batching (None: sized to the machine, `foresight.sampler.auto_batch_size`).
+    A trace is kept when its length (prompt + completion) is at least ``min_tokens`` and, with
+    ``only_correct``, its answer checks as correct (App. E.1 keeps correct traces over 4096 tokens).
+    ``shard=(i, n)`` makes this call write only shards k with k % n == i. ``model_name`` (default:
+    the model's ``name_or_path``) is recorded and checked on reruns.
     """
     index, count = shard
     if not 0 <= index < count:
         raise ValueError(f"shard must be i/n with 0 <= i < n, got {index}/{count}")
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     settings = TraceSettings(
         model=model.name_or_path if model_name is None else model_name,
@@ -236,27 +267,41 @@ def generate_traces(
         seed=seed,
         shard_size=shard_size,
     )
+    check_plain_logits(model)
+    eos_ids = eos_token_ids(model, tokenizer, settings.model)
     problems = load_problems(source, num, seed)
-    writer = _ShardWriter(Path(out_dir), settings)
+    writer = ShardWriter(Path(out_dir), settings)
     owned = list(range(index, settings.num_shards, count))
     todo = [k for k in owned if not writer.is_complete(k)]
     for k in owned:
         remove_leftovers(writer.shard_dir(k))
-    sampler = _Sampler(model, tokenizer, settings, batch_size)
-    pending = sum(len(settings.shard_range(k)) for k in todo)
-    with tqdm(total=pending, disable=not progress, unit="problem", desc="traces") as bar:
-        for k in todo:
-            with torch.random.fork_rng(devices=_rng_devices(model), device_type=model.device.type):
-                torch.manual_seed(_shard_seed(seed, k))
-                rows, counts = sampler.shard([problems[i] for i in settings.shard_range(k)], bar)
-            writer.write(k, rows, {"batch_size": batch_size, **asdict(counts)})
-    total = sum((writer.counts(k) for k in owned), TraceCounts())
-    return TraceRunSummary(Path(out_dir), len(todo), len(owned) - len(todo), total)
+    prompts = {i: chat_prompt_ids(tokenizer, problems[i].prompt) for k in todo for i in settings.shard_range(k)}
+    if batch_size is None:
+        batch_size = auto_batch_size(model, max(map(len, prompts.values()), default=0) + max_new_tokens)
+    requests = (Request(i, prompt, problem_seed(seed, i)) for i, prompt in prompts.items())
+    sampling = SamplingConfig(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    shards = {k: ShardRows(settings.shard_range(k)) for k in todo}
+    shard_of = {i: k for k in todo for i in settings.shard_range(k)}
+    with tqdm(total=len(prompts), disable=not progress, unit="problem", desc="traces") as bar:
+        tokens = Counter()
 
+        def count(n: int) -> None:
+            tokens["sampled"] += n
+            bar.set_postfix_str(f"{tokens['sampled']} tokens, {n} rows", refresh=False)
 
-def recorded_source(source: str) -> str:
-    """A prompt source as the settings record it: reasoning-gym:TASK as given, a file or folder as its absolute path."""
-    return source if source.startswith(REASONING_GYM) else str(Path(source).resolve())
+        completions = sample_completions(
+            model, requests, max_new_tokens=max_new_tokens, eos_token_ids=eos_ids, sampling=sampling,
+            batch_size=batch_size, on_token=count,
+        )
+        for completion in completions:
+            k = shard_of[completion.key]
+            rows = shards[k]
+            rows.add(*sampled_trace(problems[completion.key], completion, tokenizer, settings))
+            bar.update()
+            if rows.is_complete():
+                writer.write(k, rows.columns(), {"batch_size": batch_size, **rows.record()})
+                del shards[k]
+    return writer.summary(owned, written=len(todo))
 
 
 def finished_run(
@@ -270,112 +315,122 @@ def finished_run(
         return None
     _check_same_settings(out_dir, manifest["settings"], asdict(settings))
     records = {record["shard"]: record for record in manifest["shards"]}
-    owned = range(shard[0], settings.num_shards, shard[1])
+    owned = [k for k in range(shard[0], settings.num_shards, shard[1])]
     if any(k not in records for k in owned):
         return None
-    counts = sum((TraceCounts.from_record(records[k]) for k in owned), TraceCounts())
-    return TraceRunSummary(out_dir, 0, len(owned), counts)
+    done = [records[k] for k in owned]
+    return TraceRunSummary(
+        out_dir, 0, len(owned), sum(map(TraceCounts.from_record, done), TraceCounts()), _by_source(done), _rejected(done)
+    )
 
 
-def _rng_devices(model) -> list[torch.device]:
-    return [model.device] if model.device.type != "cpu" else []
+def eos_token_ids(model, tokenizer, name: str) -> list[int]:
+    """The ids that end a completion: the model's generation config, else the tokenizer's EOS."""
+    eos = model.generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    if eos is None:
+        raise ValueError(f"model {name!r} has no EOS token id, so a trace could never end")
+    return [eos] if isinstance(eos, int) else list(eos)
 
 
-def _shard_seed(seed: int, shard: int) -> int:
-    """The sampling seed of one shard: a function of (seed, shard index) only."""
-    return int(np.random.SeedSequence([seed, shard]).generate_state(1)[0])
+def problem_seed(seed: int, index: int) -> int:
+    """The sampling seed of one problem: a function of (seed, problem index) only."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
-class _Sampler:
-    """Samples, checks, filters and scores the traces of one shard's problems."""
-
-    def __init__(self, model, tokenizer, settings: TraceSettings, batch_size: int) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.settings = settings
-        self.batch_size = batch_size
-        eos = model.generation_config.eos_token_id
-        eos = tokenizer.eos_token_id if eos is None else eos
-        if eos is None:
-            raise ValueError(f"model {settings.model!r} has no EOS token id, so a trace could never end")
-        self.eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos), device=model.device)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos_ids[0])
-        sampling = dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
-        self.generation_config = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens,
-            do_sample=settings.temperature > 0,
-            **(sampling if settings.temperature > 0 else {}),
-            eos_token_id=self.eos_ids.tolist(),
-            pad_token_id=self.pad_id,
-        )
-
-    def shard(self, problems: Sequence[Problem], bar: tqdm) -> tuple[dict[str, list], TraceCounts]:
-        """Columns of the kept traces (in problem order) and the shard's counts."""
-        rows: dict[str, list] = {name: [] for name in FEATURES}
-        counts = TraceCounts()
-        for start in range(0, len(problems), self.batch_size):
-            batch = problems[start : start + self.batch_size]
-            prompts = [chat_prompt_ids(self.tokenizer, problem.prompt) for problem in batch]
-            completions, truncated = self._sample(prompts)
-            for problem, prompt, completion, cut in zip(batch, prompts, completions, truncated):
-                counts += self._add(rows, problem, prompt, completion, cut)
-            bar.update(len(batch))
-        return rows, counts
-
-    def _sample(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
-        """Completions of a left-padded batch, each cut after its first EOS; and whether each
-        ran out of tokens instead."""
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        out = self.model.generate(
-            input_ids=ids.to(self.model.device),
-            attention_mask=mask.to(self.model.device),
-            generation_config=self.generation_config,
-        )[:, width:]
-        is_eos = torch.isin(out, self.eos_ids)
-        ended = is_eos.any(dim=1)
-        lengths = torch.where(ended, is_eos.int().argmax(dim=1) + 1, out.shape[1])
-        return [row[:n].tolist() for row, n in zip(out.cpu(), lengths.tolist())], (~ended).tolist()
-
-    def _add(
-        self, rows: dict[str, list], problem: Problem, prompt: list[int], completion: list[int], truncated: bool
-    ) -> TraceCounts:
-        """Check and filter one trace; append it to ``rows`` when kept."""
-        text = self.tokenizer.decode(completion, skip_special_tokens=True)
-        correct = check_answer(problem, text)
-        counts = dict(
-            generated=1, checked=int(correct is not None), correct=int(bool(correct)), truncated=int(truncated)
-        )
-        input_ids = prompt + completion
-        if len(input_ids) < self.settings.min_tokens:
-            return TraceCounts(too_short=1, **counts)
-        if self.settings.only_correct and not correct:
-            return TraceCounts(incorrect=1, **counts)
-        nll, entropy = token_losses(self.model, torch.tensor(input_ids))
-        trace = dict(
-            index=problem.index,
-            input_ids=input_ids,
-            prompt_length=len(prompt),
-            token_nll=nll.numpy(),
-            token_entropy=entropy.numpy(),
-            answer=problem.answer,
-            correct=correct,
-            prompt=problem.prompt,
-            completion=text,
-        )
-        for name, value in trace.items():
-            rows[name].append(value)
-        return TraceCounts(kept=1, tokens=len(input_ids), **counts)
+def sampled_trace(
+    problem: Problem, completion: Completion, tokenizer, settings: TraceSettings
+) -> tuple[int, str, dict[str, Any] | None, TraceCounts]:
+    """A sampled completion checked and filtered: (index, source, trace row or None, counts)."""
+    return build_trace(
+        problem, completion.prompt, completion.tokens, completion.truncated, tokenizer,
+        settings.min_tokens, settings.only_correct, lambda: (completion.token_nll, completion.token_entropy),
+    )
 
 
-class _ShardWriter:
+def build_trace(
+    problem: Problem,
+    prompt: list[int],
+    completion: list[int],
+    truncated: bool,
+    tokenizer,
+    min_tokens: int,
+    only_correct: bool,
+    losses: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[int, str, dict[str, Any] | None, TraceCounts]:
+    """Check and filter one trace (kept when at least ``min_tokens`` long and, with ``only_correct``,
+    correct); ``losses`` is called only for a kept trace. Returns (index, source, row or None, counts)."""
+    text = tokenizer.decode(completion, skip_special_tokens=True)
+    correct = check_answer(problem, text)
+    counts = dict(
+        generated=1, checked=int(correct is not None), correct=int(bool(correct)), truncated=int(truncated)
+    )
+    input_ids = prompt + completion
+    if len(input_ids) < min_tokens:
+        return problem.index, problem.source, None, TraceCounts(too_short=1, **counts)
+    if only_correct and not correct:
+        return problem.index, problem.source, None, TraceCounts(incorrect=1, **counts)
+    nll, entropy = losses()
+    trace = dict(
+        index=problem.index,
+        source=problem.source,
+        input_ids=input_ids,
+        prompt_length=len(prompt),
+        token_nll=nll.numpy(),
+        token_entropy=entropy.numpy(),
+        answer=problem.answer,
+        correct=correct,
+        prompt=problem.prompt,
+        completion=text,
+    )
+    return problem.index, problem.source, trace, TraceCounts(kept=1, tokens=len(input_ids), **counts)
+
+
+class ShardRows:
+    """The traces of one shard as they come (in any order): kept rows, counts overall and per
+    source, and the rows refused with their reasons."""
+
+    def __init__(self, indices: range) -> None:
+        self.indices = indices
+        self.seen: set[int] = set()
+        self.kept: dict[int, dict[str, Any]] = {}
+        self.counts = TraceCounts()
+        self.by_source: dict[str, TraceCounts] = defaultdict(TraceCounts)
+        self.rejected: list[dict[str, Any]] = []
+
+    def add(self, index: int, source: str, trace: dict[str, Any] | None, counts: TraceCounts) -> None:
+        self.seen.add(index)
+        if trace is not None:
+            self.kept[index] = trace
+        self.counts += counts
+        self.by_source[source] += counts
+
+    def reject(self, index: int, source: str, reason: str) -> None:
+        """An imported row that cannot be a trace, and why."""
+        self.add(index, source, None, TraceCounts(generated=1, rejected=1))
+        self.rejected.append({"row": index, "reason": reason})
+
+    def is_complete(self) -> bool:
+        return len(self.seen) == len(self.indices)
+
+    def columns(self) -> dict[str, list]:
+        """The kept traces as columns, in problem order."""
+        rows = [self.kept[i] for i in sorted(self.kept)]
+        return {name: [row[name] for row in rows] for name in FEATURES}
+
+    def record(self) -> dict[str, Any]:
+        """The shard's counts, its counts per source and its refused rows, for shard.json."""
+        return {
+            **asdict(self.counts),
+            "sources": {source: asdict(counts) for source, counts in sorted(self.by_source.items())},
+            "rejected_rows": sorted(self.rejected, key=lambda r: r["row"]),
+        }
+
+
+class ShardWriter:
     """Owns a trace folder's files: settings check, atomic shard writes, the derived manifest."""
 
-    def __init__(self, out_dir: Path, settings: TraceSettings) -> None:
+    def __init__(self, out_dir: Path, settings: Sharded) -> None:
         self.out_dir = out_dir
         self.settings = settings
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -392,8 +447,8 @@ class _ShardWriter:
     def is_complete(self, shard: int) -> bool:
         return (self.shard_dir(shard) / SHARD_RECORD).is_file()
 
-    def counts(self, shard: int) -> TraceCounts:
-        return TraceCounts.from_record(_read_json(self.shard_dir(shard) / SHARD_RECORD))
+    def record(self, shard: int) -> dict[str, Any]:
+        return _read_json(self.shard_dir(shard) / SHARD_RECORD)
 
     def write(self, shard: int, rows: dict[str, list], record: dict[str, Any]) -> None:
         """Save the shard to a temporary folder, then publish it with one rename."""
@@ -405,6 +460,14 @@ class _ShardWriter:
         with self.lock:
             self._write_manifest()
 
+    def summary(self, owned: Sequence[int], written: int) -> TraceRunSummary:
+        """What the owned shards hold, `written` of them by this call."""
+        records = [self.record(k) for k in owned]
+        return TraceRunSummary(
+            self.out_dir, written, len(owned) - written, sum(map(TraceCounts.from_record, records), TraceCounts()),
+            _by_source(records), _rejected(records),
+        )
+
     def _write_manifest(self) -> None:
         """Rebuild manifest.json from the complete shards (call with the lock held)."""
         shards = [_read_json(path) for path in sorted(self.out_dir.glob(f"shard-*/{SHARD_RECORD}"))]
@@ -414,13 +477,35 @@ class _ShardWriter:
             "num_shards": self.settings.num_shards,
             "complete": len(shards) == self.settings.num_shards,
             "total": asdict(total),
+            "sources": {source: asdict(counts) for source, counts in _by_source(shards).items()},
             "shards": shards,
         }
         write_text(self.out_dir / MANIFEST, json.dumps(manifest, indent=1))
 
 
+def _by_source(records: Sequence[dict[str, Any]]) -> dict[str, TraceCounts]:
+    """Counts per source summed over shard records (older records without them count under none)."""
+    total: dict[str, TraceCounts] = defaultdict(TraceCounts)
+    for record in records:
+        for source, counts in record.get("sources", {}).items():
+            total[source] += TraceCounts.from_record(counts)
+    return dict(sorted(total.items()))
+
+
+def _rejected(records: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    """{reason: rows} of the refused rows of shard records."""
+    reasons: dict[str, list[int]] = defaultdict(list)
+    for record in records:
+        for row in record.get("rejected_rows", []):
+            reasons[row["reason"]].append(row["row"])
+    return dict(reasons)
+
+
 def _check_same_settings(out_dir: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
-    differing = [f"{name} {stored.get(name)!r} -> {new!r}" for name, new in wanted.items() if stored.get(name) != new]
+    differing = [
+        f"{name} {stored.get(name)!r} -> {wanted.get(name)!r}"
+        for name in dict.fromkeys([*wanted, *stored]) if stored.get(name) != wanted.get(name)
+    ]
     if differing:
         raise ValueError(
             f"{out_dir} holds traces made with other settings ({', '.join(differing)}); "
@@ -442,6 +527,27 @@ def _quiet_datasets() -> Iterator[None]:
     finally:
         if not was_disabled:
             datasets.enable_progress_bars()
+
+
+def folder_sources(out_dir: str | os.PathLike) -> list[str]:
+    """The prompt sources of a trace folder's traces, from its manifest ([] when there is none yet)."""
+    manifest = _read_json(Path(out_dir) / MANIFEST)
+    if manifest is None:
+        return []
+    return sorted(manifest.get("sources") or source_names(manifest["settings"]["source"]))
+
+
+def describe_traces(traces: Sequence[Trace]) -> str:
+    """How many traces, how long, from which sources: e.g. "40 traces, 31200 tokens (length 412 / 790 /
+    1093 min / median / max), from reasoning-gym:chain_sum (20), reasoning-gym:lcm (20)"."""
+    if not traces:
+        return "no traces"
+    lengths = sorted(t.input_ids.numel() for t in traces)
+    sources = ", ".join(f"{source} ({n})" for source, n in sorted(Counter(t.source for t in traces).items()))
+    return (
+        f"{len(lengths)} traces, {sum(lengths)} tokens (length {lengths[0]} / {lengths[len(lengths) // 2]} / "
+        f"{lengths[-1]} min / median / max), from {sources}"
+    )
 
 
 class TraceView:
@@ -479,6 +585,14 @@ class TraceView:
     def _subset(self, rows: np.ndarray) -> TraceView:
         return TraceView(self._dataset.select(rows), self.settings)
 
+    def sources(self) -> Counter:
+        """How many traces come from each source."""
+        return Counter(self._dataset["source"])
+
+    def where(self, keep: Callable[[Trace], bool]) -> TraceView:
+        """The traces for which ``keep`` is true, in order."""
+        return self._subset(np.flatnonzero([keep(trace) for trace in self]))
+
 
 class TraceStore(TraceView):
     """The complete shards of a trace folder, in problem order."""
@@ -489,7 +603,7 @@ class TraceStore(TraceView):
         if manifest is None:
             raise ValueError(f"{out_dir} is not a trace folder (no {MANIFEST}); write one with `foresight traces`")
         records = sorted(out_dir.glob(f"shard-*/{SHARD_RECORD}"))
-        shards = [datasets.load_from_disk(str(path.parent)) for path in records]
+        shards = [_with_source(datasets.load_from_disk(str(path.parent)), manifest) for path in records]
         empty = datasets.Dataset.from_dict({name: [] for name in FEATURES}, features=FEATURES)
         dataset = datasets.concatenate_datasets(shards) if shards else empty
         super().__init__(dataset, manifest["settings"])
@@ -500,3 +614,10 @@ class TraceStore(TraceView):
         if self.settings["model"] != name:
             made_with = self.settings["model"]
             raise ValueError(f"the traces in {self.out_dir} were made by {made_with!r}, not by the model {name!r}")
+
+
+def _with_source(shard: datasets.Dataset, manifest: dict[str, Any]) -> datasets.Dataset:
+    """A shard written before traces named their source gets the folder's source in that column."""
+    if "source" in shard.column_names:
+        return shard
+    return shard.add_column("source", [manifest["settings"]["source"]] * len(shard)).cast(FEATURES)

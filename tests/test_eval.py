@@ -123,7 +123,7 @@ def test_report_files(evaluated):
     assert "| policy | B | L | loss ratio |" in stdout
     assert lines[-1].startswith(f"evaluated 4 traces x {len(RUNNABLE)} policies x 2 budgets in ")
     assert lines[-1].endswith(f"results written to {out} (results.json, results.csv, results.md, loss_ratio.png, "
-                              "low_entropy_damage.png, low_entropy_dl2.png, attn_cosine.png, golden_overlap.png)")
+                              "low_entropy_damage.png, low_entropy_dl2.png, attn_cosine.png, golden_overlap.png, traces.json)")
 
 
 class _OutputRecorder:
@@ -230,7 +230,7 @@ def test_stored_full_cache_losses_match_a_full_cache_replay(traces_dir, model):
 def synthetic_trace(model, index: int, length: int, prompt: int = 6) -> Trace:
     ids = torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(index))
     nll, entropy = token_losses(model, ids)
-    return Trace(index, ids, prompt, nll, entropy, None, None, "", "")
+    return Trace(index, "synthetic", ids, prompt, nll, entropy, None, None, "", "")
 
 
 def test_short_traces_are_skipped_and_counted(model):
@@ -296,7 +296,7 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     scorer_dir = tmp_path / "scorer"
     ForesightScorer(config).save_pretrained(scorer_dir)
     out = tmp_path / "eval"
-    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o", "--scorer", str(scorer_dir),
+    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o,golden", "--scorer", str(scorer_dir),
             "--budgets", f"{B},{UNLABELLED_B}", "-L", str(L), "--out", str(out)]
     assert cli.main(argv) == 0
     rows = json.loads((out / "results.json").read_text())
@@ -310,6 +310,19 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     )
     assert learned[0]["loss_ratio"] == pytest.approx(loss_ratio, abs=1e-5)
     assert learned[0]["golden_overlap"] == pytest.approx(overlap, abs=1e-9)
+    report = (out / "results.md").read_text()
+    assert "- foresight trained on: not recorded in its config" in report
+    assert "## The learned scorer against the best heuristic" in report and "best heuristic: h2o" in report
+    headroom = {row["statistic"]: row for row in json.loads((out / "headroom.json").read_text()) if row["policy"] == "foresight"}
+    ratios = rows_of(rows, B)
+    golden = ratios["golden"]["loss_ratio"]
+    expected = (ratios["h2o"]["loss_ratio"] - learned[0]["loss_ratio"]) / (ratios["h2o"]["loss_ratio"] - golden)
+    assert headroom["headroom_share"]["value"] == pytest.approx(expected, rel=1e-9)
+    assert headroom["headroom_share"]["low"] <= headroom["headroom_share"]["value"] <= headroom["headroom_share"]["high"]
+    per_trace = json.loads((out / "traces.json").read_text())
+    assert {(s["policy"], s["budget"]) for s in per_trace} >= {("foresight", B), ("h2o", B), ("golden", B)}
+    assert sum(s["tokens"] for s in per_trace if s["policy"] == "foresight") == learned[0]["tokens"]
+
 
 
 def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):
@@ -343,3 +356,23 @@ def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patch
     assert cli.main(twice) == 2
     error = capsys.readouterr().err.strip()
     assert "two result rows would be named 'h2o'" in error and "\n" not in error
+
+def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never_saw(traces_dir, tmp_path, patched_model, model):
+    from foresight.models import describe
+    from foresight.scorer import ForesightScorer, ScorerConfig
+
+    shape = describe(model)
+    evaluated = sorted(TraceStore(traces_dir).sources())
+    for trained, unseen in [(["reasoning-gym:lcm"], ", ".join(evaluated)), (evaluated, "none (in distribution)")]:
+        config = ScorerConfig(
+            num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny", training_sources=trained,
+        )
+        ForesightScorer(config).save_pretrained(tmp_path / "scorer")
+        argv = ["eval", "--traces", str(traces_dir), "--policies", "knorm", "--scorer", str(tmp_path / "scorer"),
+                "--budgets", str(UNLABELLED_B), "-L", str(L), "--out", str(tmp_path / "eval"), "--max-traces", "1"]
+        assert cli.main(argv) == 0
+        report = (tmp_path / "eval" / "results.md").read_text()
+        assert f"- foresight trained on: {', '.join(trained)}" in report
+        assert f"- sources foresight never saw: {unseen}" in report
+        assert "- evaluated traces: 1 traces" in report and f"from {evaluated[0]} (1)" in report

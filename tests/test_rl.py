@@ -63,7 +63,7 @@ def scorer_for(shape, budget: int = B, interval: int = L_, seed: int = 0, base_m
 def random_trace(model, length: int, prompt: int = 5, seed: int = 0) -> Trace:
     ids = torch.randint(3, 120, (length,), generator=torch.Generator().manual_seed(seed))
     nll, entropy = token_losses(model, ids)
-    return Trace(index=seed, input_ids=ids, prompt_length=prompt, token_nll=nll, token_entropy=entropy,
+    return Trace(index=seed, source="tiny", input_ids=ids, prompt_length=prompt, token_nll=nll, token_entropy=entropy,
                  answer=None, correct=None, prompt="", completion="")
 
 

@@ -9,7 +9,19 @@ import datasets
 import pytest
 import reasoning_gym
 
-from foresight.tasks import ANSWER_INSTRUCTION, Problem, chat_prompt_ids, check_answer, extract_answer, load_problems
+from foresight.tasks import (
+    ANSWER_INSTRUCTION,
+    Problem,
+    WeightedSource,
+    chat_prompt_ids,
+    check_answer,
+    extract_answer,
+    load_problems,
+    mixture_counts,
+    mixture_order,
+    parse_sources,
+    recorded_source,
+)
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
 
 
@@ -176,6 +188,56 @@ def test_saved_dataset_source(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="not a dataset saved with save_to_disk"):
         load_problems(str(tmp_path / "empty"), 1)
+
+
+def test_mixture_counts_follow_the_weights_by_largest_remainder():
+    assert mixture_counts(10, [1, 1]) == [5, 5]
+    assert mixture_counts(10, [2, 1]) == [7, 3]  # quotas 6.67, 3.33
+    assert mixture_counts(7, [1, 1, 1]) == [3, 2, 2]  # equal remainders: the earlier source
+    assert mixture_counts(5, [0.5, 3, 1.5]) == [1, 3, 1]
+    for num in range(1, 40):
+        assert sum(mixture_counts(num, [3, 1, 2.5])) == num
+
+
+def test_mixture_order_keeps_every_prefix_near_the_weights():
+    assert mixture_order([2, 4]) == [1, 0, 1, 1, 0, 1]
+    counts = [7, 3, 5]
+    order = mixture_order(counts)
+    assert [order.count(s) for s in range(3)] == counts
+    for prefix in range(1, len(order) + 1):
+        for source, count in enumerate(counts):
+            assert abs(order[:prefix].count(source) - count * prefix / sum(counts)) < 1
+
+
+def test_mixed_sources_take_each_sources_first_problems(tmp_path):
+    other = write_lines(tmp_path / "p.jsonl", [json.dumps({"prompt": f"p{i}", "answer": i}) for i in range(4)])
+    gym = "reasoning-gym:basic_arithmetic"
+    problems = load_problems(f"{gym}=2,{other}", 6, seed=3)
+    assert [p.index for p in problems] == list(range(6))
+    assert [p.source for p in problems] == [gym, str((tmp_path / "p.jsonl").resolve()), gym, gym, recorded_source(other), gym]
+    assert [p.prompt for p in problems if p.source == gym] == [p.prompt for p in load_problems(gym, 4, seed=3)]
+    assert [p.prompt for p in problems if p.source != gym] == ["p0", "p1"]
+    assert check_answer(problems[1], "\\boxed{0}") is True  # each problem is checked by its own source's rule
+
+
+def test_source_specs_and_their_recorded_form(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_sources("reasoning-gym:lcm") == [WeightedSource("reasoning-gym:lcm", 1.0)]
+    assert parse_sources(" a.jsonl=2 , reasoning-gym:gcd=0.5") == [WeightedSource("a.jsonl", 2.0), WeightedSource("reasoning-gym:gcd", 0.5)]
+    assert parse_sources("run=3/p.jsonl") == [WeightedSource("run=3/p.jsonl", 1.0)]  # "=" not before a number
+    assert recorded_source("reasoning-gym:lcm") == "reasoning-gym:lcm"
+    assert recorded_source("a.jsonl") == str(tmp_path / "a.jsonl")
+    assert recorded_source("a.jsonl=1,reasoning-gym:gcd=2.50") == f"{tmp_path / 'a.jsonl'}=1,reasoning-gym:gcd=2.5"
+    for spec, message in [
+        ("a.jsonl,,b.jsonl", "has an empty entry"),
+        ("a.jsonl=0", "weight '0' of prompt source 'a.jsonl' must be a positive number"),
+        ("a.jsonl=-1,b.jsonl", "weight '-1' of prompt source 'a.jsonl' must be a positive number"),
+        ("a.jsonl=1,a.jsonl=2", "names a source twice"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_sources(spec)
+    with pytest.raises(ValueError, match="2 problems leave none for reasoning-gym:gcd; ask for more problems"):
+        load_problems("reasoning-gym:lcm=10,reasoning-gym:gcd=1,reasoning-gym:chain_sum=10", 2)
 
 
 def test_chat_prompt_ids_applies_template_when_there_is_one():

@@ -44,9 +44,27 @@ def generate(out_dir: Path, **overrides):
     return generate_traces(eos_prone_model(), TOKENIZER, PROMPTS, out_dir=out_dir, **{**RUN, **overrides})
 
 
-def shard_bytes(out_dir: Path) -> dict[str, bytes]:
+def shard_files(out_dir: Path) -> list[str]:
     """Every file of every complete shard, by path relative to the folder."""
-    return {str(path.relative_to(out_dir)): path.read_bytes() for path in sorted(out_dir.glob("shard-*/*"))}
+    return [str(path.relative_to(out_dir)) for path in sorted(out_dir.glob("shard-*/*"))]
+
+
+def assert_same_traces(out_dir: Path, expected_dir: Path) -> None:
+    """Same manifest, same files and the same traces: every column equal, the losses up to the rounding
+    of batched kernels (rows that shared a batch with other rows)."""
+    assert manifest(out_dir) == manifest(expected_dir)
+    assert shard_files(out_dir) == shard_files(expected_dir)
+    assert_same_rows(TraceStore(out_dir), TraceStore(expected_dir))
+
+
+def assert_same_rows(got, expected) -> None:
+    assert len(got) == len(expected)
+    for trace, reference in zip(got, expected):
+        for name in ("index", "source", "prompt_length", "answer", "correct", "prompt", "completion"):
+            assert getattr(trace, name) == getattr(reference, name)
+        assert torch.equal(trace.input_ids, reference.input_ids)
+        torch.testing.assert_close(trace.token_nll, reference.token_nll)  # float32 rounding: rtol 1.3e-6, atol 1e-5
+        torch.testing.assert_close(trace.token_entropy, reference.token_entropy)
 
 
 def manifest(out_dir: Path) -> dict:
@@ -132,6 +150,35 @@ def test_batched_greedy_generation_equals_one_at_a_time(tmp_path):
     assert [t.input_ids.tolist() for t in batched] == [t.input_ids.tolist() for t in single]
 
 
+def test_sampled_traces_do_not_depend_on_batch_size_or_shard_size(reference, tmp_path):
+    """Each problem samples with its own generator: the reference (batch 2, shards of 3) is found again
+    with one row at a time, with every problem in one batch, and with other shard boundaries."""
+    lengths = {len(t.completion_ids) for t in TraceStore(reference)}
+    assert len(lengths) > 1  # rows end at different steps, so batches are refilled mid-run
+    for name, overrides in [("one", {"batch_size": 1}), ("all", {"batch_size": 7}), ("shards", {"shard_size": 2})]:
+        generate(tmp_path / name, **overrides)
+        assert_same_rows(TraceStore(tmp_path / name), TraceStore(reference))
+
+
+def test_a_mixture_of_sources_is_interleaved_and_recorded_per_source(tmp_path):
+    other = write_lines(tmp_path / "other.jsonl", [json.dumps({"prompt": f"{n} + {n} =", "answer": 2 * n}) for n in range(5)])
+    spec = f"{PROMPTS}=1,{other}=2"
+    summary = generate_traces(
+        eos_prone_model(), TOKENIZER, spec, out_dir=tmp_path / "mix", **{**RUN, "num": 6, "shard_size": 4}
+    )
+    first, second = str(Path(PROMPTS).resolve()), str(Path(other).resolve())
+    store = TraceStore(tmp_path / "mix")
+    assert [t.source for t in store] == [second, first, second, second, first, second]
+    assert [t.prompt for t in store if t.source == second] == [f"{n} + {n} =" for n in range(4)]
+    assert [t.prompt for t in store if t.source == first] == [p.prompt for p in load_problems(PROMPTS, 2)]
+    record = manifest(tmp_path / "mix")
+    assert record["settings"]["source"] == f"{first}=1,{second}=2"
+    assert {name: counts["generated"] for name, counts in record["sources"].items()} == {first: 2, second: 4}
+    assert record["shards"][1]["sources"][second]["generated"] == 1
+    assert summary.by_source[second].kept == 4
+    assert f"by source: {second} 4/4, {first} 2/2" in summary.describe()  # sorted by name
+
+
 def test_resume_after_a_failed_write_gives_identical_shards(reference, tmp_path, monkeypatch):
     save = datasets.Dataset.save_to_disk
     calls = []
@@ -145,15 +192,14 @@ def test_resume_after_a_failed_write_gives_identical_shards(reference, tmp_path,
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", save_then_fail_on_second)
     with pytest.raises(RuntimeError, match="killed while writing"):
         generate(tmp_path)
-    assert list(shard_bytes(tmp_path)) == [n for n in shard_bytes(reference) if n.startswith("shard-00000/")]
+    assert shard_files(tmp_path) == [n for n in shard_files(reference) if n.startswith("shard-00000/")]
     assert leftovers(tmp_path) == []  # the failed write removed its staging folder
     assert [s["shard"] for s in manifest(tmp_path)["shards"]] == [0] and not manifest(tmp_path)["complete"]
     monkeypatch.undo()
     summary = generate(tmp_path)
     assert (summary.shards_written, summary.shards_skipped) == (2, 1)
     assert leftovers(tmp_path) == []
-    assert shard_bytes(tmp_path) == shard_bytes(reference)
-    assert manifest(tmp_path) == manifest(reference)
+    assert_same_traces(tmp_path, reference)
 
 
 KILLED_RUN = """
@@ -187,11 +233,10 @@ def test_sigkill_mid_run_then_rerun_gives_identical_shards(reference, tmp_path):
         child.wait()
     (leftover,) = leftovers(tmp_path)
     assert leftover.startswith(f".shard-00001.tmp-{child.pid}.")
-    assert [name.split("/")[0] for name in shard_bytes(tmp_path)] == ["shard-00000"] * 4
+    assert [name.split("/")[0] for name in shard_files(tmp_path)] == ["shard-00000"] * 4
     summary = generate(tmp_path)
     assert (summary.shards_written, summary.shards_skipped) == (2, 1) and leftovers(tmp_path) == []
-    assert shard_bytes(tmp_path) == shard_bytes(reference)
-    assert manifest(tmp_path) == manifest(reference)
+    assert_same_traces(tmp_path, reference)
 
 
 def test_two_shard_processes_together_equal_one_run(reference, tmp_path):
@@ -201,8 +246,7 @@ def test_two_shard_processes_together_equal_one_run(reference, tmp_path):
     partial = TraceStore(tmp_path)
     assert [t.index for t in partial] == [0, 1, 2, 6]
     generate(tmp_path, shard=(1, 2))
-    assert shard_bytes(tmp_path) == shard_bytes(reference)
-    assert manifest(tmp_path) == manifest(reference)
+    assert_same_traces(tmp_path, reference)
 
 
 def test_rerun_skips_complete_shards_and_refuses_other_settings(reference, tmp_path):
@@ -281,8 +325,8 @@ def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, m
     assert cli.main([*args, "--shard-size", "3", "--batch-size", "2"]) == 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert f"{tmp_path}: kept 7 of 7 traces" in last_line and "3 shard(s) written" in last_line
-    assert shard_bytes(tmp_path) == shard_bytes(reference)
     assert manifest(tmp_path)["settings"]["model"] == "tiny"
+    assert [t.input_ids.tolist() for t in TraceStore(tmp_path)] == [t.input_ids.tolist() for t in TraceStore(reference)]
 
     notes = write_lines(tmp_path / "notes.txt", ["not", "json"])
     assert cli.main([*args[:4], notes, *args[5:-1], str(tmp_path / "other")]) == 2

@@ -32,7 +32,7 @@ from foresight.cadence import TraceTooShort, check_budget, eviction_steps
 from foresight.labels import LabelStore
 from foresight.models import DEFAULT_MODEL, describe, float_dtype, load_config
 from foresight.pipeline import FrozenModel
-from foresight.traces import Trace, TraceStore
+from foresight.traces import Trace, TraceStore, describe_traces, folder_sources
 
 
 def concat_steps(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -162,14 +162,17 @@ class GoldenDataModule(L.LightningDataModule):
 
     @property
     def scorer_spec(self) -> dict:
-        """The `ScorerConfig` fields the data fixes (model shape, B, L, features, base model)."""
+        """The `ScorerConfig` fields the data fixes (model shape, B, L, features, base model, the
+        traces' prompt sources when the folder already holds traces)."""
         shape = describe(load_config(self.model_name))
+        sources = folder_sources(self.traces_dir)
         return {
             **asdict(shape),
             "budget": self.budget,
             "interval": self.interval,
             "base_model": self.model_name,
             "feature_set": self.feature_set,
+            "training_sources": sources,
         }
 
     def setup(self, stage: str | None = None) -> None:
@@ -205,8 +208,7 @@ class GoldenDataModule(L.LightningDataModule):
         settings = store.settings
         self._summary = {
             "base model": self.model_name,
-            "traces": f"{len(traces)} traces of {settings['source']} ({sum(t.input_ids.numel() for t in traces)} "
-            f"tokens; at most {settings['max_new_tokens']} new tokens, temperature {settings['temperature']})",
+            "traces": describe_traces(traces) + _sampling_words(settings),
             "budget B, interval L": f"{self.budget}, {self.interval}",
             "split": f"{len(splits['train'])} training and {len(splits['val'])} held-out traces",
             "eviction steps (training)": str(sum(self._num_steps(t) for t in splits["train"])),
@@ -247,3 +249,10 @@ class GoldenDataModule(L.LightningDataModule):
             return set()
         _, held = store.split(self.holdout, self.split_seed)
         return {trace.index for trace in held} & {trace.index for trace in traces}
+
+
+def _sampling_words(settings: dict) -> str:
+    """How a folder's traces were sampled, or that they were imported."""
+    if "max_new_tokens" not in settings:
+        return f"; imported from {settings['source']}"
+    return f"; at most {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}"

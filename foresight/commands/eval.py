@@ -27,7 +27,7 @@ from foresight.commands._model import add_model_arguments, model_of_traces, mode
 from foresight.commands._policy import add_cadence_arguments, add_policies_argument
 from foresight.evaluation import PolicySpec, ScorerSpec, evaluate, markdown_table, resolve_policies, write_report
 from foresight.models import load_model
-from foresight.traces import TraceStore, TraceView
+from foresight.traces import TraceStore, TraceView, describe_traces
 
 TRACE_BATCH = 4
 LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
@@ -93,6 +93,22 @@ def select_traces(store: TraceStore, holdout: float | None, seed: int, max_trace
     return view
 
 
+def trained_on(specs: list[PolicySpec], evaluated: set[str]) -> dict[str, str]:
+    """Per learned scorer: the sources it was trained on (from its config) and which evaluated ones it never saw."""
+    lines = {}
+    for spec in specs:
+        if not isinstance(spec, ScorerSpec):
+            continue
+        trained = spec.scorer.config.training_sources
+        if not trained:
+            lines[f"{spec.name} trained on"] = "not recorded in its config"
+            continue
+        unseen = sorted(evaluated - set(trained))
+        lines[f"{spec.name} trained on"] = ", ".join(trained)
+        lines[f"sources {spec.name} never saw"] = ", ".join(unseen) if unseen else "none (in distribution)"
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.traces is None) == (not args.prompts):
         raise ValueError("give either --traces (teacher-forced) or --prompts (generation), not both or neither")
@@ -113,10 +129,11 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "traces": str(args.traces),
         "model": made_with,
-        "evaluated traces": len(traces),
+        "evaluated traces": describe_traces(traces),
         "policies": ", ".join(spec.name for spec in specs),
         "budgets": ", ".join(map(str, args.budgets)),
         "interval": args.interval,
+        **trained_on(specs, {t.source for t in traces}),
     }
     paths = write_report(result, args.out, settings)
     for note in result.notes:

@@ -1,10 +1,17 @@
-"""Generate reasoning traces with the frozen model and the full cache, and store them.
+"""Generate reasoning traces with the frozen model and the full cache, or import traces made elsewhere.
 
 Each trace keeps its token ids, the full-cache per-token loss and entropy (what eviction is later
-measured against) and whether its final answer is correct. Traces go to sharded `datasets` Arrow
-folders plus a manifest.json in --out; a rerun resumes, skipping finished shards (a complete folder
-loads no model). Prompt sources:
-reasoning-gym:TASK, a JSONL file of {"prompt", "answer"}, or a saved `datasets` folder (data/README.md).
+measured against), its prompt source and whether its final answer is correct. Traces go to sharded
+`datasets` Arrow folders plus a manifest.json in --out; a rerun resumes, skipping finished shards (a complete folder
+loads no model).
+
+--prompts SOURCE samples: reasoning-gym:TASK, a JSONL file of {"prompt", "answer"}, a saved
+`datasets` folder, or a weighted mixture of them, e.g. reasoning-gym:chain_sum=2,data/arithmetic.jsonl=1
+(data/README.md). Problems decode together by continuous batching, --batch-size rows at a time.
+
+--import FILE scores prompt/completion pairs made by another engine (vLLM, SGLang; JSONL or a
+`datasets` folder, docs/traces.md) with one teacher-forced pass of --model; rows that cannot be
+traces are counted with their reason, never dropped silently.
 """
 
 from __future__ import annotations
@@ -13,7 +20,11 @@ import argparse
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_options
+from foresight.models import load_model
 from foresight.pipeline import FrozenModel, TraceRecipe, make_traces
+from foresight.trace_import import import_traces
+
+AUTO = "auto"
 
 
 def _shard_spec(text: str) -> tuple[int, int]:
@@ -27,13 +38,35 @@ def _shard_spec(text: str) -> tuple[int, int]:
     return index, count
 
 
+def _batch_size(text: str) -> int | None:
+    """argparse type of --batch-size: a positive count, or auto (None)."""
+    if text == AUTO:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of rows or 'auto', got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument(
-        "--prompts", required=True, metavar="SOURCE", help="reasoning-gym:TASK, a JSONL file or a dataset folder"
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--prompts", metavar="SOURCE",
+        help="reasoning-gym:TASK, a JSONL file, a dataset folder, or a mixture SOURCE=WEIGHT,SOURCE=WEIGHT,...",
     )
-    parser.add_argument("--num", type=int, required=True, help="number of problems (one trace each)")
-    parser.add_argument("--max-new-tokens", type=int, required=True, help="most tokens generated per trace")
+    what.add_argument(
+        "--import", dest="import_file", type=Path, metavar="FILE",
+        help="prompt/completion pairs made by another engine (JSONL or a dataset folder) to score with --model",
+    )
+    parser.add_argument(
+        "--num", type=int, default=None,
+        help="number of problems (one trace each); with --import, rows to take (default: all)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="most tokens generated per trace (with --prompts)")
     parser.add_argument("--out", type=Path, required=True, help="output folder (shards and manifest.json)")
     parser.add_argument(
         "--min-tokens", type=int, default=0, help="keep traces of at least this many tokens, prompt included"
@@ -42,17 +75,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 is greedy")
     parser.add_argument("--top-k", type=int, default=20, help="sample from the k most likely tokens; 0 disables")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (left-padded)")
+    parser.add_argument(
+        "--batch-size", type=_batch_size, default=AUTO,
+        help="problems decoded together (continuous batching); auto: as many as GPU memory holds (at most 256), "
+        "16 on a CPU",
+    )
     parser.add_argument("--shard-size", type=int, default=64, help="problems per stored shard (the unit of resuming)")
     parser.add_argument(
         "--shard", type=_shard_spec, default="0/1", metavar="i/n", help="write only shards k with k %% n == i"
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="picks reasoning-gym problems and seeds each shard's sampling"
+        "--seed", type=int, default=0, help="picks reasoning-gym problems and, with each problem's index, seeds its sampling"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.import_file is not None:
+        if args.max_new_tokens is not None:
+            raise ValueError("--max-new-tokens applies to sampling (--prompts), not to imported completions")
+        model, tokenizer = load_model(args.model, **model_options(args))
+        summary = import_traces(
+            model, tokenizer, args.import_file, num=args.num, out_dir=args.out, min_tokens=args.min_tokens,
+            only_correct=args.only_correct, shard_size=args.shard_size, shard=args.shard, model_name=args.model,
+        )
+        print(summary.describe())
+        return 0
+    if args.num is None or args.max_new_tokens is None:
+        raise ValueError("--prompts needs --num and --max-new-tokens")
     recipe = TraceRecipe(
         prompts=args.prompts,
         num=args.num,

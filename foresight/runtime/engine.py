@@ -173,7 +173,7 @@ class EvictionEngine:
     def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds):
         run, input_ids, positions, valid = self._start(prompts, pad_token_id, max(max_new_tokens - 1, 0))  # the last token is never fed
         logits = self._forward(run, input_ids, positions, valid)[:, -1]
-        processors = _logits_processors(sampling)
+        processors = logits_processors(sampling)
         seeds = [sampling.seed] if row_seeds is None else row_seeds
         generators = [torch.Generator(device=logits.device).manual_seed(seed) for seed in seeds]
         eos = torch.tensor(sorted(_as_set(eos_token_id)), dtype=torch.long, device=logits.device)
@@ -439,7 +439,8 @@ def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     return nll, entropy
 
 
-def _logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
+def logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
+    """The sampling filters in transformers' order: temperature, then top-k, then top-p (none when greedy)."""
     processors = LogitsProcessorList()
     if sampling.temperature > 0:
         processors.append(TemperatureLogitsWarper(sampling.temperature))

@@ -1,0 +1,77 @@
+"""The share of headroom a learned scorer captures and its bootstrap intervals (foresight.headroom)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foresight.headroom import TraceScore, _resample_weights, headroom
+
+B = 128
+TOKENS = (100, 50, 80)  # scored tokens of the three traces
+FULL = (50.0, 20.0, 40.0)  # their summed full-cache NLL
+
+
+def scores(policy: str, evicted: tuple[float, ...], damaged=(0, 0, 0), tokens=TOKENS, budget=B) -> list[TraceScore]:
+    return [
+        TraceScore(policy, budget, i, "src", n, e, f, 80, d)
+        for i, (n, e, f, d) in enumerate(zip(tokens, evicted, FULL, damaged))
+    ]
+
+
+RUN = [
+    *scores("full", FULL),
+    *scores("golden", (55.0, 22.0, 44.0)),  # ratio 121 / 110 = 1.1
+    *scores("h2o", (70.0, 25.0, 48.0), damaged=(4, 1, 3)),  # 143 / 110 = 1.3
+    *scores("snapkv", (75.0, 30.0, 60.0), damaged=(2, 1, 1)),  # 165 / 110 = 1.5, least damage
+    *scores("raas", (51.0, 21.0, 41.0), tokens=(60, 20, 40)),  # scored on other tokens: never the best heuristic
+    *scores("foresight", (60.0, 24.0, 48.0), damaged=(1, 0, 1)),  # 132 / 110 = 1.2: half the headroom
+]
+
+
+def test_share_of_headroom_by_hand():
+    result = headroom(RUN, B, "foresight")
+    assert (result.best_heuristic, result.least_damaging_heuristic, result.traces) == ("h2o", "snapkv", 3)
+    assert result.loss_ratio["golden"].value == pytest.approx(1.1)
+    assert result.loss_ratio["foresight"].value == pytest.approx(1.2)
+    assert result.share.value == pytest.approx(0.5)
+    assert result.ratio_gain.value == pytest.approx(0.1)
+    assert result.damage["h2o"].value == pytest.approx(8 / 240)
+    assert result.damage_gain.value == pytest.approx(4 / 240 - 2 / 240)
+    assert "raas" not in result.loss_ratio and "full" not in result.loss_ratio
+    for estimate in (result.share, result.ratio_gain, result.damage_gain, *result.loss_ratio.values()):
+        assert estimate.low <= estimate.value <= estimate.high
+    text = result.markdown()
+    assert "best heuristic: h2o" in text and "captured by foresight: 50.0% [" in text
+
+
+def test_intervals_equal_a_loop_over_the_resampled_traces():
+    """The reference: draw the same resamples, pool each by plain sums, take the percentiles."""
+    result = headroom(RUN, B, "foresight", seed=3, resamples=500)
+    weights = _resample_weights(3, 500, seed=3)
+    table = {(s.policy, s.index): s for s in RUN}
+    shares = []
+    for row in weights[1:]:
+        drawn = [i for i in range(3) for _ in range(int(row[i]))]
+
+        def ratio(policy):
+            return sum(table[policy, i].nll_evicted for i in drawn) / sum(table[policy, i].nll_full for i in drawn)
+
+        shares.append((ratio("h2o") - ratio("foresight")) / (ratio("h2o") - ratio("golden")))
+    low, high = np.percentile(shares, [2.5, 97.5])
+    assert (result.share.low, result.share.high) == pytest.approx((low, high))
+    assert weights[1:].sum(axis=1).tolist() == [3] * 500  # each resample draws as many traces as the sample
+
+
+def test_identical_traces_give_intervals_of_zero_width():
+    policies = [("golden", 5.5), ("h2o", 6.5), ("foresight", 6.0)]
+    same = [TraceScore(p, B, i, "src", 10, e, 5.0, 80, 0) for p, e in policies for i in range(3)]
+    result = headroom(same, B, "foresight")
+    assert (result.share.low, result.share.value, result.share.high) == pytest.approx((0.5, 0.5, 0.5))
+
+
+def test_nothing_to_compare_gives_none():
+    assert headroom([s for s in RUN if s.policy != "golden"], B, "foresight") is None
+    assert headroom(RUN, B, "foresight:other") is None
+    assert headroom(RUN, 256, "foresight") is None
+    assert headroom([s for s in RUN if s.policy in ("golden", "foresight", "raas")], B, "foresight") is None

@@ -1,0 +1,119 @@
+"""Continuous-batching sampler (foresight.sampler) against a slow one-request-at-a-time reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foresight.models import tiny_model
+from foresight.runtime.engine import SamplingConfig, logits_processors
+from foresight.sampler import Request, auto_batch_size, sample_completions
+from tests.helpers import random_prompts
+
+EOS = 2
+SAMPLING = SamplingConfig(temperature=0.8, top_k=20, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    """The tiny Llama with its EOS logit raised, so rows end at many different steps."""
+    model = tiny_model("llama", seed=0)
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    head.weight = model.lm_head.weight
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features).index_fill_(0, torch.tensor([EOS]), 0.3), False)
+    model.lm_head = head
+    return model.eval()
+
+
+def requests(count: int = 9) -> list[Request]:
+    prompts = random_prompts([3 + (7 * i) % 11 for i in range(count)], seed=4)
+    return [Request(key=i, prompt=p, seed=1000 + 17 * i) for i, p in enumerate(prompts)]
+
+
+def reference_sample(model, request: Request, max_new_tokens: int, sampling: SamplingConfig) -> list[int]:
+    """The rule written plainly: the request alone, the whole sequence re-run at every step, its own generator."""
+    generator = torch.Generator().manual_seed(request.seed)
+    processors = logits_processors(sampling)
+    ids = list(request.prompt)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        if sampling.temperature == 0:
+            token = int(logits.argmax())
+        else:
+            probs = torch.softmax(processors(None, logits[None]), dim=-1)[0]
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        tokens.append(token)
+        ids.append(token)
+        if token == EOS:
+            break
+    return tokens
+
+
+def full_cache_losses(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    nll = -log_probs.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+    return nll, -(log_probs.exp() * log_probs).sum(-1)
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING, SamplingConfig(temperature=0)], ids=["sampled", "greedy"])
+def test_every_batch_size_samples_what_each_request_samples_alone(model, sampling):
+    work = requests()
+    expected = {r.key: reference_sample(model, r, 24, sampling) for r in work}
+    assert len({len(tokens) for tokens in expected.values()}) > 3  # rows leave the batch at many steps
+    assert any(len(tokens) == 24 and tokens[-1] != EOS for tokens in expected.values())  # and some run out
+    for batch_size in (1, 2, 4, len(work) + 3):
+        done = list(sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=sampling, batch_size=batch_size))
+        assert sorted(c.key for c in done) == [r.key for r in work]
+        for completion in done:
+            assert completion.tokens == expected[completion.key], (batch_size, completion.key)
+            assert completion.truncated == (completion.tokens[-1] != EOS)
+            assert completion.prompt == list(work[completion.key].prompt)
+
+
+def expected_end_order(lengths: list[int], batch_size: int) -> list[int]:
+    """Continuous batching simulated: a free slot takes the next request before each step, every row
+    samples one token per step, and a row leaves at the step of its last token (ties: earlier row first)."""
+    active: list[tuple[int, int]] = []  # (key, tokens still to sample)
+    waiting, order = list(range(len(lengths))), []
+    while waiting or active:
+        while waiting and len(active) < batch_size:
+            key = waiting.pop(0)
+            active.append((key, lengths[key]))
+        active = [(key, left - 1) for key, left in active]
+        order += [key for key, left in active if left == 0]
+        active = [(key, left) for key, left in active if left > 0]
+    return order
+
+
+def test_rows_leave_as_they_end_and_the_next_request_takes_their_place(model):
+    """Completions come back in the order rows end, a new request entering each freed slot at once
+    (static batching, waiting for the longest row, would give another order)."""
+    work = requests()
+    lengths = [len(reference_sample(model, r, 24, SAMPLING)) for r in work]
+    order = [c.key for c in sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=3)]
+    assert order == expected_end_order(lengths, 3)
+    assert order != sorted(order)
+
+
+def test_losses_are_the_full_cache_losses_of_the_whole_sequence(model):
+    for completion in sample_completions(model, requests(5), max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=3):
+        ids = completion.prompt + completion.tokens
+        nll, entropy = full_cache_losses(model, ids)
+        assert completion.token_nll.shape == (len(ids) - 1,) and completion.token_nll.dtype == torch.float32
+        torch.testing.assert_close(completion.token_nll, nll, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(completion.token_entropy, entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments_are_refused(model):
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1, got 0"):
+        list(sample_completions(model, requests(1), max_new_tokens=0, eos_token_ids=[EOS]))
+    with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
+        list(sample_completions(model, requests(1), max_new_tokens=4, eos_token_ids=[EOS], batch_size=0))
+    with pytest.raises(ValueError, match="request 7 has an empty prompt"):
+        list(sample_completions(model, [Request(7, [], 0)], max_new_tokens=4, eos_token_ids=[EOS]))
+    assert list(sample_completions(model, [], max_new_tokens=4, eos_token_ids=[EOS])) == []
+
+
+def test_auto_batch_size_on_a_cpu_is_the_measured_default(model):
+    assert auto_batch_size(model, max_length=4096) == 16
