@@ -25,6 +25,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 _TEMPORARY = ".tmp-"
+MISSING = "missing"
+"""What `file_problem` says of a file that is not there."""
 
 
 class ArtifactError(ValueError):
@@ -108,13 +110,20 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
         save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, metadata=dict(metadata))
 
 
-def is_readable(path: str | os.PathLike) -> bool:
-    """True for a complete safetensors file (a truncated or missing one is not)."""
+def file_problem(path: str | os.PathLike, expected: Mapping[str, object]) -> str | None:
+    """Why the safetensors file at `path` is not the artifact `expected` (metadata) describes: MISSING,
+    damaged (its header does not open: safetensors checks that the header covers the whole file), or
+    made for something else; None when it is. The verbs that make artifacts remake a file with a problem."""
+    path = Path(path)
+    if not path.is_file():
+        return MISSING
     try:
-        with safe_open(Path(path), framework="pt"):
-            return True
-    except (OSError, SafetensorError):
-        return False
+        with safe_open(path, framework="pt") as handle:
+            stored = handle.metadata() or {}
+    except SafetensorError as error:
+        return f"damaged ({error})"
+    differing = _differences(stored, expected)
+    return f"made for something else ({'; '.join(differing)})" if differing else None
 
 
 def read_tensors(
@@ -122,21 +131,26 @@ def read_tensors(
 ) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Metadata and tensors (all, or `names`) of a safetensors artifact.
 
-    remake: the command that makes the file again, quoted in the error when it is missing or damaged."""
+    remake: the command that makes the file again (in backquotes), named in the error when the file is
+    missing or damaged."""
     path = Path(path)
     if not path.is_file():
-        raise ArtifactError(f"{path} is missing; make it with `{remake}`")
+        raise ArtifactError(f"{path} is missing; make it with {remake}")
     try:
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
             tensors = {name: handle.get_tensor(name) for name in (names or handle.keys())}
     except SafetensorError as error:
-        raise ArtifactError(f"{path} is damaged ({error}); make it again with `{remake}`") from None
+        raise ArtifactError(f"{path} is damaged ({error}); make it again with {remake}") from None
     return metadata, tensors
 
 
 def check_metadata(path: str | os.PathLike, stored: Mapping[str, str], expected: Mapping[str, object], remake: str) -> None:
     """One-line ArtifactError when the metadata stored with an artifact differs from what is expected."""
-    differing = [f"{key}={stored.get(key)!r}, not {str(value)!r}" for key, value in expected.items() if stored.get(key) != str(value)]
+    differing = _differences(stored, expected)
     if differing:
-        raise ArtifactError(f"{path} was made for something else ({'; '.join(differing)}); make it again with `{remake}`")
+        raise ArtifactError(f"{path} was made for something else ({'; '.join(differing)}); make it again with {remake}")
+
+
+def _differences(stored: Mapping[str, str], expected: Mapping[str, object]) -> list[str]:
+    return [f"{key}={stored.get(key)!r}, not {str(value)!r}" for key, value in expected.items() if stored.get(key) != str(value)]

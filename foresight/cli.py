@@ -11,26 +11,43 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from foresight import commands
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """States each option's default once: appends "(default: X)" unless the help already says it, the
+    option is required, or there is nothing to state (None, an off flag, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        silent = default is None or default is False or default is argparse.SUPPRESS or default == []
+        if "(default" in help_text or action.required or not action.option_strings or silent:
+            return help_text
+        return f"{help_text} (default: %(default)s)".lstrip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, `foresight VERB: error: MESSAGE`, with exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _verbs() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="foresight", description=__doc__.splitlines()[0])
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="foresight", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name in _verbs():
         module = importlib.import_module(f"foresight.commands.{name}")
         doc = (module.__doc__ or name).strip()
-        verb = sub.add_parser(
-            name,
-            help=doc.splitlines()[0],
-            description=doc,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        )
+        summary = " ".join(doc.split("\n\n")[0].split())  # the docstring's first paragraph
+        verb = sub.add_parser(name, help=summary, description=doc, formatter_class=HelpFormatter)
         module.add_arguments(verb)
         verb.set_defaults(run=module.run)
     return parser

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import csv
-import json
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -47,7 +45,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from foresight.artifacts import atomic_file, write_text
 from foresight.cadence import check_budget, golden_prefill, step_of, step_position
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.metrics import (
@@ -62,8 +59,11 @@ from foresight.policies import POLICIES, Policy, make_policy
 from foresight.scorer import load_scorer
 from foresight.scorer import ForesightScorer
 from foresight.policies.golden import GoldenSchedule
+from foresight.report import Column, set_interval, write_results
+from foresight.report import markdown_table as format_table
 from foresight.runtime.capture import eviction_attention, register_runtime_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, ReplayOutput
+from foresight.stats import bootstrap_interval
 from foresight.traces import Trace
 
 PROBE_ATTENTION = "foresight_eval_probe"
@@ -130,7 +130,11 @@ class ScorerSpec(PolicySpec):
 
     @classmethod
     def from_source(cls, source: str, several: bool) -> ScorerSpec:
-        """A spec named `foresight`, or `foresight:FOLDER` when several scorers are compared."""
+        """A spec from `SOURCE` or `NAME=SOURCE` (a folder or Hub id): named NAME when given, else
+        `foresight`, or `foresight:FOLDER` when several scorers are compared."""
+        name, sep, path = source.partition("=")
+        if sep and name and "/" not in name:
+            return cls(name=name, scorer=load_scorer(path))
         name = f"foresight:{Path(source).name}" if several else "foresight"
         return cls(name=name, scorer=load_scorer(source))
 
@@ -278,51 +282,77 @@ register_runtime_attention(PROBE_ATTENTION, _probe_attention)
 # -- the replay loop -----------------------------------------------------------------------------
 @dataclass
 class _Tally:
-    """Everything one (policy, budget) accumulates over the batches."""
+    """Everything one (policy, budget) accumulates over the batches, one entry per scored trace (the
+    unit the confidence intervals resample)."""
 
     evicted_nll: list[torch.Tensor] = field(default_factory=list)
     full_nll: list[torch.Tensor] = field(default_factory=list)
     cosine: list[torch.Tensor] = field(default_factory=list)
-    damage: EntropyDamage = EntropyDamage()
-    overlap_hits: int = 0
-    overlap_kept: int = 0
-    traces: int = 0
+    damages: list[EntropyDamage] = field(default_factory=list)
+    overlap_hits: list[int] = field(default_factory=list)
+    overlap_kept: list[int] = field(default_factory=list)
     never_evicted: int = 0
     seconds: float = 0.0
 
-    def add_trace(self, trace: Trace, nll: torch.Tensor, first_eviction: int | None, cosine: torch.Tensor | None) -> None:
-        """Score one replayed trace: nll [T - 1] with eviction; cosine [T - 1] per token (None: 1)."""
+    def add_trace(
+        self,
+        trace: Trace,
+        nll: torch.Tensor,
+        first_eviction: int | None,
+        cosine: torch.Tensor | None,
+        overlap: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Score one replayed trace: nll [T - 1] with eviction; cosine [T - 1] per token (None: 1);
+        overlap (hits, kept) with the golden kept set."""
         scored = scored_tokens(nll.numel(), first_eviction)
         if not bool(scored.any()):
             self.never_evicted += 1
             return
-        self.traces += 1
         self.evicted_nll.append(nll[scored])
         self.full_nll.append(trace.token_nll[scored])
-        self.damage += low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored])
+        self.damages.append(low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored]))
         self.cosine.append(torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored])
+        self.overlap_hits.append(overlap[0])
+        self.overlap_kept.append(overlap[1])
 
     def row(self, policy: str, budget: int, interval: int, overlap: bool) -> dict[str, Any]:
         tokens = sum(t.numel() for t in self.evicted_nll)
         evicted = torch.cat(self.evicted_nll) if tokens else torch.zeros(0)
         full = torch.cat(self.full_nll) if tokens else torch.zeros(0)
-        return {
+        damage = sum(self.damages, EntropyDamage())
+        overlap = overlap and sum(self.overlap_kept) > 0
+        row = {
             "policy": policy,
             "budget": budget,
             "interval": interval,
-            "traces": self.traces,
+            "traces": len(self.evicted_nll),
             "tokens": tokens,
             "loss_ratio": loss_ratio(evicted, full) if tokens else None,
             "nll_evicted": float(evicted.double().mean()) if tokens else None,
             "nll_full": float(full.double().mean()) if tokens else None,
-            "low_entropy_damage": self.damage.share if tokens else None,
-            "low_entropy_dl2": self.damage.mean_squared if tokens else None,
-            "low_entropy_tokens": self.damage.low_entropy,
-            "damaged_tokens": self.damage.damaged,
+            "low_entropy_damage": damage.share if tokens else None,
+            "low_entropy_dl2": damage.mean_squared if tokens else None,
+            "low_entropy_penalty": damage.penalty if tokens else None,
+            "low_entropy_tokens": damage.low_entropy,
+            "damaged_tokens": damage.damaged,
             "attn_cosine": float(torch.cat(self.cosine).mean()) if tokens else None,
-            "golden_overlap": self.overlap_hits / self.overlap_kept if overlap and self.overlap_kept else None,
+            "golden_overlap": sum(self.overlap_hits) / sum(self.overlap_kept) if overlap else None,
             "never_evicted": self.never_evicted,
             "seconds": round(self.seconds, 3),
+        }
+        for metric, parts in self._per_trace().items():
+            set_interval(row, metric, None if row[metric] is None else bootstrap_interval(*parts))
+        return row
+
+    def _per_trace(self) -> dict[str, tuple[list[float], list[float]]]:
+        """(numerator, denominator) per trace of every reported metric: the interval resamples traces."""
+        return {
+            "loss_ratio": ([float(t.double().sum()) for t in self.evicted_nll], [float(t.double().sum()) for t in self.full_nll]),
+            "low_entropy_damage": ([d.damaged for d in self.damages], [d.low_entropy for d in self.damages]),
+            "low_entropy_dl2": ([d.squared_sum for d in self.damages], [d.damaged for d in self.damages]),
+            "low_entropy_penalty": ([d.squared_sum for d in self.damages], [d.low_entropy for d in self.damages]),
+            "attn_cosine": ([float(c.sum()) for c in self.cosine], [c.numel() for c in self.cosine]),
+            "golden_overlap": (self.overlap_hits, self.overlap_kept),
         }
 
 
@@ -459,9 +489,8 @@ def _evaluate_batch(
             predictions = trace.input_ids.numel() - 1
             _check_all_layers(probe.layer_count[row, :predictions], num_layers, spec.name)
             cosine = probe.cosine_sum[row, :predictions] / num_layers
-            tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine)
-            tally.overlap_hits += int(probe.overlap_hits[row])
-            tally.overlap_kept += int(probe.overlap_kept[row])
+            overlap = (int(probe.overlap_hits[row]), int(probe.overlap_kept[row]))
+            tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap)
 
 
 def _replay(
@@ -490,13 +519,14 @@ def _check_all_layers(counts: torch.Tensor, num_layers: int, policy: str) -> Non
 
 
 # -- the report ----------------------------------------------------------------------------------
-COLUMNS = (
+COLUMNS: tuple[Column, ...] = (
     ("policy", "policy", "{}"),
     ("budget", "B", "{}"),
     ("interval", "L", "{}"),
     ("loss_ratio", "loss ratio", "{:.4f}"),
     ("low_entropy_damage", "low-entropy damage", "{:.2%}"),
     ("low_entropy_dl2", "mean ΔL² (damaged)", "{:.3f}"),
+    ("low_entropy_penalty", "−R", "{:.4f}"),
     ("attn_cosine", "attn cosine", "{:.4f}"),
     ("golden_overlap", "golden overlap", "{:.3f}"),
     ("traces", "traces", "{}"),
@@ -510,65 +540,16 @@ def sorted_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The results as a markdown table, one line per (budget, policy); '–' where a metric is undefined."""
-    header = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
-    rule = "|" + "|".join("---" if key == "policy" else "---:" for key, _, _ in COLUMNS) + "|"
-    lines = [header, rule]
-    for row in sorted_rows(rows):
-        cells = ["–" if row[key] is None else fmt.format(row[key]) for key, _, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """The results as a markdown table, one line per (budget, policy), each metric with its 95%
+    bootstrap interval over traces in brackets; '–' where a metric is undefined."""
+    return format_table(sorted_rows(rows), COLUMNS)
 
 
 def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (settings, notes, table) and one PNG
-    per metric (budget against the metric, one line per policy). Returns the paths written."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = sorted_rows(result.rows)
-    paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
-    write_text(paths[0], json.dumps(rows, indent=1))
-    with atomic_file(paths[1]) as temporary, open(temporary, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else [key for key, _, _ in COLUMNS])
-        writer.writeheader()
-        writer.writerows(rows)
-    setting_lines = [f"- {key}: {value}" for key, value in settings.items()]
-    note_lines = [f"- {note}" for note in result.notes] or ["- none"]
-    text = "\n".join(["# Teacher-forced evaluation", "", *setting_lines, "", "Notes:", "", *note_lines, "",
-                      markdown_table(rows), ""])
-    write_text(paths[2], text)
-    for metric in METRICS:
-        if any(row[metric] is not None for row in rows):
-            paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png"))
-    return paths
-
-
-def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path) -> Path:
-    """Budget against `metric`, one line per policy (matplotlib, Agg backend); each policy gets its
-    own colour and marker, the full-cache reference a dashed black line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(8, 4.5))
-    tab20 = plt.get_cmap("tab20").colors
-    colours, markers = tab20[0::2] + tab20[1::2], "osD^v<>pPhX*"  # the ten strong colours first
-    for index, policy in enumerate(dict.fromkeys(row["policy"] for row in rows)):
-        points = sorted((r["budget"], r[metric]) for r in rows if r["policy"] == policy and r[metric] is not None)
-        if not points:
-            continue
-        style = dict(color="black", linestyle="--") if policy == REFERENCE.name else dict(color=colours[index % 20])
-        axes.plot(*zip(*points), marker=markers[index % len(markers)], label=policy, **style)
-    axes.set_xticks(sorted({row["budget"] for row in rows}))
-    axes.set_xlabel("budget B (cache entries)")
-    axes.set_ylabel(metric.replace("_", " "))
-    axes.set_title(f"{metric.replace('_', ' ')} by budget (L={rows[0]['interval']})")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-    figure.tight_layout()
-    with atomic_file(path) as temporary:
-        figure.savefig(temporary, dpi=120, format="png")
-    plt.close(figure)
-    return path
-
+    per metric (budget against the metric, one line per policy, intervals as error bars). Returns the
+    paths written."""
+    return write_results(
+        out_dir, "Teacher-forced evaluation", settings, result.notes, sorted_rows(result.rows), COLUMNS, METRICS,
+        reference=REFERENCE.name,
+    )

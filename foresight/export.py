@@ -30,7 +30,7 @@ DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def scorer_config_dict(config: ScorerConfig) -> dict[str, Any]:
-    """A `ScorerConfig` as plain values (what `SCORER_CONFIG_KEY` holds)."""
+    """A `ScorerConfig` as plain values (the config of `SCORER_KEY`)."""
     return {**asdict(config), "feature_set": config.feature_set.value}
 
 
@@ -112,8 +112,9 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"{config.num_kv_heads} KV heads, head dim {config.head_dim}) |\n"
         f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
         f"| features | `{config.feature_set.value}`: {features} (per query head, log1p) |\n"
-        f"| hidden width H | {config.hidden} |",
-        "## Training\n" + _training_text(training),
+        f"| hidden width H | {config.hidden} |\n"
+        f"| training stage | {config.stage}{_started_from(config)} |",
+        "## Training\n" + _training_text(config, training),
     ]
     if evaluation:
         sections.append("## Evaluation\n" + evaluation.strip())
@@ -129,19 +130,37 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
-def _training_text(training: dict[str, Any]) -> str:
+STAGE_TEXT = {
+    "supervised": "Supervised stage (ForesightKV §3.2): pairwise ranking loss (Eq. 6) against Golden Eviction future scores.",
+    "reinforcement": "Reinforcement stage (ForesightKV §3.3): GRPO (Eq. 9-10) with the low-entropy loss reward (Eq. 8), "
+    "starting from a supervised scorer that is also the KL reference.",
+}
+METRIC_NOTES = {
+    "supervised": "loss: Eq. 6; overlap: share of the golden kept set (top B - L by α) that the scorer keeps; "
+    "overlap_cumulative: the same for ranking by cumulative attention (H2O's statistic); spearman: rank "
+    "correlation of the scores with α. val/: held-out traces.",
+    "reinforcement": "reward: R of Eq. 8 as docs/algorithms.md §7 defines it (minus the mean over the low-entropy tokens "
+    "of ΔL²·1[ΔL > 1.5]); loss_ratio and damage: the rollouts' loss ratio and share of damaged low-entropy tokens; "
+    "kl: k3 estimate of KL(π_θ ‖ π_ref) per eviction; clip_fraction: share of evictions whose ratio was clipped.",
+}
+
+
+def _started_from(config: ScorerConfig) -> str:
+    return f", started from `{config.started_from}`" if config.started_from else ""
+
+
+def _training_text(config: ScorerConfig, training: dict[str, Any]) -> str:
+    stage = STAGE_TEXT[config.stage] + (f" Started from `{config.started_from}`." if config.started_from else "")
     if not training:
-        return "No training record was exported with this scorer."
+        return stage + "\n\nNo training record was exported with this scorer."
     lines = [f"- {key.replace('_', ' ')}: {_plain(value)}" for key, value in training.items() if key != "metrics"]
     metrics = reported_metrics(training)
     if metrics:
         lines.append(
             "\n| metric | value |\n|---|---|\n" + "\n".join(f"| {name} | {_plain(value)} |" for name, value in metrics.items())
-            + "\n\nloss: Eq. 6; overlap: share of the golden kept set (top B - L by α) that the scorer keeps; "
-            "overlap_cumulative: the same for ranking by cumulative attention (H2O's statistic); spearman: rank "
-            "correlation of the scores with α. val/: held-out traces."
+            + "\n\n" + METRIC_NOTES[config.stage]
         )
-    return "Supervised stage (ForesightKV §3.2): pairwise ranking loss (Eq. 6) against Golden Eviction future scores.\n\n" + "\n".join(lines)
+    return stage + "\n\n" + "\n".join(lines)
 
 
 def reported_metrics(training: dict[str, Any]) -> dict[str, float]:

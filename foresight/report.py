@@ -1,10 +1,16 @@
-"""Markdown reports with named sections, so each benchmark rewrites only its own part of a shared file."""
+"""Reports: named sections of shared markdown files (each benchmark rewrites only its own), and the
+result tables of the evaluations (JSON, CSV, markdown with confidence intervals, plots by budget)."""
 
 from __future__ import annotations
 
+import csv
+import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from foresight.artifacts import write_text
+from foresight.artifacts import atomic_file, write_text
 
 
 def write_section(path: Path, name: str, body: str) -> None:
@@ -20,3 +26,105 @@ def write_section(path: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip() + ("\n\n" if text.strip() else "") + block
     write_text(path, text)
+
+
+# -- result tables: JSON, CSV, markdown and plots by budget ------------------------------------------
+Column = tuple[str, str, str]  # (row key, title, format of its value)
+
+
+def interval_keys(metric: str) -> tuple[str, str]:
+    """The row keys of a metric's confidence interval."""
+    return f"{metric}_low", f"{metric}_high"
+
+
+def set_interval(row: dict[str, Any], metric: str, interval: tuple[float, float] | None) -> None:
+    """Store a metric's confidence interval (None: undefined) in `row` under `interval_keys(metric)`."""
+    low, high = interval_keys(metric)
+    row[low], row[high] = (None, None) if interval is None else interval
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A markdown table of `rows` in order; '–' where a value is undefined, and a metric's confidence
+    interval after it in brackets where the row has one."""
+    header = "| " + " | ".join(title for _, title, _ in columns) + " |"
+    rule = "|" + "|".join("---" if index == 0 else "---:" for index in range(len(columns))) + "|"
+    return "\n".join([header, rule, *("| " + " | ".join(_cell(row, key, fmt) for key, _, fmt in columns) + " |" for row in rows)])
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    if row.get(key) is None:
+        return "–"
+    text = fmt.format(row[key])
+    low, high = (row.get(name) for name in interval_keys(key))
+    return text if low is None or high is None else f"{text} [{fmt.format(low)}, {fmt.format(high)}]"
+
+
+def write_results(
+    out_dir: str | os.PathLike,
+    title: str,
+    settings: dict[str, Any],
+    notes: Sequence[str],
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[Column],
+    plotted: Sequence[str],
+    reference: str = "full",
+) -> list[Path]:
+    """Write results.json (the rows), results.csv, results.md (title, settings, notes, table) and one
+    PNG per metric in `plotted` that has a value (budget against the metric, one line per policy, the
+    `reference` policy dashed). Returns the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
+    write_text(paths[0], json.dumps(list(rows), indent=1))
+    with atomic_file(paths[1]) as temporary, open(temporary, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else [key for key, _, _ in columns])
+        writer.writeheader()
+        writer.writerows(rows)
+    setting_lines = [f"- {key}: {value}" for key, value in settings.items()]
+    note_lines = [f"- {note}" for note in notes] or ["- none"]
+    text = "\n".join([f"# {title}", "", *setting_lines, "", "Notes:", "", *note_lines, "", markdown_table(rows, columns), ""])
+    write_text(paths[2], text)
+    for metric in plotted:
+        if any(row.get(metric) is not None for row in rows):
+            paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png", reference))
+    return paths
+
+
+def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path, reference: str = "full") -> Path:
+    """Budget against `metric`, one line per policy (matplotlib, Agg backend), with the confidence
+    interval as error bars where rows have one; each policy gets its own colour and marker, the
+    `reference` a dashed black line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    tab20 = plt.get_cmap("tab20").colors
+    colours, markers = tab20[0::2] + tab20[1::2], "osD^v<>pPhX*"  # the ten strong colours first
+    low_key, high_key = interval_keys(metric)
+    for index, policy in enumerate(dict.fromkeys(row["policy"] for row in rows)):
+        points = sorted(
+            (r["budget"], r[metric], r.get(low_key), r.get(high_key))
+            for r in rows if r["policy"] == policy and r[metric] is not None
+        )
+        if not points:
+            continue
+        style = dict(color="black", linestyle="--") if policy == reference else dict(color=colours[index % 20])
+        budgets, values = [p[0] for p in points], [p[1] for p in points]
+        if all(p[2] is not None and p[3] is not None for p in points):
+            errors = [[v - p[2] for v, p in zip(values, points)], [p[3] - v for v, p in zip(values, points)]]
+            axes.errorbar(budgets, values, yerr=errors, capsize=3, marker=markers[index % len(markers)], label=policy, **style)
+        else:
+            axes.plot(budgets, values, marker=markers[index % len(markers)], label=policy, **style)
+    axes.set_xticks(sorted({row["budget"] for row in rows}))
+    axes.set_xlabel("budget B (cache entries)")
+    axes.set_ylabel(metric.replace("_", " "))
+    axes.set_title(f"{metric.replace('_', ' ')} by budget (L={rows[0]['interval']})")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    figure.tight_layout()
+    with atomic_file(path) as temporary:
+        figure.savefig(temporary, dpi=120, format="png")
+    plt.close(figure)
+    return path

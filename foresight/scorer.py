@@ -18,6 +18,7 @@ and `plackett_luce_logprob` (the action log-probability GRPO needs).
 """
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -50,6 +51,10 @@ def describe_shape(shape: HasModelShape) -> str:
     return "layers={}, query heads={}, KV heads={}, head dim={}".format(*_shape_key(shape))
 
 
+STAGES = ("supervised", "reinforcement")
+"""The training stages that make a scorer (ForesightKV §3.2 and §3.3)."""
+
+
 @dataclass
 class ScorerConfig:
     """Everything needed to rebuild a scorer and to refuse a model it was not trained for.
@@ -57,7 +62,9 @@ class ScorerConfig:
     num_layers, num_query_heads, num_kv_heads, head_dim: the base model's shape (Hq must be a multiple
     of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
     (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
-    width (16 in the paper). feature_set: "paper" (F = 6) or "official-8" (F = 8).
+    width (16 in the paper). feature_set: "paper" (F = 6) or "official-8" (F = 8). stage: the training
+    stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
+    scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
     """
 
     num_layers: int
@@ -69,9 +76,13 @@ class ScorerConfig:
     base_model: str
     hidden: int = 16
     feature_set: FeatureSet = FeatureSet.PAPER
+    stage: str = "supervised"
+    started_from: str | None = None
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)
+        if self.stage not in STAGES:
+            raise ValueError(f"stage must be one of {', '.join(map(repr, STAGES))}, got {self.stage!r}")
         for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -264,7 +275,7 @@ def _pool(masked: torch.Tensor, num_evict: int) -> torch.Tensor:
 def sample_eviction(
     scores: torch.Tensor,
     num_evict: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     eligible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample which candidates to evict (ForesightKV Eq. 2): softmax over the negated scores of the pool
@@ -272,7 +283,9 @@ def sample_eviction(
 
     Returns (indices [..., num_evict] into the candidates, in sampled order; their Plackett-Luce
     log-probability [...], as `plackett_luce_logprob` computes it). The pool is `eviction_pool` of the
-    same arguments (record it for GRPO ratios). A `generator` must live on the scores' device.
+    same arguments (record it for GRPO ratios). A `generator` must live on the scores' device; a
+    sequence of them, one per index of the scores' first dim, draws each row's noise from its own
+    generator, so a row samples the same whichever rows share its batch.
 
     Sequential draws without replacement from softmax(l) are the Plackett-Luce distribution over
     orders. The Gumbel-top-k trick samples it exactly in one batched step: add independent Gumbel(0, 1)
@@ -284,11 +297,21 @@ def sample_eviction(
     masked = _masked(scores, num_evict, eligible)
     pool = _pool(masked, num_evict)
     logits = _logits(masked).gather(-1, pool)
-    uniform = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+    uniform = _uniform(logits, generator)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(logits.dtype).tiny)))
     picks = (logits + gumbel).topk(num_evict, dim=-1).indices
     order = pool.gather(-1, picks)
     return order, _plackett_luce(masked, pool, order)
+
+
+def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """U(0, 1) noise shaped like `logits`, from one generator or from one per row of the first dim."""
+    options = dict(dtype=logits.dtype, device=logits.device)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(logits.shape, generator=generator, **options)
+    if len(generator) != logits.shape[0]:
+        raise ValueError(f"got {len(generator)} generators for {logits.shape[0]} rows; give one per row")
+    return torch.stack([torch.rand(logits.shape[1:], generator=row, **options) for row in generator])
 
 
 def plackett_luce_logprob(

@@ -2,21 +2,31 @@
 only when their answer is correct, so every source says how to check one).
 
 A SOURCE is one of
-- ``reasoning-gym:TASK``: procedural problems from the ``reasoning-gym`` package (offline, the same
-  problems for the same seed), checked by the task's own scorer;
+- ``reasoning-gym:TASK`` or ``reasoning-gym:TASK:KEY=VALUE,...``: procedural problems from the
+  ``reasoning-gym`` package (offline, the same problems for the same seed), checked by the task's own
+  scorer; the options set fields of the task's config, e.g. ``reasoning-gym:chain_sum:max_terms=2``
+  (values read as JSON, else as text);
 - a JSONL file of ``{"prompt": ..., "answer": ...}`` objects (``answer`` optional), checked with
   ``math-verify``;
 - a folder written by ``datasets.Dataset.save_to_disk`` with a ``prompt`` or ``question`` column and an
   optional ``answer`` column, checked with ``math-verify``.
 
-Final-answer rule (:func:`extract_answer`), applied to every completion before checking: the content
-of the last non-empty ``\\boxed{...}``; else the first non-empty line after the last ``Answer:`` (any
-case, the rest of its own line when that is not empty); else the last non-empty line. Trailing
-whitespace and periods are stripped from the last two.
+Final-answer rules (:func:`extract_answer`), applied to every completion before checking; both are
+reported, as lm-evaluation-harness does for GSM8K:
+
+- ``strict``: the content of the last non-empty ``\\boxed{...}``; else the first non-empty line after
+  the last ``Answer:`` (any case, the rest of its own line when that is not empty); else nothing;
+- ``flexible`` (the default): the strict answer; else what follows the last "answer is" up to the end
+  of its sentence or clause ("So, the final answer is 3." gives 3, "the answer is yes, it follows"
+  gives yes); else the last number; else the last non-empty line.
+
+Trailing whitespace and periods are stripped from everything but a boxed answer; the flexible rule
+also strips Markdown emphasis, dollar signs and quotes around its answer and commas inside a number.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -24,6 +34,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from foresight.choices import Choice
 
 REASONING_GYM = "reasoning-gym:"
 # Appended to reasoning-gym questions (which carry no format instruction) so that a model's final
@@ -74,15 +86,37 @@ def load_problems(source: str, num: int, seed: int = 0) -> list[Problem]:
 def _reasoning_gym_problems(source: str, num: int, seed: int) -> list[Problem]:
     import reasoning_gym
 
-    task = source[len(REASONING_GYM) :]
+    task, options = _reasoning_gym_task(source)
     if task not in reasoning_gym.factory.DATASETS:
         known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
         raise ValueError(f"unknown reasoning-gym task {task!r}; known tasks: {known}")
-    dataset = reasoning_gym.create_dataset(task, size=num, seed=seed)
+    fields = [f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[task][1]) if f.name not in ("seed", "size")]
+    unknown = [key for key in options if key not in fields]
+    if unknown:
+        raise ValueError(f"reasoning-gym task {task!r} has no option {unknown[0]!r}; its options are: {', '.join(fields)}")
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=num, seed=seed, **options)
+    except (AssertionError, TypeError, ValueError) as error:
+        raise ValueError(f"reasoning-gym task {task!r} refused the options {options}: {error}") from None
     return [
         Problem(i, f"{entry['question']}\n{ANSWER_INSTRUCTION}", str(entry["answer"]), source, dict(entry))
         for i, entry in enumerate(dataset)
     ]
+
+
+def _reasoning_gym_task(source: str) -> tuple[str, dict[str, Any]]:
+    """The task name and config options of a ``reasoning-gym:TASK[:KEY=VALUE,...]`` source."""
+    task, _, text = source[len(REASONING_GYM) :].partition(":")
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"reasoning-gym option {item!r} in {source!r} must look like KEY=VALUE")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value.strip()
+    return task, options
 
 
 def _jsonl_problems(path: Path, source: str) -> list[Problem]:
@@ -143,15 +177,43 @@ def _answer_text(answer: Any) -> str | None:
     return None if answer is None else str(answer)
 
 
-def extract_answer(completion: str) -> str:
-    """The final answer in a completion, by the rule in the module docstring."""
+class AnswerRule(Choice):
+    """How a completion's final answer is found (module docstring)."""
+
+    STRICT = "strict"
+    FLEXIBLE = "flexible"
+
+
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+)", flags=re.IGNORECASE)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|,\s")  # "the answer is yes, it follows" gives yes
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_answer(completion: str, rule: AnswerRule | str = AnswerRule.FLEXIBLE) -> str:
+    """The final answer in a completion by `rule` (module docstring); "" when the rule finds none."""
+    rule = AnswerRule.parse(rule)
     boxed = _last_boxed(completion)
     if boxed is not None:
         return boxed.strip()
     marks = list(re.finditer(r"answer\s*:", completion, flags=re.IGNORECASE))
     if marks:
         return _clean(_non_empty_lines(completion[marks[-1].end() :])[:1])
-    return _clean(_non_empty_lines(completion)[-1:])
+    if rule is AnswerRule.STRICT:
+        return ""
+    stated = [m.group(1) for m in _ANSWER_IS.finditer(completion)]
+    if stated and (sentence := _loose(_SENTENCE_END.split(stated[-1], maxsplit=1)[0])):
+        return sentence
+    numbers = _NUMBER.findall(completion)
+    if numbers:
+        return _loose(numbers[-1])
+    return _loose(_clean(_non_empty_lines(completion)[-1:]))
+
+
+def _loose(text: str) -> str:
+    """A flexible answer without surrounding emphasis, dollar signs and periods, and a number
+    without its thousands separators."""
+    text = text.strip().strip("*$\"'").strip().rstrip(".").rstrip()
+    return text.replace(",", "") if _NUMBER.fullmatch(text) else text
 
 
 def _non_empty_lines(text: str) -> list[str]:
@@ -185,17 +247,20 @@ def _braced(text: str, open_at: int) -> str | None:
     return None
 
 
-def check_answer(problem: Problem, completion: str) -> bool | None:
-    """Whether the completion's final answer is right; None when the problem has no answer.
+def check_answer(problem: Problem, completion: str, rule: AnswerRule | str = AnswerRule.FLEXIBLE) -> bool | None:
+    """Whether the completion's final answer (found by `rule`) is right; None when the problem has no
+    answer. A completion in which the rule finds no answer is wrong.
 
     reasoning-gym problems use the task's own scorer (correct = full score 1.0); other sources
     compare with ``math-verify`` (numbers and LaTeX expressions by value).
     """
     if problem.answer is None:
         return None
-    predicted = extract_answer(completion)
+    predicted = extract_answer(completion, rule)
+    if not predicted:
+        return False
     if problem.source.startswith(REASONING_GYM):
-        score = _reasoning_gym_scorer(problem.source[len(REASONING_GYM) :])(predicted, problem.metadata)
+        score = _reasoning_gym_scorer(_reasoning_gym_task(problem.source)[0])(predicted, problem.metadata)
         return score >= 1.0
     from math_verify import verify
 
@@ -225,3 +290,13 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     return list(tokenizer(prompt).input_ids)
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The tokens that end the model's turn: its generation config's EOS (one id or several), else the
+    tokenizer's."""
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    if eos is None:
+        raise ValueError("neither the model's generation config nor its tokenizer names an EOS token")
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -225,7 +225,7 @@ def generate_traces(
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     settings = TraceSettings(
         model=model.name_or_path if model_name is None else model_name,
-        source=source if source.startswith(REASONING_GYM) else str(Path(source).resolve()),
+        source=recorded_source(source),
         num=num,
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
@@ -252,6 +252,29 @@ def generate_traces(
             writer.write(k, rows, {"batch_size": batch_size, **asdict(counts)})
     total = sum((writer.counts(k) for k in owned), TraceCounts())
     return TraceRunSummary(Path(out_dir), len(todo), len(owned) - len(todo), total)
+
+
+def recorded_source(source: str) -> str:
+    """A prompt source as the settings record it: reasoning-gym:TASK as given, a file or folder as its absolute path."""
+    return source if source.startswith(REASONING_GYM) else str(Path(source).resolve())
+
+
+def finished_run(
+    out_dir: str | os.PathLike, settings: TraceSettings, shard: tuple[int, int] = (0, 1)
+) -> TraceRunSummary | None:
+    """The summary `generate_traces` would give when every shard it owns in `out_dir` is complete, read from the
+    manifest without a model; None when a shard is missing. Refuses a folder made with other settings."""
+    out_dir = Path(out_dir)
+    manifest = _read_json(out_dir / MANIFEST)
+    if manifest is None:
+        return None
+    _check_same_settings(out_dir, manifest["settings"], asdict(settings))
+    records = {record["shard"]: record for record in manifest["shards"]}
+    owned = range(shard[0], settings.num_shards, shard[1])
+    if any(k not in records for k in owned):
+        return None
+    counts = sum((TraceCounts.from_record(records[k]) for k in owned), TraceCounts())
+    return TraceRunSummary(out_dir, 0, len(owned), counts)
 
 
 def _rng_devices(model) -> list[torch.device]:
@@ -471,3 +494,9 @@ class TraceStore(TraceView):
         dataset = datasets.concatenate_datasets(shards) if shards else empty
         super().__init__(dataset, manifest["settings"])
         self.out_dir = out_dir
+
+    def require_model(self, name: str) -> None:
+        """Refuse to use these traces with a model other than the one that made them."""
+        if self.settings["model"] != name:
+            made_with = self.settings["model"]
+            raise ValueError(f"the traces in {self.out_dir} were made by {made_with!r}, not by the model {name!r}")

@@ -1,10 +1,16 @@
 """Shared test set-up: one torch thread (tiny models run faster without thread hand-offs) and the
-fixtures several test modules use. Plain helpers live in tests/helpers.py."""
+fixtures several test modules use: a tiny Llama, and a tiny model folder with traces sampled from it.
+Plain helpers live in tests/helpers.py."""
+
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from foresight.models import tiny_model
+from foresight.traces import generate_traces
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 torch.set_num_threads(1)
 
@@ -13,6 +19,32 @@ torch.set_num_threads(1)
 def llama():
     """The tiny random Llama (GQA: 4 query heads, 2 KV heads), built once per test module."""
     return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny Llama and a character tokenizer saved as a model folder, so `load_model(folder)` works."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer(CHAT_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def traces_dir(tmp_path_factory, tiny_dir) -> Path:
+    """Ten sampled traces of the tiny model (about 60-120 tokens each), without labels. Tests that label
+    them do so for B=16, L=4 only; a test that needs the folder as it was copies it first."""
+    out = tmp_path_factory.mktemp("traces")
+    generate_traces(tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE), str(DATA / "arithmetic.jsonl"), out_dir=out,
+                    num=10, max_new_tokens=40, temperature=1.0, top_k=0, top_p=1.0, progress=False,
+                    model_name=str(tiny_dir))
+    return out
+
+
+@pytest.fixture
+def fresh_traces(tmp_path, traces_dir) -> Path:
+    """A copy of `traces_dir` without any labels, for a test that labels or damages files."""
+    return Path(shutil.copytree(traces_dir, tmp_path / "traces", ignore=shutil.ignore_patterns("labels-*")))
 
 
 @pytest.fixture(scope="module")

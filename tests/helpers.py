@@ -14,7 +14,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerFast
 
 from foresight.models import describe, tiny_model
-from foresight.scorer import ForesightScorer
+from foresight.policies import POLICIES, EvictionContext, make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.scorer import ForesightScorer, ScorerConfig
 
 # -- prompts and the character tokenizer of the tiny models ----------------------------------------
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -105,3 +107,139 @@ def synthetic_traces(count: int, steps: int, seed: int = 0) -> list[dict[str, to
         traces.append({"keys": keys, "values": torch.randn(*shape, spec["head_dim"], generator=generator),
                        "features": features, "alpha": alpha})
     return traces
+
+
+# -- a random eviction step as the engine builds it ---------------------------------------------------
+DIM, INTERVAL, CANDIDATES = 8, 4, 14
+BATCH = len(INVALID_PER_ROW)
+SCALING = DIM**-0.5
+
+
+def clustered_keys(generator: torch.Generator, count: int) -> torch.Tensor:
+    """Keys [batch, Hkv, count, D], half of them near one of three directions, so some pairs have
+    cosine similarity above 0.5 and others do not."""
+    centres = torch.randn(3, DIM, generator=generator) * 2.0
+    near = centres[torch.randint(0, 3, (BATCH, KV_HEADS, count), generator=generator)]
+    noise = torch.randn(BATCH, KV_HEADS, count, DIM, generator=generator)
+    use_centre = torch.rand(BATCH, KV_HEADS, count, 1, generator=generator) < 0.5
+    return torch.where(use_centre, near + noise, noise * 2.0)
+
+
+def random_context(group: int, seed: int = 0, query_start: int | None = None) -> EvictionContext:
+    """An eviction step as the engine builds it: C candidates below position 40, then the recent
+    window of L entries at 40..43, whose tokens are the L buffered queries. `query_start` moves the
+    queries back among the candidates, so the causal mask matters for candidates too."""
+    generator = torch.Generator().manual_seed(seed)
+    window_start = 40
+    recent = torch.arange(window_start, window_start + INTERVAL)
+    positions = torch.cat([candidate_positions(generator, window_start, CANDIDATES), recent.expand(BATCH, KV_HEADS, -1)], dim=-1)
+    keys = clustered_keys(generator, CANDIDATES + INTERVAL)
+    first_query = window_start if query_start is None else query_start
+    return EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=keys,
+        values=torch.randn(keys.shape, generator=generator),
+        positions=positions,
+        num_candidates=CANDIDATES,
+        scaling=SCALING,
+        queries=torch.randn(BATCH, KV_HEADS * group, INTERVAL, DIM, generator=generator) * 1.5,
+        query_positions=torch.arange(first_query, first_query + INTERVAL).expand(BATCH, -1),
+    )
+
+
+def constructible_policies() -> list[str]:
+    """Registered evicting policies that need no external artifact (labels, a scorer) to be built."""
+    names = []
+    for name, cls in sorted(POLICIES.items()):
+        try:
+            cls()
+        except TypeError:
+            continue
+        if cls.evicts:
+            names.append(name)
+    return names
+
+
+def prompts(lengths, seed=0, vocab=128):
+    """Prompts of the given lengths, of random ids in 1..vocab - 1."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
+    """A scorer for `model` (B = 12, L = 4 unless overridden) with weights large enough that its keep
+    scores are far apart."""
+    shape = describe(model)
+    options = dict(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
+                   head_dim=shape.head_dim, budget=12, interval=4, base_model="tiny-llama")
+    torch.manual_seed(seed)
+    scorer = ForesightScorer(ScorerConfig(**{**options, **overrides}))
+    with torch.no_grad():  # larger weights than nn.Linear's init: keep scores far apart, evictions decisive
+        scorer.w1.mul_(4)
+    return scorer
+
+
+# -- policies in half precision and batches against their rows alone ----------------------------------
+SCORED = ("knorm", "streaming", "random", "h2o", "tova", "snapkv", "rkv", "lagkv", "lazy", "raas", "foresight")
+GROUP = 2
+
+
+def make(name: str, model=None):
+    """The policy `name`; foresight gets a random scorer for B = 14, L = 4."""
+    if name != "foresight":
+        return make_policy(name)
+    model = model or tiny_model("llama", num_attention_heads=2 * GROUP, head_dim=8, num_hidden_layers=1)
+    return make_policy("foresight", scorer=random_scorer(model, budget=14, interval=4))
+
+
+def keep_scores(policy, context: EvictionContext) -> torch.Tensor:
+    """The policy's keep scores of one step, from fresh per-entry state."""
+    policy.reset()
+    shape = context.positions.shape
+    for field in policy.state_fields:
+        trailing = (GROUP,) if field.per_query_head else ()
+        context.state[field.name] = torch.full((*shape, *trailing), field.fill)
+    context.state.update(policy.observe(context))
+    return policy.keep_scores(context)
+
+
+ROUNDING = {torch.bfloat16: 0.02, torch.float16: 0.004, torch.float32: 1e-4}
+"""Largest logit difference between a row in a batch and alone, as a share of the largest |logit|:
+a few units in the last place of the dtype (kernels for different shapes round differently)."""
+
+
+def assert_decodes_alike(tokens, logits, reference_tokens, reference_logits, dtype: torch.dtype) -> int:
+    """Two greedy decodings of the same prompt agree up to rounding: their logits [steps, vocab] agree
+    within ROUNDING of the largest |logit| up to and including the first step where the tokens part
+    (rounding may pick the other one of two near-equal logits; every later step has other inputs).
+    A fault (padding attended, a wrong entry kept) moves logits by far more than rounding before any
+    token can part. Returns the number of steps compared."""
+    parted = next((step for step, (a, b) in enumerate(zip(tokens, reference_tokens)) if a != b), None)
+    compared = min(len(tokens), len(reference_tokens)) if parted is None else parted + 1
+    expected = reference_logits[:compared].float()
+    difference = float((logits[:compared].float() - expected).abs().max())
+    assert difference <= ROUNDING[dtype] * float(expected.abs().max()), f"logits differ by {difference:.4g}"
+    return compared
+
+
+def assert_batch_decodes_as_each_row_alone(
+    model, policy_name: str, batch: list[list[int]], new_tokens: int, budget: int = 12, interval: int = 4
+) -> None:
+    """Greedy decoding of a left-padded batch equals decoding each row alone, up to rounding: each row
+    decoded alone agrees with its batch row up to their first near-tie (`assert_decodes_alike`), and
+    replayed alone token by token along the batch row's tokens it gives every one of them the same
+    log-probability (within rounding), so every step is compared, near-ties or not."""
+    policy = make(policy_name, model)
+    engine = EvictionEngine(model, policy, EvictionConfig(budget, interval) if policy.evicts else None)
+    together = engine.generate(batch, new_tokens, return_logits=True)
+    assert not policy.evicts or together.stats.evictions > 0
+    for row, prompt in enumerate(batch):
+        tokens, logits = together.tokens[row], together.logits[row, : len(together.tokens[row])].float()
+        alone = engine.generate([prompt], new_tokens, return_logits=True)
+        assert_decodes_alike(tokens, logits, alone.tokens[0], alone.logits[0], model.dtype)
+        replayed = engine.replay([torch.tensor(prompt + tokens)], [len(prompt)], max_chunk=1)
+        expected = replayed.nll[0][len(prompt) - 1 :]  # entry j predicts token j + 1
+        nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, device=logits.device)[:, None])
+        tolerance = 2 * ROUNDING[model.dtype] * float(logits.abs().max())  # a log-softmax moves by twice the logits
+        assert float((nll.squeeze(-1).cpu() - expected).abs().max()) <= tolerance, f"row {row}"

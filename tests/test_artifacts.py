@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from foresight.artifacts import (
+    MISSING,
     ArtifactError,
     atomic_file,
     atomic_folder,
     check_metadata,
-    is_readable,
+    file_problem,
     read_tensors,
     save_tensors,
     write_text,
@@ -96,16 +97,25 @@ def test_a_failed_file_write_keeps_the_previous_file(tmp_path: Path) -> None:
 def test_truncated_safetensors_is_unreadable_with_a_one_line_error(tmp_path: Path) -> None:
     path = tmp_path / "trace-000001.safetensors"
     save_tensors(path, {"alpha": torch.arange(1000.0)}, {"format": "labels/1"})
-    assert is_readable(path) and read_tensors(path, "remake it")[1]["alpha"].shape == (1000,)
+    assert file_problem(path, {"format": "labels/1"}) is None
+    assert read_tensors(path, "`remake it`")[1]["alpha"].shape == (1000,)
     path.write_bytes(path.read_bytes()[:-100])
-    assert not is_readable(path) and not is_readable(tmp_path / "absent.safetensors")
+    assert file_problem(path, {}).startswith("damaged (")
+    assert file_problem(tmp_path / "absent.safetensors", {}) == MISSING
     with pytest.raises(ArtifactError) as error:
-        read_tensors(path, "foresight labels --traces T -B 8 -L 2")
+        read_tensors(path, "`foresight labels --traces T -B 8 -L 2`")
     message = str(error.value)
     assert "\n" not in message and str(path) in message and "damaged" in message
     assert message.endswith("`foresight labels --traces T -B 8 -L 2`")
     with pytest.raises(ArtifactError, match="missing; make it with `cmd`"):
-        read_tensors(tmp_path / "absent.safetensors", "cmd")
+        read_tensors(tmp_path / "absent.safetensors", "`cmd`")
+
+
+def test_file_problem_names_what_the_file_was_made_for(tmp_path: Path) -> None:
+    path = tmp_path / "trace-000001.safetensors"
+    save_tensors(path, {"alpha": torch.zeros(3)}, {"budget": "128", "interval": "32"})
+    assert file_problem(path, {"budget": 128}) is None
+    assert file_problem(path, {"budget": 64, "interval": 32}) == "made for something else (budget='128', not '64')"
 
 
 def test_check_metadata_names_every_difference(tmp_path: Path) -> None:

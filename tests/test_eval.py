@@ -21,6 +21,7 @@ from foresight.models import tiny_model
 from foresight.policies import POLICIES, make_policy
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.stats import bootstrap_interval
 from foresight.traces import Trace, TraceStore, generate_traces, token_losses
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
@@ -112,6 +113,10 @@ def test_report_files(evaluated):
     assert [(r["policy"], int(r["budget"])) for r in table] == [(r["policy"], r["budget"]) for r in rows]
     markdown = (out / "results.md").read_text()
     assert "| policy | B | L | loss ratio |" in markdown and f"| golden | {B} | {L} |" in markdown
+    h2o = next(r for r in rows if r["policy"] == "h2o" and r["budget"] == B)
+    interval = f"{h2o['loss_ratio']:.4f} [{h2o['loss_ratio_low']:.4f}, {h2o['loss_ratio_high']:.4f}]"
+    assert f"| h2o | {B} | {L} | {interval} |" in markdown
+    assert {"loss_ratio_low", "loss_ratio_high", "golden_overlap_low"} <= set(table[0])
     for metric in ("loss_ratio", "low_entropy_damage", "attn_cosine", "golden_overlap"):
         assert (out / f"{metric}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = stdout.strip().splitlines()
@@ -148,8 +153,9 @@ class _OutputRecorder:
 
 
 def reference_row(model, traces, build, config, labels_store):
-    """Loss ratio, attention cosine and golden overlap of one policy by a loop over single traces;
-    `build(trace)` makes the policy for a trace."""
+    """Loss ratio, attention cosine, golden overlap of one policy by a loop over single traces, and the
+    per-trace NLL sums (evicted, full) the loss ratio's interval resamples; `build(trace)` makes the
+    policy for a trace."""
     evicted_nll, full_nll, cosines, hits, kept = [], [], [], 0, 0
     for trace in traces:
         full = _OutputRecorder(model)
@@ -182,7 +188,8 @@ def reference_row(model, traces, build, config, labels_store):
                         kept += len(older)
                         hits += sum(p in golden_kept[head] for p in older)
     evicted, full_cache = torch.cat(evicted_nll).double(), torch.cat(full_nll).double()
-    return float(evicted.mean() / full_cache.mean()), float(torch.cat(cosines).mean()), hits / kept
+    sums = ([float(n.double().sum()) for n in evicted_nll], [float(n.double().sum()) for n in full_nll])
+    return float(evicted.mean() / full_cache.mean()), float(torch.cat(cosines).mean()), hits / kept, sums
 
 
 @pytest.mark.parametrize("name", ["h2o", "raas", "golden"])
@@ -200,8 +207,13 @@ def test_rows_equal_a_per_trace_reference(evaluated, traces_dir, model, name):
             return make_policy(name)
 
         config = EvictionConfig(B, L)
-    ratio, cosine, overlap = reference_row(model, list(TraceStore(traces_dir)), build, config, store)
+    ratio, cosine, overlap, sums = reference_row(model, list(TraceStore(traces_dir)), build, config, store)
     assert row["loss_ratio"] == pytest.approx(ratio, abs=1e-5)
+    low, high = bootstrap_interval(*sums)
+    assert (row["loss_ratio_low"], row["loss_ratio_high"]) == pytest.approx((low, high), abs=1e-5)
+    assert row["loss_ratio_low"] <= row["loss_ratio"] <= row["loss_ratio_high"]
+    for metric in ("attn_cosine", "low_entropy_damage", "golden_overlap"):
+        assert row[f"{metric}_low"] <= row[metric] <= row[f"{metric}_high"], metric
     assert row["attn_cosine"] == pytest.approx(cosine, abs=1e-4)
     assert row["golden_overlap"] == pytest.approx(overlap, abs=1e-12)
     assert name != "golden" or overlap == 1.0
@@ -292,9 +304,42 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     assert [row["budget"] for row in learned] == [B]
     assert 0 <= learned[0]["golden_overlap"] <= 1 and learned[0]["loss_ratio"] > 0
     assert f"foresight skipped at B={UNLABELLED_B}, L={L}" in capsys.readouterr().out
-    loss_ratio, cosine, overlap = reference_row(
+    loss_ratio, cosine, overlap, _ = reference_row(
         model, list(TraceStore(traces_dir)), lambda trace: make_policy("foresight", scorer=str(scorer_dir)),
         EvictionConfig(B, L, sinks=0, protect_prompt=False), LabelStore(traces_dir, B, L),
     )
     assert learned[0]["loss_ratio"] == pytest.approx(loss_ratio, abs=1e-5)
     assert learned[0]["golden_overlap"] == pytest.approx(overlap, abs=1e-9)
+
+
+def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):
+    """`--scorer NAME=DIR` names a learned scorer's row (the supervised and the reinforced one side by
+    side); −R is Σ ΔL² over the damaged tokens / the low-entropy tokens; two rows of one name are refused."""
+    from foresight.models import describe
+    from foresight.scorer import ForesightScorer, ScorerConfig
+
+    shape = describe(model)
+    folders = []
+    for seed, stage in enumerate(("supervised", "reinforcement")):
+        torch.manual_seed(seed)
+        config = ScorerConfig(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads,
+                              num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, budget=B, interval=L,
+                              base_model="tiny", stage=stage)
+        folders.append(tmp_path / stage)
+        ForesightScorer(config).save_pretrained(folders[-1])
+    out = tmp_path / "eval"
+    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o", "--scorer", f"foresight-sl={folders[0]}",
+            "--scorer", f"foresight-rl={folders[1]}", "-B", str(B), "-L", str(L), "--out", str(out)]
+    assert cli.main(argv) == 0
+    rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
+    assert set(rows) == {"h2o", "foresight-sl", "foresight-rl"}
+    assert rows["foresight-sl"]["loss_ratio"] != rows["foresight-rl"]["loss_ratio"]
+    for row in rows.values():
+        penalty = row["low_entropy_dl2"] * row["damaged_tokens"] / row["low_entropy_tokens"]
+        assert row["low_entropy_penalty"] == pytest.approx(penalty, rel=1e-9, abs=1e-12)
+    assert "| −R |" in (out / "results.md").read_text()
+    capsys.readouterr()
+    twice = [*argv[:5], "--scorer", f"h2o={folders[0]}", *argv[7:]]
+    assert cli.main(twice) == 2
+    error = capsys.readouterr().err.strip()
+    assert "two result rows would be named 'h2o'" in error and "\n" not in error

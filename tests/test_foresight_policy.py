@@ -16,22 +16,10 @@ from foresight.runtime.policy import EvictionContext
 from foresight.policies.foresight import CUMULATIVE, DECAYED
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.scorer import ForesightScorer, ScorerConfig
-from tests.helpers import independent_mlp, random_prompts
+from tests.helpers import independent_mlp, random_prompts, random_scorer
 
 B, L = 12, 4
 WINDOWS = (8, 16, 32)
-
-
-def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
-    shape = describe(model)
-    options = dict(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-                   head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny-llama")
-    torch.manual_seed(seed)
-    scorer = ForesightScorer(ScorerConfig(**{**options, **overrides}))
-    with torch.no_grad():  # larger weights than nn.Linear's init: keep scores far apart, evictions decisive
-        scorer.w1.mul_(4)
-    return scorer
 
 
 # -- keep scores --------------------------------------------------------------------------------

@@ -111,3 +111,30 @@ def test_lagkv_matches_lagkv_press(arch):
     press = kvpress.LagKVPress(compression_ratio=ratio_keeping(LENGTH, BUDGET), n_sink=SINKS, lag_size=LAG)
     ours = our_kept(arch, "lagkv", EvictionConfig(BUDGET, LAG, sinks=SINKS), ids)
     assert ours == kvpress_kept(arch, press, ids)
+
+
+def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(tmp_path):
+    """`foresight bench serve --kvpress-python`: the kvpress worker runs DecodingPress on the same model
+    and prompt, holds at most B + L entries, and stops a run whose cache passes the cap; our engine
+    under the same rule holds the same number of entries."""
+    import sys
+
+    from foresight.serving import EngineDecoder
+    from foresight.serving_kvpress import KvpressDecoder
+    from tests.helpers import char_tokenizer, random_prompts
+
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    budget, interval, new_tokens = 16, 4, 40
+    ids = random_prompts([10])[0]
+    worker = KvpressDecoder(sys.executable, "knorm", budget, interval, str(folder), "cpu", "float32", 1, ids)
+    try:
+        theirs = worker.run(2, new_tokens, None)
+        stopped = worker.run(4, new_tokens, theirs.peak_bytes)
+    finally:
+        worker.close()
+    ours = EngineDecoder("knorm", tiny_model("llama"), make_policy("knorm"), EvictionConfig(budget, interval), ids).run(2, new_tokens, None)
+    assert theirs.fits and theirs.tokens_per_second > 0 and not stopped.fits
+    assert theirs.peak_entries == budget + interval - 1  # DecodingPress compresses inside the step that reaches B + L
+    assert ours.peak_entries == budget + interval == worker.held_entries(new_tokens)

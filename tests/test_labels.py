@@ -218,7 +218,7 @@ def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     budget = sorted(set(lengths.values()))[1] - interval  # the shortest traces have no eviction step
     short = sum(length < budget + interval for length in lengths.values())
     loads = []
-    monkeypatch.setattr("foresight.commands.labels.load_model",
+    monkeypatch.setattr("foresight.pipeline.load_model",
                         lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1])
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0
@@ -266,7 +266,7 @@ def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path,
     model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
     generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), out_dir=tmp_path, num=2, max_new_tokens=12,
                     progress=False, model_name="tiny")
-    monkeypatch.setattr("foresight.commands.labels.load_model", lambda name, **kwargs: (model, tokenizer))
+    monkeypatch.setattr("foresight.pipeline.load_model", lambda name, **kwargs: (model, tokenizer))
     budget, interval = 8, 4
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0
@@ -281,7 +281,7 @@ def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path,
     assert message.endswith(f"`foresight labels --traces {tmp_path} --budget {budget} --interval {interval}`")
     capsys.readouterr()
     assert cli.main(args) == 0
-    assert "labelled 1 traces, skipped 0 too short (< B + L = 12 tokens), 1 already labelled" in capsys.readouterr().out
+    assert "labelled 1 traces (1 replacing damaged files), skipped 0 too short" in capsys.readouterr().out
     relabelled = store.load(trace.index, num_tokens=trace.input_ids.numel())
     direct = compute_golden_labels(model, trace.input_ids, budget, interval)
     assert torch.equal(relabelled.candidates, direct.candidates) and torch.equal(relabelled.alpha, direct.alpha)

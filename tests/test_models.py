@@ -14,13 +14,16 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from foresight import models
+from foresight.cli import main
 from foresight.models import (
     DEFAULT_CACHE_NAME,
     DEFAULT_INSTALL,
     ModelLoadError,
     ModelShape,
     describe,
+    load_for_benchmark,
     load_model,
+    random_model,
     tiny_config,
     tiny_model,
 )
@@ -181,6 +184,72 @@ def test_hub_failure_is_one_line_without_chained_traceback(monkeypatch: pytest.M
 def test_rejects_non_float_dtype() -> None:
     with pytest.raises(ValueError, match="torch.int64"):
         load_model(dtype=torch.int64)
+
+
+# --- architecture configs (random weights, benchmarks only) ---------------------------------------
+
+ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "models"
+SHRINK = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=128)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "billions", "non_embedding_billions"),
+    [  # parameter counts as published on the models' cards
+        ("qwen3-4b", ModelShape(36, 32, 8, 128), 4.0, 3.6),
+        ("qwen3-1.7b", ModelShape(28, 16, 8, 128), 1.7, 1.4),
+        ("r1-distill-qwen-7b", ModelShape(28, 28, 4, 128), 7.6, 6.5),  # Qwen2.5-Math-7B: 7.61B, 6.53B
+    ],
+)
+def test_architecture_configs_have_the_published_shape_and_size(name, shape, billions, non_embedding_billions) -> None:
+    model = random_model(ARCHITECTURES / f"{name}.json", device="meta")  # shapes only, no memory
+    assert describe(model) == shape
+    total = sum(p.numel() for p in model.parameters())
+    embeddings = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    assert round(total / 1e9, 1) == billions
+    assert round((total - sum(embeddings.values())) / 1e9, 1) == non_embedding_billions
+
+
+def test_shrunk_architecture_config_builds_a_seeded_model_without_tokenizer(tmp_path: Path) -> None:
+    fields = {**json.loads((ARCHITECTURES / "qwen3-4b.json").read_text()), **SHRINK}
+    path = tmp_path / "qwen3-tiny.json"
+    path.write_text(json.dumps(fields))
+    model, tokenizer = load_for_benchmark(path, dtype=torch.bfloat16)
+    assert tokenizer is None and type(model).__name__ == "Qwen3ForCausalLM"
+    assert describe(model) == ModelShape(2, 4, 2, 16)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.training and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in model.parameters())
+    again, other = random_model(path, dtype=torch.bfloat16), random_model(path, dtype=torch.bfloat16, seed=1)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.state_dict()[key], again.state_dict()[key])
+    assert not torch.equal(model.state_dict()[key], other.state_dict()[key])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["traces", "--prompts", "reasoning-gym:gsm_symbolic", "--num", "1", "--max-new-tokens", "4", "--out", "{out}"],
+        ["generate", "Hi"],
+    ],
+)
+def test_an_architecture_config_is_refused_where_weights_matter(tmp_path: Path, capsys, argv) -> None:
+    """Every verb that needs trained weights loads through `load_model`, which refuses a config file
+    (labels, eval and fit read the model named in the traces' manifest, through the same function)."""
+    path = ARCHITECTURES / "qwen3-4b.json"
+    out = tmp_path / "out"
+    argv = [arg.format(out=out) for arg in argv] + ["--model", str(path)]
+    assert main(argv) == 2
+    message = capsys.readouterr().err
+    assert message.count("\n") == 1 and str(path) in message and "need trained weights" in message
+    assert not out.exists()
+
+
+def test_bad_architecture_config_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "arch.json"
+    path.write_text(json.dumps({"model_type": "qwen9", "hidden_size": 8}))
+    with pytest.raises(ModelLoadError, match="model_type 'qwen9'") as caught:
+        random_model(path)
+    assert "\n" not in str(caught.value) and str(path) in str(caught.value)
 
 
 # --- the embedded default -------------------------------------------------------------------------

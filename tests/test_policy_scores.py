@@ -9,46 +9,10 @@ from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.helpers import INVALID_PER_ROW, KV_HEADS, candidate_positions
+from tests.helpers import BATCH, CANDIDATES, DIM, INTERVAL, KV_HEADS, SCALING, candidate_positions, clustered_keys, random_context
 
-DIM, INTERVAL, CANDIDATES = 8, 4, 14
-BATCH = len(INVALID_PER_ROW)
-SCALING = DIM**-0.5
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 TENSOR_POLICIES = ("knorm", "streaming", "random", "h2o", "tova", "snapkv", "rkv")
-
-
-def clustered_keys(generator: torch.Generator, count: int) -> torch.Tensor:
-    """Keys [batch, Hkv, count, D], half of them near one of three directions, so some pairs have
-    cosine similarity above 0.5 and others do not."""
-    centres = torch.randn(3, DIM, generator=generator) * 2.0
-    near = centres[torch.randint(0, 3, (BATCH, KV_HEADS, count), generator=generator)]
-    noise = torch.randn(BATCH, KV_HEADS, count, DIM, generator=generator)
-    use_centre = torch.rand(BATCH, KV_HEADS, count, 1, generator=generator) < 0.5
-    return torch.where(use_centre, near + noise, noise * 2.0)
-
-
-def random_context(group: int, seed: int = 0, query_start: int | None = None) -> EvictionContext:
-    """An eviction step as the engine builds it: C candidates below position 40, then the recent
-    window of L entries at 40..43, whose tokens are the L buffered queries. `query_start` moves the
-    queries back among the candidates, so the causal mask matters for candidates too."""
-    generator = torch.Generator().manual_seed(seed)
-    window_start = 40
-    recent = torch.arange(window_start, window_start + INTERVAL)
-    positions = torch.cat([candidate_positions(generator, window_start, CANDIDATES), recent.expand(BATCH, KV_HEADS, -1)], dim=-1)
-    keys = clustered_keys(generator, CANDIDATES + INTERVAL)
-    first_query = window_start if query_start is None else query_start
-    return EvictionContext(
-        layer_idx=0,
-        num_layers=1,
-        keys=keys,
-        values=torch.randn(keys.shape, generator=generator),
-        positions=positions,
-        num_candidates=CANDIDATES,
-        scaling=SCALING,
-        queries=torch.randn(BATCH, KV_HEADS * group, INTERVAL, DIM, generator=generator) * 1.5,
-        query_positions=torch.arange(first_query, first_query + INTERVAL).expand(BATCH, -1),
-    )
 
 
 def assert_close_on_valid(actual: torch.Tensor, expected: list, context: EvictionContext) -> None:

@@ -9,30 +9,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 from foresight.models import tiny_model
-from foresight.policies import POLICIES, make_policy
+from foresight.policies import make_policy
 from foresight.runtime.capture import eviction_attention
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.engine import EvictionConfig, EvictionEngine, SamplingConfig
+from tests.helpers import constructible_policies, prompts
 
 ARCHS = ("llama", "qwen2", "qwen3")
 B, L = 12, 4
-
-
-def constructible_policies() -> list[str]:
-    """Registered evicting policies that need no external artifact (labels, a scorer) to be built."""
-    names = []
-    for name, cls in sorted(POLICIES.items()):
-        try:
-            cls()
-        except TypeError:
-            continue
-        if cls.evicts:
-            names.append(name)
-    return names
-
-
-def prompts(lengths, seed=0, vocab=128):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -116,6 +99,20 @@ def test_left_padded_batch_decodes_as_each_row_alone(llama, policy_name):
         alone = engine.generate([prompt], 30, return_logits=True)
         assert together.tokens[row] == alone.tokens[0]
         torch.testing.assert_close(together.logits[row], alone.logits[0], atol=5e-4, rtol=0)
+
+
+def test_row_seeds_make_each_row_sample_as_it_would_alone(llama):
+    batch = prompts([5, 11, 20], seed=4)
+    engine = EvictionEngine(llama, make_policy("h2o"), EvictionConfig(B, L))
+    sampling = SamplingConfig(temperature=1.0, top_k=20, top_p=0.95)
+    together = engine.generate(batch, 40, sampling, row_seeds=[7, 8, 9])
+    for row, prompt in enumerate(batch):
+        alone = engine.generate([prompt], 40, sampling, row_seeds=[7 + row])
+        assert together.tokens[row] == alone.tokens[0]
+    reseeded = engine.generate(batch, 40, sampling, row_seeds=[7, 8, 10])
+    assert reseeded.tokens[:2] == together.tokens[:2] and reseeded.tokens[2] != together.tokens[2]
+    with pytest.raises(ValueError, match="got 2 row seeds for 3 prompts"):
+        engine.generate(batch, 4, sampling, row_seeds=[1, 2])
 
 
 @pytest.mark.parametrize("policy_name", constructible_policies())

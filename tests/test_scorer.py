@@ -85,7 +85,8 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert {"config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved == {"num_layers": 3, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8, "budget": 64,
-                     "interval": 16, "base_model": "tiny-llama", "hidden": 7, "feature_set": "official-8"}
+                     "interval": 16, "base_model": "tiny-llama", "hidden": 7, "feature_set": "official-8",
+                     "stage": "supervised", "started_from": None}
     loaded = ForesightScorer.from_pretrained(tmp_path)
     assert loaded.config == scorer.config
     assert loaded.state_dict().keys() == scorer.state_dict().keys()
@@ -95,6 +96,17 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert torch.equal(loaded(keys, values, features), scorer(keys, values, features))
     assert torch.equal(loaded.score_layer(1, keys[1], values[1], features[1]),
                        scorer.score_layer(1, keys[1], values[1], features[1]))
+
+
+def test_a_config_without_a_stage_is_a_supervised_scorer(tmp_path):
+    """Folders written before scorers recorded their training stage load as the supervised stage."""
+    scorer = make_scorer(stage="reinforcement", started_from="runs/fit/scorer")
+    scorer.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["stage"], saved["started_from"]) == ("reinforcement", "runs/fit/scorer")
+    del saved["stage"], saved["started_from"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert ForesightScorer.from_pretrained(tmp_path).config.stage == "supervised"
 
 
 def test_loading_is_strict(tmp_path):
@@ -126,6 +138,7 @@ def test_check_compatible_names_both_shapes():
         ({"budget": 4}, "budget B=4 must be larger than the interval L=4"),
         ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
         ({"feature_set": "h2o"}, "unknown feature set 'h2o'"),
+        ({"stage": "grpo"}, "stage must be one of 'supervised', 'reinforcement', got 'grpo'"),
     ],
 )
 def test_bad_config_raises(overrides, match):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import pytest
@@ -25,23 +26,73 @@ def test_reasoning_gym_problems_are_the_packages_with_the_instruction():
 
 
 @pytest.mark.parametrize(
-    ("completion", "expected"),
+    ("completion", "strict", "flexible"),
     [
-        ("so 3 + 4 = 7, hence \\boxed{7}. Done.", "7"),
-        ("\\boxed{1} first, then \\boxed{\\frac{3}{4}} at last", "\\frac{3}{4}"),
-        ("unbalanced \\boxed{2 and \\boxed{5}", "5"),
-        ("\\boxed{8}, put within \\boxed{ }", "8"),  # an empty box is the instruction echoed back
-        ("the final answer within \\boxed{}\nis 41.", "is 41"),
-        ("steps...\nFinal answer: -12.\nThanks", "-12"),
-        ("answer: 3\nANSWER:  41 ", "41"),
-        ("the answer is below\nAnswer:\n\n  9.\nmore text", "9"),
-        ("we add them\n\n  15.  \n\n", "15"),
-        ("", ""),
-        ("\\boxed{-4", "\\boxed{-4"),  # no closing brace: falls through to the last line
+        ("so 3 + 4 = 7, hence \\boxed{7}. Done.", "7", "7"),
+        ("\\boxed{1} first, then \\boxed{\\frac{3}{4}} at last", "\\frac{3}{4}", "\\frac{3}{4}"),
+        ("unbalanced \\boxed{2 and \\boxed{5}", "5", "5"),
+        ("\\boxed{8}, put within \\boxed{ }", "8", "8"),  # an empty box is the instruction echoed back
+        ("the final answer within \\boxed{}\nis 41.", "", "41"),
+        ("steps...\nFinal answer: -12.\nThanks", "-12", "-12"),
+        ("answer: 3\nANSWER:  41 ", "41", "41"),
+        ("the answer is below\nAnswer:\n\n  9.\nmore text", "9", "9"),
+        ("we add them\n\n  15.  \n\n", "", "15"),
+        ("", "", ""),
+        ("\\boxed{-4", "", "-4"),  # no closing brace: not strict; the last number for flexible
+        ("2 - -1 means adding 1.\nSo, the final answer is 3.", "", "3"),
+        ("The answer is **-17.5**. Let me check: 4 + 2 = 6.", "", "-17.5"),
+        ("I think the answer is $1,234$.", "", "1234"),
+        ("The answer is: No. Because some reptiles are not butterflies.", "", "No"),
+        ("So, the answer is yes, it does logically follow.", "", "yes"),
+        ('So, the answer is "3".', "", "3"),
+        ("the answer is 7.\nWait, the answer is 8", "", "8"),  # the last statement
+        ("First 12 apples, then 1,500 more, 2.5 kg each", "", "2.5"),
+        ("There were 3 then 4/5 of them", "", "4/5"),
+        ("The word reversed is\n**olleh**", "", "olleh"),  # no number: the last line
+        ("Answer: 5\nthe answer is 6", "5", "5"),  # an Answer: line outranks a stated answer
+        ("\\boxed{10}\nthe answer is 11", "10", "10"),
     ],
 )
-def test_extract_answer(completion, expected):
-    assert extract_answer(completion) == expected
+def test_extract_answer_strict_and_flexible(completion, strict, flexible):
+    assert extract_answer(completion, "strict") == strict
+    assert extract_answer(completion, "flexible") == flexible
+    assert extract_answer(completion) == flexible
+
+
+def test_extract_answer_names_an_unknown_rule():
+    with pytest.raises(ValueError, match="unknown answer rule 'loose'; allowed: 'strict', 'flexible'"):
+        extract_answer("42", "loose")
+
+
+def test_the_flexible_rule_reads_a_stated_answer_that_the_strict_rule_misses():
+    problem = Problem(0, "Calculate 2 - -1.", "3", "reasoning-gym:basic_arithmetic", {"answer": "3"})
+    assert check_answer(problem, "So, the final answer is 3.", "strict") is False
+    assert check_answer(problem, "So, the final answer is 3.", "flexible") is True
+    assert check_answer(problem, "So, the final answer is 4.", "flexible") is False
+
+
+def test_reasoning_gym_options_set_the_task_config_and_its_scorer_still_checks():
+    problems = load_problems("reasoning-gym:chain_sum:max_terms=2,max_digits=1", 6, seed=2)
+    entries = list(reasoning_gym.create_dataset("chain_sum", size=6, seed=2, max_terms=2, max_digits=1))
+    assert [p.prompt for p in problems] == [f"{e['question']}\n{ANSWER_INSTRUCTION}" for e in entries]
+    assert all(p.metadata["metadata"]["num_terms"] == 2 for p in problems)
+    assert all(check_answer(p, f"\\boxed{{{p.answer}}}") for p in problems)
+    assert not any(check_answer(p, f"\\boxed{{{p.answer}1}}") for p in problems)
+    assert load_problems("reasoning-gym:syllogism:allow_all=false", 2)[0].source == "reasoning-gym:syllogism:allow_all=false"
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("reasoning-gym:no_such_task", "unknown reasoning-gym task 'no_such_task'; known tasks: ab, acre,"),
+        ("reasoning-gym:chain_sum:max_term=2", "reasoning-gym task 'chain_sum' has no option 'max_term'; its options are: min_terms,"),
+        ("reasoning-gym:chain_sum:max_terms", "reasoning-gym option 'max_terms' in 'reasoning-gym:chain_sum:max_terms' must look like KEY=VALUE"),
+        ("reasoning-gym:chain_sum:min_terms=5,max_terms=2", "reasoning-gym task 'chain_sum' refused the options"),
+    ],
+)
+def test_bad_reasoning_gym_sources_are_named(source, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_problems(source, 2)
 
 
 def test_check_answer_uses_reasoning_gym_scorer():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -276,7 +275,7 @@ def test_bad_options_are_refused_before_writing(tmp_path):
 
 
 def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("foresight.commands.traces.load_model", lambda name: (eos_prone_model(), TOKENIZER))
+    monkeypatch.setattr("foresight.pipeline.load_model", lambda name, **options: (eos_prone_model(), TOKENIZER))
     args = ["traces", "--model", "tiny", "--prompts", PROMPTS, "--num", "7", "--max-new-tokens", "16"]
     args += ["--out", str(tmp_path)]
     assert cli.main([*args, "--shard-size", "3", "--batch-size", "2"]) == 0
@@ -286,7 +285,7 @@ def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, m
     assert manifest(tmp_path)["settings"]["model"] == "tiny"
 
     notes = write_lines(tmp_path / "notes.txt", ["not", "json"])
-    assert cli.main([*args[:4], notes, *args[5:]]) == 2
+    assert cli.main([*args[:4], notes, *args[5:-1], str(tmp_path / "other")]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("foresight traces: error: prompt file") and "is not JSONL" in error and "\n" not in error
     with pytest.raises(SystemExit) as exit_info:

@@ -1,11 +1,13 @@
-"""The supervised stage: the pairwise loss and metrics against loops, the training data against a dense
-masked reference forward, the LightningModule, the LightningCLI configs, resume, DDP and `foresight fit`."""
+"""The supervised stage: the pairwise loss and metrics against loops, the LightningModule, the data module
+(it reads and makes nothing), the LightningCLI configs, resume, DDP and `foresight fit` (its steps are the
+verbs' functions)."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,25 +18,26 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 from torchmetrics.functional import spearman_corrcoef
-from transformers import AttentionInterface, Qwen2Config, Qwen3Config
+from transformers import Qwen2Config, Qwen3Config
 
-from foresight import cli
-from foresight.features import DECAY, FEATURE_NAMES, FeatureSet
-from foresight.labels import LabelStore, compute_golden_labels
-from foresight.models import describe, tiny_model
+from foresight import cli, pipeline
+from foresight.commands import fit
 from foresight.commands.fit import lightning_args
+from foresight.feature_cache import FeatureCache, FeatureKey
+from foresight.labels import LabelStore
+from foresight.models import load_model, tiny_model
+from foresight.pipeline import FrozenModel, make_features, make_labels
 from foresight.scorer import load_scorer
-from foresight.traces import TraceStore, generate_traces
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, scorer_spec, synthetic_traces
+from foresight.traces import TraceStore
+from tests.helpers import DATA, scorer_spec, synthetic_traces
 from trainers import data as data_module
 from trainers.cli import cli_main
-from trainers.data import concat_steps, golden_steps
+from trainers.data import GoldenDataModule, concat_steps
 from trainers.ranking import average_ranks, kept_overlap, pairwise_ranking_loss, spearman
 from trainers.supervised import SupervisedScorer
 
 REPO = Path(__file__).resolve().parents[1]
 B, L_ = 16, 4
-WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
 
 
 # -- the loss and the metrics ---------------------------------------------------------------------
@@ -97,112 +100,6 @@ def test_ties_share_their_mean_rank_and_keep_the_lower_position():
     assert kept_overlap(scores, torch.tensor([0.0, 1.0, 0.2, 0.0]), 2) == 0.5
 
 
-# -- the training data against a dense reference ---------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny Llama and a character tokenizer saved as a model folder, so `load_model(folder)` works."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer(CHAT_TEMPLATE).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def traces_dir(tmp_path_factory, tiny_dir) -> Path:
-    """Ten sampled traces of the tiny model (about 60-120 tokens each) with their labels for B=16, L=4."""
-    out = tmp_path_factory.mktemp("traces")
-    model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
-    generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), out_dir=out, num=10, max_new_tokens=40,
-                    temperature=1.0, top_k=0, top_p=1.0, progress=False, model_name=str(tiny_dir))
-    return out
-
-
-def masked_reference(model, input_ids: torch.Tensor, labels) -> dict[int, tuple[torch.Tensor, ...]]:
-    """One eager forward of the whole trace in which each query sees exactly the cache the golden
-    schedule leaves it: after step t (position p_t = B + tL - 1) the kept set of step t plus the
-    positions after p_t - L. Returns per layer (keys [Hkv, T, D], values, attention [Hq, T, T])."""
-    total, (layers, kv_heads) = len(input_ids), labels.candidates.shape[1:3]
-    budget, interval = labels.budget, labels.interval
-    allowed = torch.ones(total, total, dtype=torch.bool).tril().repeat(layers, kv_heads, 1, 1)
-    for step in range(1, labels.num_steps + 1):
-        newest, kept = budget + step * interval - 1, labels.kept(step).long()
-        for query in range(newest + 1, min(newest + interval, total - 1) + 1):
-            allowed[:, :, query, :] = False
-            allowed[:, :, query, newest - interval + 1 : query + 1] = True
-            for layer, head in itertools.product(range(layers), range(kv_heads)):
-                allowed[layer, head, query, kept[layer, head]] = True
-    captured = {}
-
-    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        group = query.shape[1] // key.shape[1]
-        keys, values = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-        logits = torch.einsum("bhqd,bhkd->bhqk", query, keys) * scaling
-        mask = allowed[module.layer_idx].repeat_interleave(group, 0)
-        weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
-        captured[module.layer_idx] = (key[0], value[0], weights[0])
-        return (weights @ values).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("golden-masked-reference", attend)
-    model.set_attn_implementation("golden-masked-reference")
-    try:
-        model(input_ids[None])
-    finally:
-        model.set_attn_implementation("sdpa")
-    return captured
-
-
-def reference_features(weights: torch.Tensor, candidates: torch.Tensor, step: int, budget: int, interval: int,
-                       group: int) -> torch.Tensor:
-    """The paper's features of `candidates` [B] for one KV head at `step`, by loops over query heads and
-    blocks: window sums of this step's block, cumulative and decayed sums over the blocks so far."""
-    per_head = []
-    for g in range(group):
-        received = [weights[g, budget + j * interval - interval : budget + j * interval, candidates] for j in range(1, step + 1)]
-        block = received[-1]  # [L queries, B]
-        values = {name: block[-min(size, interval):].sum(0) for name, size in WINDOWS.items()}
-        values["last_L"] = block.sum(0)
-        values["cumulative"] = sum(r.sum(0) for r in received)
-        values["decayed"] = sum(DECAY ** (step - j) * r.sum(0) for j, r in enumerate(received, start=1))
-        per_head.append(torch.stack([values[name] for name in FEATURE_NAMES[FeatureSet.PAPER]], -1))
-    return torch.log1p(torch.cat(per_head, -1))
-
-
-def test_examples_equal_a_dense_masked_reference(traces_dir):
-    """Keys, values, features and α recorded along the golden schedule, for a batch of traces of
-    different lengths, equal a full-sequence forward masked to the golden caches."""
-    model = tiny_model("llama")
-    by_length = {trace.input_ids.numel(): trace for trace in TraceStore(traces_dir)}
-    traces = [by_length[length] for length in sorted(by_length)[-3:]]
-    assert len(traces) == 3
-    labels = [compute_golden_labels(model, trace.input_ids, B, L_) for trace in traces]
-    examples = golden_steps(model, traces, labels, storage_dtype=torch.float32)
-    shape = describe(model)
-    for trace, label, example in zip(traces, labels, examples):
-        reference = masked_reference(model, trace.input_ids, label)
-        assert example["alpha"].shape == (label.num_steps, shape.num_layers, shape.num_kv_heads, B)
-        torch.testing.assert_close(example["alpha"], label.alpha, rtol=0, atol=0)
-        for step, layer, head in itertools.product(range(1, label.num_steps + 1), range(shape.num_layers),
-                                                   range(shape.num_kv_heads)):
-            keys, values, weights = reference[layer]
-            candidates = label.candidates[step - 1, layer, head].long()
-            group = shape.group_size
-            recorded = {name: example[name][step - 1, layer, head] for name in ("keys", "values", "features")}
-            torch.testing.assert_close(recorded["keys"], keys[head, candidates], rtol=0, atol=1e-5)
-            torch.testing.assert_close(recorded["values"], values[head, candidates], rtol=0, atol=1e-5)
-            expected = reference_features(weights[head * group : (head + 1) * group], candidates, step, B, L_, group)
-            torch.testing.assert_close(recorded["features"], expected, rtol=0, atol=1e-5)
-
-
-def test_making_examples_allocates_no_gradient_for_the_model(traces_dir):
-    model = tiny_model("llama").requires_grad_(True)  # even a model left trainable gets no graph
-    trace = next(iter(TraceStore(traces_dir)))
-    labels = compute_golden_labels(model, trace.input_ids, B, L_)
-    with torch.enable_grad():
-        (example,) = golden_steps(model, [trace], [labels])
-    assert all(not tensor.requires_grad and tensor.grad_fn is None for tensor in example.values())
-    assert all(parameter.grad is None for parameter in model.parameters())
-
-
 # -- the LightningModule ----------------------------------------------------------------------------
 def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_path):
     module = SupervisedScorer(scorer_spec(), lr=3e-2)
@@ -232,15 +129,37 @@ def test_module_rejects_bad_hyperparameters():
         SupervisedScorer(scorer_spec(), lr=0.0)
 
 
+# -- the data module reads; it makes nothing -------------------------------------------------------
+def listing(folder: Path) -> set[Path]:
+    return set(folder.rglob("*"))
+
+
+def test_the_data_module_makes_no_labels_and_no_features(fresh_traces, tiny_dir):
+    before = listing(fresh_traces.parent)
+    replayed = GoldenDataModule(str(fresh_traces), B, L_, model=str(tiny_dir))
+    with pytest.raises(ValueError) as error:
+        replayed.setup()
+    message = str(error.value)
+    assert "golden labels of trace" in message and "\n" not in message
+    assert f"make them with `foresight labels --traces {fresh_traces} --budget {B} --interval {L_}`" in message
+    cached = GoldenDataModule(str(fresh_traces), B, L_, model=str(tiny_dir), features_dir=str(fresh_traces.parent / "f"))
+    with pytest.raises(ValueError, match="holds no features") as error:
+        cached.setup()
+    assert cached.features.remake_command in str(error.value)
+    assert listing(fresh_traces.parent) == before  # nothing written: no labels, no cache
+
+
 # -- LightningCLI: configs, fit, resume, DDP --------------------------------------------------------
-def tiny_config(path: Path, tiny_dir: Path, **data) -> Path:
+def tiny_config(path: Path, tiny_dir: Path, traces: dict | None = None, **data) -> Path:
+    """A config of the tiny model; its feature cache is redirected into --out by `foresight fit`."""
     config = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 4, "log_every_n_steps": 1,
                     "enable_progress_bar": False, "enable_model_summary": False},
         "model": {"lr": 0.01},
         "data": {"model": str(tiny_dir), "traces_dir": str(path.parent / "unused"), "budget": B, "interval": L_,
-                 "batch_size": 2, "holdout": 0.2, **data},
+                 "features_dir": str(path.parent / "unused-features"), "batch_size": 2, "holdout": 0.2, **data},
+        "traces": traces,
     }
     path.write_text(yaml.safe_dump(config))
     return path
@@ -258,28 +177,39 @@ PAPER_MODELS = {
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_MODELS))
-def test_paper_configs_hold_the_papers_settings_and_build(name, monkeypatch):
+def test_paper_configs_hold_the_papers_settings_and_build(name, monkeypatch, tmp_path):
     model_id, model_config = PAPER_MODELS[name]
-    monkeypatch.setattr(data_module, "base_model_config", lambda requested: model_config)  # no hub here
-    config = yaml.safe_load((REPO / "configs" / name).read_text())
+    monkeypatch.setattr(data_module, "load_config", lambda requested: model_config)  # no hub here
+    path = REPO / "configs" / name
+    config = yaml.safe_load(path.read_text())
     assert config["data"]["model"] == model_id
     assert (config["data"]["budget"], config["data"]["interval"]) == (1024, 256)
     assert config["data"]["batch_size"] * config["trainer"].get("accumulate_grad_batches", 1) == 8
     assert config["model"]["lr"] == 1e-2 and config["model"]["margin"] == 0.01
     assert config["trainer"]["max_steps"] == 1000
-    built = cli_main(["--config", str(REPO / "configs" / name), "--trainer.accelerator=cpu"], run=False)  # no GPU here
+    assert config["traces"]["only_correct"] and config["traces"]["min_tokens"] == 4096
+    built = cli_main(["--config", str(path), "--trainer.accelerator=cpu"], run=False)  # no GPU here
     scorer = built.model.scorer.config
     assert (scorer.budget, scorer.interval, scorer.base_model) == (1024, 256, model_id)
     assert (scorer.num_layers, scorer.num_kv_heads) == (model_config.num_hidden_layers, model_config.num_key_value_heads)
+    assert built.datamodule.features is None and built.datamodule.frozen.dtype == torch.bfloat16
+    # `foresight fit` keeps a replaying config replaying (at B = 1024 a cache would take terabytes).
+    args = cli.build_parser().parse_args(["fit", "--config", str(path), "--out", str(tmp_path)])
+    assert not any(arg.startswith("--data.features_dir") for arg in lightning_args(args))
 
 
-def test_default_config_builds_for_the_default_model(monkeypatch):
-    monkeypatch.setattr(data_module, "base_model_config",
+def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
+    monkeypatch.setattr(data_module, "load_config",
                         lambda requested: tiny_model("llama", num_hidden_layers=30, num_attention_heads=9,
                                                      num_key_value_heads=3, head_dim=64, hidden_size=576).config)
     built = cli_main(["--config", str(REPO / "configs" / "default.yaml")], run=False)
-    assert built.datamodule.model_name == "default" and built.datamodule.cache_dir is not None
-    assert built.model.scorer.config.num_layers == 30
+    assert built.datamodule.model_name == "default" and built.model.scorer.config.num_layers == 30
+    assert built.datamodule.features.key == FeatureKey("default", "float32", 128, 32, "paper", "float16")
+    assert built.config_init.traces.prompts == "reasoning-gym:gsm_symbolic"
+    args = cli.build_parser().parse_args(["fit", "--config", str(REPO / "configs" / "default.yaml"), "--out", str(tmp_path),
+                                          "--set", "traces.num=24"])
+    assert f"--data.features_dir={tmp_path / 'features'}" in lightning_args(args)
+    assert "--traces.num=24" in lightning_args(args)  # scripts/main.sh's overrides
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -315,7 +245,7 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
     # The same run stopped after its first epoch (as if killed), then resumed from last.ckpt: the same weights.
     split = tmp_path / "split"
     args = fit_args(config, split, traces_dir, *two_epochs)
-    interrupted = cli_main(lightning_args(cli.build_parser().parse_args(args))[1:], run=False)  # no subcommand
+    interrupted = fit.prepare(cli.build_parser().parse_args(args))
     interrupted.trainer.callbacks.append(StopAfterFirstEpoch())
     interrupted.trainer.fit(interrupted.model, datamodule=interrupted.datamodule)
     assert interrupted.trainer.global_step == steps // 2
@@ -324,17 +254,19 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
     assert checkpoint["global_step"] == steps
     for name, tensor in final.items():
         torch.testing.assert_close(checkpoint["state_dict"][name], tensor, rtol=0, atol=1e-6)
-    # One cache file per labelled trace, made once and read by both runs.
+    # One cache file per labelled trace, made once by the features step of the first run.
     labelled = len(list(LabelStore(traces_dir, B, L_).directory.iterdir()))
-    assert len(list((split / "features").rglob("*.safetensors"))) == labelled
+    assert len(list((split / "features").glob("trace-*.safetensors"))) == labelled
+    assert f"features: {split / 'features'}: made the features of 0 traces" in capsys.readouterr().out
 
 
 def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, traces_dir, capsys):
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, features_dir=None)
     out = tmp_path / "run"
-    assert cli.main(fit_args(config, out, traces_dir, "data.cache_dir=null", "trainer.max_steps=3")) == 0
+    assert cli.main(fit_args(config, out, traces_dir, "trainer.max_steps=3")) == 0
     assert not (out / "features").exists()
-    assert "scorer trained for 3 steps" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "features:" not in printed and "scorer trained for 3 steps" in printed
     # The LearningRateMonitor logs the cosine schedule from lr = 0.01 to 0 at every step.
     logged = tensorboard_scalars(out, "train/lr")
     assert sorted(logged) == [0, 1, 2]
@@ -342,15 +274,39 @@ def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, tr
         assert math.isclose(value, 0.005 * (1 + math.cos(math.pi * step / 3)), rel_tol=1e-6)
 
 
-def test_fit_makes_its_traces_from_the_recipe(tmp_path, tiny_dir, capsys):
+def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, monkeypatch):
+    """Traces from the recipe, labels, features and training, each step printed; a rerun finds every step
+    done (loading no model) and resumes the training; data the verbs made is data fit finds made."""
+    loads = []
+    monkeypatch.setattr(pipeline, "load_model", lambda name, **options: (loads.append(name), load_model(name, **options))[1])
     recipe = {"prompts": str(DATA / "arithmetic.jsonl"), "num": 4, "max_new_tokens": 30, "temperature": 1.0,
               "top_k": 0, "top_p": 1.0, "batch_size": 4}
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, generate=recipe, holdout=0.0)
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, traces=recipe, holdout=0.0)
     out = tmp_path / "run"
-    assert cli.main(["fit", "--config", str(config), "--out", str(out), "--set", "trainer.max_steps=2"]) == 0
-    assert len(TraceStore(out / "traces")) == 4
-    assert (out / "traces" / f"labels-B{B}-L{L_}").is_dir() and (out / "scorer" / "model.safetensors").is_file()
-    assert "scorer trained for 2 steps" in capsys.readouterr().out
+    args = ["fit", "--config", str(config), "--out", str(out), "--set", "trainer.max_steps=2"]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line.split(":")[0] for line in lines if line.split(":")[0] in ("traces", "labels", "features")]
+    assert steps == ["traces", "labels", "features"]
+    assert len(TraceStore(out / "traces")) == 4 and "scorer trained for 2 steps" in lines[-1]
+    labelled = len(list(LabelStore(out / "traces", B, L_).directory.iterdir()))
+    assert labelled and len(list((out / "features").glob("trace-*.safetensors"))) == labelled
+    assert loads == [str(tiny_dir)]  # one load shared by the three steps
+    assert cli.main([*args, "--set", "trainer.max_steps=3", "--ckpt-path", "last"]) == 0
+    printed = capsys.readouterr().out
+    assert "0 shard(s) written, 1 already complete" in printed
+    assert f"labelled 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already labelled" in printed
+    assert f"made the features of 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already made" in printed
+    assert "scorer trained for 3 steps" in printed and loads == [str(tiny_dir)]
+    # Labels and features made by the verbs are the ones fit's steps make: found complete.
+    verbs = tmp_path / "verbs"
+    traces = Path(shutil.copytree(out / "traces", verbs / "traces", ignore=shutil.ignore_patterns("labels-*")))
+    assert cli.main(["labels", "--traces", str(traces), "-B", str(B), "-L", str(L_)]) == 0
+    assert cli.main(["features", "--traces", str(traces), "-B", str(B), "-L", str(L_), "--out", str(verbs / "features")]) == 0
+    assert cli.main(fit_args(config, verbs, traces, "trainer.max_steps=1")) == 0
+    printed = capsys.readouterr().out
+    assert f"{labelled} already labelled" in printed and f"{labelled} already made" in printed
+    assert "scorer trained for 1 steps" in printed
 
 
 def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
@@ -363,6 +319,9 @@ def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
     assert cli.main(fit_args(other, tmp_path / "y", traces_dir)) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "another-model" in error
+    assert cli.main(["fit", "--config", str(config), "--out", str(tmp_path / "z")]) == 2  # no recipe, no traces
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and f"{tmp_path / 'z' / 'traces'} is not a trace folder" in error
 
 
 def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
@@ -379,8 +338,12 @@ def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_p
     """Two gloo processes with 2 traces each per step against one process with 4: the logged losses
     and the trained weights agree (the same shuffled global batches; the loss is normalised by the
     global problem count)."""
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0, cache_dir=str(tmp_path / "features"),
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0, features_dir=str(tmp_path / "features"),
                          traces_dir=str(traces_dir))
+    frozen = FrozenModel(str(tiny_dir))  # `trainers.cli fit` reads only: make its labels and features first
+    make_labels(frozen, traces_dir, B, L_, progress=False)
+    key = FeatureKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
+    make_features(frozen, FeatureCache(tmp_path / "features", traces_dir, key), progress=False)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = {}
     for name, devices, batch in (("one", 1, 4), ("two", 2, 2)):

@@ -1,36 +1,67 @@
-"""LightningCLI of the supervised stage: `python -m trainers.cli fit --config configs/default.yaml`.
+"""LightningCLIs of the two training stages.
 
-The YAML files in configs/ hold every setting of a run (trainer, model, data, checkpointing), so
-`fit --config FILE` reproduces it, and `fit --config FILE --ckpt_path last` resumes it. The data
-module fixes the scorer's shape (the frozen model's layers and heads, B, L, features); LightningCLI
-links it into the model. `foresight fit` wraps this with a run folder and the scorer export.
+Supervised (ForesightKV §3.2): `python -m trainers.cli fit --config configs/default.yaml`.
+Reinforcement (§3.3): `python -m trainers.cli rl fit --config configs/default-rl.yaml`.
+
+The YAML files in configs/ hold every setting of a run (trainer, model, data, checkpointing, and for
+the supervised stage the `traces` recipe), so `fit --config FILE` reproduces it, and
+`fit --config FILE --ckpt_path last` resumes it. The data module fixes what the model must agree with
+(the frozen model, B, L, and for the supervised stage the scorer's shape and features); LightningCLI
+links it into the model. This CLI only trains: it reads the traces, labels and features the config
+names. `foresight fit` makes them first (sampling the traces from the `traces` recipe when the folder
+is incomplete), then trains through this CLI and exports the scorer; `foresight rl` does the same for
+the reinforcement stage.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from foresight.pipeline import TraceRecipe
 from trainers.data import GoldenDataModule
+from trainers.grpo import GRPOScorer
+from trainers.rl_data import RolloutDataModule
 from trainers.supervised import SupervisedScorer
 
 
+def add_checkpoint_section(parser) -> None:
+    """A `checkpoint` section: a ModelCheckpoint that keeps `last.ckpt` in a fixed folder, so
+    `--ckpt_path last` finds it."""
+    parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+    parser.set_defaults({"checkpoint.save_last": True})
+
+
 class SupervisedCLI(LightningCLI):
-    """LightningCLI with a `checkpoint` section (a ModelCheckpoint that keeps `last.ckpt` in a fixed
-    folder, so `--ckpt_path last` finds it), an `lr_monitor` section (a LearningRateMonitor that logs
-    the learning rate every optimisation step as `train/lr`) and the data -> model link."""
+    """LightningCLI with a `checkpoint` section, an `lr_monitor` section (a LearningRateMonitor that logs
+    the learning rate every optimisation step as `train/lr`), a `traces` section (a `TraceRecipe`, read
+    by `foresight fit` only) and the data -> model link of the scorer's shape."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        add_checkpoint_section(parser)
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
-        parser.set_defaults({"checkpoint.save_last": True, "lr_monitor.logging_interval": "step"})
+        parser.add_argument(
+            "--traces", type=TraceRecipe | None, default=None,
+            help="how `foresight fit` samples data.traces_dir when it is incomplete (null: the folder must exist)",
+        )
+        parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.link_arguments("data.scorer_spec", "model.scorer", apply_on="instantiate")
 
 
+class ReinforcementCLI(LightningCLI):
+    """LightningCLI with a `checkpoint` section; the data's frozen model, B and L are linked into the module."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        add_checkpoint_section(parser)
+        for name in ("model", "budget", "interval"):
+            parser.link_arguments(f"data.{name}", f"model.{name}")
+
+
 def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedCLI:
-    """Run the CLI on `args` (default: the command line)."""
+    """Run the supervised stage's CLI on `args` (default: the command line)."""
     return SupervisedCLI(
         SupervisedScorer,
         GoldenDataModule,
@@ -40,5 +71,19 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedC
     )
 
 
+def rl_cli_main(args: Sequence[str] | None = None, run: bool = True) -> ReinforcementCLI:
+    """Run the reinforcement stage's CLI on `args` (default: the command line)."""
+    return ReinforcementCLI(
+        GRPOScorer,
+        RolloutDataModule,
+        args=None if args is None else list(args),
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
 if __name__ == "__main__":
-    cli_main()
+    if sys.argv[1:2] == ["rl"]:
+        rl_cli_main(sys.argv[2:])
+    else:
+        cli_main()

@@ -1,144 +1,38 @@
-"""Training data of the supervised stage: scorer inputs along the golden schedule (ForesightKV §3.2, App. E.1).
+"""The supervised stage's data module: it reads traces, their golden labels and the feature cache.
 
-Each trace is teacher-forced through the frozen model (no grad) in the eviction runtime, its cache
-following the golden schedule of its labels (the `golden` policy), so later layers see the evicted
-cache as they would at inference (docs/algorithms.md §6). At every eviction step t and layer, a recorder
-wrapped around the golden policy reads, from the same `EvictionContext` the learned policy sees, the
-scorer inputs of the B candidates (keys, values, and attention features computed exactly as the
-`foresight` policy computes them) and pairs them with the candidates' future scores α_{·,t}.
+It makes nothing. `foresight fit` makes what it reads first, with the functions of the verbs
+(`foresight traces`, `foresight labels`, `foresight features`; see `foresight.pipeline`); an input
+that is missing, damaged or made with other settings is a one-line error naming the command that
+makes it. One example is one trace's eviction steps (`foresight.golden_steps`); a batch concatenates
+the steps of its traces.
 
-One example is one trace, as the paper batches (App. E.1): its M eviction steps, each with keys,
-values [M, layers, Hkv, B, D], features [M, layers, Hkv, B, F*G] and alpha [M, layers, Hkv, B],
-candidates in ascending position. A batch concatenates the steps of its traces.
-
-Replays start from a one-token prompt: the labels' cadence (step t after position B + tL - 1) holds
-from the first token, whatever the trace's prompt length. Rows of a replay batch have equal prompts,
-so they evict together; a row that ends early replays padding, which is not recorded.
-
-Examples are made on the fly on every pass over the data (`ReplayedTraces`, for GPUs and large
-models) or, with `cache_dir`, once per trace by `prepare_data` and written as safetensors
-(CACHE/B{B}-L{L}-{features}/trace-{index:06d}.safetensors), so CPU runs, reruns and other ranks
-never pay for the model forward again.
+Without a feature cache (`features_dir: None`) the examples are replayed from the traces and labels
+through the frozen model on every pass instead (`ReplayedTraces`), for runs whose examples are too
+large to store (at the paper's B = 1024, one eviction step of a 4B model holds 0.15-0.3 GB of keys
+and values). That mode runs the model, but only to compute the scorer's inputs along labels that
+exist: it never samples traces or makes labels.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
-from tqdm.auto import tqdm
 
+from foresight.feature_cache import FeatureCache, FeatureKey
 from foresight.features import FeatureSet
+from foresight.golden_steps import TENSORS, golden_steps
 from foresight.cadence import TraceTooShort, check_budget, eviction_steps
-from foresight.labels import GoldenLabels, LabelStore, compute_golden_labels, save_labels
-from foresight.models import DEFAULT_MODEL, base_model_config, describe, load_model
-from foresight.policies import make_policy
-from foresight.runtime.policy import EvictionContext, Policy
-from foresight.policies.foresight import FEATURE_STATE, observe_features
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.traces import Trace, TraceStore, generate_traces
-
-FORMAT = "foresight-golden-steps/1"
-TENSORS = ("keys", "values", "features", "alpha")
-
-
-@dataclass
-class GoldenStepRecorder(Policy):
-    """Follows `golden` (keep scores and any state) and records the scorer inputs of every step.
-
-    Not registered: it exists only to make training data. `feature_set` picks the attention features.
-    """
-
-    name = "golden-steps"
-    summary = "golden schedule, recording scorer inputs"
-    needs_attention = True
-    state_fields = FEATURE_STATE
-
-    golden: Policy
-    feature_set: str = FeatureSet.PAPER.value
-    storage_dtype: torch.dtype = torch.float16
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    _features: torch.Tensor | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.golden.state_fields:
-            raise ValueError("the recorded golden policy must keep no per-entry state of its own")
-        schedule = self.golden.schedule
-        self.labels: Sequence[GoldenLabels] = self.golden.labels
-        self.num_steps = schedule.num_steps
-
-    def reset(self) -> None:
-        self.golden.reset()
-        self.buffers = {}
-
-    def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
-        self._features, state = observe_features(context, self.feature_set)
-        return {**self.golden.observe(context), **state}
-
-    def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        scores = self.golden.keep_scores(context)  # also checks that the cache holds the golden candidates
-        self._record(context)
-        return scores
-
-    def _record(self, context: EvictionContext) -> None:
-        """Write this step's candidates of the rows still inside their trace into the step buffers."""
-        steps = self.golden.schedule.step_of(context.positions.amax(dim=(1, 2)).cpu())
-        rows = (steps <= self.num_steps).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            return
-        candidates = slice(0, context.num_candidates)
-        inputs = {
-            "keys": context.keys[..., candidates, :],
-            "values": context.values[..., candidates, :],
-            "features": self._features[..., candidates, :],
-        }
-        if not self.buffers:
-            self._allocate(context, inputs)
-        index = (rows, steps[rows] - 1, context.layer_idx)
-        for name, value in inputs.items():
-            self.buffers[name][index] = value[rows.to(value.device)].to("cpu", self.storage_dtype)
-
-    def _allocate(self, context: EvictionContext, inputs: dict[str, torch.Tensor]) -> None:
-        """Buffers [rows, M_max, layers, Hkv, B, *] and the α of every row's steps."""
-        leading = (len(self.labels), int(self.num_steps.max()), context.num_layers)
-        for name, value in inputs.items():
-            self.buffers[name] = torch.zeros(*leading, *value.shape[1:], dtype=self.storage_dtype)
-        alpha = torch.zeros(*leading, *inputs["keys"].shape[1:3])
-        for row, labels in enumerate(self.labels):
-            alpha[row, : labels.num_steps] = labels.alpha
-        self.buffers["alpha"] = alpha
-
-    def examples(self) -> list[dict[str, torch.Tensor]]:
-        """Per replayed trace: {keys, values, features, alpha} with a leading step dim of its M steps."""
-        return [
-            {name: buffer[row, : int(steps)].clone() for name, buffer in self.buffers.items()}
-            for row, steps in enumerate(self.num_steps)
-        ]
-
-
-@torch.no_grad()
-def golden_steps(
-    model,
-    traces: Sequence[Trace],
-    labels: Sequence[GoldenLabels],
-    feature_set: str = FeatureSet.PAPER.value,
-    storage_dtype: torch.dtype = torch.float16,
-) -> list[dict[str, torch.Tensor]]:
-    """Replay `traces` as one batch along their golden schedules; the training examples of each."""
-    recorder = GoldenStepRecorder(make_policy("golden", labels=list(labels)), feature_set, storage_dtype)
-    budget, interval = labels[0].budget, labels[0].interval
-    engine = EvictionEngine(model, recorder, EvictionConfig(budget, interval, sinks=0, protect_prompt=False))
-    engine.replay([trace.input_ids for trace in traces], [1] * len(traces))
-    return recorder.examples()
+from foresight.labels import LabelStore
+from foresight.models import DEFAULT_MODEL, describe, float_dtype, load_config
+from foresight.pipeline import FrozenModel
+from foresight.traces import Trace, TraceStore
 
 
 def concat_steps(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -162,23 +56,22 @@ class CachedTraces(Dataset):
 class ReplayedTraces(IterableDataset):
     """The examples of traces made on the fly: each pass replays the traces through the frozen model.
 
-    For runs whose examples are too large to cache (at the paper's B = 1024, one eviction step of a
-    4B model holds 0.15-0.3 GB of keys and values). Each pass visits the traces in a new seeded order (or in order, without `shuffle`),
-    split across DDP ranks and data-loader workers; every rank gets the same number of traces (the
-    order is padded by repeating its start), so ranks run the same number of steps.
+    Each pass visits the traces in a new seeded order (or in order, without `shuffle`), split across
+    DDP ranks and data-loader workers; every rank gets the same number of traces (the order is padded
+    by repeating its start), so ranks run the same number of steps.
     """
 
     def __init__(
         self,
         traces: Sequence[Trace],
         labels: LabelStore,
-        load: Callable[[], object],
+        frozen: FrozenModel,
         feature_set: str,
         replay_batch_size: int,
         shuffle: bool,
         seed: int = 0,
     ) -> None:
-        self.traces, self.labels, self.load = list(traces), labels, load
+        self.traces, self.labels, self.frozen = list(traces), labels, frozen
         self.feature_set, self.replay_batch_size = feature_set, replay_batch_size
         self.shuffle, self.seed, self.passes = shuffle, seed, 0
 
@@ -196,7 +89,7 @@ class ReplayedTraces(IterableDataset):
         worker = get_worker_info()
         if worker is not None:
             order = order[worker.id :: worker.num_workers]
-        model = self.load()
+        model = self.frozen.load()[0]
         for start in range(0, len(order), self.replay_batch_size):
             batch = [self.traces[i] for i in order[start : start + self.replay_batch_size]]
             labels = [self.labels.load(trace.index, num_tokens=trace.input_ids.numel()) for trace in batch]
@@ -211,41 +104,21 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-@dataclass
-class TraceRecipe:
-    """How `prepare_data` makes the traces when the traces folder does not hold them yet (see
-    `foresight.traces.generate_traces`; defaults are the paper's sampling settings)."""
-
-    prompts: str
-    num: int
-    max_new_tokens: int
-    min_tokens: int = 0
-    only_correct: bool = False
-    temperature: float = 0.6
-    top_k: int = 20
-    top_p: float = 0.95
-    batch_size: int = 8
-    shard_size: int = 64
-    seed: int = 0
-
-
 class GoldenDataModule(L.LightningDataModule):
-    """Traces -> golden labels -> per-trace examples of the scorer's inputs and targets.
+    """Traces, golden labels and the feature cache -> batches of the scorer's inputs and targets.
 
     model: the frozen model, "default" or a folder / Hub id; it must be the one that made the traces.
-    traces_dir: a traces folder (`foresight traces`); its labels go to traces_dir/labels-B{B}-L{L}.
+    traces_dir: a traces folder (`foresight traces`); its labels are in traces_dir/labels-B{B}-L{L}.
     budget, interval: B and L. feature_set: "paper" or "official-8".
-    generate: a `TraceRecipe` to make (or resume) the traces in `traces_dir` first; None uses the
-      folder as it is.
+    features_dir: the feature cache (`foresight features`); None replays the traces on every pass.
+    storage_dtype: dtype of the cached keys, values and features (α stays float32).
+    device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
+      of the cache's key) or the replay.
+    replay_batch_size: traces replayed together through the frozen model.
     holdout: share of traces held out for validation (by problem index, `TraceView.split`).
     batch_size: traces per optimisation step and process, each bringing all its eviction steps
       (the paper's batch is 8 traces).
-    replay_batch_size: traces replayed together through the frozen model.
-    cache_dir: cache the examples there as safetensors, made once by `prepare_data`; None replays
-      the traces on every pass instead (`ReplayedTraces`).
-    storage_dtype: dtype of the cached keys, values and features (α stays float32).
     shuffle: shuffle the training traces every epoch. split_seed: seed of the holdout split.
-    device, dtype: where and in which dtype the frozen model runs.
     """
 
     def __init__(
@@ -255,16 +128,15 @@ class GoldenDataModule(L.LightningDataModule):
         interval: int,
         model: str = DEFAULT_MODEL,
         feature_set: str = FeatureSet.PAPER.value,
-        generate: TraceRecipe | None = None,
-        holdout: float = 0.1,
-        batch_size: int = 8,
-        replay_batch_size: int = 4,
-        cache_dir: str | None = None,
+        features_dir: str | None = None,
         storage_dtype: str = "float16",
-        shuffle: bool = True,
-        split_seed: int = 0,
         device: str = "cpu",
         dtype: str = "float32",
+        replay_batch_size: int = 4,
+        holdout: float = 0.1,
+        batch_size: int = 8,
+        shuffle: bool = True,
+        split_seed: int = 0,
     ) -> None:
         super().__init__()
         check_budget(budget, interval)
@@ -277,23 +149,21 @@ class GoldenDataModule(L.LightningDataModule):
         self.budget, self.interval = budget, interval
         self.model_name = model
         self.feature_set = FeatureSet.parse(feature_set).value
-        self.recipe = generate
+        self.frozen = FrozenModel(model, device=device, dtype=float_dtype("dtype", dtype))
+        key = FeatureKey(model, dtype, budget, interval, self.feature_set, storage_dtype)
+        self.features = None if features_dir is None else FeatureCache(features_dir, traces_dir, key)
+        self.replay_batch_size = replay_batch_size
         self.holdout, self.split_seed = holdout, split_seed
-        self.batch_size, self.replay_batch_size = batch_size, replay_batch_size
-        self.cache_dir = None if cache_dir is None else Path(cache_dir) / f"B{budget}-L{interval}-{self.feature_set}"
-        self.storage_dtype = _float_dtype("storage_dtype", storage_dtype)
-        self.model_dtype = _float_dtype("dtype", dtype)
-        self.shuffle, self.device = shuffle, device
+        self.batch_size, self.shuffle = batch_size, shuffle
         self.labels = LabelStore(self.traces_dir, budget, interval)
         self.train: Dataset | None = None
         self.val: Dataset | None = None
         self._summary: dict[str, str] = {}
-        self._model = None
 
     @property
     def scorer_spec(self) -> dict:
         """The `ScorerConfig` fields the data fixes (model shape, B, L, features, base model)."""
-        shape = describe(base_model_config(self.model_name))
+        shape = describe(load_config(self.model_name))
         return {
             **asdict(shape),
             "budget": self.budget,
@@ -302,48 +172,37 @@ class GoldenDataModule(L.LightningDataModule):
             "feature_set": self.feature_set,
         }
 
-    def prepare_data(self) -> None:
-        """Make what is missing, once per node: traces (with a recipe), labels, and the example cache."""
-        if self.recipe is not None:
-            recipe = asdict(self.recipe)
-            model, tokenizer = self._frozen_model()
-            generate_traces(
-                model, tokenizer, recipe.pop("prompts"), model_name=self.model_name, out_dir=self.traces_dir, **recipe
-            )
-        traces = self._labelled_traces(make_missing=True)
-        if self.cache_dir is not None:
-            todo = [trace for trace in traces if not self._cache_path(trace).is_file()]
-            ordered = sorted(todo, key=lambda trace: trace.input_ids.numel())  # similar lengths replay together
-            groups = [ordered[i : i + self.replay_batch_size] for i in range(0, len(ordered), self.replay_batch_size)]
-            for group in tqdm(groups, desc="golden replay", unit="batch"):
-                labels = [self.labels.load(trace.index, num_tokens=trace.input_ids.numel()) for trace in group]
-                examples = golden_steps(self._frozen_model()[0], group, labels, self.feature_set, self.storage_dtype)
-                for trace, tensors in zip(group, examples):
-                    self._write_cache(trace, tensors)
-        self._model = None
-
     def setup(self, stage: str | None = None) -> None:
         if self.train is not None:
             return
-        traces = self._labelled_traces(make_missing=False)
-        held_out = self._held_out(traces)
+        store = TraceStore(self.traces_dir)
+        store.require_model(self.model_name)
+        traces = [trace for trace in store if self._num_steps(trace)]
+        if not traces:
+            raise ValueError(
+                f"no trace of {self.traces_dir} reaches B + L = {self.budget + self.interval} tokens, so none has an "
+                "eviction step to learn from"
+            )
+        held_out = self._held_out(store, traces)
         splits = {
             "train": [trace for trace in traces if trace.index not in held_out],
             "val": [trace for trace in traces if trace.index in held_out],
         }
         if not splits["train"]:
-            raise ValueError(f"no training traces: every labelled trace of {self.traces_dir} is held out")
-        if self.cache_dir is not None:
-            self.train, self.val = (CachedTraces([self._checked_cache(t) for t in splits[name]]) for name in ("train", "val"))
+            raise ValueError(f"no training traces: every trace of {self.traces_dir} with an eviction step is held out")
+        if self.features is not None:
+            self.train, self.val = (CachedTraces(self.features.paths(splits[name])) for name in ("train", "val"))
         else:
+            for trace in traces:
+                self.labels.require(trace.index, num_tokens=trace.input_ids.numel())
             self.train, self.val = (
                 ReplayedTraces(
-                    splits[name], self.labels, lambda: self._frozen_model()[0], self.feature_set, self.replay_batch_size,
+                    splits[name], self.labels, self.frozen, self.feature_set, self.replay_batch_size,
                     shuffle=self.shuffle and name == "train", seed=self.split_seed,
                 )
                 for name in ("train", "val")
             )
-        settings = self._store().settings
+        settings = store.settings
         self._summary = {
             "base model": self.model_name,
             "traces": f"{len(traces)} traces of {settings['source']} ({sum(t.input_ids.numel() for t in traces)} "
@@ -376,96 +235,15 @@ class GoldenDataModule(L.LightningDataModule):
             return []
         return DataLoader(self.val, batch_size=self.batch_size, collate_fn=concat_steps)
 
-    # -- helpers -----------------------------------------------------------------------------------
-    def _frozen_model(self):
-        if self._model is None:
-            self._model = load_model(self.model_name, dtype=self.model_dtype, device=self.device)
-        return self._model
-
-    def _store(self) -> TraceStore:
-        store = TraceStore(self.traces_dir)
-        made_with = store.settings["model"]
-        if made_with != self.model_name:
-            raise ValueError(
-                f"the traces in {self.traces_dir} were made by {made_with!r}, not by the model {self.model_name!r}"
-            )
-        return store
-
     def _num_steps(self, trace: Trace) -> int:
-        return eviction_steps(trace.input_ids.numel(), self.budget, self.interval)
+        """Eviction steps of a trace; 0 for one shorter than B + L."""
+        try:
+            return eviction_steps(trace.input_ids.numel(), self.budget, self.interval)
+        except TraceTooShort:
+            return 0
 
-    def _labelled_traces(self, make_missing: bool) -> list[Trace]:
-        """Traces long enough for an eviction step, their labels made first when asked."""
-        traces = []
-        for trace in self._store():
-            try:
-                self._num_steps(trace)
-            except TraceTooShort:
-                continue
-            if trace.index not in self.labels:
-                if not make_missing:
-                    raise ValueError(f"trace {trace.index} of {self.traces_dir} has no golden labels; run prepare_data first")
-                labels = compute_golden_labels(
-                    self._frozen_model()[0], trace.input_ids, self.budget, self.interval,
-                    trace_index=trace.index, model_name=self.model_name,
-                )
-                save_labels(labels, self.labels.path(trace.index))
-            traces.append(trace)
-        if not traces:
-            raise ValueError(
-                f"no trace of {self.traces_dir} reaches B + L = {self.budget + self.interval} tokens, so none has an "
-                "eviction step to learn from"
-            )
-        return traces
-
-    def _held_out(self, traces: Sequence[Trace]) -> set[int]:
+    def _held_out(self, store: TraceStore, traces: Sequence[Trace]) -> set[int]:
         if self.holdout == 0:
             return set()
-        _, held = self._store().split(self.holdout, self.split_seed)
+        _, held = store.split(self.holdout, self.split_seed)
         return {trace.index for trace in held} & {trace.index for trace in traces}
-
-    def _cache_path(self, trace: Trace) -> Path:
-        return self.cache_dir / f"trace-{trace.index:06d}.safetensors"
-
-    def _metadata(self, trace: Trace) -> dict[str, str]:
-        return {
-            "format": FORMAT,
-            "model": self.model_name,
-            "budget": str(self.budget),
-            "interval": str(self.interval),
-            "feature_set": self.feature_set,
-            "trace_index": str(trace.index),
-            "num_tokens": str(trace.input_ids.numel()),
-        }
-
-    def _write_cache(self, trace: Trace, tensors: dict[str, torch.Tensor]) -> None:
-        """Write atomically: a temporary file renamed into place."""
-        path = self._cache_path(trace)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({name: t.contiguous() for name, t in tensors.items()}, temporary, metadata=self._metadata(trace))
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-
-    def _checked_cache(self, trace: Trace) -> Path:
-        path = self._cache_path(trace)
-        if not path.is_file():
-            raise ValueError(f"no cached examples at {path}; run prepare_data first")
-        with safe_open(path, framework="pt") as handle:
-            stored = handle.metadata() or {}
-        expected = self._metadata(trace)
-        differing = [f"{key} {stored.get(key)!r} != {value!r}" for key, value in expected.items() if stored.get(key) != value]
-        if differing:
-            raise ValueError(f"cached examples at {path} were made for something else ({', '.join(differing)}); use another cache_dir")
-        return path
-
-
-def _float_dtype(name: str, value: str) -> torch.dtype:
-    dtype = getattr(torch, value, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{name} must name a torch float dtype such as 'float16' or 'float32', got {value!r}")
-    return dtype

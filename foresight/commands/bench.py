@@ -1,42 +1,67 @@
-"""Benchmark decoding under every policy: latency against generated length, memory, eviction time share.
+"""Benchmarks of the eviction runtime, each written to its own section of a markdown report with the
+command that made it, every figure of a table from one run on one machine.
 
-`foresight bench decode` decodes a fixed-length continuation (EOS ignored) for each policy and
-batch size in one process, so every figure in a table comes from one run on one machine, and writes
-a markdown report with the command that made it.
+- `foresight bench decode`: latency against generated length, KV memory and eviction time share
+  for each policy and batch size.
+- `foresight bench memory`: the cache's storage and the process's memory step by step, held flat
+  from the first eviction on (CPU or CUDA).
+- `foresight bench capacity` (CUDA): for generation lengths T, the largest batch each policy decodes
+  within the GPU's memory, its throughput against the full cache's, and its eviction time share.
+- `foresight bench serve`: under a KV-memory cap, the largest concurrent batch of the full cache and
+  of each policy at growing generation lengths, found by running it, with throughput, peak memory
+  and eviction share, and kvpress's DecodingPress beside them when given its environment.
+
+`--model` also takes an architecture config (configs/models/*.json): a paper-sized model with random
+weights, since speed and memory depend on the shape alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from foresight.models import describe, load_model
-from foresight.policies import POLICIES, make_policy
+from foresight.commands import _bench_capacity, _bench_memory, _bench_serve
+from foresight.commands._bench_common import (
+    add_common_arguments,
+    benchmark_device,
+    command_line,
+    eviction_config,
+    load_benchmark_model,
+    machine,
+    prompt_ids,
+)
+from foresight.commands._policy import int_list, selected_policies
+from foresight.models import describe
+from foresight.policies import make_policy
 from foresight.report import write_section
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, RunStats
-from foresight.tasks import chat_prompt_ids
 
 WINDOW = 512  # tokens per latency window
-PROMPT = "Solve step by step: a train leaves at 9:40 and travels 3 hours 35 minutes. When does it arrive?"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=["decode"], help="what to benchmark")
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--policies", default="all", help="'all' or a comma-separated list (full is always included)")
-    parser.add_argument("--budget", "-B", type=int, default=256)
-    parser.add_argument("--interval", "-L", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=2048)
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="markdown report whose decode section is rewritten")
-    parser.add_argument("--section", default=None, help="name of the report section to rewrite (default: decode-DEVICE)")
+    benchmarks = parser.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
+    formatter = parser.formatter_class
+    decode = benchmarks.add_parser(
+        "decode", help="latency against generated length, memory, eviction time share", formatter_class=formatter
+    )
+    add_common_arguments(decode, budget=256, interval=64)
+    decode.add_argument("--max-new-tokens", type=int, default=2048, help="tokens decoded per policy and batch size")
+    decode.add_argument("--batch-sizes", type=int_list, default=[1, 8], help="comma-separated batch sizes")
+    decode.set_defaults(benchmark=run_decode)
+    for module in (_bench_memory, _bench_capacity, _bench_serve):
+        sub = benchmarks.add_parser(
+            module.NAME, help=module.__doc__.splitlines()[0], description=module.__doc__, formatter_class=formatter
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(benchmark=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args.benchmark(args)
 
 
 @dataclass
@@ -61,32 +86,15 @@ class DecodeResult:
         return self.window_ms(steps - WINDOW, steps) / self.window_ms(first_eviction, first_eviction + WINDOW)
 
 
-def selected_policies(text: str) -> list[str]:
-    names = sorted(n for n, cls in POLICIES.items() if _constructible(cls)) if text == "all" else text.split(",")
-    for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
-    return ["full"] + [n for n in names if n != "full"]
-
-
-def _constructible(cls) -> bool:
-    try:
-        cls()
-    except TypeError:  # needs labels or a scorer
-        return False
-    return True
-
-
-def run(args: argparse.Namespace) -> int:
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model(args.model, dtype=dtype or (torch.bfloat16 if device == "cuda" else torch.float32), device=device)
-    prompt = chat_prompt_ids(tokenizer, PROMPT)
-    config = EvictionConfig(args.budget, args.interval)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+def run_decode(args: argparse.Namespace) -> int:
+    names = selected_policies(args.policies)  # refuse a bad list before loading the model
+    device = benchmark_device(args)
+    model, tokenizer = load_benchmark_model(args)
+    prompt = prompt_ids(tokenizer, model.config.vocab_size)
+    config = eviction_config(args)
     results = []
-    for batch in batch_sizes:
-        for name in selected_policies(args.policies):
+    for batch in args.batch_sizes:
+        for name in names:
             results.append(_decode(model, name, config, [prompt] * batch, args.max_new_tokens, len(prompt)))
     report = _report(args, results, describe(model), device, model.dtype)
     write_section(args.out, args.section or f"decode-{device}", report)
@@ -102,31 +110,15 @@ def _decode(model, name: str, config: EvictionConfig, prompts, max_new_tokens: i
         torch.cuda.reset_peak_memory_stats()
     with tqdm(total=max_new_tokens, desc=f"{name} x{len(prompts)}", unit="tok", leave=False) as bar:
         output = engine.generate(prompts, max_new_tokens, on_token=lambda n: bar.update(n - bar.n))
-    cache = engine.last_cache
-    kv_bytes = _peak_kv_bytes(cache, output.stats.max_entries)
+    kv_bytes = engine.last_cache.storage_bytes()
     first = config.budget + config.interval - prompt_length if policy.evicts else None
     return DecodeResult(name, len(prompts), output.stats, kv_bytes, first)
 
 
-def _peak_kv_bytes(cache, max_entries: int) -> int:
-    """Bytes of K, V, positions and policy state at the largest cache length held."""
-    total = 0
-    for layer in cache.layers:
-        batch, heads, _, dim = layer.keys.shape
-        per_entry = 2 * dim * layer.keys.element_size() + 8
-        per_entry += sum(value[0, 0, :1].numel() * value.element_size() for value in layer.state.values())
-        total += batch * heads * max_entries * per_entry
-    return total
-
-
 def _report(args, results: list[DecodeResult], shape, device: str, dtype) -> str:
-    command = (
-        f"foresight bench decode --model {args.model} --policies {args.policies} --budget {args.budget} "
-        f"--interval {args.interval} --max-new-tokens {args.max_new_tokens} --batch-sizes {args.batch_sizes} "
-        f"--dtype {args.dtype} --out {shlex.quote(str(args.out))}" + (f" --section {args.section}" if args.section else "")
-    )
-    cpu = f"{torch.get_num_threads()} CPU threads ({platform.processor() or platform.machine()})"
-    where = torch.cuda.get_device_name() if device == "cuda" else cpu
+    batch_sizes = ",".join(map(str, args.batch_sizes))
+    command = command_line("decode", args, f"--max-new-tokens {args.max_new_tokens} --batch-sizes {batch_sizes}")
+    where = machine(device)
     steps = max(len(r.stats.step_seconds) for r in results)
     windows = [(start, min(start + WINDOW, steps)) for start in range(0, steps, WINDOW)]
     lines = [
@@ -138,11 +130,11 @@ def _report(args, results: list[DecodeResult], shape, device: str, dtype) -> str
         f"{args.max_new_tokens} new tokens, EOS ignored. Latency is ms per decode step (the whole batch), "
         f"averaged over windows of generated tokens. Flatness = latency of the last {WINDOW} tokens / the "
         f"first {WINDOW} after the first eviction (target <= 1.10). Evict share = time in scoring and "
-        "eviction / decode time (target <= 5% for snapkv and rkv). Peak KV = K, V, positions and policy "
-        "state at the largest cache held.",
+        "eviction / decode time (target <= 5% for snapkv and rkv). KV held = the cache's storage (K, V, "
+        "positions, policy state, query ring buffer), allocated once per run.",
         "",
     ]
-    header = ["policy", "batch"] + [f"ms/step {a + 1}-{b}" for a, b in windows] + ["flatness", "evict share", "peak KV MiB", "max entries", "tokens/s"]
+    header = ["policy", "batch"] + [f"ms/step {a + 1}-{b}" for a, b in windows] + ["flatness", "evict share", "KV held MiB", "max entries", "tokens/s"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         flat = "n/a" if r.flatness is None else f"{r.flatness:.3f}"

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from foresight.commands.bench import selected_policies
+from foresight.commands._model import add_model_arguments, model_options
+from foresight.commands._policy import add_policy_arguments, policy_from_args
+from foresight.commands._policy import selected_policies
 from foresight.commands.replay import loss_ratio_after_first_eviction
 from foresight.models import load_model
 from foresight.policies import make_policy
@@ -21,21 +23,20 @@ PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic.jsonl"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--policy", default="rkv", help="the policy of the generation")
-    parser.add_argument("--budget", "-B", type=int, default=128, help="budget of the generation")
-    parser.add_argument("--interval", "-L", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=384)
-    parser.add_argument("--replay-budget", type=int, default=64, help="budget of the policy comparison")
-    parser.add_argument("--replay-interval", type=int, default=16)
+    add_model_arguments(parser)
+    add_policy_arguments(parser, default_policy="rkv")  # the generation's
+    parser.add_argument("--max-new-tokens", type=int, default=384, help="most tokens generated")
+    parser.add_argument("--replay-budget", type=int, default=64, help="budget B of the policy comparison")
+    parser.add_argument("--replay-interval", type=int, default=16, help="interval L of the policy comparison")
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_model(args.model)
+    policy, config = policy_from_args(args)
+    model, tokenizer = load_model(args.model, **model_options(args))
     problem = json.loads(PROMPTS.read_text().splitlines()[0])
     prompt = chat_prompt_ids(tokenizer, problem["prompt"])
-    engine = EvictionEngine(model, make_policy(args.policy), EvictionConfig(args.budget, args.interval))
-    with tqdm(total=args.max_new_tokens, desc=f"generate ({args.policy})", unit="tok") as bar:
+    engine = EvictionEngine(model, policy, config)
+    with tqdm(total=args.max_new_tokens, desc=f"generate ({policy.name})", unit="tok") as bar:
         output = engine.generate(
             [prompt], args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, on_token=lambda n: bar.update(n - bar.n)
         )
@@ -45,16 +46,16 @@ def run(args: argparse.Namespace) -> int:
           f"(B + L = {args.budget + args.interval}), {stats.evictions} eviction steps\n")
 
     sequence = torch.tensor(prompt + output.tokens[0])
-    config = EvictionConfig(args.replay_budget, args.replay_interval)
+    comparison = EvictionConfig(args.replay_budget, args.replay_interval)
     full = EvictionEngine(model, make_policy("full")).replay([sequence], [len(prompt)])
     rows = []
     for name in tqdm(selected_policies("all")[1:], desc="replay policies"):
-        evicted = EvictionEngine(model, make_policy(name), config).replay([sequence], [len(prompt)])
+        evicted = EvictionEngine(model, make_policy(name), comparison).replay([sequence], [len(prompt)])
         ratio, scored = loss_ratio_after_first_eviction(full, evicted)
         rows.append((name, ratio, scored))
-    print(f"Teacher-forced loss ratio on that generation, B = {config.budget}, L = {config.interval} (1.0 = full cache):")
+    print(f"Teacher-forced loss ratio on that generation, B = {comparison.budget}, L = {comparison.interval} (1.0 = full cache):")
     for name, ratio, scored in sorted(rows, key=lambda row: row[1]):
         print(f"  {name:<10} {ratio:.4f}  ({scored} tokens)")
     best = min(rows, key=lambda row: row[1])
-    print(f"best heuristic at B = {config.budget}: {best[0]} (loss ratio {best[1]:.4f})")
+    print(f"best heuristic at B = {comparison.budget}: {best[0]} (loss ratio {best[1]:.4f})")
     return 0

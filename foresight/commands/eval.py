@@ -1,11 +1,19 @@
-"""Teacher-forced evaluation of eviction policies on stored traces (ForesightKV Table 2 and 7).
+"""Evaluate eviction policies: teacher-forced on stored traces (--traces), or by the accuracy of sampled
+completions (--prompts).
 
-Every trace is replayed through the model that made it under every policy and budget; each row of
+Teacher-forced (ForesightKV Table 2 and 7): every trace is replayed through the model that made it under every policy and budget; each row of
 the report gives the loss ratio against the stored full-cache loss (tokens after the first
 eviction), the low-entropy damage (share of bottom-80%-entropy tokens whose loss grew by more than
 1.5, and their mean squared increase), the cosine similarity of attention outputs with the full
-cache, and the overlap with the golden kept set where labels exist (`foresight labels`). Writes
-OUT/results.json, results.csv, results.md and one PNG per metric (budget on the x axis).
+cache, and the overlap with the golden kept set where labels exist (`foresight labels`).
+
+Generation (--prompts): k completions per problem under the full cache and under every policy and
+budget; pass@1 and pass@k by the strict and the flexible answer rule, agreement with the full
+cache's answer on the same seed, mean length and the share of completions that end in a repetition
+loop. Completions are kept under OUT/completions, so a killed run resumes where it stopped.
+
+Both write OUT/results.json, results.csv, results.md (every figure with its 95% bootstrap interval,
+over traces or problems) and one PNG per figure (budget on the x axis).
 """
 
 from __future__ import annotations
@@ -14,47 +22,65 @@ import argparse
 import time
 from pathlib import Path
 
-from foresight.evaluation import ScorerSpec, evaluate, markdown_table, resolve_policies, write_report
+from foresight.commands import _generation
+from foresight.commands._model import add_model_arguments, model_of_traces, model_options
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument
+from foresight.evaluation import PolicySpec, ScorerSpec, evaluate, markdown_table, resolve_policies, write_report
 from foresight.models import load_model
 from foresight.traces import TraceStore, TraceView
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 64,128, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    return values
+TRACE_BATCH = 4
+LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--traces", type=Path, required=True, help="traces folder written by `foresight traces`")
-    parser.add_argument(
-        "--policies", default="all",
-        help="'all' (every registered policy that can run; golden where labels exist) or names, e.g. h2o,snapkv,golden",
+    parser.add_argument("--traces", type=Path, help="traces folder written by `foresight traces` (or give --prompts)")
+    add_policies_argument(
+        parser, "every registered policy that can run; golden where labels exist, foresight with --scorer"
     )
-    parser.add_argument("--budgets", "-B", type=_int_list, required=True, help="budgets B to evaluate, e.g. 64,128")
-    parser.add_argument("--interval", "-L", type=int, required=True, help="entries evicted per step, every L tokens")
+    add_cadence_arguments(parser, budget=None, interval=None, several_budgets=True)
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json/.csv/.md and the plots")
+    add_model_arguments(parser, made_traces=True)
     parser.add_argument(
-        "--model", default=None,
-        help="the model that made the traces; None: the one named in the traces manifest (another is refused)",
+        "--max-traces", type=int, default=None, help="evaluate at most this many traces, in order (default: all)"
     )
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
-    parser.add_argument("--max-traces", type=int, default=None, help="evaluate at most this many traces (in order); None: all")
     parser.add_argument(
         "--holdout", type=float, default=None, metavar="FRACTION",
-        help="evaluate only the held-out split of this fraction (TraceView.split); None: every trace",
+        help="evaluate only the held-out split of this fraction (TraceView.split) (default: every trace)",
     )
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
-    parser.add_argument("--batch-size", type=int, default=4, help="traces replayed together")
+    parser.add_argument(
+        "--batch-size", type=int, default=None,
+        help="traces replayed together, or completions generated together with --prompts "
+        f"(default: {TRACE_BATCH} traces, {_generation.DEFAULT_BATCH} completions)",
+    )
     parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
-        "it was trained for; repeat to compare several",
+        "it was trained for; repeat to compare several, as NAME=DIR to name each one's rows (e.g. "
+        "foresight-sl=runs/main/scorer --scorer foresight-rl=runs/main/rl/scorer). Adds foresight to "
+        "--policies (naming it there is optional)",
     )
+    _generation.add_arguments(parser)
+
+
+def policy_specs(policies: str, scorers: list[str]) -> tuple[list[PolicySpec], list[str]]:
+    """Specs and notes of --policies; the learned `foresight` policy comes from the --scorer folders."""
+    names = [name.strip() for name in policies.split(",")]
+    if not scorers:
+        if "foresight" in names:
+            raise ValueError("policy 'foresight' needs a trained scorer: give --scorer DIR")
+        specs, notes = resolve_policies(policies)
+        return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
+    others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
+    specs, notes = resolve_policies(others) if others.strip(",") else ([], [])
+    notes = [note for note in notes if not note.startswith("foresight:")]
+    specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
+    names = [spec.name for spec in specs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
+    return specs, notes
 
 
 def select_traces(store: TraceStore, holdout: float | None, seed: int, max_traces: int | None) -> TraceView:
@@ -68,21 +94,20 @@ def select_traces(store: TraceStore, holdout: float | None, seed: int, max_trace
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.traces is None) == (not args.prompts):
+        raise ValueError("give either --traces (teacher-forced) or --prompts (generation), not both or neither")
+    specs, notes = policy_specs(args.policies, args.scorer)
+    if args.prompts:
+        return _generation.run(args, specs, notes)
     started = time.perf_counter()
-    specs, notes = resolve_policies(args.policies)
-    if args.scorer:
-        specs += [ScorerSpec.from_source(source, several=len(args.scorer) > 1) for source in args.scorer]
-        notes = [note for note in notes if not note.startswith("foresight:")]
     store = TraceStore(args.traces)
-    made_with = store.settings["model"]
-    if args.model is not None and args.model != made_with:
-        raise ValueError(f"--model {args.model!r} is not the model that made the traces in {args.traces} ({made_with!r})")
+    made_with = model_of_traces(args, args.traces, store.settings["model"])
     traces = list(select_traces(store, args.holdout, args.holdout_seed, args.max_traces))
     if not traces:
         raise ValueError(f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})")
-    model, _ = load_model(made_with, device=args.device)
+    model, _ = load_model(made_with, **model_options(args))
     result = evaluate(
-        model, traces, specs, args.budgets, args.interval, labels_root=args.traces, batch_size=args.batch_size
+        model, traces, specs, args.budgets, args.interval, labels_root=args.traces, batch_size=args.batch_size or TRACE_BATCH
     )
     result.notes[:0] = notes
     settings = {

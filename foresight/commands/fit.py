@@ -1,11 +1,16 @@
 """Train a scorer with the supervised stage (ForesightKV §3.2) and leave it as a Hub-format folder.
 
-Runs the LightningCLI of `trainers.cli` on a YAML config (configs/default.yaml for the embedded
-default on CPU). Everything goes under --out: traces/ (made from the config's `data.generate`
-recipe unless --traces names an existing traces folder), their golden labels, features/ (the cached
-training examples), checkpoints/ (last.ckpt; resume with --ckpt-path last), lightning_logs/
-(TensorBoard) and scorer/ (config.json, model.safetensors, README.md). Under a DDP strategy
-(--set trainer.strategy=ddp --set trainer.devices=N) every process runs this command.
+Runs the steps that make the data, then the LightningCLI of `trainers.cli`, on a YAML config
+(configs/default.yaml for the embedded default on CPU). Each step is the function of its verb,
+prints one line, and skips what is already made, so a rerun resumes: traces (sampled from the
+config's `traces` recipe unless --traces names an existing folder, like `foresight traces`), their
+golden labels (`foresight labels`), the feature cache (`foresight features`; skipped when
+data.features_dir is null, which replays the traces on every pass), then training. Everything goes
+under --out: traces/ and its labels, features/ (unless the config replays), checkpoints/ (last.ckpt;
+resume with --ckpt-path last), lightning_logs/ (TensorBoard) and scorer/ (config.json,
+model.safetensors, README.md). Under a DDP strategy (--set trainer.strategy=ddp --set
+trainer.devices=N) every process runs this command; the steps run under a file lock in --out, so one
+process makes the data and the others find it made.
 """
 
 from __future__ import annotations
@@ -14,56 +19,73 @@ import argparse
 import warnings
 from pathlib import Path
 
+import yaml
+from filelock import FileLock
+
+from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
 from foresight.export import export_scorer, reported_metrics
+from foresight.pipeline import make_features, make_labels, make_traces
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, required=True, help="LightningCLI YAML config, e.g. configs/default.yaml")
+    add_training_arguments(
+        parser, "configs/default.yaml", "--set trainer.max_steps=50 --set data.device=cuda --set data.dtype=bfloat16"
+    )
     parser.add_argument("--out", type=Path, required=True, help="run folder (traces, features, checkpoints, logs, scorer)")
     parser.add_argument(
         "--traces", type=Path, default=None,
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
-    parser.add_argument("--ckpt-path", default=None, help="checkpoint to resume from, or 'last' for OUT/checkpoints/last.ckpt")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, e.g. --set trainer.max_steps=50 --set data.batch_size=4",
-    )
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:
-    """The LightningCLI arguments of a `foresight fit` call."""
-    if not args.config.is_file():
-        raise ValueError(f"config {args.config} does not exist; see configs/ for examples")
+    """The LightningCLI arguments of a `foresight fit` call (no subcommand: `prepare` drives the trainer)."""
+    checked_config(args.config)
     out = args.out
     cli_args = [
-        "fit",
         f"--config={args.config}",
         f"--trainer.default_root_dir={out}",
         f"--checkpoint.dirpath={out / 'checkpoints'}",
         f"--data.traces_dir={args.traces or out / 'traces'}",
-        f"--data.cache_dir={out / 'features'}",
     ]
+    data = (yaml.safe_load(args.config.read_text()) or {}).get("data") or {}
+    if data.get("features_dir") is not None:  # a config that replays (null) keeps doing so
+        cli_args.append(f"--data.features_dir={out / 'features'}")
     if args.traces is not None:
-        if not args.traces.is_dir():
-            raise ValueError(f"--traces {args.traces} is not a folder; make one with `foresight traces`")
-        cli_args.append("--data.generate=null")
-    for text in args.overrides:
-        key, sep, value = text.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {text!r} must look like KEY=VALUE, e.g. trainer.max_steps=50")
-        cli_args.append(f"--{key.strip()}={value.strip()}")
-    if args.ckpt_path is not None:
-        cli_args.append(f"--ckpt_path={args.ckpt_path}")
-    return cli_args
+        checked_traces(args.traces)
+        cli_args.append("--traces=null")
+    return cli_args + override_args(args.overrides)  # `run` hands --ckpt-path to trainer.fit
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace):
+    """Build the run from its config, then make what its data module reads: traces (with a recipe),
+    labels, features. Returns the LightningCLI, ready to fit."""
     from trainers.cli import cli_main  # Lightning is imported only by this verb
 
     with warnings.catch_warnings():  # LightningCLI warns when given args beside a command line: intended here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = cli_main(lightning_args(args))
+        cli = cli_main(lightning_args(args), run=False)
+    data, recipe = cli.datamodule, cli.config_init.get("traces")
+    show = cli.trainer.is_global_zero
+    args.out.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(args.out / ".steps.lock")):
+        if recipe is not None:
+            _report("traces", make_traces(data.frozen, recipe, data.traces_dir, progress=show), show)
+        _report("labels", make_labels(data.frozen, data.traces_dir, data.budget, data.interval, progress=show), show)
+        if data.features is not None:
+            features = make_features(data.frozen, data.features, replay_batch_size=data.replay_batch_size, progress=show)
+            _report("features", features, show)
+    return cli
+
+
+def _report(step: str, summary, show: bool) -> None:
+    if show:
+        print(f"{step}: {summary.describe()}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    cli = prepare(args)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
     train_metrics = {name: value for name, value in cli.trainer.callback_metrics.items() if name.startswith("train/")}
     if cli.datamodule.val_dataloader():  # final figures of the scorer being exported
         cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from foresight.commands._common import add_policy_arguments, policy_from_args
+from foresight.commands._model import add_model_arguments, model_options
+from foresight.commands._policy import add_policy_arguments, policy_from_args
 from foresight.metrics import loss_ratio, scored_tokens
 from foresight.models import load_model
 from foresight.policies import make_policy
@@ -18,6 +19,7 @@ from foresight.runtime.engine import EvictionEngine, ReplayOutput
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="a text file (one document) or a JSONL file of {'text'} or {'prompt', 'completion'}")
+    add_model_arguments(parser)
     add_policy_arguments(parser, default_policy="snapkv")
     parser.add_argument("--max-tokens", type=int, default=2048, help="truncate each document to this many tokens")
 
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("replay compares an evicting policy with the full cache; choose a policy other than 'full'")
     if not args.file.is_file():
         raise ValueError(f"replay file {str(args.file)!r} does not exist")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, **model_options(args))
     documents = read_documents(args.file, tokenizer, args.max_tokens)
     sequences, prompt_lengths = [d[0] for d in documents], [d[1] for d in documents]
     total = sum(len(s) - p for s, p in documents)

@@ -2,7 +2,8 @@
 
 Each trace keeps its token ids, the full-cache per-token loss and entropy (what eviction is later
 measured against) and whether its final answer is correct. Traces go to sharded `datasets` Arrow
-folders plus a manifest.json in --out; a rerun resumes, skipping finished shards. Prompt sources:
+folders plus a manifest.json in --out; a rerun resumes, skipping finished shards (a complete folder
+loads no model). Prompt sources:
 reasoning-gym:TASK, a JSONL file of {"prompt", "answer"}, or a saved `datasets` folder (data/README.md).
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from foresight.models import load_model
-from foresight.traces import generate_traces
+from foresight.commands._model import add_model_arguments, model_options
+from foresight.pipeline import FrozenModel, TraceRecipe, make_traces
 
 
 def _shard_spec(text: str) -> tuple[int, int]:
@@ -27,7 +28,7 @@ def _shard_spec(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="model: 'default', a Hub id or a local folder")
+    add_model_arguments(parser)
     parser.add_argument(
         "--prompts", required=True, metavar="SOURCE", help="reasoning-gym:TASK, a JSONL file or a dataset folder"
     )
@@ -52,24 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_model(args.model)
-    summary = generate_traces(
-        model,
-        tokenizer,
-        args.prompts,
+    recipe = TraceRecipe(
+        prompts=args.prompts,
         num=args.num,
         max_new_tokens=args.max_new_tokens,
-        out_dir=args.out,
+        min_tokens=args.min_tokens,
+        only_correct=args.only_correct,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        min_tokens=args.min_tokens,
-        only_correct=args.only_correct,
         batch_size=args.batch_size,
         shard_size=args.shard_size,
-        shard=args.shard,
         seed=args.seed,
-        model_name=args.model,
     )
-    print(summary.describe())
+    print(make_traces(FrozenModel(args.model, **model_options(args)), recipe, args.out, shard=args.shard).describe())
     return 0

@@ -83,6 +83,9 @@ class Foresight(Policy):
       replacement), using a generator seeded with `seed` at the start of every run, and records
       each layer's draw in `records` (a list of `SampledEviction`) for the reinforcement stage.
     seed: seed of the sampled mode (default 0).
+    row_seeds: one seed per batch row instead (sampled mode, every row evicting at every step, as the
+      rollouts of one trace do): each row draws from its own generator, so a row's evictions do not
+      depend on which rows share its batch (rollouts split across processes sample as on one).
 
     The scorer fits one model shape and one (B, L); both are checked against the cache at every
     eviction step. B is read from the valid candidates per row, which number exactly B at every
@@ -99,10 +102,11 @@ class Foresight(Policy):
     scorer: ForesightScorer | str | os.PathLike
     mode: str = EvictionMode.DETERMINISTIC.value
     seed: int = 0
+    row_seeds: tuple[int, ...] | None = None
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _pending: tuple[EvictionContext, torch.Tensor] | None = field(default=None, init=False, repr=False)
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    _generator: torch.Generator | list[torch.Generator] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.scorer, (str, os.PathLike)):
@@ -110,6 +114,8 @@ class Foresight(Policy):
         if not isinstance(self.scorer, ForesightScorer):
             raise ValueError(f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}")
         self.mode = EvictionMode.parse(self.mode).value
+        if self.row_seeds is not None:
+            self.row_seeds = tuple(int(seed) for seed in self.row_seeds)
 
     def reset(self) -> None:
         self.records = []
@@ -143,7 +149,7 @@ class Foresight(Policy):
         interval = self.scorer.config.interval
         eligible = context.candidate_positions >= 0
         if self._generator is None:
-            self._generator = torch.Generator(device=scores.device).manual_seed(self.seed)
+            self._generator = self._generators(scores.device)
         order, logprob = sample_eviction(scores, interval, self._generator, eligible=eligible)
         pool = eviction_pool(scores, interval, eligible)
         in_pool = (pool[..., None, :] == order[..., :, None]).int().argmax(-1)
@@ -167,6 +173,11 @@ class Foresight(Policy):
         )
         sampled = torch.zeros_like(eligible).scatter(-1, order, True)
         return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
+
+    def _generators(self, device: torch.device) -> torch.Generator | list[torch.Generator]:
+        if self.row_seeds is None:
+            return torch.Generator(device=device).manual_seed(self.seed)
+        return [torch.Generator(device=device).manual_seed(seed) for seed in self.row_seeds]
 
     def _check(self, context: EvictionContext) -> None:
         """One-line errors when the cache is not the model shape or the (B, L) the scorer was trained for."""

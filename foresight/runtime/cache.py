@@ -11,14 +11,21 @@ Layout of one layer (N = entries held, the same for every row and head of a laye
   or, for a policy that observes every query, each query until it has been handed out once.
 
 Entries stay in position order, so the most recent L entries of a row are its last L slots.
+Keys, values, positions and state are views of the first N slots of buffers allocated once per run
+(`EntryStorage`): a new token is copied into the next slot and an eviction gathers the kept entries
+to the front, so a run that evicts holds the same memory from its first eviction to its end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+KEYS, VALUES, POSITIONS = "keys", "values", "positions"
+_ENTRY_TENSORS = (KEYS, VALUES, POSITIONS)
 
 
 @dataclass(frozen=True)
@@ -30,9 +37,106 @@ class StateField:
     fill: float = 0.0
     per_query_head: bool = False
 
+    def __post_init__(self) -> None:
+        if self.name in _ENTRY_TENSORS:
+            raise ValueError(f"state field name {self.name!r} is taken; not one of: {', '.join(_ENTRY_TENSORS)}")
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """One per-entry tensor of a layer: its trailing shape after [batch, Hkv, entries] and dtype."""
+
+    trailing: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class EntryStorage:
+    """Per-entry tensors of one layer that share the entry dim (dim 2), held in buffers of fixed size.
+
+    Slots [0, filled) hold the entries; `view` returns that region. `append` copies new entries into
+    the next slots and `compact` gathers the kept entries to the front, both in place. The buffers
+    start with `capacity` slots (the most a run can hold: B + L + protected prompt) and grow, by
+    doubling, only when a forward brings more than fits (a prefill longer than the budget, a full
+    cache); a compaction that leaves at most `capacity` entries brings grown buffers back to it.
+    """
+
+    def __init__(
+        self,
+        layouts: dict[str, EntryLayout],
+        batch: int,
+        heads: int,
+        slots: int,
+        device: torch.device,
+        capacity: int | None = None,
+    ):
+        self.layouts = layouts
+        self.batch, self.heads, self.device = batch, heads, device
+        self.capacity = capacity
+        self.filled = 0
+        self.allocations = 0  # buffer sets allocated so far (1 for a run that never grows)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._allocate(slots)
+
+    @property
+    def slots(self) -> int:
+        return next(iter(self.buffers.values())).shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (filled or not)."""
+        return sum(buffer.nbytes for buffer in self.buffers.values())
+
+    def view(self, name: str) -> torch.Tensor:
+        """[batch, Hkv, filled, *trailing]: the entries held, a view into the buffer."""
+        return self.buffers[name][:, :, : self.filled]
+
+    def append(self, count: int, entries: dict[str, torch.Tensor | float]) -> None:
+        """Copy `count` new entries into the next slots: a tensor broadcast to
+        [batch, Hkv, count, *trailing], or a fill value, for every buffer."""
+        if self.filled + count > self.slots:
+            self._allocate(max(self.filled + count, 2 * self.slots), keep=self.filled)
+        end = self.filled + count
+        for name, buffer in self.buffers.items():
+            value = entries[name]
+            target = buffer[:, :, self.filled : end]
+            if isinstance(value, float):
+                target.fill_(value)
+            else:
+                target.copy_(value)
+        self.filled = end
+
+    def compact(self, index: torch.Tensor) -> None:
+        """Keep the entries at slots `index` [batch, Hkv, W], in that order, in slots [0, W)."""
+        width = index.shape[-1]
+        shrink = self.capacity is not None and width <= self.capacity < self.slots
+        for name in self.buffers:
+            kept = _gather_entries(self.view(name), index)  # a temporary: slots may overlap
+            if shrink:
+                self.buffers[name] = self._new_buffer(name, self.capacity)
+            self.buffers[name][:, :, :width].copy_(kept)
+        if shrink:
+            self.allocations += 1
+        self.filled = width
+
+    def _allocate(self, slots: int, keep: int = 0) -> None:
+        """New buffers of `slots` entries holding the first `keep` entries of the old ones."""
+        old = self.buffers
+        self.buffers = {name: self._new_buffer(name, slots) for name in self.layouts}
+        for name, buffer in old.items():
+            self.buffers[name][:, :, :keep].copy_(buffer[:, :, :keep])
+        self.allocations += 1
+
+    def _new_buffer(self, name: str, slots: int) -> torch.Tensor:
+        layout = self.layouts[name]
+        shape = (self.batch, self.heads, slots, *layout.trailing)
+        return torch.empty(shape, dtype=layout.dtype, device=self.device)
+
 
 class EvictionLayer(CacheLayerMixin):
-    """One decoder layer's cache: appends like a dynamic layer, evicts by gather (`compact`)."""
+    """One decoder layer's cache: appends by copy into preallocated slots, evicts by gather (`compact`).
+
+    `capacity` is the most entries a run can hold (its storage is sized for it up front); None grows
+    the storage as entries arrive."""
 
     is_compileable = False
     is_sliding = False
@@ -43,15 +147,18 @@ class EvictionLayer(CacheLayerMixin):
         group_size: int = 1,
         query_window: int = 0,
         keep_every_query: bool = False,
+        capacity: int | None = None,
     ):
         super().__init__()
         self.state_fields = state_fields
         self.group_size = group_size
         self.query_window = query_window
         self.keep_every_query = keep_every_query
+        self.capacity = capacity
+        self.storage: EntryStorage | None = None
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
-        self.state: dict[str, torch.Tensor] = {}
+        self.state: MappingProxyType[str, torch.Tensor] = MappingProxyType({})  # write with `write_state`
         self.queries: torch.Tensor | None = None  # [batch, Hq, window, D] ring buffer
         self.query_positions: torch.Tensor | None = None  # [batch, window]
         self.query_cursor = 0  # next slot of the ring buffer
@@ -63,28 +170,33 @@ class EvictionLayer(CacheLayerMixin):
 
     # -- CacheLayerMixin -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, dim = key_states.shape
+        batch, heads, count, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(batch, heads, 0, dim)
-        self.values = value_states.new_zeros(batch, heads, 0, value_states.shape[-1])
-        self.positions = torch.zeros(batch, heads, 0, dtype=torch.long, device=self.device)
+        layouts = {
+            KEYS: EntryLayout((dim,), key_states.dtype),
+            VALUES: EntryLayout((value_states.shape[-1],), value_states.dtype),
+            POSITIONS: EntryLayout((), torch.long),
+        }
+        for field in self.state_fields:
+            layouts[field.name] = EntryLayout((self.group_size,) if field.per_query_head else (), torch.float32)
+        slots = max(self.capacity or 0, count)
+        self.storage = EntryStorage(layouts, batch, heads, slots, self.device, self.capacity)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.state = {f.name: self._new_state(f, batch, heads, 0) for f in self.state_fields}
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new tokens' K/V with the positions announced by `EvictionCache.begin_forward`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, heads, count, _ = key_states.shape
-        self.keys = torch.cat([self.keys, key_states], dim=2)
-        self.values = torch.cat([self.values, value_states], dim=2)
-        new_positions = self.pending_positions[:, None, :].expand(batch, heads, count)
-        self.positions = torch.cat([self.positions, new_positions], dim=2)
+        entries: dict[str, torch.Tensor | float] = {
+            KEYS: key_states,
+            VALUES: value_states,
+            POSITIONS: self.pending_positions[:, None, :],
+        }
+        entries.update({field.name: float(field.fill) for field in self.state_fields})
+        self.storage.append(key_states.shape[2], entries)
         self.lengths = self.lengths + self.pending_valid
-        for field in self.state_fields:
-            fresh = self._new_state(field, batch, heads, count)
-            self.state[field.name] = torch.cat([self.state[field.name], fresh], dim=2)
+        self._refresh_views()
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
@@ -93,7 +205,7 @@ class EvictionLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.storage is None else self.storage.filled
 
     def get_max_length(self) -> int:
         return -1
@@ -101,12 +213,21 @@ class EvictionLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the name of this abstract method in transformers < 5.3
 
     def reset(self) -> None:
-        self.__init__(self.state_fields, self.group_size, self.query_window, self.keep_every_query)
+        self.__init__(self.state_fields, self.group_size, self.query_window, self.keep_every_query, self.capacity)
 
     # -- eviction runtime --------------------------------------------------------------------------
-    def _new_state(self, field: StateField, batch: int, heads: int, count: int) -> torch.Tensor:
-        shape = (batch, heads, count, self.group_size) if field.per_query_head else (batch, heads, count)
-        return torch.full(shape, field.fill, dtype=torch.float32, device=self.device)
+    def _refresh_views(self) -> None:
+        """Point keys, values, positions and state at the filled region of the storage."""
+        storage = self.storage
+        self.keys, self.values, self.positions = storage.view(KEYS), storage.view(VALUES), storage.view(POSITIONS)
+        self.state = MappingProxyType({field.name: storage.view(field.name) for field in self.state_fields})
+
+    def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Overwrite state field `name` with `value` [batch or len(rows), Hkv, N, *trailing], in place."""
+        if rows is None:
+            self.state[name].copy_(value)
+        else:
+            self.state[name][rows] = value
 
     @property
     def valid(self) -> torch.Tensor:
@@ -163,16 +284,20 @@ class EvictionLayer(CacheLayerMixin):
 
         Every row keeps the same count on each of its heads; rows may differ (padding, protected
         prompts), so the layer narrows to the largest count and shorter rows get invalid slots in front.
+        Reading that count is this layer's one host synchronisation per eviction step (none per token).
         """
         kept_per_row = keep[:, 0].sum(-1)
         width = int(kept_per_row.max())
         # A stable sort of the 0/1 mask puts dropped slots first and kept ones last, in position order.
         index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
-        self.keys = _gather_entries(self.keys, index)
-        self.values = _gather_entries(self.values, index)
-        self.positions = self.positions.gather(2, index)
-        self.state = {name: _gather_entries(value, index) for name, value in self.state.items()}
+        self.storage.compact(index)
         self.lengths = kept_per_row
+        self._refresh_views()
+
+    def storage_bytes(self) -> int:
+        """Bytes held by this layer's entry storage and query ring buffer."""
+        held = 0 if self.storage is None else self.storage.nbytes
+        return held + sum(t.nbytes for t in (self.queries, self.query_positions) if t is not None)
 
 
 def _gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -183,7 +308,10 @@ def _gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class EvictionCache(Cache):
-    """The Cache facade the model calls; the engine announces each forward's positions first."""
+    """The Cache facade the model calls; the engine announces each forward's positions first.
+
+    `capacity`: the most entries a layer can hold in this run, for which every layer's storage is
+    allocated at its first forward (None: grow as entries arrive)."""
 
     def __init__(
         self,
@@ -192,8 +320,11 @@ class EvictionCache(Cache):
         group_size: int = 1,
         query_window: int = 0,
         keep_every_query: bool = False,
+        capacity: int | None = None,
     ):
-        layers = [EvictionLayer(state_fields, group_size, query_window, keep_every_query) for _ in range(num_layers)]
+        layers = [
+            EvictionLayer(state_fields, group_size, query_window, keep_every_query, capacity) for _ in range(num_layers)
+        ]
         super().__init__(layers=layers)
         self.has_padding = False
         self.records_queries = True
@@ -221,3 +352,7 @@ class EvictionCache(Cache):
     def max_entries(self) -> int:
         """Largest number of entries any layer holds."""
         return max(layer.get_seq_length() for layer in self.layers)
+
+    def storage_bytes(self) -> int:
+        """Bytes held by every layer's entry storage and query ring buffer."""
+        return sum(layer.storage_bytes() for layer in self.layers)

@@ -1,8 +1,14 @@
 """The attention function of the eviction runtime, registered through transformers' AttentionInterface.
 
-It computes each layer's output with SDPA (or FlashAttention when installed and the layout allows)
-over the evicting cache, records the post-RoPE queries for block attention, and never builds a
-T x T matrix: block attention is computed later by the engine, at most L recorded queries at a time.
+It computes each layer's output over the evicting cache, records the post-RoPE queries for block
+attention, and never builds a T x T matrix: block attention is computed later by the engine, at most
+L recorded queries at a time. Kernels, best first:
+- CUDA, bf16/fp16, `flash-attn` (>= 2.6.3) installed: its kernels, with grouped-query heads and
+  bottom-right causal alignment; for a padded batch its KV-cache kernel with a per-row start
+  (`cache_leftpad`) that skips left padding and eviction leftovers, so no mask is needed.
+- CUDA otherwise: PyTorch SDPA; without padding it gets no mask (one query) or a lower-right causal
+  bias, both of which SDPA's fused flash kernel runs; with padding, a boolean mask (SDPA's math kernel).
+- CPU: SDPA with the boolean padding-and-causal mask, or none for one query without padding.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -40,9 +47,13 @@ def eviction_attention(
     if layer.query_window and eviction_cache.records_queries:
         layer.record_queries(query, layer.pending_positions)
     half = query.dtype in (torch.float16, torch.bfloat16)
-    if HAS_FLASH_ATTENTION and query.is_cuda and half and not eviction_cache.has_padding:
-        return _flash_attention(query, key, value, scaling), None
-    mask = _padding_causal_mask(layer, query.shape[2], eviction_cache.has_padding)
+    if HAS_FLASH_ATTENTION and query.is_cuda and half:
+        return _flash_attention(query, key, value, layer, scaling, eviction_cache.has_padding), None
+    num_queries, has_padding = query.shape[2], eviction_cache.has_padding
+    if query.is_cuda and num_queries > 1 and not has_padding:
+        mask = causal_lower_right(num_queries, layer.get_seq_length())  # fused kernels, nothing materialised
+    else:
+        mask = _padding_causal_mask(layer, num_queries, has_padding)
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
 
@@ -67,14 +78,33 @@ def _padding_causal_mask(layer: EvictionLayer, num_queries: int, has_padding: bo
     return mask[:, None]
 
 
-def _flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None):
-    """FlashAttention with bottom-right causal alignment (the new queries are the last keys)."""
-    from flash_attn import flash_attn_func
+def _flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: EvictionLayer,
+    scaling: float | None,
+    has_padding: bool,
+) -> torch.Tensor:
+    """flash-attn over the cache as it is (no copy), the new queries aligned to the last keys
+    (bottom-right causal). With padding, its KV-cache kernel lets row b attend to its valid entries
+    only, the last `lengths[b]` slots, from slot `cache_leftpad[b]` on; a padding query that sees no
+    entry gets 0."""
+    from flash_attn import flash_attn_func, flash_attn_with_kvcache
 
-    output = flash_attn_func(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if not has_padding:
+        return flash_attn_func(query, key, value, softmax_scale=scaling, causal=True)
+    batch, entries = key.shape[:2]
+    return flash_attn_with_kvcache(
+        query,
+        key,
+        value,
+        cache_seqlens=torch.full((batch,), entries, dtype=torch.int32, device=key.device),
+        cache_leftpad=(entries - layer.lengths).to(torch.int32),
+        softmax_scale=scaling,
+        causal=True,
     )
-    return output
 
 
 def block_attention(

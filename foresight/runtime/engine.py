@@ -140,6 +140,7 @@ class EvictionEngine:
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
         self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
+        self.last_stats: RunStats | None = None  # its counters, also when a callback ended it early
         self.attention = attention
 
     # -- public entry points -------------------------------------------------------------------------
@@ -153,18 +154,28 @@ class EvictionEngine:
         pad_token_id: int = 0,
         return_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
+        row_seeds: Sequence[int] | None = None,
     ) -> GenerationOutput:
-        """Prefill left-padded prompts, then decode up to `max_new_tokens` per row."""
+        """Prefill left-padded prompts, then decode up to `max_new_tokens` per row.
+
+        Sampling draws from one generator seeded with `sampling.seed`; with `row_seeds` (one per row)
+        each row draws from its own, so a row samples the same tokens whatever rows share its batch
+        and, under another policy, from the same random numbers."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if row_seeds is not None and len(row_seeds) != len(prompts):
+            raise ValueError(f"got {len(row_seeds)} row seeds for {len(prompts)} prompts")
         with self._runtime_attention():
-            return self._generate(prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token)
+            return self._generate(
+                prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
+            )
 
-    def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token):
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+    def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds):
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id, max(max_new_tokens - 1, 0))  # the last token is never fed
         logits = self._forward(run, input_ids, positions, valid)[:, -1]
         processors = _logits_processors(sampling)
-        generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
+        seeds = [sampling.seed] if row_seeds is None else row_seeds
+        generators = [torch.Generator(device=logits.device).manual_seed(seed) for seed in seeds]
         eos = torch.tensor(sorted(_as_set(eos_token_id)), dtype=torch.long, device=logits.device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=logits.device)
         new_tokens, all_logits = [], []
@@ -172,7 +183,7 @@ class EvictionEngine:
         for _ in range(max_new_tokens):
             if return_logits:
                 all_logits.append(logits)
-            token = _next_token(logits, processors, sampling, generator)
+            token = _next_token(logits, processors, sampling, generators)
             token = token.masked_fill(finished, pad_token_id)
             new_tokens.append(token)
             finished |= torch.isin(token, eos)
@@ -207,7 +218,8 @@ class EvictionEngine:
 
     def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens) -> ReplayOutput:
         prompts = [seq[:length].tolist() for seq, length in zip(sequences, prompt_lengths)]
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id)
+        fed = max(len(seq) - length for seq, length in zip(sequences, prompt_lengths))
+        run, input_ids, positions, valid = self._start(prompts, pad_token_id, fed)
         device = input_ids.device
         rest = _right_pad([seq[length:].to(device) for seq, length in zip(sequences, prompt_lengths)], pad_token_id)
         layout = torch.cat([input_ids, rest, rest.new_full((len(prompts), 1), pad_token_id)], dim=1)
@@ -248,7 +260,7 @@ class EvictionEngine:
         finally:
             self.model.set_attn_implementation(previous)
 
-    def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int):
+    def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int, new_tokens: int):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
@@ -269,6 +281,7 @@ class EvictionEngine:
             group_size=self.group_size,
             query_window=interval if self.evicts and self.policy.needs_attention else 0,
             keep_every_query=self.observes_every_query,
+            capacity=min(width + new_tokens, int(limits.max())),  # the most entries a layer holds
         )
         self.last_cache = cache
         run = _Run(
@@ -280,6 +293,7 @@ class EvictionEngine:
             first_eviction=torch.full_like(lengths, -1),
             next_positions=lengths.clone(),
         )
+        self.last_stats = run.stats
         return run, input_ids, positions, lengths
 
     def _room(self, run: _Run) -> int:
@@ -372,7 +386,8 @@ class EvictionEngine:
                     queries=queries,
                     query_positions=query_positions,
                 )
-                layer.state.update(self.policy.observe(context))
+                for name, value in self.policy.observe(context).items():
+                    layer.write_state(name, value)
 
     def _keep_mask(self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None) -> torch.Tensor:
         """[batch, Hkv, N] entries to keep: the recent window, sinks, protected prompt and the top
@@ -399,10 +414,7 @@ class EvictionEngine:
                 context.queries, context.query_positions = layer.buffered_queries(rows)
             for name, value in self.policy.observe(context).items():
                 context.state[name] = value
-                if rows is None:
-                    layer.state[name] = value
-                else:
-                    layer.state[name][rows] = value
+                layer.write_state(name, value, rows)
         scores = self.policy.keep_scores(context).float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
         candidates = positions[..., : entries - interval]
         protected = (candidates >= 0) & (
@@ -438,11 +450,15 @@ def _logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
     return processors
 
 
-def _next_token(logits, processors, sampling, generator) -> torch.Tensor:
+def _next_token(logits, processors, sampling, generators: list[torch.Generator]) -> torch.Tensor:
+    """Greedy, or a draw from one generator for the batch or one generator per row."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
-    scores = processors(None, logits.float())
-    return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
+    probabilities = torch.softmax(processors(None, logits.float()), -1)
+    if len(generators) == 1:
+        return torch.multinomial(probabilities, 1, generator=generators[0]).squeeze(1)
+    draws = [torch.multinomial(row, 1, generator=g) for row, g in zip(probabilities, generators, strict=True)]
+    return torch.cat(draws)
 
 
 def _as_set(eos_token_id: int | Sequence[int] | None) -> set[int]:

@@ -1,0 +1,84 @@
+"""--model, --device and --dtype: the arguments of every verb that runs the model, and the keywords
+they give `foresight.models.load_model`."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from foresight.models import DEFAULT_MODEL
+
+AUTO = "auto"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE = re.compile(r"cpu|mps|cuda(?::(?P<index>\d+))?")
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    made_traces: bool = False,
+    architecture_configs: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> None:
+    """Add --model, --device and --dtype. With `made_traces`, --model names the model that made the
+    traces the verb reads, and defaults to the one their manifest names; with `architecture_configs`
+    (benchmarks, where only the shape matters) it also takes a configs/models/*.json file."""
+    if made_traces:
+        parser.add_argument(
+            "--model", default=None,
+            help="the model that made the traces (default: the one named in the traces manifest; another is refused)",
+        )
+    else:
+        parser.add_argument(
+            "--model", default=DEFAULT_MODEL,
+            help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id"
+            + (", or an architecture config (configs/models/*.json: random weights)" if architecture_configs else ""),
+        )
+    parser.add_argument(
+        "--device", type=device_argument, default=device,
+        help="where the model runs: cpu, cuda, cuda:N, mps, or auto (cuda if available, else cpu)",
+    )
+    parser.add_argument(
+        "--dtype", choices=[*DTYPES, AUTO], default=dtype,
+        help="dtype of the model's weights and activations; auto: bfloat16 on cuda, float32 elsewhere",
+    )
+
+
+def device_argument(text: str) -> str:
+    """argparse type of --device: a device name this machine has."""
+    if text == AUTO:
+        return text
+    match = _DEVICE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; choose cpu, cuda, cuda:N, mps or auto")
+    if text.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(match["index"] or 0) >= count:
+            raise argparse.ArgumentTypeError(f"device {text!r} is not available: this machine has {count} CUDA device(s)")
+    if text == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("device 'mps' is not available on this machine")
+    return text
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `device` and `dtype` keywords of `load_model` that --device and --dtype ask for, `auto` resolved."""
+    device = args.device
+    if device == AUTO:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == AUTO:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        dtype = DTYPES[args.dtype]
+    return {"device": device, "dtype": dtype}
+
+
+def model_of_traces(args: argparse.Namespace, traces_dir: Path, made_with: str) -> str:
+    """The model that made the traces in `traces_dir`; --model, when given, must name that one."""
+    if args.model is not None and args.model != made_with:
+        raise ValueError(f"--model {args.model!r} is not the model that made the traces in {traces_dir} ({made_with!r})")
+    return made_with

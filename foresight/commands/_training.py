@@ -1,0 +1,44 @@
+"""Arguments and checks shared by the training verbs (`foresight fit`, `foresight rl`), which wrap a
+LightningCLI run with a run folder and the scorer's export."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, example_config: str, example_overrides: str) -> None:
+    """--config, --ckpt-path and --set."""
+    parser.add_argument("--config", type=Path, required=True, help=f"LightningCLI YAML config, e.g. {example_config}")
+    parser.add_argument("--ckpt-path", default=None, help="checkpoint to resume from, or 'last' for OUT/checkpoints/last.ckpt")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help=f"override a config value, e.g. {example_overrides}",
+    )
+
+
+def checked_config(path: Path) -> Path:
+    """The config file, or a one-line error when it does not exist."""
+    if not path.is_file():
+        raise ValueError(f"config {path} does not exist; see configs/ for examples")
+    return path
+
+
+def checked_traces(path: Path) -> Path:
+    """An existing traces folder, or a one-line error naming the verb that makes one."""
+    if not path.is_dir():
+        raise ValueError(f"--traces {path} is not a folder; make one with `foresight traces`")
+    return path
+
+
+def override_args(overrides: list[str], ckpt_path: str | None = None) -> list[str]:
+    """LightningCLI arguments of `--set KEY=VALUE` overrides and, when given, `--ckpt-path`."""
+    cli_args = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {text!r} must look like KEY=VALUE, e.g. trainer.max_steps=50")
+        cli_args.append(f"--{key.strip()}={value.strip()}")
+    if ckpt_path is not None:
+        cli_args.append(f"--ckpt_path={ckpt_path}")
+    return cli_args

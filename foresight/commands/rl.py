@@ -1,0 +1,60 @@
+"""Refine a trained scorer with the reinforcement stage (GRPO, ForesightKV §3.3) and leave it as a Hub-format folder.
+
+Runs the reinforcement LightningCLI of `trainers.cli` on a YAML config (configs/default-rl.yaml for the
+embedded default on CPU), starting from --scorer (a `foresight fit` folder or a Hub id, trained for
+the config's B and L), which is also the frozen KL reference. Every step rolls out each trace of a
+batch G times with the scorer sampling its evictions, rewards low loss damage on low-entropy tokens,
+and takes a clipped-ratio step. Everything goes under --out: checkpoints/ (last.ckpt; resume with
+--ckpt-path last), lightning_logs/ (TensorBoard: reward, KL, clip fraction, policy entropy, loss
+ratio, low-entropy damage) and scorer/ (config.json, model.safetensors and a model card saying it is
+the reinforcement stage and what it started from). Under a DDP strategy (--set trainer.strategy=ddp
+--set trainer.devices=N) every process runs this command; each replays G / N rollouts of every trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
+from foresight.export import export_scorer, reported_metrics
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_training_arguments(parser, "configs/default-rl.yaml", "--set trainer.max_steps=20 --set model.group_size=4")
+    parser.add_argument("--scorer", required=True, help="the supervised scorer to start from: a folder (`foresight fit` OUT/scorer) or a Hub id")
+    parser.add_argument("--out", type=Path, required=True, help="run folder (checkpoints, logs, scorer)")
+    parser.add_argument("--traces", type=Path, default=None, help="traces folder to roll out (default: the config's data.traces_dir)")
+
+
+def lightning_args(args: argparse.Namespace) -> list[str]:
+    """The LightningCLI arguments of a `foresight rl` call."""
+    checked_config(args.config)
+    cli_args = [
+        "fit",
+        f"--config={args.config}",
+        f"--trainer.default_root_dir={args.out}",
+        f"--checkpoint.dirpath={args.out / 'checkpoints'}",
+        f"--model.scorer={args.scorer}",
+    ]
+    if args.traces is not None:
+        checked_traces(args.traces)
+        cli_args.append(f"--data.traces_dir={args.traces}")
+    return cli_args + override_args(args.overrides, args.ckpt_path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainers.cli import rl_cli_main  # Lightning is imported only by the training verbs
+
+    with warnings.catch_warnings():  # LightningCLI warns when given args beside a command line: intended here
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = rl_cli_main(lightning_args(args))
+    if not cli.trainer.is_global_zero:
+        return 0
+    module = cli.model
+    record = module.training_record()
+    folder = export_scorer(module.scorer, args.out / "scorer", training=record)
+    metrics = ", ".join(f"{name} {value:.4f}" for name, value in reported_metrics(record).items())
+    print(f"{folder}: scorer refined by GRPO for {module.global_step} steps from {args.scorer}; {metrics}")
+    return 0

@@ -1,0 +1,134 @@
+"""The cache's static storage: allocated once per run, held flat after the first eviction, and
+bit-for-bit equal to the concatenating cache it replaced (`tests/reference_cache.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import foresight.runtime.engine as engine_module
+from foresight.models import tiny_model
+from foresight.policies import make_policy
+from foresight.runtime.cache import EntryLayout, EntryStorage, StateField
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.reference_cache import ConcatenatingCache
+from tests.helpers import constructible_policies, prompts, random_scorer
+
+B, L = 12, 4
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3", num_hidden_layers=3)
+
+
+def make(name: str, model) -> EvictionEngine:
+    policy = make_policy(name, scorer=random_scorer(model)) if name == "foresight" else make_policy(name)
+    return EvictionEngine(model, policy, EvictionConfig(B, L) if policy.evicts else None)
+
+
+# -- equal to the concatenating cache -------------------------------------------------------------
+@pytest.mark.parametrize("name", ["full", "foresight", *constructible_policies()])
+def test_generation_equals_the_concatenating_cache_bit_for_bit(qwen3, monkeypatch, name):
+    batch = prompts([5, 11, 20], seed=1)  # padding, and a prompt that evicts right after prefill
+    static = make(name, qwen3).generate(batch, 30, return_logits=True)
+    monkeypatch.setattr(engine_module, "EvictionCache", ConcatenatingCache)
+    concatenating = make(name, qwen3).generate(batch, 30, return_logits=True)
+    assert static.stats.evictions == concatenating.stats.evictions
+    assert name == "full" or static.stats.evictions >= 3
+    assert static.tokens == concatenating.tokens
+    assert torch.equal(static.logits, concatenating.logits)
+
+
+@pytest.mark.parametrize("name", ["h2o", "lagkv", "epikv"])
+def test_replay_equals_the_concatenating_cache_bit_for_bit(qwen3, monkeypatch, name):
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(3, 128, (n,), generator=generator) for n in (45, 60)]
+    static = make(name, qwen3).replay(sequences, [6, 25])
+    monkeypatch.setattr(engine_module, "EvictionCache", ConcatenatingCache)
+    concatenating = make(name, qwen3).replay(sequences, [6, 25])
+    for ours, theirs in zip(static.nll + static.entropy, concatenating.nll + concatenating.entropy):
+        assert torch.equal(ours, theirs)
+
+
+# -- allocated once, held flat --------------------------------------------------------------------
+class StorageLog:
+    """After every generated token: the data pointers of every storage buffer and the bytes held."""
+
+    def __init__(self, engine: EvictionEngine):
+        self.engine = engine
+        self.pointers: list[tuple[int, ...]] = []
+        self.held: list[int] = []
+
+    def __call__(self, count: int) -> None:
+        cache = self.engine.last_cache
+        buffers = [b for layer in cache.layers for b in (*layer.storage.buffers.values(), layer.queries) if b is not None]
+        self.pointers.append(tuple(b.data_ptr() for b in buffers))
+        self.held.append(cache.storage_bytes())
+
+
+@pytest.mark.parametrize("name", ["knorm", "h2o", "snapkv", "foresight"])
+def test_storage_is_allocated_once_and_sized_for_the_budget(qwen3, name):
+    engine = make(name, qwen3)
+    log = StorageLog(engine)
+    output = engine.generate(prompts([5, 9]), 40, on_token=log)
+    assert output.stats.evictions > 5
+    assert len(set(log.pointers)) == 1 and len(set(log.held)) == 1
+    layers = engine.last_cache.layers
+    assert all(layer.storage.allocations == 1 and layer.storage.slots == B + L for layer in layers)
+    kv_heads, dim = qwen3.config.num_key_value_heads, qwen3.config.head_dim
+    state_bytes = 4 * sum(engine.group_size if f.per_query_head else 1 for f in engine.policy.state_fields)
+    per_entry = 2 * dim * 4 + 8 + state_bytes  # float32 K and V, a long position, float32 state
+    assert layers[0].storage.nbytes == 2 * kv_heads * (B + L) * per_entry
+
+
+def test_a_prefill_longer_than_the_budget_is_held_flat_from_its_eviction(qwen3):
+    engine = make("knorm", qwen3)
+    log = StorageLog(engine)
+    engine.generate(prompts([4, 30]), 30, on_token=log)  # the 30-token prompt does not fit B + L
+    assert len(set(log.pointers)) == 1 and len(set(log.held)) == 1  # first entry: after the prefill eviction
+    assert all(layer.storage.allocations == 2 and layer.storage.slots == B + L for layer in engine.last_cache.layers)
+
+
+def test_full_cache_is_sized_for_the_whole_run(qwen3):
+    engine = make("full", qwen3)
+    engine.generate(prompts([7]), 20)
+    storage = engine.last_cache.layers[0].storage
+    assert storage.allocations == 1 and storage.slots == 7 + 20 and storage.filled == 7 + 19
+
+
+# -- EntryStorage ---------------------------------------------------------------------------------
+def storage(slots: int, capacity: int | None = None) -> EntryStorage:
+    layouts = {"keys": EntryLayout((3,), torch.float32), "mark": EntryLayout((), torch.long)}
+    return EntryStorage(layouts, batch=2, heads=2, slots=slots, device=torch.device("cpu"), capacity=capacity)
+
+
+def test_appends_grow_by_doubling_and_keep_every_entry():
+    held = storage(slots=2)
+    keys = torch.randn(2, 2, 11, 3)
+    for start, count in [(0, 2), (2, 1), (3, 4), (7, 4)]:  # needs 2 -> 4 -> 8 -> 16 slots
+        held.append(count, {"keys": keys[:, :, start : start + count], "mark": 7.0})
+    assert held.slots == 16 and held.allocations == 4 and held.filled == 11
+    assert torch.equal(held.view("keys"), keys)
+    assert bool((held.view("mark") == 7).all())
+
+
+def test_compaction_gathers_in_place_and_shrinks_to_capacity():
+    held = storage(slots=9, capacity=6)
+    keys = torch.randn(2, 2, 9, 3)
+    held.append(9, {"keys": keys, "mark": torch.arange(9)})
+    index = torch.tensor([0, 2, 3, 7, 8]).expand(2, 2, 5)
+    held.compact(index)
+    assert held.slots == 6 and held.filled == 5 and held.allocations == 2
+    assert torch.equal(held.view("keys"), keys[:, :, [0, 2, 3, 7, 8]])
+    pointer = held.buffers["keys"].data_ptr()
+    held.append(1, {"keys": keys[:, :, :1], "mark": -1.0})
+    held.compact(torch.tensor([[[1, 5], [0, 3]]]).expand(2, 2, 2))
+    assert held.buffers["keys"].data_ptr() == pointer and held.allocations == 2
+    assert held.view("mark").tolist() == [[[2, -1], [0, 7]]] * 2
+
+
+def test_a_state_field_may_not_shadow_an_entry_tensor():
+    with pytest.raises(ValueError, match="state field name 'keys' is taken") as error:
+        StateField("keys")
+    assert "\n" not in str(error.value)

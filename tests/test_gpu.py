@@ -1,0 +1,152 @@
+"""The runtime on a CUDA device, in bf16: batches, agreement with transformers, keep sets equal to the
+CPU's, flat cache memory, no host synchronisation per layer. Run on a GPU machine with
+`pytest -m gpu`; every test is skipped where CUDA is not available."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import foresight.runtime.capture as capture
+from foresight.models import random_model, tiny_model
+from foresight.policies import EvictionContext, make_policy
+from foresight.cadence import top_k_mask
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.helpers import GROUP, SCORED, assert_batch_decodes_as_each_row_alone, assert_decodes_alike, keep_scores, make, prompts, random_context
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CUDA = torch.device("cuda")
+QWEN3_4B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-4b.json"
+
+
+def paper_shaped(layers: int = 2) -> torch.nn.Module:
+    """Qwen3-4B's layers (32 query / 8 KV heads x 128 dims, hidden 2560), few of them, a small vocabulary,
+    random bf16 weights on the GPU."""
+    return random_model(QWEN3_4B, dtype=torch.bfloat16, device=CUDA, num_hidden_layers=layers, vocab_size=4096)
+
+
+def tiny_on_cuda(arch: str = "qwen3") -> torch.nn.Module:
+    return tiny_model(arch).to(device=CUDA, dtype=torch.bfloat16)
+
+
+# -- batches and transformers -------------------------------------------------------------------------
+@pytest.mark.parametrize("build", [tiny_on_cuda, paper_shaped], ids=["tiny", "qwen3-4b-shaped"])
+@pytest.mark.parametrize("name", ["full", "streaming"])
+def test_bf16_batch_decodes_as_each_row_alone(build, name):
+    """Left padding on CUDA (SDPA's kernels, or flash-attn's with `cache_leftpad` when installed)."""
+    assert_batch_decodes_as_each_row_alone(build(), name, prompts([5, 11, 20], seed=1), 40)
+
+
+@pytest.mark.parametrize("build", [tiny_on_cuda, paper_shaped], ids=["tiny", "qwen3-4b-shaped"])
+def test_full_cache_logits_equal_transformers_own_in_bf16(build):
+    """Every decode step's logits equal those of one transformers forward over the whole sequence
+    (its own SDPA attention, no cache), and greedy tokens equal transformers' generate up to a near-tie."""
+    model = build()
+    prompt = prompts([9])[0]
+    output = EvictionEngine(model, make_policy("full")).generate([prompt], 48, return_logits=True)
+    tokens = output.tokens[0]
+    with torch.no_grad():
+        forward = model(torch.tensor([prompt + tokens], device=CUDA)).logits[0, len(prompt) - 1 : -1]
+    assert_decodes_alike(tokens, output.logits[0], tokens, forward, torch.bfloat16)
+    reference = model.generate(
+        torch.tensor([prompt], device=CUDA), max_new_tokens=48, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+    )
+    expected_tokens = reference.sequences[0, len(prompt) :].tolist()
+    assert_decodes_alike(tokens, output.logits[0], expected_tokens, torch.stack(reference.logits, 1)[0], torch.bfloat16)
+
+
+@pytest.mark.skipif(not capture.HAS_FLASH_ATTENTION, reason="flash-attn is not installed")
+@pytest.mark.parametrize("name", ["full", "streaming"])
+def test_flash_attention_decodes_as_sdpa(monkeypatch, name):
+    model = paper_shaped()
+    batch = prompts([5, 11, 20], seed=1)
+    engine = EvictionEngine(model, make_policy(name), EvictionConfig(12, 4) if name != "full" else None)
+    flash = engine.generate(batch, 40, return_logits=True)
+    monkeypatch.setattr(capture, "HAS_FLASH_ATTENTION", False)
+    sdpa = engine.generate(batch, 40, return_logits=True)
+    for row in range(len(batch)):
+        assert_decodes_alike(flash.tokens[row], flash.logits[row], sdpa.tokens[row], sdpa.logits[row], torch.bfloat16)
+
+
+# -- keep sets: CUDA equals CPU ---------------------------------------------------------------------
+def on_device(context: EvictionContext, device: torch.device) -> EvictionContext:
+    tensors = {
+        f.name: value.to(device)
+        for f in dataclasses.fields(context)
+        if isinstance(value := getattr(context, f.name), torch.Tensor)
+    }
+    state = {name: value.to(device) for name, value in context.state.items()}
+    return dataclasses.replace(context, **tensors, state=state)
+
+
+def keep_set(name: str, context: EvictionContext) -> torch.Tensor:
+    """[batch, Hkv, C] the candidates an eviction step keeps (top C - 4 by keep score, ties: older first)."""
+    scores = keep_scores(make(name), context).masked_fill(context.candidate_positions < 0, float("-inf"))
+    counts = torch.full((scores.shape[0],), context.num_candidates - 4, device=scores.device)
+    return top_k_mask(scores, counts[:, None, None]).cpu()
+
+
+@pytest.mark.parametrize("name", SCORED)
+def test_keep_sets_on_cuda_equal_cpu_in_float32(name):
+    for seed in range(3):
+        context = random_context(GROUP, seed=seed)
+        if name == "foresight":  # its scorer was trained for B = 14 valid candidates in every row
+            context.positions = context.positions.clamp(min=0)
+        assert torch.equal(keep_set(name, on_device(context, CUDA)), keep_set(name, context)), f"seed {seed}"
+
+
+# -- memory and host synchronisation -----------------------------------------------------------------
+def test_cache_memory_is_flat_after_the_first_eviction():
+    model = paper_shaped()
+    budget, interval, prompt_length, batch = 64, 16, 20, 4
+    engine = EvictionEngine(model, make_policy("snapkv"), EvictionConfig(budget, interval))
+    pointers, peaks = [], []
+
+    def record(count: int) -> None:
+        layers = engine.last_cache.layers
+        pointers.append(tuple(b.data_ptr() for layer in layers for b in layer.storage.buffers.values()))
+        peaks.append(torch.cuda.max_memory_allocated())
+
+    torch.cuda.reset_peak_memory_stats()
+    output = engine.generate(prompts([prompt_length] * batch), 400, on_token=record)
+    assert output.stats.evictions > 10
+    first = budget + interval - prompt_length  # the decode step whose forward evicts first
+    assert len(set(pointers)) == 1  # allocated once, at the prefill
+    layer = engine.last_cache.layers[0]
+    entry_bytes = len(engine.last_cache.layers) * layer.storage.nbytes // layer.storage.slots  # one entry, all rows and layers
+    steps = len(peaks) - (first + 1)
+    # The generated token ids (one small tensor per step) are all that may still grow.
+    assert (peaks[-1] - peaks[first + 1]) / steps < entry_bytes / 16
+
+
+def count_syncs(model, name: str, new_tokens: int) -> tuple[int, int]:
+    """Host synchronisations during a decode of `new_tokens`, and its eviction steps."""
+    policy = make_policy(name)
+    engine = EvictionEngine(model, policy, EvictionConfig(32, 8) if policy.evicts else None)
+    engine.generate(prompts([6, 6]), 2)  # warm-up: kernels and allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            output = engine.generate(prompts([6, 6]), new_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchronizing" in str(w.message) for w in caught)
+    return syncs, output.stats.evictions
+
+
+@pytest.mark.parametrize("name", ["full", "streaming", "snapkv", "h2o"])
+def test_no_host_synchronisation_per_layer_per_token(name):
+    """Doubling the layers adds no sync per token; at most one per layer at each eviction step (the
+    width of the compacted cache)."""
+    shallow, evictions = count_syncs(paper_shaped(layers=2), name, 100)
+    deep, deep_evictions = count_syncs(paper_shaped(layers=4), name, 100)
+    assert deep_evictions == evictions
+    assert deep - shallow <= 2 * evictions * 2  # 2 more layers, at most 2 syncs each per eviction step

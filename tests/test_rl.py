@@ -1,0 +1,459 @@
+"""The reinforcement stage: rollouts against a masked full-attention reference and a brute-force
+Plackett-Luce, the advantage and the clipped objective by hand, gradients, the sampled policy's
+deterministic limit, `foresight rl` (export, resume, configs, errors) and DDP against one process."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import lightning as L
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AttentionInterface, Qwen2Config, Qwen3Config
+
+from foresight import cli
+from foresight.commands.rl import lightning_args as rl_lightning_args
+from foresight.models import ModelShape, describe, tiny_model
+from foresight.policies import make_policy
+from foresight.scorer import load_scorer
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.scorer import ForesightScorer, ScorerConfig
+from foresight.traces import Trace, token_losses
+from trainers import grpo as grpo_module
+from trainers.cli import rl_cli_main
+from trainers.rollouts import (
+    EvictionActions,
+    group_advantages,
+    grpo_objective,
+    k3_kl,
+    roll_out,
+    rollout_seeds,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+B, L_ = 16, 4  # the cadence of the tiny traces (tests.test_trainer)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def scorer_for(shape, budget: int = B, interval: int = L_, seed: int = 0, base_model: str = "tiny") -> ForesightScorer:
+    """A random scorer for a model (or model config, or `ModelShape`) with spread-out keep scores."""
+    shape = shape if isinstance(shape, ModelShape) else describe(shape)
+    torch.manual_seed(seed)
+    scorer = ForesightScorer(ScorerConfig(
+        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, budget=budget, interval=interval, base_model=base_model))
+    with torch.no_grad():  # keep scores a few units apart: the sampled evictions differ between rows
+        scorer.w1.mul_(4)
+    return scorer
+
+
+def random_trace(model, length: int, prompt: int = 5, seed: int = 0) -> Trace:
+    ids = torch.randint(3, 120, (length,), generator=torch.Generator().manual_seed(seed))
+    nll, entropy = token_losses(model, ids)
+    return Trace(index=seed, input_ids=ids, prompt_length=prompt, token_nll=nll, token_entropy=entropy,
+                 answer=None, correct=None, prompt="", completion="")
+
+
+# -- rollouts against slow references -------------------------------------------------------------
+def enumerated_order_probabilities(scores: list[float], eligible: list[bool], draws: int) -> dict[tuple, float]:
+    """P(order) of every ordered draw of `draws` eligible entries, by sequential softmax over the negated
+    scores of the entries still available (the definition of Eq. 2's sampling without replacement)."""
+    probabilities = {}
+    for order in itertools.permutations([i for i in range(len(scores)) if eligible[i]], draws):
+        available, probability = [i for i in range(len(scores)) if eligible[i]], 1.0
+        for pick in order:
+            weights = {i: math.exp(-scores[i]) for i in available}
+            probability *= weights[pick] / sum(weights.values())
+            available.remove(pick)
+        probabilities[order] = probability
+    return probabilities
+
+
+def test_logprob_of_recorded_orders_equals_brute_force_enumeration(llama):
+    """B = 6, L = 2: pools of 4 entries, 12 possible orders per (step, layer, row, KV head)."""
+    scorer = scorer_for(llama, budget=6, interval=2)
+    rollout = roll_out(llama, scorer, random_trace(llama, 20), rollout_seeds(0, 0, 0, range(3)))
+    actions = rollout.actions
+    logprob = actions.logprob(actions.scores(scorer)).detach()  # [rows, layers, steps, Hkv]
+    scores = actions.scores(scorer).detach()
+    layers, steps, rows, heads = actions.order.shape[:4]
+    assert steps >= 5 and actions.order.shape[-1] == 2 and scores.shape[-1] == 4
+    for layer, step, row, head in itertools.product(range(layers), range(steps), range(rows), range(heads)):
+        table = enumerated_order_probabilities(scores[layer, step, row, head].tolist(),
+                                               actions.eligible[layer, step, row, head].tolist(), draws=2)
+        assert len(table) == 12 and math.isclose(sum(table.values()), 1.0, rel_tol=1e-9)
+        order = tuple(actions.order[layer, step, row, head].tolist())
+        assert math.isclose(float(logprob[row, layer, step, head]), math.log(table[order]), abs_tol=1e-5)
+
+
+def masked_reference_nll(model, input_ids: torch.Tensor, actions: EvictionActions, row: int) -> torch.Tensor:
+    """NLL [T - 1] of one eager forward of the whole trace in which each query sees every earlier token
+    except those the rollout row had evicted, per (layer, KV head), before that query was processed."""
+    total = len(input_ids)
+    layers, steps, _, heads = actions.evicted.shape[:4]
+    allowed = torch.ones(total, total, dtype=torch.bool).tril().repeat(layers, heads, 1, 1)
+    for layer, step, head in itertools.product(range(layers), range(steps), range(heads)):
+        after = int(actions.after[step])
+        allowed[layer, head, after + 1 :, actions.evicted[layer, step, row, head]] = False
+
+    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        group = query.shape[1] // key.shape[1]
+        keys, values = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        logits = torch.einsum("bhqd,bhkd->bhqk", query, keys) * scaling
+        mask = allowed[module.layer_idx].repeat_interleave(group, 0)
+        weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
+        return (weights @ values).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("rollout-masked-reference", attend)
+    model.set_attn_implementation("rollout-masked-reference")
+    try:
+        with torch.no_grad():
+            logits = model(input_ids[None]).logits[0, :-1]
+    finally:
+        model.set_attn_implementation("sdpa")
+    return -torch.log_softmax(logits.float(), -1).gather(-1, input_ids[1:, None]).squeeze(-1)
+
+
+def slow_reward(nll: list[float], full: list[float], entropy: list[float], share: float, threshold: float) -> float:
+    """−(1/|S|) Σ_{t∈S} ΔL² 1[ΔL > η] with S the tokens whose entropy is at most the `share` quantile
+    (linear interpolation between order statistics), by loops."""
+    ordered = sorted(entropy)
+    position = share * (len(ordered) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    cut = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    chosen = [i for i, value in enumerate(entropy) if value <= cut]
+    damage = [(nll[i] - full[i]) ** 2 for i in chosen if nll[i] - full[i] > threshold]
+    return -sum(damage) / len(chosen)
+
+
+def test_reward_equals_a_masked_full_attention_recomputation(llama):
+    trace = random_trace(llama, 64, prompt=9, seed=1)
+    scorer = scorer_for(llama)
+    rollout = roll_out(llama, scorer, trace, rollout_seeds(0, 0, trace.index, range(3)), threshold=0.05)
+    actions = rollout.actions
+    first = int(actions.after[0]) + 1  # predictions from the first position processed after the first eviction
+    assert first == B + L_ and rollout.eviction_steps == 12 and actions.after.numel() == 11  # the 12th changes nothing
+    rewards = []
+    for row in range(3):
+        nll = masked_reference_nll(llama, trace.input_ids, actions, row)
+        evicted, full, entropy = nll[first:], trace.token_nll[first:], trace.token_entropy[first:]
+        rewards.append(slow_reward(evicted.tolist(), full.tolist(), entropy.tolist(), share=0.8, threshold=0.05))
+        ratio = float(evicted.double().sum() / full.double().sum())
+        assert math.isclose(float(rollout.scores.loss_ratio[row]), ratio, rel_tol=1e-5)
+    torch.testing.assert_close(rollout.scores.reward, torch.tensor(rewards, dtype=rollout.scores.reward.dtype),
+                               rtol=1e-4, atol=1e-6)
+    assert all(reward < 0 for reward in rewards) and len(set(rewards)) == 3  # rows sampled different evictions
+
+
+def test_a_row_rolls_out_the_same_in_any_group(llama):
+    """Rows 2 and 3 of a group of 4 equal a group of only rows 2 and 3 (how groups split across ranks)."""
+    trace, scorer = random_trace(llama, 48, seed=2), scorer_for(llama)
+    whole = roll_out(llama, scorer, trace, rollout_seeds(5, 1, trace.index, range(4)))
+    part = roll_out(llama, scorer, trace, rollout_seeds(5, 1, trace.index, range(2, 4)))
+    assert torch.equal(whole.actions.order[:, :, 2:], part.actions.order)
+    torch.testing.assert_close(whole.scores.reward[2:], part.scores.reward, rtol=0, atol=1e-6)
+    assert not torch.equal(whole.actions.order[:, :, 0], whole.actions.order[:, :, 1])
+
+
+def test_sampling_at_temperature_zero_is_the_deterministic_policy(llama):
+    """Scores divided by τ → 0 (the last layer scaled by 1/τ): every row evicts the L lowest."""
+    trace = random_trace(llama, 56, seed=3)
+    scorer = scorer_for(llama)
+    with torch.no_grad():
+        scorer.w2.mul_(1e6)
+        scorer.b2.mul_(1e6)
+    rollout = roll_out(llama, scorer, trace, rollout_seeds(0, 0, 0, range(3)))
+    deterministic = make_policy("foresight", scorer=scorer)
+    engine = EvictionEngine(llama, deterministic, EvictionConfig(B, L_, sinks=0, protect_prompt=False))
+    output = engine.replay([trace.input_ids], [trace.prompt_length])
+    first = B + L_
+    for row in range(3):
+        assert torch.equal(rollout.actions.evicted[:, :, row], rollout.actions.evicted[:, :, 0])
+    reference = output.nll[0][first:]
+    scored = slice(first, None)
+    expected = reference.double().sum() / trace.token_nll[scored].double().sum()
+    torch.testing.assert_close(rollout.scores.loss_ratio, expected.float().expand(3), rtol=1e-6, atol=0)
+
+
+# -- advantage and objective by hand --------------------------------------------------------------
+def test_group_advantage_by_hand():
+    rewards = torch.tensor([[-1.0, -2.0, -3.0, -6.0], [0.5, 0.5, 0.5, 0.5]])
+    # mean -3, population std sqrt((4 + 1 + 0 + 9) / 4) = sqrt(3.5); a group of equal rewards gets 0.
+    expected = torch.tensor([[2.0, 1.0, 0.0, -3.0], [0.0] * 4]) / torch.tensor([[math.sqrt(3.5)], [1.0]])
+    torch.testing.assert_close(group_advantages(rewards), expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="at least 2 rollouts"):
+        group_advantages(torch.tensor([[1.0]]))
+
+
+def test_clipped_objective_and_kl_by_hand():
+    """Two rows (advantages +1, -2), three actions each, ratios 1.5, 0.5, e^10 (log-ratio 20, clamped)."""
+    old = torch.zeros(2, 3)
+    logprob = torch.log(torch.tensor([[1.5, 0.5, 1.0]] * 2))
+    logprob[:, 2] = 20.0
+    logprob.requires_grad_()
+    ref = torch.full((2, 3), -0.1)
+    advantages = torch.tensor([1.0, -2.0])
+    objective = grpo_objective(logprob, old, ref, advantages, beta=0.5)
+    # row +1: min(1.5, 1.2) = 1.2 (clipped), min(0.5, 0.8) = 0.5, min(e^10, 1.2) = 1.2 (clipped)
+    # row -2: min(-3, -2.4) = -3, min(-1, -1.6) = -1.6 (clipped), min(-2e^10, -2.4) = -2e^10
+    surrogate = [1.2, 0.5, 1.2, -3.0, -1.6, -2 * math.exp(10)]
+    kl = [math.exp(x) - x - 1 for x in (-0.1 - math.log(1.5), -0.1 - math.log(0.5), -0.1 - 20.0)] * 2
+    assert math.isclose(float(objective.surrogate), sum(surrogate) / 6, rel_tol=1e-6)
+    assert math.isclose(float(objective.kl), sum(kl) / 6, rel_tol=1e-6)
+    assert math.isclose(float(objective.loss), -sum(surrogate) / 6 + 0.5 * sum(kl) / 6, rel_tol=1e-6)
+    assert math.isclose(float(objective.clip_fraction), 3 / 6)
+    objective.loss.backward()
+    # Clipped actions pass no gradient through the surrogate, only the KL's: d/dlogp [exp(r - l) - (r - l)] = 1 - exp(r - l).
+    kl_gradient = 0.5 / 6 * (1 - math.exp(-0.1 - math.log(1.5)))
+    assert math.isclose(float(logprob.grad[0, 0]), kl_gradient, rel_tol=1e-5)
+    unclipped = -(-3.0) / 6 + 0.5 / 6 * (1 - math.exp(-0.1 - math.log(1.5)))  # d(-r·A)/dlogp = -r·A
+    assert math.isclose(float(logprob.grad[1, 0]), unclipped, rel_tol=1e-5)
+    assert float(k3_kl(torch.tensor(0.3), torch.tensor(0.3))) == 0.0
+
+
+# -- the module, the CLI, DDP ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def start_scorer(tmp_path_factory, tiny_dir) -> Path:
+    folder = tmp_path_factory.mktemp("start") / "scorer"
+    scorer_for(tiny_model("llama"), base_model=str(tiny_dir)).save_pretrained(folder)
+    return folder
+
+
+def rl_config(path: Path, tiny_dir: Path, traces: Path, **sections) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "log_every_n_steps": 1,
+                    "enable_progress_bar": False, "enable_model_summary": False},
+        "model": {"group_size": 4, "lr": 0.01, "warm_up": 1, "beta": 0.05, "damage_threshold": 0.0},
+        "data": {"model": str(tiny_dir), "traces_dir": str(traces), "budget": B, "interval": L_,
+                 "holdout": 0.2, "batch_size": 2},
+        "checkpoint": {},
+    }
+    for section, values in sections.items():
+        config[section].update(values)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rl_args(config: Path, scorer: Path, out: Path, *overrides: str) -> list[str]:
+    return ["rl", "--config", str(config), "--scorer", str(scorer), "--out", str(out),
+            *itertools.chain.from_iterable(("--set", item) for item in overrides)]
+
+
+class GradientProbe(L.Callback):
+    """Records which parameters hold a gradient when the optimiser steps."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, bool]] = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        frozen = module.frozen_model
+        self.seen.append({
+            "scorer": all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in module.scorer.parameters()),
+            "reference": any(p.grad is not None or p.requires_grad for p in module.reference.parameters()),
+            "frozen": any(p.grad is not None or p.requires_grad for p in frozen.parameters()),
+            "optimised": {id(p) for group in optimizer.param_groups for p in group["params"]}
+            == {id(p) for p in module.scorer.parameters()},
+        })
+
+
+def test_gradients_reach_the_scorer_and_nothing_else(tmp_path, tiny_dir, traces_dir, start_scorer):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
+    built = rl_cli_main(["--config", str(config), f"--model.scorer={start_scorer}",
+                         f"--trainer.default_root_dir={tmp_path}", f"--checkpoint.dirpath={tmp_path / 'ckpt'}"], run=False)
+    probe = GradientProbe()
+    built.trainer.callbacks.append(probe)
+    start = load_scorer(start_scorer).state_dict()
+    built.trainer.fit(built.model, datamodule=built.datamodule)
+    assert probe.seen and all(step == {"scorer": True, "reference": False, "frozen": False, "optimised": True}
+                              for step in probe.seen)
+    module = built.model
+    for name, tensor in start.items():
+        torch.testing.assert_close(module.reference.state_dict()[name], tensor, rtol=0, atol=0)
+        assert not torch.equal(module.scorer.state_dict()[name], tensor), name
+    assert not any(name.startswith("_frozen") for name in module.state_dict())  # the frozen model is never saved
+
+
+def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3},
+                       checkpoint={"every_n_train_steps": 1})
+    whole = tmp_path / "whole"
+    assert cli.main(rl_args(config, start_scorer, whole)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"{whole / 'scorer'}: scorer refined by GRPO for 3 steps from {start_scorer}; ")
+    for metric in ("train/reward", "train/reward_std", "train/kl", "train/clip_fraction", "train/entropy",
+                   "train/loss_ratio", "train/damage"):
+        assert f"{metric} " in last
+    exported = load_scorer(whole / "scorer")
+    assert (exported.config.stage, exported.config.started_from) == ("reinforcement", str(start_scorer))
+    card = (whole / "scorer" / "README.md").read_text()
+    assert "Reinforcement stage (ForesightKV §3.3)" in card and f"started from `{start_scorer}`" in card
+    final = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, final[f"scorer.{name}"], rtol=0, atol=0)
+    # Killed after the checkpoint of step 2, then resumed from last.ckpt: the same batches, the same weights.
+    split = tmp_path / "split"
+    args = rl_args(config, start_scorer, split)
+    killed = rl_cli_main(rl_lightning_args(cli.build_parser().parse_args(args))[1:], run=False)  # no subcommand
+    killed.trainer.callbacks.append(KillAtStep(2))
+    with pytest.raises(Killed):
+        killed.trainer.fit(killed.model, datamodule=killed.datamodule)
+    assert torch.load(split / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert cli.main([*args, "--ckpt-path", "last"]) == 0
+    resumed = torch.load(split / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 3
+    for name, tensor in final.items():
+        torch.testing.assert_close(resumed["state_dict"][name], tensor, rtol=0, atol=1e-6)
+
+
+class Killed(Exception):
+    pass
+
+
+class KillAtStep(L.Callback):
+    """Stops a run as a kill would: before the batch after `step`, whose checkpoint is written."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise Killed
+
+
+def without_stored_losses(traces: Path, out: Path) -> Path:
+    """A copy of a traces folder whose traces hold no full-cache loss and entropy."""
+    shutil.copytree(traces, out, ignore=shutil.ignore_patterns("labels-*"))
+    for shard in sorted(out.glob("shard-*")):
+        emptied = datasets.load_from_disk(str(shard)).map(lambda row: {"token_nll": [], "token_entropy": []})
+        emptied.save_to_disk(str(shard) + ".new")
+        record = (shard / "shard.json").read_text()
+        shutil.rmtree(shard)
+        os.rename(str(shard) + ".new", shard)
+        (shard / "shard.json").write_text(record)
+    return out
+
+
+def test_bad_input_is_a_one_line_error(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
+    other_shape = tmp_path / "three-layers"
+    scorer_for(tiny_model("llama", num_hidden_layers=3), base_model="other").save_pretrained(other_shape)
+    no_losses = without_stored_losses(traces_dir, tmp_path / "no-losses")
+    capsys.readouterr()
+    cases = [
+        (rl_args(config, other_shape, tmp_path / "a"), "scorer trained for other (layers=3, query heads=4, KV heads=2, "
+         "head dim=16) does not fit the model (layers=2, query heads=4, KV heads=2, head dim=16)"),
+        (rl_args(config, start_scorer, tmp_path / "b", "data.budget=20"),
+         f"scorer {start_scorer} was trained for B=16, L=4, but the rollouts use B=20, L=4"),
+        (rl_args(config, start_scorer, tmp_path / "c", f"data.traces_dir={no_losses}"),
+         f"of {no_losses} has no stored full-cache loss and entropy (0 of "),
+        (rl_args(config, start_scorer, tmp_path / "d", "model.group_size=1"), "group_size G must be at least 2"),
+        (rl_args(tmp_path / "missing.yaml", start_scorer, tmp_path / "e"), "missing.yaml does not exist"),
+    ]
+    for args, message in cases:
+        assert cli.main(args) == 2, message
+        error = capsys.readouterr().err.strip()
+        assert message in error and error.count("\n") == 0, error
+
+
+PAPER_RL = {
+    "qwen3-4b-rl.yaml": ("Qwen/Qwen3-4B", 0.01, Qwen3Config(num_hidden_layers=36, num_attention_heads=32,
+                                                             num_key_value_heads=8, head_dim=128, hidden_size=2560)),
+    "qwen3-1.7b-rl.yaml": ("Qwen/Qwen3-1.7B", 0.03, Qwen3Config(num_hidden_layers=28, num_attention_heads=16,
+                                                                num_key_value_heads=8, head_dim=128, hidden_size=2048)),
+    "r1-distill-qwen-7b-rl.yaml": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 0.1,
+                                   Qwen2Config(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                               hidden_size=3584)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_RL))
+def test_paper_rl_configs_hold_the_papers_settings_and_build(name, tmp_path, monkeypatch):
+    model_id, beta, model_config = PAPER_RL[name]
+    monkeypatch.setattr(grpo_module, "load_config", lambda requested: model_config)  # no hub here
+    config = yaml.safe_load((REPO / "configs" / name).read_text())
+    assert config["data"]["model"] == model_id and (config["data"]["budget"], config["data"]["interval"]) == (1024, 256)
+    assert config["data"]["batch_size"] == 32  # groups span ranks: every rank sees the whole batch
+    model = config["model"]
+    assert (model["group_size"], model["lr"], model["warm_up"], model["beta"], model["clip"]) == (8, 3e-4, 10, beta, 0.2)
+    assert config["trainer"]["max_steps"] == 200
+    scorer = tmp_path / "scorer"
+    scorer_for(model_config, budget=1024, interval=256, base_model=model_id).save_pretrained(scorer)
+    built = rl_cli_main(["--config", str(REPO / "configs" / name), f"--model.scorer={scorer}",
+                         "--trainer.accelerator=cpu"], run=False)  # no GPU here
+    assert built.model.hparams.beta == beta and built.model.scorer.config.stage == "reinforcement"
+
+
+def test_default_rl_config_builds_for_the_shipped_scorer(monkeypatch):
+    monkeypatch.setattr(grpo_module, "load_config",
+                        lambda requested: tiny_model("llama", num_hidden_layers=30, num_attention_heads=9,
+                                                     num_key_value_heads=3, head_dim=64, hidden_size=576).config)
+    shipped = REPO / "checkpoints" / "default"
+    built = rl_cli_main(["--config", str(REPO / "configs" / "default-rl.yaml"), f"--model.scorer={shipped}"], run=False)
+    module = built.model
+    assert module.hparams.group_size == 8 and module.scorer.config.started_from == str(shipped)
+    assert (built.datamodule.budget, built.datamodule.interval) == (128, 32)
+
+
+def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = run.rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    return {event.step: event.value for event in accumulator.Scalars(tag)}
+
+
+@pytest.mark.slow
+def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_path, tiny_dir, traces_dir,
+                                                                            start_scorer):
+    """Two gloo processes replaying 2 of each trace's 4 rollouts against one process replaying all 4:
+    the same all-gathered rewards, the same logged figures, the same trained weights."""
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, devices in (("one", 1), ("two", 2)):
+        out = tmp_path / name
+        strategy = "ddp" if devices > 1 else "auto"
+        command = [sys.executable, "-m", "foresight.cli", *rl_args(config, start_scorer, out, f"trainer.devices={devices}",
+                                                                   f"trainer.strategy={strategy}")]
+        subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+        runs[name] = out
+    for tag in ("train/reward", "train/reward_std"):
+        one, two = (tensorboard_scalars(runs[name], tag) for name in ("one", "two"))
+        assert sorted(one) == sorted(two) and len(one) == 3
+        for step in one:
+            assert math.isclose(one[step], two[step], rel_tol=1e-4, abs_tol=1e-7), (tag, step, one[step], two[step])
+    weights = [load_file(runs[name] / "scorer" / "model.safetensors") for name in ("one", "two")]
+    # b2 shifts every keep score of a head alike, which no eviction probability sees: its gradient is 0 up
+    # to rounding, and Adam turns that rounding into steps of any sign, so it is not compared.
+    for name, tensor in weights[0].items():
+        if name != "b2":
+            torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
+               for name, tensor in weights[0].items())
+
+
+def test_further_epochs_on_one_batch_clip_the_ratio(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    """Three updates on one batch of rollouts (max_steps counts updates): after the first the ratio leaves
+    1 and, with a large learning rate, some evictions are clipped; the rollouts are drawn once."""
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3},
+                       model={"epochs": 3, "lr": 0.5, "warm_up": 0, "max_grad_norm": None})
+    assert cli.main(rl_args(config, start_scorer, tmp_path / "run")) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "scorer refined by GRPO for 3 steps" in last
+    assert float(last.split("train/clip_fraction ")[1].split(",")[0]) > 0
+    assert float(last.split("train/kl ")[1].split(",")[0]) > 0

@@ -1,0 +1,275 @@
+"""The reinforcement stage as a LightningModule: GRPO on the learned scorer (ForesightKV §3.3 Eqs. 7-10,
+App. E.1; docs/algorithms.md §7).
+
+Every training step takes a batch of traces (`trainers.rl_data`), rolls each out G times with the
+current scorer sampling its evictions (`trainers.rollouts.roll_out`, the frozen model under no_grad),
+normalises the rewards within each trace's group (Eq. 9), then minimises minus Eq. 10: the clipped
+ratio objective with the advantage broadcast to every eviction (step, layer, KV head) of the rollout,
+plus β times the k3 estimate of KL(π_θ ‖ π_ref) to a frozen copy of the starting scorer. Optimisation
+is manual: Adam with a linear warm-up to a constant learning rate (the authors' code), the gradient
+norm clipped, `epochs` updates on each batch of rollouts (1 in the paper: the batch is the mini-batch,
+so the ratio is 1 at the update and clipping acts only with more epochs).
+
+Under DDP the G rollouts of every trace are split across the ranks (each replays G / world of them),
+the rewards are all-gathered so each group is normalised whole, and the gradients are averaged by an
+explicit all-reduce after every backward (several backward passes per step, one per trace), so N
+ranks make the same update as one process. Only the scorer has trainable parameters: the frozen model
+is held outside the module (never saved, never wrapped by DDP) and the reference scorer is frozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torchmetrics import MeanMetric
+
+from foresight.export import checkpoint_entries
+from foresight.metrics import DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
+from foresight.models import describe, float_dtype, load_config, load_model
+from foresight.scorer import load_scorer
+from foresight.scorer import ForesightScorer
+from foresight.traces import Trace
+from trainers.rollouts import (
+    CLIP_EPSILON,
+    LOG_RATIO_CLAMP,
+    EvictionActions,
+    GroupRollout,
+    group_advantages,
+    grpo_objective,
+    roll_out,
+    rollout_seeds,
+)
+
+
+class GRPOScorer(L.LightningModule):
+    """Refines a trained `ForesightScorer` with GRPO.
+
+    scorer: the starting scorer, a folder or Hub id (`foresight fit` writes one); it is also π_ref.
+    budget, interval: B and L of the rollouts (linked from the data); the scorer must have been trained
+      for them. model: the frozen model that made the traces (linked from the data); the scorer must
+      fit its shape.
+    group_size: G, rollouts per trace (8). lr: Adam's learning rate after warm_up steps of linear
+      warm-up (3e-4, 10). beta: β of the KL term (0.01 Qwen3-4B, 0.03 Qwen3-1.7B, 0.1 R1-Distill-7B);
+      kl_steps: apply β only for the first kl_steps optimisation steps (the authors' code turns the KL
+      off after 100 steps); None: always. clip: ε (0.2). epochs: updates per batch of rollouts (1).
+      max_grad_norm: gradient norm clipping (1.0, the authors' code; None: none).
+    low_entropy_share, damage_threshold: the reward's bottom-entropy share (0.8) and η (1.5).
+    storage_dtype: dtype of the recorded scorer inputs between rollout and update ("float32"; "float16"
+      halves the memory of long traces). dtype: of the frozen model, which runs on the module's device.
+    seed: seeds every rollout's sampling with (seed, round, trace, row).
+    """
+
+    def __init__(
+        self,
+        scorer: str,
+        budget: int,
+        interval: int,
+        model: str = "default",
+        group_size: int = 8,
+        lr: float = 3e-4,
+        warm_up: int = 10,
+        beta: float = 0.01,
+        kl_steps: int | None = None,
+        clip: float = CLIP_EPSILON,
+        epochs: int = 1,
+        max_grad_norm: float | None = 1.0,
+        low_entropy_share: float = LOW_ENTROPY_SHARE,
+        damage_threshold: float = DAMAGE_THRESHOLD,
+        storage_dtype: str = "float32",
+        dtype: str = "float32",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if group_size < 2:
+            raise ValueError(f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}")
+        if lr <= 0 or beta < 0 or not 0 < clip < 1 or epochs < 1 or warm_up < 0:
+            raise ValueError(
+                f"need lr > 0, beta >= 0, 0 < clip < 1, epochs >= 1 and warm_up >= 0, got lr={lr}, beta={beta}, "
+                f"clip={clip}, epochs={epochs}, warm_up={warm_up}"
+            )
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        start = load_scorer(scorer)
+        trained = (start.config.budget, start.config.interval)
+        if trained != (budget, interval):
+            raise ValueError(
+                f"scorer {scorer} was trained for B={trained[0]}, L={trained[1]}, but the rollouts use B={budget}, "
+                f"L={interval}; train one for them or set data.budget and data.interval to match"
+            )
+        start.check_compatible(describe(load_config(model)))
+        config = dataclasses.replace(start.config, stage="reinforcement", started_from=str(scorer))
+        self.scorer = ForesightScorer(config)
+        self.scorer.load_state_dict(start.state_dict())
+        self.reference = copy.deepcopy(self.scorer).requires_grad_(False)
+        self.storage_dtype = float_dtype("storage_dtype", storage_dtype)
+        self.model_dtype = float_dtype("dtype", dtype)
+        self._frozen: _FrozenModel | None = None
+        names = ("reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share")
+        self.figures = torch.nn.ModuleDict({name: MeanMetric() for name in names})
+
+    # -- the frozen model ----------------------------------------------------------------------------
+    @property
+    def frozen_model(self) -> torch.nn.Module:
+        """The frozen LM on this module's device, loaded at first use (kept out of the module's children)."""
+        if self._frozen is None:
+            model, _ = load_model(self.hparams.model, dtype=self.model_dtype, device=self.device)
+            self.scorer.check_compatible(describe(model))
+            self._frozen = _FrozenModel(model.requires_grad_(False).eval())
+        return self._frozen.model
+
+    # -- one step ------------------------------------------------------------------------------------
+    def rollout_rows(self) -> range:
+        """The rows of each group this rank replays (all of them on one process)."""
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        size = self.hparams.group_size
+        if size % world:
+            raise ValueError(f"group_size G={size} must be a multiple of the number of processes ({world})")
+        share = size // world
+        return range(rank * share, (rank + 1) * share)
+
+    def roll_out(self, trace: Trace) -> GroupRollout:
+        """This rank's rollouts of one trace (no grad)."""
+        round_index = self.global_step // self.hparams.epochs
+        seeds = rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows())
+        return roll_out(
+            self.frozen_model, self.scorer, trace, seeds, share=self.hparams.low_entropy_share,
+            threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
+        )
+
+    def training_step(self, batch: Sequence[Trace], batch_idx: int) -> None:
+        """Roll out, score and back-propagate one trace at a time (only one trace's recorded evictions
+        are held, unless epochs > 1 keeps them for the further updates), then step."""
+        started = time.perf_counter()
+        optimizer, schedule = self.optimizers(), self.lr_schedulers()
+        beta, rows = self.current_beta(), self.rollout_rows()
+        optimizer.zero_grad()
+        updates, rewards, forward_seconds = [], [], 0.0
+        for trace in batch:
+            group = self.roll_out(trace)
+            group_rewards = self._gather_group(group.scores.reward)  # [G], every rank's rows in order
+            update = _Update(group.actions, group_advantages(group_rewards)[rows.start : rows.stop], self.scorer, self.reference)
+            self._backward(update, beta, len(batch))
+            self._tally(group)
+            rewards.append(group_rewards)
+            forward_seconds += group.forward_seconds
+            if self.hparams.epochs > 1:
+                updates.append(update)
+        self._step(optimizer, schedule)
+        for _ in range(self.hparams.epochs - 1):
+            optimizer.zero_grad()
+            for update in updates:
+                self._backward(update, beta, len(batch))
+            self._step(optimizer, schedule)
+        self.figures["forward_share"].update(forward_seconds / (time.perf_counter() - started))
+        self._log_step(torch.stack(rewards), beta)
+
+    def _backward(self, update: _Update, beta: float, traces: int) -> None:
+        """Back-propagate this trace's share (1 / traces) of minus Eq. 10, through the scorer only."""
+        actions = update.actions
+        with self._no_gradient_sync():
+            scores = actions.scores(self.scorer)
+            logprob = actions.logprob(scores)
+            objective = grpo_objective(
+                logprob.flatten(1), update.old_logprob.flatten(1), update.ref_logprob.flatten(1),
+                update.advantages.to(logprob.device), beta, clip=self.hparams.clip, clamp=LOG_RATIO_CLAMP,
+            )
+            self.manual_backward(objective.loss / traces)
+        self.figures["kl"].update(objective.kl)
+        self.figures["clip_fraction"].update(objective.clip_fraction)
+        self.figures["entropy"].update(actions.first_draw_entropy(scores.detach()).mean())
+
+    def _step(self, optimizer, schedule) -> None:
+        self._average_gradients()
+        if self.hparams.max_grad_norm is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        schedule.step()
+
+    def current_beta(self) -> float:
+        """β at this optimisation step (0 after kl_steps, when set)."""
+        kl_steps = self.hparams.kl_steps
+        return 0.0 if kl_steps is not None and self.global_step >= kl_steps else self.hparams.beta
+
+    def _gather_group(self, rewards: torch.Tensor) -> torch.Tensor:
+        """[G / world] rewards of this rank -> the group's [G], in row order (all-gather across ranks)."""
+        if self.trainer.world_size == 1:
+            return rewards
+        return self.all_gather(rewards.to(self.device)).flatten().cpu()  # [world, G / world] -> [G]
+
+    def _no_gradient_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's own all-reduce off: `_average_gradients` averages once after all backward passes."""
+        block = getattr(self.trainer.strategy, "block_backward_sync", None)
+        return contextlib.nullcontext() if block is None else block()
+
+    def _average_gradients(self) -> None:
+        if self.trainer.world_size == 1 or not dist.is_initialized():
+            return
+        for parameter in self.scorer.parameters():
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+            parameter.grad /= self.trainer.world_size
+
+    def _tally(self, group: GroupRollout) -> None:
+        """Add one trace's rollouts to the step's figures."""
+        self.figures["loss_ratio"].update(group.scores.loss_ratio.mean())
+        self.figures["damage"].update(group.scores.damage_share.mean())
+        self.figures["steps_per_second"].update(group.eviction_steps / group.seconds)
+
+    def _log_step(self, rewards: torch.Tensor, beta: float) -> None:
+        """Log the step's figures (rewards [traces, G], gathered from every rank) and reset them."""
+        size = rewards.shape[0]
+        self.figures["reward"].update(rewards.mean())
+        for name, metric in self.figures.items():
+            self.log(f"train/{name}", metric.compute(), prog_bar=name in ("reward", "kl"), batch_size=size)
+            metric.reset()
+        self.log("train/reward_std", rewards.std(-1, unbiased=False).mean(), batch_size=size)
+        self.log("train/beta", beta, batch_size=size)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=size)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.scorer.parameters(), lr=self.hparams.lr)
+        warm_up = self.hparams.warm_up
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warm_up) if warm_up else 1.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def training_record(self) -> dict:
+        """What the scorer was trained on and its latest metrics, as plain values (for the model card)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        data = datamodule.summary() if hasattr(datamodule, "summary") else {}
+        hparams = self.hparams
+        settings = (
+            f"G = {hparams.group_size}, lr {hparams.lr} after {hparams.warm_up} warm-up steps, β = {hparams.beta}"
+            + (f" for {hparams.kl_steps} steps" if hparams.kl_steps is not None else "")
+            + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts"
+        )
+        metrics = {name: round(float(value), 6) for name, value in sorted(self.trainer.callback_metrics.items())}
+        return {**data, "GRPO": settings, "optimisation steps": self.global_step, "metrics": metrics}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the scorer's config and training record so `foresight export` needs only the file."""
+        checkpoint.update(checkpoint_entries(self.scorer, self.training_record()))
+
+
+class _Update:
+    """What one trace's update needs: its recorded evictions, the advantage of each of this rank's rows,
+    and the log-probability of every eviction under the scorer that sampled it (π_old) and under π_ref."""
+
+    def __init__(self, actions: EvictionActions, advantages: torch.Tensor, scorer: ForesightScorer,
+                 reference: ForesightScorer) -> None:
+        self.actions, self.advantages = actions, advantages
+        with torch.no_grad():
+            self.old_logprob = actions.logprob(actions.scores(scorer))
+            self.ref_logprob = actions.logprob(actions.scores(reference))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenModel:
+    """A plain holder, so the frozen model is not registered as a submodule of the LightningModule."""
+
+    model: torch.nn.Module

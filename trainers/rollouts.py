@@ -1,0 +1,258 @@
+"""Rollouts of the reinforcement stage, their rewards, group advantages and the GRPO objective
+(ForesightKV §3.3 Eqs. 7-10, App. E.1; docs/algorithms.md §7).
+
+A rollout is a teacher-forced replay of a stored trace through the frozen model in the eviction
+runtime, the learned policy sampling its evictions (Eq. 2: L of the 2L lowest-scoring candidates,
+without replacement) at every eviction step and (layer, KV head). The G rollouts of one trace replay
+together as the G rows of one batch, so one forward per chunk serves the whole group; each row draws
+from its own seeded generator, so a rollout is the same whichever process or batch replays it.
+
+Each rollout records, per step and layer, the scorer's inputs over its eviction pool (keys, values,
+attention features) and the sampled order (`SampledEviction`), stacked here as `EvictionActions`:
+the Plackett-Luce log-probability of every recorded eviction under any scorer (the current one, the
+one that sampled, the frozen reference) is recomputed from them without running the model again.
+
+The reward, loss ratio and low-entropy damage of a rollout come from `foresight.metrics`, the very
+functions `foresight eval` reports, over the same tokens (those predicted after the first eviction).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from foresight.metrics import DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE, loss_ratio, low_entropy_damage, scored_tokens
+from foresight.policies import make_policy
+from foresight.policies.foresight import SampledEviction
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.scorer import ForesightScorer, plackett_luce_logprob
+from foresight.traces import Trace
+
+CLIP_EPSILON = 0.2
+"""ε of Eq. 10 (App. E.1)."""
+LOG_RATIO_CLAMP = 10.0
+"""The log-ratio is clamped to ±10 before exponentiating (the authors' code)."""
+ADVANTAGE_EPSILON = 1e-8
+"""Added to the group's standard deviation in Eq. 9, so a group of equal rewards gets advantage 0."""
+
+
+@dataclass(frozen=True)
+class EvictionActions:
+    """The sampled evictions of the rows of one replay, stacked over layers and eviction steps.
+
+    keys, values [layers, steps, rows, Hkv, P, D], features [..., P, F*G]: the scorer inputs of each
+    step's pool P = 2L (`SampledEviction`); eligible [..., P]; order [..., L]: the pool indices in
+    sampled order; evicted [..., L]: their sequence positions; after [steps]: the position of the
+    newest token when the step ran (the eviction changes the cache of every later token).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    features: torch.Tensor
+    eligible: torch.Tensor
+    order: torch.Tensor
+    evicted: torch.Tensor
+    after: torch.Tensor
+
+    @classmethod
+    def stack(
+        cls, records: Sequence[SampledEviction], num_layers: int, before: int, dtype: torch.dtype = torch.float32
+    ) -> EvictionActions:
+        """Stack a sampled policy's records (step by step, layers in order within a step) of rows that
+        evict together, keeping the steps that ran after a position < `before` (a later one changes no
+        prediction of the trace). Scorer inputs are stored in `dtype`."""
+        if not records or len(records) % num_layers:
+            raise ValueError(f"expected the records of whole eviction steps of {num_layers} layers, got {len(records)}")
+        steps = [records[i : i + num_layers] for i in range(0, len(records), num_layers)]
+        if any(record.layer != layer for step in steps for layer, record in enumerate(step)):
+            raise ValueError("records must hold every layer of a step, in order")
+        if any(bool((step[0].query_positions[:, -1] != step[0].query_positions[0, -1]).any()) for step in steps):
+            raise ValueError("the rows of a rollout group must evict together (replay one trace per group)")
+        steps = [step for step in steps if int(step[0].query_positions[0, -1]) < before]
+        if not steps:
+            raise ValueError(f"no eviction step ran before position {before}: nothing to learn from this replay")
+
+        def stacked(name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+            def value(record: SampledEviction) -> torch.Tensor:
+                tensor = getattr(record, name)
+                return tensor if as_dtype is None else tensor.to(as_dtype)
+
+            return torch.stack([torch.stack([value(record) for record in step]) for step in steps], 1)
+
+        return cls(
+            keys=stacked("keys", dtype),
+            values=stacked("values", dtype),
+            features=stacked("features", dtype),
+            eligible=stacked("eligible"),
+            order=stacked("order"),
+            evicted=torch.stack([torch.stack([r.positions.gather(-1, r.order) for r in step]) for step in steps], 1),
+            after=torch.stack([step[0].query_positions[0, -1] for step in steps]),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.order.shape[2]
+
+    def scores(self, scorer: ForesightScorer) -> torch.Tensor:
+        """Keep scores [layers, steps, rows, Hkv, P] of every pool entry under `scorer` (differentiable)."""
+        layers, steps, rows = self.keys.shape[:3]
+        inputs = [tensor.flatten(1, 2) for tensor in (self.keys, self.values, self.features)]
+        return scorer(*inputs).unflatten(1, (steps, rows))
+
+    def logprob(self, scores: torch.Tensor) -> torch.Tensor:
+        """Plackett-Luce log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action
+        probability of Eq. 10) under the keep scores `scores` of `self.scores`."""
+        pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+        logprob = plackett_luce_logprob(scores, pool, self.order.to(scores.device), self.eligible.to(scores.device))
+        return logprob.movedim(2, 0)
+
+    def first_draw_entropy(self, scores: torch.Tensor) -> torch.Tensor:
+        """Entropy [rows, layers, steps, Hkv] of the first draw of Eq. 2 (softmax of the negated scores
+        over the pool's eligible entries): how spread the policy is, in nats (at most log 2L)."""
+        logits = (-scores.float()).masked_fill(~self.eligible.to(scores.device), torch.finfo(torch.float32).min)
+        return torch.distributions.Categorical(logits=logits).entropy().movedim(2, 0)
+
+
+@dataclass(frozen=True)
+class RolloutScores:
+    """Per rollout row: the reward R (docs/algorithms.md §7), the loss ratio and the share of low-entropy
+    tokens damaged (docs/algorithms.md §8), all over the predictions after the first eviction."""
+
+    reward: torch.Tensor
+    loss_ratio: torch.Tensor
+    damage_share: torch.Tensor
+
+
+def score_rollouts(
+    nll: Sequence[torch.Tensor],
+    first_eviction: Sequence[int | None],
+    trace: Trace,
+    share: float = LOW_ENTROPY_SHARE,
+    threshold: float = DAMAGE_THRESHOLD,
+) -> RolloutScores:
+    """Reward, loss ratio and damage share of replays of `trace` (`nll` per row [T - 1]) against its
+    stored full-cache loss and entropy: R = −(1/|S|) Σ_{t∈S} ΔL_t²·1[ΔL_t > η] over the tokens S
+    predicted after the first eviction whose full-cache entropy is in their bottom `share`
+    (`EntropyDamage.penalty`)."""
+    rewards, ratios, shares = [], [], []
+    for row_nll, first in zip(nll, first_eviction, strict=True):
+        scored = scored_tokens(row_nll.numel(), first)
+        evicted, full, entropy = row_nll[scored], trace.token_nll[scored], trace.token_entropy[scored]
+        damage = low_entropy_damage(evicted, full, entropy, share=share, threshold=threshold)
+        rewards.append(-damage.penalty)
+        ratios.append(loss_ratio(evicted, full))
+        shares.append(damage.share)
+    return RolloutScores(*(torch.tensor(values) for values in (rewards, ratios, shares)))
+
+
+@dataclass(frozen=True)
+class GroupRollout:
+    """The rollouts of one trace on this process: their recorded evictions and scores, and timings
+    (seconds of the frozen model's forward passes, and of the whole replay)."""
+
+    trace_index: int
+    actions: EvictionActions
+    scores: RolloutScores
+    eviction_steps: int
+    forward_seconds: float
+    seconds: float
+
+
+def rollout_seeds(seed: int, round_index: int, trace_index: int, rows: Sequence[int]) -> tuple[int, ...]:
+    """The sampling seed of each rollout row: a function of (seed, round, trace, row) only."""
+    return tuple(int(np.random.SeedSequence([seed, round_index, trace_index, row]).generate_state(1)[0]) for row in rows)
+
+
+@torch.no_grad()
+def roll_out(
+    model: torch.nn.Module,
+    scorer: ForesightScorer,
+    trace: Trace,
+    row_seeds: Sequence[int],
+    share: float = LOW_ENTROPY_SHARE,
+    threshold: float = DAMAGE_THRESHOLD,
+    storage_dtype: torch.dtype = torch.float32,
+) -> GroupRollout:
+    """Replay `trace` once per seed as the rows of one batch, `scorer` sampling every eviction (Eq. 2)
+    at the B and L it was trained for; record the evictions and score each row.
+
+    The replay prefills min(B + L, prompt) tokens, so every row evicts on the cadence of §1 from the
+    first token on (the cadence of the supervised stage and of `foresight eval`)."""
+    config = scorer.config
+    length = trace.input_ids.numel()
+    if length < config.budget + config.interval + 2:
+        raise ValueError(
+            f"trace {trace.index} has {length} tokens, too few for an eviction that changes a prediction "
+            f"(needs at least B + L + 2 = {config.budget + config.interval + 2})"
+        )
+    started = time.perf_counter()
+    policy = make_policy("foresight", scorer=scorer, mode="sampled", row_seeds=tuple(row_seeds))
+    engine = EvictionEngine(model, policy, EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False))
+    prefill = min(config.budget + config.interval, trace.prompt_length)
+    output = engine.replay([trace.input_ids] * len(row_seeds), [prefill] * len(row_seeds))
+    # A step after position T - 3 changes no prediction: the last one, of token T - 1, is made at T - 2.
+    actions = EvictionActions.stack(policy.records, engine.num_layers, before=length - 2, dtype=storage_dtype)
+    scores = score_rollouts(output.nll, output.first_eviction, trace, share, threshold)
+    return GroupRollout(
+        trace_index=trace.index,
+        actions=actions,
+        scores=scores,
+        eviction_steps=output.stats.evictions,
+        forward_seconds=output.stats.forward_seconds,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def group_advantages(rewards: torch.Tensor, epsilon: float = ADVANTAGE_EPSILON) -> torch.Tensor:
+    """Eq. 9 per group: Â = (R − mean R) / (std R + ε) along the last dim (the G rollouts of one trace;
+    population std, as the authors' code)."""
+    if rewards.shape[-1] < 2:
+        raise ValueError(f"a group needs at least 2 rollouts to normalise rewards, got {rewards.shape[-1]}")
+    mean = rewards.mean(-1, keepdim=True)
+    return (rewards - mean) / (rewards.std(-1, unbiased=False, keepdim=True) + epsilon)
+
+
+@dataclass(frozen=True)
+class GRPOObjective:
+    """The loss to minimise and what it is made of (means over every action of every rollout)."""
+
+    loss: torch.Tensor
+    surrogate: torch.Tensor
+    kl: torch.Tensor
+    clip_fraction: torch.Tensor
+
+
+def k3_kl(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(π_θ ‖ π_ref) per sampled action: exp(x) − x − 1 with x = log π_ref − log π_θ
+    (unbiased for actions drawn from π_θ, never negative)."""
+    log_ratio = ref_logprob - logprob
+    return log_ratio.exp() - log_ratio - 1
+
+
+def grpo_objective(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    beta: float,
+    clip: float = CLIP_EPSILON,
+    clamp: float = LOG_RATIO_CLAMP,
+) -> GRPOObjective:
+    """Minus Eq. 10: −mean[min(r·Â, clip(r, 1 − ε, 1 + ε)·Â)] + β·mean[KL], r = exp(clamp(log π_θ − log π_old)).
+
+    logprob, old_logprob, ref_logprob [rows, ...]: per action (step, layer, KV head) of each rollout
+    row; advantages [rows], broadcast to every action of the row (§3.3). Means run over every action
+    of every row. clip_fraction: the share of actions whose ratio lies outside [1 − ε, 1 + ε] on the
+    side where clipping takes the gradient away."""
+    advantage = advantages.reshape(-1, *([1] * (logprob.dim() - 1))).to(logprob.dtype)
+    ratio = (logprob - old_logprob).clamp(-clamp, clamp).exp()
+    unclipped, clipped = ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage
+    surrogate = torch.minimum(unclipped, clipped)
+    kl = k3_kl(logprob, ref_logprob)
+    loss = -surrogate.mean() + beta * kl.mean()
+    clip_fraction = (clipped < unclipped).float().mean()
+    return GRPOObjective(loss=loss, surrogate=surrogate.mean().detach(), kl=kl.mean().detach(), clip_fraction=clip_fraction)
