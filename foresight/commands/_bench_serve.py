@@ -40,7 +40,6 @@ from foresight.serving_kvpress import PRESSES, KvpressDecoder
 from foresight.tasks import chat_prompt_ids
 
 BATCH_ONE_REPEATS = 2
-PROMPT = "Solve step by step: a train leaves at 9:40 and travels 3 hours 35 minutes. When does it arrive?"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", type=Path, default=None, help="also write every run as JSON to this file")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, prompt_text: str) -> int:
+    """Measure and report; every decoder decodes copies of `prompt_text` (bench's own prompt)."""
     names = selected_policies(args.policies)
     if any(length < 1 for length in args.lengths):
         raise ValueError(f"--lengths {','.join(map(str, args.lengths))}: every length must be at least 1")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     paired = [name for name in names if name in PRESSES] if args.kvpress_python else []
     load_before = os.getloadavg()
     model, tokenizer = load_model(args.model, **options)
-    prompt = chat_prompt_ids(tokenizer, PROMPT)
+    prompt = chat_prompt_ids(tokenizer, prompt_text)
     config = EvictionConfig(args.budget, args.interval)
     decoders = [EngineDecoder(name, model, make_policy(name), config, prompt) for name in names]
     dtype = str(options["dtype"]).removeprefix("torch.")

@@ -81,7 +81,7 @@ class DecodeResult:
 
 def run(args: argparse.Namespace) -> int:
     if args.what == "serve":
-        return _bench_serve.run(args)
+        return _bench_serve.run(args, PROMPT)
     names = selected_policies(args.policies)
     options = model_options(args)
     device = options["device"]
