@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from foresight import cli
-from foresight.commands.bench import PROMPT
+from foresight.commands import bench
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.serving import (
@@ -117,7 +117,7 @@ def patched_load(monkeypatch, llama):
 
 def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):
     out = tmp_path / "bench.md"
-    prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), PROMPT))
+    prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), bench.PROMPT))
     assert prompt < 128 + 8  # the prefill does not evict
     cap = int(2.5 * (prompt + 119) * ENTRY)  # 2.5 full sequences at the longer length
     argv = ["bench", "serve", "--policies", "streaming,knorm", "-B", "128", "-L", "8", "--lengths", "60,120",
