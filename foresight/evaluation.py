@@ -570,7 +570,7 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
     paths = write_results(
         out_dir, "Teacher-forced evaluation", settings, result.notes, sorted_rows(result.rows), COLUMNS, METRICS,
-        reference=REFERENCE.name, sections=sections,
+        reference=REFERENCE.name, after=sections,
     )
     paths.append(Path(out_dir) / "traces.json")
     write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from foresight.artifacts import ArtifactError, write_text
 from foresight.evaluation import REFERENCE, PolicySpec
-from foresight.report import Column, set_interval, write_results
+from foresight.report import Column, markdown_table, set_interval, write_results
 from foresight.runtime.engine import EvictionEngine, SamplingConfig
 from foresight.stats import bootstrap_interval, pass_at_k
 from foresight.tasks import AnswerRule, Problem, chat_prompt_ids, check_answer, extract_answer, stop_token_ids
@@ -317,6 +317,11 @@ def _outcomes(store: CompletionStore, job: Job, problems: dict[tuple[str, int], 
 
 
 def _row(policy: str, plan: BudgetPlan, per_problem: list[list[tuple[_Outcome, _Outcome]]], k: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"policy": policy, "budget": plan.budget, "interval": plan.interval}
+    return {**row, **_figures(per_problem, k)}
+
+
+def _figures(per_problem: list[list[tuple[_Outcome, _Outcome]]], k: int) -> dict[str, Any]:
     """Per-problem values of every figure (each pair is a completion and the full cache's on the same
     seed), their means over problems, and the intervals."""
     values = {
@@ -328,13 +333,26 @@ def _row(policy: str, plan: BudgetPlan, per_problem: list[list[tuple[_Outcome, _
         "mean_tokens": [sum(o.tokens for o, _ in rows) / k for rows in per_problem],
         "loops": [sum(o.loop for o, _ in rows) / k for rows in per_problem],
     }
-    row: dict[str, Any] = {
-        "policy": policy, "budget": plan.budget, "interval": plan.interval, "problems": len(per_problem), "samples": k
-    }
+    figures: dict[str, Any] = {"problems": len(per_problem), "samples": k}
     for metric, per in values.items():
-        row[metric] = float(np.mean(per)) if per else None
-        set_interval(row, metric, bootstrap_interval(per) if per else None)
-    return row
+        figures[metric] = float(np.mean(per)) if per else None
+        set_interval(figures, metric, bootstrap_interval(per) if per else None)
+    return figures
+
+
+def summarize_sources(problems: Sequence[Problem], store: CompletionStore) -> list[dict[str, Any]]:
+    """The full cache's figures per prompt source: how well the model solves each task family at all."""
+    k = store.settings.samples
+    reference = _outcomes(store, Job(REFERENCE), {(p.source, p.index): p for p in problems})
+    rows = []
+    for source in dict.fromkeys(p.source for p in problems):
+        per_problem = []
+        for problem in (p for p in problems if p.source == source):
+            keys = [_key(problem, sample) for sample in range(k)]
+            if all(key in reference for key in keys):
+                per_problem.append([(reference[key], reference[key]) for key in keys])
+        rows.append({"source": source, **_figures(per_problem, k)})
+    return rows
 
 
 def columns(samples: int) -> tuple[Column, ...]:
@@ -343,6 +361,16 @@ def columns(samples: int) -> tuple[Column, ...]:
         ("budget", "B", "{}"),
         ("interval", "L", "{}"),
         ("agreement", "agreement with full", "{:.2f}"),
+        *_accuracy_columns(samples),
+    )
+
+
+def source_columns(samples: int) -> tuple[Column, ...]:
+    return (("source", "source (full cache)", "{}"), *_accuracy_columns(samples))
+
+
+def _accuracy_columns(samples: int) -> tuple[Column, ...]:
+    return (
         ("pass1_flexible", "pass@1 flexible", "{:.2f}"),
         ("pass1_strict", "pass@1 strict", "{:.2f}"),
         ("passk_flexible", f"pass@{samples} flexible", "{:.2f}"),
@@ -359,8 +387,17 @@ def sorted_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_report(
-    rows: Sequence[dict[str, Any]], out_dir: str | Path, settings: dict[str, Any], notes: Sequence[str], samples: int
+    rows: Sequence[dict[str, Any]],
+    source_rows: Sequence[dict[str, Any]],
+    out_dir: str | Path,
+    settings: dict[str, Any],
+    notes: Sequence[str],
+    samples: int,
 ) -> list[Path]:
-    """results.json, results.csv, results.md and a plot per figure of PLOTTED (budget on the x axis,
-    intervals as error bars), beside the completions."""
-    return write_results(out_dir, "Accuracy under eviction", settings, notes, sorted_rows(rows), columns(samples), PLOTTED)
+    """results.json, results.csv, results.md (with the full cache's figures per source after the main
+    table) and a plot per figure of PLOTTED (budget on the x axis, intervals as error bars)."""
+    by_source = markdown_table(source_rows, source_columns(samples))
+    return write_results(
+        out_dir, "Accuracy under eviction", settings, notes, sorted_rows(rows), columns(samples), PLOTTED,
+        after=[by_source],
+    )

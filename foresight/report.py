@@ -68,11 +68,11 @@ def write_results(
     columns: Sequence[Column],
     plotted: Sequence[str],
     reference: str = "full",
-    sections: Sequence[str] = (),
+    after: Sequence[str] = (),
 ) -> list[Path]:
-    """Write results.json (the rows), results.csv, results.md (title, settings, notes, table, then
-    `sections`) and one PNG per metric in `plotted` that has a value (budget against the metric, one
-    line per policy, the `reference` policy dashed). Returns the paths written."""
+    """Write results.json (the rows), results.csv, results.md (title, settings, notes, table, then the
+    markdown blocks of `after`) and one PNG per metric in `plotted` that has a value (budget against
+    the metric, one line per policy, the `reference` policy dashed). Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
@@ -83,8 +83,8 @@ def write_results(
         writer.writerows(rows)
     setting_lines = [f"- {key}: {value}" for key, value in settings.items()]
     note_lines = [f"- {note}" for note in notes] or ["- none"]
-    text = "\n".join([f"# {title}", "", *setting_lines, "", "Notes:", "", *note_lines, "", markdown_table(rows, columns), "",
-                      *(f"{section}\n" for section in sections)])
+    blocks = [markdown_table(rows, columns), *after]
+    text = "\n".join([f"# {title}", "", *setting_lines, "", "Notes:", "", *note_lines, "", "\n\n".join(blocks), ""])
     write_text(paths[2], text)
     for metric in plotted:
         if any(row.get(metric) is not None for row in rows):

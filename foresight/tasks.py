@@ -22,7 +22,7 @@ reported, as lm-evaluation-harness does for GSM8K:
   the last ``Answer:`` (any case, the rest of its own line when that is not empty); else nothing;
 - ``flexible`` (the default): the strict answer; else what follows the last "answer is" up to the end
   of its sentence or clause ("So, the final answer is 3." gives 3, "the answer is yes, it follows"
-  gives yes); else the last number; else the last non-empty line.
+  gives yes, "the answer is 2 * 2 = 4." gives 4); else the last number; else the last non-empty line.
 
 Trailing whitespace and periods are stripped from everything but a boxed answer; the flexible rule
 also strips Markdown emphasis, dollar signs and quotes around its answer and commas inside a number.
@@ -327,9 +327,9 @@ def extract_answer(completion: str, rule: AnswerRule | str = AnswerRule.FLEXIBLE
 
 
 def _loose(text: str) -> str:
-    """A flexible answer without surrounding emphasis, dollar signs and periods, and a number
-    without its thousands separators."""
-    text = text.strip().strip("*$\"'").strip().rstrip(".").rstrip()
+    """A flexible answer: the right-hand side of an equation ("2 * 2 = 4" gives 4), without
+    surrounding emphasis, dollar signs, quotes and periods, a number without its thousands separators."""
+    text = text.rpartition("=")[2].strip().strip("*$\"'").strip().rstrip(".").rstrip()
     return text.replace(",", "") if _NUMBER.fullmatch(text) else text
 
 

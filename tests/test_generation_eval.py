@@ -22,6 +22,7 @@ from foresight.generation_eval import (
     plan_jobs,
     row_seed,
     summarize,
+    summarize_sources,
 )
 from foresight.models import tiny_model
 from foresight.stats import pass_at_k
@@ -170,6 +171,8 @@ def test_figures_from_hand_made_completions(tmp_path):
     assert knorm_row["problems"] == 2 and (knorm_row["budget"], knorm_row["interval"]) == (B, L)
     assert knorm_row["loops_low"] == 0.0 and knorm_row["loops_high"] == 1.0
     assert knorm_row["agreement_low"] == knorm_row["agreement_high"] == pytest.approx(2 / 3)
+    (by_source,) = summarize_sources(problems, store)
+    assert by_source["source"] == "p.jsonl" and by_source["pass1_flexible"] == rows["full"]["pass1_flexible"]
 
 
 def test_plans_leave_out_golden_and_a_scorer_at_another_budget():
@@ -201,6 +204,7 @@ def test_eval_prompts_end_to_end(tmp_path, patched_load, capsys):
     assert all(r["agreement"] == 1.0 for r in rows if r["policy"] == "full")
     markdown = (out / "results.md").read_text()
     assert "| policy | B | L | agreement with full | pass@1 flexible | pass@1 strict | pass@2 flexible |" in markdown
+    assert "| source (full cache) | pass@1 flexible |" in markdown and f"| {ARITHMETIC} |" in markdown
     for figure in ("pass1_flexible", "agreement", "loops"):
         assert (out / f"{figure}.png").read_bytes()[:4] == b"\x89PNG"
     assert "note: golden: skipped" in stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from foresight import cli
+from foresight.commands import bench
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.serving import (
@@ -18,6 +19,7 @@ from foresight.serving import (
     max_batch,
     parse_memory_cap,
 )
+from foresight.tasks import chat_prompt_ids
 from tests.helpers import CHAT_TEMPLATE, char_tokenizer, random_prompts
 
 B, L = 16, 4
@@ -114,9 +116,7 @@ def patched_load(monkeypatch, llama):
 
 def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):
     out = tmp_path / "bench.md"
-    prompt = len(char_tokenizer(CHAT_TEMPLATE).apply_chat_template(
-        [{"role": "user", "content": "Solve step by step: a train leaves at 9:40 and travels 3 hours 35 minutes. When does it arrive?"}],
-        add_generation_prompt=True, tokenize=True, return_dict=False))
+    prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), bench.PROMPT))
     assert prompt < 128 + 8  # the prefill does not evict
     cap = int(2.5 * (prompt + 119) * ENTRY)  # 2.5 full sequences at the longer length
     argv = ["bench", "serve", "--policies", "streaming,knorm", "-B", "128", "-L", "8", "--lengths", "60,120",

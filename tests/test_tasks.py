@@ -57,6 +57,8 @@ def test_reasoning_gym_problems_are_the_packages_with_the_instruction():
         ("The answer is: No. Because some reptiles are not butterflies.", "", "No"),
         ("So, the answer is yes, it does logically follow.", "", "yes"),
         ('So, the answer is "3".', "", "3"),
+        ("So the final answer is 2 * 2 = 4.\nThis is how multiplication works.", "", "4"),
+        ("we add 8 and 0:\n8 + 0 = 8", "", "8"),
         ("the answer is 7.\nWait, the answer is 8", "", "8"),  # the last statement
         ("First 12 apples, then 1,500 more, 2.5 kg each", "", "2.5"),
         ("There were 3 then 4/5 of them", "", "4/5"),

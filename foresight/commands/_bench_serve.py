@@ -66,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure and report; every decoder decodes copies of bench's one prompt (`PROMPT`)."""
     names = selected_policies(args.policies)
     if any(length < 1 for length in args.lengths):
         raise ValueError(f"--lengths {','.join(map(str, args.lengths))}: every length must be at least 1")

@@ -15,7 +15,9 @@ from foresight.generation_eval import (
     generate_completions,
     plan_jobs,
     sorted_rows,
+    source_columns,
     summarize,
+    summarize_sources,
     write_report,
 )
 from foresight.models import DEFAULT_MODEL, load_model
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace, specs, notes: list[str]) -> int:
     store = CompletionStore(args.out / "completions", settings)
     model, tokenizer = load_model(model_name, **model_options(args))
     made = generate_completions(model, tokenizer, problems, plans, store, batch_size=args.batch_size or DEFAULT_BATCH)
-    rows = summarize(problems, plans, store)
+    rows, source_rows = summarize(problems, plans, store), summarize_sources(problems, store)
     report_settings = {
         "model": model_name,
         "sources": ", ".join(args.prompts),
@@ -70,10 +72,12 @@ def run(args: argparse.Namespace, specs, notes: list[str]) -> int:
         "interval": args.interval,
         "intervals": "95% bootstrap over problems",
     }
-    paths = write_report(rows, args.out, report_settings, notes, args.samples)
+    paths = write_report(rows, source_rows, args.out, report_settings, notes, args.samples)
     for note in notes:
         print(f"note: {note}")
     print(markdown_table(sorted_rows(rows), columns(args.samples)))
+    print()
+    print(markdown_table(source_rows, source_columns(args.samples)))
     print(
         f"generated {made} completions ({len(problems)} problems x {args.samples} samples x {sum(len(p.jobs) - 1 for p in plans) + 1} "
         f"runs, the rest found on disk) in {time.perf_counter() - started:.1f} s; results written to {args.out} "
