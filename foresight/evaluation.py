@@ -29,6 +29,9 @@ Scored tokens: predictions made after a row's first eviction (`metrics.scored_to
 that never evicts (full) is the reference itself: loss ratio 1, no damage, cosine 1, scored on the
 golden cadence's tokens (j >= B + L). Traces shorter than B + L never evict and are skipped with a
 count, per budget.
+
+Size: the replay loop, its attention probe and its tallies; the report's files live in
+foresight/report.py.
 """
 
 from __future__ import annotations

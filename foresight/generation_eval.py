@@ -21,6 +21,8 @@ from what it wrote. OUT/completions/settings.json records what the completions a
 with other settings is refused rather than mixed in. The policies of a budget run batch by batch
 together: each batch of (problem, sample) rows is generated under every policy of the budget before
 the next batch starts.
+
+Size: the generation loop, its resumable records and its report share one record format.
 """
 
 from __future__ import annotations

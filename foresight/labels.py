@@ -24,6 +24,9 @@ one layer at a time: block scores one block at a time (O(L*T)), future scores [M
 that layer only (M*N = O(T^2 / L) floats, a few MB where the captured queries and keys take hundreds),
 the greedy schedule batched over heads, and the layer's queries and keys are freed. Peak memory is
 the captured queries (model dtype, all layers) plus the cache's keys and values: linear in T.
+
+Size: one algorithm (§4) end to end: the capture forward, block and future scores, the greedy
+schedule and the label file; splitting it would spread one equation over several files.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Benchmarks of speed and memory depend on a model's shape, not its weights: `load
 takes an architecture config (a transformers config.json, e.g. `configs/models/qwen3-4b.json`) and
 builds that model with seeded random weights, so paper-sized runs need no download. Everything else
 goes through `load_model`, which refuses such a file, because there the weights matter.
+
+Size: one module for everything that turns a name into a frozen model (default conversion, folders,
+Hub ids, architecture configs, tiny test models), so callers have one entry point.
 """
 
 from __future__ import annotations

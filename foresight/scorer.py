@@ -15,6 +15,9 @@ runtime to rebuild the dataclass.)
 
 The scorer's eviction rule lives here too: `evict_lowest` (deterministic), `sample_eviction` (Eq. 2)
 and `plackett_luce_logprob` (the action log-probability GRPO needs).
+
+Size: the scorer, its Hub save/load and its eviction rules (lowest scores, Eq. 2 sampling, Plackett-
+Luce) share the score layout; the sampling functions are what the GRPO ratio differentiates.
 """
 
 import os

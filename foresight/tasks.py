@@ -26,6 +26,9 @@ reported, as lm-evaluation-harness does for GSM8K:
 
 Trailing whitespace and periods are stripped from everything but a boxed answer; the flexible rule
 also strips Markdown emphasis, dollar signs and quotes around its answer and commas inside a number.
+
+Size: every prompt source (reasoning-gym with options, JSONL, datasets, weighted mixtures) and both
+answer rules, which the sources' checks call.
 """
 
 from __future__ import annotations
@@ -248,7 +251,7 @@ def _jsonl_problems(path: Path, source: str) -> list[Problem]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        record = _parse_record(line)
+        record = parse_record(line)
         if record is None:
             bad.append(number)
             continue
@@ -264,12 +267,13 @@ def _jsonl_problems(path: Path, source: str) -> list[Problem]:
     return problems
 
 
-def _parse_record(line: str) -> dict[str, Any] | None:
+def parse_record(line: str, *text_fields: str) -> dict[str, Any] | None:
+    """A JSONL line as a record whose `text_fields` (default: "prompt") are strings, or None."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError:
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+    if not isinstance(record, dict) or not all(isinstance(record.get(name), str) for name in text_fields or ("prompt",)):
         return None
     return record
 

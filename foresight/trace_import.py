@@ -24,7 +24,6 @@ model's context).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import remove_leftovers
-from foresight.tasks import Problem, chat_prompt_ids
+from foresight.tasks import Problem, chat_prompt_ids, parse_record
 from foresight.traces import (
     Sharded,
     ShardRows,
@@ -133,20 +132,12 @@ def read_rows(path: Path) -> list[dict[str, Any] | None]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise ValueError(f"import file {path} is not JSONL (not UTF-8 text)") from None
-    rows = [_row(line) for line in lines if line.strip()]
+    rows = [parse_record(line, "prompt", "completion") for line in lines if line.strip()]
     if not any(rows):
         raise ValueError(f'import file {path} is not JSONL of prompt/completion pairs: no line is an object with string "prompt" and "completion"')
     return rows
 
 
-def _row(line: str) -> dict[str, Any] | None:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        return row
-    return None
 
 
 def _dataset_rows(path: Path) -> list[dict[str, Any] | None]:

@@ -25,6 +25,9 @@ disjoint shards (k % n == i); the shard folders with their ``shard.json`` are th
 and ``manifest.json`` is rebuilt from them under a file lock after every shard, so it is never torn
 and never misses a shard. Settings that define the data are fixed by the first run into a folder;
 a rerun with other settings is refused.
+
+Size: settings, sampling into shards, the shard writer and the store share the shard format; the
+sampler and the import already live in foresight/sampler.py and foresight/trace_import.py.
 """
 
 from __future__ import annotations

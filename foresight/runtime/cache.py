@@ -14,6 +14,9 @@ Entries stay in position order, so the most recent L entries of a row are its la
 Keys, values, positions and state are views of the first N slots of buffers allocated once per run
 (`EntryStorage`): a new token is copied into the next slot and an eviction gathers the kept entries
 to the front, so a run that evicts holds the same memory from its first eviction to its end.
+
+Size: the layer, its preallocated storage and the Cache facade change together (every field the
+storage holds is one the layer gathers).
 """
 
 from __future__ import annotations

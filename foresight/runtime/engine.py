@@ -6,6 +6,9 @@ the top B - L candidates by the policy's keep score, bringing the row back to B.
 evict on their own schedule (left padding shifts it), so a batch decodes exactly as each row alone.
 A policy that observes every query (H2O, LazyEviction, RaaS) is handed each query once, in blocks of
 L after the forward that completes a block, and what is left before any row's eviction step.
+
+Size: the one cadence loop (prefill, decode, replay, the observation of every query and the eviction
+step) kept in one place on purpose: it is the rule every policy runs under.
 """
 
 from __future__ import annotations
