@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from foresight import cli
-from foresight.commands import bench
+from foresight.commands import _bench_common
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.serving import (
@@ -116,7 +116,7 @@ def patched_load(monkeypatch, llama):
 
 def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):
     out = tmp_path / "bench.md"
-    prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), bench.PROMPT))
+    prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), _bench_common.PROMPT))
     assert prompt < 128 + 8  # the prefill does not evict
     cap = int(2.5 * (prompt + 119) * ENTRY)  # 2.5 full sequences at the longer length
     argv = ["bench", "serve", "--policies", "streaming,knorm", "-B", "128", "-L", "8", "--lengths", "60,120",
