@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from foresight.commands.eval import select_traces
 from foresight.metrics import loss_ratio, low_entropy_damage, scored_tokens
@@ -45,7 +46,7 @@ def per_trace(model, scorer, traces, batch_size: int) -> list[dict[str, float]]:
     engine = EvictionEngine(model, make_policy("foresight", scorer=scorer),
                             EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False))
     rows = []
-    for start in range(0, len(traces), batch_size):
+    for start in tqdm(range(0, len(traces), batch_size), desc=f"replays B={config.budget}", unit="batch"):
         batch = traces[start : start + batch_size]
         prefill = min(config.budget + config.interval, *(t.prompt_length for t in batch))
         output = engine.replay([t.input_ids for t in batch], [prefill] * len(batch))
