@@ -85,7 +85,8 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert {"config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved == {"num_layers": 3, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8, "budget": 64,
-                     "interval": 16, "base_model": "tiny-llama", "hidden": 7, "feature_set": "official-8"}
+                     "interval": 16, "base_model": "tiny-llama", "hidden": 7, "feature_set": "official-8",
+                     "training_sources": []}
     loaded = ForesightScorer.from_pretrained(tmp_path)
     assert loaded.config == scorer.config
     assert loaded.state_dict().keys() == scorer.state_dict().keys()
