@@ -20,7 +20,7 @@ import torch
 from foresight import cli, traces
 from foresight.models import tiny_model
 from foresight.tasks import chat_prompt_ids, check_answer, load_problems
-from foresight.traces import Trace, TraceStore, generate_traces, token_losses
+from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, generate_traces, token_losses
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,6 +178,12 @@ def test_a_mixture_of_sources_is_interleaved_and_recorded_per_source(tmp_path):
     assert record["shards"][1]["sources"][second]["generated"] == 1
     assert summary.by_source[second].kept == 4
     assert f"by source: {second} 4/4, {first} 2/2" in summary.describe()  # sorted by name
+    assert folder_sources(tmp_path / "mix") == sorted([first, second])
+    lengths = sorted(len(t.input_ids) for t in store)
+    assert describe_traces(list(store)) == (
+        f"6 traces, {sum(lengths)} tokens (length {lengths[0]} / {lengths[3]} / {lengths[-1]} min / median / max), "
+        f"from {second} (4), {first} (2)"
+    )
 
 
 def test_resume_after_a_failed_write_gives_identical_shards(reference, tmp_path, monkeypatch):
