@@ -46,7 +46,7 @@ from foresight.runtime.policy import EvictionContext, Policy
 from foresight.policies.foresight import FEATURE_STATE, observe_features
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.tasks import source_names
-from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, generate_traces
+from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, generate_traces, trace_origin
 
 FORMAT = "foresight-golden-steps/1"
 TENSORS = ("keys", "values", "features", "alpha")
@@ -350,7 +350,7 @@ class GoldenDataModule(L.LightningDataModule):
         settings = self._store().settings
         self._summary = {
             "base model": self.model_name,
-            "traces": describe_traces(traces) + _sampling_words(settings),
+            "traces": f"{describe_traces(traces)}; {trace_origin(settings)}",
             "budget B, interval L": f"{self.budget}, {self.interval}",
             "split": f"{len(splits['train'])} training and {len(splits['val'])} held-out traces",
             "eviction steps (training)": str(sum(self._num_steps(t) for t in splits["train"])),
@@ -465,13 +465,6 @@ class GoldenDataModule(L.LightningDataModule):
         if differing:
             raise ValueError(f"cached examples at {path} were made for something else ({', '.join(differing)}); use another cache_dir")
         return path
-
-
-def _sampling_words(settings: dict) -> str:
-    """How a folder's traces were sampled, or that they were imported."""
-    if "max_new_tokens" not in settings:
-        return f"; imported from {settings['source']}"
-    return f"; at most {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}"
 
 
 def _float_dtype(name: str, value: str) -> torch.dtype:
