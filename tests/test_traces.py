@@ -342,6 +342,10 @@ def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, m
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*args, "--shard", "3/2"])
     assert exit_info.value.code == 2 and "expected i/n with 0 <= i < n, got '3/2'" in capsys.readouterr().err
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*args, "--batch-size", bad])
+        assert exit_info.value.code == 2 and f"a positive number of rows or 'auto', got '{bad}'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
