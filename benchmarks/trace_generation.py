@@ -8,8 +8,8 @@ produces the same completions (checked) and the ratios compare equal work:
   (the rows that ended wait);
 - continuous b: b rows at a time, a row that ends replaced by the next problem at once.
 
-Optionally (--hf) `transformers`' `model.generate` on left-padded groups of b (static batching, its
-own sampling, so other completions): the way traces were sampled before continuous batching.
+Optionally (--hf) `transformers`' `model.generate` on left-padded groups of each b (static batching,
+its own sampling, so other completions): the way traces were sampled before continuous batching.
 Tokens/s counts completion tokens (EOS included) over wall time, prompt prefill included. The load
 average of the machine (/proc/loadavg) is recorded before and after.
 
@@ -114,7 +114,7 @@ def main() -> None:
         runs.append((f"continuous {b}", b, lambda b=b: ours(model, requests, b, False, args.max_new_tokens, eos)))
     if args.hf:
         runs += [(f"transformers generate, static {b}", b, lambda b=b: hf_generate(
-            model, requests, b, args.max_new_tokens, eos, tokenizer.pad_token_id or eos[0])) for b in [1, *batch_sizes]]
+            model, requests, b, args.max_new_tokens, eos, tokenizer.pad_token_id or eos[0])) for b in batch_sizes]
     results = []
     for name, batch, run in runs:
         completions, seconds = timed(run)

@@ -18,6 +18,7 @@ attention mask that hides the rest, and position ids counted per row.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -114,7 +115,7 @@ def sample_completions(
     eos = torch.tensor(sorted(set(eos_token_ids)), device=model.device)
     pending = iter(requests)
     while True:
-        for request in _take(pending, batch_size - len(batch.rows)):
+        for request in itertools.islice(pending, batch_size - len(batch.rows)):
             batch.admit(request)
         if not batch.rows:
             return
@@ -126,16 +127,6 @@ def sample_completions(
         yield from batch.release(ended, is_eos)
         if batch.rows:
             batch.step(tokens[~ended])
-
-
-def _take(iterator: Iterator[Request], count: int) -> list[Request]:
-    taken = []
-    for _ in range(count):
-        request = next(iterator, None)
-        if request is None:
-            break
-        taken.append(request)
-    return taken
 
 
 class _Batch:

@@ -540,6 +540,13 @@ def folder_sources(out_dir: str | os.PathLike) -> list[str]:
     return sorted(manifest.get("sources") or source_names(manifest["settings"]["source"]))
 
 
+def trace_origin(settings: dict[str, Any]) -> str:
+    """How a folder's traces were made, from its settings: the sampling limits, or the imported file."""
+    if "max_new_tokens" not in settings:
+        return f"imported from {settings['source']}"
+    return f"at most {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}"
+
+
 def describe_traces(traces: Sequence[Trace]) -> str:
     """How many traces, how long, from which sources: e.g. "40 traces, 31200 tokens (length 412 / 790 /
     1093 min / median / max), from reasoning-gym:chain_sum (20), reasoning-gym:lcm (20)"."""

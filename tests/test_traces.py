@@ -19,7 +19,7 @@ import torch
 from foresight import cli, traces
 from foresight.models import tiny_model
 from foresight.tasks import chat_prompt_ids, check_answer, load_problems
-from foresight.traces import Trace, TraceStore, generate_traces, token_losses
+from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, generate_traces, token_losses
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,6 +178,12 @@ def test_a_mixture_of_sources_is_interleaved_and_recorded_per_source(tmp_path):
     assert summary.by_source[second].kept == 4
     by_name = sorted([(first, "2/2"), (second, "4/4")])
     assert "by source: " + ", ".join(f"{name} {kept}" for name, kept in by_name) in summary.describe()
+    assert folder_sources(tmp_path / "mix") == sorted([first, second])
+    lengths = sorted(len(t.input_ids) for t in store)
+    assert describe_traces(list(store)) == (
+        f"6 traces, {sum(lengths)} tokens (length {lengths[0]} / {lengths[3]} / {lengths[-1]} min / median / max), "
+        "from " + ", ".join(f"{name} ({kept.split('/')[0]})" for name, kept in by_name)
+    )
 
 
 def test_resume_after_a_failed_write_gives_identical_shards(reference, tmp_path, monkeypatch):
@@ -336,6 +342,10 @@ def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, m
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*args, "--shard", "3/2"])
     assert exit_info.value.code == 2 and "expected i/n with 0 <= i < n, got '3/2'" in capsys.readouterr().err
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*args, "--batch-size", bad])
+        assert exit_info.value.code == 2 and f"a positive number of rows or 'auto', got '{bad}'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from foresight.cadence import TraceTooShort, check_budget, eviction_steps
 from foresight.labels import LabelStore
 from foresight.models import DEFAULT_MODEL, describe, float_dtype, load_config
 from foresight.pipeline import FrozenModel
-from foresight.traces import Trace, TraceStore, describe_traces, folder_sources
+from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, trace_origin
 
 
 def concat_steps(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -208,7 +208,7 @@ class GoldenDataModule(L.LightningDataModule):
         settings = store.settings
         self._summary = {
             "base model": self.model_name,
-            "traces": describe_traces(traces) + _sampling_words(settings),
+            "traces": f"{describe_traces(traces)}; {trace_origin(settings)}",
             "budget B, interval L": f"{self.budget}, {self.interval}",
             "split": f"{len(splits['train'])} training and {len(splits['val'])} held-out traces",
             "eviction steps (training)": str(sum(self._num_steps(t) for t in splits["train"])),
@@ -249,10 +249,3 @@ class GoldenDataModule(L.LightningDataModule):
             return set()
         _, held = store.split(self.holdout, self.split_seed)
         return {trace.index for trace in held} & {trace.index for trace in traces}
-
-
-def _sampling_words(settings: dict) -> str:
-    """How a folder's traces were sampled, or that they were imported."""
-    if "max_new_tokens" not in settings:
-        return f"; imported from {settings['source']}"
-    return f"; at most {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}"
