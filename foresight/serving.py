@@ -32,7 +32,7 @@ import torch
 MiB = 2**20
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)")
-PROBE_TOKENS = 16  # new tokens of the batch-1 probe beyond the decoder's first eviction
+PROBE_TOKENS = 16  # new tokens of the batch-1 probe past the decoder's fullest cache
 
 
 class CapExceeded(RuntimeError):
@@ -122,6 +122,8 @@ class RunResult:
 
 class Decoder(Protocol):
     name: str
+    evicts: bool
+    prompt_length: int
 
     def held_entries(self, new_tokens: int) -> int:
         """Entries one sequence holds at its fullest in a run of `new_tokens` (the first guess)."""
@@ -193,6 +195,8 @@ class EngineDecoder:
         self.model = model
         self.engine = EvictionEngine(model, policy, config if policy.evicts else None)
         self.prompt = list(prompt)
+        self.prompt_length = len(self.prompt)
+        self.evicts = self.engine.evicts
 
     def held_entries(self, new_tokens: int) -> int:
         engine = self.engine
@@ -223,10 +227,15 @@ class Search:
 
 
 def bytes_per_entry(decoder: Decoder, new_tokens: int) -> float:
-    """Cache bytes per entry of one sequence, from a batch-1 run long enough to pass the decoder's
-    first eviction (`PROBE_TOKENS` new tokens when it never evicts)."""
-    held = decoder.held_entries(new_tokens)
-    probe = decoder.run(1, min(new_tokens, max(PROBE_TOKENS, held + PROBE_TOKENS)), None)
+    """Cache bytes per entry of one sequence, from a batch-1 run that reaches the decoder's fullest
+    cache (its first eviction; `PROBE_TOKENS` new tokens for a decoder that never evicts, whose bytes
+    per entry do not change with length)."""
+    if decoder.evicts:
+        fullest = decoder.held_entries(new_tokens) - decoder.prompt_length + 1
+        length = min(new_tokens, fullest + PROBE_TOKENS)
+    else:
+        length = min(new_tokens, PROBE_TOKENS)
+    probe = decoder.run(1, length, None)
     return probe.peak_bytes / max(probe.peak_entries, 1)
 
 

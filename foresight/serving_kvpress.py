@@ -43,6 +43,7 @@ class KvpressDecoder:
             raise ValueError(f"kvpress python {python!r} is not a file; make .venv-kvpress with scripts/crosscheck.sh")
         self.python = python
         self.name = f"kvpress {PRESSES[policy][0]}"
+        self.evicts = True
         self.prompt_length = len(prompt)
         self.budget, self.interval = budget, interval
         config = dict(policy=policy, budget=budget, interval=interval, model=model, device=device, dtype=dtype,

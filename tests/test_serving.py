@@ -55,9 +55,15 @@ def test_held_bytes_are_the_caches_tensors(llama, batch):
     assert batch * entries * ENTRY <= held <= batch * entries * ENTRY + OVERHEAD
 
 
-def test_bytes_per_entry_of_a_probe(llama):
-    decoder = EngineDecoder("full", llama, make_policy("full"), None, random_prompts([PROMPT])[0])
-    assert ENTRY <= bytes_per_entry(decoder, NEW) <= ENTRY * 1.05
+@pytest.mark.parametrize(("policy", "probe_tokens"), [("full", 16), ("streaming", B + L - PROMPT + 1 + 16)])
+def test_bytes_per_entry_of_a_short_probe(llama, monkeypatch, policy, probe_tokens):
+    """The probe stops 16 tokens past the fullest cache (at once for the full cache)."""
+    decoder = EngineDecoder(policy, llama, make_policy(policy), EvictionConfig(B, L), random_prompts([PROMPT])[0])
+    runs = []
+    run = decoder.run
+    monkeypatch.setattr(decoder, "run", lambda *args: runs.append(args) or run(*args))
+    assert ENTRY <= bytes_per_entry(decoder, 1000) <= ENTRY * 1.05
+    assert runs == [(1, probe_tokens, None)]
 
 
 @pytest.mark.parametrize(("policy", "entries"), [("full", PROMPT + NEW - 1), ("streaming", B + L)])
@@ -85,6 +91,8 @@ class CountingDecoder:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.batches: list[int] = []
+
+    evicts, prompt_length = True, 4
 
     def held_entries(self, new_tokens: int) -> int:
         return 10
