@@ -11,9 +11,9 @@ Every prediction the model makes along the way is kept: the full-cache loss and 
 token of the sequence given the ones before it (temperature 1, no filtering), the two numbers a
 trace stores, so no second teacher-forced pass is needed.
 
-Layout: a `transformers` DynamicCache whose rows hold their tokens in their last `lengths[r]`
-slots (a new row's prompt is prefilled alone, then left-padded to the batch's width), a 2D
-attention mask that hides the rest, and position ids counted per row.
+Layout: a `transformers` cache (`foresight.growing_cache`, filled in place) whose rows hold their
+tokens in their last `lengths[r]` slots (a new row's prompt is prefilled alone, then left-padded to
+the batch's width), a 2D attention mask that hides the rest, and position ids counted per row.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from foresight.growing_cache import growing_cache
 from foresight.runtime.engine import SamplingConfig, logits_processors
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
@@ -138,7 +138,7 @@ class _Batch:
         self.processors = logits_processors(sampling)
         self.device = model.device
         self.rows: list[_Row] = []
-        self.cache = DynamicCache()
+        self.cache = growing_cache()
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [rows] tokens held per row
         self.logits = None  # [rows, vocab] float32: each row's prediction of its next token
 
@@ -147,7 +147,7 @@ class _Batch:
         if not request.prompt:
             raise ValueError(f"request {request.key} has an empty prompt")
         ids = torch.as_tensor(list(request.prompt), dtype=torch.long, device=self.device)[None]
-        cache = DynamicCache()
+        cache = growing_cache()
         hidden = self.model.base_model(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
         nll, entropy = chunked_losses(self.model.get_output_embeddings(), hidden[:-1], ids[0, 1:])
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
@@ -186,7 +186,7 @@ class _Batch:
             self.cache.batch_select_indices(keep.nonzero().squeeze(1))
             self._narrow(int(self.lengths.max()))
         else:
-            self.cache = DynamicCache()
+            self.cache = growing_cache()
         for row, done, eos in flags:
             if done:
                 yield row.completion(truncated=not eos)
