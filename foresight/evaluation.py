@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 
 from foresight.artifacts import write_text
 from foresight.cadence import check_budget, golden_prefill, step_of, step_position
-from foresight.headroom import LEARNED, Headroom, TraceScore, headroom, headroom_rows
+from foresight.headroom import Headroom, TraceScore, headroom, headroom_rows
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.metrics import (
     EntropyDamage,
@@ -378,6 +378,7 @@ class EvaluationResult:
     rows: list[dict[str, Any]]
     notes: list[str]
     trace_scores: list[TraceScore] = field(default_factory=list)
+    learned: tuple[str, ...] = ()  # the rows of learned scorers (`ScorerSpec`), whatever they are named
 
 
 def evaluate(
@@ -439,7 +440,8 @@ def evaluate(
             ]
             rows += budget_rows
             scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
-    return EvaluationResult(rows=rows, notes=notes, trace_scores=scores)
+    learned = tuple(spec.name for spec in specs if isinstance(spec, ScorerSpec))
+    return EvaluationResult(rows=rows, notes=notes, trace_scores=scores, learned=learned)
 
 
 def _labels_for(
@@ -585,6 +587,6 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
 
 def learned_headroom(result: EvaluationResult) -> list[Headroom]:
     """`foresight.headroom.headroom` of every learned policy at every budget where it can be measured."""
-    runs = sorted({(row["budget"], row["policy"]) for row in result.rows if row["policy"].startswith(LEARNED)})
-    comparisons = (headroom(result.trace_scores, budget, policy) for budget, policy in runs)
+    runs = sorted({(row["budget"], row["policy"]) for row in result.rows if row["policy"] in result.learned})
+    comparisons = (headroom(result.trace_scores, budget, policy, result.learned) for budget, policy in runs)
     return [c for c in comparisons if c is not None]

@@ -14,7 +14,7 @@ and an interval is the 2.5th to 97.5th percentile of the statistic over the resa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from foresight.stats import CONFIDENCE, RESAMPLES, percentile_interval, resample_counts
 
-REFERENCE, ORACLE, LEARNED = "full", "golden", "foresight"  # learned policies: foresight or foresight:NAME
+REFERENCE, ORACLE = "full", "golden"
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,16 @@ def _percent(estimate: Estimate, digits: int = 2) -> str:
 
 
 def headroom(
-    scores: Sequence[TraceScore], budget: int, learned: str, seed: int = 0, resamples: int = RESAMPLES
+    scores: Sequence[TraceScore],
+    budget: int,
+    learned: str,
+    other_learned: Collection[str] = (),
+    seed: int = 0,
+    resamples: int = RESAMPLES,
 ) -> Headroom | None:
     """The learned policy's headroom at `budget`, or None when golden, the learned policy or a
-    heuristic on golden's tokens is missing there."""
+    heuristic on golden's tokens is missing there. `other_learned` names the other learned scorers'
+    rows, which are not heuristics (a row's name says nothing: `--scorer NAME=DIR` picks it)."""
     at_budget = [s for s in scores if s.budget == budget]
     tables = _by_policy(at_budget)
     if ORACLE not in tables or learned not in tables:
@@ -108,7 +114,7 @@ def headroom(
         for policy, table in tables.items()
         if policy != REFERENCE and sorted(table) == traces and [table[i].tokens for i in traces] == tokens
     }
-    heuristics = [p for p in comparable if p != ORACLE and not p.startswith(LEARNED)]
+    heuristics = [p for p in comparable if p not in (ORACLE, learned, *other_learned)]
     if learned not in comparable or not heuristics:
         return None
     weights = _resample_weights(len(traces), resamples, seed)  # [1 + resamples, traces]; row 0: the sample itself

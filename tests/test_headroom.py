@@ -75,3 +75,12 @@ def test_nothing_to_compare_gives_none():
     assert headroom(RUN, B, "foresight:other") is None
     assert headroom(RUN, 256, "foresight") is None
     assert headroom([s for s in RUN if s.policy in ("golden", "foresight", "raas")], B, "foresight") is None
+
+
+def test_other_learned_scorers_are_never_the_best_heuristic():
+    """A second scorer's row (named freely by `--scorer NAME=DIR`) beats h2o; it must not count as a heuristic."""
+    run = [*RUN, *scores("shipped", (58.0, 23.0, 46.0))]  # 127 / 110: better than every heuristic
+    assert headroom(run, B, "foresight").best_heuristic == "shipped"  # what counting it as one would do
+    result = headroom(run, B, "foresight", other_learned=("shipped", "foresight"))
+    assert (result.best_heuristic, result.share.value) == ("h2o", pytest.approx(0.5))
+    assert "shipped" in result.loss_ratio  # still reported beside the others
