@@ -278,15 +278,21 @@ def parse_record(line: str, *text_fields: str) -> dict[str, Any] | None:
     return record
 
 
-def _disk_dataset_problems(path: Path, source: str) -> list[Problem]:
+def load_saved_dataset(path: Path, what: str):
+    """The one-split `datasets.Dataset` saved in `path`; `what` names the folder in the errors."""
     import datasets
 
     try:
         dataset = datasets.load_from_disk(str(path))
     except FileNotFoundError:
-        raise ValueError(f"prompt folder {source} is not a dataset saved with save_to_disk") from None
+        raise ValueError(f"{what} is not a dataset saved with save_to_disk") from None
     if isinstance(dataset, datasets.DatasetDict):
-        raise ValueError(f"prompt folder {source} holds splits {sorted(dataset)}; pass one split's folder")
+        raise ValueError(f"{what} holds splits {sorted(dataset)}; pass one split's folder")
+    return dataset
+
+
+def _disk_dataset_problems(path: Path, source: str) -> list[Problem]:
+    dataset = load_saved_dataset(path, f"prompt folder {source}")
     column = next((name for name in ("prompt", "question") if name in dataset.column_names), None)
     if column is None:
         raise ValueError(f"dataset {source} has no 'prompt' or 'question' column (columns: {dataset.column_names})")

@@ -32,8 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from foresight.artifacts import remove_leftovers
-from foresight.tasks import Problem, chat_prompt_ids, parse_record
+from foresight.tasks import Problem, chat_prompt_ids, load_saved_dataset, parse_record
 from foresight.traces import (
     Sharded,
     ShardRows,
@@ -107,10 +106,7 @@ def import_traces(
     check_plain_logits(model)
     scorer = _RowScorer(model, tokenizer, settings)
     writer = ShardWriter(Path(out_dir), settings)
-    owned = list(range(index, settings.num_shards, count))
-    todo = [k for k in owned if not writer.is_complete(k)]
-    for k in owned:
-        remove_leftovers(writer.shard_dir(k))
+    owned, todo = writer.claim(index, count)
     with tqdm(total=sum(len(settings.shard_range(k)) for k in todo), disable=not progress, unit="row", desc="import") as bar:
         for k in todo:
             shard_rows = ShardRows(settings.shard_range(k))
@@ -138,17 +134,8 @@ def read_rows(path: Path) -> list[dict[str, Any] | None]:
     return rows
 
 
-
-
 def _dataset_rows(path: Path) -> list[dict[str, Any] | None]:
-    import datasets
-
-    try:
-        dataset = datasets.load_from_disk(str(path))
-    except FileNotFoundError:
-        raise ValueError(f"import folder {path} is not a dataset saved with save_to_disk") from None
-    if isinstance(dataset, datasets.DatasetDict):
-        raise ValueError(f"import folder {path} holds splits {sorted(dataset)}; pass one split's folder")
+    dataset = load_saved_dataset(path, f"import folder {path}")
     missing = [name for name in ("prompt", "completion") if name not in dataset.column_names]
     if missing:
         raise ValueError(f"dataset {path} has no {' or '.join(missing)} column (columns: {dataset.column_names})")

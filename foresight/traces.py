@@ -274,10 +274,7 @@ def generate_traces(
     eos_ids = eos_token_ids(model, tokenizer, settings.model)
     problems = load_problems(source, num, seed)
     writer = ShardWriter(Path(out_dir), settings)
-    owned = list(range(index, settings.num_shards, count))
-    todo = [k for k in owned if not writer.is_complete(k)]
-    for k in owned:
-        remove_leftovers(writer.shard_dir(k))
+    owned, todo = writer.claim(index, count)
     prompts = {i: chat_prompt_ids(tokenizer, problems[i].prompt) for k in todo for i in settings.shard_range(k)}
     if batch_size is None:
         batch_size = auto_batch_size(model, max(map(len, prompts.values()), default=0) + max_new_tokens)
@@ -446,6 +443,14 @@ class ShardWriter:
 
     def shard_dir(self, shard: int) -> Path:
         return self.out_dir / f"shard-{shard:05d}"
+
+    def claim(self, index: int, count: int) -> tuple[list[int], list[int]]:
+        """The shards process `index` of `count` owns and those of them still to write; clears what
+        dead writers of those shards left behind."""
+        owned = list(range(index, self.settings.num_shards, count))
+        for k in owned:
+            remove_leftovers(self.shard_dir(k))
+        return owned, [k for k in owned if not self.is_complete(k)]
 
     def is_complete(self, shard: int) -> bool:
         return (self.shard_dir(shard) / SHARD_RECORD).is_file()

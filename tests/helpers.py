@@ -243,3 +243,13 @@ def assert_batch_decodes_as_each_row_alone(
         nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, device=logits.device)[:, None])
         tolerance = 2 * ROUNDING[model.dtype] * float(logits.abs().max())  # a log-softmax moves by twice the logits
         assert float((nll.squeeze(-1).cpu() - expected).abs().max()) <= tolerance, f"row {row}"
+
+
+def eos_prone_model(eos: int = 2) -> torch.nn.Module:
+    """The tiny Llama with the logit of token `eos` raised, so completions end at varied lengths (or not at all)."""
+    model = tiny_model("llama", seed=0)
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    head.weight = model.lm_head.weight
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features).index_fill_(0, torch.tensor([eos]), 0.3), False)
+    model.lm_head = head
+    return model

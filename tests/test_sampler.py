@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foresight.models import tiny_model
 from foresight.runtime.engine import SamplingConfig, logits_processors
 from foresight.sampler import Request, auto_batch_size, sample_completions
-from tests.helpers import random_prompts
+from tests.helpers import eos_prone_model, random_prompts
 
 EOS = 2
 SAMPLING = SamplingConfig(temperature=0.8, top_k=20, top_p=0.95)
@@ -17,12 +16,7 @@ SAMPLING = SamplingConfig(temperature=0.8, top_k=20, top_p=0.95)
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     """The tiny Llama with its EOS logit raised, so rows end at many different steps."""
-    model = tiny_model("llama", seed=0)
-    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-    head.weight = model.lm_head.weight
-    head.bias = torch.nn.Parameter(torch.zeros(head.out_features).index_fill_(0, torch.tensor([EOS]), 0.3), False)
-    model.lm_head = head
-    return model.eval()
+    return eos_prone_model(EOS).eval()
 
 
 def requests(count: int = 9) -> list[Request]:

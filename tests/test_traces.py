@@ -20,7 +20,7 @@ from foresight import cli, traces
 from foresight.models import tiny_model
 from foresight.tasks import chat_prompt_ids, check_answer, load_problems
 from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, generate_traces, token_losses
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
+from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, eos_prone_model, write_lines
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2
@@ -28,16 +28,6 @@ PROMPTS = str(DATA / "arithmetic.jsonl")
 TOKENIZER = char_tokenizer(CHAT_TEMPLATE)
 # 7 problems in shards of 3 (3 + 3 + 1), generated 2 at a time.
 RUN = dict(num=7, max_new_tokens=16, shard_size=3, batch_size=2, progress=False)
-
-
-def eos_prone_model() -> torch.nn.Module:
-    """The tiny Llama with its EOS logit raised, so completions end at varied lengths (or not at all)."""
-    model = tiny_model("llama", seed=0)
-    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-    head.weight = model.lm_head.weight
-    head.bias = torch.nn.Parameter(torch.zeros(head.out_features).index_fill_(0, torch.tensor([EOS]), 0.3), False)
-    model.lm_head = head
-    return model
 
 
 def generate(out_dir: Path, **overrides):
