@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from foresight.growing_cache import growing_cache
+from foresight.growing_cache import SPARE_SHARE, growing_cache
 from foresight.runtime.engine import SamplingConfig, logits_processors
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
@@ -80,14 +80,16 @@ class _Row:
 
 def auto_batch_size(model, max_length: int) -> int:
     """Rows to decode together: on a GPU as many as the free memory holds at `max_length` tokens
-    (KV cache plus a few [vocab] float32 rows of logits each), at most 256; `CPU_BATCH` on a CPU."""
+    (the growing cache's buffers, spare room included, plus a few [vocab] float32 rows of logits
+    each), at most 256; `CPU_BATCH` on a CPU. Counting the cache without its spare room ran an H100
+    out of memory at 256 rows of ~1-4K tokens (docs/traces.md)."""
     if model.device.type != "cuda":
         return CPU_BATCH
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     kv_bytes = 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize * max_length
-    row_bytes = kv_bytes + 4 * 4 * text.vocab_size
+    row_bytes = int((1 + SPARE_SHARE) * kv_bytes) + 4 * 4 * text.vocab_size
     free, _ = torch.cuda.mem_get_info(model.device)
     return max(1, min(MAX_GPU_BATCH, int(GPU_MEMORY_SHARE * free) // row_bytes))
 

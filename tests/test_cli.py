@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from foresight.choices import Choice
-from foresight.cli import ArgumentParser, HelpFormatter, _verbs, main
+from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main
 from foresight.commands._model import model_options
 from foresight.commands._policy import policy_options, settable_options
 from foresight.commands.eval import policy_specs
@@ -36,6 +37,19 @@ def test_policies_lists_every_constructible_policy_with_needs(capsys):
     assert set(listed) == set(POLICIES)
     assert "block attention" in listed["snapkv"] and "nothing" in listed["knorm"]
     assert "sinks=4" in listed["streaming"]
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [({}, "expandable_segments:True"), ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, "max_split_size_mb:64")],
+)
+def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it(monkeypatch, capsys, preset, expected):
+    for name in ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in preset.items():
+        monkeypatch.setenv(name, value)
+    assert main(["policies"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected
 
 
 @pytest.mark.parametrize(

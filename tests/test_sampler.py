@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from foresight.runtime.engine import SamplingConfig, logits_processors
-from foresight.sampler import Request, auto_batch_size, sample_completions
+from foresight.growing_cache import SPARE_SHARE
+from foresight.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
 from tests.helpers import eos_prone_model, random_prompts
 
 EOS = 2
@@ -111,3 +114,18 @@ def test_bad_arguments_are_refused(model):
 
 def test_auto_batch_size_on_a_cpu_is_the_measured_default(model):
     assert auto_batch_size(model, max_length=4096) == 16
+
+
+def test_auto_batch_size_on_a_gpu_counts_the_cache_with_its_spare_room(model, monkeypatch):
+    """Rows x (cache at max_length with SPARE_SHARE room to spare + logits) fit in GPU_MEMORY_SHARE of
+    the free memory, and one more row would not."""
+    text = model.config
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), config=text, dtype=torch.float32)
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
+    row = int((1 + SPARE_SHARE) * per_token * 1000) + 16 * text.vocab_size
+    free = 10 * row
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 4 * free))
+    rows = auto_batch_size(on_gpu, max_length=1000)
+    assert rows * row <= GPU_MEMORY_SHARE * free < (rows + 1) * row
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**15, 10**15))
+    assert auto_batch_size(on_gpu, max_length=1000) == MAX_GPU_BATCH
