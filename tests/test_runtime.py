@@ -90,6 +90,23 @@ def test_per_head_eviction_equals_full_cache_with_evicted_entries_masked(peaked_
     torch.testing.assert_close(output.logits[0], expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(("policy_name", "options", "kept"), [("snapkv", {"window": 2}, 2), ("tova", {}, 1)])
+def test_a_window_policy_keeps_only_the_latest_queries_it_reads(llama, monkeypatch, policy_name, options, kept):
+    """The query buffer holds `latest_queries` (< L) queries per layer, and decoding is exactly what it is
+    with all L queries kept."""
+    prompt = prompts([7])[0]
+    engine = EvictionEngine(llama, make_policy(policy_name, **options), EvictionConfig(B, L))
+    windowed = engine.generate([prompt], 30, return_logits=True)
+    assert windowed.stats.evictions > 3
+    assert {layer.queries.shape[2] for layer in engine.last_cache.layers} == {kept}
+    monkeypatch.setattr(type(engine.policy), "latest_queries", property(lambda self: None))
+    every = EvictionEngine(llama, make_policy(policy_name, **options), EvictionConfig(B, L))
+    reference = every.generate([prompt], 30, return_logits=True)
+    assert {layer.queries.shape[2] for layer in every.last_cache.layers} == {L}
+    assert windowed.tokens == reference.tokens
+    torch.testing.assert_close(windowed.logits, reference.logits, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("policy_name", constructible_policies())
 def test_left_padded_batch_decodes_as_each_row_alone(llama, policy_name):
     batch = prompts([5, 11, 20], seed=1)

@@ -45,6 +45,10 @@ class SnapKV(Policy):
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={self.kernel_size} must be a positive odd number")
 
+    @property
+    def latest_queries(self) -> int:
+        return self.window
+
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         return self.importance(context)
 

@@ -24,6 +24,10 @@ class TOVA(Policy):
     summary = "attention from the last query, mean over the layer's heads (one set per layer)"
     needs_attention = True
 
+    @property
+    def latest_queries(self) -> int:
+        return 1
+
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         last = context.attention[..., -1, : context.num_candidates]  # [batch, Hkv, G, C]
         layer_mean = last.mean(dim=(1, 2), keepdim=True).squeeze(2)  # [batch, 1, C]

@@ -282,7 +282,7 @@ class EvictionEngine:
             self.num_layers,
             state_fields=self.policy.state_fields,
             group_size=self.group_size,
-            query_window=interval if self.evicts and self.policy.needs_attention else 0,
+            query_window=min(interval, self.policy.latest_queries or interval) if self.evicts and self.policy.needs_attention else 0,
             keep_every_query=self.observes_every_query,
             capacity=min(width + new_tokens, int(limits.max())),  # the most entries a layer holds
         )

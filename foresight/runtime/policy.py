@@ -100,6 +100,13 @@ class Policy:
     default_sinks: ClassVar[int] = 0
     default_protect_prompt: ClassVar[bool] = False
 
+    @property
+    def latest_queries(self) -> int | None:
+        """How many of the latest queries a WINDOW policy reads at an eviction step (None: all L). The
+        runtime keeps only that many per layer: SnapKV's 8-query window would otherwise hold L queries
+        of every query head, a quarter of a sequence's cache memory at B = 256, L = 64."""
+        return None
+
     def reset(self) -> None:
         """Called at the start of every generation or replay (policies with run state override it)."""
 
