@@ -44,10 +44,8 @@ def test_policies_lists_every_constructible_policy_with_needs(capsys):
     [({}, "expandable_segments:True"), ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, "max_split_size_mb:64")],
 )
 def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it(monkeypatch, capsys, preset, expected):
-    for name in ALLOCATOR_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in preset.items():
-        monkeypatch.setenv(name, value)
+    environment = {name: value for name, value in os.environ.items() if name not in ALLOCATOR_VARIABLES}
+    monkeypatch.setattr(os, "environ", {**environment, **preset})  # main's setting ends with the test
     assert main(["policies"]) == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected
 

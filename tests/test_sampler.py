@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from foresight.runtime.engine import SamplingConfig, logits_processors
 from foresight.growing_cache import SPARE_SHARE
+from foresight.runtime.engine import SamplingConfig, logits_processors
 from foresight.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
 from tests.helpers import eos_prone_model, random_prompts
 

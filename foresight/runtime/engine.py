@@ -282,7 +282,7 @@ class EvictionEngine:
             self.num_layers,
             state_fields=self.policy.state_fields,
             group_size=self.group_size,
-            query_window=min(interval, self.policy.latest_queries or interval) if self.evicts and self.policy.needs_attention else 0,
+            query_window=self._query_window(interval),
             keep_every_query=self.observes_every_query,
             capacity=min(width + new_tokens, int(limits.max())),  # the most entries a layer holds
         )
@@ -298,6 +298,13 @@ class EvictionEngine:
         )
         self.last_stats = run.stats
         return run, input_ids, positions, lengths
+
+    def _query_window(self, interval: int) -> int:
+        """Queries each layer keeps for a WINDOW policy: the latest it reads (`Policy.latest_queries`),
+        at most L; none for a policy that reads no attention."""
+        if not (self.evicts and self.policy.needs_attention):
+            return 0
+        return min(interval, self.policy.latest_queries or interval)
 
     def _room(self, run: _Run) -> int:
         """Tokens every row can still take before its next eviction."""
