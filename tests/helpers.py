@@ -199,7 +199,7 @@ def keep_scores(policy, context: EvictionContext) -> torch.Tensor:
     shape = context.positions.shape
     for field in policy.state_fields:
         trailing = (GROUP,) if field.per_query_head else ()
-        context.state[field.name] = torch.full((*shape, *trailing), field.fill)
+        context.state[field.name] = torch.full((*shape, *trailing), field.fill, device=context.positions.device)
     context.state.update(policy.observe(context))
     return policy.keep_scores(context)
 

@@ -168,14 +168,39 @@ def test_a_row_rolls_out_the_same_in_any_group(llama):
     assert not torch.equal(whole.actions.order[:, :, 0], whole.actions.order[:, :, 1])
 
 
+def scaled(scorer: ForesightScorer, factor: float) -> ForesightScorer:
+    """A copy of `scorer` whose keep scores are `factor` times its own (the last layer scaled)."""
+    copy = ForesightScorer(scorer.config)
+    copy.load_state_dict(scorer.state_dict())
+    with torch.no_grad():
+        copy.w2.mul_(factor)
+        copy.b2.mul_(factor)
+    return copy
+
+
+def test_sampling_temperature_divides_the_scores(llama):
+    """Rolling out at τ samples and scores exactly as τ = 1 with keep scores divided by τ; the recorded
+    actions recompute their log-probabilities at the τ they were sampled at."""
+    trace, scorer, tau = random_trace(llama, 56, seed=4), scorer_for(llama), 0.05
+    seeds = rollout_seeds(1, 0, trace.index, range(3))
+    tempered = roll_out(llama, scorer, trace, seeds, temperature=tau)
+    divided = roll_out(llama, scaled(scorer, 1 / tau), trace, seeds)
+    assert tempered.actions.temperature == tau and divided.actions.temperature == 1.0
+    assert torch.equal(tempered.actions.order, divided.actions.order)
+    with torch.no_grad():
+        expected = divided.actions.logprob(divided.actions.scores(scaled(scorer, 1 / tau)))
+        torch.testing.assert_close(tempered.actions.logprob(tempered.actions.scores(scorer)), expected, rtol=1e-5, atol=1e-4)
+    at_one = roll_out(llama, scorer, trace, seeds)
+    assert not torch.equal(at_one.actions.order, tempered.actions.order)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):
+        make_policy("foresight", scorer=scorer, mode="sampled", temperature=0)
+
+
 def test_sampling_at_temperature_zero_is_the_deterministic_policy(llama):
-    """Scores divided by τ → 0 (the last layer scaled by 1/τ): every row evicts the L lowest."""
+    """τ → 0: every row evicts the L lowest, as the deterministic policy does."""
     trace = random_trace(llama, 56, seed=3)
     scorer = scorer_for(llama)
-    with torch.no_grad():
-        scorer.w2.mul_(1e6)
-        scorer.b2.mul_(1e6)
-    rollout = roll_out(llama, scorer, trace, rollout_seeds(0, 0, 0, range(3)))
+    rollout = roll_out(llama, scorer, trace, rollout_seeds(0, 0, 0, range(3)), temperature=1e-6)
     deterministic = make_policy("foresight", scorer=scorer)
     engine = EvictionEngine(llama, deterministic, EvictionConfig(B, L_, sinks=0, protect_prompt=False))
     output = engine.replay([trace.input_ids], [trace.prompt_length])

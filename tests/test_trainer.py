@@ -41,30 +41,38 @@ B, L_ = 16, 4
 
 
 # -- the loss and the metrics ---------------------------------------------------------------------
-def loop_pairwise_loss(scores: torch.Tensor, alpha: torch.Tensor, margin: float) -> torch.Tensor:
-    """Eq. 6 for one problem by a double loop: mean over pairs with α_i < α_j of max(0, m - (φ_j - φ_i))."""
+def loop_pairwise_loss(scores: torch.Tensor, alpha: torch.Tensor, margin: float, lowest: int | None = None) -> torch.Tensor:
+    """Eq. 6 for one problem by a double loop: mean over pairs with α_i < α_j of max(0, m - (φ_j - φ_i)),
+    i restricted to the `lowest` entries a golden step evicts (sorted by α, then newest first)."""
+    rows = range(len(scores))
+    if lowest is not None:
+        rows = sorted(rows, key=lambda n: (float(alpha[n]), -n))[:lowest]
     terms = [
         torch.clamp(margin - (scores[j] - scores[i]), min=0)
-        for i, j in itertools.product(range(len(scores)), repeat=2)
+        for i, j in itertools.product(rows, range(len(scores)))
         if alpha[i] < alpha[j]
     ]
     return torch.stack(terms).mean() if terms else scores.sum() * 0
 
 
+@pytest.mark.parametrize("lowest", [None, 1, 3, 9])
 @pytest.mark.parametrize("chunk_size", [1, 3, 256])
-def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size):
+def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size, lowest):
     generator = torch.Generator().manual_seed(0)
     scores = (torch.randn(2, 3, 9, generator=generator) * 0.01).requires_grad_()
     alpha = torch.randint(0, 4, (2, 3, 9), generator=generator).float()  # many ties: tied pairs do not count
     alpha[1, 2] = 1.0  # all equal: no pair
-    loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01, chunk_size=chunk_size)
+    loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01, chunk_size=chunk_size, lowest=lowest)
     reference_scores = scores.detach().clone().requires_grad_()
     expected = torch.stack([
-        torch.stack([loop_pairwise_loss(reference_scores[b, h], alpha[b, h], 0.01) for h in range(3)]) for b in range(2)
+        torch.stack([loop_pairwise_loss(reference_scores[b, h], alpha[b, h], 0.01, lowest) for h in range(3)])
+        for b in range(2)
     ])
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-7)
-    counts = [[sum(int(a < c) for a in alpha[b, h] for c in alpha[b, h]) for h in range(3)] for b in range(2)]
-    assert pairs.tolist() == counts and pairs[1, 2] == 0 and loss[1, 2] == 0
+    if lowest in (None, 9):  # every entry is some pair's lower member
+        counts = [[sum(int(a < c) for a in alpha[b, h] for c in alpha[b, h]) for h in range(3)] for b in range(2)]
+        assert pairs.tolist() == counts
+    assert pairs[1, 2] == 0 and loss[1, 2] == 0
     weights = torch.randn(2, 3, generator=generator)
     (loss * weights).sum().backward()
     (expected * weights).sum().backward()
@@ -73,9 +81,18 @@ def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size):
 
 
 def test_pairwise_loss_hand_computed():
-    """α = (0, 1, 2): pairs (0,1), (0,2), (1,2). φ = (0, 0.005, 0.1): hinges 0.005, 0, 0 -> mean 0.005/3."""
-    loss, pairs = pairwise_ranking_loss(torch.tensor([0.0, 0.005, 0.1]), torch.tensor([0.0, 1.0, 2.0]), margin=0.01)
+    """α = (0, 1, 2): pairs (0,1), (0,2), (1,2). φ = (0, 0.005, 0.1): hinges 0.005, 0, 0 -> mean 0.005/3.
+    Only the pairs of the one entry a golden step evicts, entry 0: (0,1), (0,2) -> mean 0.005/2."""
+    scores, alpha = torch.tensor([0.0, 0.005, 0.1]), torch.tensor([0.0, 1.0, 2.0])
+    loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01)
     assert pairs == 3 and math.isclose(float(loss), 0.005 / 3, rel_tol=1e-6)
+    loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01, lowest=1)
+    assert pairs == 2 and math.isclose(float(loss), 0.005 / 2, rel_tol=1e-6)
+    # On a tie the golden step evicts the newer entry: α = (1, 1, 2) evicts entry 1, pair (1,2) only.
+    loss, pairs = pairwise_ranking_loss(torch.tensor([0.0, 0.1, 0.105]), torch.tensor([1.0, 1.0, 2.0]), margin=0.01, lowest=1)
+    assert pairs == 1 and math.isclose(float(loss), 0.005, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="lowest must be in 1..3"):
+        pairwise_ranking_loss(scores, alpha, lowest=0)
 
 
 def test_kept_overlap_and_spearman_against_sets_and_torchmetrics():
@@ -101,8 +118,10 @@ def test_ties_share_their_mean_rank_and_keep_the_lower_position():
 
 
 # -- the LightningModule ----------------------------------------------------------------------------
-def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_path):
-    module = SupervisedScorer(scorer_spec(), lr=3e-2)
+@pytest.mark.parametrize("pairs", ["all", "evicted"])
+def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_path, pairs):
+    """Both pair sets learn which entries to keep; only all pairs also order the kept ones."""
+    module = SupervisedScorer(scorer_spec(), lr=3e-2, pairs=pairs)
     assert {id(p) for p in module.parameters()} == {id(p) for p in module.scorer.parameters()}
     train = DataLoader(synthetic_traces(8, 4), batch_size=2, shuffle=True, collate_fn=concat_steps)
     val = DataLoader(synthetic_traces(2, 4, seed=1), batch_size=2, collate_fn=concat_steps)
@@ -112,21 +131,25 @@ def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_pat
     trainer.fit(module, train, val)
     after = trainer.validate(module, val, verbose=False)[0]
     assert after["val/loss"] < 0.5 * before["val/loss"]
-    assert after["val/spearman"] > 0.9 > before["val/spearman"] + 0.3
-    assert after["val/overlap"] > 0.85
+    if pairs == "all":
+        assert after["val/spearman"] > 0.9 > before["val/spearman"] + 0.3
+    assert after["val/overlap"] > 0.85 and after["val/overlap"] > before["val/overlap"] + 0.1, (before, after)
     assert trainer.optimizers[0].param_groups[0]["lr"] < 1e-4  # the cosine schedule ran down to ~0
     assert "val/overlap_cumulative" in after
     batch = next(iter(train))
     group = batch["features"].shape[-1] // 6
     cumulative = torch.stack([batch["features"][..., g * 6 + 4] for g in range(group)], -1).mean(-1)
     torch.testing.assert_close(module.cumulative_attention(batch), cumulative)
-    module._loss(module(batch), batch["alpha"]).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+    if pairs == "all":  # the evicted pairs can all meet the margin by now: no gradient left
+        module._loss(module(batch), batch["alpha"]).backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
 
 
 def test_module_rejects_bad_hyperparameters():
     with pytest.raises(ValueError, match="need lr > 0"):
         SupervisedScorer(scorer_spec(), lr=0.0)
+    with pytest.raises(ValueError, match="unknown ranking pairs 'some'; allowed: 'all', 'evicted'"):
+        SupervisedScorer(scorer_spec(), pairs="some")
 
 
 # -- the data module reads; it makes nothing -------------------------------------------------------

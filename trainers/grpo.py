@@ -60,6 +60,10 @@ class GRPOScorer(L.LightningModule):
       kl_steps: apply β only for the first kl_steps optimisation steps (the authors' code turns the KL
       off after 100 steps); None: always. clip: ε (0.2). epochs: updates per batch of rollouts (1).
       max_grad_norm: gradient norm clipping (1.0, the authors' code; None: none).
+    temperature: τ of the rollouts' sampled policy, Eq. 2 over the keep scores divided by τ (1, the paper's).
+      A supervised scorer's scores can be nearly equal over the pool (the ranking loss asks only for a
+      margin), which makes the first draw uniform at τ = 1; a smaller τ keeps the rollouts near the
+      scorer's own ranking, exploring around it. The exported scorer is used deterministically either way.
     low_entropy_share, damage_threshold: the reward's bottom-entropy share (0.8) and η (1.5).
     storage_dtype: dtype of the recorded scorer inputs between rollout and update ("float32"; "float16"
       halves the memory of long traces). dtype: of the frozen model, which runs on the module's device.
@@ -80,6 +84,7 @@ class GRPOScorer(L.LightningModule):
         clip: float = CLIP_EPSILON,
         epochs: int = 1,
         max_grad_norm: float | None = 1.0,
+        temperature: float = 1.0,
         low_entropy_share: float = LOW_ENTROPY_SHARE,
         damage_threshold: float = DAMAGE_THRESHOLD,
         storage_dtype: str = "float32",
@@ -89,10 +94,10 @@ class GRPOScorer(L.LightningModule):
         super().__init__()
         if group_size < 2:
             raise ValueError(f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}")
-        if lr <= 0 or beta < 0 or not 0 < clip < 1 or epochs < 1 or warm_up < 0:
+        if lr <= 0 or beta < 0 or not 0 < clip < 1 or epochs < 1 or warm_up < 0 or not 0 < temperature < float("inf"):
             raise ValueError(
-                f"need lr > 0, beta >= 0, 0 < clip < 1, epochs >= 1 and warm_up >= 0, got lr={lr}, beta={beta}, "
-                f"clip={clip}, epochs={epochs}, warm_up={warm_up}"
+                f"need lr > 0, beta >= 0, 0 < clip < 1, epochs >= 1, warm_up >= 0 and a finite temperature > 0, got "
+                f"lr={lr}, beta={beta}, clip={clip}, epochs={epochs}, warm_up={warm_up}, temperature={temperature}"
             )
         self.save_hyperparameters()
         self.automatic_optimization = False
@@ -141,6 +146,7 @@ class GRPOScorer(L.LightningModule):
         return roll_out(
             self.frozen_model, self.scorer, trace, seeds, share=self.hparams.low_entropy_share,
             threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
+            temperature=self.hparams.temperature,
         )
 
     def training_step(self, batch: Sequence[Trace], batch_idx: int) -> None:
@@ -246,7 +252,8 @@ class GRPOScorer(L.LightningModule):
         settings = (
             f"G = {hparams.group_size}, lr {hparams.lr} after {hparams.warm_up} warm-up steps, β = {hparams.beta}"
             + (f" for {hparams.kl_steps} steps" if hparams.kl_steps is not None else "")
-            + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts"
+            + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts, sampling temperature τ = "
+            + f"{hparams.temperature}"
         )
         metrics = {name: round(float(value), 6) for name, value in sorted(self.trainer.callback_metrics.items())}
         return {**data, "GRPO": settings, "optimisation steps": self.global_step, "metrics": metrics}

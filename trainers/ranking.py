@@ -10,19 +10,38 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from foresight.cadence import top_k_mask
+from foresight.choices import Choice
 
 DEFAULT_MARGIN = 0.01
 """m of ForesightKV Eq. 6 (App. E.1)."""
 
 
+class RankingPairs(Choice):
+    """Which pairs of a step's candidates the ranking loss reads.
+
+    "all": every pair with α_i < α_j (Eq. 6). "evicted": only the pairs whose lower member is one of
+    the L candidates the golden step evicts (the L smallest α), the pairs that decide which entries
+    the deterministic policy evicts; the order among the kept entries, most of the pairs, is left free.
+    """
+
+    ALL = "all"
+    EVICTED = "evicted"
+
+
 def pairwise_ranking_loss(
-    scores: torch.Tensor, alpha: torch.Tensor, margin: float = DEFAULT_MARGIN, chunk_size: int = 256
+    scores: torch.Tensor,
+    alpha: torch.Tensor,
+    margin: float = DEFAULT_MARGIN,
+    chunk_size: int = 256,
+    lowest: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ForesightKV Eq. 6 per ranking problem: the mean over ordered pairs (i, j) with α_i < α_j of
     max(0, m - (φ_j - φ_i)) (docs/algorithms.md §6). Returns (loss [...], number of pairs [...]); a
-    problem without a pair (all α equal) has loss 0 and 0 pairs.
+    problem without a pair (all α equal) has loss 0 and 0 pairs. `lowest`: only pairs whose i is
+    among the `lowest` entries of its problem that the golden step evicts (the smallest α; ties evict
+    the higher index, the newer entry).
 
-    Every pair is used, none sampled. The N x N pair matrix is built in chunks of `chunk_size`
+    Every such pair is used, none sampled. The N x N pair matrix is built in chunks of `chunk_size`
     rows i, each under activation checkpointing, so forward and backward hold O(chunk_size x N)
     numbers per problem (the paper's B = 1024 would otherwise need N^2 per head and step).
     """
@@ -30,29 +49,40 @@ def pairwise_ranking_loss(
         raise ValueError(f"scores {tuple(scores.shape)} and alpha {tuple(alpha.shape)} must have the same shape")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    if lowest is not None and not 1 <= lowest <= alpha.shape[-1]:
+        raise ValueError(f"lowest must be in 1..{alpha.shape[-1]} (the candidates of a problem), got {lowest}")
     alpha = alpha.to(scores.dtype)
+    # The golden step keeps the N - lowest largest α, ties to the older entry; i ranges over the rest.
+    rows_used = torch.ones_like(alpha, dtype=torch.bool) if lowest is None else ~top_k_mask(alpha, alpha.shape[-1] - lowest)
     total = scores.new_zeros(scores.shape[:-1])
     for start in range(0, scores.shape[-1], chunk_size):
         rows = slice(start, start + chunk_size)
         total = total + checkpoint(
-            _hinge_sum, scores[..., rows], alpha[..., rows], scores, alpha, margin, use_reentrant=False
+            _hinge_sum, scores[..., rows], alpha[..., rows], rows_used[..., rows], scores, alpha, margin,
+            use_reentrant=False,
         )
-    pairs = count_ordered_pairs(alpha)
+    pairs = count_ordered_pairs(alpha, rows_used)
     return total / pairs.clamp_min(1), pairs
 
 
-def count_ordered_pairs(alpha: torch.Tensor) -> torch.Tensor:
-    """Number of pairs (i, j) with α_i < α_j per problem, by sorting: O(N log N), not N^2."""
+def count_ordered_pairs(alpha: torch.Tensor, rows_used: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of pairs (i, j) with α_i < α_j per problem (only rows i where `rows_used`), by sorting:
+    O(N log N), not N^2."""
     ordered = alpha.sort(dim=-1).values.contiguous()
     larger = alpha.shape[-1] - torch.searchsorted(ordered, alpha.contiguous(), side="right")
-    return larger.sum(-1)
+    return (larger if rows_used is None else larger * rows_used).sum(-1)
 
 
 def _hinge_sum(
-    scores_i: torch.Tensor, alpha_i: torch.Tensor, scores: torch.Tensor, alpha: torch.Tensor, margin: float
+    scores_i: torch.Tensor,
+    alpha_i: torch.Tensor,
+    used_i: torch.Tensor,
+    scores: torch.Tensor,
+    alpha: torch.Tensor,
+    margin: float,
 ) -> torch.Tensor:
-    """Sum over i in the chunk and all j with α_i < α_j of max(0, m - (φ_j - φ_i))."""
-    ordered = alpha_i[..., :, None] < alpha[..., None, :]
+    """Sum over i in the chunk where `used_i` and all j with α_i < α_j of max(0, m - (φ_j - φ_i))."""
+    ordered = (alpha_i[..., :, None] < alpha[..., None, :]) & used_i[..., :, None]
     hinge = torch.relu(margin - (scores[..., None, :] - scores_i[..., :, None]))
     return (hinge * ordered).sum((-1, -2))
 

@@ -47,7 +47,8 @@ class EvictionActions:
     keys, values [layers, steps, rows, Hkv, P, D], features [..., P, F*G]: the scorer inputs of each
     step's pool P = 2L (`SampledEviction`); eligible [..., P]; order [..., L]: the pool indices in
     sampled order; evicted [..., L]: their sequence positions; after [steps]: the position of the
-    newest token when the step ran (the eviction changes the cache of every later token).
+    newest token when the step ran (the eviction changes the cache of every later token); temperature:
+    the τ the policy sampled at (Eq. 2 reads the keep scores divided by it).
     """
 
     keys: torch.Tensor
@@ -57,6 +58,7 @@ class EvictionActions:
     order: torch.Tensor
     evicted: torch.Tensor
     after: torch.Tensor
+    temperature: float = 1.0
 
     @classmethod
     def stack(
@@ -70,6 +72,9 @@ class EvictionActions:
         steps = [records[i : i + num_layers] for i in range(0, len(records), num_layers)]
         if any(record.layer != layer for step in steps for layer, record in enumerate(step)):
             raise ValueError("records must hold every layer of a step, in order")
+        temperatures = {record.temperature for record in records}
+        if len(temperatures) != 1:
+            raise ValueError(f"the records were sampled at several temperatures {sorted(temperatures)}; stack one run's")
         if any(bool((step[0].query_positions[:, -1] != step[0].query_positions[0, -1]).any()) for step in steps):
             raise ValueError("the rows of a rollout group must evict together (replay one trace per group)")
         steps = [step for step in steps if int(step[0].query_positions[0, -1]) < before]
@@ -91,6 +96,7 @@ class EvictionActions:
             order=stacked("order"),
             evicted=torch.stack([torch.stack([r.positions.gather(-1, r.order) for r in step]) for step in steps], 1),
             after=torch.stack([step[0].query_positions[0, -1] for step in steps]),
+            temperature=temperatures.pop(),
         )
 
     @property
@@ -105,15 +111,16 @@ class EvictionActions:
 
     def logprob(self, scores: torch.Tensor) -> torch.Tensor:
         """Plackett-Luce log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action
-        probability of Eq. 10) under the keep scores `scores` of `self.scores`."""
+        probability of Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature."""
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
-        logprob = plackett_luce_logprob(scores, pool, self.order.to(scores.device), self.eligible.to(scores.device))
+        logprob = plackett_luce_logprob(scores / self.temperature, pool, self.order.to(scores.device), self.eligible.to(scores.device))
         return logprob.movedim(2, 0)
 
     def first_draw_entropy(self, scores: torch.Tensor) -> torch.Tensor:
         """Entropy [rows, layers, steps, Hkv] of the first draw of Eq. 2 (softmax of the negated scores
-        over the pool's eligible entries): how spread the policy is, in nats (at most log 2L)."""
-        logits = (-scores.float()).masked_fill(~self.eligible.to(scores.device), torch.finfo(torch.float32).min)
+        over the pool's eligible entries, at the sampling temperature): how spread the policy is, in nats
+        (at most log 2L)."""
+        logits = (-scores.float() / self.temperature).masked_fill(~self.eligible.to(scores.device), torch.finfo(torch.float32).min)
         return torch.distributions.Categorical(logits=logits).entropy().movedim(2, 0)
 
 
@@ -176,9 +183,10 @@ def roll_out(
     share: float = LOW_ENTROPY_SHARE,
     threshold: float = DAMAGE_THRESHOLD,
     storage_dtype: torch.dtype = torch.float32,
+    temperature: float = 1.0,
 ) -> GroupRollout:
     """Replay `trace` once per seed as the rows of one batch, `scorer` sampling every eviction (Eq. 2)
-    at the B and L it was trained for; record the evictions and score each row.
+    at the B and L it was trained for and at `temperature`; record the evictions and score each row.
 
     The replay prefills min(B + L, prompt) tokens, so every row evicts on the cadence of §1 from the
     first token on (the cadence of the supervised stage and of `foresight eval`)."""
@@ -190,7 +198,9 @@ def roll_out(
             f"(needs at least B + L + 2 = {config.budget + config.interval + 2})"
         )
     started = time.perf_counter()
-    policy = make_policy("foresight", scorer=scorer, mode="sampled", row_seeds=tuple(row_seeds))
+    policy = make_policy(
+        "foresight", scorer=scorer, mode="sampled", temperature=temperature, row_seeds=tuple(row_seeds)
+    )
     engine = EvictionEngine(model, policy, EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False))
     prefill = min(config.budget + config.interval, trace.prompt_length)
     output = engine.replay([trace.input_ids] * len(row_seeds), [prefill] * len(row_seeds))

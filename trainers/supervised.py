@@ -20,7 +20,7 @@ from torchmetrics import MeanMetric
 from foresight.export import checkpoint_entries
 from foresight.features import FEATURE_NAMES
 from foresight.scorer import ForesightScorer, ScorerConfig
-from trainers.ranking import DEFAULT_MARGIN, kept_overlap, pairwise_ranking_loss, spearman
+from trainers.ranking import DEFAULT_MARGIN, RankingPairs, kept_overlap, pairwise_ranking_loss, spearman
 
 
 class SupervisedScorer(L.LightningModule):
@@ -30,7 +30,9 @@ class SupervisedScorer(L.LightningModule):
       LightningCLI links them from the data module.
     hidden: H, the MLP width (16). margin: m of Eq. 6 (0.01). lr, weight_decay: AdamW, the learning
       rate annealed by a cosine from `lr` to 0 over the run's optimisation steps (paper: lr 1e-2).
-    pair_chunk: rows of the pair matrix built at once (memory only; the loss uses every pair).
+    pairs: "all" (Eq. 6, every pair) or "evicted" (only pairs whose lower member is one of the L
+      entries the golden step evicts; `RankingPairs`).
+    pair_chunk: rows of the pair matrix built at once (memory only; the loss uses every chosen pair).
     """
 
     def __init__(
@@ -40,9 +42,11 @@ class SupervisedScorer(L.LightningModule):
         margin: float = DEFAULT_MARGIN,
         lr: float = 1e-2,
         weight_decay: float = 0.0,
+        pairs: str = RankingPairs.ALL.value,
         pair_chunk: int = 256,
     ) -> None:
         super().__init__()
+        pairs = RankingPairs.parse(pairs).value
         if lr <= 0 or margin < 0 or weight_decay < 0:
             raise ValueError(
                 f"need lr > 0, margin >= 0 and weight_decay >= 0, got lr={lr}, margin={margin}, weight_decay={weight_decay}"
@@ -64,7 +68,8 @@ class SupervisedScorer(L.LightningModule):
 
     def _loss(self, scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global-batch mean of Eq. 6 (see the module docstring)."""
-        per_problem, _ = pairwise_ranking_loss(scores, alpha, self.hparams.margin, self.hparams.pair_chunk)
+        lowest = self.scorer.config.interval if self.hparams.pairs == RankingPairs.EVICTED.value else None
+        per_problem, _ = pairwise_ranking_loss(scores, alpha, self.hparams.margin, self.hparams.pair_chunk, lowest)
         count = torch.tensor(float(per_problem.numel()), device=per_problem.device)
         world = self.trainer.world_size
         total = self.trainer.strategy.reduce(count, reduce_op="sum") if world > 1 else count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -49,7 +50,7 @@ class SampledEviction:
     scores only): keys, values [batch, Hkv, P, D], features [batch, Hkv, P, F*G], their sequence
     positions [batch, Hkv, P] and eligible [batch, Hkv, P] (False: an invalid slot, probability 0).
     `order` [batch, Hkv, L] indexes the pool in sampled order; `logprob` [batch, Hkv] is its
-    log-probability under the sampling scorer.
+    log-probability under the sampling scorer at the sampling `temperature`.
     """
 
     layer: int
@@ -61,11 +62,12 @@ class SampledEviction:
     eligible: torch.Tensor
     order: torch.Tensor
     logprob: torch.Tensor
+    temperature: float = 1.0
 
     def logprob_under(self, scorer: ForesightScorer) -> torch.Tensor:
         """Log-probability [batch, Hkv] of the recorded eviction under `scorer` (differentiable; the
         ratio of GRPO, ForesightKV Eq. 10)."""
-        scores = scorer.score_layer(self.layer, self.keys, self.values, self.features)
+        scores = scorer.score_layer(self.layer, self.keys, self.values, self.features) / self.temperature
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
         return plackett_luce_logprob(scores, pool, self.order, eligible=self.eligible)
 
@@ -82,6 +84,9 @@ class Foresight(Policy):
       L evictions from the 2L lowest by Eq. 2 (softmax over the negated scores, without
       replacement), using a generator seeded with `seed` at the start of every run, and records
       each layer's draw in `records` (a list of `SampledEviction`) for the reinforcement stage.
+    temperature: τ of the sampled mode: Eq. 2's softmax reads the negated scores divided by τ (default 1,
+      the paper's). A smaller τ sharpens the draw towards the deterministic policy (τ -> 0 evicts the
+      L lowest); the pool, the 2L lowest, does not depend on it.
     seed: seed of the sampled mode (default 0).
     row_seeds: one seed per batch row instead (sampled mode, every row evicting at every step, as the
       rollouts of one trace do): each row draws from its own generator, so a row's evictions do not
@@ -101,6 +106,7 @@ class Foresight(Policy):
 
     scorer: ForesightScorer | str | os.PathLike
     mode: str = EvictionMode.DETERMINISTIC.value
+    temperature: float = 1.0
     seed: int = 0
     row_seeds: tuple[int, ...] | None = None
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
@@ -114,6 +120,8 @@ class Foresight(Policy):
         if not isinstance(self.scorer, ForesightScorer):
             raise ValueError(f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}")
         self.mode = EvictionMode.parse(self.mode).value
+        if not math.isfinite(self.temperature) or self.temperature <= 0:
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
         if self.row_seeds is not None:
             self.row_seeds = tuple(int(seed) for seed in self.row_seeds)
 
@@ -150,8 +158,9 @@ class Foresight(Policy):
         eligible = context.candidate_positions >= 0
         if self._generator is None:
             self._generator = self._generators(scores.device)
-        order, logprob = sample_eviction(scores, interval, self._generator, eligible=eligible)
-        pool = eviction_pool(scores, interval, eligible)
+        tempered = scores / self.temperature
+        order, logprob = sample_eviction(tempered, interval, self._generator, eligible=eligible)
+        pool = eviction_pool(tempered, interval, eligible)
         in_pool = (pool[..., None, :] == order[..., :, None]).int().argmax(-1)
 
         def pooled(tensor: torch.Tensor) -> torch.Tensor:
@@ -169,6 +178,7 @@ class Foresight(Policy):
                 eligible=eligible.gather(-1, pool),
                 order=in_pool,
                 logprob=logprob,
+                temperature=self.temperature,
             )
         )
         sampled = torch.zeros_like(eligible).scatter(-1, order, True)
