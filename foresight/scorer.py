@@ -20,6 +20,7 @@ Size: the scorer, its Hub save/load and its eviction rules (lowest scores, Eq. 2
 Luce) share the score layout; the sampling functions are what the GRPO ratio differentiates.
 """
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -256,9 +257,15 @@ def _masked(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None)
     return scores.masked_fill(~eligible, float("inf"))
 
 
-def _logits(masked: torch.Tensor) -> torch.Tensor:
-    """Eviction logits = negated keep scores, in at least float32 (ineligible: -inf)."""
-    return -masked.to(torch.promote_types(masked.dtype, torch.float32))
+def check_temperature(temperature: float) -> None:
+    """One-line error unless τ of Eq. 2 is a finite number > 0."""
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+
+
+def _logits(masked: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Eviction logits = negated keep scores / τ, in at least float32 (ineligible: -inf)."""
+    return -masked.to(torch.promote_types(masked.dtype, torch.float32)) / temperature
 
 
 def evict_lowest(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,12 +290,14 @@ def sample_eviction(
     num_evict: int,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     eligible: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample which candidates to evict (ForesightKV Eq. 2): softmax over the negated scores of the pool
-    (`eviction_pool`), then `num_evict` draws without replacement.
+    (`eviction_pool`), divided by `temperature` τ (1 in the paper; τ -> 0 evicts the lowest), then
+    `num_evict` draws without replacement.
 
     Returns (indices [..., num_evict] into the candidates, in sampled order; their Plackett-Luce
-    log-probability [...], as `plackett_luce_logprob` computes it). The pool is `eviction_pool` of the
+    log-probability [...] at τ, as `plackett_luce_logprob` computes it). The pool is `eviction_pool` of the
     same arguments (record it for GRPO ratios). A `generator` must live on the scores' device; a
     sequence of them, one per index of the scores' first dim, draws each row's noise from its own
     generator, so a row samples the same whichever rows share its batch.
@@ -302,12 +311,12 @@ def sample_eviction(
     """
     masked = _masked(scores, num_evict, eligible)
     pool = _pool(masked, num_evict)
-    logits = _logits(masked).gather(-1, pool)
+    logits = _logits(masked, temperature).gather(-1, pool)
     uniform = _uniform(logits, generator)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(logits.dtype).tiny)))
     picks = (logits + gumbel).topk(num_evict, dim=-1).indices
     order = pool.gather(-1, picks)
-    return order, _plackett_luce(masked, pool, order)
+    return order, _plackett_luce(masked, pool, order, temperature)
 
 
 def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
@@ -321,10 +330,14 @@ def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.G
 
 
 def plackett_luce_logprob(
-    scores: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, eligible: torch.Tensor | None = None
+    scores: torch.Tensor,
+    pool: torch.Tensor,
+    order: torch.Tensor,
+    eligible: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probability [...] of evicting `order` [..., L] (candidate indices, in sampled order) by
-    sequential softmax draws over the negated scores of `pool` [..., P] (ForesightKV Eq. 2; the
+    sequential softmax draws over the negated scores / `temperature` of `pool` [..., P] (ForesightKV Eq. 2; the
     action probability of GRPO, Eq. 10). Differentiable w.r.t. the scores; the pool itself is taken
     as given, as recorded at sampling time."""
     if pool.shape[:-1] != scores.shape[:-1] or order.shape[:-1] != scores.shape[:-1]:
@@ -333,14 +346,14 @@ def plackett_luce_logprob(
             f"scores {tuple(scores.shape)}"
         )
     masked = _masked(scores, order.shape[-1], eligible)
-    return _plackett_luce(masked, pool, order)
+    return _plackett_luce(masked, pool, order, temperature)
 
 
-def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, temperature: float) -> torch.Tensor:
     """sum_k [l(o_k) - logsumexp of l over the pool entries not yet drawn]. The entries still available
     at draw k are the pool entries never drawn plus o_k..o_L, so each denominator is a logaddexp of one
     logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor."""
-    logits = _logits(masked)
+    logits = _logits(masked, temperature)
     drawn = torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
     if bool((drawn.sum(-1) != order.shape[-1]).any()):
         raise ValueError("order must hold distinct candidates that all lie in the pool")

@@ -276,6 +276,18 @@ def test_sampled_logprob_is_that_of_the_sampled_order():
     torch.testing.assert_close(logprob.double(), expected, rtol=0, atol=1e-5)
 
 
+def test_temperature_divides_the_scores_of_the_draw_and_its_logprob():
+    scores, tau = torch.randn(64, 6, generator=torch.Generator().manual_seed(6), dtype=torch.float64), 0.3
+    order, logprob = sample_eviction(scores, 2, torch.Generator().manual_seed(7), temperature=tau)
+    divided_order, divided_logprob = sample_eviction(scores / tau, 2, torch.Generator().manual_seed(7))
+    assert torch.equal(order, divided_order)
+    expected = sequential_logprob(scores / tau, eviction_pool(scores, 2), order)
+    torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-10)
+    torch.testing.assert_close(divided_logprob, expected, rtol=0, atol=1e-10)
+    torch.testing.assert_close(plackett_luce_logprob(scores, eviction_pool(scores, 2), order, temperature=tau), expected,
+                               rtol=0, atol=1e-10)
+
+
 def test_sampling_is_reproducible_with_a_generator():
     scores = torch.randn(4, 3, 20)
     first = sample_eviction(scores, 5, torch.Generator().manual_seed(11))

@@ -33,8 +33,7 @@ from torchmetrics import MeanMetric
 from foresight.export import checkpoint_entries
 from foresight.metrics import DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
 from foresight.models import describe, float_dtype, load_config, load_model
-from foresight.scorer import load_scorer
-from foresight.scorer import ForesightScorer
+from foresight.scorer import ForesightScorer, check_temperature, load_scorer
 from foresight.traces import Trace
 from trainers.rollouts import (
     CLIP_EPSILON,
@@ -94,11 +93,12 @@ class GRPOScorer(L.LightningModule):
         super().__init__()
         if group_size < 2:
             raise ValueError(f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}")
-        if lr <= 0 or beta < 0 or not 0 < clip < 1 or epochs < 1 or warm_up < 0 or not 0 < temperature < float("inf"):
+        if lr <= 0 or beta < 0 or not 0 < clip < 1 or epochs < 1 or warm_up < 0:
             raise ValueError(
-                f"need lr > 0, beta >= 0, 0 < clip < 1, epochs >= 1, warm_up >= 0 and a finite temperature > 0, got "
-                f"lr={lr}, beta={beta}, clip={clip}, epochs={epochs}, warm_up={warm_up}, temperature={temperature}"
+                f"need lr > 0, beta >= 0, 0 < clip < 1, epochs >= 1 and warm_up >= 0, got lr={lr}, beta={beta}, "
+                f"clip={clip}, epochs={epochs}, warm_up={warm_up}"
             )
+        check_temperature(temperature)
         self.save_hyperparameters()
         self.automatic_optimization = False
         start = load_scorer(scorer)

@@ -113,7 +113,8 @@ class EvictionActions:
         """Plackett-Luce log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action
         probability of Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature."""
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
-        logprob = plackett_luce_logprob(scores / self.temperature, pool, self.order.to(scores.device), self.eligible.to(scores.device))
+        order, eligible = self.order.to(scores.device), self.eligible.to(scores.device)
+        logprob = plackett_luce_logprob(scores, pool, order, eligible, self.temperature)
         return logprob.movedim(2, 0)
 
     def first_draw_entropy(self, scores: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -14,7 +13,9 @@ from foresight.models import ModelShape
 from foresight.policies import register
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
-from foresight.scorer import ForesightScorer, eviction_pool, load_scorer, plackett_luce_logprob, sample_eviction
+from foresight.scorer import (
+    ForesightScorer, check_temperature, eviction_pool, load_scorer, plackett_luce_logprob, sample_eviction,
+)
 
 CUMULATIVE = "cumulative"
 DECAYED = "decayed"
@@ -67,9 +68,9 @@ class SampledEviction:
     def logprob_under(self, scorer: ForesightScorer) -> torch.Tensor:
         """Log-probability [batch, Hkv] of the recorded eviction under `scorer` (differentiable; the
         ratio of GRPO, ForesightKV Eq. 10)."""
-        scores = scorer.score_layer(self.layer, self.keys, self.values, self.features) / self.temperature
+        scores = scorer.score_layer(self.layer, self.keys, self.values, self.features)
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
-        return plackett_luce_logprob(scores, pool, self.order, eligible=self.eligible)
+        return plackett_luce_logprob(scores, pool, self.order, eligible=self.eligible, temperature=self.temperature)
 
 
 @register
@@ -120,8 +121,7 @@ class Foresight(Policy):
         if not isinstance(self.scorer, ForesightScorer):
             raise ValueError(f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}")
         self.mode = EvictionMode.parse(self.mode).value
-        if not math.isfinite(self.temperature) or self.temperature <= 0:
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        check_temperature(self.temperature)
         if self.row_seeds is not None:
             self.row_seeds = tuple(int(seed) for seed in self.row_seeds)
 
@@ -158,9 +158,8 @@ class Foresight(Policy):
         eligible = context.candidate_positions >= 0
         if self._generator is None:
             self._generator = self._generators(scores.device)
-        tempered = scores / self.temperature
-        order, logprob = sample_eviction(tempered, interval, self._generator, eligible=eligible)
-        pool = eviction_pool(tempered, interval, eligible)
+        order, logprob = sample_eviction(scores, interval, self._generator, eligible, self.temperature)
+        pool = eviction_pool(scores, interval, eligible)
         in_pool = (pool[..., None, :] == order[..., :, None]).int().argmax(-1)
 
         def pooled(tensor: torch.Tensor) -> torch.Tensor:
