@@ -68,6 +68,7 @@ from foresight.report import Column, set_interval, write_results
 from foresight.report import markdown_table as format_table
 from foresight.runtime.capture import eviction_attention, register_runtime_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, ReplayOutput
+from foresight.runtime.prefix import ReplayPrefix
 from foresight.stats import bootstrap_interval
 from foresight.traces import Trace
 
@@ -391,10 +392,12 @@ def evaluate(
     labels_root: str | os.PathLike | None = None,
     batch_size: int = 4,
     progress: bool = True,
+    share_prefix: bool = True,
 ) -> EvaluationResult:
     """Replay every trace under every policy and budget; one result row per (policy, budget).
 
-    `labels_root` is the traces folder whose labels-B{B}-L{L} folders hold golden labels (None: no
+    `share_prefix`: the policies of a batch reuse each other's forwards before the first eviction
+    (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces folder whose labels-B{B}-L{L} folders hold golden labels (None: no
     labels). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
     every evaluated trace; elsewhere a note says so.
     """
@@ -428,7 +431,7 @@ def evaluate(
             tallies = {spec.name: _Tally() for spec in budget_specs}
             for batch in batches:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
-                _evaluate_batch(model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar)
+                _evaluate_batch(model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix)
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
                 for spec in budget_specs
@@ -489,6 +492,7 @@ def _evaluate_batch(
     labels: Sequence[GoldenLabels] | None,
     tallies: dict[str, _Tally],
     bar: tqdm,
+    share_prefix: bool = True,
 ) -> None:
     """One full-cache replay for the reference outputs, then one replay per evicting policy."""
     num_layers = model.config.get_text_config().num_hidden_layers
@@ -497,6 +501,7 @@ def _evaluate_batch(
     if any(spec.evicts for spec in specs):
         _replay(model, REFERENCE, batch, budget, interval, None, reference, bar)
     schedule = None if labels is None else GoldenSchedule.stack(labels)
+    prefixes = {} if share_prefix else None  # per prefill: the forwards before the first eviction
     for spec in specs:
         tally = tallies[spec.name]
         if not spec.evicts:
@@ -504,7 +509,7 @@ def _evaluate_batch(
                 tally.add_trace(trace, trace.token_nll, budget + interval, None)
             continue
         probe = AttentionProbe(lengths, num_layers, reference=reference.outputs, schedule=schedule)
-        output = _replay(model, spec, batch, budget, interval, labels, probe, bar)
+        output = _replay(model, spec, batch, budget, interval, labels, probe, bar, prefixes)
         tally.seconds += output.stats.forward_seconds + output.stats.eviction_seconds
         for row, trace in enumerate(batch):
             predictions = trace.input_ids.numel() - 1
@@ -523,14 +528,19 @@ def _replay(
     labels: Sequence[GoldenLabels] | None,
     probe: AttentionProbe,
     bar: tqdm,
+    prefixes: dict[tuple[int, ...], ReplayPrefix] | None = None,
 ) -> ReplayOutput:
+    """One replay of the batch; evicting policies with the same prefill share the forwards before their
+    first eviction through `prefixes` (`foresight.runtime.prefix`: the same results, the model run once)."""
     engine = EvictionEngine(model, spec.build(labels), spec.config(budget, interval), attention=PROBE_ATTENTION)
     bar.set_postfix_str(f"B={budget} {spec.name}")
     prefill = _prefill(batch, budget, interval, engine.protect_prompt)
     chunk = None if spec.evicts else REFERENCE_CHUNK
+    prefix = None if prefixes is None else prefixes.setdefault(tuple(prefill), ReplayPrefix())
     with probe.active():
         return engine.replay(
-            [t.input_ids for t in batch], prefill, max_chunk=chunk, on_tokens=lambda n: bar.update(n * len(batch))
+            [t.input_ids for t in batch], prefill, max_chunk=chunk, on_tokens=lambda n: bar.update(n * len(batch)),
+            prefix=prefix,
         )
 
 

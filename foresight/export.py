@@ -105,7 +105,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
     sections = [
         f"# ForesightKV scorer for {base}",
         "Learned KV-cache eviction scores (ForesightKV, §3.1): one MLP per (layer, KV head), "
-        f"x = [key || value || attention features] -> Linear({config.input_dim}, {config.hidden}) -> GELU -> "
+        f"x = [{'key || value || ' if config.key_values else ''}attention features] -> Linear({config.input_dim}, {config.hidden}) -> GELU -> "
         "Linear(1), a keep score per cache entry.",
         "| setting | value |\n|---|---|\n"
         f"| base model | `{config.base_model}` ({config.num_layers} layers, {config.num_query_heads} query heads, "

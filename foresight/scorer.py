@@ -70,7 +70,9 @@ class ScorerConfig:
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
     scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not
-    recorded).
+    recorded). key_values: whether x_n holds the entry's key and value (True, the paper's x_n) or only its
+    attention features (False: an ablation whose scorer cannot key on token content or on the absolute
+    position that RoPE rotates into the keys).
     """
 
     num_layers: int
@@ -85,6 +87,7 @@ class ScorerConfig:
     stage: str = "supervised"
     started_from: str | None = None
     training_sources: list[str] = field(default_factory=list)
+    key_values: bool = True
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)
@@ -98,6 +101,8 @@ class ScorerConfig:
             raise ValueError(
                 f"num_query_heads={self.num_query_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if not isinstance(self.key_values, bool):
+            raise ValueError(f"key_values must be true or false, got {self.key_values!r}")
         check_budget(self.budget, self.interval)
 
     @property
@@ -112,8 +117,8 @@ class ScorerConfig:
 
     @property
     def input_dim(self) -> int:
-        """2D + F*G, the width of x_n."""
-        return 2 * self.head_dim + self.feature_width
+        """2D + F*G, the width of x_n (F*G without keys and values)."""
+        return 2 * self.head_dim * self.key_values + self.feature_width
 
 
 class ForesightScorer(
@@ -173,7 +178,7 @@ class ForesightScorer(
     def _inputs(
         self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int
     ) -> torch.Tensor:
-        """x_n = [k_n || v_n || a_n] in the parameters' dtype, after checking the shapes."""
+        """x_n = [k_n || v_n || a_n] (or a_n alone) in the parameters' dtype, after checking the shapes."""
         config = self.config
         layout = "[layers, batch, Hkv, N, *]" if leading == 2 else "[batch, Hkv, N, *]"
         widths = {"keys": config.head_dim, "values": config.head_dim, "features": config.feature_width}
@@ -189,7 +194,8 @@ class ForesightScorer(
                 f"keys {tuple(keys.shape)}, values {tuple(values.shape)} and features "
                 f"{tuple(features.shape)} disagree before the last dim"
             )
-        return torch.cat([keys, values, features], dim=-1).to(self.w1.dtype)
+        parts = [keys, values, features] if config.key_values else [features]
+        return torch.cat(parts, dim=-1).to(self.w1.dtype)
 
     @staticmethod
     def _mlp(

@@ -56,6 +56,20 @@ def test_stacked_scorer_equals_independent_mlps():
             torch.testing.assert_close(all_layers[layer, :, head], expected, rtol=0, atol=1e-6)
 
 
+def test_a_features_only_scorer_is_the_mlp_of_the_features_alone():
+    """key_values=False: x_n = a_n, so the keys and values cannot change a score."""
+    scorer = make_scorer(key_values=False)
+    config = scorer.config
+    assert config.input_dim == config.feature_width
+    keys, values, features = random_inputs(config, config.num_layers, 2)
+    scores = scorer(keys, values, features)
+    torch.testing.assert_close(scorer(keys * 3 + 1, -values, features), scores, rtol=0, atol=0)
+    for layer in range(config.num_layers):
+        for head in range(config.num_kv_heads):
+            expected = independent_mlp(scorer, layer, head)(features[layer, :, head]).squeeze(-1)
+            torch.testing.assert_close(scores[layer, :, head], expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("layers, kv_heads", [(1, 1), (3, 2), (4, 4)])
 def test_einsum_calls_do_not_grow_with_layers_or_heads(monkeypatch, layers, kv_heads):
     calls = []
@@ -86,7 +100,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved == {"num_layers": 3, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8, "budget": 64,
                      "interval": 16, "base_model": "tiny-llama", "hidden": 7, "feature_set": "official-8",
-                     "stage": "supervised", "started_from": None, "training_sources": []}
+                     "stage": "supervised", "started_from": None, "training_sources": [], "key_values": True}
     loaded = ForesightScorer.from_pretrained(tmp_path)
     assert loaded.config == scorer.config
     assert loaded.state_dict().keys() == scorer.state_dict().keys()
@@ -139,6 +153,7 @@ def test_check_compatible_names_both_shapes():
         ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
         ({"feature_set": "h2o"}, "unknown feature set 'h2o'"),
         ({"stage": "grpo"}, "stage must be one of 'supervised', 'reinforcement', got 'grpo'"),
+        ({"key_values": "no"}, "key_values must be true or false, got 'no'"),
     ],
 )
 def test_bad_config_raises(overrides, match):

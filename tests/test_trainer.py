@@ -145,6 +145,12 @@ def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_pat
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
 
 
+def test_key_values_false_builds_a_features_only_scorer():
+    module = SupervisedScorer(scorer_spec(), key_values=False)
+    assert module.scorer.config.key_values is False
+    assert module.scorer.w1.shape[-2] == module.scorer.config.feature_width
+
+
 def test_module_rejects_bad_hyperparameters():
     with pytest.raises(ValueError, match="need lr > 0"):
         SupervisedScorer(scorer_spec(), lr=0.0)

@@ -28,7 +28,8 @@ class SupervisedScorer(L.LightningModule):
 
     scorer: the `ScorerConfig` fields fixed by the data (model shape, B, L, features, base model);
       LightningCLI links them from the data module.
-    hidden: H, the MLP width (16). margin: m of Eq. 6 (0.01). lr, weight_decay: AdamW, the learning
+    hidden: H, the MLP width (16). key_values: whether the scorer reads each entry's key and value
+      besides its attention features (the paper's x_n; false: features only). margin: m of Eq. 6 (0.01). lr, weight_decay: AdamW, the learning
       rate annealed by a cosine from `lr` to 0 over the run's optimisation steps (paper: lr 1e-2).
     pairs: "all" (Eq. 6, every pair) or "evicted" (only pairs whose lower member is one of the L
       entries the golden step evicts; `RankingPairs`).
@@ -39,6 +40,7 @@ class SupervisedScorer(L.LightningModule):
         self,
         scorer: dict,
         hidden: int = 16,
+        key_values: bool = True,
         margin: float = DEFAULT_MARGIN,
         lr: float = 1e-2,
         weight_decay: float = 0.0,
@@ -52,7 +54,7 @@ class SupervisedScorer(L.LightningModule):
                 f"need lr > 0, margin >= 0 and weight_decay >= 0, got lr={lr}, margin={margin}, weight_decay={weight_decay}"
             )
         self.save_hyperparameters()
-        self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden))
+        self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden, key_values=key_values))
         # Means over every ranking problem of the validation set, synced across ranks; a problem whose
         # Spearman correlation is undefined (NaN: all α equal) is left out.
         self.val_overlap = MeanMetric(nan_strategy="ignore")

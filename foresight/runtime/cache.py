@@ -27,6 +27,8 @@ from types import MappingProxyType
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from foresight.runtime.prefix import RecordedForward
+
 KEYS, VALUES, POSITIONS = "keys", "values", "positions"
 _ENTRY_TENSORS = (KEYS, VALUES, POSITIONS)
 
@@ -331,6 +333,7 @@ class EvictionCache(Cache):
         super().__init__(layers=layers)
         self.has_padding = False
         self.records_queries = True
+        self.recorder: RecordedForward | None = None  # set while a forward is recorded for reuse (runtime/prefix.py)
 
     def begin_forward(self, positions: torch.Tensor, valid: torch.Tensor, record_queries: bool = True) -> None:
         """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch], and

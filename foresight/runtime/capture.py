@@ -44,6 +44,8 @@ def eviction_attention(
         raise ValueError("the 'foresight' attention runs only inside the eviction engine (no eviction_cache given)")
     layer = eviction_cache.layers[module.layer_idx]
     layer.scaling = scaling
+    if eviction_cache.recorder is not None:
+        eviction_cache.recorder.add(module.layer_idx, query, key, value, scaling)
     if layer.query_window and eviction_cache.records_queries:
         layer.record_queries(query, layer.pending_positions)
     half = query.dtype in (torch.float16, torch.bfloat16)

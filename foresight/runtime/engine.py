@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME
+from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 
 
 @dataclass(frozen=True)
@@ -209,24 +211,30 @@ class EvictionEngine:
         max_chunk: int | None = None,
         pad_token_id: int = 0,
         on_tokens: Callable[[int], None] | None = None,
+        prefix: ReplayPrefix | None = None,
     ) -> ReplayOutput:
         """Teacher-forced replay: prefill each prompt, then feed the rest in chunks of at most
         `max_chunk` (default L) that end exactly where a row evicts, so the result equals
-        token-by-token decoding with the same evictions."""
+        token-by-token decoding with the same evictions.
+
+        `prefix`: forwards shared with other replays of the same batch (`foresight.runtime.prefix`):
+        an empty one records this replay's forwards up to its first eviction, a filled one is reused
+        where it applies. Either way the result is that of running the model."""
         for sequence, length in zip(sequences, prompt_lengths, strict=True):
             if not 1 <= length <= len(sequence):
                 raise ValueError(f"prompt length {length} must be between 1 and the sequence length {len(sequence)}")
         with self._runtime_attention():
-            return self._replay(sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens)
+            return self._replay(sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens, prefix)
 
-    def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens) -> ReplayOutput:
+    def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens, prefix) -> ReplayOutput:
         prompts = [seq[:length].tolist() for seq, length in zip(sequences, prompt_lengths)]
         fed = max(len(seq) - length for seq, length in zip(sequences, prompt_lengths))
         run, input_ids, positions, valid = self._start(prompts, pad_token_id, fed)
         device = input_ids.device
         rest = _right_pad([seq[length:].to(device) for seq, length in zip(sequences, prompt_lengths)], pad_token_id)
         layout = torch.cat([input_ids, rest, rest.new_full((len(prompts), 1), pad_token_id)], dim=1)
-        columns = [_token_losses(self._forward(run, input_ids, positions, valid), layout[:, 1 : input_ids.shape[1] + 1])]
+        forwards = _PrefixForwards(prefix if self.evicts else None, can_inject=not self._tap_layers)
+        columns = [self._replay_forward(run, input_ids, positions, valid, layout[:, 1 : input_ids.shape[1] + 1], forwards)]
         chunk_cap = max_chunk or (self.config.interval if self.config else rest.shape[1] or 1)
         done = 0
         ones = torch.ones(len(prompts), dtype=torch.long, device=device)
@@ -234,9 +242,9 @@ class EvictionEngine:
             size = min(chunk_cap, rest.shape[1] - done, self._room(run))
             offsets = torch.arange(size, device=device)
             chunk_positions = run.next_positions[:, None] + offsets
-            logits = self._forward(run, rest[:, done : done + size], chunk_positions, ones * size)
             start = input_ids.shape[1] + done
-            columns.append(_token_losses(logits, layout[:, start + 1 : start + size + 1]))
+            targets = layout[:, start + 1 : start + size + 1]
+            columns.append(self._replay_forward(run, rest[:, done : done + size], chunk_positions, ones * size, targets, forwards))
             done += size
             if on_tokens is not None:
                 on_tokens(size)
@@ -252,6 +260,20 @@ class EvictionEngine:
             first_eviction=first,
             stats=run.stats,
         )
+
+    def _replay_forward(self, run: _Run, input_ids, positions, valid, targets, forwards: _PrefixForwards):
+        """One forward of a replay and its token losses (nll, entropy), recorded or reused per `forwards`."""
+        if run.stats.evictions:
+            return _token_losses(self._forward(run, input_ids, positions, valid), targets)
+        recorded = forwards.reusable(input_ids, positions, valid)
+        if recorded is not None:
+            self._forward(run, input_ids, positions, valid, inject=recorded)
+            return recorded.nll, recorded.entropy
+        record = forwards.start_recording(input_ids, positions, valid)
+        nll, entropy = _token_losses(self._forward(run, input_ids, positions, valid, record=record), targets)
+        if record is not None:
+            record.nll, record.entropy = nll, entropy
+        return nll, entropy
 
     # -- one forward and one eviction step -------------------------------------------------------
     @contextmanager
@@ -310,22 +332,38 @@ class EvictionEngine:
         """Tokens every row can still take before its next eviction."""
         return int((run.limits - run.cache.lengths).min()) if self.evicts else torch.iinfo(torch.long).max
 
-    def _forward(self, run: _Run, input_ids, positions, valid) -> torch.Tensor:
+    def _forward(
+        self,
+        run: _Run,
+        input_ids,
+        positions,
+        valid,
+        inject: RecordedForward | None = None,
+        record: RecordedForward | None = None,
+    ) -> torch.Tensor | None:
+        """Run the model on the tokens (recording into `record` if given), or `inject` a recorded run of
+        the same tokens (no logits then), and every policy hook and eviction step that follows."""
         start = time.perf_counter()
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
         run.cache.begin_forward(positions, valid, record_queries=not skip_prompt)
-        hooks = self._install_taps()
-        try:
-            output = self.model(
-                input_ids=input_ids,
-                position_ids=positions.clamp(min=0),
-                past_key_values=run.cache,
-                use_cache=True,
-                eviction_cache=run.cache,
-            )
-        finally:
-            for hook in hooks:
-                hook.remove()
+        logits = None
+        if inject is not None:
+            self._inject(run, inject)
+        else:
+            hooks = self._install_taps()
+            run.cache.recorder = record
+            try:
+                logits = self.model(
+                    input_ids=input_ids,
+                    position_ids=positions.clamp(min=0),
+                    past_key_values=run.cache,
+                    use_cache=True,
+                    eviction_cache=run.cache,
+                ).logits
+            finally:
+                run.cache.recorder = None
+                for hook in hooks:
+                    hook.remove()
         self._store_token_state(run, positions)
         run.prefilled = True
         run.next_positions = positions.max(dim=1).values + 1
@@ -334,7 +372,18 @@ class EvictionEngine:
         run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
         if self.evicts:
             self._evict_due_rows(run)
-        return output.logits
+        return logits
+
+    def _inject(self, run: _Run, recorded: RecordedForward) -> None:
+        """What each attention layer of a forward does to the cache, from a recording of that forward:
+        append the new keys and values, then the attention function on the recorded queries."""
+        attention = ALL_ATTENTION_FUNCTIONS[self.attention]
+        for layer_idx, decoder_layer in enumerate(self.model.get_decoder().layers):
+            keys, values = run.cache.update(recorded.keys[layer_idx], recorded.values[layer_idx], layer_idx)
+            attention(
+                decoder_layer.self_attn, recorded.queries[layer_idx], keys, values, None,
+                scaling=recorded.scaling[layer_idx], eviction_cache=run.cache,
+            )
 
     def _install_taps(self) -> list:
         if not self._tap_layers:
@@ -439,6 +488,34 @@ class EvictionEngine:
         keep = layer.valid[:, None, :].expand(-1, keep_rows.shape[1], -1).clone()
         keep[rows] = keep_rows
         return keep
+
+
+class _PrefixForwards:
+    """A replay's use of a `ReplayPrefix`: record into it when it was empty at the start, else reuse it
+    forward by forward while the inputs match (the caller stops asking after the first eviction)."""
+
+    def __init__(self, prefix: ReplayPrefix | None, can_inject: bool) -> None:
+        self.prefix = prefix
+        self.recording = prefix is not None and not prefix.forwards
+        self.reusing = prefix is not None and bool(prefix.forwards) and can_inject
+        self.index = 0
+
+    def reusable(self, input_ids, positions, valid) -> RecordedForward | None:
+        if not self.reusing or self.index >= len(self.prefix.forwards):
+            return None
+        recorded = self.prefix.forwards[self.index]
+        if not recorded.matches(input_ids, positions, valid):
+            self.reusing = False
+            return None
+        self.index += 1
+        return recorded
+
+    def start_recording(self, input_ids, positions, valid) -> RecordedForward | None:
+        if not self.recording:
+            return None
+        record = RecordedForward(input_ids, positions, valid)
+        self.prefix.forwards.append(record)
+        return record
 
 
 def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

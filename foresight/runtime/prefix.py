@@ -1,0 +1,61 @@
+"""Forwards that one replay records and another replay of the same batch reuses: those before any eviction.
+
+Until a row evicts, its cache holds every token it was fed, whatever the policy, so the model's queries,
+keys, values and token losses in those forwards depend only on the tokens. `foresight eval` replays each
+batch under many policies on one cadence, and before the first eviction step (B + L tokens per row) they
+all run the same forwards. The first replay given an empty `ReplayPrefix` records its forwards up to and
+including the one after which it first evicts; a later replay injects them instead of running the model:
+the engine appends the recorded keys and values to its own cache and runs its attention function on the
+recorded queries, so what the attention function keeps (the policy's queries, the evaluation's probe)
+is what a real forward would give, and it takes the recorded token losses. Policy hooks run as usual.
+
+A forward is injected only while the replay has not evicted, when its tokens, positions and valid counts
+equal the recorded forward's, and when the policy reads no hidden states (those come from the model);
+anything else runs the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RecordedForward:
+    """One forward's inputs, every layer's post-RoPE queries and new keys and values, and its token losses."""
+
+    input_ids: torch.Tensor  # [batch, q]
+    positions: torch.Tensor  # [batch, q]
+    valid: torch.Tensor  # [batch]
+    queries: list[torch.Tensor] = field(default_factory=list)  # per layer [batch, Hq, q, D]
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [batch, Hkv, q, D]
+    values: list[torch.Tensor] = field(default_factory=list)
+    scaling: list[float | None] = field(default_factory=list)
+    nll: torch.Tensor | None = None  # [batch, q]
+    entropy: torch.Tensor | None = None
+
+    def add(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> None:
+        """Called by the attention function with the layer's whole cache: the new entries are its last q slots."""
+        if layer_idx != len(self.queries):
+            raise RuntimeError(f"layers must be recorded in order: got layer {layer_idx} after {len(self.queries)} layers")
+        new = query.shape[2]
+        self.queries.append(query.clone())
+        self.keys.append(key[:, :, -new:].clone())
+        self.values.append(value[:, :, -new:].clone())
+        self.scaling.append(scaling)
+
+    def matches(self, input_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> bool:
+        return (
+            self.input_ids.shape == input_ids.shape
+            and torch.equal(self.input_ids, input_ids)
+            and torch.equal(self.positions, positions)
+            and torch.equal(self.valid, valid)
+        )
+
+
+@dataclass
+class ReplayPrefix:
+    """The forwards shared by the replays of one batch (empty until the first replay records them)."""
+
+    forwards: list[RecordedForward] = field(default_factory=list)
