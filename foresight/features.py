@@ -14,6 +14,9 @@ head g of the group (head-major), with f following `FEATURE_NAMES`:
   queries of the block, cumulative sum, decayed sum.
 - "official-8" (F = 8, the authors' released feature set): max and min over the block's queries,
   sum over the block, sums over the last 16, 8 and 32 queries, cumulative sum, decayed sum.
+- "pooled" (F = 8, ours): the paper's six, then the sums over the last 8 and the last L queries
+  max-pooled along the cache slots (width 7, stride 1, centred; SnapKV's clustering of attention):
+  an entry next to entries the recent queries read is likely read later, which no per-entry sum says.
 A window larger than L covers the whole block (it clamps to L), so with L < 32 some window sums equal
 the block sum.
 
@@ -45,15 +48,19 @@ class FeatureSet(Choice):
 
     PAPER = "paper"
     OFFICIAL_8 = "official-8"
+    POOLED = "pooled"
 
 
 FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.PAPER: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed"),
     FeatureSet.OFFICIAL_8: ("max", "min", "block", "last_16", "last_8", "last_32", "cumulative", "decayed"),
+    FeatureSet.POOLED: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed", "pooled_last_8", "pooled_last_L"),
 }
 """Per-query-head feature order of each set (see the module docstring)."""
 
 _WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
+POOL_WIDTH = 7
+"""Slots covered by the max-pooling of the "pooled" features (SnapKV's kernel size)."""
 
 
 def feature_dim(feature_set: str | FeatureSet) -> int:
@@ -104,7 +111,17 @@ def attention_features(
         "cumulative": lambda: new_cumulative,
         "decayed": lambda: new_decayed,
         **{name: (lambda size=size: window_sum(size)) for name, size in _WINDOWS.items()},
+        "pooled_last_8": lambda: _max_pool_slots(window_sum(8)),
+        "pooled_last_L": lambda: _max_pool_slots(block_sum),
     }
     stacked = torch.stack([compute[name]().to(block_attention.dtype) for name in names], dim=-1)
     features = torch.log1p(stacked.flatten(-2))  # [batch, Hkv, N, G*F], head-major
     return features, new_cumulative.to(cumulative.dtype), new_decayed.to(decayed.dtype)
+
+
+def _max_pool_slots(sums: torch.Tensor) -> torch.Tensor:
+    """Max over the POOL_WIDTH slots centred on each entry, along N: sums [batch, Hkv, N, G] -> same shape."""
+    batch, kv_heads, entries, group = sums.shape
+    rows = sums.permute(0, 1, 3, 2).reshape(-1, 1, entries)
+    pooled = torch.nn.functional.max_pool1d(rows, POOL_WIDTH, stride=1, padding=POOL_WIDTH // 2)
+    return pooled.reshape(batch, kv_heads, group, entries).permute(0, 1, 3, 2)

@@ -66,7 +66,7 @@ class ScorerConfig:
     num_layers, num_query_heads, num_kv_heads, head_dim: the base model's shape (Hq must be a multiple
     of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
     (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
-    width (16 in the paper). feature_set: "paper" (F = 6) or "official-8" (F = 8). stage: the training
+    width (16 in the paper). feature_set: "paper" (F = 6), "official-8" or "pooled" (F = 8). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
     scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not

@@ -43,12 +43,16 @@ def reference_features(attention, cumulative, decayed, feature_set):
                     }
                     for name, size in WINDOWS.items():
                         values[name] = sum(column[max(0, rows - size) :])
+                    neighbours = range(max(0, n - 3), min(entries, n + 4))  # 7 slots centred on n
+                    last_8 = [sum(float(attention[b, h, g, q, m]) for q in range(max(0, rows - 8), rows)) for m in neighbours]
+                    values["pooled_last_8"] = max(last_8)
+                    values["pooled_last_L"] = max(float(attention[b, h, g, :, m].sum()) for m in neighbours)
                     for f, name in enumerate(names):
                         features[b, h, n, g * len(names) + f] = math.log1p(values[name])
     return features, new_cumulative, new_decayed
 
 
-@pytest.mark.parametrize("feature_set", ["paper", "official-8"])
+@pytest.mark.parametrize("feature_set", ["paper", "official-8", "pooled"])
 @pytest.mark.parametrize("rows", [12, 40])  # 12: windows 16 and 32 clamp to L; 40: every window is distinct
 def test_features_match_loop_reference(feature_set, rows):
     attention = random_block_attention(2, 2, 3, rows, rows + 6, seed=rows)
@@ -66,7 +70,8 @@ def test_features_match_loop_reference(feature_set, rows):
 def test_feature_dims_and_names():
     assert feature_dim("paper") == 6
     assert feature_dim(FeatureSet.OFFICIAL_8) == 8
-    with pytest.raises(ValueError, match="'bogus'.*'paper', 'official-8'"):
+    assert feature_dim("pooled") == 8
+    with pytest.raises(ValueError, match="'bogus'.*'paper', 'official-8', 'pooled'"):
         feature_dim("bogus")
 
 

@@ -109,7 +109,7 @@ class GoldenDataModule(L.LightningDataModule):
 
     model: the frozen model, "default" or a folder / Hub id; it must be the one that made the traces.
     traces_dir: a traces folder (`foresight traces`); its labels are in traces_dir/labels-B{B}-L{L}.
-    budget, interval: B and L. feature_set: "paper" or "official-8".
+    budget, interval: B and L. feature_set: "paper", "official-8" or "pooled" (`foresight.features`).
     features_dir: the feature cache (`foresight features`); None replays the traces on every pass.
     storage_dtype: dtype of the cached keys, values and features (α stays float32).
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
