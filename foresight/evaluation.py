@@ -25,6 +25,10 @@ end at the evictions, so all rows evict together and every row's step t follows 
 that protect the prompt (raas, epikv) are replayed with their true prompt lengths: their budget
 applies after the prompt, so their steps fall at P + B + tL - 1 and they hold P more entries.
 
+Shared prefix: the evicting replays of a batch with the same prefill reuse the forwards before the first
+eviction, recorded by the first of them (`foresight.runtime.prefix`); every figure is the same as
+running the model on every token (`share_prefix=False`), with B + L tokens per row run once.
+
 Scored tokens: predictions made after a row's first eviction (`metrics.scored_tokens`). A policy
 that never evicts (full) is the reference itself: loss ratio 1, no damage, cosine 1, scored on the
 golden cadence's tokens (j >= B + L). Traces shorter than B + L never evict and are skipped with a

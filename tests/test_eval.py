@@ -259,6 +259,24 @@ def test_policy_selection():
         resolve_policies(",")
 
 
+def test_the_shared_prefix_changes_no_figure(evaluated, traces_dir, tmp_path, model):
+    """Every policy's row at both budgets, with the forwards before the first eviction shared (the
+    default) and with the model run on every token (`--no-shared-prefix`)."""
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
+        patch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
+        code = cli.main(["eval", "--traces", str(traces_dir), "--policies", "all", "--budgets", f"{B},{UNLABELLED_B}",
+                         "-L", str(L), "--out", str(tmp_path), "--batch-size", "3", "--no-shared-prefix"])
+    assert code == 0
+    unshared = json.loads((tmp_path / "results.json").read_text())
+    shared = evaluated[0]
+    assert len(unshared) == len(shared) > 10
+
+    def figures(rows):
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+    assert figures(unshared) == figures(shared)
+
+
 def test_cli_options_and_errors(traces_dir, tmp_path, patched_model, capsys):
     base = ["eval", "--traces", str(traces_dir), "--budgets", str(B), "-L", str(L), "--out", str(tmp_path)]
     assert cli.main([*base, "--policies", "knorm", "--max-traces", "2", "--model", "tiny"]) == 0

@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {TRACE_BATCH} traces, {_generation.DEFAULT_BATCH} completions)",
     )
     parser.add_argument(
+        "--no-shared-prefix", dest="share_prefix", action="store_false",
+        help="run the model on every token of every replay instead of reusing, across the policies of a batch, "
+        "the forwards before the first eviction (the same results; saves the memory of the recorded queries, "
+        "keys and values of B + L tokens per trace)",
+    )
+    parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
         "it was trained for; repeat to compare several, as NAME=DIR to name each one's rows (e.g. "
@@ -123,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})")
     model, _ = load_model(made_with, **model_options(args))
     result = evaluate(
-        model, traces, specs, args.budgets, args.interval, labels_root=args.traces, batch_size=args.batch_size or TRACE_BATCH
+        model, traces, specs, args.budgets, args.interval, labels_root=args.traces, batch_size=args.batch_size or TRACE_BATCH,
+        share_prefix=args.share_prefix,
     )
     result.notes[:0] = notes
     settings = {
