@@ -61,7 +61,6 @@ def test_a_reused_prefix_gives_the_replay_of_the_model(llama, name):
     assert reused.first_eviction == plain.first_eviction
     for row in range(2):
         assert torch.equal(reused.nll[row], plain.nll[row])
-        assert torch.equal(reused.entropy[row], plain.entropy[row])
     for mine, theirs in zip(reusing_engine.last_cache.layers, plain_engine.last_cache.layers):
         assert torch.equal(mine.entry_positions(), theirs.entry_positions())
 

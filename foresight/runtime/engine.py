@@ -93,7 +93,6 @@ class ReplayOutput:
     """Teacher-forced losses per row; entry j is for predicting token j+1 from tokens <= j."""
 
     nll: list[torch.Tensor]
-    entropy: list[torch.Tensor]
     first_eviction: list[int | None]  # first position processed with an evicted cache: nll[j] for j >= it
     stats: RunStats
 
@@ -248,32 +247,30 @@ class EvictionEngine:
             done += size
             if on_tokens is not None:
                 on_tokens(size)
-        nll = torch.cat([c[0] for c in columns], 1)
-        entropy = torch.cat([c[1] for c in columns], 1)
+        nll = torch.cat(columns, 1)
         pad = input_ids.shape[1]
         rows = range(len(sequences))
         spans = [slice(pad - prompt_lengths[r], pad - prompt_lengths[r] + len(sequences[r]) - 1) for r in rows]
         first = [int(v) if v >= 0 else None for v in run.first_eviction.tolist()]
         return ReplayOutput(
             nll=[nll[r, spans[r]].cpu() for r in rows],
-            entropy=[entropy[r, spans[r]].cpu() for r in rows],
             first_eviction=first,
             stats=run.stats,
         )
 
     def _replay_forward(self, run: _Run, input_ids, positions, valid, targets, forwards: _PrefixForwards):
-        """One forward of a replay and its token losses (nll, entropy), recorded or reused per `forwards`."""
+        """One forward of a replay and the NLL of its targets, recorded or reused per `forwards`."""
         if run.stats.evictions:
-            return _token_losses(self._forward(run, input_ids, positions, valid), targets)
+            return _token_nll(self._forward(run, input_ids, positions, valid), targets)
         recorded = forwards.reusable(input_ids, positions, valid)
         if recorded is not None:
             self._forward(run, input_ids, positions, valid, inject=recorded)
-            return recorded.nll, recorded.entropy
+            return recorded.nll
         record = forwards.start_recording(input_ids, positions, valid)
-        nll, entropy = _token_losses(self._forward(run, input_ids, positions, valid, record=record), targets)
+        nll = _token_nll(self._forward(run, input_ids, positions, valid, record=record), targets)
         if record is not None:
-            record.nll, record.entropy = nll, entropy
-        return nll, entropy
+            record.nll = nll
+        return nll
 
     # -- one forward and one eviction step -------------------------------------------------------
     @contextmanager
@@ -518,12 +515,11 @@ class _PrefixForwards:
         return record
 
 
-def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position NLL of `targets` and entropy of the predictive distribution, in float32."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return nll, entropy
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position NLL [batch, q] of `targets` in float32 (one fused log-sum-exp; no [batch, q, vocab] copy
+    of log-probabilities)."""
+    flat = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    return flat.view(targets.shape)
 
 
 def logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:

@@ -23,7 +23,7 @@ import torch
 
 @dataclass
 class RecordedForward:
-    """One forward's inputs, every layer's post-RoPE queries and new keys and values, and its token losses."""
+    """One forward's inputs, every layer's post-RoPE queries and new keys and values, and its token NLL."""
 
     input_ids: torch.Tensor  # [batch, q]
     positions: torch.Tensor  # [batch, q]
@@ -33,7 +33,6 @@ class RecordedForward:
     values: list[torch.Tensor] = field(default_factory=list)
     scaling: list[float | None] = field(default_factory=list)
     nll: torch.Tensor | None = None  # [batch, q]
-    entropy: torch.Tensor | None = None
 
     def add(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> None:
         """Called by the attention function with the layer's whole cache: the new entries are its last q slots."""
