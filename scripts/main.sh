@@ -2,8 +2,7 @@
 # Sets up the environment, then the main job on the embedded default model: reasoning traces ->
 # golden labels -> supervised fit of the learned scorer -> reinforcement (GRPO) of that scorer ->
 # teacher-forced evaluation of the nine heuristics, golden and both learned scorers (at the budget they
-# were trained for) on held-out traces at B = 128 (trained; golden labels exist there) and B = 256
-# (twice the cache), ending with the comparison table (every figure with its bootstrap interval) and
+# were trained for) on held-out traces at B = 128 (trained) and B = 256 (twice the cache), ending with the comparison table (every figure with its bootstrap interval) and
 # plots against B. Within 15 minutes on 2 CPU cores, set-up included (docs/benchmarks.md).
 # A smaller run of configs/default.yaml and configs/default-rl.yaml (the recipes of the shipped scorer
 # and of its reinforcement) so it fits in minutes on a CPU; both stages hold out the same quarter.
@@ -16,7 +15,8 @@ foresight fit --config configs/default.yaml --out "$out" \
   --set traces.num=24 --set traces.max_new_tokens=512 --set traces.batch_size=24 \
   --set data.holdout=0.25 --set trainer.max_steps=120
 foresight rl --config configs/default-rl.yaml --scorer "$out/scorer" --out "$out/rl" --traces "$out/traces" \
-  --set data.holdout=0.25 --set data.batch_size=2 --set model.group_size=4 --set trainer.max_steps=2
+  --set data.holdout=0.25 --set data.batch_size=2 --set model.group_size=4 --set trainer.max_steps=3
+foresight labels --traces "$out/traces" --budget 256 --interval 32  # fit labelled B = 128; golden needs both
 foresight eval --traces "$out/traces" --holdout 0.25 --policies full,golden,h2o,snapkv,rkv,tova,streaming,lagkv,lazy,raas,epikv \
   --scorer foresight-sl="$out/scorer" --scorer foresight-rl="$out/rl/scorer" \
   --budgets 128,256 --interval 32 --out "$out/eval"
