@@ -401,7 +401,8 @@ def evaluate(
     """Replay every trace under every policy and budget; one result row per (policy, budget).
 
     `share_prefix`: the policies of a batch reuse each other's forwards before the first eviction
-    (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces folder whose labels-B{B}-L{L} folders hold golden labels (None: no
+    (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces
+    folder whose labels-B{B}-L{L} folders hold golden labels (None: no
     labels). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
     every evaluated trace; elsewhere a note says so.
     """
@@ -496,7 +497,7 @@ def _evaluate_batch(
     labels: Sequence[GoldenLabels] | None,
     tallies: dict[str, _Tally],
     bar: tqdm,
-    share_prefix: bool = True,
+    share_prefix: bool,
 ) -> None:
     """One full-cache replay for the reference outputs, then one replay per evicting policy."""
     num_layers = model.config.get_text_config().num_hidden_layers
