@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
 
-from foresight.features import FEATURE_NAMES
+from foresight.scorer.attention_features import FEATURE_NAMES
 from foresight.models import DEFAULT_MODEL
-from foresight.scorer import ForesightScorer, ScorerConfig, load_scorer
+from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
 
 SCORER_KEY = "foresight_scorer"
 """Checkpoint entry: {"config": the `ScorerConfig` as plain values, "state_dict": the scorer's tensors}."""
@@ -111,7 +111,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"| base model | `{config.base_model}` ({config.num_layers} layers, {config.num_query_heads} query heads, "
         f"{config.num_kv_heads} KV heads, head dim {config.head_dim}) |\n"
         f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
-        f"| features | `{config.feature_set.value}`: {features} (per query head, log1p) |\n"
+        f"| features | `{config.feature_set.value}`: {features} (per query head, {config.feature_set.transform}) |\n"
         f"| hidden width H | {config.hidden} |\n"
         f"| training stage | {config.stage}{_started_from(config)} |"
         + (f"\n| training sources | {', '.join(f'`{s}`' for s in config.training_sources)} |" if config.training_sources else ""),

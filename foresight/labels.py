@@ -36,13 +36,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from foresight.artifacts import check_metadata, file_problem, read_tensors, save_tensors
 from foresight.cadence import check_budget, eviction_steps, keep_top
 from foresight.models import ModelShape, describe
+from foresight.runtime.capture import attention_implementation, attention_logits, register_attention
 
 CAPTURE_ATTENTION = "foresight_golden_capture"
 FORMAT = "foresight-golden-labels/1"
@@ -112,10 +112,8 @@ def block_scores(
     queries: [Hq, n, D] of positions start..start+n-1; keys: [Hkv, start + n, D] (all causal keys).
     Returns [Hkv, start + n] in float32; row i's softmax runs over keys 0..start+i only.
     """
-    num_kv_heads, length, dim = keys.shape
-    n = queries.shape[1]
-    grouped = queries.float().view(num_kv_heads, -1, n, dim)
-    logits = torch.einsum("hgnd,hkd->hgnk", grouped, keys.float()) * scaling
+    length, n = keys.shape[1], queries.shape[1]
+    logits = attention_logits(queries[None], keys[None], scaling)[0]
     query_pos = torch.arange(start, start + n, device=keys.device)
     future_key = torch.arange(length, device=keys.device) > query_pos[:, None]
     weights = logits.masked_fill(future_key, float("-inf")).softmax(dim=-1)
@@ -186,17 +184,14 @@ def _capture_attention(
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
-AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
+register_attention(CAPTURE_ATTENTION, _capture_attention, full_cache=True)
 
 
 def _capture_forward(model: PreTrainedModel, input_ids: torch.Tensor, chunk_size: int) -> _Capture:
     """One teacher-forced, chunked forward of the trace with the full cache; returns the capture."""
     capture = _Capture(input_ids.numel())
     cache = DynamicCache(config=model.config)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE_ATTENTION)
-    try:
+    with attention_implementation(model, CAPTURE_ATTENTION):
         for chunk in input_ids.to(model.device).split(chunk_size):
             model(
                 input_ids=chunk[None],
@@ -205,8 +200,6 @@ def _capture_forward(model: PreTrainedModel, input_ids: torch.Tensor, chunk_size
                 logits_to_keep=1,
                 golden_capture=capture,
             )
-    finally:
-        model.set_attn_implementation(previous)
     num_layers = model.config.num_hidden_layers
     if sorted(capture.queries) != list(range(num_layers)):
         raise ValueError(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from foresight.models import tiny_model
-from foresight.traces import generate_traces
+from foresight.data.trace_generation import generate_traces
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 torch.set_num_threads(1)

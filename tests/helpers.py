@@ -6,6 +6,8 @@ Test modules import from here (or take fixtures from conftest.py), never from on
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, EvictionContext, make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.scorer import ForesightScorer, ScorerConfig
+from foresight.scorer.model import ForesightScorer, ScorerConfig
 
 # -- prompts and the character tokenizer of the tiny models ----------------------------------------
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -79,6 +81,53 @@ def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequen
         mlp[2].weight.copy_(scorer.w2[layer, head][None])
         mlp[2].bias.copy_(scorer.b2[layer, head][None])
     return mlp
+
+
+STANDARDISED_NAMES = ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age")
+
+
+def loop_standardised_features(attention, state, positions, query_positions):
+    """The "standardised" features before standardisation and the new state, one python float at a time:
+    attention [batch, Hkv, G, l, N]; state {cumulative, decayed, recent: [batch, Hkv, N, G], observed:
+    [batch, Hkv, N]}; positions [batch, Hkv, N]; query_positions [batch, l]. Every query weighs
+    factor ** (1 / tokens) per token it is older than the block's newest."""
+    batch, kv_heads, group, rows, entries = attention.shape
+    features = torch.zeros(batch, kv_heads, entries, group * 7, dtype=torch.float64)
+    new = {name: torch.zeros_like(value, dtype=torch.float64) for name, value in state.items()}
+    for b, h, n in itertools.product(range(batch), range(kv_heads), range(entries)):
+        position, queries = int(positions[b, h, n]), [int(q) for q in query_positions[b]]
+        new["observed"][b, h, n] = float(state["observed"][b, h, n]) + sum(0 <= q and position <= q for q in queries)
+        age = max(max(queries) - position, 0)
+        for g in range(group):
+            column = [float(attention[b, h, g, q, n]) for q in range(rows)]
+            new["cumulative"][b, h, n, g] = float(state["cumulative"][b, h, n, g]) + sum(column)
+            for name, factor, tokens in (("decayed", 0.9, 256), ("recent", 0.5, 128)):
+                per_token = factor ** (1 / tokens)
+                history = per_token**rows * float(state[name][b, h, n, g])
+                new[name][b, h, n, g] = history + sum(per_token ** (rows - 1 - q) * a for q, a in enumerate(column))
+            values = {f"last_{size}": sum(column[max(0, rows - size) :]) for size in (8, 16, 32)}
+            values["recent_128"] = float(new["recent"][b, h, n, g])
+            values["decayed"] = float(new["decayed"][b, h, n, g])
+            values["cumulative_rate"] = float(new["cumulative"][b, h, n, g]) / max(float(new["observed"][b, h, n]), 1)
+            for f, name in enumerate(STANDARDISED_NAMES):
+                value = math.log1p(age) if name == "log_age" else math.log(values[name] + 1e-6)
+                features[b, h, n, g * 7 + f] = value
+    return features, new
+
+
+def loop_standardise(features: torch.Tensor, valid: torch.Tensor, eps: float = 1e-2) -> torch.Tensor:
+    """Each column of features [batch, Hkv, C, W] standardised over the valid candidates valid [batch, Hkv, C]
+    of its (row, head): (x - mean) / (population std + eps); invalid candidates 0."""
+    out = torch.zeros_like(features, dtype=torch.float64)
+    batch, kv_heads, candidates, width = features.shape
+    for b, h, w in itertools.product(range(batch), range(kv_heads), range(width)):
+        kept = [c for c in range(candidates) if valid[b, h, c]]
+        xs = [float(features[b, h, c, w]) for c in kept]
+        mean = sum(xs) / len(xs)
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+        for c, x in zip(kept, xs):
+            out[b, h, c, w] = (x - mean) / (std + eps)
+    return out
 
 
 # -- synthetic examples of the supervised stage -----------------------------------------------------

@@ -202,3 +202,112 @@ def rkv(queries, query_positions, keys, positions, scaling, candidates, window, 
         [[mix_lambda * i - (1 - mix_lambda) * r for i, r in zip(ih, rh)] for ih, rh in zip(ib, rb)]
         for ib, rb in zip(importance, redundant)
     ]
+
+
+# -- Random Attention, VaSE and TriAttention ---------------------------------------------------------------------------
+def uniform_hash(seed: int, layer: int, head: int, position: int, draw: int = 0) -> float:
+    """The integer mix of foresight.policies.random.uniform_hash on Python ints, one entry at a time."""
+    mixed = position * 0x9E3779B1 + (head + 131 * layer) * 0x85EBCA77 + seed * 0xC2B2AE3D + draw * 0x27D4EB2F
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
+        mixed = ((mixed ^ (mixed >> shift)) * multiplier) & 0x7FFFFFFF
+    return mixed / 2**31
+
+
+def random_prompt(positions, layer, seed, candidates):
+    """Random Attention: a fresh uniform draw per (KV head, entry) at each step, named by the row's newest position."""
+    out = []
+    for b, row in enumerate(positions):
+        newest = row[0][-1]
+        out.append([
+            [uniform_hash(seed, layer, h, p, newest + 1) if p >= 0 else NAN for p in head[:candidates]]
+            for h, head in enumerate(row)
+        ])
+    return out
+
+
+def vase(queries, query_positions, keys, values, positions, scaling, candidates, layer, seed, share, magnitude):
+    """VaSE-AttnV: the top floor(share x valid) candidates by value magnitude score 1 + magnitude; the others
+    log(u) / w, w the attention score: per query head, each query's softmax over the candidates it sees, mean
+    over the queries, a zero-padded average over 5 slots, mean over the G heads."""
+    out = []
+    for b in range(len(keys)):
+        group = len(queries[b]) // len(keys[b])
+        newest, row = positions[b][0][-1], []
+        for h in range(len(keys[b])):
+            valid = [n for n in range(candidates) if positions[b][h][n] >= 0]
+            size = {}
+            for n in valid:
+                v = values[b][h][n]
+                if magnitude == "range":
+                    size[n] = max(v) - min(v)
+                elif magnitude == "l2":
+                    size[n] = math.sqrt(sum(x * x for x in v))
+                else:
+                    mean = sum(v) / len(v)
+                    size[n] = sum((x - mean) ** 2 for x in v) / (len(v) - 1)
+            ranked = sorted(valid, key=lambda n: (-size[n], n))
+            large = set(ranked[: int(len(valid) * share)])
+            weight = [0.0] * candidates
+            for g in range(group):
+                heads = queries[b][h * group + g]
+                mean = [0.0] * candidates
+                for l, query in enumerate(heads):
+                    row_weights = attention_row(query, keys[b][h], positions[b][h], query_positions[b][l], scaling, candidates)
+                    for n, w in row_weights.items():
+                        mean[n] += w / len(heads)
+                for n in range(candidates):
+                    window = [mean[m] for m in range(n - 2, n + 3) if 0 <= m < candidates]
+                    weight[n] += sum(window) / 5 / group
+            scores = []
+            for n in range(candidates):
+                p = positions[b][h][n]
+                if p < 0:
+                    scores.append(NAN)
+                elif n in large:
+                    scores.append(1.0 + size[n])
+                else:
+                    u = max(uniform_hash(seed, layer, h, p, newest + 1), 2.0**-32)
+                    scores.append(math.log(u) / weight[n] if weight[n] > 0 else -math.inf)
+            row.append(scores)
+        out.append(row)
+    return out
+
+
+def triattention(keys, positions, q_mean, q_abs_mean, inv_freq, rope_scale, offsets, candidates, normalize):
+    """TriAttention as the authors' code scores a key: inverse-rotate the cached key by its position (pre-RoPE
+    band k_f, (x_f, x_{f+D/2}) as a complex number), then per query head the mean over offsets o of
+    Σ_f s² |q̄_f||k_f| cos(ω_f (t - p + o) + φ_f), φ_f = arg(q̄_f conj(k_f)), plus Σ_f s² (E|q_f| - |q̄_f|) |k_f|;
+    z-score per query head over the valid candidates, max over the group. q_mean [Hq][F] complex."""
+    bands, s = len(inv_freq), rope_scale
+    out = []
+    for b in range(len(keys)):
+        kv_heads = len(keys[b])
+        group = len(q_mean) // kv_heads
+        start = positions[b][0][-1] + 1
+        row = []
+        for h in range(kv_heads):
+            valid = [n for n in range(candidates) if positions[b][h][n] >= 0]
+            per_head = []
+            for g in range(group):
+                centre, modulus = q_mean[h * group + g], q_abs_mean[h * group + g]
+                scores = {}
+                for n in valid:
+                    p, k = positions[b][h][n], keys[b][h][n]
+                    pre = [complex(k[f], k[f + bands]) * complex(math.cos(-p * inv_freq[f]), math.sin(-p * inv_freq[f])) / s
+                           for f in range(bands)]
+                    extra = sum(s * s * (modulus[f] - abs(centre[f])) * abs(pre[f]) for f in range(bands))
+                    total = 0.0
+                    for o in offsets:
+                        for f in range(bands):
+                            relative = centre[f] * pre[f].conjugate()
+                            phi = math.atan2(relative.imag, relative.real)
+                            total += s * s * abs(centre[f]) * abs(pre[f]) * math.cos(inv_freq[f] * (start - p + o) + phi)
+                    scores[n] = total / len(offsets) + extra
+                if normalize and valid:
+                    mean = sum(scores.values()) / len(valid)
+                    std = math.sqrt(sum((x - mean) ** 2 for x in scores.values()) / len(valid))
+                    scores = {n: (x - mean) / max(std, 1e-6) for n, x in scores.items()}
+                per_head.append(scores)
+            row.append([max(scores[n] for scores in per_head) if n in valid else NAN for n in range(candidates)])
+        out.append(row)
+    return out

@@ -1,8 +1,10 @@
 """`foresight bench`: the memory benchmark's trace of a real run, the capacity benchmark's batch search,
-and its refusal without a GPU."""
+and its refusal without a GPU, the labelling benchmark's worker processes, and the line between the
+command line and the benchmarks: every one is a sub-command, and none of foresight.bench reads argv."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -10,12 +12,14 @@ import pytest
 import torch
 from tqdm import tqdm
 
+import foresight.bench
 from foresight.cli import main
-from foresight.commands._bench_capacity import largest_batch
-from foresight.commands._bench_memory import MemoryTrace, _Sampler
+from foresight.bench.capacity import largest_batch
+from foresight.bench.memory import MemoryTrace, _Sampler
 from foresight.models import random_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.helpers import DATA
 
 GIB = 2**30
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -94,3 +98,58 @@ def test_largest_batch_steps_down_when_the_line_overshoots():
 def test_largest_batch_says_when_even_a_small_batch_does_not_fit():
     with pytest.raises(ValueError, match="a batch of 8 does not fit the memory budget of 11.0 GiB"):
         largest_batch(FakeGpu(limit=7), 11 * GIB)
+
+
+BENCHMARKS = ("decode", "memory", "capacity", "serve", "eval-prefix", "labels-memory", "rl-heldout", "rl-step",
+              "trace-generation")
+
+
+def test_bench_help_lists_every_benchmark(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0
+    listed = capsys.readouterr().out.split("positional arguments:")[1]
+    assert all(f"    {name} " in listed or f"    {name}\n" in listed for name in BENCHMARKS), listed
+
+
+def test_no_benchmark_module_reads_a_command_line():
+    """argparse objects stay in foresight.commands: the benchmarks take settings."""
+    for path in sorted(Path(foresight.bench.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        assert not [name for name in imported if name.split(".")[0] == "argparse"], path
+        assert not [name for name in imported if name.startswith(("foresight.commands", "foresight.cli"))], path
+
+
+def test_labels_memory_measures_each_length_in_a_worker(shrunk_config, tmp_path, capsys):
+    out = tmp_path / "bench.md"
+    argv = ["bench", "labels-memory", "--model", str(shrunk_config), "--lengths", "64", "96", "-B", "16", "-L", "8",
+            "--out", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert "<!-- labels-memory-qwen3-shrunk-cpu:start -->" in text
+    assert f"foresight bench labels-memory --model {shrunk_config} --lengths 64 96 --budget 16 --interval 8" in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 64 ") or line.startswith("| 96 ")]
+    assert [int(row[1]) for row in rows] == [(64 - 16) // 8, (96 - 16) // 8]  # eviction steps M of each length
+
+
+def test_eval_prefix_times_both_evaluations_of_the_same_table(traces_dir, tmp_path):
+    out = tmp_path / "bench.md"
+    argv = ["bench", "eval-prefix", "--traces", str(traces_dir), "--holdout", "1.0", "--policies", "h2o,streaming",
+            "-B", "16", "-L", "4", "--out", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert "<!-- eval-prefix-cpu:start -->" in text and "Both runs gave the same table" in text
+    assert "| ratio (plain / shared) |" in text and "foresight bench eval-prefix --traces" in text
+
+
+def test_trace_generation_samples_the_same_completions_in_every_mode(tiny_dir, tmp_path):
+    out = tmp_path / "bench.md"
+    argv = ["bench", "trace-generation", "--model", str(tiny_dir), "--prompts", str(DATA / "arithmetic.jsonl"),
+            "--num", "3", "--max-new-tokens", "6", "--batch-sizes", "2", "--out", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert "<!-- trace-generation-cpu:start -->" in text and "produced the same completions" in text
+    modes = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert modes == ["| batch 1", "| static 2", "| continuous 2"]

@@ -23,8 +23,8 @@ from foresight.commands._policy import policy_options, settable_options
 from foresight.commands.eval import policy_specs
 from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, Policy
-from foresight.scorer import ForesightScorer, ScorerConfig
-from foresight.traces import generate_traces
+from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.data.trace_generation import generate_traces
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
@@ -205,9 +205,9 @@ def scorer_dir(tmp_path_factory, model) -> Path:
     return folder
 
 
-MODEL_VERBS = ("generate", "replay", "demo", "bench", "traces", "labels", "features", "eval")
-PIPELINE_VERBS = ("traces", "labels", "features")
-"""The verbs that run a step of `foresight.pipeline`, which loads the model for them."""
+MODEL_VERBS = ("generate", "replay", "demo", "bench", "traces", "labels", "examples", "eval", "calibrate")
+PIPELINE_VERBS = ("traces", "labels", "examples")
+"""The verbs that run a step of `trainers.preparation`, which loads the model for them."""
 
 
 def model_verb_args(traces_dir: Path, tmp_path: Path) -> dict[str, list[str]]:
@@ -222,10 +222,11 @@ def model_verb_args(traces_dir: Path, tmp_path: Path) -> dict[str, list[str]]:
         "traces": ["traces", "--prompts", str(DATA / "arithmetic.jsonl"), "--num", "1", "--max-new-tokens", "4",
                    "--out", str(tmp_path / "traces")],
         "labels": ["labels", "--traces", str(traces_dir), "-B", "8", "-L", "4"],
-        "features": ["features", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4", "--out",
-                     str(tmp_path / "features")],
+        "examples": ["examples", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4", "--out",
+                     str(tmp_path / "examples")],
         "eval": ["eval", "--traces", str(traces_dir), "--policies", "h2o", "-B", "8", "-L", "4", "--out",
                  str(tmp_path / "eval")],
+        "calibrate": ["calibrate", "--traces", str(traces_dir), "--out", str(tmp_path / "stats")],
     }
 
 
@@ -237,23 +238,23 @@ def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, mo
         calls.append((name, options))
         raise Loaded
 
-    if verb == "features":  # the features step needs labelled traces
+    if verb == "examples":  # the features step needs labelled traces
         shutil.copytree(traces_dir, tmp_path / "labelled")
-        monkeypatch.setattr("foresight.pipeline.load_model", lambda name, **options: (model, None))
+        monkeypatch.setattr("trainers.preparation.load_model", lambda name, **options: (model, None))
         assert main(["labels", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4"]) == 0
     if verb == "bench":  # benchmarks also build models from architecture configs
-        monkeypatch.setattr("foresight.commands._bench_common.load_for_benchmark", load_model)
+        monkeypatch.setattr("foresight.bench.common.load_for_benchmark", load_model)
     else:
-        module = "foresight.pipeline" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
+        module = "trainers.preparation" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
         monkeypatch.setattr(f"{module}.load_model", load_model)
     argv = model_verb_args(traces_dir, tmp_path)[verb]
     with pytest.raises(Loaded):
         main([*argv, "--device", "cpu", "--dtype", "bfloat16"])
-    if verb == "features":  # the first run claimed its folder for bfloat16 features
+    if verb == "examples":  # the first run claimed its folder for bfloat16 features
         argv[-1] += "-float16"
     with pytest.raises(Loaded):
         main([*argv, "--device", "cpu", "--dtype", "float16"])
-    model_name = "tiny" if verb in ("labels", "features", "eval") else "default"
+    model_name = "tiny" if verb in ("labels", "examples", "eval", "calibrate") else "default"
     assert calls == [
         (model_name, {"device": "cpu", "dtype": torch.bfloat16}),
         (model_name, {"device": "cpu", "dtype": torch.float16}),

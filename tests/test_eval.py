@@ -14,15 +14,17 @@ import torch
 from transformers import AttentionInterface
 
 from foresight import cli
-from foresight.evaluation import PolicySpec, evaluate, resolve_policies
+from foresight.eval.replay import evaluate
+from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.metrics import attention_cosine
 from foresight.models import tiny_model
 from foresight.policies import POLICIES, make_policy
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.stats import bootstrap_interval
-from foresight.traces import Trace, TraceStore, generate_traces, token_losses
+from foresight.eval.stats import bootstrap_interval
+from foresight.data.trace_store import Trace, TraceStore
+from foresight.data.trace_generation import generate_traces, token_losses
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
@@ -71,7 +73,7 @@ def rows_of(rows, budget):
     return {row["policy"]: row for row in rows if row["budget"] == budget}
 
 
-RUNNABLE = {name for name in POLICIES if name != "foresight"}  # the learned scorer needs a scorer
+RUNNABLE = {name for name in POLICIES if name not in ("foresight", "triattention")}  # these need a scorer / statistics
 
 
 def test_every_runnable_policy_has_a_row_and_golden_only_where_labelled(evaluated):
@@ -95,7 +97,7 @@ def test_reference_golden_and_heuristic_rows(evaluated, traces_dir):
         assert full["tokens"] == sum(n - 1 - (budget + L) for n in lengths)
         for name, row in by_policy.items():
             assert row["traces"] == len(lengths), name
-            if name not in ("full", "raas", "epikv"):  # the prompt-protecting ones start later
+            if name != "full" and not POLICIES[name].default_protect_prompt:  # those start later
                 assert row["tokens"] == full["tokens"], name
             assert 0.0 < row["loss_ratio"] < 10.0, name
             assert 0.0 < row["attn_cosine"] <= 1.0 + 1e-6, name
@@ -303,7 +305,7 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     """`--scorer DIR` adds a `foresight` row at the scorer's B and L, equal to a direct replay, and a
     note (no row) at another budget."""
     from foresight.models import describe
-    from foresight.scorer import ForesightScorer, ScorerConfig
+    from foresight.scorer.model import ForesightScorer, ScorerConfig
 
     torch.manual_seed(0)
     shape = describe(model)
@@ -347,7 +349,7 @@ def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patch
     """`--scorer NAME=DIR` names a learned scorer's row (the supervised and the reinforced one side by
     side); −R is Σ ΔL² over the damaged tokens / the low-entropy tokens; two rows of one name are refused."""
     from foresight.models import describe
-    from foresight.scorer import ForesightScorer, ScorerConfig
+    from foresight.scorer.model import ForesightScorer, ScorerConfig
 
     shape = describe(model)
     folders = []
@@ -377,7 +379,7 @@ def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patch
 
 def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never_saw(traces_dir, tmp_path, patched_model, model):
     from foresight.models import describe
-    from foresight.scorer import ForesightScorer, ScorerConfig
+    from foresight.scorer.model import ForesightScorer, ScorerConfig
 
     shape = describe(model)
     evaluated = sorted(TraceStore(traces_dir).sources())

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from foresight import cli
 from foresight.export import SCORER_KEY, read_checkpoint
-from foresight.scorer import load_scorer
+from foresight.scorer.model import load_scorer
 from tests.helpers import scorer_spec, synthetic_traces
 from trainers.data import concat_steps
 from trainers.supervised import SupervisedScorer

@@ -1,11 +1,15 @@
-"""Attention features against slow loop-based references, over one and several eviction steps."""
+"""Attention features against slow loop-based references, over one and several eviction steps; the older
+sets pinned, and the standardised set's per-token decays and scale invariance."""
 
 import math
 
 import pytest
 import torch
 
-from foresight.features import DECAY, FEATURE_NAMES, FeatureSet, attention_features, feature_dim
+from foresight.runtime.capture import block_attention
+from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet, attention_features, feature_dim
+from foresight.scorer.standardised_features import standardise_candidates, standardised_features
+from tests.helpers import STANDARDISED_NAMES, loop_standardise, loop_standardised_features
 
 WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
 
@@ -71,8 +75,11 @@ def test_feature_dims_and_names():
     assert feature_dim("paper") == 6
     assert feature_dim(FeatureSet.OFFICIAL_8) == 8
     assert feature_dim("pooled") == 8
-    with pytest.raises(ValueError, match="'bogus'.*'paper', 'official-8', 'pooled'"):
+    assert feature_dim("standardised") == 7
+    with pytest.raises(ValueError, match="'bogus'.*'paper', 'official-8', 'pooled', 'standardised'"):
         feature_dim("bogus")
+    with pytest.raises(ValueError, match="standardised features need entry positions"):
+        attention_features(torch.zeros(1, 1, 1, 2, 3), torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 3, 1), "standardised")
 
 
 def test_uniform_attention_hand_computed_over_three_blocks():
@@ -146,3 +153,115 @@ def test_bad_shapes_raise_one_line_errors():
         attention_features(attention, torch.zeros(1, 2, 2, 6), torch.zeros(1, 2, 6, 2))
     with pytest.raises(ValueError, match=r"block attention must be .*got shape \(2, 4, 6\)"):
         attention_features(attention[0, 0], torch.zeros(1, 2, 6, 2), torch.zeros(1, 2, 6, 2))
+
+
+# -- old sets pinned, and the "standardised" set ------------------------------------------------------
+@pytest.mark.parametrize(
+    "feature_set, total, weighted",
+    [("paper", 5684.512062765131, -20.799491046867924), ("official-8", 5840.763229384863, -24.6321546292493),
+     ("pooled", 6538.911252256047, 16.44021426935311)],
+)
+def test_older_sets_compute_what_they_computed_before_the_standardised_set(feature_set, total, weighted):
+    """Pinned sums of one step's features, computed before the standardised set was added (issue 21)."""
+    generator = torch.Generator().manual_seed(21)
+    keys = torch.randn(1, 3, 160, 64, generator=generator)
+    torch.randn(1, 3, 160, 64, generator=generator)  # the values of the pinned step
+    cumulative = torch.rand(1, 3, 160, 3, generator=generator) * 30
+    decayed = torch.rand(1, 3, 160, 3, generator=generator) * 3
+    queries = torch.randn(1, 9, 32, 64, generator=generator) * 3
+    attention = block_attention(queries, torch.arange(128, 160)[None], keys, torch.arange(160).repeat(1, 3, 1), 0.125)
+    features, _, _ = attention_features(attention.double(), cumulative.double(), decayed.double(), feature_set)
+    assert features.sum().item() == pytest.approx(total, rel=1e-12)
+    index = torch.arange(features.numel(), dtype=torch.float64).view_as(features).sin()
+    assert (features * index).sum().item() == pytest.approx(weighted, rel=1e-10)
+
+
+def standardised_step(rows: int, seed: int, scale: float = 1.0):
+    """One step as the runtime hands it: block attention [2, 2, 3, rows, N] over N = rows + 6 entries whose
+    last `rows` are the block's queries, row 1 with 3 invalid slots in front and a padding query, and a
+    random state; `scale` multiplies the attention and every raw sum."""
+    batch, kv_heads, group, entries = 2, 2, 3, rows + 6
+    generator = torch.Generator().manual_seed(seed)
+    attention = random_block_attention(batch, kv_heads, group, rows, entries, seed=seed)
+    first_query = 100
+    positions = torch.cat([torch.randperm(first_query, generator=generator)[:6].sort().values.repeat(batch, kv_heads, 1),
+                           torch.arange(first_query, first_query + rows).repeat(batch, kv_heads, 1)], -1)
+    positions[1, :, :3] = -1
+    query_positions = torch.arange(first_query, first_query + rows).repeat(batch, 1)
+    query_positions[1, 0] = -1
+    attention[1, :, :, 0] = 0.0  # a padding query sees nothing
+    attention[1, ..., :3] = 0.0  # nor does anything see an invalid slot
+    sums = (batch, kv_heads, entries, group)
+    state = {"cumulative": 5 * torch.rand(sums, generator=generator, dtype=torch.float64),
+             "decayed": 2 * torch.rand(sums, generator=generator, dtype=torch.float64),
+             "recent": torch.rand(sums, generator=generator, dtype=torch.float64),
+             "observed": torch.randint(0, 300, sums[:3], generator=generator).double()}
+    state = {name: value if name == "observed" else scale * value for name, value in state.items()}
+    return scale * attention, state, positions, query_positions
+
+
+@pytest.mark.parametrize("rows", [12, 40])  # 12: windows 16 and 32 clamp to L; 40: every window is distinct
+def test_standardised_features_match_loop_reference(rows):
+    attention, state, positions, query_positions = standardised_step(rows, seed=rows)
+    features, new_state = standardised_features(attention, state, positions, query_positions)
+    want_features, want_state = loop_standardised_features(attention, state, positions, query_positions)
+    assert FEATURE_NAMES[FeatureSet.STANDARDISED] == STANDARDISED_NAMES and feature_dim("standardised") == 7
+    torch.testing.assert_close(features, want_features, rtol=0, atol=1e-12)
+    assert new_state.keys() == want_state.keys()
+    for name, value in want_state.items():
+        torch.testing.assert_close(new_state[name], value, rtol=0, atol=1e-12)
+    valid = positions[..., :6] >= 0
+    standardised = standardise_candidates(features[..., :6, :], valid)
+    torch.testing.assert_close(standardised, loop_standardise(features[..., :6, :], valid), rtol=0, atol=1e-10)
+    assert (standardised[1, :, :3] == 0).all()
+
+
+def test_standardised_features_ignore_a_constant_factor_on_every_attention_sum():
+    """x -> 10 x shifts log(x + 1e-6) by ln 10 up to the eps, which the standardisation removes."""
+    attention, state, positions, query_positions = standardised_step(40, seed=7)
+    valid = positions[..., :6] >= 0
+    once = standardise_candidates(standardised_features(attention, state, positions, query_positions)[0][..., :6, :], valid)
+    scaled = standardised_step(40, seed=7, scale=10.0)
+    tenfold = standardise_candidates(standardised_features(*scaled)[0][..., :6, :], valid)
+    torch.testing.assert_close(tenfold, once, rtol=0, atol=1e-3)
+    assert not torch.allclose(standardised_features(*scaled)[0], standardised_features(attention, state, positions,
+                                                                                         query_positions)[0])
+
+
+def test_standardised_decay_is_per_token_whatever_L():
+    """The same 256 queries observed in blocks of 32 or of 64 leave the same state and features; with no
+    attention after them, 256 more tokens multiply the decayed sum by 0.9 and the recent one by 0.5 ** 2."""
+    entries, queries = 300, 256
+    attention = random_block_attention(1, 1, 2, queries, entries, seed=5)  # query q at position 44 + q
+    positions, query_positions = torch.arange(entries)[None, None], torch.arange(entries - queries, entries)[None]
+    finals = []
+    for interval in (32, 64):
+        state = {name: torch.zeros(1, 1, entries, 2, dtype=torch.float64) for name in ("cumulative", "decayed", "recent")}
+        state["observed"] = torch.zeros(1, 1, entries, dtype=torch.float64)
+        for start in range(0, queries, interval):
+            block = slice(start, start + interval)
+            features, state = standardised_features(attention[..., block, :], state, positions, query_positions[:, block])
+        quiet = state
+        for start in range(0, queries, interval):
+            _, quiet = standardised_features(torch.zeros_like(attention[..., :interval, :]), quiet, positions,
+                                             query_positions[:, :interval] + queries)
+        torch.testing.assert_close(quiet["decayed"], 0.9 * state["decayed"], rtol=1e-12, atol=0)
+        torch.testing.assert_close(quiet["recent"], 0.25 * state["recent"], rtol=1e-12, atol=0)
+        finals.append((features, state))
+    (features_32, state_32), (features_64, state_64) = finals
+    torch.testing.assert_close(features_32, features_64, rtol=0, atol=1e-9)
+    for name, value in state_32.items():
+        torch.testing.assert_close(state_64[name], value, rtol=0, atol=1e-12)
+    assert state_32["observed"][0, 0, 0] == queries and state_32["observed"][0, 0, -1] == 1
+
+
+def test_no_standardised_feature_grows_with_the_trace():
+    """Uniform attention for 20 steps: the cumulative sum grows twentyfold, its per-query rate does not."""
+    attention = torch.full((1, 1, 1, 8, 4), 0.25, dtype=torch.float64)
+    state = {name: torch.zeros(1, 1, 4, 1, dtype=torch.float64) for name in ("cumulative", "decayed", "recent")}
+    state["observed"] = torch.zeros(1, 1, 4, dtype=torch.float64)
+    for step in range(20):
+        features, state = standardised_features(attention, state, torch.arange(4)[None, None], torch.arange(4, 12)[None] + 8 * step)
+        rate = features[0, 0, :, STANDARDISED_NAMES.index("cumulative_rate")]
+        torch.testing.assert_close(rate, torch.full_like(rate, math.log(0.25 + 1e-6)))
+    assert float(state["cumulative"][0, 0, 0, 0]) == pytest.approx(40.0)

@@ -9,14 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from foresight.features import DECAY
+from foresight.scorer.attention_features import DECAY
 from foresight.models import describe
 from foresight.policies import make_policy
 from foresight.runtime.policy import EvictionContext
 from foresight.policies.foresight import CUMULATIVE, DECAYED
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.helpers import independent_mlp, random_prompts, random_scorer
+from tests.helpers import (
+    independent_mlp,
+    loop_standardise,
+    loop_standardised_features,
+    random_prompts,
+    random_scorer,
+)
 
 B, L = 12, 4
 WINDOWS = (8, 16, 32)
@@ -71,6 +77,98 @@ def test_keep_scores_equal_independent_mlps_on_loop_features(llama):
         torch.testing.assert_close(scores[row, head], expected, rtol=0, atol=1e-5)
 
 
+def default_checkpoint_step() -> EvictionContext:
+    """A fixed random step of layer 5 at the shipped default scorer's shape (B = 128, L = 32)."""
+    generator = torch.Generator().manual_seed(21)
+    rows, kv_heads, group, dim, budget, interval = 1, 3, 3, 64, 128, 32
+    entries = budget + interval
+    return EvictionContext(
+        layer_idx=5, num_layers=30,
+        keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        positions=torch.arange(entries).repeat(rows, kv_heads, 1), num_candidates=budget, scaling=dim**-0.5,
+        state={CUMULATIVE: torch.rand(rows, kv_heads, entries, group, generator=generator) * 30,
+               DECAYED: torch.rand(rows, kv_heads, entries, group, generator=generator) * 3},
+        queries=torch.randn(rows, kv_heads * group, interval, dim, generator=generator) * 3,
+        query_positions=torch.arange(budget, entries).repeat(rows, 1),
+    )
+
+
+def test_an_existing_scorer_loads_and_scores_as_before_the_standardised_set():
+    """The shipped "paper" scorer's keep scores at a fixed step, pinned before issue 21's changes: an older
+    feature set keeps its features, its two state fields and its raw keys and values."""
+    policy = make_policy("foresight", scorer=str(Path(__file__).resolve().parents[1] / "checkpoints" / "default"))
+    assert [field.name for field in policy.state_fields] == [CUMULATIVE, DECAYED]
+    context = default_checkpoint_step()
+    policy.observe(context)
+    scores = policy.keep_scores(context)
+    pinned = [[-0.18144123256206512, -0.1775178760290146, -0.1807316243648529, -0.1914985626935959],
+              [0.020522043108940125, -0.030811762437224388, -0.05059858784079552, 0.019973136484622955],
+              [0.16529583930969238, 0.12302331626415253, 0.1444603055715561, 0.1160782128572464]]
+    torch.testing.assert_close(scores[0, :, :4], torch.tensor(pinned), rtol=0, atol=1e-6)
+    assert scores.double().sum().item() == pytest.approx(-18.79833535850048, abs=1e-4)
+
+
+def standardised_step(scorer, scale: float = 1.0) -> EvictionContext:
+    """A hand-built step of layer 1 for a standardised scorer: two rows, row 1 with padding slots; `scale`
+    multiplies the block attention and every raw sum of the state."""
+    shape = scorer.config
+    generator = torch.Generator().manual_seed(6)
+    rows, kv_heads, group, dim, entries = 2, shape.num_kv_heads, shape.group_size, shape.head_dim, B + L
+    positions = torch.cat([torch.randperm(40, generator=generator)[:B].sort().values, torch.arange(40, 40 + L)])
+    positions = positions.repeat(rows, kv_heads, 1)
+    positions[1, :, :3] = -1
+    sums = (rows, kv_heads, entries, group)
+    context = EvictionContext(
+        layer_idx=1, num_layers=shape.num_layers,
+        keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        positions=positions, num_candidates=B, scaling=dim**-0.5,
+        state={"cumulative": torch.rand(sums, generator=generator) * 3 * scale,
+               "decayed": torch.rand(sums, generator=generator) * scale,
+               "recent": torch.rand(sums, generator=generator) * 0.5 * scale,
+               "observed": torch.randint(1, 40, sums[:3], generator=generator).float()},
+        queries=torch.randn(rows, shape.num_query_heads, L, dim, generator=generator),
+        query_positions=torch.arange(40, 40 + L).repeat(rows, 1),
+    )
+    context.attention = context.attention * scale  # fills the cached property
+    return context
+
+
+def test_standardised_keep_scores_equal_independent_mlps_on_loop_features(llama):
+    """The standardised policy's state and keep scores equal the per-(layer, head) MLP of
+    [k/|k| || v/|v| || a] with loop-computed features standardised over each row's valid candidates."""
+    scorer = random_scorer(llama, feature_set="standardised")
+    policy = make_policy("foresight", scorer=scorer)
+    assert [field.name for field in policy.state_fields] == ["cumulative", "decayed", "recent", "observed"]
+    context = standardised_step(scorer)
+    state = policy.observe(context)
+    scores = policy.keep_scores(context)
+    features, expected_state = loop_standardised_features(context.attention, context.state, context.positions,
+                                                          context.query_positions)
+    for name, value in expected_state.items():
+        torch.testing.assert_close(state[name].double(), value, rtol=1e-5, atol=1e-6)
+    valid = context.candidate_positions >= 0
+    features = loop_standardise(features[..., :B, :], valid).float()
+    unit = [torch.nn.functional.normalize(tensor[..., :B, :], dim=-1) for tensor in (context.keys, context.values)]
+    for row, head in itertools.product(range(2), range(scorer.config.num_kv_heads)):
+        inputs = torch.cat([unit[0][row, head], unit[1][row, head], features[row, head]], -1)
+        expected = independent_mlp(scorer, 1, head)(inputs).squeeze(-1)
+        torch.testing.assert_close(scores[row, head], expected, rtol=0, atol=1e-4)
+
+
+def test_standardised_keep_scores_ignore_a_constant_factor_on_attention(llama):
+    """Ten times every attention sum: log shifts by ln 10, which the standardisation removes."""
+    scorer = random_scorer(llama, feature_set="standardised")
+    scores = []
+    for scale in (1.0, 10.0):
+        policy, context = make_policy("foresight", scorer=scorer), standardised_step(scorer, scale)
+        policy.observe(context)
+        scores.append(policy.keep_scores(context))
+    valid = standardised_step(scorer).candidate_positions >= 0
+    torch.testing.assert_close(scores[1][valid], scores[0][valid], rtol=0, atol=1e-3)
+
+
 # -- in the engine --------------------------------------------------------------------------------
 class EvictionLog:
     """Records every compaction, layer after layer and step after step: (positions before
@@ -98,8 +196,9 @@ def eviction_log(monkeypatch):
     return EvictionLog(monkeypatch)
 
 
-def test_batched_generation_holds_the_budget_and_equals_each_row_alone(llama):
-    scorer = random_scorer(llama)
+@pytest.mark.parametrize("feature_set", ["paper", "standardised"])
+def test_batched_generation_holds_the_budget_and_equals_each_row_alone(llama, feature_set):
+    scorer = random_scorer(llama, feature_set=feature_set)
     batch = random_prompts([5, 11, 20], seed=1)  # the 20-token prompt evicts right after prefill
     engine = EvictionEngine(llama, make_policy("foresight", scorer=scorer), EvictionConfig(B, L))
     together = engine.generate(batch, 30, return_logits=True)
@@ -137,8 +236,9 @@ def loop_plackett_luce(scores: torch.Tensor, order: list[int], eligible: list[bo
     return total
 
 
-def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama, eviction_log):
-    scorer = random_scorer(llama)
+@pytest.mark.parametrize("feature_set", ["paper", "standardised"])
+def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama, eviction_log, feature_set):
+    scorer = random_scorer(llama, feature_set=feature_set)
     policy = make_policy("foresight", scorer=scorer, mode="sampled", seed=3)
     EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([7, 7], seed=4), 30)
     assert len(policy.records) == len(eviction_log.steps) > 4

@@ -1,4 +1,4 @@
-"""Accuracy under eviction (foresight.generation_eval and `foresight eval --prompts`) on a tiny model:
+"""Accuracy under eviction (foresight.eval.generation and `foresight eval --prompts`) on a tiny model:
 loop detection against a slow twin, the figures against hand-made completions, same-seed sampling,
 resuming after a kill, and the command's report and errors."""
 
@@ -12,8 +12,8 @@ import torch
 
 from foresight import cli
 from foresight.artifacts import ArtifactError
-from foresight.evaluation import PolicySpec
-from foresight.generation_eval import (
+from foresight.eval.specs import PolicySpec
+from foresight.eval.generation import (
     CompletionStore,
     GenerationSettings,
     Job,
@@ -25,8 +25,8 @@ from foresight.generation_eval import (
     summarize_sources,
 )
 from foresight.models import tiny_model
-from foresight.stats import pass_at_k
-from foresight.tasks import Problem, load_problems
+from foresight.eval.stats import pass_at_k
+from foresight.data.tasks import Problem, load_problems
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
@@ -232,8 +232,8 @@ def test_eval_prompts_bad_input_is_one_line(tmp_path, patched_load, capsys, extr
 def test_the_learned_policy_runs_at_its_budget_and_another_scorer_is_not_mixed_in(model, tmp_path):
     """A scorer trained at (B, L) = (16, 4) runs at B = 16 only; completions of another scorer under
     the same name are refused, not counted as this one's."""
-    from foresight.evaluation import ScorerSpec
-    from foresight.scorer import ForesightScorer, ScorerConfig
+    from foresight.eval.specs import ScorerSpec
+    from foresight.scorer.model import ForesightScorer, ScorerConfig
     from tests.helpers import scorer_spec
 
     def learned(seed: int) -> ScorerSpec:

@@ -1,4 +1,4 @@
-"""The supervised stage's training examples (`foresight.golden_steps`) against a dense reference: one eager
+"""The supervised stage's training examples (`trainers.examples`) against a dense reference: one eager
 forward of the whole trace whose attention is masked to the cache the golden schedule leaves each query."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import itertools
 import torch
 from transformers import AttentionInterface
 
-from foresight.features import DECAY, FEATURE_NAMES, FeatureSet
-from foresight.golden_steps import golden_steps
+from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
+from trainers.examples import golden_steps
 from foresight.labels import compute_golden_labels
 from foresight.models import describe, tiny_model
-from foresight.traces import TraceStore
+from foresight.data.trace_store import TraceStore
 
 B, L_ = 16, 4
 WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
@@ -92,6 +92,45 @@ def test_examples_equal_a_dense_masked_reference(traces_dir):
             torch.testing.assert_close(recorded["values"], values[head, candidates], rtol=0, atol=1e-5)
             expected = reference_features(weights[head * group : (head + 1) * group], candidates, step, B, L_, group)
             torch.testing.assert_close(recorded["features"], expected, rtol=0, atol=1e-5)
+
+
+def reference_standardised(weights: torch.Tensor, candidates: torch.Tensor, step: int, budget: int, interval: int,
+                           group: int) -> torch.Tensor:
+    """The standardised set's features of `candidates` [B] for one KV head at `step`, from the dense attention
+    weights [G, T, T]: every query from position B (the first block's) up to the step's newest, each weighted
+    per token of its age; then (x - mean) / (std + 0.01) over the B candidates."""
+    newest = budget + step * interval - 1
+    queries = torch.arange(budget, newest + 1)
+    age = (newest - candidates).double()
+    observed = (newest - candidates.clamp_min(budget) + 1).double()
+    per_head = []
+    for g in range(group):
+        received = weights[g, budget : newest + 1][:, candidates].double()  # [queries, B]
+        values = {name: received[-min(size, interval):].sum(0) for name, size in WINDOWS.items()}
+        values["recent_128"] = (0.5 ** ((newest - queries) / 128)).double() @ received
+        values["decayed"] = (0.9 ** ((newest - queries) / 256)).double() @ received
+        values["cumulative_rate"] = received.sum(0) / observed
+        columns = [torch.log(values[name] + 1e-6) for name in FEATURE_NAMES[FeatureSet.STANDARDISED][:-1]]
+        per_head.append(torch.stack([*columns, torch.log1p(age)], -1))
+    features = torch.cat(per_head, -1)
+    return (features - features.mean(0)) / (features.std(0, unbiased=False) + 1e-2)
+
+
+def test_standardised_examples_equal_a_dense_masked_reference(traces_dir):
+    """The standardised set's recorded features, standardised over the candidates as the policy does."""
+    model = tiny_model("llama")
+    trace = max(TraceStore(traces_dir), key=lambda trace: trace.input_ids.numel())
+    label = compute_golden_labels(model, trace.input_ids, B, L_)
+    (example,) = golden_steps(model, [trace], [label], feature_set="standardised", storage_dtype=torch.float32)
+    shape, reference = describe(model), masked_reference(model, trace.input_ids, label)
+    group = shape.group_size
+    assert example["features"].shape == (label.num_steps, shape.num_layers, shape.num_kv_heads, B, 7 * group)
+    for step, layer, head in itertools.product(range(1, label.num_steps + 1), range(shape.num_layers),
+                                               range(shape.num_kv_heads)):
+        weights = reference[layer][2][head * group : (head + 1) * group]
+        candidates = label.candidates[step - 1, layer, head].long()
+        expected = reference_standardised(weights, candidates, step, B, L_, group).float()
+        torch.testing.assert_close(example["features"][step - 1, layer, head], expected, rtol=0, atol=5e-4)
 
 
 def test_making_examples_allocates_no_gradient_for_the_model(traces_dir):

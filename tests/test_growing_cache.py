@@ -1,4 +1,4 @@
-"""foresight.growing_cache against transformers' DynamicCache: same keys, values and logits through
+"""foresight.data.growing_cache against transformers' DynamicCache: same keys, values and logits through
 prefill, decode steps past the buffer's room, rows leaving, and slots dropped from outside."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from foresight.growing_cache import MIN_SPARE, GrowingLayer, growing_cache
+from foresight.data.growing_cache import MIN_SPARE, GrowingLayer, growing_cache
 from foresight.models import tiny_model
 
 

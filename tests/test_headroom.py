@@ -1,11 +1,11 @@
-"""The share of headroom a learned scorer captures and its bootstrap intervals (foresight.headroom)."""
+"""The share of headroom a learned scorer captures and its bootstrap intervals (foresight.eval.headroom)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from foresight.headroom import TraceScore, _resample_weights, headroom
+from foresight.eval.headroom import TraceScore, _resample_weights, headroom
 
 B = 128
 TOKENS = (100, 50, 80)  # scored tokens of the three traces

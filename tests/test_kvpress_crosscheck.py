@@ -119,8 +119,8 @@ def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(
     under the same rule holds the same number of entries."""
     import sys
 
-    from foresight.serving import EngineDecoder
-    from foresight.serving_kvpress import KvpressDecoder
+    from foresight.bench.serving import EngineDecoder
+    from foresight.bench.kvpress_worker import KvpressDecoder
     from tests.helpers import char_tokenizer, random_prompts
 
     folder = tmp_path / "tiny"

@@ -17,7 +17,8 @@ from foresight.labels import (
     save_labels,
 )
 from foresight.models import ModelShape, tiny_model
-from foresight.traces import TraceStore, generate_traces
+from foresight.data.trace_store import TraceStore
+from foresight.data.trace_generation import generate_traces
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
 
 
@@ -218,7 +219,7 @@ def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     budget = sorted(set(lengths.values()))[1] - interval  # the shortest traces have no eviction step
     short = sum(length < budget + interval for length in lengths.values())
     loads = []
-    monkeypatch.setattr("foresight.pipeline.load_model",
+    monkeypatch.setattr("trainers.preparation.load_model",
                         lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1])
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0
@@ -266,7 +267,7 @@ def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path,
     model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
     generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), out_dir=tmp_path, num=2, max_new_tokens=12,
                     progress=False, model_name="tiny")
-    monkeypatch.setattr("foresight.pipeline.load_model", lambda name, **kwargs: (model, tokenizer))
+    monkeypatch.setattr("trainers.preparation.load_model", lambda name, **kwargs: (model, tokenizer))
     budget, interval = 8, 4
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0

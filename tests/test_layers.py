@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10
@@ -54,3 +56,25 @@ def test_an_import_against_the_layers_breaks_the_contract(tmp_path):
     result = lint_imports(tmp_path)
     assert result.returncode == 1
     assert "foresight.runtime.cache -> foresight.policies.h2o" in result.stdout
+
+
+def test_attention_is_hooked_in_one_place():
+    """Labels, the evaluation probe and the engine all register attention through `runtime.capture`."""
+    hooks = {
+        path.relative_to(REPO).as_posix()
+        for package in PACKAGES for path in (REPO / package).rglob("*.py")
+        if "AttentionInterface.register" in path.read_text() or "set_attn_implementation" in path.read_text()
+    }
+    assert hooks <= {"foresight/runtime/capture.py", "foresight/bench/kvpress_worker.py"}, hooks
+
+
+def test_the_public_api_resolves_to_its_modules():
+    import importlib
+
+    import foresight
+
+    for name in foresight.__all__:
+        module = importlib.import_module(foresight._EXPORTS[name])
+        assert getattr(foresight, name) is getattr(module, name)
+    with pytest.raises(AttributeError, match="no attribute 'evict'"):
+        foresight.evict

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from foresight.policies import EvictionContext, make_policy
-from foresight.runtime.capture import eviction_attention, register_runtime_attention
+from foresight.runtime.capture import eviction_attention, register_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
 
@@ -96,7 +96,7 @@ def replay_recording(model, policy, sequence: torch.Tensor, prompt_length: int):
 
     policy.keep_scores, policy.observe = recording_keep_scores, recording_observe
     recorder = HistoryRecorder()
-    register_runtime_attention(RECORDING, recorder)
+    register_attention(RECORDING, recorder)
     engine = EvictionEngine(model, policy, EvictionConfig(B, L), attention=RECORDING)
     output = engine.replay([sequence], [prompt_length])
     assert output.first_eviction[0] is not None

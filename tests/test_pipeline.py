@@ -1,5 +1,5 @@
-"""The steps that make the supervised stage's data (`foresight.pipeline`) and their verbs: resuming,
-replacing damaged files, refusing a feature cache made with another key, and loading no model when
+"""The steps that make the supervised stage's data (`trainers.preparation`) and their verbs: resuming,
+replacing damaged files, refusing a example cache made with another key, and loading no model when
 there is nothing to do."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from foresight import cli, pipeline
-from foresight.feature_cache import FeatureCache, FeatureKey
-from foresight.golden_steps import golden_steps
+from foresight import cli
+from trainers import preparation as pipeline
+from trainers.example_cache import ExampleCache, ExampleKey
+from trainers.examples import golden_steps
 from foresight.labels import LabelStore
 from foresight.models import load_model
-from foresight.pipeline import FrozenModel, TraceRecipe, make_features, make_labels
-from foresight.traces import TraceStore
+from trainers.preparation import FrozenModel, TraceRecipe, make_examples, make_labels
+from foresight.data.trace_store import TraceStore
 from tests.helpers import DATA
 from trainers.data import GoldenDataModule
 
@@ -39,15 +40,15 @@ def loads(monkeypatch) -> list[str]:
     return names
 
 
-def key(tiny_dir: Path, **changes) -> FeatureKey:
+def key(tiny_dir: Path, **changes) -> ExampleKey:
     settings = dict(model=str(tiny_dir), model_dtype="float32", budget=B, interval=L_, feature_set="paper",
                     storage_dtype="float16") | changes
-    return FeatureKey(**settings)
+    return ExampleKey(**settings)
 
 
 def data_module(traces: Path, tiny_dir: Path, features: Path | None, **changes) -> GoldenDataModule:
     settings = dict(model=str(tiny_dir), budget=B, interval=L_, holdout=0.2, batch_size=2) | changes
-    return GoldenDataModule(str(traces), features_dir=None if features is None else str(features), **settings)
+    return GoldenDataModule(str(traces), examples_dir=None if features is None else str(features), **settings)
 
 
 def one_line_error(call) -> str:
@@ -93,16 +94,16 @@ def test_verbs_resume_and_replace_damaged_files(fresh_traces, tiny_dir, loads, c
     assert "labelled 1 traces (1 replacing damaged files)" in capsys.readouterr().out
     assert_same(damaged, original, rtol=0, atol=0)  # labelling is deterministic: the same file again
 
-    features = fresh_traces.parent / "features"
-    cache = FeatureCache(features, fresh_traces, key(tiny_dir))
-    assert cli.main(["features", "--traces", str(fresh_traces), "-B", str(B), "-L", str(L_), "--out", str(features)]) == 0
-    assert f"made the features of {len(TraceStore(fresh_traces))} traces" in capsys.readouterr().out
+    features = fresh_traces.parent / "examples"
+    cache = ExampleCache(features, fresh_traces, key(tiny_dir))
+    assert cli.main(["examples", "--traces", str(fresh_traces), "-B", str(B), "-L", str(L_), "--out", str(features)]) == 0
+    assert f"made the examples of {len(TraceStore(fresh_traces))} traces" in capsys.readouterr().out
     trace = TraceStore(fresh_traces)[5]
     original = truncate(cache.path(trace.index))
     error = one_line_error(lambda: data_module(fresh_traces, tiny_dir, features).setup())
     assert f"{cache.path(trace.index)} is damaged" in error and cache.remake_command in error
     assert cli.main(shlex.split(cache.remake_command.strip("`"))[1:]) == 0  # the command the error names
-    assert "made the features of 1 traces (1 replacing damaged files)" in capsys.readouterr().out
+    assert "made the examples of 1 traces (1 replacing damaged files)" in capsys.readouterr().out
     assert_same(cache.path(trace.index), original)  # replayed alone now, in a batch of 4 before: float16 ulps
     module = data_module(fresh_traces, tiny_dir, features)
     module.setup()
@@ -111,14 +112,14 @@ def test_verbs_resume_and_replace_damaged_files(fresh_traces, tiny_dir, loads, c
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory, traces_dir, tiny_dir) -> tuple[Path, FeatureCache]:
-    """A labelled copy of the traces and its feature cache (read-only for the tests that use it)."""
+def made(tmp_path_factory, traces_dir, tiny_dir) -> tuple[Path, ExampleCache]:
+    """A labelled copy of the traces and its example cache (read-only for the tests that use it)."""
     traces = Path(shutil.copytree(traces_dir, tmp_path_factory.mktemp("made") / "traces",
                                   ignore=shutil.ignore_patterns("labels-*")))
     frozen = FrozenModel(str(tiny_dir))
     make_labels(frozen, traces, B, L_, progress=False)
-    cache = FeatureCache(traces.parent / "features", traces, key(tiny_dir))
-    make_features(frozen, cache, replay_batch_size=3, progress=False)
+    cache = ExampleCache(traces.parent / "examples", traces, key(tiny_dir))
+    make_examples(frozen, cache, replay_batch_size=3, progress=False)
     return traces, cache
 
 
@@ -149,19 +150,19 @@ def test_a_feature_cache_of_another_key_is_refused(made, tiny_dir, change, store
     module = data_module(traces, tiny_dir, cache.directory, **change)
     error = one_line_error(module.setup)
     assert error.startswith(f"{cache.directory} holds features made with {stored}; remove that folder or pick another")
-    assert module.features.remake_command in error
+    assert module.examples.remake_command in error
     other = FrozenModel(str(tiny_dir), dtype=module.frozen.dtype)
-    assert one_line_error(lambda: make_features(other, module.features, progress=False)) == error
+    assert one_line_error(lambda: make_examples(other, module.examples, progress=False)) == error
     assert {path.name: path.stat().st_mtime_ns for path in cache.directory.iterdir()} == before
     assert loads == []  # the refused step loaded nothing
 
 
 def test_features_need_labels_and_the_model_that_made_the_traces(fresh_traces, tiny_dir, loads):
-    cache = FeatureCache(fresh_traces.parent / "features", fresh_traces, key(tiny_dir))
-    error = one_line_error(lambda: make_features(FrozenModel(str(tiny_dir)), cache, progress=False))
+    cache = ExampleCache(fresh_traces.parent / "examples", fresh_traces, key(tiny_dir))
+    error = one_line_error(lambda: make_examples(FrozenModel(str(tiny_dir)), cache, progress=False))
     assert "golden labels of trace" in error and f"`foresight labels --traces {fresh_traces} --budget 16 --interval 4`" in error
-    other = FeatureCache(cache.directory, fresh_traces, key(tiny_dir, model="another"))
-    error = one_line_error(lambda: make_features(FrozenModel("another"), other, progress=False))
+    other = ExampleCache(cache.directory, fresh_traces, key(tiny_dir, model="another"))
+    error = one_line_error(lambda: make_examples(FrozenModel("another"), other, progress=False))
     assert error == f"the traces in {fresh_traces} were made by {str(tiny_dir)!r}, not by the model 'another'"
     error = one_line_error(lambda: make_labels(FrozenModel("another"), fresh_traces, B, L_, progress=False))
     assert "not by the model 'another'" in error

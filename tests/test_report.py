@@ -1,6 +1,6 @@
 """Named report sections: rewritten in place, others untouched."""
 
-from foresight.report import write_section
+from foresight.eval.report import write_section
 
 
 def test_sections_are_replaced_in_place_and_others_kept(tmp_path):

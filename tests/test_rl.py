@@ -24,10 +24,11 @@ from foresight import cli
 from foresight.commands.rl import lightning_args as rl_lightning_args
 from foresight.models import ModelShape, describe, tiny_model
 from foresight.policies import make_policy
-from foresight.scorer import load_scorer
+from foresight.scorer.model import load_scorer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.scorer import ForesightScorer, ScorerConfig
-from foresight.traces import Trace, token_losses
+from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.data.trace_store import Trace
+from foresight.data.trace_generation import token_losses
 from trainers import grpo as grpo_module
 from trainers.cli import rl_cli_main
 from trainers.rollouts import (

@@ -11,7 +11,8 @@ from transformers import AttentionInterface, DynamicCache
 from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.capture import eviction_attention
-from foresight.runtime.engine import EvictionConfig, EvictionEngine, SamplingConfig
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.sampling import SamplingConfig
 from tests.helpers import constructible_policies, prompts
 
 ARCHS = ("llama", "qwen2", "qwen3")

@@ -1,4 +1,4 @@
-"""Continuous-batching sampler (foresight.sampler) against a slow one-request-at-a-time reference."""
+"""Continuous-batching sampler (foresight.data.sampler) against a slow one-request-at-a-time reference."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from foresight.growing_cache import SPARE_SHARE
-from foresight.runtime.engine import SamplingConfig, logits_processors
-from foresight.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
+from foresight.data.growing_cache import SPARE_SHARE
+from foresight.runtime.sampling import SamplingConfig, logits_processors
+from foresight.data.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
 from tests.helpers import eos_prone_model, random_prompts
 
 EOS = 2

@@ -9,14 +9,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from foresight.scorer import (
-    ForesightScorer,
-    ScorerConfig,
-    evict_lowest,
-    eviction_pool,
-    plackett_luce_logprob,
-    sample_eviction,
-)
+from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.scorer.eviction_sampling import evict_lowest, eviction_pool, plackett_luce_logprob, sample_eviction
 from tests.helpers import independent_mlp
 
 
@@ -68,6 +62,29 @@ def test_a_features_only_scorer_is_the_mlp_of_the_features_alone():
         for head in range(config.num_kv_heads):
             expected = independent_mlp(scorer, layer, head)(features[layer, :, head]).squeeze(-1)
             torch.testing.assert_close(scores[layer, :, head], expected, rtol=0, atol=1e-6)
+
+
+def test_a_standardised_scorer_reads_unit_norm_keys_and_values_and_older_ones_raw_keys(tmp_path):
+    """The standardised set's MLP sees k / |k| and v / |v| (so per-entry rescaling changes nothing); a scorer
+    of an older set still sees raw keys and values; both survive a save and load."""
+    scorer = make_scorer(feature_set="standardised")
+    config = scorer.config
+    assert (config.feature_width, config.input_dim) == (7 * 2, 2 * 8 + 14)
+    keys, values, features = random_inputs(config, config.num_layers, 2)
+    scale = torch.rand(*keys.shape[:-1], 1, generator=torch.Generator().manual_seed(2)) * 10 + 0.1
+    scores = scorer(keys, values, features)
+    torch.testing.assert_close(scorer(keys * scale, values / scale, features), scores, rtol=0, atol=1e-5)
+    unit = [torch.nn.functional.normalize(tensor, dim=-1) for tensor in (keys, values)]
+    for layer, head in itertools.product(range(config.num_layers), range(config.num_kv_heads)):
+        x = torch.cat([unit[0][layer, :, head], unit[1][layer, :, head], features[layer, :, head]], -1)
+        expected = independent_mlp(scorer, layer, head)(x).squeeze(-1)
+        torch.testing.assert_close(scores[layer, :, head], expected, rtol=0, atol=1e-6)
+    older = make_scorer(feature_set="paper")
+    older_features = torch.rand(*keys.shape[:-1], older.config.feature_width)
+    assert not torch.allclose(older(keys * scale, values, older_features), older(keys, values, older_features))
+    scorer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["feature_set"] == "standardised"
+    assert torch.equal(ForesightScorer.from_pretrained(tmp_path)(keys, values, features), scores)
 
 
 @pytest.mark.parametrize("layers, kv_heads", [(1, 1), (3, 2), (4, 4)])

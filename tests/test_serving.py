@@ -1,4 +1,4 @@
-"""The serving benchmark's parts (foresight.serving) on a tiny model whose cache bytes are known by
+"""The serving benchmark's parts (foresight.bench.serving) on a tiny model whose cache bytes are known by
 arithmetic, a decoder whose true capacity is known, and `foresight bench serve` end to end."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from foresight import cli
-from foresight.commands import _bench_common
+from foresight.bench import common as _bench_common
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.serving import (
+from foresight.bench.serving import (
     CapTooSmall,
     EngineDecoder,
     RunResult,
@@ -19,7 +19,7 @@ from foresight.serving import (
     max_batch,
     parse_memory_cap,
 )
-from foresight.tasks import chat_prompt_ids
+from foresight.data.tasks import chat_prompt_ids
 from tests.helpers import CHAT_TEMPLATE, char_tokenizer, random_prompts
 
 B, L = 16, 4
@@ -119,7 +119,7 @@ def test_a_cap_smaller_than_one_sequence_is_one_line():
 
 @pytest.fixture
 def patched_load(monkeypatch, llama):
-    monkeypatch.setattr("foresight.commands._bench_serve.load_model", lambda name, **kw: (llama, char_tokenizer(CHAT_TEMPLATE)))
+    monkeypatch.setattr("foresight.bench.serve.load_model", lambda name, **kw: (llama, char_tokenizer(CHAT_TEMPLATE)))
 
 
 def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from foresight.stats import bootstrap_interval, pass_at_k
+from foresight.eval.stats import bootstrap_interval, pass_at_k
 
 
 def slow_bootstrap(numerators, denominators, resamples, confidence, seed):

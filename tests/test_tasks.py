@@ -1,4 +1,4 @@
-"""Prompt sources, final-answer extraction, answer checking and chat encoding (foresight.tasks)."""
+"""Prompt sources, final-answer extraction, answer checking and chat encoding (foresight.data.tasks)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import datasets
 import pytest
 import reasoning_gym
 
-from foresight.tasks import (
+from foresight.data.tasks import (
     ANSWER_INSTRUCTION,
     Problem,
     WeightedSource,

@@ -1,4 +1,4 @@
-"""Importing prompt/completion pairs made by another engine (foresight.trace_import, `foresight traces --import`)."""
+"""Importing prompt/completion pairs made by another engine (foresight.data.trace_import, `foresight traces --import`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 
 from foresight import cli
 from foresight.models import tiny_model
-from foresight.tasks import chat_prompt_ids
-from foresight.trace_import import EMPTY, NOT_A_ROW, NOT_ROUND_TRIP, import_traces
-from foresight.traces import TraceStore
+from foresight.data.tasks import chat_prompt_ids
+from foresight.data.trace_import import EMPTY, NOT_A_ROW, NOT_ROUND_TRIP, import_traces
+from foresight.data.trace_store import TraceStore
 from tests.helpers import CHAT_TEMPLATE, char_tokenizer, write_lines
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""Trace generation and storage (foresight.traces) and the `foresight traces` verb."""
+"""Trace generation and storage (foresight.data.trace_store) and the `foresight traces` verb."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from foresight import cli, traces
+from foresight import cli
+from foresight.data import trace_store as traces
 from foresight.models import tiny_model
-from foresight.tasks import chat_prompt_ids, check_answer, load_problems
-from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, generate_traces, token_losses
+from foresight.data.tasks import chat_prompt_ids, check_answer, load_problems
+from foresight.data.trace_store import Trace, TraceStore, describe_traces, folder_sources
+from foresight.data.trace_generation import generate_traces, token_losses
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, eos_prone_model, write_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,7 +276,7 @@ def test_filters_count_what_they_drop(reference, tmp_path, monkeypatch):
     assert (counts.kept, counts.too_short, counts.incorrect) == (len(long_enough), 7 - len(long_enough), 0)
     assert {t.index: t.input_ids.tolist() for t in TraceStore(tmp_path / "min")} == {i: full[i] for i in long_enough}
 
-    monkeypatch.setattr(traces, "check_answer", lambda problem, completion: problem.index % 3 == 0)
+    monkeypatch.setattr("foresight.data.trace_generation.check_answer", lambda problem, completion: problem.index % 3 == 0)
     summary = generate(tmp_path / "both", min_tokens=min_tokens, only_correct=True)
     kept = {i for i in long_enough if i % 3 == 0}
     counts = summary.counts
@@ -316,7 +318,7 @@ def test_bad_options_are_refused_before_writing(tmp_path):
 
 
 def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("foresight.pipeline.load_model", lambda name, **options: (eos_prone_model(), TOKENIZER))
+    monkeypatch.setattr("trainers.preparation.load_model", lambda name, **options: (eos_prone_model(), TOKENIZER))
     args = ["traces", "--model", "tiny", "--prompts", PROMPTS, "--num", "7", "--max-new-tokens", "16"]
     args += ["--out", str(tmp_path)]
     assert cli.main([*args, "--shard-size", "3", "--batch-size", "2"]) == 0

@@ -20,15 +20,16 @@ from torch.utils.data import DataLoader
 from torchmetrics.functional import spearman_corrcoef
 from transformers import Qwen2Config, Qwen3Config
 
-from foresight import cli, pipeline
+from foresight import cli
+from trainers import preparation as pipeline
 from foresight.commands import fit
 from foresight.commands.fit import lightning_args
-from foresight.feature_cache import FeatureCache, FeatureKey
+from trainers.example_cache import ExampleCache, ExampleKey
 from foresight.labels import LabelStore
 from foresight.models import load_model, tiny_model
-from foresight.pipeline import FrozenModel, make_features, make_labels
-from foresight.scorer import load_scorer
-from foresight.traces import TraceStore
+from trainers.preparation import FrozenModel, make_examples, make_labels
+from foresight.scorer.model import load_scorer
+from foresight.data.trace_store import TraceStore
 from tests.helpers import DATA, scorer_spec, synthetic_traces
 from trainers import data as data_module
 from trainers.cli import cli_main
@@ -171,23 +172,23 @@ def test_the_data_module_makes_no_labels_and_no_features(fresh_traces, tiny_dir)
     message = str(error.value)
     assert "golden labels of trace" in message and "\n" not in message
     assert f"make them with `foresight labels --traces {fresh_traces} --budget {B} --interval {L_}`" in message
-    cached = GoldenDataModule(str(fresh_traces), B, L_, model=str(tiny_dir), features_dir=str(fresh_traces.parent / "f"))
+    cached = GoldenDataModule(str(fresh_traces), B, L_, model=str(tiny_dir), examples_dir=str(fresh_traces.parent / "f"))
     with pytest.raises(ValueError, match="holds no features") as error:
         cached.setup()
-    assert cached.features.remake_command in str(error.value)
+    assert cached.examples.remake_command in str(error.value)
     assert listing(fresh_traces.parent) == before  # nothing written: no labels, no cache
 
 
 # -- LightningCLI: configs, fit, resume, DDP --------------------------------------------------------
 def tiny_config(path: Path, tiny_dir: Path, traces: dict | None = None, **data) -> Path:
-    """A config of the tiny model; its feature cache is redirected into --out by `foresight fit`."""
+    """A config of the tiny model; its example cache is redirected into --out by `foresight fit`."""
     config = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 4, "log_every_n_steps": 1,
                     "enable_progress_bar": False, "enable_model_summary": False},
         "model": {"lr": 0.01},
         "data": {"model": str(tiny_dir), "traces_dir": str(path.parent / "unused"), "budget": B, "interval": L_,
-                 "features_dir": str(path.parent / "unused-features"), "batch_size": 2, "holdout": 0.2, **data},
+                 "examples_dir": str(path.parent / "unused-features"), "batch_size": 2, "holdout": 0.2, **data},
         "traces": traces,
     }
     path.write_text(yaml.safe_dump(config))
@@ -221,10 +222,10 @@ def test_paper_configs_hold_the_papers_settings_and_build(name, monkeypatch, tmp
     scorer = built.model.scorer.config
     assert (scorer.budget, scorer.interval, scorer.base_model) == (1024, 256, model_id)
     assert (scorer.num_layers, scorer.num_kv_heads) == (model_config.num_hidden_layers, model_config.num_key_value_heads)
-    assert built.datamodule.features is None and built.datamodule.frozen.dtype == torch.bfloat16
+    assert built.datamodule.examples is None and built.datamodule.frozen.dtype == torch.bfloat16
     # `foresight fit` keeps a replaying config replaying (at B = 1024 a cache would take terabytes).
     args = cli.build_parser().parse_args(["fit", "--config", str(path), "--out", str(tmp_path)])
-    assert not any(arg.startswith("--data.features_dir") for arg in lightning_args(args))
+    assert not any(arg.startswith("--data.examples_dir") for arg in lightning_args(args))
 
 
 def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
@@ -233,11 +234,11 @@ def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
                                                      num_key_value_heads=3, head_dim=64, hidden_size=576).config)
     built = cli_main(["--config", str(REPO / "configs" / "default.yaml")], run=False)
     assert built.datamodule.model_name == "default" and built.model.scorer.config.num_layers == 30
-    assert built.datamodule.features.key == FeatureKey("default", "float32", 128, 32, "paper", "float16")
+    assert built.datamodule.examples.key == ExampleKey("default", "float32", 128, 32, "paper", "float16")
     assert built.config_init.traces.prompts == "reasoning-gym:gsm_symbolic"
     args = cli.build_parser().parse_args(["fit", "--config", str(REPO / "configs" / "default.yaml"), "--out", str(tmp_path),
                                           "--set", "traces.num=24"])
-    assert f"--data.features_dir={tmp_path / 'features'}" in lightning_args(args)
+    assert f"--data.examples_dir={tmp_path / 'examples'}" in lightning_args(args)
     assert "--traces.num=24" in lightning_args(args)  # scripts/main.sh's overrides
 
 
@@ -285,15 +286,15 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
         torch.testing.assert_close(checkpoint["state_dict"][name], tensor, rtol=0, atol=1e-6)
     # One cache file per labelled trace, made once by the features step of the first run.
     labelled = len(list(LabelStore(traces_dir, B, L_).directory.iterdir()))
-    assert len(list((split / "features").glob("trace-*.safetensors"))) == labelled
-    assert f"features: {split / 'features'}: made the features of 0 traces" in capsys.readouterr().out
+    assert len(list((split / "examples").glob("trace-*.safetensors"))) == labelled
+    assert f"examples: {split / 'examples'}: made the examples of 0 traces" in capsys.readouterr().out
 
 
 def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, traces_dir, capsys):
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, features_dir=None)
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, examples_dir=None)
     out = tmp_path / "run"
     assert cli.main(fit_args(config, out, traces_dir, "trainer.max_steps=3")) == 0
-    assert not (out / "features").exists()
+    assert not (out / "examples").exists()
     printed = capsys.readouterr().out
     assert "features:" not in printed and "scorer trained for 3 steps" in printed
     # The LearningRateMonitor logs the cosine schedule from lr = 0.01 to 0 at every step.
@@ -315,23 +316,23 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     args = ["fit", "--config", str(config), "--out", str(out), "--set", "trainer.max_steps=2"]
     assert cli.main(args) == 0
     lines = capsys.readouterr().out.splitlines()
-    steps = [line.split(":")[0] for line in lines if line.split(":")[0] in ("traces", "labels", "features")]
-    assert steps == ["traces", "labels", "features"]
+    steps = [line.split(":")[0] for line in lines if line.split(":")[0] in ("traces", "labels", "examples")]
+    assert steps == ["traces", "labels", "examples"]
     assert len(TraceStore(out / "traces")) == 4 and "scorer trained for 2 steps" in lines[-1]
     labelled = len(list(LabelStore(out / "traces", B, L_).directory.iterdir()))
-    assert labelled and len(list((out / "features").glob("trace-*.safetensors"))) == labelled
+    assert labelled and len(list((out / "examples").glob("trace-*.safetensors"))) == labelled
     assert loads == [str(tiny_dir)]  # one load shared by the three steps
     assert cli.main([*args, "--set", "trainer.max_steps=3", "--ckpt-path", "last"]) == 0
     printed = capsys.readouterr().out
     assert "0 shard(s) written, 1 already complete" in printed
     assert f"labelled 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already labelled" in printed
-    assert f"made the features of 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already made" in printed
+    assert f"made the examples of 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already made" in printed
     assert "scorer trained for 3 steps" in printed and loads == [str(tiny_dir)]
-    # Labels and features made by the verbs are the ones fit's steps make: found complete.
+    # Labels and examples made by the verbs are the ones fit's steps make: found complete.
     verbs = tmp_path / "verbs"
     traces = Path(shutil.copytree(out / "traces", verbs / "traces", ignore=shutil.ignore_patterns("labels-*")))
     assert cli.main(["labels", "--traces", str(traces), "-B", str(B), "-L", str(L_)]) == 0
-    assert cli.main(["features", "--traces", str(traces), "-B", str(B), "-L", str(L_), "--out", str(verbs / "features")]) == 0
+    assert cli.main(["examples", "--traces", str(traces), "-B", str(B), "-L", str(L_), "--out", str(verbs / "examples")]) == 0
     assert cli.main(fit_args(config, verbs, traces, "trainer.max_steps=1")) == 0
     printed = capsys.readouterr().out
     assert f"{labelled} already labelled" in printed and f"{labelled} already made" in printed
@@ -367,12 +368,12 @@ def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_p
     """Two gloo processes with 2 traces each per step against one process with 4: the logged losses
     and the trained weights agree (the same shuffled global batches; the loss is normalised by the
     global problem count)."""
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0, features_dir=str(tmp_path / "features"),
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0, examples_dir=str(tmp_path / "features"),
                          traces_dir=str(traces_dir))
     frozen = FrozenModel(str(tiny_dir))  # `trainers.cli fit` reads only: make its labels and features first
     make_labels(frozen, traces_dir, B, L_, progress=False)
-    key = FeatureKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
-    make_features(frozen, FeatureCache(tmp_path / "features", traces_dir, key), progress=False)
+    key = ExampleKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
+    make_examples(frozen, ExampleCache(tmp_path / "features", traces_dir, key), progress=False)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = {}
     for name, devices, batch in (("one", 1, 4), ("two", 2, 2)):

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from foresight.pipeline import TraceRecipe
 from trainers.data import GoldenDataModule
 from trainers.grpo import GRPOScorer
+from trainers.preparation import TraceRecipe
 from trainers.rl_data import RolloutDataModule
 from trainers.supervised import SupervisedScorer
 

@@ -1,12 +1,12 @@
-"""The supervised stage's data module: it reads traces, their golden labels and the feature cache.
+"""The supervised stage's data module: it reads traces, their golden labels and the example cache.
 
 It makes nothing. `foresight fit` makes what it reads first, with the functions of the verbs
-(`foresight traces`, `foresight labels`, `foresight features`; see `foresight.pipeline`); an input
+(`foresight traces`, `foresight labels`, `foresight examples`; see `trainers.preparation`); an input
 that is missing, damaged or made with other settings is a one-line error naming the command that
-makes it. One example is one trace's eviction steps (`foresight.golden_steps`); a batch concatenates
+makes it. One example is one trace's eviction steps (`trainers.examples`); a batch concatenates
 the steps of its traces.
 
-Without a feature cache (`features_dir: None`) the examples are replayed from the traces and labels
+Without a example cache (`examples_dir: None`) the examples are replayed from the traces and labels
 through the frozen model on every pass instead (`ReplayedTraces`), for runs whose examples are too
 large to store (at the paper's B = 1024, one eviction step of a 4B model holds 0.15-0.3 GB of keys
 and values). That mode runs the model, but only to compute the scorer's inputs along labels that
@@ -20,19 +20,31 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-import lightning as L
 import torch
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    get_worker_info,
+)
 
-from foresight.feature_cache import FeatureCache, FeatureKey
-from foresight.features import FeatureSet
-from foresight.golden_steps import TENSORS, golden_steps
-from foresight.cadence import TraceTooShort, check_budget, eviction_steps
+from foresight.cadence import TraceTooShort, eviction_steps
+from foresight.data.trace_store import (
+    Trace,
+    TraceStore,
+    describe_traces,
+    folder_sources,
+    trace_origin,
+)
 from foresight.labels import LabelStore
 from foresight.models import DEFAULT_MODEL, describe, float_dtype, load_config
-from foresight.pipeline import FrozenModel
-from foresight.traces import Trace, TraceStore, describe_traces, folder_sources, trace_origin
+from foresight.scorer.attention_features import FeatureSet
+from trainers.example_cache import ExampleCache, ExampleKey
+from trainers.examples import TENSORS, golden_steps
+from trainers.preparation import FrozenModel
+from trainers.trace_split import TraceSplitDataModule
 
 
 def concat_steps(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -104,13 +116,14 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-class GoldenDataModule(L.LightningDataModule):
-    """Traces, golden labels and the feature cache -> batches of the scorer's inputs and targets.
+class GoldenDataModule(TraceSplitDataModule):
+    """Traces, golden labels and the example cache -> batches of the scorer's inputs and targets.
 
     model: the frozen model, "default" or a folder / Hub id; it must be the one that made the traces.
     traces_dir: a traces folder (`foresight traces`); its labels are in traces_dir/labels-B{B}-L{L}.
-    budget, interval: B and L. feature_set: "paper", "official-8" or "pooled" (`foresight.features`).
-    features_dir: the feature cache (`foresight features`); None replays the traces on every pass.
+    budget, interval: B and L. feature_set: "paper", "official-8", "pooled" or "standardised"
+      (`foresight.scorer.attention_features`).
+    examples_dir: the example cache (`foresight examples`); None replays the traces on every pass.
     storage_dtype: dtype of the cached keys, values and features (α stays float32).
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
       of the cache's key) or the replay.
@@ -128,7 +141,7 @@ class GoldenDataModule(L.LightningDataModule):
         interval: int,
         model: str = DEFAULT_MODEL,
         feature_set: str = FeatureSet.PAPER.value,
-        features_dir: str | None = None,
+        examples_dir: str | None = None,
         storage_dtype: str = "float16",
         device: str = "cpu",
         dtype: str = "float32",
@@ -138,27 +151,18 @@ class GoldenDataModule(L.LightningDataModule):
         shuffle: bool = True,
         split_seed: int = 0,
     ) -> None:
-        super().__init__()
-        check_budget(budget, interval)
-        for name, value in (("batch_size", batch_size), ("replay_batch_size", replay_batch_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if not 0 <= holdout < 1:
-            raise ValueError(f"holdout must be a fraction in [0, 1), got {holdout}")
-        self.traces_dir = Path(traces_dir)
-        self.budget, self.interval = budget, interval
-        self.model_name = model
+        super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size)
+        if replay_batch_size < 1:
+            raise ValueError(f"replay_batch_size must be at least 1, got {replay_batch_size}")
         self.feature_set = FeatureSet.parse(feature_set).value
         self.frozen = FrozenModel(model, device=device, dtype=float_dtype("dtype", dtype))
-        key = FeatureKey(model, dtype, budget, interval, self.feature_set, storage_dtype)
-        self.features = None if features_dir is None else FeatureCache(features_dir, traces_dir, key)
+        key = ExampleKey(model, dtype, budget, interval, self.feature_set, storage_dtype)
+        self.examples = None if examples_dir is None else ExampleCache(examples_dir, traces_dir, key)
         self.replay_batch_size = replay_batch_size
-        self.holdout, self.split_seed = holdout, split_seed
-        self.batch_size, self.shuffle = batch_size, shuffle
+        self.shuffle = shuffle
         self.labels = LabelStore(self.traces_dir, budget, interval)
         self.train: Dataset | None = None
         self.val: Dataset | None = None
-        self._summary: dict[str, str] = {}
 
     @property
     def scorer_spec(self) -> dict:
@@ -178,8 +182,7 @@ class GoldenDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train is not None:
             return
-        store = TraceStore(self.traces_dir)
-        store.require_model(self.model_name)
+        store = self.open_store()
         traces = [trace for trace in store if self._num_steps(trace)]
         if not traces:
             raise ValueError(
@@ -193,8 +196,8 @@ class GoldenDataModule(L.LightningDataModule):
         }
         if not splits["train"]:
             raise ValueError(f"no training traces: every trace of {self.traces_dir} with an eviction step is held out")
-        if self.features is not None:
-            self.train, self.val = (CachedTraces(self.features.paths(splits[name])) for name in ("train", "val"))
+        if self.examples is not None:
+            self.train, self.val = (CachedTraces(self.examples.paths(splits[name])) for name in ("train", "val"))
         else:
             for trace in traces:
                 self.labels.require(trace.index, num_tokens=trace.input_ids.numel())
@@ -213,10 +216,6 @@ class GoldenDataModule(L.LightningDataModule):
             "split": f"{len(splits['train'])} training and {len(splits['val'])} held-out traces",
             "eviction steps (training)": str(sum(self._num_steps(t) for t in splits["train"])),
         }
-
-    def summary(self) -> dict[str, str]:
-        """What the data holds, in words (after `setup`), for checkpoints and the model card."""
-        return dict(self._summary)
 
     def train_dataloader(self) -> DataLoader:
         """Cached traces go through a `DistributedSampler` on one process too: its order is a function

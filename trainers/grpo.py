@@ -25,16 +25,15 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from torchmetrics import MeanMetric
 
-from foresight.export import checkpoint_entries
+from foresight.data.trace_store import Trace
 from foresight.metrics import DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
-from foresight.models import describe, float_dtype, load_config, load_model
-from foresight.scorer import ForesightScorer, check_temperature, load_scorer
-from foresight.traces import Trace
+from foresight.models import describe, float_dtype, load_config
+from foresight.scorer.eviction_sampling import check_temperature
+from foresight.scorer.model import ForesightScorer, load_scorer
 from trainers.rollouts import (
     CLIP_EPSILON,
     LOG_RATIO_CLAMP,
@@ -45,9 +44,11 @@ from trainers.rollouts import (
     roll_out,
     rollout_seeds,
 )
+from trainers.preparation import FrozenModel
+from trainers.scorer_module import ScorerModule
 
 
-class GRPOScorer(L.LightningModule):
+class GRPOScorer(ScorerModule):
     """Refines a trained `ForesightScorer` with GRPO.
 
     scorer: the starting scorer, a folder or Hub id (`foresight fit` writes one); it is also π_ref.
@@ -115,7 +116,7 @@ class GRPOScorer(L.LightningModule):
         self.reference = copy.deepcopy(self.scorer).requires_grad_(False)
         self.storage_dtype = float_dtype("storage_dtype", storage_dtype)
         self.model_dtype = float_dtype("dtype", dtype)
-        self._frozen: _FrozenModel | None = None
+        self._frozen: FrozenModel | None = None
         names = ("reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share")
         self.figures = torch.nn.ModuleDict({name: MeanMetric() for name in names})
 
@@ -124,10 +125,11 @@ class GRPOScorer(L.LightningModule):
     def frozen_model(self) -> torch.nn.Module:
         """The frozen LM on this module's device, loaded at first use (kept out of the module's children)."""
         if self._frozen is None:
-            model, _ = load_model(self.hparams.model, dtype=self.model_dtype, device=self.device)
+            self._frozen = FrozenModel(self.hparams.model, device=str(self.device), dtype=self.model_dtype)
+            model, _ = self._frozen.load()
             self.scorer.check_compatible(describe(model))
-            self._frozen = _FrozenModel(model.requires_grad_(False).eval())
-        return self._frozen.model
+            model.requires_grad_(False).eval()
+        return self._frozen.load()[0]
 
     # -- one step ------------------------------------------------------------------------------------
     def rollout_rows(self) -> range:
@@ -244,10 +246,7 @@ class GRPOScorer(L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warm_up) if warm_up else 1.0)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def training_record(self) -> dict:
-        """What the scorer was trained on and its latest metrics, as plain values (for the model card)."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        data = datamodule.summary() if hasattr(datamodule, "summary") else {}
+    def stage_settings(self) -> dict[str, str]:
         hparams = self.hparams
         settings = (
             f"G = {hparams.group_size}, lr {hparams.lr} after {hparams.warm_up} warm-up steps, β = {hparams.beta}"
@@ -255,12 +254,7 @@ class GRPOScorer(L.LightningModule):
             + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts, sampling temperature τ = "
             + f"{hparams.temperature}"
         )
-        metrics = {name: round(float(value), 6) for name, value in sorted(self.trainer.callback_metrics.items())}
-        return {**data, "GRPO": settings, "optimisation steps": self.global_step, "metrics": metrics}
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Store the scorer's config and training record so `foresight export` needs only the file."""
-        checkpoint.update(checkpoint_entries(self.scorer, self.training_record()))
+        return {"GRPO": settings}
 
 
 class _Update:
@@ -273,10 +267,3 @@ class _Update:
         with torch.no_grad():
             self.old_logprob = actions.logprob(actions.scores(scorer))
             self.ref_logprob = actions.logprob(actions.scores(reference))
-
-
-@dataclasses.dataclass(frozen=True)
-class _FrozenModel:
-    """A plain holder, so the frozen model is not registered as a submodule of the LightningModule."""
-
-    model: torch.nn.Module

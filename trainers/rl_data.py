@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import lightning as L
 from torch.utils.data import DataLoader, DistributedSampler
 
-from foresight.cadence import check_budget
+from foresight.data.trace_store import Trace, TraceView
 from foresight.models import DEFAULT_MODEL
-from foresight.traces import Trace, TraceStore, TraceView
+from trainers.trace_split import TraceSplitDataModule
 
 
 def check_stored_losses(trace: Trace, folder: Path) -> None:
@@ -32,7 +31,7 @@ def check_stored_losses(trace: Trace, folder: Path) -> None:
         )
 
 
-class RolloutDataModule(L.LightningDataModule):
+class RolloutDataModule(TraceSplitDataModule):
     """The training split of a traces folder, in batches of traces.
 
     traces_dir: a traces folder (`foresight traces`), made by `model` ("default", a folder or a Hub
@@ -56,26 +55,14 @@ class RolloutDataModule(L.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        check_budget(budget, interval)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if not 0 <= holdout < 1:
-            raise ValueError(f"holdout must be a fraction in [0, 1), got {holdout}")
-        self.traces_dir = Path(traces_dir)
-        self.budget, self.interval, self.model_name = budget, interval, model
-        self.holdout, self.split_seed = holdout, split_seed
-        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size)
+        self.shuffle, self.seed = shuffle, seed
         self.train: TraceView | None = None
-        self._summary: dict[str, str] = {}
 
     def setup(self, stage: str | None = None) -> None:
         if self.train is not None:
             return
-        store = TraceStore(self.traces_dir)
-        made_with = store.settings["model"]
-        if made_with != self.model_name:
-            raise ValueError(f"the traces in {self.traces_dir} were made by {made_with!r}, not by the model {self.model_name!r}")
+        store = self.open_store()
         train, held_out = store.split(self.holdout, self.split_seed) if self.holdout else (store, None)
         shortest = self.budget + self.interval + 2
         rows = [row for row, trace in enumerate(train) if trace.input_ids.numel() >= shortest]
@@ -94,10 +81,6 @@ class RolloutDataModule(L.LightningDataModule):
             f"left out, {0 if held_out is None else len(held_out)} held out)",
             "budget B, interval L": f"{self.budget}, {self.interval}",
         }
-
-    def summary(self) -> dict[str, str]:
-        """What the data holds, in words (after `setup`), for checkpoints and the model card."""
-        return dict(self._summary)
 
     def transfer_batch_to_device(self, batch: list[Trace], device, dataloader_idx: int) -> list[Trace]:
         """Traces stay where they are: the replay moves the token ids it feeds."""

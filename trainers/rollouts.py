@@ -25,12 +25,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from foresight.metrics import DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE, loss_ratio, low_entropy_damage, scored_tokens
+from foresight.data.trace_store import Trace
+from foresight.metrics import (
+    DAMAGE_THRESHOLD,
+    LOW_ENTROPY_SHARE,
+    loss_ratio,
+    low_entropy_damage,
+    scored_tokens,
+)
 from foresight.policies import make_policy
 from foresight.policies.foresight import SampledEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.scorer import ForesightScorer, plackett_luce_logprob
-from foresight.traces import Trace
+from foresight.scorer.eviction_sampling import plackett_luce_logprob
+from foresight.scorer.model import ForesightScorer
 
 CLIP_EPSILON = 0.2
 """ε of Eq. 10 (App. E.1)."""

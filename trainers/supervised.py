@@ -13,17 +13,22 @@ Only the scorer has parameters: the frozen model runs only to make the data, wit
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from foresight.export import checkpoint_entries
-from foresight.features import FEATURE_NAMES
-from foresight.scorer import ForesightScorer, ScorerConfig
-from trainers.ranking import DEFAULT_MARGIN, RankingPairs, kept_overlap, pairwise_ranking_loss, spearman
+from foresight.scorer.attention_features import cumulative_feature, feature_dim
+from foresight.scorer.model import ForesightScorer, ScorerConfig
+from trainers.ranking import (
+    DEFAULT_MARGIN,
+    RankingPairs,
+    kept_overlap,
+    pairwise_ranking_loss,
+    spearman,
+)
+from trainers.scorer_module import ScorerModule
 
 
-class SupervisedScorer(L.LightningModule):
+class SupervisedScorer(ScorerModule):
     """Trains a `ForesightScorer` to rank candidates like their future scores.
 
     scorer: the `ScorerConfig` fields fixed by the data (model shape, B, L, features, base model);
@@ -60,8 +65,8 @@ class SupervisedScorer(L.LightningModule):
         self.val_overlap = MeanMetric(nan_strategy="ignore")
         self.val_spearman = MeanMetric(nan_strategy="ignore")
         self.val_overlap_cumulative = MeanMetric(nan_strategy="ignore")
-        names = FEATURE_NAMES[self.scorer.config.feature_set]
-        self._cumulative, self._features_per_head = names.index("cumulative"), len(names)
+        feature_set = self.scorer.config.feature_set
+        self._cumulative, self._features_per_head = cumulative_feature(feature_set), feature_dim(feature_set)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Keep scores [steps, layers, Hkv, B] of every candidate of every step of the batch."""
@@ -102,7 +107,8 @@ class SupervisedScorer(L.LightningModule):
 
     def cumulative_attention(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """A heuristic to compare with: the cumulative-attention feature averaged over the G query heads
-        (H2O's statistic, under log1p), as keep scores [steps, layers, Hkv, B]."""
+        (H2O's statistic, under log1p; the standardised set's standardised per-query cumulative rate), as
+        keep scores [steps, layers, Hkv, B]."""
         features = batch["features"][..., self._cumulative :: self._features_per_head]
         return features.mean(-1)
 
@@ -114,16 +120,3 @@ class SupervisedScorer(L.LightningModule):
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
         # The name is the tag under which the CLI's LearningRateMonitor logs the learning rate.
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
-
-    def training_record(self, extra_metrics: dict | None = None) -> dict:
-        """What the scorer was trained on and its latest metrics (with `extra_metrics`), as plain values
-        (for the model card)."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        data = datamodule.summary() if hasattr(datamodule, "summary") else {}
-        latest = {**(extra_metrics or {}), **self.trainer.callback_metrics}
-        metrics = {name: round(float(value), 6) for name, value in sorted(latest.items())}
-        return {**data, "optimisation steps": self.global_step, "metrics": metrics}
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Store the scorer's config and training record so `foresight export` needs only the file."""
-        checkpoint.update(checkpoint_entries(self.scorer, self.training_record()))

@@ -1,6 +1,6 @@
 """The generation mode of `foresight eval` (--prompts): sampled completions of problems with checkable
 answers under every policy and budget, scored against their answers and the full cache
-(foresight.generation_eval)."""
+(foresight.eval.generation)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import argparse
 import time
 
 from foresight.commands._model import model_options
-from foresight.generation_eval import (
+from foresight.commands._sampling import add_sampling_arguments
+from foresight.data.tasks import load_problems
+from foresight.eval.generation import (
     CompletionStore,
     GenerationSettings,
     columns,
@@ -20,9 +22,8 @@ from foresight.generation_eval import (
     summarize_sources,
     write_report,
 )
+from foresight.eval.report import markdown_table
 from foresight.models import DEFAULT_MODEL, load_model
-from foresight.report import markdown_table
-from foresight.tasks import load_problems
 
 DEFAULT_BATCH = 32
 
@@ -31,15 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts", action="append", default=[], metavar="SOURCE",
         help="generate instead of replaying traces: problems from reasoning-gym:TASK, a JSONL file or a saved "
-        "dataset folder (foresight.tasks); repeat to pool several sources. --model then defaults to the embedded one",
+        "dataset folder (foresight.data.tasks); repeat to pool several sources. --model then defaults to the embedded one",
     )
     parser.add_argument("--num", type=int, default=20, help="problems per source")
     parser.add_argument("--problem-seed", type=int, default=0, help="seed that picks the reasoning-gym problems")
     parser.add_argument("--samples", "-k", type=int, default=4, help="completions sampled per problem (k)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="most tokens generated per completion")
-    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
-    parser.add_argument("--top-k", type=int, default=20, help="sample from the k most likely tokens; 0 disables")
-    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 disables")
+    add_sampling_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (each completion's own is derived from it)")
 
 

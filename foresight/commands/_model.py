@@ -39,6 +39,12 @@ def add_model_arguments(
             help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id"
             + (", or an architecture config (configs/models/*.json: random weights)" if architecture_configs else ""),
         )
+    add_placement_arguments(parser, device=device, dtype=dtype)
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser, *, device: str = "cpu", dtype: str = "float32") -> None:
+    """Add --device and --dtype alone, for a verb whose model is named elsewhere (a traces manifest, a
+    training config)."""
     parser.add_argument(
         "--device", type=device_argument, default=device,
         help="where the model runs: cpu, cuda, cuda:N, mps, or auto (cuda if available, else cpu)",

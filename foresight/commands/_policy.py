@@ -20,7 +20,10 @@ _BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "
 
 
 def add_cadence_arguments(
-    parser: argparse.ArgumentParser, budget: int | None = 128, interval: int | None = 32, several_budgets: bool = False
+    parser: argparse.ArgumentParser,
+    budget: int | list[int] | None = 128,
+    interval: int | None = 32,
+    several_budgets: bool = False,
 ) -> None:
     """-B/--budget and -L/--interval (a default of None makes them required); with `several_budgets`,
     -B/--budgets takes a comma-separated list."""

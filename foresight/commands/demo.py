@@ -17,7 +17,7 @@ from foresight.commands.replay import loss_ratio_after_first_eviction
 from foresight.models import load_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.tasks import chat_prompt_ids
+from foresight.data.tasks import chat_prompt_ids
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic.jsonl"
 

@@ -25,9 +25,11 @@ from pathlib import Path
 from foresight.commands import _generation
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import add_cadence_arguments, add_policies_argument
-from foresight.evaluation import PolicySpec, ScorerSpec, evaluate, markdown_table, resolve_policies, write_report
+from foresight.eval.replay import evaluate
+from foresight.eval.results import markdown_table, write_report
+from foresight.eval.specs import PolicySpec, ScorerSpec, resolve_policies
 from foresight.models import load_model
-from foresight.traces import TraceStore, TraceView, describe_traces
+from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 
 TRACE_BATCH = 4
 LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
@@ -87,16 +89,6 @@ def policy_specs(policies: str, scorers: list[str]) -> tuple[list[PolicySpec], l
     if repeated:
         raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
     return specs, notes
-
-
-def select_traces(store: TraceStore, holdout: float | None, seed: int, max_traces: int | None) -> TraceView:
-    """The held-out split (or every trace), cut to the first `max_traces`."""
-    view: TraceView = store if holdout is None else store.split(holdout, seed)[1]
-    if max_traces is not None:
-        if max_traces < 1:
-            raise ValueError(f"--max-traces must be at least 1, got {max_traces}")
-        view = TraceView(view.dataset().select(range(min(max_traces, len(view)))), view.settings)
-    return view
 
 
 def trained_on(specs: list[PolicySpec], evaluated: set[str]) -> dict[str, str]:

@@ -4,9 +4,9 @@ Runs the steps that make the data, then the LightningCLI of `trainers.cli`, on a
 (configs/default.yaml for the embedded default on CPU). Each step is the function of its verb,
 prints one line, and skips what is already made, so a rerun resumes: traces (sampled from the
 config's `traces` recipe unless --traces names an existing folder, like `foresight traces`), their
-golden labels (`foresight labels`), the feature cache (`foresight features`; skipped when
-data.features_dir is null, which replays the traces on every pass), then training. Everything goes
-under --out: traces/ and its labels, features/ (unless the config replays), checkpoints/ (last.ckpt;
+golden labels (`foresight labels`), the example cache (`foresight examples`; skipped when
+data.examples_dir is null, which replays the traces on every pass), then training. Everything goes
+under --out: traces/ and its labels, examples/ (unless the config replays), checkpoints/ (last.ckpt;
 resume with --ckpt-path last), lightning_logs/ (TensorBoard) and scorer/ (config.json,
 model.safetensors, README.md). Under a DDP strategy (--set trainer.strategy=ddp --set
 trainer.devices=N) every process runs this command; the steps run under a file lock in --out, so one
@@ -24,14 +24,14 @@ from filelock import FileLock
 
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
 from foresight.export import export_scorer, reported_metrics
-from foresight.pipeline import make_features, make_labels, make_traces
+from trainers.preparation import make_examples, make_labels, make_traces
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_arguments(
         parser, "configs/default.yaml", "--set trainer.max_steps=50 --set data.device=cuda --set data.dtype=bfloat16"
     )
-    parser.add_argument("--out", type=Path, required=True, help="run folder (traces, features, checkpoints, logs, scorer)")
+    parser.add_argument("--out", type=Path, required=True, help="run folder (traces, examples, checkpoints, logs, scorer)")
     parser.add_argument(
         "--traces", type=Path, default=None,
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
@@ -49,8 +49,8 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
         f"--data.traces_dir={args.traces or out / 'traces'}",
     ]
     data = (yaml.safe_load(args.config.read_text()) or {}).get("data") or {}
-    if data.get("features_dir") is not None:  # a config that replays (null) keeps doing so
-        cli_args.append(f"--data.features_dir={out / 'features'}")
+    if data.get("examples_dir") is not None:  # a config that replays (null) keeps doing so
+        cli_args.append(f"--data.examples_dir={out / 'examples'}")
     if args.traces is not None:
         checked_traces(args.traces)
         cli_args.append("--traces=null")
@@ -59,7 +59,7 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
 
 def prepare(args: argparse.Namespace):
     """Build the run from its config, then make what its data module reads: traces (with a recipe),
-    labels, features. Returns the LightningCLI, ready to fit."""
+    labels, examples. Returns the LightningCLI, ready to fit."""
     from trainers.cli import cli_main  # Lightning is imported only by this verb
 
     with warnings.catch_warnings():  # LightningCLI warns when given args beside a command line: intended here
@@ -72,9 +72,9 @@ def prepare(args: argparse.Namespace):
         if recipe is not None:
             _report("traces", make_traces(data.frozen, recipe, data.traces_dir, progress=show), show)
         _report("labels", make_labels(data.frozen, data.traces_dir, data.budget, data.interval, progress=show), show)
-        if data.features is not None:
-            features = make_features(data.frozen, data.features, replay_batch_size=data.replay_batch_size, progress=show)
-            _report("features", features, show)
+        if data.examples is not None:
+            examples = make_examples(data.frozen, data.examples, replay_batch_size=data.replay_batch_size, progress=show)
+            _report("examples", examples, show)
     return cli
 
 

@@ -9,8 +9,9 @@ from tqdm import tqdm
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_policy_arguments, policy_from_args
 from foresight.models import load_model
-from foresight.runtime.engine import EvictionEngine, SamplingConfig
-from foresight.tasks import chat_prompt_ids
+from foresight.runtime.engine import EvictionEngine
+from foresight.runtime.sampling import SamplingConfig
+from foresight.data.tasks import chat_prompt_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,9 +20,10 @@ import argparse
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_options
+from foresight.commands._sampling import add_sampling_arguments
+from foresight.data.trace_import import import_traces
 from foresight.models import load_model
-from foresight.pipeline import FrozenModel, TraceRecipe, make_traces
-from foresight.trace_import import import_traces
+from trainers.preparation import FrozenModel, TraceRecipe, make_traces
 
 AUTO = "auto"
 
@@ -72,9 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-tokens", type=int, default=0, help="keep traces of at least this many tokens, prompt included"
     )
     parser.add_argument("--only-correct", action="store_true", help="keep only traces whose answer checks as correct")
-    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 is greedy")
-    parser.add_argument("--top-k", type=int, default=20, help="sample from the k most likely tokens; 0 disables")
-    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    add_sampling_arguments(parser)
     parser.add_argument(
         "--batch-size", type=_batch_size, default=AUTO,
         help="problems decoded together (continuous batching); auto: as many as GPU memory holds (at most 256), "

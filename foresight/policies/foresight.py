@@ -8,30 +8,50 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.choices import Choice
-from foresight.features import attention_features
+from foresight.scorer.attention_features import FeatureSet, attention_features
 from foresight.models import ModelShape
 from foresight.policies import register
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
-from foresight.scorer import (
-    ForesightScorer, check_temperature, eviction_pool, load_scorer, plackett_luce_logprob, sample_eviction,
-)
+from foresight.scorer.model import ForesightScorer, load_scorer
+from foresight.scorer.eviction_sampling import check_temperature, eviction_pool, plackett_luce_logprob, sample_eviction
+from foresight.scorer import standardised_features as standardised
 
 CUMULATIVE = "cumulative"
 DECAYED = "decayed"
 FEATURE_STATE = (StateField(CUMULATIVE, per_query_head=True), StateField(DECAYED, per_query_head=True))
-"""Per-entry state of the attention features: raw cumulative and decayed sums per query head."""
+"""Per-entry state of the older feature sets: raw cumulative and decayed sums per query head."""
+STANDARDISED_STATE = (
+    *(StateField(name, per_query_head=True) for name in standardised.PER_QUERY_HEAD_STATE),
+    StateField(standardised.OBSERVED),
+)
+"""Per-entry state of the standardised set: raw cumulative, decayed and recent sums, observed queries."""
+
+
+def feature_state(feature_set: str | FeatureSet) -> tuple[StateField, ...]:
+    """The per-entry state a feature set keeps in the cache (only what it reads, so the older sets'
+    caches stay as they were)."""
+    return STANDARDISED_STATE if FeatureSet.parse(feature_set) is FeatureSet.STANDARDISED else FEATURE_STATE
 
 
 def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Attention features a_n of every entry at this step and the updated feature state.
+    """Attention features a_n of this step's candidates [batch, Hkv, C, F*G], exactly as the scorer reads
+    them, and the updated feature state of every entry.
 
     Shared by the learned policy and the supervised data maker, so that training and inference
-    compute features from the same block attention and state in the same way."""
+    compute features from the same block attention and state in the same way, the standardised set's
+    standardisation over the valid candidates included."""
+    candidates = slice(0, context.num_candidates)
+    if FeatureSet.parse(feature_set) is FeatureSet.STANDARDISED:
+        features, state = standardised.standardised_features(
+            context.attention, context.state, context.positions, context.query_positions
+        )
+        valid = context.candidate_positions >= 0
+        return standardised.standardise_candidates(features[..., candidates, :], valid), state
     features, cumulative, decayed = attention_features(
         context.attention, context.state[CUMULATIVE], context.state[DECAYED], feature_set
     )
-    return features, {CUMULATIVE: cumulative, DECAYED: decayed}
+    return features[..., candidates, :], {CUMULATIVE: cumulative, DECAYED: decayed}
 
 
 class EvictionMode(Choice):
@@ -78,7 +98,8 @@ class SampledEviction:
 class Foresight(Policy):
     """The learned scorer of ForesightKV (§3.1, App. B): one MLP per (layer, KV head) maps
     x_n = [k_n || v_n || a_n] to a keep score, a_n being attention features of the block attention
-    (`foresight.features`) whose cumulative and decayed sums live in the per-entry state.
+    (`foresight.scorer.attention_features`, `foresight.scorer.standardised_features`) whose running sums
+    live in the per-entry state (`feature_state`).
 
     scorer: a `ForesightScorer`, or a folder / Hub repo id to load one from (required).
     mode: "deterministic" (default) evicts the L lowest-scoring candidates; "sampled" draws the
@@ -103,7 +124,6 @@ class Foresight(Policy):
     name = "foresight"
     summary = "learned per-(layer, KV head) MLP keep scores (ForesightKV)"
     needs_attention = True
-    state_fields = FEATURE_STATE
 
     scorer: ForesightScorer | str | os.PathLike
     mode: str = EvictionMode.DETERMINISTIC.value
@@ -125,6 +145,11 @@ class Foresight(Policy):
         if self.row_seeds is not None:
             self.row_seeds = tuple(int(seed) for seed in self.row_seeds)
 
+    @property
+    def state_fields(self) -> tuple[StateField, ...]:
+        """The per-entry state of the scorer's feature set."""
+        return feature_state(self.scorer.config.feature_set)
+
     def reset(self) -> None:
         self.records = []
         self._steps = 0
@@ -143,7 +168,7 @@ class Foresight(Policy):
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         if self._pending is None or self._pending[0] is not context:
             raise RuntimeError("keep_scores must follow observe on the same eviction context")
-        features = self._pending[1][..., : context.num_candidates, :]
+        features = self._pending[1]
         self._pending = None
         candidates = slice(0, context.num_candidates)
         keys, values = context.keys[..., candidates, :], context.values[..., candidates, :]

@@ -10,9 +10,13 @@ from foresight.policies import register
 from foresight.runtime.policy import EvictionContext, Policy
 
 
-def uniform_hash(seed: int, layer: int, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A uniform pseudo-random number in [0, 1) per (seed, layer, head, position), by integer mixing."""
-    mixed = positions * 0x9E3779B1 + (heads + 131 * layer) * 0x85EBCA77 + seed * 0xC2B2AE3D
+def uniform_hash(
+    seed: int, layer: int, heads: torch.Tensor, positions: torch.Tensor, draw: torch.Tensor | int = 0
+) -> torch.Tensor:
+    """A uniform pseudo-random number in [0, 1) per (seed, layer, head, position), by integer mixing.
+    `draw` (default 0, broadcast like `positions`) names one of several independent draws of an entry,
+    e.g. one per eviction step for policies that redraw at every step."""
+    mixed = positions * 0x9E3779B1 + (heads + 131 * layer) * 0x85EBCA77 + seed * 0xC2B2AE3D + draw * 0x27D4EB2F
     for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
         mixed = (mixed ^ (mixed >> shift)) * multiplier & 0x7FFFFFFF
     return mixed.double().div(2**31).float()

@@ -14,12 +14,14 @@ L recorded queries at a time. Kernels, best first:
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 
@@ -146,11 +148,27 @@ def _no_mask(*args, **kwargs) -> None:
     return None
 
 
-def register_runtime_attention(name: str, function) -> None:
-    """Register an attention function for the engine (`EvictionEngine(attention=name)`), e.g. one that
-    wraps `eviction_attention` to record what it sees; the model then builds no mask of its own."""
+def register_attention(name: str, function, *, full_cache: bool = False) -> None:
+    """The one way this project hooks attention: register `function` in transformers' AttentionInterface.
+
+    Default: a function for the engine (`EvictionEngine(attention=name)`), e.g. one that wraps
+    `eviction_attention` to record what it sees (the evaluation probe); the model then builds no mask
+    of its own. `full_cache=True`: a function that runs on a plain transformers cache with SDPA's mask
+    (the golden labels' capture of every query and key).
+    """
     AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, _no_mask)
+    AttentionMaskInterface.register(name, sdpa_mask if full_cache else _no_mask)
 
 
-register_runtime_attention(ATTENTION_NAME, eviction_attention)
+@contextmanager
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Run `model` with the registered attention function `name`, then restore its own."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+register_attention(ATTENTION_NAME, eviction_attention)

@@ -14,19 +14,18 @@ step) kept in one place on purpose: it is the rule every policy runs under.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import EvictionCache, EvictionLayer
-from foresight.runtime.capture import ATTENTION_NAME
+from foresight.runtime.capture import attention_implementation, ATTENTION_NAME
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
+from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
 
 
 @dataclass(frozen=True)
@@ -44,24 +43,6 @@ class EvictionConfig:
         check_budget(self.budget, self.interval)
         if self.sinks is not None and not 0 <= self.sinks <= self.budget - self.interval:
             raise ValueError(f"sinks={self.sinks} must be between 0 and B - L = {self.budget - self.interval}")
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Decoding settings: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
@@ -169,7 +150,7 @@ class EvictionEngine:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if row_seeds is not None and len(row_seeds) != len(prompts):
             raise ValueError(f"got {len(row_seeds)} row seeds for {len(prompts)} prompts")
-        with self._runtime_attention():
+        with attention_implementation(self.model, self.attention):
             return self._generate(
                 prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
             )
@@ -187,7 +168,7 @@ class EvictionEngine:
         for _ in range(max_new_tokens):
             if return_logits:
                 all_logits.append(logits)
-            token = _next_token(logits, processors, sampling, generators)
+            token = next_token(logits, processors, sampling, generators)
             token = token.masked_fill(finished, pad_token_id)
             new_tokens.append(token)
             finished |= torch.isin(token, eos)
@@ -222,7 +203,7 @@ class EvictionEngine:
         for sequence, length in zip(sequences, prompt_lengths, strict=True):
             if not 1 <= length <= len(sequence):
                 raise ValueError(f"prompt length {length} must be between 1 and the sequence length {len(sequence)}")
-        with self._runtime_attention():
+        with attention_implementation(self.model, self.attention):
             return self._replay(sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens, prefix)
 
     def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens, prefix) -> ReplayOutput:
@@ -273,15 +254,6 @@ class EvictionEngine:
         return nll
 
     # -- one forward and one eviction step -------------------------------------------------------
-    @contextmanager
-    def _runtime_attention(self) -> Iterator[None]:
-        previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(self.attention)
-        try:
-            yield
-        finally:
-            self.model.set_attn_implementation(previous)
-
     def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int, new_tokens: int):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -520,29 +492,6 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     of log-probabilities)."""
     flat = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
     return flat.view(targets.shape)
-
-
-def logits_processors(sampling: SamplingConfig) -> LogitsProcessorList:
-    """The sampling filters in transformers' order: temperature, then top-k, then top-p (none when greedy)."""
-    processors = LogitsProcessorList()
-    if sampling.temperature > 0:
-        processors.append(TemperatureLogitsWarper(sampling.temperature))
-        if sampling.top_k > 0:
-            processors.append(TopKLogitsWarper(sampling.top_k))
-        if sampling.top_p < 1.0:
-            processors.append(TopPLogitsWarper(sampling.top_p))
-    return processors
-
-
-def _next_token(logits, processors, sampling, generators: list[torch.Generator]) -> torch.Tensor:
-    """Greedy, or a draw from one generator for the batch or one generator per row."""
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    probabilities = torch.softmax(processors(None, logits.float()), -1)
-    if len(generators) == 1:
-        return torch.multinomial(probabilities, 1, generator=generators[0]).squeeze(1)
-    draws = [torch.multinomial(row, 1, generator=g) for row, g in zip(probabilities, generators, strict=True)]
-    return torch.cat(draws)
 
 
 def _as_set(eos_token_id: int | Sequence[int] | None) -> set[int]:

@@ -1,0 +1,75 @@
+"""Throughput of the reinforcement stage: rollout eviction steps per second, forward share of a step.
+
+Runs `foresight rl` (configs/default-rl.yaml: the default model, B = 128, L = 32, G = 8) for a few
+optimisation steps of one trace each from the shipped supervised scorer, in a scratch folder, and
+reports what the module logs at every step: eviction steps per second of a rollout group (each step
+evicts in all layers and KV heads of all G rows), and forward seconds / step seconds: the share of
+an RL step spent in the frozen model's forward passes (the rest is block attention, features,
+scoring and sampling at evictions, and the scorer's update).
+
+    foresight bench rl-step --traces runs/rl-default/traces --steps 2
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from foresight.bench.common import threads_note
+
+NAME = "rl-step"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlStepSettings:
+    """`lightning_args(scratch)`: the reinforcement LightningCLI's arguments (no subcommand) of a
+    `foresight rl` run of `steps` optimisation steps, one trace each, with groups of `group_size`,
+    writing under the folder `scratch`; `device` names where it runs, for the report."""
+
+    lightning_args: Callable[[Path], list[str]]
+    steps: int
+    group_size: int
+    device: str
+    command: str
+
+
+def run(settings: RlStepSettings) -> str:
+    """Run the stage for a few steps, noting the module's figures at each; the report's markdown section."""
+    from lightning.pytorch.callbacks import Callback  # Lightning is imported only when the stage runs
+
+    from trainers.cli import rl_cli_main
+
+    class Figures(Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            metrics = trainer.callback_metrics
+            self.steps.append({name: float(metrics[f"train/{name}"]) for name in ("steps_per_second", "forward_share")})
+            self.steps[-1]["tokens"] = sum(trace.input_ids.numel() for trace in batch)
+
+    figures = Figures()
+    with tempfile.TemporaryDirectory() as scratch:
+        built = rl_cli_main(settings.lightning_args(Path(scratch)), run=False)
+        built.trainer.callbacks.append(figures)
+        started = time.perf_counter()
+        built.trainer.fit(built.model, datamodule=built.datamodule)
+        seconds = time.perf_counter() - started
+    rates = [step["steps_per_second"] for step in figures.steps]
+    shares = [step["forward_share"] for step in figures.steps]
+    return "\n".join([
+        f"### Reinforcement stage throughput ({torch.device(settings.device).type})", "",
+        f"Command: `{settings.command}` {threads_note()}", "",
+        f"Default model, B = 128, L = 32, G = {settings.group_size} rollouts of one trace per optimisation step, from the "
+        f"shipped supervised scorer; {settings.steps} steps in {seconds:.0f} s (model load included).", "",
+        "| step | trace tokens | eviction steps / s (group of G) | frozen-model forward share of the RL step |",
+        "|---:|---:|---:|---:|",
+        *(f"| {i + 1} | {step['tokens']} | {step['steps_per_second']:.2f} | {step['forward_share']:.1%} |"
+          for i, step in enumerate(figures.steps)),
+        f"| mean | | {sum(rates) / len(rates):.2f} | {sum(shares) / len(shares):.1%} |",
+    ])

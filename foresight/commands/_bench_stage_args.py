@@ -1,0 +1,171 @@
+"""The options of the benchmarks of the pipeline's stages (eval-prefix, labels-memory, rl-heldout, rl-step,
+trace-generation) and their translation into the settings of foresight.bench.*, with the command that
+reproduces each report."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+import torch
+
+from foresight.bench import eval_prefix, labels_memory, rl_heldout, rl_step, trace_generation
+from foresight.bench.common import dtype_name
+from foresight.commands import rl
+from foresight.commands._bench_args import (
+    BenchCommand,
+    add_report_arguments,
+    device_kind,
+    placement_flags,
+    report_flags,
+)
+from foresight.commands._model import add_model_arguments, add_placement_arguments, model_options
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument, int_list
+from foresight.eval.specs import resolve_policies
+from foresight.models import DEFAULT_MODEL
+
+RL_CONFIG = Path("configs/default-rl.yaml")  # the default model, B = 128, L = 32, G = 8, on CPU
+SHIPPED_SCORER = "checkpoints/default"
+
+
+def _add_eval_prefix(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", type=Path, required=True, help="a traces folder with labels at each budget")
+    parser.add_argument("--holdout", type=float, default=0.25, help="evaluate this held-out share (as `foresight eval`)")
+    add_policies_argument(parser, "every registered policy that can run; golden where labels exist")
+    add_cadence_arguments(parser, budget=[128, 256], interval=32, several_budgets=True)
+    add_placement_arguments(parser)
+    add_report_arguments(parser, "eval-prefix-DEVICE")
+
+
+def _eval_prefix_settings(args: argparse.Namespace) -> eval_prefix.EvalPrefixSettings:
+    specs, _ = resolve_policies(args.policies)
+    command = (
+        f"foresight bench eval-prefix --traces {args.traces} --holdout {args.holdout} --policies {args.policies} "
+        f"--budgets {','.join(map(str, args.budgets))} --interval {args.interval} {placement_flags(args)} {report_flags(args)}"
+    )
+    return eval_prefix.EvalPrefixSettings(traces=args.traces, holdout=args.holdout, specs=specs, budgets=args.budgets,
+                                          interval=args.interval, **model_options(args), command=command)
+
+
+def _add_labels_memory(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, architecture_configs=True)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="trace lengths T")
+    add_cadence_arguments(parser, budget=128, interval=32)
+    add_report_arguments(parser, "labels-memory-DEVICE, or labels-memory-CONFIG-DEVICE for an architecture config or folder")
+
+
+def _labels_memory_settings(args: argparse.Namespace) -> labels_memory.LabelsMemorySettings:
+    command = (
+        f"foresight bench labels-memory --model {args.model} --lengths {' '.join(map(str, args.lengths))} "
+        f"--budget {args.budget} --interval {args.interval} {placement_flags(args)} {report_flags(args)}"
+    )
+    return labels_memory.LabelsMemorySettings(model=args.model, **model_options(args), lengths=args.lengths,
+                                              budget=args.budget, interval=args.interval, command=command)
+
+
+def _labels_memory_section(settings: labels_memory.LabelsMemorySettings) -> str:
+    name = "" if settings.model == DEFAULT_MODEL else "-" + Path(settings.model).stem
+    return f"labels-memory{name}-{settings.device}"
+
+
+def _add_rl_heldout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", type=Path, required=True, help="traces folder (`foresight traces`)")
+    parser.add_argument("--holdout", type=float, default=None,
+                        help="evaluate the held-out split of this share (the one both training stages left out)")
+    parser.add_argument("--exclude", default=None, help="comma-separated trace indices to leave out (traces a stage trained on)")
+    parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
+    parser.add_argument("--scorer", action="append", required=True, metavar="NAME=DIR",
+                        help="exactly two: the supervised scorer first, then the reinforced one")
+    parser.add_argument("--batch-size", type=int, default=4, help="traces replayed together")
+    parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples")
+    add_placement_arguments(parser)
+    add_report_arguments(parser, "rl-heldout-DEVICE")
+    parser.add_argument("--results", type=Path, default=None, help="also write the per-trace figures as JSON to this file")
+
+
+def _rl_heldout_settings(args: argparse.Namespace) -> rl_heldout.RlHeldoutSettings:
+    if len(args.scorer) != 2 or not all("=" in text for text in args.scorer):
+        raise ValueError("give exactly two --scorer NAME=DIR: the supervised one, then the reinforced one")
+    supervised, reinforced = (tuple(text.split("=", 1)) for text in args.scorer)
+    exclude = {int(index) for index in (args.exclude or "").split(",") if index.strip()}
+    command = (
+        f"foresight bench rl-heldout --traces {args.traces}"
+        + (f" --holdout {args.holdout} --holdout-seed {args.holdout_seed}" if args.holdout is not None else "")
+        + (f" --exclude {args.exclude}" if args.exclude else "")
+        + "".join(f" --scorer {text}" for text in args.scorer)
+        + f" --batch-size {args.batch_size} --resamples {args.resamples} {placement_flags(args)} {report_flags(args)}"
+    )
+    return rl_heldout.RlHeldoutSettings(
+        traces=args.traces, scorers=(supervised, reinforced), holdout=args.holdout, holdout_seed=args.holdout_seed,
+        exclude=exclude, batch_size=args.batch_size, resamples=args.resamples, **model_options(args),
+        results=args.results, command=command,
+    )
+
+
+def _add_rl_step(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", type=Path, required=True, help="traces of the default model (`foresight traces`)")
+    parser.add_argument("--scorer", default=SHIPPED_SCORER, help="supervised scorer to start from")
+    parser.add_argument("--steps", type=int, default=2, help="optimisation steps, one trace each")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per trace (G)")
+    add_placement_arguments(parser)
+    add_report_arguments(parser, "rl-step-DEVICE")
+
+
+def _rl_step_settings(args: argparse.Namespace) -> rl_step.RlStepSettings:
+    options = model_options(args)
+    overrides = [f"trainer.max_steps={args.steps}", "data.batch_size=1", f"model.group_size={args.group_size}",
+                 "trainer.enable_progress_bar=false", "trainer.logger=false", *_trainer_placement(**options)]
+
+    def lightning_args(scratch: Path) -> list[str]:
+        """Those of `foresight rl` on the default config, writing under `scratch` (no subcommand: not run)."""
+        parser = argparse.ArgumentParser(prog="foresight rl")
+        rl.add_arguments(parser)
+        argv = ["--config", str(RL_CONFIG), "--scorer", args.scorer, "--out", str(scratch), "--traces", str(args.traces)]
+        return rl.lightning_args(parser.parse_args(argv + [item for text in overrides for item in ("--set", text)]))[1:]
+
+    command = (
+        f"foresight bench rl-step --traces {args.traces} --scorer {args.scorer} --steps {args.steps} "
+        f"--group-size {args.group_size} {placement_flags(args)} {report_flags(args)}"
+    )
+    return rl_step.RlStepSettings(lightning_args=lightning_args, steps=args.steps, group_size=args.group_size,
+                                  device=options["device"], command=command)
+
+
+def _trainer_placement(device: str, dtype: torch.dtype) -> list[str]:
+    """Config overrides that run the stage's frozen model on `device` in `dtype` (Lightning calls CUDA "gpu")."""
+    kind, _, index = device.partition(":")
+    return [f"trainer.accelerator={'gpu' if kind == 'cuda' else kind}", f"trainer.devices={f'[{index}]' if index else 1}",
+            f"model.dtype={dtype_name(dtype)}"]
+
+
+def _add_trace_generation(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompts", default=trace_generation.SOURCES, help="prompt SOURCE (a mixture, so completion lengths vary)")
+    parser.add_argument("--num", type=int, default=32, help="problems sampled by every mode")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens of a completion")
+    parser.add_argument("--batch-sizes", type=int_list, default="4,8,16", help="comma-separated b of the static and continuous modes")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' generate in static groups of b")
+    add_report_arguments(parser, "trace-generation-DEVICE")
+
+
+def _trace_generation_settings(args: argparse.Namespace) -> trace_generation.TraceGenerationSettings:
+    command = (
+        f"foresight bench trace-generation --model {args.model} --prompts {shlex.quote(args.prompts)} --num {args.num} "
+        f"--max-new-tokens {args.max_new_tokens} --batch-sizes {','.join(map(str, args.batch_sizes))}"
+        + (" --hf" if args.hf else "") + f" {placement_flags(args)} {report_flags(args)}"
+    )
+    return trace_generation.TraceGenerationSettings(
+        model=args.model, **model_options(args), prompts=args.prompts, num=args.num, max_new_tokens=args.max_new_tokens,
+        batch_sizes=args.batch_sizes, hf=args.hf, command=command,
+    )
+
+
+STAGE_BENCHMARKS = (
+    BenchCommand(eval_prefix, _add_eval_prefix, _eval_prefix_settings, lambda settings: f"eval-prefix-{device_kind(settings)}"),
+    BenchCommand(labels_memory, _add_labels_memory, _labels_memory_settings, _labels_memory_section),
+    BenchCommand(rl_heldout, _add_rl_heldout, _rl_heldout_settings, lambda settings: f"rl-heldout-{device_kind(settings)}"),
+    BenchCommand(rl_step, _add_rl_step, _rl_step_settings, lambda settings: f"rl-step-{device_kind(settings)}"),
+    BenchCommand(trace_generation, _add_trace_generation, _trace_generation_settings,
+                 lambda settings: f"trace-generation-{device_kind(settings)}"),
+)

@@ -1,0 +1,185 @@
+"""How much of the headroom above the best heuristic a learned scorer captures, with bootstrap
+confidence intervals over traces (docs/algorithms.md section 8).
+
+At one budget, the headroom is the gap between the best heuristic's loss ratio and the golden
+oracle's; the learned scorer captures the share (best heuristic − learned) / (best heuristic −
+golden): 0 is no better than the heuristic, 1 is as good as the oracle. The best heuristic is the
+evicting policy, neither golden nor learned, with the lowest pooled loss ratio among those scored on
+exactly golden's tokens (policies that protect the prompt score fewer tokens and are left out).
+
+Intervals: traces are resampled with replacement (`RESAMPLES` times, a fixed seed); every policy is
+pooled over the same resampled traces (paired), the best heuristic stays the one of the full sample,
+and an interval is the 2.5th to 97.5th percentile of the statistic over the resamples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from foresight.eval.stats import CONFIDENCE, RESAMPLES, percentile_interval, resample_counts
+
+REFERENCE, ORACLE = "full", "golden"
+
+
+@dataclass(frozen=True)
+class TraceScore:
+    """One trace replayed under one policy at one budget: its scored tokens' summed NLL with
+    eviction and with the full cache, and its low-entropy token counts."""
+
+    policy: str
+    budget: int
+    index: int
+    source: str
+    tokens: int
+    nll_evicted: float
+    nll_full: float
+    low_entropy: int
+    damaged: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.value:.4f} [{self.low:.4f}, {self.high:.4f}]"
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """The learned policy against the best heuristic and golden at one budget."""
+
+    budget: int
+    learned: str
+    best_heuristic: str
+    traces: int
+    least_damaging_heuristic: str
+    loss_ratio: dict[str, Estimate]  # every compared policy, pooled over the traces
+    damage: dict[str, Estimate]  # low-entropy damage share
+    share: Estimate  # of the headroom captured by the learned policy
+    ratio_gain: Estimate  # best heuristic − learned, loss ratio (paired)
+    damage_gain: Estimate  # least damaging heuristic − learned, low-entropy damage (paired)
+
+    def markdown(self) -> str:
+        """The comparison as a markdown table with a line stating the share of headroom captured."""
+        lines = [
+            f"B = {self.budget}, {self.traces} traces; best heuristic: {self.best_heuristic}; "
+            f"{CONFIDENCE:.0%} bootstrap intervals over traces ({RESAMPLES} resamples, paired).",
+            "",
+            "| policy | loss ratio | low-entropy damage |",
+            "|---|---:|---:|",
+        ]
+        for policy in sorted(self.loss_ratio, key=lambda p: self.loss_ratio[p].value):
+            ratio, damage = self.loss_ratio[policy], self.damage[policy]
+            lines.append(f"| {policy} | {ratio} | {_percent(damage)} |")
+        lines += [
+            "",
+            f"- share of the headroom (best heuristic − golden) captured by {self.learned}: {_percent(self.share, 1)}",
+            f"- loss ratio, {self.best_heuristic} − {self.learned}: {self.ratio_gain}",
+            f"- low-entropy damage, {self.least_damaging_heuristic} (the least damaging heuristic) − {self.learned}: "
+            f"{_percent(self.damage_gain)}",
+        ]
+        return "\n".join(lines)
+
+
+def _percent(estimate: Estimate, digits: int = 2) -> str:
+    return f"{estimate.value:.{digits}%} [{estimate.low:.{digits}%}, {estimate.high:.{digits}%}]"
+
+
+def headroom(
+    scores: Sequence[TraceScore],
+    budget: int,
+    learned: str,
+    other_learned: Collection[str] = (),
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+) -> Headroom | None:
+    """The learned policy's headroom at `budget`, or None when golden, the learned policy or a
+    heuristic on golden's tokens is missing there. `other_learned` names the other learned scorers'
+    rows, which are not heuristics (a row's name says nothing: `--scorer NAME=DIR` picks it)."""
+    at_budget = [s for s in scores if s.budget == budget]
+    tables = _by_policy(at_budget)
+    if ORACLE not in tables or learned not in tables:
+        return None
+    traces = sorted(tables[ORACLE])
+    tokens = [tables[ORACLE][i].tokens for i in traces]
+    comparable = {  # every evicting policy scored on golden's tokens
+        policy: np.array([[getattr(table[i], name) for i in traces] for name in _SUMS], dtype=np.float64)
+        for policy, table in tables.items()
+        if policy != REFERENCE and sorted(table) == traces and [table[i].tokens for i in traces] == tokens
+    }
+    heuristics = [p for p in comparable if p not in (ORACLE, learned, *other_learned)]
+    if learned not in comparable or not heuristics:
+        return None
+    weights = _resample_weights(len(traces), resamples, seed)  # [1 + resamples, traces]; row 0: the sample itself
+    ratios = {p: _pooled(sums[0], sums[1], weights) for p, sums in comparable.items()}
+    damages = {p: _pooled(sums[3], sums[2], weights) for p, sums in comparable.items()}
+    best = min(heuristics, key=lambda p: ratios[p][0])
+    least_damaging = min(heuristics, key=lambda p: damages[p][0])
+    gap = ratios[best] - ratios[ORACLE]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = (ratios[best] - ratios[learned]) / gap
+    return Headroom(
+        budget=budget,
+        learned=learned,
+        best_heuristic=best,
+        traces=len(traces),
+        least_damaging_heuristic=least_damaging,
+        loss_ratio={p: _estimate(v) for p, v in ratios.items()},
+        damage={p: _estimate(v) for p, v in damages.items()},
+        share=_estimate(share),
+        ratio_gain=_estimate(ratios[best] - ratios[learned]),
+        damage_gain=_estimate(damages[least_damaging] - damages[learned]),
+    )
+
+
+_SUMS = ("nll_evicted", "nll_full", "low_entropy", "damaged")
+
+
+def _by_policy(scores: Sequence[TraceScore]) -> dict[str, dict[int, TraceScore]]:
+    tables: dict[str, dict[int, TraceScore]] = {}
+    for score in scores:
+        tables.setdefault(score.policy, {})[score.index] = score
+    return tables
+
+
+def _resample_weights(traces: int, resamples: int, seed: int) -> np.ndarray:
+    """How often each trace is drawn: row 0 once each (the sample), then one row per resample."""
+    return np.vstack([np.ones(traces), resample_counts(traces, resamples, seed)])
+
+
+def _pooled(numerator: np.ndarray, denominator: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ w·numerator / Σ w·denominator for every weight row (0 where the denominator is 0)."""
+    top, bottom = weights @ numerator, weights @ denominator
+    return np.divide(top, bottom, out=np.zeros_like(top), where=bottom != 0)
+
+
+def _estimate(values: np.ndarray) -> Estimate:
+    """Row 0 is the estimate; the others give the percentile interval (NaN resamples left out)."""
+    spread = values[1:][np.isfinite(values[1:])]
+    low, high = percentile_interval(spread, CONFIDENCE) if spread.size else (np.nan, np.nan)
+    return Estimate(float(values[0]), float(low), float(high))
+
+
+def headroom_rows(result: Headroom) -> list[dict[str, Any]]:
+    """The estimates as plain rows (for JSON)."""
+    rows = [
+        {"budget": result.budget, "policy": p, "statistic": statistic, **vars(estimate)}
+        for statistic, table in (("loss_ratio", result.loss_ratio), ("low_entropy_damage", result.damage))
+        for p, estimate in table.items()
+    ]
+    rows += [
+        {"budget": result.budget, "policy": result.learned, "statistic": statistic, "against": against, **vars(estimate)}
+        for statistic, against, estimate in (
+            ("headroom_share", result.best_heuristic, result.share),
+            ("loss_ratio_gain", result.best_heuristic, result.ratio_gain),
+            ("damage_gain", result.least_damaging_heuristic, result.damage_gain),
+        )
+    ]
+    return rows

@@ -1,0 +1,232 @@
+"""Teacher-forced evaluation of every policy on stored traces (docs/algorithms.md section 8).
+
+Each trace is replayed through the frozen model under every policy and budget B (one interval L);
+the metrics of `foresight.metrics` compare it with the full cache:
+
+- loss ratio and low-entropy damage against the full-cache NLL and entropy stored with the trace;
+- attention-output cosine similarity against a full-cache replay of the same batch: an attention
+  function registered in AttentionInterface (`PROBE_ATTENTION`, a wrapper of the runtime's
+  `eviction_attention`) records every layer's output per token in the full-cache run and compares
+  it in the evicted run (same token, same layer and query head; from layer 1 on the queries
+  themselves carry the upstream change, so this is the end-to-end change of each head's output);
+- overlap with the golden kept set, where labels exist for (B, L). Steps are aligned by position:
+  golden step t keeps its set right after position p_t = B + tL - 1, and the policy's kept
+  candidates at that moment are the entries it holds with position <= p_t - L (older than the recent
+  window), read by the same attention function at the forward that processes position p_t + 1
+  (so steps after a trace's last token, whose kept set serves no token, are not counted). For a
+  policy on the golden cadence these are exactly the candidates it kept at its own step t; the
+  overlap pools hits / kept over every step, layer and KV head.
+
+Cadence. The golden schedule counts steps from the first token (p_t = B + tL - 1, prompt
+included), so every policy that does not protect the prompt is replayed on that cadence: a batch
+prefills the same min(B + L, shortest prompt) tokens in every row and feeds the rest in chunks that
+end at the evictions, so all rows evict together and every row's step t follows position p_t
+(golden needs this; for the others it is the same computation as decoding token by token). Policies
+that protect the prompt (raas, epikv) are replayed with their true prompt lengths: their budget
+applies after the prompt, so their steps fall at P + B + tL - 1 and they hold P more entries.
+
+Shared prefix: the evicting replays of a batch with the same prefill reuse the forwards before the first
+eviction, recorded by the first of them (`foresight.runtime.prefix`); every figure is the same as
+running the model on every token (`share_prefix=False`), with B + L tokens per row run once.
+
+Scored tokens: predictions made after a row's first eviction (`metrics.scored_tokens`). A policy
+that never evicts (full) is the reference itself: loss ratio 1, no damage, cosine 1, scored on the
+golden cadence's tokens (j >= B + L). Traces shorter than B + L never evict and are skipped with a
+count, per budget.
+
+The probe lives in `foresight.eval.probe`, the per-trace sums in `foresight.eval.tally` and the report
+in `foresight.eval.results`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from foresight.cadence import check_budget, golden_prefill
+from foresight.labels import GoldenLabels, LabelStore
+from foresight.policies.golden import GoldenSchedule
+from foresight.runtime.engine import EvictionEngine, ReplayOutput
+from foresight.runtime.prefix import ReplayPrefix
+from foresight.data.trace_store import Trace
+from foresight.eval.results import EvaluationResult
+from foresight.eval.specs import PolicySpec, ScorerSpec, REFERENCE
+from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
+from foresight.eval.tally import TraceTally
+
+REFERENCE_CHUNK = 256  # tokens per forward of the full-cache replay (bounds the [batch, chunk, vocab] logits)
+
+
+
+
+def evaluate(
+    model: torch.nn.Module,
+    traces: Sequence[Trace],
+    specs: Sequence[PolicySpec],
+    budgets: Sequence[int],
+    interval: int,
+    *,
+    labels_root: str | os.PathLike | None = None,
+    batch_size: int = 4,
+    progress: bool = True,
+    share_prefix: bool = True,
+) -> EvaluationResult:
+    """Replay every trace under every policy and budget; one result row per (policy, budget).
+
+    `share_prefix`: the policies of a batch reuse each other's forwards before the first eviction
+    (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces
+    folder whose labels-B{B}-L{L} folders hold golden labels (None: no
+    labels). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
+    every evaluated trace; elsewhere a note says so.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    for budget in budgets:
+        check_budget(budget, interval)
+    notes: list[str] = []
+    plans = []
+    for budget in sorted(set(budgets)):
+        eligible = sorted((t for t in traces if t.input_ids.numel() >= budget + interval), key=lambda t: -t.input_ids.numel())
+        short = len(traces) - len(eligible)
+        if short:
+            notes.append(f"B={budget}: skipped {short} of {len(traces)} traces shorter than B + L = {budget + interval} tokens")
+        store = None if labels_root is None else LabelStore(labels_root, budget, interval)
+        batch_labels = _labels_for(store, eligible, budget, interval, notes)
+        budget_specs = [s for s in specs if not (s.needs_labels and batch_labels is None)]
+        if len(budget_specs) < len(specs):
+            notes.append(f"B={budget}: golden skipped (no labels for every trace at B={budget}, L={interval})")
+        notes += [reason for s in budget_specs if (reason := s.skip_reason(budget, interval))]
+        budget_specs = [s for s in budget_specs if s.skip_reason(budget, interval) is None]
+        batches = [eligible[i : i + batch_size] for i in range(0, len(eligible), batch_size)]
+        plans.append((budget, budget_specs, batches, batch_labels))
+    total = sum(
+        _work(batch, budget, interval, spec) for budget, budget_specs, batches, _ in plans
+        for batch in batches for spec in _replayed(budget_specs)
+    )
+    rows, scores = [], []
+    with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
+        for budget, budget_specs, batches, batch_labels in plans:
+            tallies = {spec.name: TraceTally() for spec in budget_specs}
+            for batch in batches:
+                schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
+                _evaluate_batch(model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix)
+            budget_rows = [
+                tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
+                for spec in budget_specs
+            ]
+            notes += [
+                f"B={budget}: {row['policy']} never evicted on {row['never_evicted']} trace(s) (too short for its "
+                "cadence, e.g. after a protected prompt); its row leaves them out"
+                for spec, row in zip(budget_specs, budget_rows) if spec.evicts and row["never_evicted"]
+            ]
+            rows += budget_rows
+            scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
+    learned = tuple(spec.name for spec in specs if isinstance(spec, ScorerSpec))
+    return EvaluationResult(rows=rows, notes=notes, trace_scores=scores, learned=learned)
+
+
+def _labels_for(
+    store: LabelStore | None, traces: Sequence[Trace], budget: int, interval: int, notes: list[str]
+) -> dict[int, GoldenLabels] | None:
+    """Labels of every trace by index, or None (with a note) when some trace has none."""
+    if store is None or not traces:
+        return None
+    missing = [t.index for t in traces if not store.path(t.index).is_file()]  # a damaged file fails in load
+    if missing:
+        notes.append(
+            f"B={budget}: no golden labels for {len(missing)} of {len(traces)} traces in {store.directory} "
+            f"(make them with `foresight labels --traces {store.traces_dir} -B {budget} -L {interval}`)"
+        )
+        return None
+    return {t.index: store.load(t.index, num_tokens=t.input_ids.numel()) for t in traces}
+
+
+def _prefill(batch: Sequence[Trace], budget: int, interval: int, protects_prompt: bool) -> list[int]:
+    """Prompt lengths handed to the replay (see the module docstring: the golden cadence, or the
+    true prompts for policies that protect them)."""
+    if protects_prompt:
+        return [t.prompt_length for t in batch]
+    return [golden_prefill([t.prompt_length for t in batch], budget, interval)] * len(batch)
+
+
+def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
+    """The replays of a batch: the full-cache reference (when anything evicts), then each evicting policy."""
+    evicting = [spec for spec in specs if spec.evicts]
+    return [REFERENCE, *evicting] if evicting else []
+
+
+def _work(batch: Sequence[Trace], budget: int, interval: int, spec: PolicySpec) -> int:
+    """Token columns x rows a replay of the batch feeds after its prefill (the progress bar's unit)."""
+    prefill = _prefill(batch, budget, interval, spec.protects_prompt)
+    return len(batch) * max(t.input_ids.numel() - p for t, p in zip(batch, prefill))
+
+
+def _evaluate_batch(
+    model: torch.nn.Module,
+    batch: Sequence[Trace],
+    specs: Sequence[PolicySpec],
+    budget: int,
+    interval: int,
+    labels: Sequence[GoldenLabels] | None,
+    tallies: dict[str, TraceTally],
+    bar: tqdm,
+    share_prefix: bool,
+) -> None:
+    """One full-cache replay for the reference outputs, then one replay per evicting policy."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    lengths = [t.input_ids.numel() for t in batch]
+    reference = AttentionProbe(lengths, num_layers)
+    if any(spec.evicts for spec in specs):
+        _replay(model, REFERENCE, batch, budget, interval, None, reference, bar)
+    schedule = None if labels is None else GoldenSchedule.stack(labels)
+    prefixes = {} if share_prefix else None  # per prefill: the forwards before the first eviction
+    for spec in specs:
+        tally = tallies[spec.name]
+        if not spec.evicts:
+            for trace in batch:
+                tally.add_trace(trace, trace.token_nll, budget + interval, None)
+            continue
+        probe = AttentionProbe(lengths, num_layers, reference=reference.outputs, schedule=schedule)
+        output = _replay(model, spec, batch, budget, interval, labels, probe, bar, prefixes)
+        tally.seconds += output.stats.forward_seconds + output.stats.eviction_seconds
+        for row, trace in enumerate(batch):
+            predictions = trace.input_ids.numel() - 1
+            _check_all_layers(probe.layer_count[row, :predictions], num_layers, spec.name)
+            cosine = probe.cosine_sum[row, :predictions] / num_layers
+            overlap = (int(probe.overlap_hits[row]), int(probe.overlap_kept[row]))
+            tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap)
+
+
+def _replay(
+    model: torch.nn.Module,
+    spec: PolicySpec,
+    batch: Sequence[Trace],
+    budget: int,
+    interval: int,
+    labels: Sequence[GoldenLabels] | None,
+    probe: AttentionProbe,
+    bar: tqdm,
+    prefixes: dict[tuple[int, ...], ReplayPrefix] | None = None,
+) -> ReplayOutput:
+    """One replay of the batch; evicting policies with the same prefill share the forwards before their
+    first eviction through `prefixes` (`foresight.runtime.prefix`: the same results, the model run once)."""
+    engine = EvictionEngine(model, spec.build(labels), spec.config(budget, interval), attention=PROBE_ATTENTION)
+    bar.set_postfix_str(f"B={budget} {spec.name}")
+    prefill = _prefill(batch, budget, interval, engine.protect_prompt)
+    chunk = None if spec.evicts else REFERENCE_CHUNK
+    prefix = None if prefixes is None else prefixes.setdefault(tuple(prefill), ReplayPrefix())
+    with probe.active():
+        return engine.replay(
+            [t.input_ids for t in batch], prefill, max_chunk=chunk, on_tokens=lambda n: bar.update(n * len(batch)),
+            prefix=prefix,
+        )
+
+
+def _check_all_layers(counts: torch.Tensor, num_layers: int, policy: str) -> None:
+    if bool((counts != num_layers).any()):
+        raise RuntimeError(f"{policy}: the attention probe missed layers of some tokens (model not routed through AttentionInterface?)")
+
+

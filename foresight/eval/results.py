@@ -1,0 +1,82 @@
+"""The teacher-forced evaluation's report: its columns, table, files and the learned scorers' headroom.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+from foresight.artifacts import write_text
+from foresight.eval.headroom import Headroom, TraceScore, headroom, headroom_rows
+from foresight.eval.report import Column, write_results
+from foresight.eval.report import markdown_table as format_table
+from foresight.eval.specs import REFERENCE
+
+
+@dataclass
+class EvaluationResult:
+    rows: list[dict[str, Any]]
+    notes: list[str]
+    trace_scores: list[TraceScore] = field(default_factory=list)
+    learned: tuple[str, ...] = ()  # the rows of learned scorers (`ScorerSpec`), whatever they are named
+
+
+METRICS = ("loss_ratio", "low_entropy_damage", "low_entropy_dl2", "attn_cosine", "golden_overlap")
+
+
+COLUMNS: tuple[Column, ...] = (
+    ("policy", "policy", "{}"),
+    ("budget", "B", "{}"),
+    ("interval", "L", "{}"),
+    ("loss_ratio", "loss ratio", "{:.4f}"),
+    ("low_entropy_damage", "low-entropy damage", "{:.2%}"),
+    ("low_entropy_dl2", "mean ΔL² (damaged)", "{:.3f}"),
+    ("low_entropy_penalty", "−R", "{:.4f}"),
+    ("attn_cosine", "attn cosine", "{:.4f}"),
+    ("golden_overlap", "golden overlap", "{:.3f}"),
+    ("traces", "traces", "{}"),
+    ("tokens", "tokens", "{}"),
+)
+
+
+def sorted_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By budget, then loss ratio (best first; rows without one last)."""
+    return sorted(rows, key=lambda r: (r["budget"], math.inf if r["loss_ratio"] is None else r["loss_ratio"]))
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The results as a markdown table, one line per (budget, policy), each metric with its 95%
+    bootstrap interval over traces in brackets; '–' where a metric is undefined."""
+    return format_table(sorted_rows(rows), COLUMNS)
+
+
+def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[Path]:
+    """Write results.json (the rows), results.csv, results.md (settings, notes, table) and one PNG
+    per metric (budget against the metric, one line per policy, intervals as error bars), plus
+    traces.json (every scored trace's sums) and, for each learned scorer, its share of the headroom
+    over the best heuristic (a results.md section and headroom.json). Returns the paths written."""
+    comparisons = learned_headroom(result)
+    sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
+    paths = write_results(
+        out_dir, "Teacher-forced evaluation", settings, result.notes, sorted_rows(result.rows), COLUMNS, METRICS,
+        reference=REFERENCE.name, after=sections,
+    )
+    paths.append(Path(out_dir) / "traces.json")
+    write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))
+    if comparisons:
+        paths.append(Path(out_dir) / "headroom.json")
+        write_text(paths[-1], json.dumps([row for c in comparisons for row in headroom_rows(c)], indent=1))
+    return paths
+
+
+def learned_headroom(result: EvaluationResult) -> list[Headroom]:
+    """`foresight.eval.headroom.headroom` of every learned policy at every budget where it can be measured."""
+    runs = sorted({(row["budget"], row["policy"]) for row in result.rows if row["policy"] in result.learned})
+    comparisons = (headroom(result.trace_scores, budget, policy, result.learned) for budget, policy in runs)
+    return [c for c in comparisons if c is not None]

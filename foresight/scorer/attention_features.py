@@ -1,0 +1,167 @@
+"""Attention features a_n of the learned scorer (ForesightKV §3.1 Eq. 1, App. B.1; docs/algorithms.md section 5).
+
+At an eviction step the runtime hands one layer's block attention A [batch, Hkv, G, L, N]: the softmax
+over the N cache entries of the last L buffered queries, rows oldest first, causally masked entries 0.
+Each entry n gets F numbers per query head of its group, concatenated over the G heads, so
+a_n has F*G numbers. Two per-entry state tensors [batch, Hkv, N, G] carry history across steps:
+the cumulative sum of attention received over all blocks so far, and the decayed sum
+d <- 0.9 d + (this block's sum). Both include the current block. They hold RAW sums; new entries
+start at 0 and the cache gathers them along dim 2 on eviction.
+
+Feature order (part of a saved scorer's contract; never reorder): a_n[g*F + f] is feature f of query
+head g of the group (head-major), with f following `FEATURE_NAMES`:
+- "paper" (F = 6, the paper's App. B.1): sums of attention received from the last 8, 16, 32 and L
+  queries of the block, cumulative sum, decayed sum.
+- "official-8" (F = 8, the authors' released feature set): max and min over the block's queries,
+  sum over the block, sums over the last 16, 8 and 32 queries, cumulative sum, decayed sum.
+- "pooled" (F = 8, ours): the paper's six, then the sums over the last 8 and the last L queries
+  max-pooled along the cache slots (width 7, stride 1, centred; SnapKV's clustering of attention):
+  an entry next to entries the recent queries read is likely read later, which no per-entry sum says.
+- "standardised" (F = 7, ours, issue 21): windows and decays in tokens, a per-query cumulative rate and
+  the entry's age, log(x + eps) then standardised over each step's candidates, with unit-norm keys and
+  values; computed in `foresight.scorer.standardised_features`, which documents why.
+A window larger than L covers the whole block (it clamps to L), so with L < 32 some window sums equal
+the block sum.
+
+The authors' evaluation code overwrote the decayed sum with the cumulative one; we compute the
+decayed sum in training and inference alike.
+
+Normalisation (the three older sets): every feature is passed through log1p. Raw sums grow with the window (up to 32 or L)
+and the cumulative sum grows without bound with the trace (an attention sink collects thousands
+after a few blocks of 256 queries), which would swamp the keys and values in the first linear layer
+and blow up gradients. log1p is monotone (no ranking information is lost), near identity for the
+small sums of ordinary entries, and logarithmic for sinks. It is applied here and nowhere else, so
+training and inference see identical features; the state keeps raw sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from foresight.choices import Choice
+
+DECAY = 0.9
+"""Per-block decay factor of the decayed sum (ForesightKV App. B.1)."""
+
+
+class FeatureSet(Choice):
+    """Which attention features the scorer reads."""
+
+    PAPER = "paper"
+    OFFICIAL_8 = "official-8"
+    POOLED = "pooled"
+    STANDARDISED = "standardised"
+
+    @property
+    def unit_key_values(self) -> bool:
+        """Whether the scorer reads L2-normalised keys and values (`ForesightScorer`): only the standardised
+        set, whose inputs must all sit on scales that do not depend on the model or the head; the older
+        sets' scorers were trained on raw keys and values and keep reading them."""
+        return self is FeatureSet.STANDARDISED
+
+    @property
+    def transform(self) -> str:
+        """How the features are normalised, in words (an exported scorer's model card says it)."""
+        if self is FeatureSet.STANDARDISED:
+            return "log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values"
+        return "log1p"
+
+
+FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
+    FeatureSet.PAPER: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed"),
+    FeatureSet.OFFICIAL_8: ("max", "min", "block", "last_16", "last_8", "last_32", "cumulative", "decayed"),
+    FeatureSet.POOLED: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed", "pooled_last_8", "pooled_last_L"),
+    FeatureSet.STANDARDISED: ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age"),
+}
+"""Per-query-head feature order of each set (see the module docstring)."""
+
+WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
+"""Query windows of the window-sum features, in tokens (every set shares them)."""
+POOL_WIDTH = 7
+"""Slots covered by the max-pooling of the "pooled" features (SnapKV's kernel size)."""
+
+
+def feature_dim(feature_set: str | FeatureSet) -> int:
+    """F, the number of features per query head."""
+    return len(FEATURE_NAMES[FeatureSet.parse(feature_set)])
+
+
+def cumulative_feature(feature_set: str | FeatureSet) -> int:
+    """Index f of the set's whole-history feature (the cumulative sum; the standardised set's per-query
+    cumulative rate), which the supervised stage scores as an H2O-like baseline."""
+    names = FEATURE_NAMES[FeatureSet.parse(feature_set)]
+    return names.index("cumulative" if "cumulative" in names else "cumulative_rate")
+
+
+def check_state(block_attention: torch.Tensor, states: dict[str, torch.Tensor], per_query_head: bool = True) -> None:
+    """One-line errors unless block_attention is [batch, Hkv, G, L, N] and every state is [batch, Hkv, N, G]
+    ([batch, Hkv, N] when not `per_query_head`)."""
+    if block_attention.dim() != 5:
+        raise ValueError(
+            f"block attention must be [batch, Hkv, G, L, N], got shape {tuple(block_attention.shape)}"
+        )
+    batch, kv_heads, group, _, entries = block_attention.shape
+    expected = (batch, kv_heads, entries, group)[: 4 if per_query_head else 3]
+    layout = "[batch, Hkv, N, G]" if per_query_head else "[batch, Hkv, N]"
+    for name, state in states.items():
+        if tuple(state.shape) != expected:
+            raise ValueError(
+                f"{name} state must be {layout} = {expected} to match block attention "
+                f"{tuple(block_attention.shape)}, got {tuple(state.shape)}"
+            )
+
+
+def window_sum(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """Attention received from the newest `size` queries (all of them when fewer): rows [batch, Hkv, G, N, L]
+    -> [batch, Hkv, N, G]."""
+    return rows[..., -min(size, rows.shape[-1]) :].sum(-1).transpose(-1, -2)
+
+
+def attention_features(
+    block_attention: torch.Tensor,
+    cumulative: torch.Tensor,
+    decayed: torch.Tensor,
+    feature_set: str | FeatureSet = FeatureSet.PAPER,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features of every cache entry from one step's block attention, and the updated state.
+
+    block_attention: [batch, Hkv, G, L, N]; cumulative, decayed: [batch, Hkv, N, G] raw sums before this
+    block. Returns (features [batch, Hkv, N, F*G] after log1p, new cumulative, new decayed), the states
+    in the dtype they came in.
+    """
+    feature_set = FeatureSet.parse(feature_set)
+    if feature_set is FeatureSet.STANDARDISED:
+        raise ValueError("the standardised features need entry positions: use foresight.scorer.standardised_features")
+    names = FEATURE_NAMES[feature_set]
+    check_state(block_attention, {"cumulative": cumulative, "decayed": decayed})
+
+    # Everything below is laid out [batch, Hkv, N, G].
+    rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, L]
+    block_sum = rows.sum(-1).transpose(-1, -2)
+    new_cumulative = cumulative + block_sum
+    new_decayed = DECAY * decayed + block_sum
+
+    compute: dict[str, Callable[[], torch.Tensor]] = {
+        "max": lambda: rows.amax(-1).transpose(-1, -2),
+        "min": lambda: rows.amin(-1).transpose(-1, -2),
+        "block": lambda: block_sum,
+        "last_L": lambda: block_sum,
+        "cumulative": lambda: new_cumulative,
+        "decayed": lambda: new_decayed,
+        **{name: (lambda size=size: window_sum(rows, size)) for name, size in WINDOWS.items()},
+        "pooled_last_8": lambda: _max_pool_slots(window_sum(rows, 8)),
+        "pooled_last_L": lambda: _max_pool_slots(block_sum),
+    }
+    stacked = torch.stack([compute[name]().to(block_attention.dtype) for name in names], dim=-1)
+    features = torch.log1p(stacked.flatten(-2))  # [batch, Hkv, N, G*F], head-major
+    return features, new_cumulative.to(cumulative.dtype), new_decayed.to(decayed.dtype)
+
+
+def _max_pool_slots(sums: torch.Tensor) -> torch.Tensor:
+    """Max over the POOL_WIDTH slots centred on each entry, along N: sums [batch, Hkv, N, G] -> same shape."""
+    batch, kv_heads, entries, group = sums.shape
+    rows = sums.permute(0, 1, 3, 2).reshape(-1, 1, entries)
+    pooled = torch.nn.functional.max_pool1d(rows, POOL_WIDTH, stride=1, padding=POOL_WIDTH // 2)
+    return pooled.reshape(batch, kv_heads, group, entries).permute(0, 1, 3, 2)

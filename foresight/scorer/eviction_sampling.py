@@ -1,0 +1,138 @@
+"""Eviction by a scorer's scores: the lowest B - L kept out, or sampled without replacement (ForesightKV Eq. 2).
+
+The GRPO stage differentiates the Plackett-Luce log-probability of a sampled eviction, so the sampling
+and its log-probability share one masking of the eligible entries and one temperature check.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+
+def _masked(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None) -> torch.Tensor:
+    """Scores with ineligible candidates at +inf (never among the lowest), after checking the request."""
+    candidates = scores.shape[-1]
+    if not 1 <= num_evict <= candidates:
+        raise ValueError(f"num_evict must be in 1..{candidates} (the number of candidates), got {num_evict}")
+    if eligible is None:
+        return scores
+    if eligible.dtype != torch.bool:
+        raise ValueError(f"eligible must be a bool mask, got dtype {eligible.dtype}")
+    try:
+        eligible = torch.broadcast_to(eligible, scores.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"eligible mask {tuple(eligible.shape)} does not broadcast to scores {tuple(scores.shape)}"
+        ) from None
+    fewest = int(eligible.sum(-1).min()) if eligible.numel() else candidates
+    if fewest < num_evict:
+        raise ValueError(f"a row has only {fewest} eligible candidates, fewer than num_evict={num_evict}")
+    return scores.masked_fill(~eligible, float("inf"))
+
+
+def check_temperature(temperature: float) -> None:
+    """One-line error unless τ of Eq. 2 is a finite number > 0."""
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+
+
+def _logits(masked: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Eviction logits = negated keep scores / τ, in at least float32 (ineligible: -inf)."""
+    return -masked.to(torch.promote_types(masked.dtype, torch.float32)) / temperature
+
+
+def evict_lowest(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """Deterministic eviction: the `num_evict` eligible candidates with the lowest scores, lowest first
+    -> indices [..., num_evict]."""
+    return _masked(scores, num_evict, eligible).topk(num_evict, dim=-1, largest=False).indices
+
+
+def eviction_pool(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampling pool of Eq. 2: the min(2 * num_evict, C) lowest-scoring candidates, lowest first
+    -> indices [..., P]. Rows with fewer than P eligible candidates fill the pool with ineligible ones,
+    which have probability 0."""
+    return _pool(_masked(scores, num_evict, eligible), num_evict)
+
+
+def _pool(masked: torch.Tensor, num_evict: int) -> torch.Tensor:
+    return masked.topk(min(2 * num_evict, masked.shape[-1]), dim=-1, largest=False).indices
+
+
+def sample_eviction(
+    scores: torch.Tensor,
+    num_evict: int,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    eligible: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample which candidates to evict (ForesightKV Eq. 2): softmax over the negated scores of the pool
+    (`eviction_pool`), divided by `temperature` τ (1 in the paper; τ -> 0 evicts the lowest), then
+    `num_evict` draws without replacement.
+
+    Returns (indices [..., num_evict] into the candidates, in sampled order; their Plackett-Luce
+    log-probability [...] at τ, as `plackett_luce_logprob` computes it). The pool is `eviction_pool` of the
+    same arguments (record it for GRPO ratios). A `generator` must live on the scores' device; a
+    sequence of them, one per index of the scores' first dim, draws each row's noise from its own
+    generator, so a row samples the same whichever rows share its batch.
+
+    Sequential draws without replacement from softmax(l) are the Plackett-Luce distribution over
+    orders. The Gumbel-top-k trick samples it exactly in one batched step: add independent Gumbel(0, 1)
+    noise g_i to every logit l_i and read off the k largest l_i + g_i in decreasing order. The largest
+    is a softmax sample (Gumbel-max), and by the max-stability of the Gumbel distribution the remaining
+    perturbed logits, given which one was largest, are again independent Gumbels around their logits,
+    so the next largest is a softmax sample over the rest, and so on (Yellott 1977; Kool et al. 2019).
+    """
+    masked = _masked(scores, num_evict, eligible)
+    pool = _pool(masked, num_evict)
+    logits = _logits(masked, temperature).gather(-1, pool)
+    uniform = _uniform(logits, generator)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(logits.dtype).tiny)))
+    picks = (logits + gumbel).topk(num_evict, dim=-1).indices
+    order = pool.gather(-1, picks)
+    return order, _plackett_luce(masked, pool, order, temperature)
+
+
+def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """U(0, 1) noise shaped like `logits`, from one generator or from one per row of the first dim."""
+    options = dict(dtype=logits.dtype, device=logits.device)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(logits.shape, generator=generator, **options)
+    if len(generator) != logits.shape[0]:
+        raise ValueError(f"got {len(generator)} generators for {logits.shape[0]} rows; give one per row")
+    return torch.stack([torch.rand(logits.shape[1:], generator=row, **options) for row in generator])
+
+
+def plackett_luce_logprob(
+    scores: torch.Tensor,
+    pool: torch.Tensor,
+    order: torch.Tensor,
+    eligible: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probability [...] of evicting `order` [..., L] (candidate indices, in sampled order) by
+    sequential softmax draws over the negated scores / `temperature` of `pool` [..., P] (ForesightKV Eq. 2; the
+    action probability of GRPO, Eq. 10). Differentiable w.r.t. the scores; the pool itself is taken
+    as given, as recorded at sampling time."""
+    if pool.shape[:-1] != scores.shape[:-1] or order.shape[:-1] != scores.shape[:-1]:
+        raise ValueError(
+            f"pool {tuple(pool.shape)} and order {tuple(order.shape)} must share the leading dims of "
+            f"scores {tuple(scores.shape)}"
+        )
+    masked = _masked(scores, order.shape[-1], eligible)
+    return _plackett_luce(masked, pool, order, temperature)
+
+
+def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, temperature: float) -> torch.Tensor:
+    """sum_k [l(o_k) - logsumexp of l over the pool entries not yet drawn]. The entries still available
+    at draw k are the pool entries never drawn plus o_k..o_L, so each denominator is a logaddexp of one
+    logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor."""
+    logits = _logits(masked, temperature)
+    drawn = torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
+    if bool((drawn.sum(-1) != order.shape[-1]).any()):
+        raise ValueError("order must hold distinct candidates that all lie in the pool")
+    never_drawn = logits.gather(-1, pool).masked_fill(drawn, float("-inf")).logsumexp(-1, keepdim=True)
+    drawn_logits = logits.gather(-1, order)
+    remaining_drawn = drawn_logits.flip(-1).logcumsumexp(-1).flip(-1)
+    return (drawn_logits - torch.logaddexp(never_drawn, remaining_drawn)).sum(-1)

@@ -1,0 +1,275 @@
+"""The learned scorer: one small MLP per (layer, KV head), stacked (ForesightKV §3.1 Eq. 1, App. B.1 Eq. 22).
+
+phi_n = W2 GELU(W1 x_n + b1) + b2 with x_n = [k_n || v_n || a_n] (key, value, attention features of
+`foresight.scorer.attention_features`), W1: (2D + F*G) x H, W2: H x 1, H = 16. phi_n is a KEEP score (higher = keep).
+All layers' and heads' MLPs live in four stacked parameters and run as batched einsums:
+    w1 [layers, Hkv, 2D + F*G, H]   b1 [layers, Hkv, H]   w2 [layers, Hkv, H]   b2 [layers, Hkv]
+Init: each (layer, head) slice is initialised like its own `nn.Linear` (uniform in +-1/sqrt(fan_in)
+for weights and biases), so the stack starts distributed exactly like the paper's independent MLPs.
+
+Save/load goes through huggingface_hub's PyTorchModelHubMixin: `save_pretrained(dir)` writes
+config.json (the `ScorerConfig`: base model shape, feature set, B, L) and model.safetensors;
+`from_pretrained(dir_or_repo)` reads safetensors only, strictly (every tensor must match). (No
+`from __future__ import annotations` here: the mixin reads the `config: ScorerConfig` annotation at
+runtime to rebuild the dataclass.)
+
+Its eviction rules (lowest scores, Eq. 2 sampling, Plackett-Luce) are in
+`foresight.scorer.eviction_sampling`.
+"""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import safetensors.torch
+import torch
+from huggingface_hub import PyTorchModelHubMixin, constants, hf_hub_download
+from huggingface_hub.errors import HFValidationError
+from torch import nn
+
+from foresight.cadence import check_budget
+from foresight.scorer.attention_features import FeatureSet, feature_dim
+
+
+class HasModelShape(Protocol):
+    """What a scorer must agree on with the model it scores (`foresight.models.ModelShape` has it)."""
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _shape_key(shape: HasModelShape) -> tuple[int, int, int, int]:
+    return shape.num_layers, shape.num_query_heads, shape.num_kv_heads, shape.head_dim
+
+
+def describe_shape(shape: HasModelShape) -> str:
+    """One-line description of a model shape, as error messages print it."""
+    return "layers={}, query heads={}, KV heads={}, head dim={}".format(*_shape_key(shape))
+
+
+STAGES = ("supervised", "reinforcement")
+"""The training stages that make a scorer (ForesightKV §3.2 and §3.3)."""
+
+
+@dataclass
+class ScorerConfig:
+    """Everything needed to rebuild a scorer and to refuse a model it was not trained for.
+
+    num_layers, num_query_heads, num_kv_heads, head_dim: the base model's shape (Hq must be a multiple
+    of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
+    (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
+    width (16 in the paper). feature_set: "paper" (F = 6), "official-8" or "pooled" (F = 8), or "standardised"
+    (F = 7; its scorer also L2-normalises each key and value, `unit_rows`). stage: the training
+    stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
+    scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
+    training_sources: the prompt sources of the traces it was trained on (informative; empty when not
+    recorded). key_values: whether x_n holds the entry's key and value (True, the paper's x_n) or only its
+    attention features (False: an ablation whose scorer cannot key on token content or on the absolute
+    position that RoPE rotates into the keys).
+    """
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    budget: int
+    interval: int
+    base_model: str
+    hidden: int = 16
+    feature_set: FeatureSet = FeatureSet.PAPER
+    stage: str = "supervised"
+    started_from: str | None = None
+    training_sources: list[str] = field(default_factory=list)
+    key_values: bool = True
+
+    def __post_init__(self) -> None:
+        self.feature_set = FeatureSet.parse(self.feature_set)
+        if self.stage not in STAGES:
+            raise ValueError(f"stage must be one of {', '.join(map(repr, STAGES))}, got {self.stage!r}")
+        for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_query_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_query_heads={self.num_query_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if not isinstance(self.key_values, bool):
+            raise ValueError(f"key_values must be true or false, got {self.key_values!r}")
+        check_budget(self.budget, self.interval)
+
+    @property
+    def group_size(self) -> int:
+        """G, query heads per KV head."""
+        return self.num_query_heads // self.num_kv_heads
+
+    @property
+    def feature_width(self) -> int:
+        """F*G, the width of a_n."""
+        return feature_dim(self.feature_set) * self.group_size
+
+    @property
+    def input_dim(self) -> int:
+        """2D + F*G, the width of x_n (F*G without keys and values)."""
+        return 2 * self.head_dim * self.key_values + self.feature_width
+
+
+def unit_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Each row (last dim) scaled to unit L2 norm, in float32: the standardised set's keys and values.
+
+    Why: key and value norms differ by orders of magnitude across models, layers and heads (outlier
+    channels, sinks), which a scorer fitted on one model's heads does not transfer; the direction keeps
+    the content, and how strongly an entry is read is in the attention features. Per entry, not over the
+    candidates, so a recorded eviction pool (`SampledEviction`) scores exactly as at sampling time."""
+    return nn.functional.normalize(tensor.float(), dim=-1, eps=1e-6)
+
+
+class ForesightScorer(
+    nn.Module,
+    PyTorchModelHubMixin,
+    library_name="foresightkv",
+    tags=["kv-cache", "kv-cache-eviction", "foresightkv"],
+):
+    """All (layer, KV head) scoring MLPs of one base model as a single module (see module docstring)."""
+
+    def __init__(self, config: ScorerConfig) -> None:
+        super().__init__()
+        self.config = config
+        layers, heads, hidden = config.num_layers, config.num_kv_heads, config.hidden
+        self.w1 = nn.Parameter(torch.empty(layers, heads, config.input_dim, hidden))
+        self.b1 = nn.Parameter(torch.empty(layers, heads, hidden))
+        self.w2 = nn.Parameter(torch.empty(layers, heads, hidden))
+        self.b2 = nn.Parameter(torch.empty(layers, heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init, per (layer, head): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        layers = ((self.w1, self.b1, self.config.input_dim), (self.w2, self.b2, self.config.hidden))
+        with torch.no_grad():
+            for weight, bias, fan_in in layers:
+                weight.uniform_(-(fan_in**-0.5), fan_in**-0.5)
+                bias.uniform_(-(fan_in**-0.5), fan_in**-0.5)
+
+    def check_compatible(self, shape: HasModelShape) -> None:
+        """Raise a one-line ValueError naming both shapes when `shape` is not the model this scorer is for."""
+        mine = self.config
+        if _shape_key(mine) != _shape_key(shape):
+            raise ValueError(
+                f"scorer trained for {mine.base_model} ({describe_shape(mine)}) does not fit the model "
+                f"({describe_shape(shape)})"
+            )
+
+    def score_layer(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor
+    ) -> torch.Tensor:
+        """KEEP scores of one layer's entries: keys, values [batch, Hkv, N, D], features [batch, Hkv, N, F*G]
+        -> [batch, Hkv, N] (inference)."""
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer {layer} out of range: the scorer has layers 0..{self.config.num_layers - 1}")
+        inputs = self._inputs(keys, values, features, leading=1)
+        return self._mlp(inputs, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])
+
+    def forward(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """KEEP scores of every layer at once (training): keys, values [layers, batch, Hkv, N, D], features
+        [layers, batch, Hkv, N, F*G] -> [layers, batch, Hkv, N]."""
+        inputs = self._inputs(keys, values, features, leading=2)
+        if inputs.shape[0] != self.config.num_layers:
+            raise ValueError(f"expected {self.config.num_layers} layers on dim 0, got {inputs.shape[0]}")
+        # A singleton batch dim lets each layer's weights broadcast over the batch.
+        return self._mlp(inputs, self.w1[:, None], self.b1[:, None], self.w2[:, None], self.b2[:, None])
+
+    def _inputs(
+        self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int
+    ) -> torch.Tensor:
+        """x_n = [k_n || v_n || a_n] (or a_n alone) in the parameters' dtype, after checking the shapes."""
+        config = self.config
+        layout = "[layers, batch, Hkv, N, *]" if leading == 2 else "[batch, Hkv, N, *]"
+        widths = {"keys": config.head_dim, "values": config.head_dim, "features": config.feature_width}
+        for (name, width), tensor in zip(widths.items(), (keys, values, features)):
+            heads = tensor.shape[-3] if tensor.dim() >= 3 else None
+            if tensor.dim() != leading + 3 or tensor.shape[-1] != width or heads != config.num_kv_heads:
+                raise ValueError(
+                    f"{name} must be {layout} with Hkv={config.num_kv_heads} and last dim {width}, "
+                    f"got shape {tuple(tensor.shape)}"
+                )
+        if not keys.shape[:-1] == values.shape[:-1] == features.shape[:-1]:
+            raise ValueError(
+                f"keys {tuple(keys.shape)}, values {tuple(values.shape)} and features "
+                f"{tuple(features.shape)} disagree before the last dim"
+            )
+        if config.key_values and config.feature_set.unit_key_values:
+            keys, values = unit_rows(keys), unit_rows(values)
+        parts = [keys, values, features] if config.key_values else [features]
+        return torch.cat(parts, dim=-1).to(self.w1.dtype)
+
+    @staticmethod
+    def _mlp(
+        inputs: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+    ) -> torch.Tensor:
+        """ForesightKV Eq. 22 for every head at once: inputs [..., Hkv, N, in], weights [..., Hkv, in, H]."""
+        hidden = torch.einsum("...ni,...ih->...nh", inputs, w1) + b1.unsqueeze(-2)
+        return torch.einsum("...nh,...h->...n", nn.functional.gelu(hidden), w2) + b2.unsqueeze(-1)
+
+    @classmethod
+    def _from_pretrained(
+        cls,
+        *,
+        model_id: str,
+        revision: str | None,
+        cache_dir: str | os.PathLike | None,
+        force_download: bool,
+        local_files_only: bool,
+        token: str | bool | None,
+        map_location: str = "cpu",
+        **model_kwargs,
+    ) -> "ForesightScorer":
+        """Load model.safetensors strictly; never falls back to a pickled checkpoint."""
+        model = cls(**model_kwargs)
+        if os.path.isdir(model_id):
+            weights = os.path.join(model_id, constants.SAFETENSORS_SINGLE_FILE)
+        else:
+            weights = hf_hub_download(
+                repo_id=model_id,
+                filename=constants.SAFETENSORS_SINGLE_FILE,
+                revision=revision,
+                cache_dir=cache_dir,
+                force_download=force_download,
+                token=token,
+                local_files_only=local_files_only,
+            )
+        safetensors.torch.load_model(model, weights, strict=True, device=map_location)
+        return model.eval()
+
+
+# Eviction with a scorer (ForesightKV Eq. 2, App. B.2). Scores are KEEP scores [..., C] over the C
+# candidates (any leading dims, e.g. [batch, Hkv]); `eligible` [..., C] (or anything that broadcasts to
+# it, e.g. [C]) marks the candidates that may be evicted, so sinks or protected entries are never picked.
+# Scores must be finite.
+
+
+SCORER_FILES = (constants.CONFIG_NAME, constants.SAFETENSORS_SINGLE_FILE)
+"""What a scorer folder holds (`ForesightScorer.save_pretrained`)."""
+
+
+def load_scorer(source: str | os.PathLike) -> ForesightScorer:
+    """A scorer from a Hub-format folder (config.json + model.safetensors) or, for a path that does not
+    exist locally, a Hub repo id."""
+    path = Path(source)
+    if path.exists():
+        missing = [name for name in SCORER_FILES if not (path / name).is_file()]
+        if missing:
+            raise ValueError(
+                f"{path} is not a scorer folder (no {' or '.join(missing)}); `foresight fit` and "
+                "`foresight export` write one"
+            )
+        return ForesightScorer.from_pretrained(path)
+    try:
+        return ForesightScorer.from_pretrained(os.fspath(source))
+    except (OSError, HFValidationError) as error:
+        reason = " ".join(str(error).split()[:12])
+        raise ValueError(
+            f"cannot load a scorer from {os.fspath(source)!r}: no such folder, and not a reachable Hub repo ({reason})"
+        ) from None

@@ -1,0 +1,132 @@
+"""The "standardised" attention features (ours, issue 21; docs/algorithms.md section 5).
+
+The older sets (`foresight.scorer.attention_features`) generalise poorly to unseen task families. Each
+choice here removes one scale that differs between training and use:
+
+- Time in tokens, not eviction steps. The older decayed sum decays 0.9 per step of L tokens, so its time
+  constant changes with L; here it decays 0.9 per 256 tokens (the paper's chunk at L = 256) whatever L,
+  and inside a block each query is weighted by its own age, so splitting the same queries into blocks
+  of another L gives the same sum.
+- No duplicated window. "last L" equals "last 32" at L = 32 (the default configs). It is replaced by
+  "recent_128", a soft window of about 128 tokens: the attention received, decayed 0.5 per 128 tokens
+  (half-life 128 tokens), per token like the decayed sum. A window longer than the block needs history,
+  which a decayed sum carries in one number per entry; it is distinct from "last 32" at every L.
+- Nothing grows with the trace. The cumulative sum grows with an entry's age, and traces at evaluation
+  are longer than in training; "cumulative_rate" divides it by the queries that could attend to the entry
+  (its observed count, state), i.e. the mean attention it received per query. "log_age", log1p of the
+  entry's age in tokens (newest query position minus its position), says how long that mean ran.
+- The low tail is spread out. Evictions are decided among entries whose sums are 1e-4..1e-2, where the
+  older sets' log1p(x) ~ x leaves candidates thousandths of an input unit apart; log(x + 1e-6) puts two
+  sums a factor 10 apart ln 10 ~ 2.3 apart at every scale.
+- Scale-free per step. Every column (feature, query head) is then standardised over the step's valid
+  candidates of its (layer, KV head): shifts of the log from one head's peakier attention, one model's
+  longer traces or one task's larger age cancel, and the scorer sees each entry's rank-like position
+  among the entries it competes with. Multiplying all attention sums by a constant changes nothing.
+  `standardise_candidates` is the one function that does it, called by
+  `foresight.policies.foresight.observe_features` for the policy and for the supervised recorder alike.
+- Keys and values are L2-normalised per entry in the scorer (`FeatureSet.unit_key_values`): their norms
+  vary across models, layers and heads by orders of magnitude; per entry (not over the candidates) so a
+  sampled eviction's recorded pool scores exactly as at sampling time.
+
+Per-entry state (raw; new entries start at 0; current block included): cumulative, decayed and recent
+sums [batch, Hkv, N, G], and observed [batch, Hkv, N], the count of queries that could attend to the entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from foresight.scorer.attention_features import (
+    FEATURE_NAMES,
+    WINDOWS,
+    FeatureSet,
+    check_state,
+    window_sum,
+)
+
+CUMULATIVE, DECAYED, RECENT, OBSERVED = "cumulative", "decayed", "recent", "observed"
+PER_QUERY_HEAD_STATE = (CUMULATIVE, DECAYED, RECENT)
+"""State fields with one raw sum per query head of the group; OBSERVED has one count per entry."""
+
+DECAY, DECAY_TOKENS = 0.9, 256
+"""The decayed sum loses a factor 0.9 per 256 tokens (per step of L tokens: 0.9 ** (L / 256))."""
+RECENT_DECAY, RECENT_TOKENS = 0.5, 128
+"""The recent sum halves every 128 tokens: a soft window of about 128 tokens."""
+LOG_EPS = 1e-6
+"""log(x + LOG_EPS): far below the sums that decide evictions, so their ratios survive the log."""
+STD_EPS = 1e-2
+"""Added to each column's std over the candidates: a column whose spread is below ~1% (relative, in log
+units) carries no ranking signal, and stays near 0 instead of blowing float noise up to unit scale."""
+
+
+def token_decay(factor: float, tokens: int, rows: int, like: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Decay by `factor` per `tokens` tokens, over a block of `rows` queries: the factor that ages the state
+    by the block (factor ** (rows / tokens)) and each query's weight [rows], oldest first, the newest 1."""
+    per_token = factor ** (1.0 / tokens)
+    ages = torch.arange(rows - 1, -1, -1, dtype=like.dtype, device=like.device)
+    return per_token**rows, per_token**ages
+
+
+def observing_queries(positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Queries of the block that could attend to each entry (not after it, not padding): positions
+    [batch, Hkv, N], query_positions [batch, l] -> counts [batch, Hkv, N]."""
+    queries = query_positions[:, None, None, :]
+    return ((positions[..., None] <= queries) & (queries >= 0)).sum(-1)
+
+
+def standardised_features(
+    block_attention: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    query_positions: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Features of every entry before standardisation, and the updated state.
+
+    block_attention [batch, Hkv, G, l, N] (rows oldest first, the l queries since the last step);
+    state: the raw sums [batch, Hkv, N, G] and the observed count [batch, Hkv, N] (module docstring);
+    positions [batch, Hkv, N] (-1: invalid), query_positions [batch, l] (-1: padding). Returns features
+    [batch, Hkv, N, F*G] (head-major, `FEATURE_NAMES`; log(x + LOG_EPS) of the sums, log1p of the age)
+    and the new state in the dtypes it came in. `standardise_candidates` finishes them.
+    """
+    check_state(block_attention, {name: state[name] for name in PER_QUERY_HEAD_STATE})
+    check_state(block_attention, {OBSERVED: state[OBSERVED]}, per_query_head=False)
+    rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
+    dtype, count = rows.dtype, rows.shape[-1]
+
+    def decayed(name: str, factor: float, tokens: int) -> torch.Tensor:
+        step, weights = token_decay(factor, tokens, count, rows)
+        return step * state[name].to(dtype) + (rows @ weights).transpose(-1, -2)
+
+    new = {
+        CUMULATIVE: state[CUMULATIVE].to(dtype) + rows.sum(-1).transpose(-1, -2),
+        DECAYED: decayed(DECAYED, DECAY, DECAY_TOKENS),
+        RECENT: decayed(RECENT, RECENT_DECAY, RECENT_TOKENS),
+        OBSERVED: state[OBSERVED].to(dtype) + observing_queries(positions, query_positions).to(dtype),
+    }
+    sums = {name: window_sum(rows, size) for name, size in WINDOWS.items()}
+    sums.update(recent_128=new[RECENT], decayed=new[DECAYED])
+    sums["cumulative_rate"] = new[CUMULATIVE] / new[OBSERVED].clamp_min(1)[..., None]
+    age = (query_positions.amax(-1)[:, None, None] - positions).clamp_min(0).to(dtype)
+    columns = {name: torch.log(value + LOG_EPS) for name, value in sums.items()}
+    columns["log_age"] = torch.log1p(age)[..., None].expand_as(sums["decayed"])
+    names = FEATURE_NAMES[FeatureSet.STANDARDISED]
+    features = torch.stack([columns[name] for name in names], dim=-1).flatten(-2)  # [batch, Hkv, N, G*F]
+    return features, {name: value.to(state[name].dtype) for name, value in new.items()}
+
+
+def standardise_candidates(features: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each column of features [..., C, W] minus its mean, divided by its std + STD_EPS, over the valid
+    candidates valid [..., C] of its (row, KV head) (population std); invalid candidates get 0.
+
+    Why: see the module docstring (a constant factor on every attention sum shifts the logs by a
+    constant, which this removes). The one place the standardised set is standardised, for training and
+    inference alike."""
+    mask = valid[..., None]
+    count = mask.sum(-2, keepdim=True).clamp_min(1)
+    kept = torch.where(mask, features, 0.0)
+    mean = kept.sum(-2, keepdim=True) / count
+    centred = torch.where(mask, features - mean, 0.0)
+    std = (centred.square().sum(-2, keepdim=True) / count).sqrt()
+    return centred / (std + STD_EPS)

@@ -1,0 +1,202 @@
+"""The steps that make the supervised stage's data: traces -> golden labels -> training examples.
+
+`foresight traces`, `foresight labels` and `foresight examples` each run one step; `foresight fit`
+runs them in order before it trains, so its data is made by the same functions as the verbs'. Every
+step resumes: it skips what is complete (checked, not merely present: a file that does not open or
+was made for another trace is made again) and returns a summary whose `describe()` is one line. The
+frozen model is loaded on first need, so a step with nothing to do loads nothing and the steps of
+one run share one load.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from foresight.artifacts import MISSING
+from foresight.cadence import TraceTooShort, eviction_steps
+from foresight.data.tasks import recorded_source
+from foresight.runtime.sampling import REASONING_SAMPLING
+from foresight.data.trace_generation import generate_traces
+from foresight.data.trace_store import (
+    Trace,
+    TraceRunSummary,
+    TraceSettings,
+    TraceStore,
+    finished_run,
+)
+from foresight.labels import LabelStore, compute_golden_labels, save_labels
+from foresight.models import DEFAULT_MODEL, dtype_name, float_dtype, load_model
+from trainers.example_cache import ExampleCache
+from trainers.examples import golden_steps
+
+
+@dataclass
+class FrozenModel:
+    """The frozen model of a run (a name `load_model` takes, where it runs, its dtype), loaded on first use."""
+
+    name: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    _loaded: tuple | None = field(default=None, init=False, repr=False)
+
+    def load(self) -> tuple:
+        """(model, tokenizer), loaded once."""
+        if self._loaded is None:
+            self._loaded = load_model(self.name, dtype=self.dtype, device=self.device)
+        return self._loaded
+
+
+@dataclass(frozen=True)
+class TraceRecipe:
+    """How to sample a run's traces: the options of `foresight traces` (see `generate_traces`; the
+    defaults are the paper's sampling settings)."""
+
+    prompts: str
+    num: int
+    max_new_tokens: int
+    min_tokens: int = 0
+    only_correct: bool = False
+    temperature: float = REASONING_SAMPLING.temperature
+    top_k: int = REASONING_SAMPLING.top_k
+    top_p: float = REASONING_SAMPLING.top_p
+    batch_size: int | None = None  # rows decoded together; None sizes it to the machine
+    shard_size: int = 64
+    seed: int = 0
+
+    def settings(self, model: str) -> TraceSettings:
+        """The settings a traces folder made by `model` from this recipe records."""
+        options = {name: value for name, value in asdict(self).items() if name not in ("prompts", "batch_size")}
+        return TraceSettings(model=model, source=recorded_source(self.prompts), **options)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What a labels or examples step found and did; `action` and `already` word its line."""
+
+    directory: Path
+    action: str  # "labelled"
+    already: str  # "already labelled"
+    made: int
+    damaged: int  # of `made`: files that were there but could not be used
+    done: int
+    too_short: int
+    min_tokens: int  # B + L
+    seconds: float
+
+    def describe(self) -> str:
+        replaced = f" ({self.damaged} replacing damaged files)" if self.damaged else ""
+        return (
+            f"{self.directory}: {self.action} {self.made} traces{replaced}, skipped {self.too_short} too short "
+            f"(< B + L = {self.min_tokens} tokens), {self.done} {self.already}; {self.seconds:.1f} s"
+        )
+
+
+def make_traces(
+    frozen: FrozenModel, recipe: TraceRecipe, out_dir: str | os.PathLike, *, shard: tuple[int, int] = (0, 1),
+    progress: bool = True,
+) -> TraceRunSummary:
+    """`foresight traces`: sample the recipe's traces into `out_dir`, resuming; a complete folder loads no model."""
+    finished = finished_run(out_dir, recipe.settings(frozen.name), shard)
+    if finished is not None:
+        return finished
+    model, tokenizer = frozen.load()
+    options = asdict(recipe)
+    return generate_traces(
+        model, tokenizer, options.pop("prompts"), out_dir=out_dir, shard=shard, progress=progress,
+        model_name=frozen.name, **options,
+    )
+
+
+def make_labels(
+    frozen: FrozenModel, traces_dir: str | os.PathLike, budget: int, interval: int, *, chunk_size: int = 256,
+    progress: bool = True,
+) -> StepSummary:
+    """`foresight labels`: the golden labels of every trace of `traces_dir` long enough to have an eviction step."""
+    started = time.perf_counter()
+    traces = TraceStore(traces_dir)
+    traces.require_model(frozen.name)
+    store = LabelStore(traces_dir, budget, interval)
+
+    def problem(trace: Trace) -> str | None:
+        return store.problem(trace.index, num_tokens=trace.input_ids.numel())
+
+    plan = _Plan.of(traces, budget, interval, problem)
+    for trace in tqdm(plan.todo, desc="labels", unit="trace", disable=not progress):
+        labels = compute_golden_labels(
+            frozen.load()[0], trace.input_ids, budget, interval,
+            trace_index=trace.index, model_name=frozen.name, chunk_size=chunk_size,
+        )
+        save_labels(labels, store.path(trace.index))
+    return plan.summary(store.directory, "labelled", "already labelled", time.perf_counter() - started)
+
+
+def make_examples(
+    frozen: FrozenModel, cache: ExampleCache, *, replay_batch_size: int = 4, progress: bool = True
+) -> StepSummary:
+    """`foresight examples`: the training examples of every labelled trace of the cache's traces folder,
+    replayed `replay_batch_size` traces at a time (similar lengths together)."""
+    started = time.perf_counter()
+    key = cache.key
+    if (frozen.name, dtype_name(frozen.dtype)) != (key.model, key.model_dtype):
+        raise ValueError(
+            f"the examples of {cache.directory} are keyed to model {key.model!r} in {key.model_dtype}, "
+            f"not {frozen.name!r} in {dtype_name(frozen.dtype)}"
+        )
+    if replay_batch_size < 1:
+        raise ValueError(f"replay_batch_size must be at least 1, got {replay_batch_size}")
+    traces = TraceStore(cache.traces_dir)
+    traces.require_model(frozen.name)
+    labels = LabelStore(cache.traces_dir, key.budget, key.interval)
+    cache.claim()
+    plan = _Plan.of(traces, key.budget, key.interval, cache.problem)
+    for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay
+        labels.require(trace.index, num_tokens=trace.input_ids.numel())
+    ordered = sorted(plan.todo, key=lambda trace: trace.input_ids.numel())
+    groups = [ordered[i : i + replay_batch_size] for i in range(0, len(ordered), replay_batch_size)]
+    storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
+    for group in tqdm(groups, desc="examples", unit="batch", disable=not progress):
+        group_labels = [labels.load(trace.index, num_tokens=trace.input_ids.numel()) for trace in group]
+        examples = golden_steps(frozen.load()[0], group, group_labels, key.feature_set, storage_dtype)
+        for trace, tensors in zip(group, examples):
+            cache.write(trace, tensors)
+    return plan.summary(cache.directory, "made the examples of", "already made", time.perf_counter() - started)
+
+
+@dataclass
+class _Plan:
+    """A step's traces sorted into to-do (missing or damaged files), done and too short."""
+
+    todo: list[Trace]
+    damaged: int
+    done: int
+    too_short: int
+    min_tokens: int
+
+    @classmethod
+    def of(cls, traces: Sequence[Trace], budget: int, interval: int, problem: Callable[[Trace], str | None]) -> _Plan:
+        plan = cls([], 0, 0, 0, budget + interval)
+        for trace in traces:
+            try:
+                eviction_steps(trace.input_ids.numel(), budget, interval)
+            except TraceTooShort:
+                plan.too_short += 1
+                continue
+            found = problem(trace)
+            if found is None:
+                plan.done += 1
+            else:
+                plan.todo.append(trace)
+                plan.damaged += found != MISSING
+        return plan
+
+    def summary(self, directory: Path, action: str, already: str, seconds: float) -> StepSummary:
+        return StepSummary(
+            directory, action, already, len(self.todo), self.damaged, self.done, self.too_short, self.min_tokens, seconds
+        )
