@@ -310,7 +310,8 @@ def _convert_default(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizer
     gguf = _default_gguf()
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = LlamaForCausalLM(config)
+    with torch.random.fork_rng():  # the throwaway random init must not shift the run's seeded draws
+        model = LlamaForCausalLM(config)
     weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     if config.tie_word_embeddings:  # the GGUF stores the shared matrix once, as the embedding
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
