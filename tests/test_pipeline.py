@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from foresight import cli
-from trainers import preparation as pipeline
+from trainers import preparation
 from trainers.example_cache import ExampleCache, ExampleKey
 from trainers.examples import golden_steps
 from foresight.labels import LabelStore
@@ -36,7 +36,7 @@ def loads(monkeypatch) -> list[str]:
         names.append(str(name))
         return load_model(name, **options)
 
-    monkeypatch.setattr(pipeline, "load_model", counting)
+    monkeypatch.setattr(preparation, "load_model", counting)
     return names
 
 

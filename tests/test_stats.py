@@ -1,4 +1,5 @@
-"""Bootstrap intervals against a slow loop-based twin, and pass@k against enumerating every draw."""
+"""Bootstrap intervals against a slow loop-based twin, pass@k against enumerating every draw, masked moments
+against the moments of the present entries."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from foresight.eval.stats import bootstrap_interval, pass_at_k
 
@@ -92,3 +94,17 @@ def test_pass_at_one_is_the_share_right_and_bad_arguments_are_named():
         pass_at_k(4, 1, 5)
     with pytest.raises(ValueError, match="correct=5"):
         pass_at_k(4, 5, 1)
+
+
+def test_masked_moments_equal_the_moments_of_the_present_entries_only():
+    from foresight.masked import masked_moments
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(5, 7, generator=generator)
+    present = torch.rand(5, 7, generator=generator) > 0.4
+    present[0] = False  # a row with nothing present
+    mean, std = masked_moments(values.masked_fill(~present, float("nan")), present)
+    for row in range(5):
+        kept = values[row][present[row]]
+        expected = (kept.mean(), kept.std(unbiased=False)) if kept.numel() else (torch.tensor(0.0), torch.tensor(0.0))
+        torch.testing.assert_close((mean[row, 0], std[row, 0]), expected)

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from foresight import cli
-from foresight.data import trace_store as traces
 from foresight.models import tiny_model
 from foresight.data.tasks import chat_prompt_ids, check_answer, load_problems
 from foresight.data.trace_store import Trace, TraceStore, describe_traces, folder_sources

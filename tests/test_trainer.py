@@ -21,7 +21,7 @@ from torchmetrics.functional import spearman_corrcoef
 from transformers import Qwen2Config, Qwen3Config
 
 from foresight import cli
-from trainers import preparation as pipeline
+from trainers import preparation
 from foresight.commands import fit
 from foresight.commands.fit import lightning_args
 from trainers.example_cache import ExampleCache, ExampleKey
@@ -308,7 +308,7 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     """Traces from the recipe, labels, features and training, each step printed; a rerun finds every step
     done (loading no model) and resumes the training; data the verbs made is data fit finds made."""
     loads = []
-    monkeypatch.setattr(pipeline, "load_model", lambda name, **options: (loads.append(name), load_model(name, **options))[1])
+    monkeypatch.setattr(preparation, "load_model", lambda name, **options: (loads.append(name), load_model(name, **options))[1])
     recipe = {"prompts": str(DATA / "arithmetic.jsonl"), "num": 4, "max_new_tokens": 30, "temperature": 1.0,
               "top_k": 0, "top_p": 1.0, "batch_size": 4}
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, traces=recipe, holdout=0.0)

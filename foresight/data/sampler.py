@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from foresight.data.growing_cache import SPARE_SHARE, growing_cache
 from foresight.runtime.sampling import SamplingConfig, logits_processors

@@ -473,6 +473,7 @@ def select_traces(store: TraceView, holdout: float | None, seed: int, max_traces
         view = TraceView(view.dataset().select(range(min(max_traces, len(view)))), view.settings)
     return view
 
+
 def _with_source(shard: datasets.Dataset, manifest: dict[str, Any]) -> datasets.Dataset:
     """A shard written before traces named their source gets the folder's source in that column."""
     if "source" in shard.column_names:

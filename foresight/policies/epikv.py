@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from foresight.masked import masked_moments
 from foresight.policies import register
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
@@ -44,12 +45,8 @@ def rolling_z_scores(values: torch.Tensor, history: torch.Tensor) -> torch.Tenso
     Mean and (population) std over the non-NaN entries of each window; NaN values get z = 0."""
     window = history.shape[-1] + 1
     windows = torch.cat([history, values], dim=-1).unfold(-1, window, 1)  # [..., q, window]
-    present = ~windows.isnan()
-    count = present.sum(-1).clamp(min=1)
-    filled = windows.nan_to_num(0.0)
-    mean = filled.sum(-1) / count
-    variance = ((filled - mean[..., None]) * present).square().sum(-1) / count
-    z = (values - mean) / (variance.sqrt() + Z_EPSILON)
+    mean, std = masked_moments(windows, ~windows.isnan())
+    z = (values - mean.squeeze(-1)) / (std.squeeze(-1) + Z_EPSILON)
     return z.nan_to_num(0.0)
 
 

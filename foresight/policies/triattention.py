@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foresight.masked import masked_moments
 from foresight.policies import register
 from foresight.policies.triattention_stats import TriAttentionStats, load_stats
 from foresight.runtime.policy import EvictionContext, Policy
@@ -28,10 +29,8 @@ def geometric_offsets(max_offset: int) -> torch.Tensor:
 
 def zscore(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """(s - mean) / max(std, 1e-6) over the valid entries of the last dim (population std)."""
-    count = valid.sum(-1, keepdim=True).clamp(min=1)
-    mean = scores.masked_fill(~valid, 0).sum(-1, keepdim=True) / count
-    variance = ((scores - mean) ** 2).masked_fill(~valid, 0).sum(-1, keepdim=True) / count
-    return (scores - mean) / variance.sqrt().clamp(min=STD_FLOOR)
+    mean, std = masked_moments(scores, valid)
+    return (scores - mean) / std.clamp(min=STD_FLOOR)
 
 
 @register
@@ -76,11 +75,14 @@ class TriAttention(Policy):
         kv_heads, dim = keys.shape[1], keys.shape[-1]
         query_heads = None if context.queries is None else context.queries.shape[1]
         self.stats.check_fits(context.num_layers, kv_heads, dim, query_heads)
-        stats, device = self.stats, keys.device
-        centre = stats.q_mean[context.layer_idx].to(device).reshape(kv_heads, -1, dim // 2)  # [Hkv, G, F]
-        residual = stats.q_abs_mean[context.layer_idx].to(device).reshape(centre.shape) - centre.abs()
+        device = keys.device
+        if self.stats.q_mean.device != device:
+            self.stats = self.stats.to(device)
+        stats = self.stats
+        centre = stats.q_mean[context.layer_idx].reshape(kv_heads, -1, dim // 2)  # [Hkv, G, F]
+        residual = stats.q_abs_mean[context.layer_idx].reshape(centre.shape) - centre.abs()
         start = (context.newest_position + 1).double()  # the authors' round start t, per row
-        angles = (start[:, None] + geometric_offsets(self.max_offset).to(device))[..., None] * stats.inv_freq.to(device).double()
+        angles = (start[:, None] + geometric_offsets(self.max_offset).to(device))[..., None] * stats.inv_freq.double()
         phase = torch.polar(torch.ones_like(angles), angles).mean(dim=1).to(torch.complex64)  # c_f [batch, F]
         query = centre[None] * phase[:, None, None, :]  # [batch, Hkv, G, F]
         real, imag = keys.chunk(2, dim=-1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -64,6 +64,11 @@ class TriAttentionStats:
         inv_freq = model.base_model.rotary_emb.inv_freq.float().cpu()
         if inv_freq.shape != self.inv_freq.shape or not torch.allclose(inv_freq, self.inv_freq, rtol=1e-5):
             raise ValueError(f"TriAttention stats made for {self.model!r} use other RoPE frequencies than this model")
+
+    def to(self, device: torch.device | str) -> TriAttentionStats:
+        """The same stats with their tensors on `device` (moved once, not at every eviction step)."""
+        return replace(self, q_mean=self.q_mean.to(device), q_abs_mean=self.q_abs_mean.to(device),
+                       inv_freq=self.inv_freq.to(device))
 
     def identity(self) -> dict[str, str]:
         """What the safetensors metadata repeats of config.json."""

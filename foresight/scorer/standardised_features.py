@@ -38,6 +38,7 @@ from collections.abc import Mapping
 
 import torch
 
+from foresight.masked import masked_moments
 from foresight.scorer.attention_features import (
     FEATURE_NAMES,
     WINDOWS,
@@ -124,9 +125,5 @@ def standardise_candidates(features: torch.Tensor, valid: torch.Tensor) -> torch
     constant, which this removes). The one place the standardised set is standardised, for training and
     inference alike."""
     mask = valid[..., None]
-    count = mask.sum(-2, keepdim=True).clamp_min(1)
-    kept = torch.where(mask, features, 0.0)
-    mean = kept.sum(-2, keepdim=True) / count
-    centred = torch.where(mask, features - mean, 0.0)
-    std = (centred.square().sum(-2, keepdim=True) / count).sqrt()
-    return centred / (std + STD_EPS)
+    mean, std = masked_moments(features, mask, dim=-2)
+    return (features - mean).masked_fill(~mask, 0) / (std + STD_EPS)
