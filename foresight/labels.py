@@ -32,6 +32,7 @@ schedule and the label file; splitting it would spread one equation over several
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -225,18 +226,9 @@ def compute_golden_labels(
     Raises TraceTooShort when T < B + L. chunk_size only bounds the forward's working memory.
     model_name defaults to the model config's name_or_path.
     """
-    if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be 1-D (one trace), got shape {tuple(input_ids.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be at least 1")
     num_tokens = input_ids.numel()
-    eviction_steps(num_tokens, budget, interval)
-    capture = _capture_forward(model, input_ids, chunk_size)
     candidates, alpha = [], []
-    for layer in range(len(capture.queries)):
-        queries, keys = capture.queries.pop(layer), capture.keys.pop(layer)
-        future = future_scores(queries, keys, budget, interval, capture.scaling[layer])
-        del queries, keys
+    for future in _layer_future_scores(model, input_ids, budget, interval, chunk_size):
         layer_candidates, layer_alpha = golden_schedule(future, budget, interval)
         candidates.append(layer_candidates.to("cpu", torch.int32))
         alpha.append(layer_alpha.cpu())
@@ -250,6 +242,35 @@ def compute_golden_labels(
         model_name=model.config.name_or_path if model_name is None else model_name,
         model_shape=describe(model),
     )
+
+
+@torch.no_grad()
+def future_score_table(
+    model: PreTrainedModel, input_ids: torch.Tensor, budget: int, interval: int, *, chunk_size: int = 256
+) -> torch.Tensor:
+    """α_{i,t} of every position that can be a candidate, [M, layers, Hkv, N] float32 on the CPU.
+
+    What an entry's target is does not depend on which entries a policy kept before (α reads the
+    full-cache attention only), so this table labels the states of any trajectory on the cadence, the
+    learned scorer's own included (on-policy examples, `trainers.examples`)."""
+    layers = [future.cpu() for future in _layer_future_scores(model, input_ids, budget, interval, chunk_size)]
+    return torch.stack(layers, dim=1)
+
+
+def _layer_future_scores(
+    model: PreTrainedModel, input_ids: torch.Tensor, budget: int, interval: int, chunk_size: int
+) -> Iterator[torch.Tensor]:
+    """One capture forward, then the future scores [M, Hkv, N] of one layer at a time (each layer's
+    queries and keys are freed once read)."""
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D (one trace), got shape {tuple(input_ids.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be at least 1")
+    eviction_steps(input_ids.numel(), budget, interval)
+    capture = _capture_forward(model, input_ids, chunk_size)
+    for layer in range(len(capture.queries)):
+        queries, keys = capture.queries.pop(layer), capture.keys.pop(layer)
+        yield future_scores(queries, keys, budget, interval, capture.scaling[layer])
 
 
 def labels_dir(traces_dir: str | os.PathLike, budget: int, interval: int) -> Path:

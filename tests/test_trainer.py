@@ -5,6 +5,7 @@ verbs' functions)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import shutil
@@ -27,7 +28,7 @@ from foresight.commands.fit import lightning_args
 from trainers.example_cache import ExampleCache, ExampleKey
 from foresight.labels import LabelStore
 from foresight.models import load_model, tiny_model
-from trainers.preparation import FrozenModel, make_examples, make_labels
+from trainers.preparation import FrozenModel, make_examples, make_labels, scorer_trajectory
 from foresight.scorer.model import load_scorer
 from foresight.data.trace_store import TraceStore
 from tests.helpers import DATA, scorer_spec, synthetic_traces
@@ -337,6 +338,42 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     printed = capsys.readouterr().out
     assert f"{labelled} already labelled" in printed and f"{labelled} already made" in printed
     assert "scorer trained for 1 steps" in printed
+
+
+def test_fit_on_policy_rounds_add_the_scorers_own_states_and_resume(tmp_path, tiny_dir, traces_dir, capsys):
+    """Two rounds after the golden fit: each records the previous scorer's trajectory on the training
+    traces only, trains on golden + every round so far from the previous weights, and exports; the
+    last round is --out/scorer. A rerun does nothing; a lost round is made again from its predecessor."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, feature_set="standardised")
+    out = tmp_path / "run"
+    args = [*fit_args(config, out, traces_dir, "trainer.max_steps=2"), "--on-policy-rounds", "2", "--round-steps", "3"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    golden = sorted(path.name for path in (out / "examples").glob("trace-*.safetensors"))
+    data = cli_main(["--config", str(config), f"--data.traces_dir={traces_dir}", f"--data.examples_dir={out / 'examples'}"],
+                    run=False).datamodule
+    data.setup("fit")
+    training = sorted(f"trace-{index:06d}.safetensors" for index in data.train_indices)
+    assert set(training) < set(golden)  # the held-out traces get no on-policy examples
+    for round_ in (1, 2):
+        folder = out / f"round-{round_}"
+        assert sorted(path.name for path in (folder / "examples").glob("trace-*.safetensors")) == training
+        trajectory = json.loads((folder / "examples" / "examples.json").read_text())["trajectory"]
+        assert trajectory == scorer_trajectory(load_scorer(out / f"round-{round_ - 1}" / "scorer"))
+        assert f"{folder / 'scorer'}: scorer trained for 3 steps" in printed
+        record = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False)
+        assert record["hyper_parameters"]["init_scorer"] == str(out / f"round-{round_ - 1}" / "scorer")
+    final = load_scorer(out / "scorer").state_dict()
+    for name, tensor in load_scorer(out / "round-2" / "scorer").state_dict().items():
+        torch.testing.assert_close(final[name], tensor, rtol=0, atol=0)
+    assert any((load_scorer(out / "round-1" / "scorer").state_dict()[name] != tensor).any() for name, tensor in final.items())
+    # A finished run reruns as a no-op; a lost round 2 is made again from round 1's scorer.
+    assert cli.main(args) == 0
+    assert "scorer trained" not in capsys.readouterr().out.replace(f"{out / 'scorer'}: the scorer", "")
+    shutil.rmtree(out / "round-2")
+    assert cli.main(args) == 0
+    again = capsys.readouterr().out
+    assert f"{out / 'round-2' / 'scorer'}: scorer trained for 3 steps" in again and "round-1/scorer: scorer" not in again
 
 
 def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):

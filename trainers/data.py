@@ -124,6 +124,9 @@ class GoldenDataModule(TraceSplitDataModule):
     budget, interval: B and L. feature_set: "paper", "official-8", "pooled" or "standardised"
       (`foresight.scorer.attention_features`).
     examples_dir: the example cache (`foresight examples`); None replays the traces on every pass.
+    on_policy_dirs: example caches of the scorer's own trajectories (`foresight fit --rounds`), each
+      holding every training trace; their examples join the golden ones in training (validation stays
+      golden, so its figures compare across rounds).
     storage_dtype: dtype of the cached keys, values and features (α stays float32).
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
       of the cache's key) or the replay.
@@ -142,6 +145,7 @@ class GoldenDataModule(TraceSplitDataModule):
         model: str = DEFAULT_MODEL,
         feature_set: str = FeatureSet.PAPER.value,
         examples_dir: str | None = None,
+        on_policy_dirs: list[str] | None = None,
         storage_dtype: str = "float16",
         device: str = "cpu",
         dtype: str = "float32",
@@ -158,10 +162,14 @@ class GoldenDataModule(TraceSplitDataModule):
         self.frozen = FrozenModel(model, device=device, dtype=float_dtype("dtype", dtype))
         key = ExampleKey(model, dtype, budget, interval, self.feature_set, storage_dtype)
         self.examples = None if examples_dir is None else ExampleCache(examples_dir, traces_dir, key)
+        self.on_policy = [ExampleCache.of_trajectory(folder, traces_dir, key) for folder in on_policy_dirs or []]
+        if self.on_policy and self.examples is None:
+            raise ValueError("on_policy_dirs need the golden examples in a cache too (data.examples_dir, not null)")
         self.replay_batch_size = replay_batch_size
         self.shuffle = shuffle
         self.labels = LabelStore(self.traces_dir, budget, interval)
         self.train: Dataset | None = None
+        self.train_indices: list[int] = []  # the training split, after `setup`
         self.val: Dataset | None = None
 
     @property
@@ -197,7 +205,9 @@ class GoldenDataModule(TraceSplitDataModule):
         if not splits["train"]:
             raise ValueError(f"no training traces: every trace of {self.traces_dir} with an eviction step is held out")
         if self.examples is not None:
-            self.train, self.val = (CachedTraces(self.examples.paths(splits[name])) for name in ("train", "val"))
+            on_policy = [path for cache in self.on_policy for path in cache.paths(splits["train"])]
+            self.train = CachedTraces(self.examples.paths(splits["train"]) + on_policy)
+            self.val = CachedTraces(self.examples.paths(splits["val"]))
         else:
             for trace in traces:
                 self.labels.require(trace.index, num_tokens=trace.input_ids.numel())
@@ -216,6 +226,9 @@ class GoldenDataModule(TraceSplitDataModule):
             "split": f"{len(splits['train'])} training and {len(splits['val'])} held-out traces",
             "eviction steps (training)": str(sum(self._num_steps(t) for t in splits["train"])),
         }
+        if self.on_policy:
+            self._summary["on-policy examples"] = f"{len(self.on_policy)} round(s) of the scorer's own trajectories"
+        self.train_indices = [trace.index for trace in splits["train"]]
 
     def train_dataloader(self) -> DataLoader:
         """Cached traces go through a `DistributedSampler` on one process too: its order is a function

@@ -7,7 +7,8 @@ Layout of a cache folder::
     trace-000012.safetensors      keys, values, features (storage dtype) and alpha (float32) of trace 12
 
 The key names everything that changes the files' content: the format version, the frozen model and
-the dtype it ran in, B, L, the feature set and the storage dtype. Each file's metadata repeats it with
+the dtype it ran in, B, L, the feature set, the storage dtype and the trajectory the replay followed
+(`golden`, or `scorer:<digest>` for the on-policy examples of one scorer's own evictions). Each file's metadata repeats it with
 the trace's index and length. A folder made with another key is refused, never mixed or overwritten.
 A file that does not open (a truncated write or copy) or that was made for another trace is damaged:
 reading it is a one-line error naming the command that remakes the cache, and that command replaces
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from foresight.scorer.attention_features import FeatureSet
 
 FORMAT = "foresight-golden-steps/2"
 KEY_FILE = "examples.json"
+GOLDEN_TRAJECTORY = "golden"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ExampleKey:
     feature_set: str
     storage_dtype: str
     format: str = FORMAT
+    trajectory: str = GOLDEN_TRAJECTORY
 
     def __post_init__(self) -> None:
         check_budget(self.budget, self.interval)
@@ -77,12 +80,22 @@ class ExampleCache:
     def path(self, trace_index: int) -> Path:
         return self.directory / f"trace-{trace_index:06d}.safetensors"
 
+    @classmethod
+    def of_trajectory(cls, directory: str | os.PathLike, traces_dir: str | os.PathLike, key: ExampleKey) -> ExampleCache:
+        """The cache in `directory` with `key` but the trajectory its folder records (an on-policy round's
+        examples are read by a data module that knows only the golden key)."""
+        file = Path(directory) / KEY_FILE
+        if not file.is_file():
+            raise ValueError(f"{directory} holds no examples ({KEY_FILE} missing); `foresight fit --rounds` makes them")
+        stored = json.loads(file.read_text()).get("trajectory", GOLDEN_TRAJECTORY)
+        return cls(directory, traces_dir, replace(key, trajectory=stored))
+
     def check_key(self) -> bool:
         """Whether the folder holds a cache of this key (False: none yet); refuses one of another key."""
         file = self.directory / KEY_FILE
         if not file.is_file():
             return False
-        stored = json.loads(file.read_text())
+        stored = {"trajectory": GOLDEN_TRAJECTORY, **json.loads(file.read_text())}  # caches before on-policy rounds
         wanted = self.key.metadata()
         differing = [
             f"{name} {stored.get(name)!r} (asked: {value!r})" for name, value in wanted.items() if stored.get(name) != value

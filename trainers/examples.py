@@ -8,6 +8,12 @@ golden policy reads, from the same `EvictionContext` the learned policy sees, th
 the B candidates (keys, values, and attention features computed exactly as the `foresight` policy
 computes them) and pairs them with the candidates' future scores α_{·,t}.
 
+On-policy examples (`scorer_steps`) are recorded the same way along the learned scorer's own
+trajectory: the replay follows the scorer's evictions instead of the golden schedule, and each
+candidate's α is read from the trace's table of future scores (`foresight.labels.future_score_table`),
+which does not depend on the trajectory. They teach the scorer the states its own evictions lead to,
+which the golden trajectory never visits (ForesightKV §3.3 names this shift; DAgger's remedy).
+
 One example is one trace, as the paper batches (App. E.1): its M eviction steps, each with keys,
 values [M, layers, Hkv, B, D], features [M, layers, Hkv, B, F*G] and alpha [M, layers, Hkv, B],
 candidates in ascending position.
@@ -22,10 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from foresight.cadence import golden_prefill
+from foresight.cadence import eviction_steps, golden_prefill, step_of
 from foresight.data.trace_store import Trace
 from foresight.labels import GoldenLabels
 from foresight.policies import make_policy
@@ -34,33 +41,88 @@ from foresight.runtime.cache import StateField
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.scorer.attention_features import FeatureSet
+from foresight.scorer.model import ForesightScorer
 
 TENSORS = ("keys", "values", "features", "alpha")
 
 
-@dataclass
-class GoldenStepRecorder(Policy):
-    """Follows `golden` (keep scores and any state) and records the scorer inputs of every step.
+class StepTargets(Protocol):
+    """The α of a replayed batch: how many steps each row has and its candidates' future scores."""
 
-    Not registered: it exists only to make training data. `feature_set` picks the attention features;
-    keys, values and features are recorded in `storage_dtype`, α in float32.
+    budget: int
+    interval: int
+    num_steps: torch.Tensor  # [rows]
+
+    def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """α [len(rows), Hkv, B] of the candidates at `positions` [len(rows), Hkv, B] (steps are 1-based)."""
+
+
+@dataclass(frozen=True)
+class LabelTargets:
+    """α from golden labels: only for the golden trajectory, whose candidates are the labels' own
+    (the golden policy checks this at every step)."""
+
+    labels: Sequence[GoldenLabels]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", self.labels[0].budget)
+        object.__setattr__(self, "interval", self.labels[0].interval)
+        object.__setattr__(self, "num_steps", torch.tensor([item.num_steps for item in self.labels]))
+        padded = torch.zeros(len(self.labels), int(self.num_steps.max()), *self.labels[0].alpha.shape[1:])
+        for row, item in enumerate(self.labels):
+            padded[row, : item.num_steps] = item.alpha
+        object.__setattr__(self, "_alpha", padded)
+
+    def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        return self._alpha[rows, steps - 1, layer]
+
+
+@dataclass(frozen=True)
+class FutureTargets:
+    """α from each row's table of future scores [M, layers, Hkv, N]: any trajectory on the cadence."""
+
+    tables: Sequence[torch.Tensor]
+    budget: int
+    interval: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_steps", torch.tensor([table.shape[0] for table in self.tables]))
+
+    def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.cpu().long()
+        return torch.stack(
+            [self.tables[row][step - 1, layer].gather(-1, positions[i]) for i, (row, step) in enumerate(zip(rows.tolist(), steps.tolist()))]
+        )
+
+
+@dataclass
+class StepRecorder(Policy):
+    """Follows a driving policy (its keep scores and state) and records the scorer inputs of every step.
+
+    Not registered: it exists only to make training data. The driver is `golden` (no state of its
+    own) or the learned `foresight` policy of the same feature set (whose state is the recorded one);
+    `feature_set` picks the attention features; keys, values and features are recorded in
+    `storage_dtype`, α in float32.
     """
 
-    name = "golden-steps"
-    summary = "golden schedule, recording scorer inputs"
+    name = "recorded-steps"
+    summary = "a driving policy, recording scorer inputs and future scores"
     needs_attention = True
 
-    golden: Policy
+    driver: Policy
+    targets: StepTargets
     feature_set: str = FeatureSet.PAPER.value
     storage_dtype: torch.dtype = torch.float16
     buffers: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _features: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.golden.state_fields:
-            raise ValueError("the recorded golden policy must keep no per-entry state of its own")
-        self.labels: Sequence[GoldenLabels] = self.golden.labels
-        self.num_steps = self.golden.schedule.num_steps
+        if self.driver.state_fields not in ((), self.state_fields):
+            raise ValueError(
+                f"the {self.driver.name} policy keeps per-entry state other than the {self.feature_set} features' "
+                "and cannot drive this recording"
+            )
+        self.num_steps = self.targets.num_steps
 
     @property
     def state_fields(self) -> tuple[StateField, ...]:
@@ -68,22 +130,23 @@ class GoldenStepRecorder(Policy):
         return feature_state(self.feature_set)
 
     def reset(self) -> None:
-        self.golden.reset()
+        self.driver.reset()
         self.buffers = {}
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
         self._features, state = observe_features(context, self.feature_set)
-        return {**self.golden.observe(context), **state}
+        return {**self.driver.observe(context), **state}
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        scores = self.golden.keep_scores(context)  # also checks that the cache holds the golden candidates
+        scores = self.driver.keep_scores(context)
         self._record(context)
         return scores
 
     def _record(self, context: EvictionContext) -> None:
         """Write this step's candidates of the rows still inside their trace into the step buffers."""
-        steps = self.golden.schedule.step_of(context.positions.amax(dim=(1, 2)).cpu())
-        rows = (steps <= self.num_steps).nonzero().squeeze(1)
+        targets = self.targets
+        steps = step_of(context.positions.amax(dim=(1, 2)).cpu(), targets.budget, targets.interval)
+        rows = ((steps >= 1) & (steps <= self.num_steps)).nonzero().squeeze(1)
         if rows.numel() == 0:
             return
         candidates = slice(0, context.num_candidates)
@@ -97,16 +160,15 @@ class GoldenStepRecorder(Policy):
         index = (rows, steps[rows] - 1, context.layer_idx)
         for name, value in inputs.items():
             self.buffers[name][index] = value[rows.to(value.device)].to("cpu", self.storage_dtype)
+        positions = context.candidate_positions[rows.to(context.keys.device)]
+        self.buffers["alpha"][index] = targets.alpha(rows, steps[rows], context.layer_idx, positions)
 
     def _allocate(self, context: EvictionContext, inputs: dict[str, torch.Tensor]) -> None:
-        """Buffers [rows, M_max, layers, Hkv, B, *] and the α of every row's steps."""
-        leading = (len(self.labels), int(self.num_steps.max()), context.num_layers)
+        """Buffers [rows, M_max, layers, Hkv, B, *] and the α [rows, M_max, layers, Hkv, B]."""
+        leading = (len(self.num_steps), int(self.num_steps.max()), context.num_layers)
         for name, value in inputs.items():
             self.buffers[name] = torch.zeros(*leading, *value.shape[1:], dtype=self.storage_dtype)
-        alpha = torch.zeros(*leading, *inputs["keys"].shape[1:3])
-        for row, labels in enumerate(self.labels):
-            alpha[row, : labels.num_steps] = labels.alpha
-        self.buffers["alpha"] = alpha
+        self.buffers["alpha"] = torch.zeros(*leading, *inputs["keys"].shape[1:3])
 
     def examples(self) -> list[dict[str, torch.Tensor]]:
         """Per replayed trace: {keys, values, features, alpha} with a leading step dim of its M steps."""
@@ -114,6 +176,15 @@ class GoldenStepRecorder(Policy):
             {name: buffer[row, : int(steps)].clone() for name, buffer in self.buffers.items()}
             for row, steps in enumerate(self.num_steps)
         ]
+
+
+def _replay(model, traces: Sequence[Trace], recorder: StepRecorder) -> list[dict[str, torch.Tensor]]:
+    """Replay `traces` as one batch on the labels' cadence (no sinks, no protected prompt, one prefill)."""
+    budget, interval = recorder.targets.budget, recorder.targets.interval
+    engine = EvictionEngine(model, recorder, EvictionConfig(budget, interval, sinks=0, protect_prompt=False))
+    prefill = golden_prefill([trace.prompt_length for trace in traces], budget, interval)
+    engine.replay([trace.input_ids for trace in traces], [prefill] * len(traces))
+    return recorder.examples()
 
 
 @torch.no_grad()
@@ -125,9 +196,28 @@ def golden_steps(
     storage_dtype: torch.dtype = torch.float16,
 ) -> list[dict[str, torch.Tensor]]:
     """Replay `traces` as one batch along their golden schedules; the training examples of each."""
-    recorder = GoldenStepRecorder(make_policy("golden", labels=list(labels)), feature_set, storage_dtype)
-    budget, interval = labels[0].budget, labels[0].interval
-    engine = EvictionEngine(model, recorder, EvictionConfig(budget, interval, sinks=0, protect_prompt=False))
-    prefill = golden_prefill([trace.prompt_length for trace in traces], budget, interval)
-    engine.replay([trace.input_ids for trace in traces], [prefill] * len(traces))
-    return recorder.examples()
+    golden = make_policy("golden", labels=list(labels))
+    return _replay(model, traces, StepRecorder(golden, LabelTargets(labels), feature_set, storage_dtype))
+
+
+@torch.no_grad()
+def scorer_steps(
+    model,
+    traces: Sequence[Trace],
+    tables: Sequence[torch.Tensor],
+    scorer: ForesightScorer,
+    storage_dtype: torch.dtype = torch.float16,
+) -> list[dict[str, torch.Tensor]]:
+    """Replay `traces` as one batch under `scorer`'s own (deterministic) evictions; the on-policy
+    training examples of each, α read from its table of future scores (`future_score_table`)."""
+    config = scorer.config
+    for trace, table in zip(traces, tables, strict=True):
+        steps = eviction_steps(trace.input_ids.numel(), config.budget, config.interval)
+        if table.shape[0] != steps:
+            raise ValueError(
+                f"the future scores of trace {trace.index} hold {table.shape[0]} steps, but the scorer's "
+                f"B={config.budget}, L={config.interval} give its {trace.input_ids.numel()} tokens {steps} steps"
+            )
+    targets = FutureTargets(list(tables), config.budget, config.interval)
+    recorder = StepRecorder(make_policy("foresight", scorer=scorer), targets, config.feature_set, storage_dtype)
+    return _replay(model, traces, recorder)

@@ -10,6 +10,8 @@ one run share one load.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -31,10 +33,11 @@ from foresight.data.trace_store import (
     TraceStore,
     finished_run,
 )
-from foresight.labels import LabelStore, compute_golden_labels, save_labels
+from foresight.labels import LabelStore, compute_golden_labels, future_score_table, save_labels
 from foresight.models import DEFAULT_MODEL, dtype_name, float_dtype, load_model
+from foresight.scorer.model import ForesightScorer
 from trainers.example_cache import ExampleCache
-from trainers.examples import golden_steps
+from trainers.examples import golden_steps, scorer_steps
 
 
 @dataclass
@@ -144,6 +147,64 @@ def make_examples(
     replayed `replay_batch_size` traces at a time (similar lengths together)."""
     started = time.perf_counter()
     key = cache.key
+    traces = _opened_traces(frozen, cache, replay_batch_size)
+    labels = LabelStore(cache.traces_dir, key.budget, key.interval)
+    plan = _Plan.of(traces, key.budget, key.interval, cache.problem)
+    for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay
+        labels.require(trace.index, num_tokens=trace.input_ids.numel())
+    storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
+    for group in tqdm(_length_groups(plan.todo, replay_batch_size), desc="examples", unit="batch", disable=not progress):
+        group_labels = [labels.load(trace.index, num_tokens=trace.input_ids.numel()) for trace in group]
+        examples = golden_steps(frozen.load()[0], group, group_labels, key.feature_set, storage_dtype)
+        for trace, tensors in zip(group, examples):
+            cache.write(trace, tensors)
+    return plan.summary(cache.directory, "made the examples of", "already made", time.perf_counter() - started)
+
+
+def make_on_policy_examples(
+    frozen: FrozenModel, cache: ExampleCache, scorer: ForesightScorer, trace_indices: Sequence[int], *,
+    replay_batch_size: int = 4, chunk_size: int = 256, progress: bool = True,
+) -> StepSummary:
+    """One on-policy round's data: the traces `trace_indices` replayed under `scorer`'s own evictions,
+    each step's candidates labelled with their future scores (`trainers.examples.scorer_steps`).
+
+    The cache's key must name this scorer's trajectory (`scorer_trajectory`), so that the examples of
+    another scorer are never mixed in; a rerun skips finished traces."""
+    started = time.perf_counter()
+    key = cache.key
+    if key.trajectory != scorer_trajectory(scorer) or key.feature_set != scorer.config.feature_set:
+        raise ValueError(
+            f"the cache {cache.directory} is keyed to trajectory {key.trajectory!r} with {key.feature_set} features, "
+            f"not to this scorer's ({scorer_trajectory(scorer)!r}, {scorer.config.feature_set})"
+        )
+    wanted = set(trace_indices)
+    traces = [trace for trace in _opened_traces(frozen, cache, replay_batch_size) if trace.index in wanted]
+    plan = _Plan.of(traces, key.budget, key.interval, cache.problem)
+    storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
+    for group in tqdm(_length_groups(plan.todo, replay_batch_size), desc="on-policy", unit="batch", disable=not progress):
+        model = frozen.load()[0]
+        tables = [
+            future_score_table(model, trace.input_ids, key.budget, key.interval, chunk_size=chunk_size) for trace in group
+        ]
+        for trace, tensors in zip(group, scorer_steps(model, group, tables, scorer, storage_dtype)):
+            cache.write(trace, tensors)
+    action = "made the on-policy examples of"
+    return plan.summary(cache.directory, action, "already made", time.perf_counter() - started)
+
+
+def scorer_trajectory(scorer: ForesightScorer) -> str:
+    """The trajectory name of a scorer's own evictions in an example cache's key: a digest of its weights
+    and config, so a retrained scorer gets a new cache."""
+    digest = hashlib.sha256(json.dumps(asdict(scorer.config), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(scorer.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return f"scorer:{digest.hexdigest()[:16]}"
+
+
+def _opened_traces(frozen: FrozenModel, cache: ExampleCache, replay_batch_size: int) -> TraceStore:
+    """The traces of a cache, after checking the model and claiming the folder for the cache's key."""
+    key = cache.key
     if (frozen.name, dtype_name(frozen.dtype)) != (key.model, key.model_dtype):
         raise ValueError(
             f"the examples of {cache.directory} are keyed to model {key.model!r} in {key.model_dtype}, "
@@ -153,20 +214,14 @@ def make_examples(
         raise ValueError(f"replay_batch_size must be at least 1, got {replay_batch_size}")
     traces = TraceStore(cache.traces_dir)
     traces.require_model(frozen.name)
-    labels = LabelStore(cache.traces_dir, key.budget, key.interval)
     cache.claim()
-    plan = _Plan.of(traces, key.budget, key.interval, cache.problem)
-    for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay
-        labels.require(trace.index, num_tokens=trace.input_ids.numel())
-    ordered = sorted(plan.todo, key=lambda trace: trace.input_ids.numel())
-    groups = [ordered[i : i + replay_batch_size] for i in range(0, len(ordered), replay_batch_size)]
-    storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
-    for group in tqdm(groups, desc="examples", unit="batch", disable=not progress):
-        group_labels = [labels.load(trace.index, num_tokens=trace.input_ids.numel()) for trace in group]
-        examples = golden_steps(frozen.load()[0], group, group_labels, key.feature_set, storage_dtype)
-        for trace, tensors in zip(group, examples):
-            cache.write(trace, tensors)
-    return plan.summary(cache.directory, "made the examples of", "already made", time.perf_counter() - started)
+    return traces
+
+
+def _length_groups(traces: Sequence[Trace], size: int) -> list[list[Trace]]:
+    """Replay batches of `size` traces of similar lengths (little padding)."""
+    ordered = sorted(traces, key=lambda trace: trace.input_ids.numel())
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
 @dataclass

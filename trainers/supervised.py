@@ -13,11 +13,13 @@ Only the scorer has parameters: the frozen model runs only to make the data, wit
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 from torchmetrics import MeanMetric
 
 from foresight.scorer.attention_features import cumulative_feature, feature_dim
-from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
 from trainers.ranking import (
     DEFAULT_MARGIN,
     RankingPairs,
@@ -39,6 +41,8 @@ class SupervisedScorer(ScorerModule):
     pairs: "all" (Eq. 6, every pair) or "evicted" (only pairs whose lower member is one of the L
       entries the golden step evicts; `RankingPairs`).
     pair_chunk: rows of the pair matrix built at once (memory only; the loss uses every chosen pair).
+    init_scorer: a scorer folder to start from instead of a fresh initialisation (an on-policy round
+      refits from the previous round's scorer); its config must match this one's.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class SupervisedScorer(ScorerModule):
         weight_decay: float = 0.0,
         pairs: str = RankingPairs.ALL.value,
         pair_chunk: int = 256,
+        init_scorer: str | None = None,
     ) -> None:
         super().__init__()
         pairs = RankingPairs.parse(pairs).value
@@ -60,6 +65,8 @@ class SupervisedScorer(ScorerModule):
             )
         self.save_hyperparameters()
         self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden, key_values=key_values))
+        if init_scorer is not None:
+            self.scorer.load_state_dict(_matching_weights(load_scorer(init_scorer), self.scorer.config, init_scorer))
         # Means over every ranking problem of the validation set, synced across ranks; a problem whose
         # Spearman correlation is undefined (NaN: all α equal) is left out.
         self.val_overlap = MeanMetric(nan_strategy="ignore")
@@ -120,3 +127,16 @@ class SupervisedScorer(ScorerModule):
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
         # The name is the tag under which the CLI's LearningRateMonitor logs the learning rate.
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
+
+
+def _matching_weights(start: ForesightScorer, config: ScorerConfig, source: str) -> dict[str, torch.Tensor]:
+    """The weights of the starting scorer, refused when its architecture or inputs differ from `config`."""
+    informative = {"base_model", "stage", "started_from", "training_sources"}
+    differing = [
+        f"{name} {value!r} (this run: {getattr(config, name)!r})"
+        for name, value in asdict(start.config).items()
+        if name not in informative and value != getattr(config, name)
+    ]
+    if differing:
+        raise ValueError(f"init_scorer {source} was made with {', '.join(differing)}")
+    return start.state_dict()

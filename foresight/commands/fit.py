@@ -8,7 +8,14 @@ golden labels (`foresight labels`), the example cache (`foresight examples`; ski
 data.examples_dir is null, which replays the traces on every pass), then training. Everything goes
 under --out: traces/ and its labels, examples/ (unless the config replays), checkpoints/ (last.ckpt;
 resume with --ckpt-path last), lightning_logs/ (TensorBoard) and scorer/ (config.json,
-model.safetensors, README.md). Under a DDP strategy (--set trainer.strategy=ddp --set
+model.safetensors, README.md).
+
+--on-policy-rounds R adds R rounds after that golden fit (docs/algorithms.md §6): round r replays the
+training traces under round r-1's scorer, labels the states its own evictions reach with their future
+scores, adds them to the golden examples and all earlier rounds' and refits from round r-1's weights.
+Round 0 trains in --out as above; round r in --out/round-r (examples/, checkpoints/, lightning_logs/);
+each round's scorer is --out/round-r/scorer and the last one is also --out/scorer. A rerun skips the
+rounds whose scorer exists and, with --ckpt-path last, resumes the others. Under a DDP strategy (--set trainer.strategy=ddp --set
 trainer.devices=N) every process runs this command; the steps run under a file lock in --out, so one
 process makes the data and the others find it made.
 """
@@ -16,7 +23,9 @@ process makes the data and the others find it made.
 from __future__ import annotations
 
 import argparse
+import shutil
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -24,7 +33,9 @@ from filelock import FileLock
 
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
 from foresight.export import export_scorer, reported_metrics
-from trainers.preparation import make_examples, make_labels, make_traces
+from foresight.scorer.model import load_scorer
+from trainers.example_cache import ExampleCache
+from trainers.preparation import make_examples, make_labels, make_on_policy_examples, make_traces, scorer_trajectory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +47,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--traces", type=Path, default=None,
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
+    parser.add_argument(
+        "--on-policy-rounds", type=_rounds, default=0, metavar="R",
+        help="after the golden fit, R rounds that add the scorer's own states to its training examples (2-3 is typical)",
+    )
+    parser.add_argument(
+        "--round-steps", type=_positive, default=None, metavar="N",
+        help="optimisation steps of each on-policy round (default: the config's trainer.max_steps)",
+    )
+
+
+def _rounds(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"--on-policy-rounds {text} must be between 0 and 10")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return value
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:
@@ -85,15 +118,71 @@ def _report(step: str, summary, show: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cli = prepare(args)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
+    if args.on_policy_rounds == 0:
+        _fit_and_export(cli, args.ckpt_path, args.out / "scorer")
+        return 0
+    scorer = _round_scorer(args.out, 0)
+    if not (scorer / "config.json").is_file():
+        _fit_and_export(cli, args.ckpt_path, scorer)
+    cli.datamodule.setup("fit")
+    for round_ in range(1, args.on_policy_rounds + 1):
+        scorer = _on_policy_round(args, cli.datamodule, round_)
+    if cli.trainer.is_global_zero:
+        shutil.copytree(scorer, args.out / "scorer", dirs_exist_ok=True)
+        print(f"{args.out / 'scorer'}: the scorer of on-policy round {args.on_policy_rounds}")
+    return 0
+
+
+def _round_scorer(out: Path, round_: int) -> Path:
+    return out / f"round-{round_}" / "scorer"
+
+
+def _on_policy_round(args: argparse.Namespace, data, round_: int) -> Path:
+    """Round `round_`: the previous round's scorer replays the training traces, its states join the
+    training examples, and a refit starts from its weights. Returns the round's scorer folder."""
+    from trainers.cli import cli_main
+
+    folder, scorer = args.out / f"round-{round_}", _round_scorer(args.out, round_)
+    if (scorer / "config.json").is_file():
+        return scorer
+    previous = _round_scorer(args.out, round_ - 1)
+    driver = load_scorer(previous)
+    cache = ExampleCache(
+        folder / "examples", data.traces_dir, replace(data.examples.key, trajectory=scorer_trajectory(driver))
+    )
+    with FileLock(str(args.out / ".steps.lock")):
+        made = make_on_policy_examples(
+            data.frozen, cache, driver, data.train_indices, replay_batch_size=data.replay_batch_size,
+            progress=True,
+        )
+        print(f"round {round_} examples: {made.describe()}", flush=True)
+    dirs = [str(args.out / f"round-{r}" / "examples") for r in range(1, round_ + 1)]
+    round_args = [
+        f"--trainer.default_root_dir={folder}",
+        f"--checkpoint.dirpath={folder / 'checkpoints'}",
+        f"--data.on_policy_dirs=[{','.join(dirs)}]",
+        f"--model.init_scorer={previous}",
+    ]
+    if args.round_steps is not None:
+        round_args.append(f"--trainer.max_steps={args.round_steps}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = cli_main(lightning_args(args) + round_args, run=False)
+    resume = "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
+    _fit_and_export(cli, resume, scorer)
+    return scorer
+
+
+def _fit_and_export(cli, ckpt_path: str | None, folder: Path) -> None:
+    """Train, validate once more (the final figures of the scorer being exported) and export to `folder`."""
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     train_metrics = {name: value for name, value in cli.trainer.callback_metrics.items() if name.startswith("train/")}
-    if cli.datamodule.val_dataloader():  # final figures of the scorer being exported
+    if cli.datamodule.val_dataloader():
         cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
     if not cli.trainer.is_global_zero:
-        return 0
+        return
     module = cli.model
     record = module.training_record(extra_metrics=train_metrics)
-    folder = export_scorer(module.scorer, args.out / "scorer", training=record)
+    export_scorer(module.scorer, folder, training=record)
     metrics = ", ".join(f"{name} {value:.4f}" for name, value in reported_metrics(record).items())
-    print(f"{folder}: scorer trained for {module.global_step} steps; {metrics}")
-    return 0
+    print(f"{folder}: scorer trained for {module.global_step} steps; {metrics}", flush=True)
