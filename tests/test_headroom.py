@@ -84,3 +84,34 @@ def test_other_learned_scorers_are_never_the_best_heuristic():
     result = headroom(run, B, "foresight", other_learned=("shipped", "foresight"))
     assert (result.best_heuristic, result.share.value) == ("h2o", pytest.approx(0.5))
     assert "shipped" in result.loss_ratio  # still reported beside the others
+
+
+def _eval_folder(path, entries) -> None:
+    import json
+    from dataclasses import asdict
+
+    path.mkdir(parents=True)
+    (path / "traces.json").write_text(json.dumps([asdict(entry) for entry in entries]))
+
+
+def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heuristic(tmp_path):
+    from foresight.bench.ablation import AblationSettings, merged_scores, run
+
+    base = [s for s in RUN if s.policy != "foresight"]
+    _eval_folder(tmp_path / "base", base)
+    _eval_folder(tmp_path / "first", [*scores("golden", (55.0, 22.0, 44.0)), *scores("first", (60.0, 24.0, 48.0))])
+    _eval_folder(tmp_path / "second", scores("second", (65.5, 24.5, 53.0)))  # 143 / 110 = 1.3: no gain
+    folders = (tmp_path / "base", tmp_path / "first", tmp_path / "second")
+    merged = merged_scores(folders)
+    assert len(merged) == len(base) + 6  # golden, scored twice alike, counts once
+    report = run(AblationSettings(sets=(("set", folders),), learned=(("first", "a"), ("second", "b")), budget=B,
+                                  command="cmd"))
+    assert "best heuristic h2o" in report
+    rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| first") or line.startswith("| second")}
+    assert "| 50.0% [" in rows["first"] and "| 0.0% [" in rows["second"]
+    assert headroom(merged, B, "first", ["second"]).share.value == pytest.approx(0.5)
+    _eval_folder(tmp_path / "other", scores("golden", (56.0, 22.0, 44.0)))  # not the same traces
+    with pytest.raises(ValueError, match="golden at B = 128 on trace 0 differs"):
+        merged_scores((tmp_path / "base", tmp_path / "other"))
+    with pytest.raises(ValueError, match="holds no traces.json"):
+        merged_scores((tmp_path / "missing",))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from foresight.bench import eval_prefix, labels_memory, rl_heldout, rl_step, trace_generation
+from foresight.bench import ablation, eval_prefix, labels_memory, rl_heldout, rl_step, trace_generation
 from foresight.bench.common import dtype_name
 from foresight.commands import rl
 from foresight.commands._bench_args import (
@@ -161,6 +161,40 @@ def _trace_generation_settings(args: argparse.Namespace) -> trace_generation.Tra
     )
 
 
+def _named(kind: str):
+    """An argparse type for NAME=VALUE options (the value split on commas for --set)."""
+
+    def parse(text: str) -> tuple[str, str]:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise argparse.ArgumentTypeError(f"{text!r} must look like NAME={kind}")
+        return name.strip(), value.strip()
+
+    return parse
+
+
+def _add_ablation(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set", dest="sets", action="append", required=True, type=_named("DIR,DIR,..."), metavar="NAME=DIR,...",
+        help="a trace set and the `foresight eval` folders of its traces (repeat per set)",
+    )
+    parser.add_argument(
+        "--learned", action="append", required=True, type=_named("WHAT"), metavar="ROW=WHAT",
+        help="a learned scorer's row name in those folders and what it is (repeat; table order)",
+    )
+    parser.add_argument("--budget", "-B", type=int, default=128, help="the budget B compared")
+    add_report_arguments(parser, "ablation-B{budget}")
+
+
+def _ablation_settings(args: argparse.Namespace) -> ablation.AblationSettings:
+    sets = tuple((name, tuple(Path(folder) for folder in folders.split(","))) for name, folders in args.sets)
+    flags = " ".join(
+        [*(f"--set {shlex.quote(f'{n}={v}')}" for n, v in args.sets), *(f"--learned {shlex.quote(f'{n}={v}')}" for n, v in args.learned)]
+    )
+    command = f"foresight bench ablation {flags} --budget {args.budget} {report_flags(args)}"
+    return ablation.AblationSettings(sets=sets, learned=tuple(args.learned), budget=args.budget, command=command)
+
+
 STAGE_BENCHMARKS = (
     BenchCommand(eval_prefix, _add_eval_prefix, _eval_prefix_settings, lambda settings: f"eval-prefix-{device_kind(settings)}"),
     BenchCommand(labels_memory, _add_labels_memory, _labels_memory_settings, _labels_memory_section),
@@ -168,4 +202,5 @@ STAGE_BENCHMARKS = (
     BenchCommand(rl_step, _add_rl_step, _rl_step_settings, lambda settings: f"rl-step-{device_kind(settings)}"),
     BenchCommand(trace_generation, _add_trace_generation, _trace_generation_settings,
                  lambda settings: f"trace-generation-{device_kind(settings)}"),
+    BenchCommand(ablation, _add_ablation, _ablation_settings, lambda settings: f"ablation-B{settings.budget}"),
 )

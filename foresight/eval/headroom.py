@@ -77,18 +77,18 @@ class Headroom:
         ]
         for policy in sorted(self.loss_ratio, key=lambda p: self.loss_ratio[p].value):
             ratio, damage = self.loss_ratio[policy], self.damage[policy]
-            lines.append(f"| {policy} | {ratio} | {_percent(damage)} |")
+            lines.append(f"| {policy} | {ratio} | {percent(damage)} |")
         lines += [
             "",
-            f"- share of the headroom (best heuristic − golden) captured by {self.learned}: {_percent(self.share, 1)}",
+            f"- share of the headroom (best heuristic − golden) captured by {self.learned}: {percent(self.share, 1)}",
             f"- loss ratio, {self.best_heuristic} − {self.learned}: {self.ratio_gain}",
             f"- low-entropy damage, {self.least_damaging_heuristic} (the least damaging heuristic) − {self.learned}: "
-            f"{_percent(self.damage_gain)}",
+            f"{percent(self.damage_gain)}",
         ]
         return "\n".join(lines)
 
 
-def _percent(estimate: Estimate, digits: int = 2) -> str:
+def percent(estimate: Estimate, digits: int = 2) -> str:
     return f"{estimate.value:.{digits}%} [{estimate.low:.{digits}%}, {estimate.high:.{digits}%}]"
 
 

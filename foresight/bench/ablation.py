@@ -1,0 +1,90 @@
+"""Several learned scorers against the same heuristics and golden, on several trace sets: an ablation table.
+
+Each set is one or more `foresight eval` output folders over the same traces and budget (each folder's
+traces.json holds every scored trace's sums), so a scorer evaluated later is compared with the
+heuristics and golden evaluated once. A (policy, budget, trace) scored in two folders must agree to
+the last digit (the replay is deterministic); otherwise the folders are not of the same traces and
+the merge is refused. Per set and learned scorer: its loss ratio and low-entropy damage, its share of
+the headroom between the best heuristic and golden, and its loss-ratio gain over the best heuristic,
+all with paired 95% bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic is
+chosen among every non-learned policy of the set, the same for every scorer.
+
+    foresight bench ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
+        --learned std="standardised features" --budget 128
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, percent
+
+NAME = "ablation"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AblationSettings:
+    """`sets`: (name, eval folders) per trace set; `learned`: (row name, what it is) per scorer, in table order."""
+
+    sets: tuple[tuple[str, tuple[Path, ...]], ...]
+    learned: tuple[tuple[str, str], ...]
+    budget: int
+    command: str
+
+
+def merged_scores(folders: tuple[Path, ...]) -> list[TraceScore]:
+    """The trace scores of several evaluation folders of the same traces, each (policy, budget, trace) once."""
+    merged: dict[tuple[str, int, int], TraceScore] = {}
+    for folder in folders:
+        path = folder / "traces.json"
+        if not path.is_file():
+            raise ValueError(f"{folder} holds no traces.json; make it with `foresight eval --traces ... --out {folder}`")
+        for entry in json.loads(path.read_text()):
+            score = TraceScore(**entry)
+            key = (score.policy, score.budget, score.index)
+            if key in merged and astuple(merged[key]) != astuple(score):
+                raise ValueError(
+                    f"{score.policy} at B = {score.budget} on trace {score.index} differs between {folder} and an "
+                    "earlier folder: merge only evaluations of the same traces"
+                )
+            merged[key] = score
+    return list(merged.values())
+
+
+def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str], ...], budget: int) -> str:
+    """One set's rows: golden, the best heuristic and every learned scorer it holds."""
+    names = [row for row, _ in learned]
+    results: list[tuple[str, Headroom]] = []
+    for row, what in learned:
+        found = headroom(scores, budget, row, other_learned=[n for n in names if n != row])
+        if found is not None:
+            results.append((what, found))
+    if not results:
+        raise ValueError(f"set {name}: no learned scorer of {names} with golden and a heuristic at B = {budget}")
+    first = results[0][1]
+    best = first.best_heuristic
+    lines = [
+        f"**{name}**: {first.traces} traces, B = {budget}; best heuristic {best} "
+        f"(loss ratio {first.loss_ratio[best]}, damage {percent(first.damage[best])}), golden "
+        f"{first.loss_ratio[ORACLE]}; least damaging heuristic {first.least_damaging_heuristic} "
+        f"({percent(first.damage[first.least_damaging_heuristic])}).",
+        "",
+        "| scorer | what | loss ratio | low-entropy damage | share of the headroom | loss ratio gain over "
+        f"{best} | damage gain over {first.least_damaging_heuristic} |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for what, result in results:
+        lines.append(
+            f"| {result.learned} | {what} | {result.loss_ratio[result.learned]} | "
+            f"{percent(result.damage[result.learned])} | {percent(result.share, 1)} | {result.ratio_gain} | "
+            f"{percent(result.damage_gain)} |"
+        )
+    return "\n".join(lines)
+
+
+def run(settings: AblationSettings) -> str:
+    tables = [set_table(name, merged_scores(folders), settings.learned, settings.budget) for name, folders in settings.sets]
+    intervals = "95% paired bootstrap intervals over traces; every scorer against the same best heuristic."
+    return "\n\n".join([f"Command: `{settings.command}`", intervals, *tables])
