@@ -9,6 +9,7 @@ import time
 
 from foresight.commands._model import model_options
 from foresight.commands._sampling import add_sampling_arguments
+from foresight.data.benchmarks import BENCHMARKS
 from foresight.data.tasks import load_problems
 from foresight.eval.generation import (
     CompletionStore,
@@ -31,8 +32,9 @@ DEFAULT_BATCH = 32
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts", action="append", default=[], metavar="SOURCE",
-        help="generate instead of replaying traces: problems from reasoning-gym:TASK, a JSONL file or a saved "
-        "dataset folder (foresight.data.tasks); repeat to pool several sources. --model then defaults to the embedded one",
+        help=f"generate instead of replaying traces: problems from a named set ({', '.join(BENCHMARKS)}; NAME:PATH "
+        "reads a local copy), reasoning-gym:TASK, a JSONL file or a saved dataset folder "
+        "(foresight.data.tasks); repeat to pool several sources. --model then defaults to the embedded one",
     )
     parser.add_argument("--num", type=int, default=20, help="problems per source")
     parser.add_argument("--problem-seed", type=int, default=0, help="seed that picks the reasoning-gym problems")

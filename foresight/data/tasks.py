@@ -2,6 +2,11 @@
 only when their answer is correct, so every source says how to check one).
 
 A SOURCE is one of
+- a named benchmark set, ``aime24``, ``aime25``, ``math500``, ``gsm8k`` or ``gpqa-diamond``, read from
+  the Hugging Face Hub at a pinned revision, or ``NAME:PATH`` for a local copy of it (a JSONL file or a
+  ``save_to_disk`` folder with the Hub's fields), recorded as NAME either way
+  (:mod:`foresight.data.benchmarks`); its question gets the instruction below appended, and it is
+  checked with ``math-verify``, GPQA by the letter of the chosen answer;
 - ``reasoning-gym:TASK`` or ``reasoning-gym:TASK:KEY=VALUE,...``: procedural problems from the
   ``reasoning-gym`` package (offline, the same problems for the same seed), checked by the task's own
   scorer; the options set fields of the task's config, e.g. ``reasoning-gym:chain_sum:max_terms=2``
@@ -27,8 +32,8 @@ reported, as lm-evaluation-harness does for GSM8K:
 Trailing whitespace and periods are stripped from everything but a boxed answer; the flexible rule
 also strips Markdown emphasis, dollar signs and quotes around its answer and commas inside a number.
 
-Size: every prompt source (reasoning-gym with options, JSONL, datasets, weighted mixtures) and both
-answer rules, which the sources' checks call.
+Size: every prompt source (named sets, reasoning-gym with options, JSONL, datasets, weighted mixtures)
+and both answer rules, which the sources' checks call.
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from foresight.choices import Choice
+from foresight.data import benchmarks
 
 REASONING_GYM = "reasoning-gym:"
-# Appended to reasoning-gym questions (which carry no format instruction) so that a model's final
-# answer lands where extract_answer looks first.
+# Appended to reasoning-gym and named-set questions (which carry no format instruction) so that a
+# model's final answer lands where extract_answer looks first.
 ANSWER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 _SHOWN_LINES = 10  # bad JSONL line numbers named in the warning
 
@@ -106,10 +112,9 @@ def _mixture_entries(spec: str) -> list[str]:
     """``spec`` split on commas, except those between the KEY=VALUE options of a reasoning-gym task."""
     entries: list[str] = []
     for part in (part.strip() for part in spec.split(",")):
-        continues_options = (
-            entries and _has_task_options(entries[-1]) and "=" in part and not part.startswith(REASONING_GYM)
-            and not Path(part.rpartition("=")[0]).exists()
-        )
+        name = part.rpartition("=")[0]
+        names_source = name.startswith(REASONING_GYM) or Path(name).exists() or benchmarks.named_set(name) is not None
+        continues_options = entries and _has_task_options(entries[-1]) and "=" in part and not names_source
         if continues_options:
             entries[-1] += "," + part
         else:
@@ -125,13 +130,21 @@ def _number(text: str) -> float | None:
 
 
 def recorded_source(spec: str) -> str:
-    """A SOURCE as a folder's settings record it: reasoning-gym:TASK as given, a file or folder as its
-    absolute path; in a mixture each entry so, with its weight (weights of 1 written only in mixtures)."""
+    """A SOURCE as a folder's settings record it: reasoning-gym:TASK as given, a named set by its name
+    (a local copy too), a file or folder as its absolute path; in a mixture each entry so, with its weight
+    (weights of 1 written only in mixtures)."""
     sources = parse_sources(spec)
-    names = [s.source if s.source.startswith(REASONING_GYM) else str(Path(s.source).resolve()) for s in sources]
+    names = [_recorded_name(s.source) for s in sources]
     if len(sources) == 1 and sources[0].weight == 1:
         return names[0]
     return ",".join(f"{name}={s.weight:g}" for name, s in zip(names, sources))
+
+
+def _recorded_name(source: str) -> str:
+    named = benchmarks.named_set(source)
+    if named is not None:
+        return named[0].name
+    return source if source.startswith(REASONING_GYM) else str(Path(source).resolve())
 
 
 def source_names(spec: str) -> list[str]:
@@ -189,14 +202,17 @@ def _source_problems(source: str, num: int, seed: int) -> list[Problem]:
 def _read_source(source: str, num: int, seed: int) -> list[Problem]:
     if source.startswith(REASONING_GYM):
         return _reasoning_gym_problems(source, num, seed)
-    path = Path(source)
-    if path.is_dir():
+    named, path = benchmarks.named_set(source), Path(source)
+    if named is not None:
+        problems = [Problem(i, _instructed(q), a, source) for i, (q, a) in enumerate(benchmarks.set_entries(*named))]
+    elif path.is_dir():
         problems = _disk_dataset_problems(path, source)
     elif path.is_file():
         problems = _jsonl_problems(path, source)
     else:
         raise ValueError(
-            f"prompt source {source!r} is neither 'reasoning-gym:TASK', a JSONL file nor a saved dataset folder"
+            f"prompt source {source!r} is neither 'reasoning-gym:TASK', a named set ({', '.join(benchmarks.BENCHMARKS)}; "
+            "NAME:PATH for a local copy), a JSONL file nor a saved dataset folder"
         )
     if len(problems) < num:
         raise ValueError(f"asked for {num} problems but {source} has only {len(problems)}")
@@ -219,9 +235,13 @@ def _reasoning_gym_problems(source: str, num: int, seed: int) -> list[Problem]:
     except (AssertionError, TypeError, ValueError) as error:
         raise ValueError(f"reasoning-gym task {task!r} refused the options {options}: {error}") from None
     return [
-        Problem(i, f"{entry['question']}\n{ANSWER_INSTRUCTION}", str(entry["answer"]), source, dict(entry))
+        Problem(i, _instructed(entry["question"]), str(entry["answer"]), source, dict(entry))
         for i, entry in enumerate(dataset)
     ]
+
+
+def _instructed(question: str) -> str:
+    return f"{question}\n{ANSWER_INSTRUCTION}"
 
 
 def _reasoning_gym_task(source: str) -> tuple[str, dict[str, Any]]:
@@ -379,8 +399,9 @@ def check_answer(problem: Problem, completion: str, rule: AnswerRule | str = Ans
     answer. A completion in which the rule finds no answer is wrong.
 
     reasoning-gym problems use the task's own scorer (correct = full score 1.0) when they carry its
-    dataset entry; other sources (and imported rows, which carry none) compare with ``math-verify``
-    (numbers and LaTeX expressions by value).
+    dataset entry; multiple-choice sets (GPQA) compare the letter of the chosen answer; other sources
+    (and imported rows, which carry none) compare with ``math-verify`` (numbers and LaTeX expressions by
+    value).
     """
     if problem.answer is None:
         return None
@@ -390,6 +411,8 @@ def check_answer(problem: Problem, completion: str, rule: AnswerRule | str = Ans
     if problem.source.startswith(REASONING_GYM) and problem.metadata:
         score = _reasoning_gym_scorer(_reasoning_gym_task(problem.source)[0])(predicted, problem.metadata)
         return score >= 1.0
+    if benchmarks.is_multiple_choice(problem.source):
+        return benchmarks.choice_letter(predicted) == problem.answer
     from math_verify import verify
 
     return bool(verify(_math_parse(problem.answer), _math_parse(predicted)))
