@@ -1,6 +1,6 @@
-"""The options of the benchmarks of the pipeline's stages (eval-prefix, labels-memory, rl-heldout, rl-step,
-trace-generation) and their translation into the settings of foresight.bench.*, with the command that
-reproduces each report."""
+"""The options of the benchmarks of the pipeline's stages (eval-prefix, labels-memory, paged-reclaim, rl-heldout,
+rl-step, trace-generation, ablation) and their translation into the settings of foresight.bench.*, with the
+command that reproduces each report."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from foresight.bench import ablation, eval_prefix, labels_memory, rl_heldout, rl_step, trace_generation
+from foresight.bench import ablation, eval_prefix, labels_memory, paged_reclaim, rl_heldout, rl_step, trace_generation
 from foresight.bench.common import dtype_name
 from foresight.commands import rl
+from foresight.commands.eval import policy_specs
 from foresight.commands._bench_args import (
     BenchCommand,
     add_report_arguments,
@@ -67,6 +68,41 @@ def _labels_memory_settings(args: argparse.Namespace) -> labels_memory.LabelsMem
 def _labels_memory_section(settings: labels_memory.LabelsMemorySettings) -> str:
     name = "" if settings.model == DEFAULT_MODEL else "-" + Path(settings.model).stem
     return f"labels-memory{name}-{settings.device}"
+
+
+def _add_paged_reclaim(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", type=Path, required=True, help="traces folder (`foresight traces`), labels where golden runs")
+    parser.add_argument("--holdout", type=float, default=None,
+                        help="replay only the held-out split of this share, as `foresight eval` (default: every trace)")
+    add_policies_argument(parser, "every registered policy that evicts; golden where labels exist, foresight with --scorer")
+    parser.add_argument(
+        "--scorer", action="append", default=[], metavar="DIR",
+        help="a trained scorer folder (or Hub id, or NAME=DIR) replayed as the learned `foresight` policy at the B and L "
+        "it was trained for; repeat for several",
+    )
+    add_cadence_arguments(parser, budget=[128, 256], interval=32, several_budgets=True)
+    parser.add_argument("--page-sizes", type=int_list, default=[16, 32, 64], help="page sizes P (positions per page), comma-separated")
+    add_placement_arguments(parser)
+    add_report_arguments(parser, "paged-reclaim")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG of the reclaimed share against page size (default: SECTION.png beside --out)")
+
+
+def _paged_reclaim_settings(args: argparse.Namespace) -> paged_reclaim.PagedReclaimSettings:
+    specs, notes = policy_specs(args.policies, args.scorer)
+    plot = args.plot or args.out.parent / f"{args.section or paged_reclaim.NAME}.png"
+    command = (
+        f"foresight bench paged-reclaim --traces {args.traces}"
+        + (f" --holdout {args.holdout}" if args.holdout is not None else "")
+        + f" --policies {args.policies}" + "".join(f" --scorer {shlex.quote(source)}" for source in args.scorer)
+        + f" --budgets {','.join(map(str, args.budgets))} --interval {args.interval}"
+        + f" --page-sizes {','.join(map(str, args.page_sizes))} {placement_flags(args)} --plot {shlex.quote(str(plot))}"
+        + f" {report_flags(args)}"
+    )
+    return paged_reclaim.PagedReclaimSettings(
+        traces=args.traces, holdout=args.holdout, specs=specs, notes=notes, budgets=args.budgets, interval=args.interval,
+        page_sizes=args.page_sizes, **model_options(args), plot=plot, command=command,
+    )
 
 
 def _add_rl_heldout(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +234,7 @@ def _ablation_settings(args: argparse.Namespace) -> ablation.AblationSettings:
 STAGE_BENCHMARKS = (
     BenchCommand(eval_prefix, _add_eval_prefix, _eval_prefix_settings, lambda settings: f"eval-prefix-{device_kind(settings)}"),
     BenchCommand(labels_memory, _add_labels_memory, _labels_memory_settings, _labels_memory_section),
+    BenchCommand(paged_reclaim, _add_paged_reclaim, _paged_reclaim_settings, lambda settings: paged_reclaim.NAME),
     BenchCommand(rl_heldout, _add_rl_heldout, _rl_heldout_settings, lambda settings: f"rl-heldout-{device_kind(settings)}"),
     BenchCommand(rl_step, _add_rl_step, _rl_step_settings, lambda settings: f"rl-step-{device_kind(settings)}"),
     BenchCommand(trace_generation, _add_trace_generation, _trace_generation_settings,
