@@ -141,8 +141,9 @@ METRIC_NOTES = {
     "overlap_cumulative: the same for ranking by cumulative attention (H2O's statistic); spearman: rank "
     "correlation of the scores with α. val/: held-out traces.",
     "reinforcement": "reward: R of Eq. 8 as docs/algorithms.md §7 defines it (minus the mean over the low-entropy tokens "
-    "of ΔL²·1[ΔL > 1.5]); loss_ratio and damage: the rollouts' loss ratio and share of damaged low-entropy tokens; "
-    "kl: k3 estimate of KL(π_θ ‖ π_ref) per eviction; clip_fraction: share of evictions whose ratio was clipped.",
+    "of ΔL^p·1[ΔL > η], p and η as in the GRPO settings); loss_ratio and damage: the rollouts' loss ratio and share of "
+    "damaged low-entropy tokens; kl: k3 estimate of KL(π_θ ‖ π_ref) per eviction; clip_fraction: share of evictions "
+    "whose ratio was clipped; zero_advantage_share: share of reward groups whose rewards were all equal (advantage 0).",
 }
 
 

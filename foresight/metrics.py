@@ -7,6 +7,7 @@ concatenating tokens or by adding the counts these functions return.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 LOW_ENTROPY_SHARE = 0.8  # ForesightKV §2.2: the bottom 80% of a trace's tokens by entropy
 DAMAGE_THRESHOLD = 1.5  # η of ForesightKV §3.3: a loss increase above it damages a token
+DAMAGE_EXPONENT = 2.0  # p of the reward's damage term ΔL^p (ForesightKV §3.3: ΔL²)
 
 
 def scored_tokens(num_predictions: int, first_eviction: int | None) -> torch.Tensor:
@@ -40,16 +42,27 @@ class EntropyDamage:
 
     low_entropy: tokens in their trace's bottom share by full-cache entropy;
     damaged: those of them whose loss grew by more than the threshold (ΔL > η);
-    squared_sum: Σ ΔL² over the damaged tokens."""
+    squared_sum: Σ ΔL² over the damaged tokens.
+    damaged and squared_sum are fractional in a mean over replays of the same tokens (`mean`)."""
 
     low_entropy: int = 0
-    damaged: int = 0
+    damaged: float = 0
     squared_sum: float = 0.0
 
     def __add__(self, other: EntropyDamage) -> EntropyDamage:
         return EntropyDamage(
             self.low_entropy + other.low_entropy, self.damaged + other.damaged, self.squared_sum + other.squared_sum
         )
+
+    @staticmethod
+    def mean(replays: Sequence[EntropyDamage]) -> EntropyDamage:
+        """The mean counts of replays of the same tokens (a sampled policy under several seeds): their
+        low-entropy tokens are the same; damaged tokens and Σ ΔL² are averaged."""
+        low = {replay.low_entropy for replay in replays}
+        if len(low) != 1:
+            raise ValueError(f"replays to average must score the same tokens, got low-entropy counts {sorted(low)}")
+        total = sum(replays, EntropyDamage())
+        return EntropyDamage(low.pop(), total.damaged / len(replays), total.squared_sum / len(replays))
 
     @property
     def share(self) -> float:
@@ -79,6 +92,42 @@ def low_entropy_tokens(entropy: torch.Tensor, share: float = LOW_ENTROPY_SHARE) 
     return entropy <= torch.quantile(entropy.double(), share).to(entropy.dtype)
 
 
+@dataclass(frozen=True)
+class TokenDamage:
+    """Per scored token of one trace: whether it is low-entropy (in the bottom share), whether it is
+    damaged (low-entropy and ΔL > η), and its damage term ΔL^p (0 unless damaged). Kept per token so
+    the reinforcement stage can credit each eviction step with the damage to the tokens after it."""
+
+    low_entropy: torch.Tensor
+    damaged: torch.Tensor
+    terms: torch.Tensor
+
+    def counts(self) -> EntropyDamage:
+        """The trace's counts (its `squared_sum` holds Σ ΔL^p, ΔL² at the default p = 2)."""
+        return EntropyDamage(int(self.low_entropy.sum()), int(self.damaged.sum()), float(self.terms.sum()))
+
+
+def token_damage(
+    evicted_nll: torch.Tensor,
+    full_nll: torch.Tensor,
+    full_entropy: torch.Tensor,
+    share: float = LOW_ENTROPY_SHARE,
+    threshold: float = DAMAGE_THRESHOLD,
+    exponent: float = DAMAGE_EXPONENT,
+) -> TokenDamage:
+    """Low-entropy damage of one trace, token by token (ForesightKV §2.2 and the reward of §3.3).
+
+    All three tensors hold the trace's scored tokens. Low-entropy tokens are the bottom `share` by
+    full-cache entropy among them (`low_entropy_tokens`); a low-entropy token is damaged when
+    ΔL = evicted_nll - full_nll > threshold, and its damage term is ΔL^exponent."""
+    _check_same_tokens(evicted_nll, full_nll)
+    _check_same_tokens(full_entropy, full_nll)
+    low = low_entropy_tokens(full_entropy, share)
+    delta = evicted_nll.double() - full_nll.double()
+    damaged = low & (delta > threshold)
+    return TokenDamage(low, damaged, torch.where(damaged, delta, 0.0).pow(exponent))
+
+
 def low_entropy_damage(
     evicted_nll: torch.Tensor,
     full_nll: torch.Tensor,
@@ -86,17 +135,8 @@ def low_entropy_damage(
     share: float = LOW_ENTROPY_SHARE,
     threshold: float = DAMAGE_THRESHOLD,
 ) -> EntropyDamage:
-    """Low-entropy damage of one trace (ForesightKV §2.2 and the reward of §3.3).
-
-    All three tensors hold the trace's scored tokens. Low-entropy tokens are the bottom `share` by
-    full-cache entropy among them (`low_entropy_tokens`); a low-entropy token is damaged when
-    ΔL = evicted_nll - full_nll > threshold."""
-    _check_same_tokens(evicted_nll, full_nll)
-    _check_same_tokens(full_entropy, full_nll)
-    low = low_entropy_tokens(full_entropy, share)
-    delta = (evicted_nll.double() - full_nll.double())[low]
-    damaged = delta[delta > threshold]
-    return EntropyDamage(int(low.sum()), damaged.numel(), float(damaged.square().sum()))
+    """The counts of `token_damage` with the damage term ΔL² (what `foresight eval` reports)."""
+    return token_damage(evicted_nll, full_nll, full_entropy, share, threshold).counts()
 
 
 def attention_cosine(evicted_output: torch.Tensor, full_output: torch.Tensor) -> torch.Tensor:

@@ -271,10 +271,10 @@ def verb_parsers(verb: str) -> list[argparse.ArgumentParser]:
 
 def test_model_verbs_are_the_verbs_with_device_and_dtype():
     """A new verb that loads a model must take --device and --dtype (and join MODEL_VERBS); a verb with
-    sub-commands takes them in every sub-command."""
+    sub-commands takes them in every sub-command that loads a model (`bench ablation` reads reports only)."""
     with_placement = set()
     for verb in _verbs():
-        parsers = verb_parsers(verb)
+        parsers = [p for p in verb_parsers(verb) if not p.prog.endswith(" ablation")]
         options = [{option for action in p._actions for option in action.option_strings} for p in parsers[len(parsers) > 1:]]
         if all({"--device", "--dtype"} <= found for found in options):
             with_placement.add(verb)
@@ -324,6 +324,39 @@ def test_eval_runs_foresight_and_a_heuristic_from_a_scorer_folder(traces_dir, sc
     assert main(argv) == 0
     rows = json.loads((out / "results.json").read_text())
     assert sorted(row["policy"] for row in rows) == ["foresight", "h2o"]
+
+
+def test_generate_samples_the_learned_policy_through_its_options(scorer_dir, model, monkeypatch, capsys):
+    """`-o mode=sampled -o temperature=0.5 -o seed=3` reach the learned policy with their types, and a
+    generation draws its evictions from them: the same seed the same draws, another seed others."""
+    from foresight.commands._policy import policy_from_args
+    from foresight.runtime.engine import EvictionEngine
+
+    options = ["-o", f"scorer={scorer_dir}", "-o", "mode=sampled", "-o", "temperature=0.5"]
+    policy, config = policy_from_args(build_args(["generate", "--policy", "foresight", *options, "-o", "seed=3", "hi"]))
+    assert (policy.mode, policy.temperature, policy.seed, policy.record) == ("sampled", 0.5, 3, True)
+    assert type(policy.seed) is int and (config.sinks, config.protect_prompt) == (None, None)  # the policy's own: none
+    engines = []
+
+    class Kept(EvictionEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr("foresight.commands.generate.load_model", lambda name, **kw: (model, char_tokenizer()))
+    monkeypatch.setattr("foresight.commands.generate.EvictionEngine", Kept)
+    for seed in (3, 3, 4):
+        argv = ["generate", "--policy", "foresight", *options, "-o", f"seed={seed}", "-B", str(B), "-L", str(L),
+                "--max-new-tokens", "40", "--no-chat-template", "12+34="]
+        assert main(argv) == 0
+        assert " 0 eviction steps" not in capsys.readouterr().out.strip().splitlines()[-1]
+    draws = [[record.order for record in engine.policy.records] for engine in engines]
+    assert draws[0] and all(record.temperature == 0.5 for record in engines[0].policy.records)
+    assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[1], strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(draws[0], draws[2]))
+    assert main(["generate", "--policy", "foresight", *options, "-o", "record=false", "-B", str(B), "-L", str(L),
+                 "--max-new-tokens", "40", "--no-chat-template", "12+34="]) == 0
+    assert engines[-1].policy.records == []  # sampled, but nothing kept
 
 
 # -- help texts ------------------------------------------------------------------------------------

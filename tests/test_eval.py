@@ -396,3 +396,95 @@ def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never
         assert f"- foresight trained on: {', '.join(trained)}" in report
         assert f"- sources foresight never saw: {unseen}" in report
         assert "- evaluated traces: 1 traces" in report and f"from {evaluated[0]} (1)" in report
+
+
+# -- the learned policy sampled (--sampled-seeds) --------------------------------------------------
+def spread_scorer(model, folder: Path) -> Path:
+    """A random scorer for `model` at (B, L) whose keep scores lie a few units apart, saved to `folder`."""
+    from foresight.models import describe
+    from foresight.scorer.model import ForesightScorer, ScorerConfig
+
+    torch.manual_seed(0)
+    shape = describe(model)
+    scorer = ForesightScorer(ScorerConfig(
+        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny"))
+    with torch.no_grad():
+        scorer.w1.mul_(4)
+    scorer.save_pretrained(folder)
+    return folder
+
+
+def test_sampled_row_is_the_mean_of_single_seed_replays(traces_dir, tmp_path, patched_model, model):
+    """`--sampled-seeds 3` adds a row `learned-sampled` whose per-trace sums are the means of three sampled
+    replays, each trace alone (seeded by seed and trace index) instead of in batches of 3; it is a learned
+    row in the headroom comparison, never a heuristic."""
+    from foresight.eval.specs import trace_seed
+
+    scorer_dir = spread_scorer(model, tmp_path / "scorer")
+    out = tmp_path / "eval"
+    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o,golden", "--scorer", f"learned={scorer_dir}",
+            "--sampled-seeds", "3", "--sample-temperature", "0.5", "-B", str(B), "-L", str(L), "--out", str(out),
+            "--batch-size", "3"]
+    assert cli.main(argv) == 0
+    rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
+    assert set(rows) == {"h2o", "golden", "learned", "learned-sampled"}
+    traces = list(TraceStore(traces_dir))
+
+    def sampled_with(seed: int):
+        return lambda trace: make_policy("foresight", scorer=str(scorer_dir), mode="sampled", temperature=0.5,
+                                         row_seeds=(trace_seed(seed, trace.index),))
+
+    config, store = EvictionConfig(B, L, sinks=0, protect_prompt=False), LabelStore(traces_dir, B, L)
+    seeds = [reference_row(model, traces, sampled_with(seed), config, store) for seed in range(3)]
+    assert len({round(ratio, 6) for ratio, *_ in seeds}) == 3  # the seeds evict differently
+    evicted = [sum(sums[0][t] for *_, sums in seeds) / 3 for t in range(len(traces))]
+    full = seeds[0][3][1]
+    row = rows["learned-sampled"]
+    assert row["loss_ratio"] == pytest.approx(sum(evicted) / sum(full), abs=1e-5)
+    assert (row["loss_ratio_low"], row["loss_ratio_high"]) == pytest.approx(bootstrap_interval(evicted, full), abs=1e-5)
+    assert row["attn_cosine"] == pytest.approx(sum(cosine for _, cosine, _, _ in seeds) / 3, abs=1e-4)
+    assert row["golden_overlap"] == pytest.approx(sum(overlap for _, _, overlap, _ in seeds) / 3, abs=1e-9)
+    per_trace = {s["index"]: s for s in json.loads((out / "traces.json").read_text()) if s["policy"] == "learned-sampled"}
+    for trace, expected in zip(traces, evicted):
+        assert per_trace[trace.index]["nll_evicted"] == pytest.approx(expected, rel=1e-5)
+    headroom = {(r["policy"], r["statistic"]): r for r in json.loads((out / "headroom.json").read_text())}
+    assert headroom[("learned-sampled", "headroom_share")]["against"] == "h2o"
+    assert headroom[("learned", "headroom_share")]["against"] == "h2o"  # the sampled row is no heuristic
+    report = (out / "results.md").read_text()
+    assert "- sampled rows: mean of 3 replays per trace (seeds 0..2) at temperature τ = 0.5" in report
+    assert "- learned trained on: " in report and "learned-sampled trained on" not in report
+
+
+def test_sampled_rows_at_a_vanishing_temperature_are_the_deterministic_ones(traces_dir, tmp_path, patched_model, model):
+    scorer_dir = spread_scorer(model, tmp_path / "scorer")
+    out = tmp_path / "eval"
+    assert cli.main(["eval", "--traces", str(traces_dir), "--policies", "knorm", "--scorer", str(scorer_dir),
+                     "--sampled-seeds", "2", "--sample-temperature", "1e-6", "-B", str(B), "-L", str(L),
+                     "--out", str(out), "--max-traces", "2"]) == 0
+    rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
+    for metric in ("loss_ratio", "low_entropy_damage", "attn_cosine", "golden_overlap"):
+        assert rows["foresight-sampled"][metric] == pytest.approx(rows["foresight"][metric], abs=1e-6), metric
+
+
+def test_sampled_seeds_options_and_errors(traces_dir, tmp_path, patched_model, model, capsys):
+    scorer_dir = spread_scorer(model, tmp_path / "scorer")
+    base = ["eval", "--traces", str(traces_dir), "-B", str(B), "-L", str(L), "--out", str(tmp_path / "eval")]
+    parsed = cli.build_parser().parse_args([*base, "--scorer", str(scorer_dir), "--sampled-seeds"])
+    assert (parsed.sampled_seeds, parsed.sample_temperature) == (8, 1.0)  # the flag alone: the recommended 8 seeds
+    assert cli.build_parser().parse_args(base).sampled_seeds == 0
+    prompts = ["eval", "--prompts", str(DATA / "arithmetic.jsonl"), "-B", str(B), "-L", str(L), "--out", str(tmp_path / "eval")]
+    for argv, message in [
+        ([*base, "--policies", "knorm", "--sampled-seeds", "2"],
+         "--sampled-seeds samples the learned policy's evictions: give --scorer DIR"),
+        ([*base, "--scorer", str(scorer_dir), "--sampled-seeds", "-1"], "--sampled-seeds must be 0 (off) or at least 1, got -1"),
+        ([*base, "--scorer", str(scorer_dir), "--sampled-seeds", "--sample-temperature", "0"],
+         "--sample-temperature: temperature must be a finite number > 0, got 0.0"),
+        ([*prompts, "--scorer", str(scorer_dir), "--sampled-seeds"],
+         "--sampled-seeds averages teacher-forced replays: use it with --traces, not --prompts"),
+        ([*base, "--scorer", f"foresight-sampled={scorer_dir}", "--scorer", f"foresight={scorer_dir}", "--sampled-seeds"],
+         "two result rows would be named 'foresight-sampled'"),
+    ]:
+        assert cli.main(argv) == 2, message
+        error = capsys.readouterr().err.strip()
+        assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error, error

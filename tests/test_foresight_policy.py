@@ -262,6 +262,12 @@ def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama,
     other = make_policy("foresight", scorer=scorer, mode="sampled", seed=4)
     EvictionEngine(llama, other, EvictionConfig(B, L)).generate(random_prompts([7, 7], seed=4), 30)
     assert any(not torch.equal(a.order, b.order) for a, b in zip(policy.records, other.records))
+    # record=false draws the same evictions and keeps nothing.
+    steps, before = len(policy.records), len(eviction_log.steps)
+    unrecorded = make_policy("foresight", scorer=scorer, mode="sampled", seed=3, record=False)
+    EvictionEngine(llama, unrecorded, EvictionConfig(B, L)).generate(random_prompts([7, 7], seed=4), 30)
+    assert unrecorded.records == [] and len(eviction_log.steps) == before + steps
+    assert all(eviction_log.evicted(before + index) == eviction_log.evicted(index) for index in range(steps))
 
 
 # -- errors ---------------------------------------------------------------------------------------

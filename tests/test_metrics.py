@@ -15,6 +15,7 @@ from foresight.metrics import (
     low_entropy_damage,
     low_entropy_tokens,
     scored_tokens,
+    token_damage,
 )
 
 
@@ -59,6 +60,25 @@ def test_low_entropy_damage_hand_computed():
     pooled = damage + EntropyDamage(low_entropy=4, damaged=1, squared_sum=3.0)
     assert (pooled.share, pooled.mean_squared) == (3 / 8, pytest.approx(16 / 3))
     assert EntropyDamage().share == 0.0 and EntropyDamage().mean_squared == 0.0
+
+
+def test_token_damage_per_token_with_another_threshold_and_exponent():
+    full_nll = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
+    evicted = torch.tensor([2.1, 0.2, 3.3, 1.4, 9.5])  # ΔL = 2, 0, 3, 1, 9
+    entropy = torch.tensor([0.5, 0.1, 0.2, 0.3, 4.0])  # the last token is the high-entropy one
+    damage = token_damage(evicted, full_nll, entropy, threshold=0.5, exponent=3.0)
+    assert damage.low_entropy.tolist() == [True, True, True, True, False]
+    assert damage.damaged.tolist() == [True, False, True, True, False]  # ΔL > 0.5 among the low-entropy ones
+    torch.testing.assert_close(damage.terms, torch.tensor([8.0, 0.0, 27.0, 1.0, 0.0], dtype=torch.float64), rtol=1e-6, atol=0)
+    assert damage.counts() == EntropyDamage(low_entropy=4, damaged=3, squared_sum=pytest.approx(36.0))
+    assert low_entropy_damage(evicted, full_nll, entropy, threshold=0.5).squared_sum == pytest.approx(4 + 9 + 1)
+
+
+def test_mean_of_replays_of_the_same_tokens():
+    replays = [EntropyDamage(4, 1, 2.0), EntropyDamage(4, 2, 5.0), EntropyDamage(4, 0, 0.0)]
+    assert EntropyDamage.mean(replays) == EntropyDamage(4, 1.0, pytest.approx(7 / 3))
+    with pytest.raises(ValueError, match=r"must score the same tokens, got low-entropy counts \[3, 4\]"):
+        EntropyDamage.mean([EntropyDamage(4, 1, 2.0), EntropyDamage(3, 1, 2.0)])
 
 
 def test_attention_cosine_hand_computed():

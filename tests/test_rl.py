@@ -33,11 +33,13 @@ from trainers import grpo as grpo_module
 from trainers.cli import rl_cli_main
 from trainers.rollouts import (
     EvictionActions,
+    equal_reward_groups,
     group_advantages,
     grpo_objective,
     k3_kl,
     roll_out,
     rollout_seeds,
+    score_rollouts,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,6 +252,78 @@ def test_clipped_objective_and_kl_by_hand():
     assert float(k3_kl(torch.tensor(0.3), torch.tensor(0.3))) == 0.0
 
 
+# -- reward-to-go and the zero-advantage share ----------------------------------------------------
+def low_entropy_cut(entropy: list[float], share: float) -> float:
+    """The `share` quantile of `entropy`, linear interpolation between order statistics, by hand."""
+    ordered = sorted(entropy)
+    position = share * (len(ordered) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def slow_rewards_to_go(nll: list[float], full: list[float], entropy: list[float], first: int, after: list[int],
+                       share: float, threshold: float, exponent: float) -> list[float]:
+    """R_s = −(1/|S|) Σ_{t∈S, t > after_s} ΔL_t^p·1[ΔL_t > η] of every step s, by loops over positions t of
+    the predictions (S: the low-entropy ones among those from `first` on)."""
+    scored = range(first, len(nll))
+    cut = low_entropy_cut([entropy[t] for t in scored], share)
+    chosen = [t for t in scored if entropy[t] <= cut]
+    rewards = []
+    for step_position in after:
+        total = 0.0
+        for t in chosen:
+            delta = nll[t] - full[t]
+            if t > step_position and delta > threshold:
+                total += delta ** exponent
+        rewards.append(-total / len(chosen))
+    return rewards
+
+
+def test_reward_to_go_equals_a_loop_over_steps_and_tokens():
+    """12 predictions, evicted from position 4 on, steps after positions 3, 6 and 9; η = 0.5, p = 3."""
+    full = [0.5, 0.25, 1.0, 0.5, 0.25, 0.5, 1.0, 0.25, 0.5, 0.75, 0.25, 0.5]
+    entropy = [0.1, 0.2, 0.3, 0.4, 0.9, 0.1, 0.5, 0.2, 3.0, 0.3, 0.6, 0.2]
+    rows = [[0.5, 0.25, 1.0, 0.5, 2.25, 0.5, 1.0, 3.25, 0.5, 1.75, 0.25, 1.5],
+            [0.5, 0.25, 1.0, 0.5, 0.25, 2.5, 1.0, 0.25, 4.5, 0.75, 2.25, 0.5]]
+    trace = Trace(index=0, source="hand", input_ids=torch.arange(13), prompt_length=2, token_nll=torch.tensor(full),
+                  token_entropy=torch.tensor(entropy), answer=None, correct=None, prompt="", completion="")
+    after = [3, 6, 9]
+    scores = score_rollouts([torch.tensor(row) for row in rows], [4, 4], trace, torch.tensor(after), share=0.8,
+                            threshold=0.5, exponent=3.0)
+    expected = [slow_rewards_to_go(row, full, entropy, 4, after, 0.8, 0.5, 3.0) for row in rows]
+    torch.testing.assert_close(scores.reward_to_go, torch.tensor(expected), rtol=1e-6, atol=0)
+    torch.testing.assert_close(scores.reward, scores.reward_to_go[:, 0], rtol=1e-6, atol=0)  # the first step sees it all
+    # Of the 8 scored tokens, 6 are low-entropy (positions 4 and 8 lie above the 80% cut, 0.78). Row 0 damages
+    # positions 4 (ΔL 2, not low-entropy), 7 (ΔL 3), 9 and 11 (ΔL 1 each): 27 + 1 + 1 for the steps after
+    # positions 3 and 6, only position 11's 1 for the step after position 9.
+    torch.testing.assert_close(scores.reward_to_go[0], torch.tensor([-29 / 6, -29 / 6, -1 / 6]), rtol=1e-6, atol=0)
+
+
+def test_step_advantages_normalise_each_step_across_the_group():
+    """Rewards-to-go [G = 3, steps = 2]: each step's column is normalised on its own; an advantage per
+    (row, step) weighs exactly the actions of that step in the objective."""
+    to_go = torch.tensor([[-3.0, -1.0], [-1.0, -1.0], [-2.0, -1.0]])
+    advantages = group_advantages(to_go, dim=0)
+    first = torch.tensor([-1.0, 1.0, 0.0]) / (math.sqrt(2 / 3) + 1e-8)
+    torch.testing.assert_close(advantages, torch.stack([first, torch.zeros(3)], 1), rtol=1e-6, atol=0)
+    logprob = torch.randn(3, 2, 4, 5, generator=torch.Generator().manual_seed(0))  # [rows, steps, layers, Hkv]
+    old, ref = logprob - 0.1, logprob + 0.05
+    per_step = grpo_objective(logprob, old, ref, advantages, beta=0.1)
+    per_action = grpo_objective(logprob, old, ref, advantages[:, :, None, None].expand_as(logprob).contiguous(), beta=0.1)
+    torch.testing.assert_close(per_step.loss, per_action.loss, rtol=0, atol=0)
+    torch.testing.assert_close(per_step.clip_fraction, per_action.clip_fraction, rtol=0, atol=0)
+
+
+def test_zero_advantage_groups_by_hand():
+    """Groups of equal rewards have advantage exactly 0, even where their rounded mean differs from them."""
+    rewards = torch.tensor([[-0.25, -0.5, -0.25, -0.25], [-0.1] * 4, [0.0] * 4])
+    assert equal_reward_groups(rewards).tolist() == [False, True, True]
+    assert float(equal_reward_groups(rewards).float().mean()) == pytest.approx(2 / 3)
+    assert torch.equal(group_advantages(torch.full((8,), -0.1)), torch.zeros(8))
+    to_go = torch.tensor([[-3.0, -1.0, 0.0], [-1.0, -1.0, 0.0]])  # per step: one group of 3 steps has unequal rewards
+    assert equal_reward_groups(to_go, dim=0).tolist() == [False, True, True]
+
+
 # -- the module, the CLI, DDP ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def start_scorer(tmp_path_factory, tiny_dir) -> Path:
@@ -345,6 +419,33 @@ def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir,
         torch.testing.assert_close(resumed["state_dict"][name], tensor, rtol=0, atol=1e-6)
 
 
+def test_reward_to_go_credit_trains_and_records_its_settings(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, model={"credit": "reward_to_go", "damage_exponent": 3.0})
+    run = tmp_path / "run"
+    assert cli.main(rl_args(config, start_scorer, run)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert 0 <= float(last.split("train/zero_advantage_share ")[1].split(",")[0]) < 1
+    hparams = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert (hparams["credit"], hparams["damage_threshold"], hparams["damage_exponent"]) == ("reward_to_go", 0.0, 3.0)
+    assert hparams["storage_dtype"] == "float32"
+    assert "reward ΔL^3.0·1[ΔL > 0.0], credit: reward_to_go" in (run / "scorer" / "README.md").read_text()
+    start = load_file(start_scorer / "model.safetensors")
+    assert any(not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items())
+
+
+def test_groups_of_equal_rewards_teach_nothing(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    """No token is damaged (η = 10⁶), so every group's rewards are 0: the logged share of zero-advantage
+    groups is 1 and the scorer does not move (the KL term's gradient is 0 at π_θ = π_ref)."""
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, model={"damage_threshold": 1e6})
+    run = tmp_path / "run"
+    assert cli.main(rl_args(config, start_scorer, run)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert float(last.split("train/zero_advantage_share ")[1].split(",")[0]) == 1.0
+    start = load_file(start_scorer / "model.safetensors")
+    for name, tensor in load_file(run / "scorer" / "model.safetensors").items():
+        assert torch.equal(tensor, start[name]), name
+
+
 class Killed(Exception):
     pass
 
@@ -387,6 +488,10 @@ def test_bad_input_is_a_one_line_error(tmp_path, tiny_dir, traces_dir, start_sco
         (rl_args(config, start_scorer, tmp_path / "c", f"data.traces_dir={no_losses}"),
          f"of {no_losses} has no stored full-cache loss and entropy (0 of "),
         (rl_args(config, start_scorer, tmp_path / "d", "model.group_size=1"), "group_size G must be at least 2"),
+        (rl_args(config, start_scorer, tmp_path / "f", "model.credit=steps"),
+         "unknown credit 'steps'; allowed: 'rollout', 'reward_to_go'"),
+        (rl_args(config, start_scorer, tmp_path / "g", "model.damage_exponent=0"),
+         "need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold=0.0, damage_exponent=0.0"),
         (rl_args(tmp_path / "missing.yaml", start_scorer, tmp_path / "e"), "missing.yaml does not exist"),
     ]
     for args, message in cases:
@@ -431,6 +536,8 @@ def test_default_rl_config_builds_for_the_shipped_scorer(monkeypatch):
     built = rl_cli_main(["--config", str(REPO / "configs" / "default-rl.yaml"), f"--model.scorer={shipped}"], run=False)
     module = built.model
     assert module.hparams.group_size == 8 and module.scorer.config.started_from == str(shipped)
+    assert (module.hparams.credit, module.hparams.damage_threshold, module.hparams.damage_exponent) == ("rollout", 1.5, 2.0)
+    assert module.storage_dtype == torch.float32  # recorded scorer inputs are not rounded by default
     assert (built.datamodule.budget, built.datamodule.interval) == (128, 32)
 
 
@@ -444,11 +551,12 @@ def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("credit", ["rollout", "reward_to_go"])
 def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_path, tiny_dir, traces_dir,
-                                                                            start_scorer):
+                                                                            start_scorer, credit):
     """Two gloo processes replaying 2 of each trace's 4 rollouts against one process replaying all 4:
-    the same all-gathered rewards, the same logged figures, the same trained weights."""
-    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3})
+    the same all-gathered rewards (and rewards-to-go), the same logged figures, the same trained weights."""
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3}, model={"credit": credit})
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = {}
     for name, devices in (("one", 1), ("two", 2)):
@@ -458,7 +566,7 @@ def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_
                                                                    f"trainer.strategy={strategy}")]
         subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
         runs[name] = out
-    for tag in ("train/reward", "train/reward_std"):
+    for tag in ("train/reward", "train/reward_std", "train/zero_advantage_share"):
         one, two = (tensorboard_scalars(runs[name], tag) for name in ("one", "two"))
         assert sorted(one) == sorted(two) and len(one) == 3
         for step in one:

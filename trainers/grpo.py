@@ -4,7 +4,8 @@ App. E.1; docs/algorithms.md §7).
 Every training step takes a batch of traces (`trainers.rl_data`), rolls each out G times with the
 current scorer sampling its evictions (`trainers.rollouts.roll_out`, the frozen model under no_grad),
 normalises the rewards within each trace's group (Eq. 9), then minimises minus Eq. 10: the clipped
-ratio objective with the advantage broadcast to every eviction (step, layer, KV head) of the rollout,
+ratio objective with the advantage broadcast to every eviction (step, layer, KV head) of the rollout
+(or, with `credit: reward_to_go`, each step's own advantage from the damage to the tokens after it),
 plus β times the k3 estimate of KL(π_θ ‖ π_ref) to a frozen copy of the starting scorer. Optimisation
 is manual: Adam with a linear warm-up to a constant learning rate (the authors' code), the gradient
 norm clipped, `epochs` updates on each batch of rollouts (1 in the paper: the batch is the mini-batch,
@@ -30,15 +31,17 @@ import torch.distributed as dist
 from torchmetrics import MeanMetric
 
 from foresight.data.trace_store import Trace
-from foresight.metrics import DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
+from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
 from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer
 from trainers.rollouts import (
     CLIP_EPSILON,
     LOG_RATIO_CLAMP,
+    Credit,
     EvictionActions,
     GroupRollout,
+    equal_reward_groups,
     group_advantages,
     grpo_objective,
     roll_out,
@@ -64,9 +67,15 @@ class GRPOScorer(ScorerModule):
       A supervised scorer's scores can be nearly equal over the pool (the ranking loss asks only for a
       margin), which makes the first draw uniform at τ = 1; a smaller τ keeps the rollouts near the
       scorer's own ranking, exploring around it. The exported scorer is used deterministically either way.
-    low_entropy_share, damage_threshold: the reward's bottom-entropy share (0.8) and η (1.5).
+    low_entropy_share, damage_threshold, damage_exponent: the reward's bottom-entropy share (0.8), η (1.5)
+      and p (2) of its damage term ΔL^p·1[ΔL > η].
+    credit: "rollout" (the paper's): every eviction of a rollout gets the advantage of its reward;
+      "reward_to_go": eviction step s gets the advantage of its reward-to-go (the damage to the tokens
+      predicted after it only), normalised per step index across the G rollouts, so a step is not
+      blamed for damage done before it.
     storage_dtype: dtype of the recorded scorer inputs between rollout and update ("float32"; "float16"
-      halves the memory of long traces). dtype: of the frozen model, which runs on the module's device.
+      or "bfloat16" halve the memory of long traces but round what the update scores against what was
+      sampled). dtype: of the frozen model, which runs on the module's device.
     seed: seeds every rollout's sampling with (seed, round, trace, row).
     """
 
@@ -87,6 +96,8 @@ class GRPOScorer(ScorerModule):
         temperature: float = 1.0,
         low_entropy_share: float = LOW_ENTROPY_SHARE,
         damage_threshold: float = DAMAGE_THRESHOLD,
+        damage_exponent: float = DAMAGE_EXPONENT,
+        credit: str = Credit.ROLLOUT.value,
         storage_dtype: str = "float32",
         dtype: str = "float32",
         seed: int = 0,
@@ -100,6 +111,12 @@ class GRPOScorer(ScorerModule):
                 f"clip={clip}, epochs={epochs}, warm_up={warm_up}"
             )
         check_temperature(temperature)
+        if not 0 <= damage_threshold < float("inf") or not 0 < damage_exponent < float("inf"):
+            raise ValueError(
+                f"need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold={damage_threshold}, "
+                f"damage_exponent={damage_exponent}"
+            )
+        self.credit = Credit.parse(credit)
         self.save_hyperparameters()
         self.automatic_optimization = False
         start = load_scorer(scorer)
@@ -117,7 +134,10 @@ class GRPOScorer(ScorerModule):
         self.storage_dtype = float_dtype("storage_dtype", storage_dtype)
         self.model_dtype = float_dtype("dtype", dtype)
         self._frozen: FrozenModel | None = None
-        names = ("reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share")
+        names = (
+            "reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share",
+            "zero_advantage_share",
+        )
         self.figures = torch.nn.ModuleDict({name: MeanMetric() for name in names})
 
     # -- the frozen model ----------------------------------------------------------------------------
@@ -148,7 +168,7 @@ class GRPOScorer(ScorerModule):
         return roll_out(
             self.frozen_model, self.scorer, trace, seeds, share=self.hparams.low_entropy_share,
             threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
-            temperature=self.hparams.temperature,
+            temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent,
         )
 
     def training_step(self, batch: Sequence[Trace], batch_idx: int) -> None:
@@ -161,11 +181,11 @@ class GRPOScorer(ScorerModule):
         updates, rewards, forward_seconds = [], [], 0.0
         for trace in batch:
             group = self.roll_out(trace)
-            group_rewards = self._gather_group(group.scores.reward)  # [G], every rank's rows in order
-            update = _Update(group.actions, group_advantages(group_rewards)[rows.start : rows.stop], self.scorer, self.reference)
+            advantages = self._advantages(group)[rows.start : rows.stop]
+            update = _Update(group.actions, advantages, self.scorer, self.reference)
             self._backward(update, beta, len(batch))
             self._tally(group)
-            rewards.append(group_rewards)
+            rewards.append(self._gather_group(group.scores.reward))
             forward_seconds += group.forward_seconds
             if self.hparams.epochs > 1:
                 updates.append(update)
@@ -178,15 +198,22 @@ class GRPOScorer(ScorerModule):
         self.figures["forward_share"].update(forward_seconds / (time.perf_counter() - started))
         self._log_step(torch.stack(rewards), beta)
 
+    def _advantages(self, group: GroupRollout) -> torch.Tensor:
+        """The group's advantages, [G] per rollout or [G, steps] per eviction step (`credit`), from the
+        rewards of every rank's rows; logs the share of its groups whose rewards are all equal."""
+        rewards = self._gather_group(group.scores.credited(self.credit))  # every rank's rows, in order
+        equal = equal_reward_groups(rewards, dim=0)
+        self.figures["zero_advantage_share"].update(equal.float().mean(), weight=equal.numel())
+        return group_advantages(rewards, dim=0)
+
     def _backward(self, update: _Update, beta: float, traces: int) -> None:
         """Back-propagate this trace's share (1 / traces) of minus Eq. 10, through the scorer only."""
         actions = update.actions
         with self._no_gradient_sync():
             scores = actions.scores(self.scorer)
-            logprob = actions.logprob(scores)
-            objective = grpo_objective(
-                logprob.flatten(1), update.old_logprob.flatten(1), update.ref_logprob.flatten(1),
-                update.advantages.to(logprob.device), beta, clip=self.hparams.clip, clamp=LOG_RATIO_CLAMP,
+            by_step = [lp.transpose(1, 2) for lp in (actions.logprob(scores), update.old_logprob, update.ref_logprob)]
+            objective = grpo_objective(  # [rows, steps, layers, Hkv]: a row's or a step's advantage broadcasts
+                *by_step, update.advantages.to(scores.device), beta, clip=self.hparams.clip, clamp=LOG_RATIO_CLAMP,
             )
             self.manual_backward(objective.loss / traces)
         self.figures["kl"].update(objective.kl)
@@ -206,10 +233,10 @@ class GRPOScorer(ScorerModule):
         return 0.0 if kl_steps is not None and self.global_step >= kl_steps else self.hparams.beta
 
     def _gather_group(self, rewards: torch.Tensor) -> torch.Tensor:
-        """[G / world] rewards of this rank -> the group's [G], in row order (all-gather across ranks)."""
+        """[G / world, ...] rewards of this rank -> the group's [G, ...], in row order (all-gather across ranks)."""
         if self.trainer.world_size == 1:
             return rewards
-        return self.all_gather(rewards.to(self.device)).flatten().cpu()  # [world, G / world] -> [G]
+        return self.all_gather(rewards.to(self.device)).flatten(0, 1).cpu()  # [world, G / world, ...] -> [G, ...]
 
     def _no_gradient_sync(self) -> contextlib.AbstractContextManager:
         """DDP's own all-reduce off: `_average_gradients` averages once after all backward passes."""
@@ -252,7 +279,8 @@ class GRPOScorer(ScorerModule):
             f"G = {hparams.group_size}, lr {hparams.lr} after {hparams.warm_up} warm-up steps, β = {hparams.beta}"
             + (f" for {hparams.kl_steps} steps" if hparams.kl_steps is not None else "")
             + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts, sampling temperature τ = "
-            + f"{hparams.temperature}"
+            + f"{hparams.temperature}; reward ΔL^{hparams.damage_exponent}·1[ΔL > {hparams.damage_threshold}], "
+            + f"credit: {self.credit.value}"
         )
         return {"GRPO": settings}
 

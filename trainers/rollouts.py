@@ -25,13 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from foresight.choices import Choice
 from foresight.data.trace_store import Trace
 from foresight.metrics import (
+    DAMAGE_EXPONENT,
     DAMAGE_THRESHOLD,
     LOW_ENTROPY_SHARE,
+    TokenDamage,
     loss_ratio,
-    low_entropy_damage,
     scored_tokens,
+    token_damage,
 )
 from foresight.policies import make_policy
 from foresight.policies.foresight import SampledEviction
@@ -44,7 +47,15 @@ CLIP_EPSILON = 0.2
 LOG_RATIO_CLAMP = 10.0
 """The log-ratio is clamped to ±10 before exponentiating (the authors' code)."""
 ADVANTAGE_EPSILON = 1e-8
-"""Added to the group's standard deviation in Eq. 9, so a group of equal rewards gets advantage 0."""
+"""Added to the group's standard deviation in Eq. 9 (a group of equal rewards gets 0 apart: `group_advantages`)."""
+
+
+class Credit(Choice):
+    """What an eviction step's advantage is computed from: its rollout's reward (Eq. 9, the paper's),
+    or its reward-to-go, the damage to the tokens predicted after the step only."""
+
+    ROLLOUT = "rollout"
+    REWARD_TO_GO = "reward_to_go"
 
 
 @dataclass(frozen=True)
@@ -135,33 +146,55 @@ class EvictionActions:
 @dataclass(frozen=True)
 class RolloutScores:
     """Per rollout row: the reward R (docs/algorithms.md §7), the loss ratio and the share of low-entropy
-    tokens damaged (docs/algorithms.md §8), all over the predictions after the first eviction."""
+    tokens damaged (docs/algorithms.md §8), all over the predictions after the first eviction; and the
+    reward-to-go [rows, steps] of every recorded eviction step (`rewards_to_go`)."""
 
     reward: torch.Tensor
     loss_ratio: torch.Tensor
     damage_share: torch.Tensor
+    reward_to_go: torch.Tensor
+
+    def credited(self, credit: Credit) -> torch.Tensor:
+        """The rewards the advantages normalise: [rows] per rollout, or [rows, steps] per eviction step."""
+        return self.reward if credit is Credit.ROLLOUT else self.reward_to_go
 
 
 def score_rollouts(
     nll: Sequence[torch.Tensor],
     first_eviction: Sequence[int | None],
     trace: Trace,
+    after: torch.Tensor,
     share: float = LOW_ENTROPY_SHARE,
     threshold: float = DAMAGE_THRESHOLD,
+    exponent: float = DAMAGE_EXPONENT,
 ) -> RolloutScores:
-    """Reward, loss ratio and damage share of replays of `trace` (`nll` per row [T - 1]) against its
-    stored full-cache loss and entropy: R = −(1/|S|) Σ_{t∈S} ΔL_t²·1[ΔL_t > η] over the tokens S
-    predicted after the first eviction whose full-cache entropy is in their bottom `share`
-    (`EntropyDamage.penalty`)."""
-    rewards, ratios, shares = [], [], []
+    """Reward, loss ratio, damage share and rewards-to-go of replays of `trace` (`nll` per row [T - 1])
+    against its stored full-cache loss and entropy: R = −(1/|S|) Σ_{t∈S} ΔL_t^p·1[ΔL_t > η] over the
+    tokens S predicted after the first eviction whose full-cache entropy is in their bottom `share`
+    (`token_damage`); `after` [steps]: the position of each recorded eviction step."""
+    rewards, ratios, shares, to_go = [], [], [], []
     for row_nll, first in zip(nll, first_eviction, strict=True):
         scored = scored_tokens(row_nll.numel(), first)
         evicted, full, entropy = row_nll[scored], trace.token_nll[scored], trace.token_entropy[scored]
-        damage = low_entropy_damage(evicted, full, entropy, share=share, threshold=threshold)
-        rewards.append(-damage.penalty)
+        damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent)
+        counts = damage.counts()
+        rewards.append(-counts.penalty)
         ratios.append(loss_ratio(evicted, full))
-        shares.append(damage.share)
-    return RolloutScores(*(torch.tensor(values) for values in (rewards, ratios, shares)))
+        shares.append(counts.share)
+        to_go.append(rewards_to_go(damage, scored, after))
+    return RolloutScores(*(torch.tensor(values) for values in (rewards, ratios, shares)), torch.stack(to_go).float())
+
+
+def rewards_to_go(damage: TokenDamage, scored: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """[steps] the reward-to-go of each eviction step s of one rollout: minus the damage terms of the
+    low-entropy tokens predicted after the step (positions > after_s, the predictions its eviction can
+    change), over |S| as the rollout reward, R_s = −(1/|S|) Σ_{t∈S, t > after_s} ΔL_t^p·1[ΔL_t > η].
+    The first step's is the rollout reward R: every scored token follows it."""
+    terms = torch.zeros(scored.numel(), dtype=damage.terms.dtype)
+    terms[scored] = damage.terms
+    later = terms.flip(0).cumsum(0).flip(0)  # later[j] = Σ_{t >= j} terms[t]
+    low = int(damage.low_entropy.sum())
+    return -later[after.cpu() + 1] / low if low else torch.zeros(after.numel(), dtype=terms.dtype)
 
 
 @dataclass(frozen=True)
@@ -192,6 +225,7 @@ def roll_out(
     threshold: float = DAMAGE_THRESHOLD,
     storage_dtype: torch.dtype = torch.float32,
     temperature: float = 1.0,
+    exponent: float = DAMAGE_EXPONENT,
 ) -> GroupRollout:
     """Replay `trace` once per seed as the rows of one batch, `scorer` sampling every eviction (Eq. 2)
     at the B and L it was trained for and at `temperature`; record the evictions and score each row.
@@ -214,7 +248,7 @@ def roll_out(
     output = engine.replay([trace.input_ids] * len(row_seeds), [prefill] * len(row_seeds))
     # A step after position T - 3 changes no prediction: the last one, of token T - 1, is made at T - 2.
     actions = EvictionActions.stack(policy.records, engine.num_layers, before=length - 2, dtype=storage_dtype)
-    scores = score_rollouts(output.nll, output.first_eviction, trace, share, threshold)
+    scores = score_rollouts(output.nll, output.first_eviction, trace, actions.after, share, threshold, exponent)
     return GroupRollout(
         trace_index=trace.index,
         actions=actions,
@@ -225,13 +259,19 @@ def roll_out(
     )
 
 
-def group_advantages(rewards: torch.Tensor, epsilon: float = ADVANTAGE_EPSILON) -> torch.Tensor:
-    """Eq. 9 per group: Â = (R − mean R) / (std R + ε) along the last dim (the G rollouts of one trace;
-    population std, as the authors' code)."""
-    if rewards.shape[-1] < 2:
-        raise ValueError(f"a group needs at least 2 rollouts to normalise rewards, got {rewards.shape[-1]}")
-    mean = rewards.mean(-1, keepdim=True)
-    return (rewards - mean) / (rewards.std(-1, unbiased=False, keepdim=True) + epsilon)
+def equal_reward_groups(rewards: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Which groups (along `dim`) hold equal rewards only: their advantages are 0 and teach nothing."""
+    return (rewards == rewards.narrow(dim, 0, 1)).all(dim)
+
+
+def group_advantages(rewards: torch.Tensor, epsilon: float = ADVANTAGE_EPSILON, dim: int = -1) -> torch.Tensor:
+    """Eq. 9 per group: Â = (R − mean R) / (std R + ε) along `dim`, the G rollouts of one trace (population
+    std, as the authors' code). A group of equal rewards gets exactly 0, whatever its rounded mean."""
+    if rewards.shape[dim] < 2:
+        raise ValueError(f"a group needs at least 2 rollouts to normalise rewards, got {rewards.shape[dim]}")
+    mean = rewards.mean(dim, keepdim=True)
+    advantages = (rewards - mean) / (rewards.std(dim, unbiased=False, keepdim=True) + epsilon)
+    return advantages.masked_fill(equal_reward_groups(rewards, dim).unsqueeze(dim), 0.0)
 
 
 @dataclass(frozen=True)
@@ -263,10 +303,11 @@ def grpo_objective(
     """Minus Eq. 10: −mean[min(r·Â, clip(r, 1 − ε, 1 + ε)·Â)] + β·mean[KL], r = exp(clamp(log π_θ − log π_old)).
 
     logprob, old_logprob, ref_logprob [rows, ...]: per action (step, layer, KV head) of each rollout
-    row; advantages [rows], broadcast to every action of the row (§3.3). Means run over every action
-    of every row. clip_fraction: the share of actions whose ratio lies outside [1 − ε, 1 + ε] on the
+    row; advantages [rows] (one per rollout, §3.3) or [rows, ...] over the leading dims of logprob (one
+    per eviction step with reward-to-go credit), broadcast over the trailing ones. Means run over every
+    action of every row. clip_fraction: the share of actions whose ratio lies outside [1 − ε, 1 + ε] on the
     side where clipping takes the gradient away."""
-    advantage = advantages.reshape(-1, *([1] * (logprob.dim() - 1))).to(logprob.dtype)
+    advantage = advantages.reshape(*advantages.shape, *([1] * (logprob.dim() - advantages.dim()))).to(logprob.dtype)
     ratio = (logprob - old_logprob).clamp(-clamp, clamp).exp()
     unclipped, clipped = ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage
     surrogate = torch.minimum(unclipped, clipped)

@@ -5,7 +5,9 @@ Teacher-forced (ForesightKV Table 2 and 7): every trace is replayed through the 
 the report gives the loss ratio against the stored full-cache loss (tokens after the first
 eviction), the low-entropy damage (share of bottom-80%-entropy tokens whose loss grew by more than
 1.5, and their mean squared increase), the cosine similarity of attention outputs with the full
-cache, and the overlap with the golden kept set where labels exist (`foresight labels`).
+cache, and the overlap with the golden kept set where labels exist (`foresight labels`). With
+--sampled-seeds N every --scorer also gets a row NAME-sampled: the learned policy sampling its evictions
+(Eq. 2), each trace's figures the mean of N replays seeded 0..N-1.
 
 Generation (--prompts): k completions per problem under the full cache and under every policy and
 budget; pass@1 and pass@k by the strict and the flexible answer rule, agreement with the full
@@ -27,8 +29,9 @@ from foresight.commands._model import add_model_arguments, model_of_traces, mode
 from foresight.commands._policy import add_cadence_arguments, add_policies_argument
 from foresight.eval.replay import evaluate
 from foresight.eval.results import markdown_table, write_report
-from foresight.eval.specs import PolicySpec, ScorerSpec, resolve_policies
+from foresight.eval.specs import RECOMMENDED_SEEDS, PolicySpec, SampledScorerSpec, ScorerSpec, resolve_policies
 from foresight.models import load_model
+from foresight.scorer.eviction_sampling import check_temperature
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 
 TRACE_BATCH = 4
@@ -69,6 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "foresight-sl=runs/main/scorer --scorer foresight-rl=runs/main/rl/scorer). Adds foresight to "
         "--policies (naming it there is optional)",
     )
+    parser.add_argument(
+        "--sampled-seeds", type=int, nargs="?", const=RECOMMENDED_SEEDS, default=0, metavar="N",
+        help="also evaluate every --scorer in sampled mode (Eq. 2: the L evictions drawn without replacement from "
+        "the 2L lowest keep scores), as a row NAME-sampled whose per-trace figures are the mean of N replays seeded "
+        f"0..N-1; the flag alone means N={RECOMMENDED_SEEDS}, the recommended number (default: 0, deterministic "
+        "only). Teacher-forced (--traces) only",
+    )
+    parser.add_argument(
+        "--sample-temperature", type=float, default=1.0, metavar="T",
+        help="τ of the sampled rows: Eq. 2's softmax reads the negated keep scores divided by T (default: 1.0, the paper's)",
+    )
     _generation.add_arguments(parser)
 
 
@@ -84,18 +98,44 @@ def policy_specs(policies: str, scorers: list[str]) -> tuple[list[PolicySpec], l
     specs, notes = resolve_policies(others) if others.strip(",") else ([], [])
     notes = [note for note in notes if not note.startswith("foresight:")]
     specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
+    check_distinct_names(specs)
+    return specs, notes
+
+
+def check_distinct_names(specs: list[PolicySpec]) -> None:
+    """One-line error when two specs would write rows of one name."""
     names = [spec.name for spec in specs]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
-    return specs, notes
+
+
+def sampled_specs(specs: list[PolicySpec], seeds: int, temperature: float) -> list[SampledScorerSpec]:
+    """The sampled rows of --sampled-seeds: one per learned scorer (none when seeds is 0)."""
+    if seeds < 0:
+        raise ValueError(f"--sampled-seeds must be 0 (off) or at least 1, got {seeds}")
+    try:
+        check_temperature(temperature)
+    except ValueError as error:
+        raise ValueError(f"--sample-temperature: {error}") from None
+    learned = [spec for spec in specs if isinstance(spec, ScorerSpec)]
+    if seeds and not learned:
+        raise ValueError("--sampled-seeds samples the learned policy's evictions: give --scorer DIR")
+    return [SampledScorerSpec.of(spec, seeds, temperature) for spec in learned] if seeds else []
+
+
+def sampled_settings(seeds: int, temperature: float) -> dict[str, str]:
+    """The report's line on the sampled rows (none without them)."""
+    if not seeds:
+        return {}
+    return {"sampled rows": f"mean of {seeds} replays per trace (seeds 0..{seeds - 1}) at temperature τ = {temperature}"}
 
 
 def trained_on(specs: list[PolicySpec], evaluated: set[str]) -> dict[str, str]:
     """Per learned scorer: the sources it was trained on (from its config) and which evaluated ones it never saw."""
     lines = {}
     for spec in specs:
-        if not isinstance(spec, ScorerSpec):
+        if not isinstance(spec, ScorerSpec) or isinstance(spec, SampledScorerSpec):
             continue
         trained = spec.scorer.config.training_sources
         if not trained:
@@ -112,7 +152,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give either --traces (teacher-forced) or --prompts (generation), not both or neither")
     specs, notes = policy_specs(args.policies, args.scorer)
     if args.prompts:
+        if args.sampled_seeds:
+            raise ValueError("--sampled-seeds averages teacher-forced replays: use it with --traces, not --prompts")
         return _generation.run(args, specs, notes)
+    specs += sampled_specs(specs, args.sampled_seeds, args.sample_temperature)
+    check_distinct_names(specs)
     started = time.perf_counter()
     store = TraceStore(args.traces)
     made_with = model_of_traces(args, args.traces, store.settings["model"])
@@ -132,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": ", ".join(spec.name for spec in specs),
         "budgets": ", ".join(map(str, args.budgets)),
         "interval": args.interval,
+        **sampled_settings(args.sampled_seeds, args.sample_temperature),
         **trained_on(specs, {t.source for t in traces}),
     }
     paths = write_report(result, args.out, settings)

@@ -28,7 +28,8 @@ REFERENCE, ORACLE = "full", "golden"
 @dataclass(frozen=True)
 class TraceScore:
     """One trace replayed under one policy at one budget: its scored tokens' summed NLL with
-    eviction and with the full cache, and its low-entropy token counts."""
+    eviction and with the full cache, and its low-entropy token counts (for a sampled policy, the NLL
+    sum and the damaged count are means over its seeds)."""
 
     policy: str
     budget: int
@@ -38,7 +39,7 @@ class TraceScore:
     nll_evicted: float
     nll_full: float
     low_entropy: int
-    damaged: int
+    damaged: float
 
 
 @dataclass(frozen=True)

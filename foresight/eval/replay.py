@@ -29,6 +29,10 @@ Shared prefix: the evicting replays of a batch with the same prefill reuse the f
 eviction, recorded by the first of them (`foresight.runtime.prefix`); every figure is the same as
 running the model on every token (`share_prefix=False`), with B + L tokens per row run once.
 
+Sampled learned policy (`SampledScorerSpec`): the batch is replayed once per seed and each trace's
+figures are the means over the seeds (`TraceTally.mean`): the same tokens are scored under every
+seed, so its row pools per-trace means, with intervals over traces as for any other row.
+
 Scored tokens: predictions made after a row's first eviction (`metrics.scored_tokens`). A policy
 that never evicts (full) is the reference itself: loss ratio 1, no damage, cosine 1, scored on the
 golden cadence's tokens (j >= B + L). Traces shorter than B + L never evict and are skipped with a
@@ -153,8 +157,9 @@ def _prefill(batch: Sequence[Trace], budget: int, interval: int, protects_prompt
 
 
 def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
-    """The replays of a batch: the full-cache reference (when anything evicts), then each evicting policy."""
-    evicting = [spec for spec in specs if spec.evicts]
+    """The replays of a batch: the full-cache reference (when anything evicts), then each evicting
+    policy's (one per seed of a sampled one)."""
+    evicting = [replay for spec in specs if spec.evicts for replay in spec.replays()]
     return [REFERENCE, *evicting] if evicting else []
 
 
@@ -175,7 +180,7 @@ def _evaluate_batch(
     bar: tqdm,
     share_prefix: bool,
 ) -> None:
-    """One full-cache replay for the reference outputs, then one replay per evicting policy."""
+    """One full-cache replay for the reference outputs, then the replays of every evicting policy."""
     num_layers = model.config.get_text_config().num_hidden_layers
     lengths = [t.input_ids.numel() for t in batch]
     reference = AttentionProbe(lengths, num_layers)
@@ -189,15 +194,37 @@ def _evaluate_batch(
             for trace in batch:
                 tally.add_trace(trace, trace.token_nll, budget + interval, None)
             continue
-        probe = AttentionProbe(lengths, num_layers, reference=reference.outputs, schedule=schedule)
-        output = _replay(model, spec, batch, budget, interval, labels, probe, bar, prefixes)
-        tally.seconds += output.stats.forward_seconds + output.stats.eviction_seconds
-        for row, trace in enumerate(batch):
-            predictions = trace.input_ids.numel() - 1
-            _check_all_layers(probe.layer_count[row, :predictions], num_layers, spec.name)
-            cosine = probe.cosine_sum[row, :predictions] / num_layers
-            overlap = (int(probe.overlap_hits[row]), int(probe.overlap_kept[row]))
-            tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap)
+        replays = [
+            _tally_replay(model, replay, batch, budget, interval, labels, reference, schedule, bar, prefixes)
+            for replay in spec.replays()
+        ]
+        tally.extend(TraceTally.mean(replays))
+
+
+def _tally_replay(
+    model: torch.nn.Module,
+    spec: PolicySpec,
+    batch: Sequence[Trace],
+    budget: int,
+    interval: int,
+    labels: Sequence[GoldenLabels] | None,
+    reference: AttentionProbe,
+    schedule: GoldenSchedule | None,
+    bar: tqdm,
+    prefixes: dict[tuple[int, ...], ReplayPrefix] | None,
+) -> TraceTally:
+    """One replay of the batch under an evicting policy, scored against the full-cache `reference`."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    probe = AttentionProbe([t.input_ids.numel() for t in batch], num_layers, reference=reference.outputs, schedule=schedule)
+    output = _replay(model, spec, batch, budget, interval, labels, probe, bar, prefixes)
+    tally = TraceTally(seconds=output.stats.forward_seconds + output.stats.eviction_seconds)
+    for row, trace in enumerate(batch):
+        predictions = trace.input_ids.numel() - 1
+        _check_all_layers(probe.layer_count[row, :predictions], num_layers, spec.name)
+        cosine = probe.cosine_sum[row, :predictions] / num_layers
+        overlap = (int(probe.overlap_hits[row]), int(probe.overlap_kept[row]))
+        tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap)
+    return tally
 
 
 def _replay(
@@ -213,7 +240,8 @@ def _replay(
 ) -> ReplayOutput:
     """One replay of the batch; evicting policies with the same prefill share the forwards before their
     first eviction through `prefixes` (`foresight.runtime.prefix`: the same results, the model run once)."""
-    engine = EvictionEngine(model, spec.build(labels), spec.config(budget, interval), attention=PROBE_ATTENTION)
+    policy = spec.build(labels, [t.index for t in batch])
+    engine = EvictionEngine(model, policy, spec.config(budget, interval), attention=PROBE_ATTENTION)
     bar.set_postfix_str(f"B={budget} {spec.name}")
     prefill = _prefill(batch, budget, interval, engine.protect_prompt)
     chunk = None if spec.evicts else REFERENCE_CHUNK

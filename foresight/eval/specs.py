@@ -5,14 +5,19 @@ tell which budgets each can run at. Shared by the teacher-forced replay and the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+import numpy as np
 
 from foresight.labels import GoldenLabels
 from foresight.policies import POLICIES, Policy, make_policy
 from foresight.scorer.model import ForesightScorer, load_scorer
 from foresight.runtime.engine import EvictionConfig
+from foresight.scorer.eviction_sampling import check_temperature
+
+RECOMMENDED_SEEDS = 8
+"""Seeds a sampled learned policy is replayed with by default (`foresight eval --sampled-seeds`)."""
 
 
 # -- which policies ------------------------------------------------------------------------------
@@ -48,8 +53,14 @@ class PolicySpec:
     def protects_prompt(self) -> bool:
         return not self.needs_labels and self.policy_class.default_protect_prompt
 
-    def build(self, labels: Sequence[GoldenLabels] | None) -> Policy:
+    def build(self, labels: Sequence[GoldenLabels] | None, trace_indices: Sequence[int] = ()) -> Policy:
+        """The policy for one batch: `labels` of its traces (golden), `trace_indices` (a sampled scorer)."""
         return make_policy(self.name, labels=list(labels)) if self.needs_labels else make_policy(self.name)
+
+    def replays(self) -> list[PolicySpec]:
+        """The replays whose per-trace sums average into this spec's row: itself (a sampled learned
+        policy: one per seed)."""
+        return [self]
 
     def config(self, budget: int, interval: int) -> EvictionConfig | None:
         """The eviction config: the policy's own defaults; golden's cadence has no sinks and no
@@ -90,7 +101,7 @@ class ScorerSpec(PolicySpec):
     def missing_artifacts(self) -> list[str]:
         return []
 
-    def build(self, labels: Sequence[GoldenLabels] | None) -> Policy:
+    def build(self, labels: Sequence[GoldenLabels] | None, trace_indices: Sequence[int] = ()) -> Policy:
         return make_policy("foresight", scorer=self.scorer)
 
     def config(self, budget: int, interval: int) -> EvictionConfig | None:
@@ -101,6 +112,46 @@ class ScorerSpec(PolicySpec):
         if (budget, interval) == trained:
             return None
         return f"{self.name} skipped at B={budget}, L={interval}: its scorer was trained for B={trained[0]}, L={trained[1]}"
+
+
+@dataclass(frozen=True)
+class SampledScorerSpec(ScorerSpec):
+    """The learned policy in sampled mode (ForesightKV Eq. 2: L evictions drawn from the 2L lowest keep
+    scores, softmax of the negated scores / `temperature`), replayed once per seed of `seeds`; its row
+    holds the per-trace means over the seeds. Each trace draws from its own generator seeded by (seed,
+    trace index), so a trace samples the same evictions whatever traces share its batch. Draws are not
+    recorded (`Foresight.record`): only the evictions matter here."""
+
+    seeds: tuple[int, ...] = tuple(range(RECOMMENDED_SEEDS))
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise ValueError(f"{self.name}: a sampled policy needs at least one seed, got none")
+        check_temperature(self.temperature)
+
+    @classmethod
+    def of(cls, spec: ScorerSpec, seeds: int, temperature: float) -> SampledScorerSpec:
+        """`spec`'s scorer sampled with seeds 0..seeds-1, its row named NAME-sampled."""
+        return cls(name=f"{spec.name}-sampled", scorer=spec.scorer, seeds=tuple(range(seeds)), temperature=temperature)
+
+    def replays(self) -> list[PolicySpec]:
+        return [replace(self, seeds=(seed,)) for seed in self.seeds]
+
+    def build(self, labels: Sequence[GoldenLabels] | None, trace_indices: Sequence[int] = ()) -> Policy:
+        """One seed's policy for a batch of the traces `trace_indices` (a spec of `replays`)."""
+        if len(self.seeds) != 1 or not trace_indices:
+            raise ValueError(f"{self.name}: build one seed's replay (`replays`) of a batch of known traces")
+        row_seeds = tuple(trace_seed(self.seeds[0], index) for index in trace_indices)
+        return make_policy(
+            "foresight", scorer=self.scorer, mode="sampled", temperature=self.temperature, row_seeds=row_seeds,
+            record=False,
+        )
+
+
+def trace_seed(seed: int, trace_index: int) -> int:
+    """The sampling seed of one trace's replay under `seed`: a function of the two only."""
+    return int(np.random.SeedSequence([seed, trace_index]).generate_state(1)[0])
 
 
 REFERENCE = PolicySpec("full")

@@ -6,7 +6,8 @@ One entry per scored trace, the unit the confidence intervals resample; a new me
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ class TraceTally:
     full_nll: list[torch.Tensor] = field(default_factory=list)
     cosine: list[torch.Tensor] = field(default_factory=list)
     damages: list[EntropyDamage] = field(default_factory=list)
-    overlap_hits: list[int] = field(default_factory=list)
+    overlap_hits: list[float] = field(default_factory=list)  # a mean over seeds for a sampled policy
     overlap_kept: list[int] = field(default_factory=list)
     never_evicted: int = 0
     seconds: float = 0.0
@@ -60,6 +61,43 @@ class TraceTally:
         self.cosine.append(torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored])
         self.overlap_hits.append(overlap[0])
         self.overlap_kept.append(overlap[1])
+
+    def extend(self, other: TraceTally) -> None:
+        """Add the traces of `other` (another batch of the same policy and budget)."""
+        for name in _PER_TRACE:
+            getattr(self, name).extend(getattr(other, name))
+        self.never_evicted += other.never_evicted
+        self.seconds += other.seconds
+
+    @staticmethod
+    def mean(replays: Sequence[TraceTally]) -> TraceTally:
+        """The per-trace means of replays of the same traces (a sampled policy under several seeds): the
+        NLL and cosine of every scored token, the damage counts and the overlap hits are averaged; the
+        seconds add up. One replay is returned as it is."""
+        first = replays[0]
+        if len(replays) == 1:
+            return first
+        if any(replay._scored() != first._scored() for replay in replays):
+            raise ValueError("replays to average must score the same tokens of the same traces")
+
+        def mean_tensors(name: str) -> list[torch.Tensor]:
+            return [torch.stack(parts).double().mean(0) for parts in zip(*(getattr(r, name) for r in replays))]
+
+        return TraceTally(
+            evicted_nll=mean_tensors("evicted_nll"),
+            full_nll=first.full_nll,
+            cosine=mean_tensors("cosine"),
+            damages=[EntropyDamage.mean(parts) for parts in zip(*(r.damages for r in replays))],
+            overlap_hits=[sum(parts) / len(replays) for parts in zip(*(r.overlap_hits for r in replays))],
+            overlap_kept=first.overlap_kept,
+            never_evicted=first.never_evicted,
+            seconds=sum(r.seconds for r in replays),
+            traces=first.traces,
+        )
+
+    def _scored(self) -> list[tuple[int, int]]:
+        """(trace index, scored tokens) of every scored trace."""
+        return [(trace.index, nll.numel()) for trace, nll in zip(self.traces, self.evicted_nll)]
 
     def trace_scores(self, policy: str, budget: int) -> list[TraceScore]:
         """Each scored trace's sums, for intervals over traces (`foresight.eval.headroom`)."""
@@ -110,3 +148,7 @@ class TraceTally:
             "attn_cosine": ([float(c.sum()) for c in self.cosine], [c.numel() for c in self.cosine]),
             "golden_overlap": (self.overlap_hits, self.overlap_kept),
         }
+
+
+_PER_TRACE = tuple(f.name for f in fields(TraceTally) if f.name not in ("never_evicted", "seconds"))
+"""The lists of `TraceTally` that hold one entry per scored trace."""

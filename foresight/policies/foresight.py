@@ -113,6 +113,9 @@ class Foresight(Policy):
     row_seeds: one seed per batch row instead (sampled mode, every row evicting at every step, as the
       rollouts of one trace do): each row draws from its own generator, so a row's evictions do not
       depend on which rows share its batch (rollouts split across processes sample as on one).
+    record: keep each sampled draw in `records` (default true, what the reinforcement stage learns from);
+      false when only the evictions matter (`foresight eval`, `foresight generate`), as the records of
+      a long run hold the pool's keys, values and features of every step and layer.
 
     The scorer fits one model shape and one (B, L); both are checked against the cache at every
     eviction step. B is read from the valid candidates per row, which number exactly B at every
@@ -130,6 +133,7 @@ class Foresight(Policy):
     temperature: float = 1.0
     seed: int = 0
     row_seeds: tuple[int, ...] | None = None
+    record: bool = True
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _pending: tuple[EvictionContext, torch.Tensor] | None = field(default=None, init=False, repr=False)
@@ -179,34 +183,37 @@ class Foresight(Policy):
 
     def _sample(self, context, scores, keys, values, features) -> torch.Tensor:
         """Eq. 2: draw L evictions among the 2L lowest; keep scores 1, sampled entries 0."""
-        interval = self.scorer.config.interval
         eligible = context.candidate_positions >= 0
         if self._generator is None:
             self._generator = self._generators(scores.device)
-        order, logprob = sample_eviction(scores, interval, self._generator, eligible, self.temperature)
-        pool = eviction_pool(scores, interval, eligible)
+        order, logprob = sample_eviction(scores, self.scorer.config.interval, self._generator, eligible, self.temperature)
+        if self.record:
+            self.records.append(self._recorded(context, scores, keys, values, features, order, logprob))
+        sampled = torch.zeros_like(eligible).scatter(-1, order, True)
+        return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
+
+    def _recorded(self, context, scores, keys, values, features, order, logprob) -> SampledEviction:
+        """The draw with the scorer inputs of its pool, as the reinforcement stage needs it."""
+        eligible = context.candidate_positions >= 0
+        pool = eviction_pool(scores, self.scorer.config.interval, eligible)
         in_pool = (pool[..., None, :] == order[..., :, None]).int().argmax(-1)
 
         def pooled(tensor: torch.Tensor) -> torch.Tensor:
             index = pool[..., None].expand(*pool.shape, tensor.shape[-1])
             return tensor.gather(-2, index)
 
-        self.records.append(
-            SampledEviction(
-                layer=context.layer_idx,
-                query_positions=context.query_positions,
-                positions=context.candidate_positions.gather(-1, pool),
-                keys=pooled(keys),
-                values=pooled(values),
-                features=pooled(features),
-                eligible=eligible.gather(-1, pool),
-                order=in_pool,
-                logprob=logprob,
-                temperature=self.temperature,
-            )
+        return SampledEviction(
+            layer=context.layer_idx,
+            query_positions=context.query_positions,
+            positions=context.candidate_positions.gather(-1, pool),
+            keys=pooled(keys),
+            values=pooled(values),
+            features=pooled(features),
+            eligible=eligible.gather(-1, pool),
+            order=in_pool,
+            logprob=logprob,
+            temperature=self.temperature,
         )
-        sampled = torch.zeros_like(eligible).scatter(-1, order, True)
-        return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
 
     def _generators(self, device: torch.device) -> torch.Generator | list[torch.Generator]:
         if self.row_seeds is None:
