@@ -20,10 +20,18 @@ has a label).
 Memory: the T x T attention is never formed. The forward runs in chunks with a DynamicCache; an
 attention function registered through transformers' AttentionInterface records post-RoPE queries
 and keeps a reference to the cached keys (no copy), and computes the layer output with SDPA. Then
-one layer at a time: block scores one block at a time (O(L*T)), future scores [M, Hkv, N <= T] for
-that layer only (M*N = O(T^2 / L) floats, a few MB where the captured queries and keys take hundreds),
-the greedy schedule batched over heads, and the layer's queries and keys are freed. Peak memory is
-the captured queries (model dtype, all layers) plus the cache's keys and values: linear in T.
+one layer at a time: block scores several blocks to a product (the logits of a product bounded by
+`logits_budget`, at least one block, O(L*T)), future scores [M, Hkv, N <= T] for that layer, and the
+layer's queries and keys are freed. The future scores of all layers (layers * M * Hkv * N floats,
+O(T^2 / L)) are kept for one greedy schedule batched over every layer and head: they grow as the
+captured queries and keys shrink, and stacking them takes twice their size once the capture is gone,
+which stays below the capture while T <= L * (Hq + Hkv) * D * itemsize / (8 Hkv) (40K tokens for
+Qwen3-4B in bfloat16 at L = 256; the paper's traces are at most 16K + prompt). Peak memory is then the
+captured queries (model dtype, all layers) plus the cache's keys and values: linear in T.
+
+The block means (over a block's queries and heads) of a product of several blocks may differ from
+those of one block at a time in their last bits (float32 summation order, within 1e-6 relative); one
+block at a time they are bit-identical to a per-block softmax and mean.
 
 Size: one algorithm (§4) end to end: the capture forward, block and future scores, the greedy
 schedule and the label file; splitting it would spread one equation over several files.
@@ -105,43 +113,83 @@ def golden_schedule(
     return candidates, future.gather(-1, candidates)
 
 
-def block_scores(
-    queries: torch.Tensor, keys: torch.Tensor, start: int, scaling: float
-) -> torch.Tensor:
-    """ã of one block (Eqs. 3-4): mean over the block's queries and each group's G heads.
+def logits_budget(device: torch.device) -> int:
+    """Float32 logits [Hq, K·L, keys] of one block-attention product: on the CPU a product is fastest while
+    it stays in the cache (1 MiB), on an accelerator while it fills the device (256 MiB). A product holds
+    at least one block whatever its size (one block's logits are what the labels need anyway)."""
+    return 2**18 if device.type == "cpu" else 2**26
 
-    queries: [Hq, n, D] of positions start..start+n-1; keys: [Hkv, start + n, D] (all causal keys).
-    Returns [Hkv, start + n] in float32; row i's softmax runs over keys 0..start+i only.
+
+def block_scores(
+    queries: torch.Tensor, keys: torch.Tensor, start: int, scaling: float, blocks: int = 1
+) -> torch.Tensor:
+    """ã of `blocks` consecutive blocks of equal size (Eqs. 3-4) in one product: for each block, the mean
+    over its queries and each group's G heads.
+
+    queries: [Hq, blocks * n, D] of positions start..; keys: [Hkv, start + blocks * n, D] (all causal keys).
+    Returns [blocks, Hkv, start + blocks * n] in float32; row i's softmax runs over keys 0..start+i only,
+    so a block's columns after its last query are 0. Only the last blocks * n keys need the causal mask.
     """
-    length, n = keys.shape[1], queries.shape[1]
-    logits = attention_logits(queries[None], keys[None], scaling)[0]
-    query_pos = torch.arange(start, start + n, device=keys.device)
-    future_key = torch.arange(length, device=keys.device) > query_pos[:, None]
-    weights = logits.masked_fill(future_key, float("-inf")).softmax(dim=-1)
-    return weights.mean(dim=(1, 2))
+    rows = queries.shape[1]
+    if rows % blocks or keys.shape[1] != start + rows:
+        raise ValueError(
+            f"{rows} queries from position {start} must split into {blocks} equal blocks and see "
+            f"{start + rows} keys, got {keys.shape[1]}"
+        )
+    logits = attention_logits(queries[None], keys[None], scaling)[0]  # [Hkv, G, rows, start + rows]
+    future_key = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).triu(diagonal=1)
+    logits[..., start:].masked_fill_(future_key, float("-inf"))
+    weights = logits.softmax(dim=-1)
+    heads, group = weights.shape[:2]
+    return weights.view(heads, group, blocks, rows // blocks, -1).mean(dim=(1, 3)).transpose(0, 1)
+
+
+def _products(
+    num_steps: int, budget: int, interval: int, query_heads: int, max_elements: int
+) -> Iterator[tuple[int, int]]:
+    """(first block, blocks) of each product over the whole blocks 1..M-1. A product computes each of its
+    blocks against the last one's keys, so its queries span at most a quarter of the keys before them
+    (at most 1/8 of its logits wasted on masked keys) and its logits at most `max_elements`."""
+    first = 1
+    while first < num_steps:
+        start = budget + first * interval
+        span = start // 4
+        fitting = min(span // interval, max_elements // (query_heads * interval * (start + span)))
+        count = min(num_steps - first, max(1, fitting))
+        yield first, count
+        first += count
 
 
 def future_scores(
-    queries: torch.Tensor, keys: torch.Tensor, budget: int, interval: int, scaling: float
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    budget: int,
+    interval: int,
+    scaling: float,
+    max_elements: int | None = None,
 ) -> torch.Tensor:
     """α_{i,t} = max_{j >= t} ã_{i,j} (Eq. 5) for one layer: [M, Hkv, N], N = B + (M - 1)L.
 
-    N covers every position that can be a candidate. Blocks run from last to first so the suffix
-    max builds in place; a block is truncated at the trace's end, and an empty one scores 0.
+    N covers every position that can be a candidate. Blocks 1..M-1 are whole and go several to a product
+    (`_products`, at most `max_elements` logits each, default `logits_budget`); block M holds the
+    (T - B) mod L queries left, and scores 0 when it holds none. The suffix max is a cumulative max over
+    the reversed steps.
     """
+    keys = keys.float()  # once per layer, not once per product (exact: every float dtype widens to float32)
+    max_elements = logits_budget(keys.device) if max_elements is None else max_elements
     num_tokens = keys.shape[1]
     num_steps = eviction_steps(num_tokens, budget, interval)
     width = budget + (num_steps - 1) * interval
-    future = torch.zeros(num_steps, keys.shape[0], width, device=keys.device)
-    for step in range(num_steps, 0, -1):
-        start = budget + step * interval
-        end = min(start + interval, num_tokens)
-        if start < end:
-            scores = block_scores(queries[:, start:end], keys[:, :end], start, scaling)
-            future[step - 1, :, : min(end, width)] = scores[:, :width]
-        if step < num_steps:
-            future[step - 1] = torch.maximum(future[step - 1], future[step])
-    return future
+    scores = torch.zeros(num_steps, keys.shape[0], width, device=keys.device)
+    for first, count in _products(num_steps, budget, interval, queries.shape[0], max_elements):
+        start, end = budget + first * interval, budget + (first + count) * interval
+        columns = min(end, width)
+        chunk = block_scores(queries[:, start:end], keys[:, :end], start, scaling, blocks=count)
+        scores[first - 1 : first - 1 + count, :, :columns] = chunk[..., :columns]
+    start = budget + num_steps * interval
+    if start < num_tokens:
+        scores[-1] = block_scores(queries[:, start:], keys, start, scaling)[0, :, :width]
+    return scores.flip(0).cummax(dim=0).values.flip(0)
 
 
 class _Capture:
@@ -226,18 +274,15 @@ def compute_golden_labels(
     Raises TraceTooShort when T < B + L. chunk_size only bounds the forward's working memory.
     model_name defaults to the model config's name_or_path.
     """
-    num_tokens = input_ids.numel()
-    candidates, alpha = [], []
-    for future in _layer_future_scores(model, input_ids, budget, interval, chunk_size):
-        layer_candidates, layer_alpha = golden_schedule(future, budget, interval)
-        candidates.append(layer_candidates.to("cpu", torch.int32))
-        alpha.append(layer_alpha.cpu())
+    table = _future_table(model, input_ids, budget, interval, chunk_size, model.device)
+    num_steps, layers, heads, width = table.shape
+    candidates, alpha = golden_schedule(table.view(num_steps, layers * heads, width), budget, interval)
     return GoldenLabels(
-        candidates=torch.stack(candidates, dim=1),
-        alpha=torch.stack(alpha, dim=1),
+        candidates=candidates.view(num_steps, layers, heads, budget).to("cpu", torch.int32),
+        alpha=alpha.view(num_steps, layers, heads, budget).cpu(),
         budget=budget,
         interval=interval,
-        num_tokens=num_tokens,
+        num_tokens=input_ids.numel(),
         trace_index=trace_index,
         model_name=model.config.name_or_path if model_name is None else model_name,
         model_shape=describe(model),
@@ -253,24 +298,25 @@ def future_score_table(
     What an entry's target is does not depend on which entries a policy kept before (α reads the
     full-cache attention only), so this table labels the states of any trajectory on the cadence, the
     learned scorer's own included (on-policy examples, `trainers.examples`)."""
-    layers = [future.cpu() for future in _layer_future_scores(model, input_ids, budget, interval, chunk_size)]
-    return torch.stack(layers, dim=1)
+    return _future_table(model, input_ids, budget, interval, chunk_size, torch.device("cpu"))
 
 
-def _layer_future_scores(
-    model: PreTrainedModel, input_ids: torch.Tensor, budget: int, interval: int, chunk_size: int
-) -> Iterator[torch.Tensor]:
-    """One capture forward, then the future scores [M, Hkv, N] of one layer at a time (each layer's
-    queries and keys are freed once read)."""
+def _future_table(
+    model: PreTrainedModel, input_ids: torch.Tensor, budget: int, interval: int, chunk_size: int, device: torch.device
+) -> torch.Tensor:
+    """One capture forward, then the future scores of one layer at a time, stacked into [M, layers, Hkv, N] on
+    `device`; each layer's queries and keys are freed once read, so the layers' scores grow as they shrink."""
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D (one trace), got shape {tuple(input_ids.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be at least 1")
     eviction_steps(input_ids.numel(), budget, interval)
     capture = _capture_forward(model, input_ids, chunk_size)
+    layers = []
     for layer in range(len(capture.queries)):
         queries, keys = capture.queries.pop(layer), capture.keys.pop(layer)
-        yield future_scores(queries, keys, budget, interval, capture.scaling[layer])
+        layers.append(future_scores(queries, keys, budget, interval, capture.scaling[layer]).to(device))
+    return torch.stack(layers, dim=1)
 
 
 def labels_dir(traces_dir: str | os.PathLike, budget: int, interval: int) -> Path:

@@ -1,4 +1,5 @@
-"""Golden Eviction labels against a dense, loop-based reference built from the full T x T attention."""
+"""Golden Eviction labels against a dense, loop-based reference built from the full T x T attention, and the
+batched block attention and schedule against their per-block, per-layer loop twins."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from foresight.cadence import TraceTooShort, eviction_steps, keep_top
 from foresight.labels import (
     GoldenLabels,
     LabelStore,
+    _capture_forward,
     compute_golden_labels,
+    future_score_table,
+    future_scores,
     golden_schedule,
     labels_dir,
     load_labels,
@@ -19,7 +23,10 @@ from foresight.labels import (
 from foresight.models import ModelShape, tiny_model
 from foresight.data.trace_store import TraceStore
 from foresight.data.trace_generation import generate_traces
+from foresight.runtime.capture import attention_logits
 from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+
+BLOCK_MEAN_RTOL = 1e-6  # a product of several blocks sums each block's mean in another float32 order
 
 
 
@@ -96,6 +103,97 @@ def test_labels_match_dense_reference(arch, length, budget, interval, chunk_size
     assert (labels.num_tokens, labels.trace_index, labels.budget, labels.interval) == (length, 3, budget, interval)
     assert labels.model_shape == ModelShape(num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=16)
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+# -- the batched block attention and schedule against their loop twins ------------------------------
+def loop_block_scores(queries: torch.Tensor, keys: torch.Tensor, start: int, scaling: float) -> torch.Tensor:
+    """Slow twin of one block's ã: the whole causal mask, the softmax and the mean over queries and heads."""
+    length, n = keys.shape[1], queries.shape[1]
+    logits = attention_logits(queries[None], keys[None], scaling)[0]
+    query_pos = torch.arange(start, start + n, device=keys.device)
+    future_key = torch.arange(length, device=keys.device) > query_pos[:, None]
+    weights = logits.masked_fill(future_key, float("-inf")).softmax(dim=-1)
+    return weights.mean(dim=(1, 2))
+
+
+def loop_future_scores(queries: torch.Tensor, keys: torch.Tensor, budget: int, interval: int, scaling: float) -> torch.Tensor:
+    """Slow twin of `future_scores`: one block at a time from the last, the suffix max built in place."""
+    num_tokens = keys.shape[1]
+    num_steps = eviction_steps(num_tokens, budget, interval)
+    width = budget + (num_steps - 1) * interval
+    future = torch.zeros(num_steps, keys.shape[0], width, device=keys.device)
+    for step in range(num_steps, 0, -1):
+        start = budget + step * interval
+        end = min(start + interval, num_tokens)
+        if start < end:
+            scores = loop_block_scores(queries[:, start:end], keys[:, :end], start, scaling)
+            future[step - 1, :, : min(end, width)] = scores[:, :width]
+        if step < num_steps:
+            future[step - 1] = torch.maximum(future[step - 1], future[step])
+    return future
+
+
+def loop_labels(model, ids: torch.Tensor, budget: int, interval: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slow twin of `compute_golden_labels` and `future_score_table`: the loop future scores and the greedy
+    schedule of one layer at a time. Returns candidates, alpha [M, layers, Hkv, B] and the table [M, layers, Hkv, N]."""
+    capture = _capture_forward(model, ids, chunk_size=256)
+    tables, candidates, alpha = [], [], []
+    for layer in range(len(capture.queries)):
+        future = loop_future_scores(capture.queries[layer], capture.keys[layer], budget, interval, capture.scaling[layer])
+        layer_candidates, layer_alpha = golden_schedule(future, budget, interval)
+        tables.append(future)
+        candidates.append(layer_candidates.int())
+        alpha.append(layer_alpha)
+    return torch.stack(candidates, dim=1), torch.stack(alpha, dim=1), torch.stack(tables, dim=1)
+
+
+@pytest.mark.parametrize(
+    "length, budget, interval, query_heads, kv_heads, dtype",
+    [
+        (50, 12, 4, 4, 2, torch.float32),  # last block holds 2 of its 4 queries
+        (48, 12, 4, 4, 2, torch.float32),  # L divides T - B: the last block is empty
+        (31, 24, 6, 4, 1, torch.float32),  # a single step (M = 1)
+        (700, 64, 16, 12, 4, torch.bfloat16),  # many steps, several blocks per product
+    ],
+)
+@pytest.mark.parametrize("max_elements", [1, 2**12, None, 2**30])
+def test_future_scores_match_the_per_block_loop(length, budget, interval, query_heads, kv_heads, dtype, max_elements):
+    """One block per product (max_elements=1) is bit-identical to the loop; several per product sum the
+    block means in another order, within BLOCK_MEAN_RTOL."""
+    generator = torch.Generator().manual_seed(length)
+    queries = (torch.randn(query_heads, length, 16, generator=generator) * 2).to(dtype)
+    keys = (torch.randn(kv_heads, length, 16, generator=generator) * 2).to(dtype)
+    batched = future_scores(queries, keys, budget, interval, 0.25, max_elements=max_elements)
+    expected = loop_future_scores(queries, keys, budget, interval, 0.25)
+    if max_elements == 1:
+        assert torch.equal(batched, expected)
+    else:
+        torch.testing.assert_close(batched, expected, rtol=BLOCK_MEAN_RTOL, atol=1e-12)
+    assert batched.shape == (eviction_steps(length, budget, interval), kv_heads, budget + (batched.shape[0] - 1) * interval)
+
+
+def test_golden_schedule_batched_over_layers_equals_one_layer_at_a_time():
+    generator = torch.Generator().manual_seed(3)
+    future = torch.rand(6, 3, 2, 40, generator=generator).flip(0).cummax(0).values.flip(0)  # [M, layers, Hkv, N]
+    future[:, :, :, ::5] = future[:, :, :, 1::5]  # ties, which keep the lower position
+    candidates, alpha = golden_schedule(future.view(6, 6, 40), budget=20, interval=4)
+    for layer in range(3):
+        layer_candidates, layer_alpha = golden_schedule(future[:, layer], budget=20, interval=4)
+        assert torch.equal(candidates.view(6, 3, 2, 20)[:, layer], layer_candidates)
+        assert torch.equal(alpha.view(6, 3, 2, 20)[:, layer], layer_alpha)
+
+
+def test_labels_and_table_of_a_trace_match_the_loop_twin(llama, traces_dir):
+    trace = max(TraceStore(traces_dir), key=lambda trace: trace.input_ids.numel())
+    budget, interval = 16, 4
+    labels = compute_golden_labels(llama, trace.input_ids, budget, interval)
+    table = future_score_table(llama, trace.input_ids, budget, interval)
+    candidates, alpha, expected_table = loop_labels(llama, trace.input_ids, budget, interval)
+    assert labels.num_steps > 10
+    assert torch.equal(labels.candidates, candidates)
+    torch.testing.assert_close(labels.alpha, alpha, rtol=BLOCK_MEAN_RTOL, atol=1e-12)
+    torch.testing.assert_close(table, expected_table, rtol=BLOCK_MEAN_RTOL, atol=1e-12)
+    assert table.device.type == "cpu" and table.dtype == torch.float32
 
 
 def test_empty_last_block_keeps_lowest_positions():

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -33,6 +34,7 @@ from foresight.scorer.model import load_scorer
 from foresight.data.trace_store import TraceStore
 from tests.helpers import DATA, scorer_spec, synthetic_traces
 from trainers import data as data_module
+from trainers import supervised
 from trainers.cli import cli_main
 from trainers.data import GoldenDataModule, concat_steps
 from trainers.ranking import average_ranks, kept_overlap, pairwise_ranking_loss, spearman
@@ -178,6 +180,40 @@ def test_the_data_module_makes_no_labels_and_no_features(fresh_traces, tiny_dir)
         cached.setup()
     assert cached.examples.remake_command in str(error.value)
     assert listing(fresh_traces.parent) == before  # nothing written: no labels, no cache
+
+
+def test_cached_batches_come_from_workers_in_the_samplers_order_and_the_storage_dtype(tmp_path, tiny_dir, traces_dir):
+    """Worker processes and the storage dtype change how batches travel, not which: the same traces in the
+    same order as one process, each epoch; the module casts them to float32 on the device."""
+    frozen = FrozenModel(str(tiny_dir))
+    make_labels(frozen, traces_dir, B, L_, progress=False)
+    key = ExampleKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
+    make_examples(frozen, ExampleCache(tmp_path / "examples", traces_dir, key), progress=False)
+    modules = [GoldenDataModule(str(traces_dir), B, L_, model=str(tiny_dir), examples_dir=str(tmp_path / "examples"),
+                                batch_size=2, num_workers=workers) for workers in (None, 0)]
+    loaders = []
+    for module in modules:
+        module.setup("fit")
+        loaders.append(module.train_dataloader())
+    workers, one_process = loaders
+    assert (workers.num_workers, workers.persistent_workers, workers.pin_memory) == (2, True, False)
+    assert (one_process.num_workers, one_process.persistent_workers) == (0, False)
+    for epoch in (0, 1):
+        for loader in loaders:
+            loader.sampler.set_epoch(epoch)
+        batches = list(workers)
+        assert len(batches) == len(list(one_process)) > 1
+        for batch, expected in zip(batches, one_process):
+            assert batch.keys() == expected.keys() and all(torch.equal(batch[n], expected[n]) for n in batch)
+            assert batch["keys"].dtype == torch.float16 and batch["alpha"].dtype == torch.float32
+    cast = supervised.on_device_float32(batches[0])
+    assert all(tensor.dtype == torch.float32 and torch.equal(tensor, batches[0][n].float()) for n, tensor in cast.items())
+    replayed = GoldenDataModule(str(traces_dir), B, L_, model=str(tiny_dir), pin_memory=None)
+    assert replayed._loading() == {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
+    replayed.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert replayed._loading()["pin_memory"] is True  # pinned when the trainer runs on CUDA
+    with pytest.raises(ValueError, match="num_workers must be at least 0 \\(or null for the default\\), got -1"):
+        GoldenDataModule(str(traces_dir), B, L_, model=str(tiny_dir), num_workers=-1)
 
 
 # -- LightningCLI: configs, fit, resume, DDP --------------------------------------------------------

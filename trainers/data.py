@@ -46,10 +46,14 @@ from trainers.examples import TENSORS, golden_steps
 from trainers.preparation import FrozenModel
 from trainers.trace_split import TraceSplitDataModule
 
+CACHED_WORKERS = 2  # loader processes reading cached examples, by default
+
 
 def concat_steps(examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Collate traces into one batch of steps: every tensor concatenated along the step dim, as float32."""
-    return {name: torch.cat([example[name] for example in examples]).float() for name in TENSORS}
+    """Collate traces into one batch of steps: every tensor concatenated along the step dim, in the dtype
+    it was stored in, so half-precision examples cross the loader and the copy to the device at half
+    the bytes (the module casts them on the device)."""
+    return {name: torch.cat([example[name] for example in examples]) for name in TENSORS}
 
 
 class CachedTraces(Dataset):
@@ -135,6 +139,10 @@ class GoldenDataModule(TraceSplitDataModule):
     batch_size: traces per optimisation step and process, each bringing all its eviction steps
       (the paper's batch is 8 traces).
     shuffle: shuffle the training traces every epoch. split_seed: seed of the holdout split.
+    num_workers: loader processes (persistent across epochs); None: 2 reading an example cache, 0 when
+      replaying (the replay runs the frozen model, in this process).
+    pin_memory: collate into pinned memory, for asynchronous copies to the GPU; None: when the
+      trainer runs on CUDA.
     """
 
     def __init__(
@@ -154,10 +162,14 @@ class GoldenDataModule(TraceSplitDataModule):
         batch_size: int = 8,
         shuffle: bool = True,
         split_seed: int = 0,
+        num_workers: int | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size)
         if replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be at least 1, got {replay_batch_size}")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"num_workers must be at least 0 (or null for the default), got {num_workers}")
         self.feature_set = FeatureSet.parse(feature_set).value
         self.frozen = FrozenModel(model, device=device, dtype=float_dtype("dtype", dtype))
         key = ExampleKey(model, dtype, budget, interval, self.feature_set, storage_dtype)
@@ -167,6 +179,8 @@ class GoldenDataModule(TraceSplitDataModule):
             raise ValueError("on_policy_dirs need the golden examples in a cache too (data.examples_dir, not null)")
         self.replay_batch_size = replay_batch_size
         self.shuffle = shuffle
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self._resumed_epoch = 0  # the sampler epoch of a run resumed from a checkpoint (`load_state_dict`)
         self.labels = LabelStore(self.traces_dir, budget, interval)
         self.train: Dataset | None = None
         self.train_indices: list[int] = []  # the training split, after `setup`
@@ -235,19 +249,43 @@ class GoldenDataModule(TraceSplitDataModule):
         of (split_seed, epoch) only, so a resumed run and a run on any number of ranks see the same
         global batches."""
         if isinstance(self.train, ReplayedTraces):  # orders and shards itself
-            return DataLoader(self.train, batch_size=self.batch_size, collate_fn=concat_steps)
+            return DataLoader(self.train, batch_size=self.batch_size, collate_fn=concat_steps, **self._loading())
         sampler = DistributedSampler(
             self.train, num_replicas=_world_size(), rank=_rank(), shuffle=self.shuffle, seed=self.split_seed
         )
+        # Lightning makes a fit's first iterator before it sets the sampler's epoch, and worker processes
+        # draw their first indices as it is made: a resumed run would replay epoch 0's order
+        # (Lightning-AI/pytorch-lightning#21938). The epoch it resumes in comes from the checkpoint instead.
+        sampler.set_epoch(self._resumed_epoch)
+        self._resumed_epoch = 0  # once: a later fit of this module starts from epoch 0 unless it resumes too
         return DataLoader(
             self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=concat_steps,
-            drop_last=len(sampler) >= self.batch_size,
+            drop_last=len(sampler) >= self.batch_size, **self._loading(),
         )
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps of the data: the epoch the sampler orders when a run resumes from it (the
+        one Lightning will set, `fit_loop.epoch_progress.current.processed`)."""
+        return {"sampler_epoch": self.trainer.fit_loop.epoch_progress.current.processed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restored before the loaders are made (see `train_dataloader`)."""
+        self._resumed_epoch = state_dict["sampler_epoch"]
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val is None or len(self.val) == 0:
             return []
-        return DataLoader(self.val, batch_size=self.batch_size, collate_fn=concat_steps)
+        return DataLoader(self.val, batch_size=self.batch_size, collate_fn=concat_steps, **self._loading())
+
+    def _loading(self) -> dict[str, int | bool]:
+        """The loaders' workers and pinned memory, defaults resolved (see the class docstring)."""
+        workers = self.num_workers
+        if workers is None:
+            workers = 0 if self.examples is None else CACHED_WORKERS
+        pin = self.pin_memory
+        if pin is None:
+            pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        return {"num_workers": workers, "pin_memory": pin, "persistent_workers": workers > 0}
 
     def _num_steps(self, trace: Trace) -> int:
         """Eviction steps of a trace; 0 for one shorter than B + L."""

@@ -12,6 +12,9 @@ markdown report with the command that made it, every figure of a table from one 
   and eviction share, and kvpress's DecodingPress beside them when given its environment.
 - `foresight bench eval-prefix`: teacher-forced evaluation with and without the shared prefix.
 - `foresight bench labels-memory`: time and peak memory of golden labelling against trace length.
+- `foresight bench paged-reclaim`: the share of evicted entries' memory a paged allocator would free.
+- `foresight bench pipeline`: each stage's throughput on the same traces (labels, examples, eval replay,
+  fit, rl rollouts) and its share of time in the frozen model's forward.
 - `foresight bench rl-heldout`: a reinforced scorer against its supervised start on held-out traces.
 - `foresight bench rl-step`: rollout eviction steps per second of the reinforcement stage.
 - `foresight bench trace-generation`: trace sampling at batch 1 against static and continuous batching.
@@ -25,10 +28,11 @@ from __future__ import annotations
 import argparse
 
 from foresight.commands._bench_args import RUNTIME_BENCHMARKS
+from foresight.commands._bench_pipeline_args import PIPELINE_BENCHMARKS
 from foresight.commands._bench_stage_args import STAGE_BENCHMARKS
 from foresight.eval.report import write_section
 
-BENCHMARKS = (*RUNTIME_BENCHMARKS, *STAGE_BENCHMARKS)
+BENCHMARKS = (*RUNTIME_BENCHMARKS, *STAGE_BENCHMARKS, *PIPELINE_BENCHMARKS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

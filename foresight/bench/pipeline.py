@@ -1,0 +1,290 @@
+"""Throughput of every stage of the pipeline on the same traces, and the share of each in the frozen model's forward.
+
+For the traces of a folder that holds their golden labels at (B, L), one model load runs, in order:
+
+- labels: `compute_golden_labels` of every trace (nothing written); the forward is the capture forward;
+- examples: `foresight examples` into a scratch example cache (the golden replay in the eviction
+  engine, the recorder and the file writes); the forward is the model's inside the engine;
+- eval replay: `foresight eval`'s replay of one policy at B (the full-cache reference and the policy);
+- fit: optimisation steps from that example cache, first with the loader of before (one process,
+  batches cast to float32 in the collate), then with the data module's (worker processes, batches in
+  the storage dtype cast on the device, pinned memory on CUDA); steady state, after each run's first step;
+- rl rollouts: G sampled replays of every trace under a freshly initialised scorer (`roll_out`: the
+  speed of a rollout does not depend on the scorer's weights).
+
+The forward share is the time inside the model's top-level forward (a pre-hook and a hook timing it,
+CUDA synchronised at both edges) over the stage's time: what is left is the stage's own work. The fit
+runs no frozen model. Throughput counts the traces' tokens (each rollout's for the rollouts).
+
+The labels have no row of before: the per-block, per-layer loops that the batched block attention and
+schedule replaced live on only as the slow twins of tests/test_labels.py.
+
+    foresight bench pipeline --traces runs/default/traces --budget 128 --interval 32 --device cuda
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.data import DataLoader
+
+from foresight.bench.common import dtype_name, machine, threads_note
+from foresight.cadence import TraceTooShort, eviction_steps
+from foresight.data.trace_store import Trace, TraceStore, describe_traces
+from foresight.eval.replay import evaluate
+from foresight.eval.specs import PolicySpec
+from foresight.labels import compute_golden_labels
+from foresight.models import describe
+from foresight.scorer.model import ForesightScorer, ScorerConfig
+from trainers.example_cache import ExampleCache
+from trainers.preparation import FrozenModel, make_examples
+from trainers.rollouts import roll_out
+
+if TYPE_CHECKING:
+    from trainers.data import GoldenDataModule
+
+NAME = "pipeline"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSettings:
+    """`traces`: a folder with its golden labels at (budget, interval), made by the model it names, which
+    runs on `device` in `dtype`; `policy`: the one replayed by the eval stage; `fit_steps` optimisation
+    steps of `batch_size` traces per loader; `group_size`: rollouts of a trace (G)."""
+
+    traces: Path
+    budget: int
+    interval: int
+    policy: PolicySpec
+    fit_steps: int
+    batch_size: int
+    group_size: int
+    device: str
+    dtype: torch.dtype
+    command: str
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """One stage's row: `work` done in `seconds`, `forward_seconds` of them in the frozen model (None: it runs none)."""
+
+    stage: str
+    what: str
+    work: float
+    unit: str
+    seconds: float
+    forward_seconds: float | None
+
+    @property
+    def rate(self) -> float:
+        return self.work / self.seconds
+
+    @property
+    def forward_share(self) -> float | None:
+        return None if self.forward_seconds is None else self.forward_seconds / self.seconds
+
+
+def clock(device: torch.device) -> float:
+    """time.perf_counter, after the device's queued work on CUDA: the device's time, not that of queueing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class ForwardTimer:
+    """Seconds spent in a module's forward, from a pre-hook and a hook on it (`clock` at both edges)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.seconds, self._started = module, 0.0, 0.0
+        self.device = next(module.parameters()).device
+
+    def _enter(self, module, args) -> None:
+        self._started = clock(self.device)
+
+    def _leave(self, module, args, output) -> None:
+        self.seconds += clock(self.device) - self._started
+
+    @contextmanager
+    def timing(self) -> Iterator[ForwardTimer]:
+        handles = [self.module.register_forward_pre_hook(self._enter), self.module.register_forward_hook(self._leave)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _timed(model: torch.nn.Module, work: Callable[[], object]) -> tuple[float, float]:
+    """(seconds, forward seconds) of `work`."""
+    timer = ForwardTimer(model)
+    with timer.timing():
+        started = clock(timer.device)
+        work()
+        seconds = clock(timer.device) - started
+    return seconds, timer.seconds
+
+
+def run(settings: PipelineSettings) -> str:
+    """Time every stage on the folder's traces; the report's markdown section."""
+    store = TraceStore(settings.traces)
+    traces = [trace for trace in store if _has_steps(trace, settings.budget, settings.interval)]
+    if not traces:
+        raise ValueError(f"no trace of {settings.traces} reaches B + L = {settings.budget + settings.interval} tokens")
+    with tempfile.TemporaryDirectory(prefix="foresight-bench-examples-") as examples_dir:
+        data = _data_module(settings, store.settings["model"], examples_dir)
+        model = data.frozen.load()[0]
+        rows = [
+            _labels(model, traces, settings),
+            _examples(model, data.frozen, data.examples, traces),
+            _eval(model, traces, settings),
+            *_fit(data, settings),
+            _rollouts(model, traces, settings),
+        ]
+    return _report(settings, traces, store.settings["model"], rows)
+
+
+def _has_steps(trace: Trace, budget: int, interval: int) -> bool:
+    try:
+        eviction_steps(trace.input_ids.numel(), budget, interval)
+    except TraceTooShort:
+        return False
+    return True
+
+
+def _tokens(traces: list[Trace]) -> int:
+    return sum(trace.input_ids.numel() for trace in traces)
+
+
+def _labels(model, traces: list[Trace], settings: PipelineSettings) -> StageFigures:
+    def work() -> None:
+        for trace in traces:
+            compute_golden_labels(model, trace.input_ids, settings.budget, settings.interval)
+
+    seconds, forward = _timed(model, work)
+    return StageFigures("labels", "capture forward, block attention, golden schedule", _tokens(traces), "tokens",
+                        seconds, forward)
+
+
+def _examples(model, frozen: FrozenModel, cache: ExampleCache, traces: list[Trace]) -> StageFigures:
+    seconds, forward = _timed(model, lambda: make_examples(frozen, cache, progress=False))
+    return StageFigures("examples", "golden replay, recorded scorer inputs, cache files", _tokens(traces), "tokens",
+                        seconds, forward)
+
+
+def _eval(model, traces: list[Trace], settings: PipelineSettings) -> StageFigures:
+    def work() -> None:
+        evaluate(model, traces, [settings.policy], [settings.budget], settings.interval, progress=False)
+
+    seconds, forward = _timed(model, work)
+    what = f"eval replay of {settings.policy.name}: the full-cache reference and the policy"
+    return StageFigures("eval replay", what, _tokens(traces), "tokens", seconds, forward)
+
+
+def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> StageFigures:
+    config = ScorerConfig(**asdict(describe(model)), budget=settings.budget, interval=settings.interval, base_model="bench")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        scorer = ForesightScorer(config).to(model.device)
+    long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
+    seeds = list(range(settings.group_size))
+
+    def work() -> None:
+        for trace in long_enough:
+            roll_out(model, scorer, trace, seeds)
+
+    seconds, forward = _timed(model, work)
+    what = f"G = {settings.group_size} sampled replays of each trace, scored"
+    return StageFigures("rl rollouts", what, settings.group_size * _tokens(long_enough), "tokens", seconds, forward)
+
+
+def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str) -> GoldenDataModule:
+    """The supervised stage's data module over every trace (no holdout), its example cache in `examples_dir`."""
+    from trainers.data import GoldenDataModule  # Lightning is imported only when the benchmark runs
+
+    return GoldenDataModule(
+        str(settings.traces), settings.budget, settings.interval, model=model_name, examples_dir=examples_dir,
+        device=settings.device, dtype=dtype_name(settings.dtype), holdout=0.0, batch_size=settings.batch_size,
+    )
+
+
+def _fit(data: GoldenDataModule, settings: PipelineSettings) -> list[StageFigures]:
+    """Steps per second of the fit with the loader of before, then with the data module's own."""
+    data.setup("fit")
+    loader = data.train_dataloader()
+    before = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
+                        drop_last=loader.drop_last, collate_fn=_float32_steps)
+    return [
+        _fit_steps(data, settings, before, "fit, loader before", "one process, batches cast to float32 in the collate"),
+        _fit_steps(data, settings, None, "fit, loader now",
+                   f"{loader.num_workers} worker processes, batches in the storage dtype cast on the device"
+                   + (", pinned memory" if settings.device.startswith("cuda") else "")),
+    ]
+
+
+def _float32_steps(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The collate of before: steps concatenated and cast to float32 in the loader."""
+    from trainers.data import concat_steps
+
+    return {name: tensor.float() for name, tensor in concat_steps(examples).items()}
+
+
+def _fit_steps(
+    data: GoldenDataModule, settings: PipelineSettings, loader: DataLoader | None, stage: str, what: str
+) -> StageFigures:
+    """`fit_steps` optimisation steps of a fresh scorer from `loader` (None: the data module's); the
+    seconds of the steps after the first, which also starts the loader."""
+    import lightning as L
+
+    from trainers.supervised import SupervisedScorer
+
+    class StepTimes(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.times.append(clock(module.device))
+
+    times = StepTimes()
+    kind, _, index = settings.device.partition(":")
+    trainer = L.Trainer(
+        accelerator="gpu" if kind == "cuda" else kind, devices=[int(index)] if index else 1,
+        max_steps=settings.fit_steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
+    )
+    module = SupervisedScorer(data.scorer_spec)
+    if loader is None:
+        trainer.fit(module, datamodule=data)
+    else:
+        trainer.fit(module, train_dataloaders=loader)
+    steps = len(times.times) - 1
+    return StageFigures(stage, what, steps, "steps", times.times[-1] - times.times[0], None)
+
+
+def _report(settings: PipelineSettings, traces: list[Trace], model_name: str, rows: list[StageFigures]) -> str:
+    kind = torch.device(settings.device).type
+    lines = [
+        f"### Pipeline stages at the speed of the model forward ({kind})", "",
+        f"Command: `{settings.command}` {threads_note()}", "",
+        (
+            f"{describe_traces(traces)} of {model_name} ({dtype_name(settings.dtype)}) on {machine(kind)}; "
+            f"B = {settings.budget}, L = {settings.interval}. Forward share: the time inside the frozen model's "
+            f"forward over the stage's; the fit runs none ({settings.fit_steps} steps of {settings.batch_size} "
+            "traces, timed after the first)."
+        ), "",
+        "| stage | what it runs | work | seconds | throughput | forward share |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        share = "–" if row.forward_share is None else f"{row.forward_share:.0%}"
+        lines.append(
+            f"| {row.stage} | {row.what} | {row.work:,.0f} {row.unit} | {row.seconds:.2f} | "
+            f"{row.rate:,.1f} {row.unit}/s | {share} |"
+        )
+    return "\n".join(lines) + "\n"
