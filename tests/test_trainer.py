@@ -381,8 +381,9 @@ def test_fit_on_policy_rounds_add_the_scorers_own_states_and_resume(tmp_path, ti
     traces only, trains on golden + every round so far from the previous weights, and exports; the
     last round is --out/scorer. A rerun does nothing; a lost round is made again from its predecessor."""
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, feature_set="standardised")
+    config.write_text(config.read_text() + "on_policy:\n  rounds: 2\n  steps: 3\n")  # the config's rounds
     out = tmp_path / "run"
-    args = [*fit_args(config, out, traces_dir, "trainer.max_steps=2"), "--on-policy-rounds", "2", "--round-steps", "3"]
+    args = fit_args(config, out, traces_dir, "trainer.max_steps=2")
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     golden = sorted(path.name for path in (out / "examples").glob("trace-*.safetensors"))
@@ -410,6 +411,10 @@ def test_fit_on_policy_rounds_add_the_scorers_own_states_and_resume(tmp_path, ti
     assert cli.main(args) == 0
     again = capsys.readouterr().out
     assert f"{out / 'round-2' / 'scorer'}: scorer trained for 3 steps" in again and "round-1/scorer: scorer" not in again
+    # --on-policy-rounds 0 overrides the config: the golden fit alone, exported to --out/scorer.
+    plain = tmp_path / "plain"
+    assert cli.main([*fit_args(config, plain, traces_dir, "trainer.max_steps=2"), "--on-policy-rounds", "0"]) == 0
+    assert (plain / "scorer" / "config.json").is_file() and not list(plain.glob("round-*"))
 
 
 def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):

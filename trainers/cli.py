@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from trainers.data import GoldenDataModule
 from trainers.grpo import GRPOScorer
-from trainers.preparation import TraceRecipe
+from trainers.preparation import OnPolicyRounds, TraceRecipe
 from trainers.rl_data import RolloutDataModule
 from trainers.supervised import SupervisedScorer
 
@@ -37,8 +37,9 @@ def add_checkpoint_section(parser) -> None:
 
 class SupervisedCLI(LightningCLI):
     """LightningCLI with a `checkpoint` section, an `lr_monitor` section (a LearningRateMonitor that logs
-    the learning rate every optimisation step as `train/lr`), a `traces` section (a `TraceRecipe`, read
-    by `foresight fit` only) and the data -> model link of the scorer's shape."""
+    the learning rate every optimisation step as `train/lr`), `traces` and `on_policy` sections (a
+    `TraceRecipe` and `OnPolicyRounds`, read by `foresight fit` only) and the data -> model link of the
+    scorer's shape."""
 
     def add_arguments_to_parser(self, parser) -> None:
         add_checkpoint_section(parser)
@@ -46,6 +47,10 @@ class SupervisedCLI(LightningCLI):
         parser.add_argument(
             "--traces", type=TraceRecipe | None, default=None,
             help="how `foresight fit` samples data.traces_dir when it is incomplete (null: the folder must exist)",
+        )
+        parser.add_argument(
+            "--on_policy", type=OnPolicyRounds | None, default=None,
+            help="on-policy rounds `foresight fit` runs after the golden fit (null: none; --on-policy-rounds overrides)",
         )
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.link_arguments("data.scorer_spec", "model.scorer", apply_on="instantiate")

@@ -80,6 +80,24 @@ class TraceRecipe:
 
 
 @dataclass(frozen=True)
+class OnPolicyRounds:
+    """On-policy rounds after the golden fit (`foresight fit`, docs/algorithms.md §6): how many, and the
+    optimisation steps of each (None: the trainer's max_steps)."""
+
+    rounds: int = 2
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rounds <= MAX_ROUNDS:
+            raise ValueError(f"on-policy rounds must be between 0 and {MAX_ROUNDS}, got {self.rounds}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"on-policy round steps must be a positive integer, got {self.steps}")
+
+
+MAX_ROUNDS = 10
+
+
+@dataclass(frozen=True)
 class StepSummary:
     """What a labels or examples step found and did; `action` and `already` word its line."""
 

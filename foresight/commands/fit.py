@@ -35,7 +35,15 @@ from foresight.commands._training import add_training_arguments, checked_config,
 from foresight.export import export_scorer, reported_metrics
 from foresight.scorer.model import load_scorer
 from trainers.example_cache import ExampleCache
-from trainers.preparation import make_examples, make_labels, make_on_policy_examples, make_traces, scorer_trajectory
+from trainers.preparation import (
+    MAX_ROUNDS,
+    OnPolicyRounds,
+    make_examples,
+    make_labels,
+    make_on_policy_examples,
+    make_traces,
+    scorer_trajectory,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,19 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
     parser.add_argument(
-        "--on-policy-rounds", type=_rounds, default=0, metavar="R",
-        help="after the golden fit, R rounds that add the scorer's own states to its training examples (2-3 is typical)",
+        "--on-policy-rounds", type=_rounds, default=None, metavar="R",
+        help="after the golden fit, R rounds that add the scorer's own states to its training examples "
+        "(default: the config's on_policy.rounds, else 0)",
     )
     parser.add_argument(
         "--round-steps", type=_positive, default=None, metavar="N",
-        help="optimisation steps of each on-policy round (default: the config's trainer.max_steps)",
+        help="optimisation steps of each on-policy round (default: the config's on_policy.steps, else trainer.max_steps)",
     )
 
 
 def _rounds(text: str) -> int:
     value = int(text)
-    if not 0 <= value <= 10:
-        raise argparse.ArgumentTypeError(f"--on-policy-rounds {text} must be between 0 and 10")
+    if not 0 <= value <= MAX_ROUNDS:
+        raise argparse.ArgumentTypeError(f"--on-policy-rounds {text} must be between 0 and {MAX_ROUNDS}")
     return value
 
 
@@ -118,26 +127,39 @@ def _report(step: str, summary, show: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cli = prepare(args)
-    if args.on_policy_rounds == 0:
+    rounds = _rounds_of(args, cli.config_init.get("on_policy"))
+    if rounds.rounds == 0:
         _fit_and_export(cli, args.ckpt_path, args.out / "scorer")
         return 0
+    if cli.datamodule.examples is None:
+        raise ValueError("on-policy rounds need the golden examples in a cache (data.examples_dir, not null)")
     scorer = _round_scorer(args.out, 0)
     if not (scorer / "config.json").is_file():
         _fit_and_export(cli, args.ckpt_path, scorer)
     cli.datamodule.setup("fit")
-    for round_ in range(1, args.on_policy_rounds + 1):
-        scorer = _on_policy_round(args, cli.datamodule, round_)
+    for round_ in range(1, rounds.rounds + 1):
+        scorer = _on_policy_round(args, cli.datamodule, round_, rounds.steps)
     if cli.trainer.is_global_zero:
         shutil.copytree(scorer, args.out / "scorer", dirs_exist_ok=True)
-        print(f"{args.out / 'scorer'}: the scorer of on-policy round {args.on_policy_rounds}")
+        print(f"{args.out / 'scorer'}: the scorer of on-policy round {rounds.rounds}")
     return 0
+
+
+def _rounds_of(args: argparse.Namespace, configured: OnPolicyRounds | None) -> OnPolicyRounds:
+    """The config's `on_policy` section, with --on-policy-rounds and --round-steps over it."""
+    rounds = configured or OnPolicyRounds(rounds=0)
+    if args.on_policy_rounds is not None:
+        rounds = replace(rounds, rounds=args.on_policy_rounds)
+    if args.round_steps is not None:
+        rounds = replace(rounds, steps=args.round_steps)
+    return rounds
 
 
 def _round_scorer(out: Path, round_: int) -> Path:
     return out / f"round-{round_}" / "scorer"
 
 
-def _on_policy_round(args: argparse.Namespace, data, round_: int) -> Path:
+def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | None) -> Path:
     """Round `round_`: the previous round's scorer replays the training traces, its states join the
     training examples, and a refit starts from its weights. Returns the round's scorer folder."""
     from trainers.cli import cli_main
@@ -163,8 +185,8 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int) -> Path:
         f"--data.on_policy_dirs=[{','.join(dirs)}]",
         f"--model.init_scorer={previous}",
     ]
-    if args.round_steps is not None:
-        round_args.append(f"--trainer.max_steps={args.round_steps}")
+    if steps is not None:
+        round_args.append(f"--trainer.max_steps={steps}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli = cli_main(lightning_args(args) + round_args, run=False)
