@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from foresight.eval.headroom import TraceScore, _resample_weights, headroom
+from foresight.eval.headroom import TraceScore, _resample_weights, headroom, paired_ratio_gain
 
 B = 128
 TOKENS = (100, 50, 80)  # scored tokens of the three traces
@@ -110,6 +110,10 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
     rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| first") or line.startswith("| second")}
     assert "| 50.0% [" in rows["first"] and "| 0.0% [" in rows["second"]
     assert headroom(merged, B, "first", ["second"]).share.value == pytest.approx(0.5)
+    assert "| -0.1000 [" in rows["second"]  # first − second: 1.2 − 1.3 on the same traces, paired
+    gain = paired_ratio_gain(merged, B, "second", "first")
+    assert gain.value == pytest.approx(0.1) and gain.low <= gain.value <= gain.high
+    assert paired_ratio_gain(merged, B, "first", "raas") is None  # no trace scored on the same tokens
     _eval_folder(tmp_path / "other", scores("golden", (56.0, 22.0, 44.0)))  # not the same traces
     with pytest.raises(ValueError, match="golden at B = 128 on trace 0 differs"):
         merged_scores((tmp_path / "base", tmp_path / "other"))

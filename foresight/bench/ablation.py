@@ -6,8 +6,9 @@ heuristics and golden evaluated once. A (policy, budget, trace) scored in two fo
 the last digit (the replay is deterministic); otherwise the folders are not of the same traces and
 the merge is refused. Per set and learned scorer: its loss ratio and low-entropy damage, its share of
 the headroom between the best heuristic and golden, and its loss-ratio gain over the best heuristic,
-all with paired 95% bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic is
-chosen among every non-learned policy of the set, the same for every scorer.
+and its loss-ratio gain over the first scorer of the table (the reference recipe), all with paired 95%
+bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic is chosen among every
+non-learned policy of the set, the same for every scorer.
 
     foresight bench ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
         --learned std="standardised features" --budget 128
@@ -19,7 +20,7 @@ import json
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, percent
+from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_ratio_gain, percent
 
 NAME = "ablation"
 
@@ -72,14 +73,15 @@ def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str
         f"({percent(first.damage[first.least_damaging_heuristic])}).",
         "",
         "| scorer | what | loss ratio | low-entropy damage | share of the headroom | loss ratio gain over "
-        f"{best} | damage gain over {first.least_damaging_heuristic} |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"{best} | damage gain over {first.least_damaging_heuristic} | loss ratio gain over {first.learned} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for what, result in results:
+        over_first = paired_ratio_gain(scores, budget, first.learned, result.learned) if result is not first else None
         lines.append(
             f"| {result.learned} | {what} | {result.loss_ratio[result.learned]} | "
             f"{percent(result.damage[result.learned])} | {percent(result.share, 1)} | {result.ratio_gain} | "
-            f"{percent(result.damage_gain)} |"
+            f"{percent(result.damage_gain)} | {over_first or '–'} |"
         )
     return "\n".join(lines)
 

@@ -143,6 +143,24 @@ def headroom(
 _SUMS = ("nll_evicted", "nll_full", "low_entropy", "damaged")
 
 
+def paired_ratio_gain(
+    scores: Sequence[TraceScore], budget: int, reference: str, other: str, seed: int = 0, resamples: int = RESAMPLES
+) -> Estimate | None:
+    """Loss ratio of `reference` − `other` at `budget`, paired over the traces both scored on the same
+    tokens (positive: `other` is better), or None when they share no such trace."""
+    tables = _by_policy([s for s in scores if s.budget == budget])
+    first, second = tables.get(reference, {}), tables.get(other, {})
+    traces = sorted(i for i in first.keys() & second.keys() if first[i].tokens == second[i].tokens)
+    if not traces:
+        return None
+    weights = _resample_weights(len(traces), resamples, seed)
+    ratios = [
+        _pooled(*(np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in _SUMS[:2]), weights)
+        for table in (first, second)
+    ]
+    return _estimate(ratios[0] - ratios[1])
+
+
 def _by_policy(scores: Sequence[TraceScore]) -> dict[str, dict[int, TraceScore]]:
     tables: dict[str, dict[int, TraceScore]] = {}
     for score in scores:
