@@ -77,7 +77,8 @@ class _PositionSpy(Policy):
         return self.inner.observe(context)
 
     def keep_scores(self, context: EvictionContext):
-        self.seen.append((context.layer_idx, context.candidate_positions.clone()))
+        features = self.inner.observed_features(context).clone()
+        self.seen.append((context.layer_idx, context.candidate_positions.clone(), features))
         return self.inner.keep_scores(context)
 
 
@@ -99,10 +100,11 @@ def test_scorer_steps_follow_the_scorer_and_read_alpha_at_its_candidates(traces_
     layers = describe(model).num_layers
     assert len(spy.seen) == labels.num_steps * layers
     off_golden = 0
-    for index, (layer, positions) in enumerate(spy.seen):
+    for index, (layer, positions, features) in enumerate(spy.seen):
         step = index // layers
         want = table[step, layer].gather(-1, positions[0].long())
         torch.testing.assert_close(example["alpha"][step, layer], want, rtol=0, atol=0)
+        torch.testing.assert_close(example["features"][step, layer], features[0], rtol=0, atol=0)  # what it scored
         off_golden += int((positions[0].long() != labels.candidates[step, layer].long()).any())
     assert off_golden > 0  # a random scorer leaves the golden trajectory, so the states are new
 
@@ -133,3 +135,19 @@ def test_a_cache_keeps_the_trajectory_it_was_made_for(tmp_path, traces_dir):
         ExampleCache(tmp_path / "round", traces_dir, key).check_key()
     with pytest.raises(ValueError, match="holds no examples"):
         ExampleCache.of_trajectory(tmp_path / "missing", traces_dir, key)
+
+
+def test_a_learned_driver_is_recorded_with_the_features_it_computed(traces_dir, monkeypatch):
+    """The recorder reads the learned policy's own features (computed once per step and layer), and
+    refuses a scorer whose feature set is not the recorded one."""
+    import trainers.examples as examples
+
+    model = tiny_model("llama")
+    (trace,) = _longest(traces_dir, 1)
+    table = future_score_table(model, trace.input_ids, B, L_)
+    calls = []
+    monkeypatch.setattr(examples, "observe_features", lambda *args: calls.append(args))
+    scorer_steps(model, [trace], [table], _scorer(model), torch.float32)
+    assert calls == []
+    with pytest.raises(ValueError, match="reads standardised features; it cannot drive a recording of paper"):
+        StepRecorder(make_policy("foresight", scorer=_scorer(model)), FutureTargets([table], B, L_), "paper")

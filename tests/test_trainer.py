@@ -423,6 +423,11 @@ def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
     assert "config" in capsys.readouterr().err
     assert cli.main(fit_args(config, tmp_path / "x", traces_dir, "trainer.max_steps")) == 2
     assert "--set 'trainer.max_steps' must look like KEY=VALUE" in capsys.readouterr().err
+    for flag, value, message in (("--on-policy-rounds", "11", "on-policy rounds must be between 0 and 10, got 11"),
+                                 ("--round-steps", "0", "round steps must be a positive integer, got 0")):
+        with pytest.raises(SystemExit) as stopped:  # refused by the parser, before any trace is sampled
+            cli.main([*fit_args(config, tmp_path / "x", traces_dir), flag, value])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
     other = tiny_config(tmp_path / "other.yaml", tiny_dir, model=str(tmp_path / "another-model"))
     assert cli.main(fit_args(other, tmp_path / "y", traces_dir)) == 2
     error = capsys.readouterr().err.strip()

@@ -36,7 +36,7 @@ from foresight.cadence import eviction_steps, golden_prefill, step_of
 from foresight.data.trace_store import Trace
 from foresight.labels import GoldenLabels
 from foresight.policies import make_policy
-from foresight.policies.foresight import feature_state, observe_features
+from foresight.policies.foresight import Foresight, feature_state, observe_features
 from foresight.runtime.cache import StateField
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.policy import EvictionContext, Policy
@@ -57,42 +57,32 @@ class StepTargets(Protocol):
         """α [len(rows), Hkv, B] of the candidates at `positions` [len(rows), Hkv, B] (steps are 1-based)."""
 
 
-@dataclass(frozen=True)
 class LabelTargets:
     """α from golden labels: only for the golden trajectory, whose candidates are the labels' own
     (the golden policy checks this at every step)."""
 
-    labels: Sequence[GoldenLabels]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", self.labels[0].budget)
-        object.__setattr__(self, "interval", self.labels[0].interval)
-        object.__setattr__(self, "num_steps", torch.tensor([item.num_steps for item in self.labels]))
-        padded = torch.zeros(len(self.labels), int(self.num_steps.max()), *self.labels[0].alpha.shape[1:])
-        for row, item in enumerate(self.labels):
-            padded[row, : item.num_steps] = item.alpha
-        object.__setattr__(self, "_alpha", padded)
+    def __init__(self, labels: Sequence[GoldenLabels]) -> None:
+        self.budget, self.interval = labels[0].budget, labels[0].interval
+        self.num_steps = torch.tensor([item.num_steps for item in labels])
+        self._alpha = torch.zeros(len(labels), int(self.num_steps.max()), *labels[0].alpha.shape[1:])
+        for row, item in enumerate(labels):
+            self._alpha[row, : item.num_steps] = item.alpha
 
     def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         return self._alpha[rows, steps - 1, layer]
 
 
-@dataclass(frozen=True)
 class FutureTargets:
     """α from each row's table of future scores [M, layers, Hkv, N]: any trajectory on the cadence."""
 
-    tables: Sequence[torch.Tensor]
-    budget: int
-    interval: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "num_steps", torch.tensor([table.shape[0] for table in self.tables]))
+    def __init__(self, tables: Sequence[torch.Tensor], budget: int, interval: int) -> None:
+        self.tables, self.budget, self.interval = list(tables), budget, interval
+        self.num_steps = torch.tensor([table.shape[0] for table in self.tables])
 
     def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         positions = positions.cpu().long()
-        return torch.stack(
-            [self.tables[row][step - 1, layer].gather(-1, positions[i]) for i, (row, step) in enumerate(zip(rows.tolist(), steps.tolist()))]
-        )
+        pairs = zip(rows.tolist(), steps.tolist())
+        return torch.stack([self.tables[row][step - 1, layer].gather(-1, positions[i]) for i, (row, step) in enumerate(pairs)])
 
 
 @dataclass
@@ -100,9 +90,9 @@ class StepRecorder(Policy):
     """Follows a driving policy (its keep scores and state) and records the scorer inputs of every step.
 
     Not registered: it exists only to make training data. The driver is `golden` (no state of its
-    own) or the learned `foresight` policy of the same feature set (whose state is the recorded one);
-    `feature_set` picks the attention features; keys, values and features are recorded in
-    `storage_dtype`, α in float32.
+    own; the recorder computes the features) or the learned `foresight` policy of the same feature set
+    (whose features and state are read, not computed again); `feature_set` picks the attention
+    features; keys, values and features are recorded in `storage_dtype`, α in float32.
     """
 
     name = "recorded-steps"
@@ -117,11 +107,14 @@ class StepRecorder(Policy):
     _features: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.driver.state_fields not in ((), self.state_fields):
+        learned = isinstance(self.driver, Foresight)
+        scored = FeatureSet.parse(self.driver.scorer.config.feature_set) if learned else None
+        if learned and scored is not FeatureSet.parse(self.feature_set):
             raise ValueError(
-                f"the {self.driver.name} policy keeps per-entry state other than the {self.feature_set} features' "
-                "and cannot drive this recording"
+                f"the scorer reads {scored.value} features; it cannot drive a recording of {self.feature_set} features"
             )
+        if not learned and self.driver.state_fields:
+            raise ValueError(f"the {self.driver.name} policy keeps per-entry state of its own and cannot drive this recording")
         self.num_steps = self.targets.num_steps
 
     @property
@@ -134,6 +127,10 @@ class StepRecorder(Policy):
         self.buffers = {}
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
+        if isinstance(self.driver, Foresight):  # it computes the same features for its own scores
+            state = self.driver.observe(context)
+            self._features = self.driver.observed_features(context)
+            return state
         self._features, state = observe_features(context, self.feature_set)
         return {**self.driver.observe(context), **state}
 

@@ -79,6 +79,9 @@ class TraceRecipe:
         return TraceSettings(model=model, source=recorded_source(self.prompts), **options)
 
 
+MAX_ROUNDS = 10
+
+
 @dataclass(frozen=True)
 class OnPolicyRounds:
     """On-policy rounds after the golden fit (`foresight fit`, docs/algorithms.md §6): how many, and the
@@ -93,8 +96,6 @@ class OnPolicyRounds:
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"on-policy round steps must be a positive integer, got {self.steps}")
 
-
-MAX_ROUNDS = 10
 
 
 @dataclass(frozen=True)

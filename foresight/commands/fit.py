@@ -36,7 +36,6 @@ from foresight.export import export_scorer, reported_metrics
 from foresight.scorer.model import load_scorer
 from trainers.example_cache import ExampleCache
 from trainers.preparation import (
-    MAX_ROUNDS,
     OnPolicyRounds,
     make_examples,
     make_labels,
@@ -56,28 +55,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
     parser.add_argument(
-        "--on-policy-rounds", type=_rounds, default=None, metavar="R",
+        "--on-policy-rounds", type=_round_option("rounds"), default=None, metavar="R",
         help="after the golden fit, R rounds that add the scorer's own states to its training examples "
         "(default: the config's on_policy.rounds, else 0)",
     )
     parser.add_argument(
-        "--round-steps", type=_positive, default=None, metavar="N",
+        "--round-steps", type=_round_option("steps"), default=None, metavar="N",
         help="optimisation steps of each on-policy round (default: the config's on_policy.steps, else trainer.max_steps)",
     )
 
 
-def _rounds(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= MAX_ROUNDS:
-        raise argparse.ArgumentTypeError(f"--on-policy-rounds {text} must be between 0 and {MAX_ROUNDS}")
-    return value
+def _round_option(name: str):
+    """An argparse type checked by `OnPolicyRounds` itself (one rule for the flag and the config section),
+    so a bad value stops before any trace is sampled."""
 
+    def parse(text: str) -> int:
+        try:
+            return getattr(OnPolicyRounds(**{name: int(text)}), name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
-    return value
+    return parse
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:
@@ -99,14 +97,19 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
     return cli_args + override_args(args.overrides)  # `run` hands --ckpt-path to trainer.fit
 
 
-def prepare(args: argparse.Namespace):
-    """Build the run from its config, then make what its data module reads: traces (with a recipe),
-    labels, examples. Returns the LightningCLI, ready to fit."""
+def _built_cli(args: argparse.Namespace, extra: list[str] | None = None):
+    """The supervised LightningCLI of this run (with `extra` arguments last), built but not run."""
     from trainers.cli import cli_main  # Lightning is imported only by this verb
 
     with warnings.catch_warnings():  # LightningCLI warns when given args beside a command line: intended here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = cli_main(lightning_args(args), run=False)
+        return cli_main(lightning_args(args) + (extra or []), run=False)
+
+
+def prepare(args: argparse.Namespace):
+    """Build the run from its config, then make what its data module reads: traces (with a recipe),
+    labels, examples. Returns the LightningCLI, ready to fit."""
+    cli = _built_cli(args)
     data, recipe = cli.datamodule, cli.config_init.get("traces")
     show = cli.trainer.is_global_zero
     args.out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         _fit_and_export(cli, args.ckpt_path, scorer)
     cli.datamodule.setup("fit")
     for round_ in range(1, rounds.rounds + 1):
-        scorer = _on_policy_round(args, cli.datamodule, round_, rounds.steps)
+        scorer = _on_policy_round(args, cli.datamodule, round_, rounds.steps, cli.trainer.is_global_zero)
     if cli.trainer.is_global_zero:
         shutil.copytree(scorer, args.out / "scorer", dirs_exist_ok=True)
         print(f"{args.out / 'scorer'}: the scorer of on-policy round {rounds.rounds}")
@@ -159,11 +162,9 @@ def _round_scorer(out: Path, round_: int) -> Path:
     return out / f"round-{round_}" / "scorer"
 
 
-def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | None) -> Path:
+def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | None, show: bool) -> Path:
     """Round `round_`: the previous round's scorer replays the training traces, its states join the
     training examples, and a refit starts from its weights. Returns the round's scorer folder."""
-    from trainers.cli import cli_main
-
     folder, scorer = args.out / f"round-{round_}", _round_scorer(args.out, round_)
     if (scorer / "config.json").is_file():
         return scorer
@@ -174,10 +175,9 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | N
     )
     with FileLock(str(args.out / ".steps.lock")):
         made = make_on_policy_examples(
-            data.frozen, cache, driver, data.train_indices, replay_batch_size=data.replay_batch_size,
-            progress=True,
+            data.frozen, cache, driver, data.train_indices, replay_batch_size=data.replay_batch_size, progress=show
         )
-        print(f"round {round_} examples: {made.describe()}", flush=True)
+        _report(f"round {round_} examples", made, show)
     dirs = [str(args.out / f"round-{r}" / "examples") for r in range(1, round_ + 1)]
     round_args = [
         f"--trainer.default_root_dir={folder}",
@@ -187,9 +187,7 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | N
     ]
     if steps is not None:
         round_args.append(f"--trainer.max_steps={steps}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = cli_main(lightning_args(args) + round_args, run=False)
+    cli = _built_cli(args, round_args)
     resume = "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
     _fit_and_export(cli, resume, scorer)
     return scorer

@@ -169,10 +169,15 @@ class Foresight(Policy):
             self._steps += 1
         return state
 
-    def keep_scores(self, context: EvictionContext) -> torch.Tensor:
+    def observed_features(self, context: EvictionContext) -> torch.Tensor:
+        """The candidates' features [batch, Hkv, C, F*G] that `observe` computed for this context (what
+        `keep_scores` will read; the supervised data maker records them instead of computing them again)."""
         if self._pending is None or self._pending[0] is not context:
-            raise RuntimeError("keep_scores must follow observe on the same eviction context")
-        features = self._pending[1]
+            raise RuntimeError("keep_scores and observed_features must follow observe on the same eviction context")
+        return self._pending[1]
+
+    def keep_scores(self, context: EvictionContext) -> torch.Tensor:
+        features = self.observed_features(context)
         self._pending = None
         candidates = slice(0, context.num_candidates)
         keys, values = context.keys[..., candidates, :], context.values[..., candidates, :]
@@ -188,13 +193,12 @@ class Foresight(Policy):
             self._generator = self._generators(scores.device)
         order, logprob = sample_eviction(scores, self.scorer.config.interval, self._generator, eligible, self.temperature)
         if self.record:
-            self.records.append(self._recorded(context, scores, keys, values, features, order, logprob))
+            self.records.append(self._recorded(context, eligible, scores, keys, values, features, order, logprob))
         sampled = torch.zeros_like(eligible).scatter(-1, order, True)
         return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
 
-    def _recorded(self, context, scores, keys, values, features, order, logprob) -> SampledEviction:
+    def _recorded(self, context, eligible, scores, keys, values, features, order, logprob) -> SampledEviction:
         """The draw with the scorer inputs of its pool, as the reinforcement stage needs it."""
-        eligible = context.candidate_positions >= 0
         pool = eviction_pool(scores, self.scorer.config.interval, eligible)
         in_pool = (pool[..., None, :] == order[..., :, None]).int().argmax(-1)
 
