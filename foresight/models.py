@@ -95,6 +95,10 @@ class ModelShape:
         """Query heads that share one KV head (grouped-query attention)."""
         return self.num_query_heads // self.num_kv_heads
 
+    def entry_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one cache entry (a token's key and value in every layer and KV head) takes in `dtype`."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
     def __str__(self) -> str:
         return (
             f"{self.num_layers} layers x {self.num_query_heads} query / {self.num_kv_heads} KV heads"

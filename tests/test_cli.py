@@ -19,7 +19,8 @@ import torch
 from foresight.choices import Choice
 from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main
 from foresight.commands._model import model_options
-from foresight.commands._policy import policy_options, settable_options
+from foresight.commands._policy import policy_options
+from foresight.policies.options import settable_options
 from foresight.commands.eval import policy_specs
 from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, Policy

@@ -18,8 +18,9 @@ from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.metrics import attention_cosine
-from foresight.models import tiny_model
+from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, make_policy
+from foresight.policies.triattention_stats import calibrate
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.eval.stats import bootstrap_interval
@@ -114,18 +115,39 @@ def test_report_files(evaluated):
         table = list(csv.DictReader(handle))
     assert [(r["policy"], int(r["budget"])) for r in table] == [(r["policy"], r["budget"]) for r in rows]
     markdown = (out / "results.md").read_text()
-    assert "| policy | B | L | loss ratio |" in markdown and f"| golden | {B} | {L} |" in markdown
+    assert "| policy | B | L | KV MiB / sequence | loss ratio |" in markdown and f"| golden | {B} | {L} |" in markdown
     h2o = next(r for r in rows if r["policy"] == "h2o" and r["budget"] == B)
     interval = f"{h2o['loss_ratio']:.4f} [{h2o['loss_ratio_low']:.4f}, {h2o['loss_ratio_high']:.4f}]"
-    assert f"| h2o | {B} | {L} | {interval} |" in markdown
+    assert f"| h2o | {B} | {L} | {h2o['kv_mib']:.2f} | {interval} |" in markdown
     assert {"loss_ratio_low", "loss_ratio_high", "golden_overlap_low"} <= set(table[0])
-    for metric in ("loss_ratio", "low_entropy_damage", "attn_cosine", "golden_overlap"):
-        assert (out / f"{metric}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for plot in ("loss_ratio", "low_entropy_damage", "attn_cosine", "golden_overlap", "loss_ratio_by_memory"):
+        assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = stdout.strip().splitlines()
-    assert "| policy | B | L | loss ratio |" in stdout
+    assert "| policy | B | L | KV MiB / sequence | loss ratio |" in stdout
     assert lines[-1].startswith(f"evaluated 4 traces x {len(RUNNABLE)} policies x 2 budgets in ")
     assert lines[-1].endswith(f"results written to {out} (results.json, results.csv, results.md, loss_ratio.png, "
-                              "low_entropy_damage.png, low_entropy_dl2.png, attn_cosine.png, golden_overlap.png, traces.json)")
+                              "low_entropy_damage.png, low_entropy_dl2.png, attn_cosine.png, golden_overlap.png, "
+                              "loss_ratio_by_memory.png, low_entropy_damage_by_memory.png, traces.json)")
+
+
+def test_rows_state_the_kv_memory_each_policy_holds(evaluated, traces_dir, model):
+    """B + L entries per sequence, plus the mean prompt for a policy that protects it; the full cache
+    holds the whole trace (the x axis of the memory plots)."""
+    rows, _, _ = evaluated
+    traces = list(TraceStore(traces_dir))
+    entry = describe(model).entry_bytes(torch.float32)
+    assert entry == 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 4 * (
+        model.config.hidden_size // model.config.num_attention_heads
+    )
+    mean_length = sum(t.input_ids.numel() for t in traces) / len(traces)
+    mean_prompt = sum(t.prompt_length for t in traces) / len(traces)
+    for budget in (B, UNLABELLED_B):
+        by_policy = rows_of(rows, budget)
+        assert by_policy["full"]["kv_entries"] == pytest.approx(mean_length)
+        assert by_policy["h2o"]["kv_entries"] == budget + L
+        assert by_policy["random-prompt"]["kv_entries"] == pytest.approx(budget + L + mean_prompt)
+        for row in by_policy.values():
+            assert row["kv_mib"] == pytest.approx(row["kv_entries"] * entry / 2**20)
 
 
 class _OutputRecorder:
@@ -219,6 +241,58 @@ def test_rows_equal_a_per_trace_reference(evaluated, traces_dir, model, name):
     assert row["attn_cosine"] == pytest.approx(cosine, abs=1e-4)
     assert row["golden_overlap"] == pytest.approx(overlap, abs=1e-12)
     assert name != "golden" or overlap == 1.0
+
+
+@pytest.fixture(scope="module")
+def stats_dir(tmp_path_factory, traces_dir, model) -> Path:
+    """TriAttention statistics of the eval model, calibrated on its own traces."""
+    sequences = [trace.input_ids for trace in TraceStore(traces_dir)]
+    return calibrate(model, sequences, model_name="tiny").save(tmp_path_factory.mktemp("stats"))
+
+
+def test_policy_options_run_one_policy_under_two_settings(traces_dir, stats_dir, model, tmp_path, monkeypatch):
+    """`-o ROW.KEY=VALUE` gives triattention its statistics; a second row of it (ROW=POLICY) runs with the
+    prompt unprotected; each row equals its per-trace reference under those settings."""
+    monkeypatch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
+    out = tmp_path / "eval"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main([
+            "eval", "--traces", str(traces_dir), "--policies", "full,triattention,tri-open=triattention", "--budgets", str(B),
+            "-L", str(L), "--out", str(out), "-o", f"triattention.stats={stats_dir}", "-o", f"tri-open.stats={stats_dir}",
+            "-o", "tri-open.protect_prompt=false",
+        ])
+    assert code == 0
+    rows = rows_of(json.loads((out / "results.json").read_text()), B)
+    assert rows["tri-open"]["tokens"] == rows["full"]["tokens"] > rows["triattention"]["tokens"]
+    assert "tri-open (policy triattention, stats=" in (out / "results.md").read_text()
+    store, traces = LabelStore(traces_dir, B, L), list(TraceStore(traces_dir))
+    for row, protect in (("triattention", None), ("tri-open", False)):
+        ratio, *_ = reference_row(
+            model, traces, lambda trace: make_policy("triattention", stats=str(stats_dir)), EvictionConfig(B, L, protect_prompt=protect),
+            store,
+        )
+        assert rows[row]["loss_ratio"] == pytest.approx(ratio, abs=1e-5), row
+
+
+def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
+    spec = resolve_policies("tri=triattention", {"tri": {"stats": str(stats_dir), "protect_prompt": "no"}})[0][0]
+    assert (spec.name, spec.policy_class.name, spec.protects_prompt, spec.config(B, L).protect_prompt) == (
+        "tri", "triattention", False, False
+    )
+    assert resolve_policies("triattention", {"triattention": {"stats": "x"}})[0][0].protects_prompt
+    with pytest.raises(ValueError, match=r"policy 'triattention': it needs stats: give -o triattention.stats=VALUE"):
+        resolve_policies("h2o,triattention")
+    with pytest.raises(ValueError, match="options for 'snapkv', which is not a row of --policies"):
+        resolve_policies("h2o", {"snapkv": {"window": "4"}})
+    with pytest.raises(ValueError, match="policy 'h2o' has no option 'nope'"):
+        resolve_policies("h2o", {"h2o": {"nope": "1"}})
+    with pytest.raises(ValueError, match=r"-o h2o.protect_prompt expects true or false, got 'maybe'"):
+        resolve_policies("h2o", {"h2o": {"protect_prompt": "maybe"}})
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        resolve_policies("x=nope")
+    notes = resolve_policies("all")[1]
+    assert "triattention: skipped, it needs stats: give -o triattention.stats=VALUE" in notes
+    assert "triattention" in {s.name for s in resolve_policies("all", {"triattention": {"stats": "x"}})[0]}
 
 
 def test_stored_full_cache_losses_match_a_full_cache_replay(traces_dir, model):

@@ -250,3 +250,16 @@ def test_the_learned_policy_runs_at_its_budget_and_another_scorer_is_not_mixed_i
     other, _ = plan_jobs([learned(1)], [16], 4)
     with pytest.raises(ArtifactError, match="were made by another foresight"):
         store.load(other[0].jobs[1])
+
+
+def test_a_row_under_other_options_is_not_mixed_in(tmp_path):
+    """A row of the same name with another policy or other options has its own identity: its completions
+    are refused in a folder made by the first, and the plain policy's identity is its name alone."""
+    store = CompletionStore(tmp_path, settings(max_new_tokens=30, samples=1))
+    plain = PolicySpec("random-prompt")
+    assert Job(plain, B, L).label and store.job_folder(Job(plain, B, L)).is_dir()
+    assert json.loads((store.job_folder(Job(plain, B, L)) / "policy.json").read_text()) == {"policy": "random-prompt"}
+    for other in (PolicySpec("random-prompt", protect_prompt=False), PolicySpec("random-prompt", options=(("seed", 3),)),
+                  PolicySpec("random-prompt", policy="random")):
+        with pytest.raises(ArtifactError, match="were made by another random-prompt"):
+            store.job_folder(Job(other, B, L))

@@ -4,19 +4,16 @@ from its own dataclass fields (-o KEY=VALUE), and the eviction cadence (B, L, si
 from __future__ import annotations
 
 import argparse
-import os
-import types
-import typing
-from dataclasses import MISSING, fields
-from enum import Enum
-from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 from foresight.policies import POLICIES, Policy, make_policy
+from foresight.policies.options import (
+    describe_type,
+    required_options,
+    settable_options,
+    typed_options,
+)
 from foresight.runtime.engine import EvictionConfig
-
-_NONE = ("none", "null")
-_BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
 def add_cadence_arguments(
@@ -102,19 +99,8 @@ def policy_options(cls: type[Policy], texts: dict[str, str]) -> dict[str, Any]:
     """Option texts of a policy converted to the types of its dataclass fields; an unknown option, a
     value of the wrong type or a missing required option is a one-line error."""
     name, settable = cls.name, settable_options(cls)
-    options = {}
-    for key, text in texts.items():
-        if key not in settable:
-            raise ValueError(
-                f"policy {name!r} has no option {key!r}; its options are: {', '.join(settable) or 'none'}"
-            )
-        try:
-            options[key] = parse_value(text, settable[key])
-        except ValueError:
-            raise ValueError(
-                f"policy {name!r} option {key} expects {describe_type(settable[key])}, got {text!r}"
-            ) from None
-    missing = [f.name for f in fields(cls) if f.init and f.name not in options and _required(f)]
+    options = typed_options(cls, texts)
+    missing = [key for key in required_options(cls) if key not in options]
     unsettable = [key for key in missing if key not in settable]
     if unsettable:
         raise ValueError(f"policy {name!r} needs {', '.join(unsettable)}, which cannot be given on the command line")
@@ -122,34 +108,6 @@ def policy_options(cls: type[Policy], texts: dict[str, str]) -> dict[str, Any]:
         needed = ", ".join(f"-o {key}=VALUE ({describe_type(settable[key])})" for key in missing)
         raise ValueError(f"policy {name!r} needs {needed}")
     return options
-
-
-def settable_options(cls: type[Policy]) -> dict[str, Any]:
-    """{option: type} of the constructor fields of a policy class whose type can be read from text
-    (a field that text could only set to None is not one)."""
-    hints = typing.get_type_hints(cls)
-    return {
-        f.name: hints[f.name]
-        for f in fields(cls)
-        if f.init and any(kind is not type(None) for kind in _text_types(hints[f.name]))
-    }
-
-
-def parse_value(text: str, annotation: Any) -> Any:
-    """`text` as a value of `annotation`: bool, int, float, str, a path, an Enum, a Literal, None, or a
-    union of these (None first, then the members in order). Raises ValueError when none accepts it."""
-    kinds = _text_types(annotation)
-    for kind in sorted(kinds, key=lambda kind: kind is not type(None)):
-        try:
-            return _convert(text, kind)
-        except (ValueError, KeyError):
-            continue
-    raise ValueError(f"{text!r} is not {describe_type(annotation)}")
-
-
-def describe_type(annotation: Any) -> str:
-    """The types `parse_value` accepts for `annotation`, in words ("an int or none")."""
-    return " or ".join(_describe(kind) for kind in _text_types(annotation))
 
 
 def int_list(text: str) -> list[int]:
@@ -168,46 +126,3 @@ def _key_value(text: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise ValueError(f"policy option {text!r} must look like KEY=VALUE")
     return key.strip(), value.strip()
-
-
-def _required(field: Any) -> bool:
-    return field.default is MISSING and field.default_factory is MISSING
-
-
-def _text_types(annotation: Any) -> list[Any]:
-    """The members of `annotation` (a union or a single type) that can be read from text."""
-    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-    return [kind for kind in members if _readable(kind)]
-
-
-def _readable(kind: Any) -> bool:
-    if typing.get_origin(kind) is Literal:
-        return True
-    return kind in (bool, int, float, str, Path, os.PathLike, type(None)) or (
-        isinstance(kind, type) and issubclass(kind, Enum)
-    )
-
-
-def _convert(text: str, kind: Any) -> Any:
-    if kind is type(None):
-        if text.lower() not in _NONE:
-            raise ValueError(text)
-        return None
-    if kind is bool:
-        return _BOOLEANS[text.lower()]
-    if kind in (Path, os.PathLike):
-        return Path(text)
-    if typing.get_origin(kind) is Literal:
-        return {str(value): value for value in typing.get_args(kind)}[text]
-    return kind(text)  # int, float, str, an Enum by value
-
-
-def _describe(kind: Any) -> str:
-    if kind is type(None):
-        return "none"
-    if typing.get_origin(kind) is Literal:
-        return "one of " + ", ".join(repr(str(value)) for value in typing.get_args(kind))
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        return "one of " + ", ".join(repr(str(member.value)) for member in kind)
-    names = {bool: "a bool (true or false)", int: "an int", float: "a float", str: "a string", Path: "a path"}
-    return names.get(kind, "a path")

@@ -22,17 +22,28 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from foresight.commands import _generation
-from foresight.commands._model import add_model_arguments, model_of_traces, model_options
+from foresight.commands._model import (
+    add_model_arguments,
+    model_of_traces,
+    model_options,
+)
 from foresight.commands._policy import add_cadence_arguments, add_policies_argument
+from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
 from foresight.eval.results import markdown_table, write_report
-from foresight.eval.specs import RECOMMENDED_SEEDS, PolicySpec, SampledScorerSpec, ScorerSpec, resolve_policies
+from foresight.eval.specs import (
+    RECOMMENDED_SEEDS,
+    PolicySpec,
+    SampledScorerSpec,
+    ScorerSpec,
+    resolve_policies,
+)
 from foresight.models import load_model
 from foresight.scorer.eviction_sampling import check_temperature
-from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 
 TRACE_BATCH = 4
 LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
@@ -66,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "keys and values of B + L tokens per trace)",
     )
     parser.add_argument(
+        "--option", "-o", action="append", default=[], metavar="ROW.KEY=VALUE",
+        help="an option of one row of --policies, typed as its policy declares it (`foresight policies`), e.g. "
+        "-o triattention.stats=checkpoints/triattention-default; the key protect_prompt overrides the policy's "
+        "own default. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
+        "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several",
+    )
+    parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
         "it was trained for; repeat to compare several, as NAME=DIR to name each one's rows (e.g. "
@@ -86,20 +104,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _generation.add_arguments(parser)
 
 
-def policy_specs(policies: str, scorers: list[str]) -> tuple[list[PolicySpec], list[str]]:
-    """Specs and notes of --policies; the learned `foresight` policy comes from the --scorer folders."""
+def policy_specs(
+    policies: str, scorers: list[str], options: Sequence[str] = ()
+) -> tuple[list[PolicySpec], list[str]]:
+    """Specs and notes of --policies and its -o ROW.KEY=VALUE options; the learned `foresight` policy
+    comes from the --scorer folders."""
     names = [name.strip() for name in policies.split(",")]
+    row_options = options_by_row(options)
     if not scorers:
         if "foresight" in names:
             raise ValueError("policy 'foresight' needs a trained scorer: give --scorer DIR")
-        specs, notes = resolve_policies(policies)
+        specs, notes = resolve_policies(policies, row_options)
         return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
     others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
-    specs, notes = resolve_policies(others) if others.strip(",") else ([], [])
+    specs, notes = resolve_policies(others, row_options) if others.strip(",") else ([], [])
     notes = [note for note in notes if not note.startswith("foresight:")]
     specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
     check_distinct_names(specs)
     return specs, notes
+
+
+def options_by_row(texts: Sequence[str]) -> dict[str, dict[str, str]]:
+    """{row: {key: value}} of the -o ROW.KEY=VALUE texts."""
+    options: dict[str, dict[str, str]] = {}
+    for text in texts:
+        target, sep, value = text.partition("=")
+        row, dot, key = target.strip().rpartition(".")
+        if not (sep and dot and row and key):
+            raise ValueError(f"-o {text!r} must look like ROW.KEY=VALUE, e.g. triattention.stats=DIR")
+        options.setdefault(row, {})[key] = value.strip()
+    return options
+
+
+def option_settings(specs: Sequence[PolicySpec]) -> dict[str, str]:
+    """The report's line on the rows run with options or under another policy's name (none without)."""
+    described = []
+    for spec in specs:
+        settings = [f"{key}={value}" for key, value in spec.options]
+        settings += [] if spec.protect_prompt is None else [f"protect_prompt={spec.protect_prompt}"]
+        if spec.policy or settings:
+            described.append(f"{spec.name} ({', '.join([f'policy {spec.policy_class.name}', *settings])})")
+    return {"policy options": "; ".join(described)} if described else {}
 
 
 def check_distinct_names(specs: list[PolicySpec]) -> None:
@@ -150,7 +195,7 @@ def trained_on(specs: list[PolicySpec], evaluated: set[str]) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     if (args.traces is None) == (not args.prompts):
         raise ValueError("give either --traces (teacher-forced) or --prompts (generation), not both or neither")
-    specs, notes = policy_specs(args.policies, args.scorer)
+    specs, notes = policy_specs(args.policies, args.scorer, args.option)
     if args.prompts:
         if args.sampled_seeds:
             raise ValueError("--sampled-seeds averages teacher-forced replays: use it with --traces, not --prompts")
@@ -176,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": ", ".join(spec.name for spec in specs),
         "budgets": ", ".join(map(str, args.budgets)),
         "interval": args.interval,
+        **option_settings(specs),
         **sampled_settings(args.sampled_seeds, args.sample_temperature),
         **trained_on(specs, {t.source for t in traces}),
     }

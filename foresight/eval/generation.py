@@ -183,10 +183,14 @@ class CompletionStore:
 
 
 def _identity(spec: PolicySpec) -> dict[str, str]:
-    """What makes a policy's completions: its name, and the weights of a learned scorer."""
+    """What makes a policy's completions: its name, the policy and options of a row that has them, and
+    the weights of a learned scorer."""
     scorer = getattr(spec, "scorer", None)
     if scorer is None:
-        return {"policy": spec.name}
+        settings = {key: str(value) for key, value in spec.options}
+        if spec.protect_prompt is not None:
+            settings["protect_prompt"] = str(spec.protect_prompt)
+        return {"policy": spec.name, **({"runs": spec.policy_class.name} if spec.policy else {}), **settings}
     digest = hashlib.sha256()
     for name, tensor in sorted(scorer.state_dict().items()):
         digest.update(name.encode())

@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 from foresight.cadence import check_budget, golden_prefill
 from foresight.labels import GoldenLabels, LabelStore
+from foresight.models import describe
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.engine import EvictionEngine, ReplayOutput
 from foresight.runtime.prefix import ReplayPrefix
@@ -111,6 +112,7 @@ def evaluate(
         for batch in batches for spec in _replayed(budget_specs)
     )
     rows, scores = [], []
+    entry_bytes = describe(model).entry_bytes(next(model.parameters()).dtype)
     with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
         for budget, budget_specs, batches, batch_labels in plans:
             tallies = {spec.name: TraceTally() for spec in budget_specs}
@@ -119,6 +121,7 @@ def evaluate(
                 _evaluate_batch(model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix)
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
+                | kv_memory(spec, budget, interval, [t for batch in batches for t in batch], entry_bytes)
                 for spec in budget_specs
             ]
             notes += [
@@ -130,6 +133,21 @@ def evaluate(
             scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
     learned = tuple(spec.name for spec in specs if isinstance(spec, ScorerSpec))
     return EvaluationResult(rows=rows, notes=notes, trace_scores=scores, learned=learned)
+
+
+def kv_memory(
+    spec: PolicySpec, budget: int, interval: int, traces: Sequence[Trace], entry_bytes: int
+) -> dict[str, float]:
+    """The row's peak KV cache per sequence, in entries and MiB (the x axis of the field's accuracy-against-
+    memory curves): B + L entries, plus the prompt for a policy that protects it (mean over the traces);
+    the full cache holds every token of a trace (mean length)."""
+    lengths = [t.input_ids.numel() for t in traces]
+    if not spec.evicts:
+        entries = sum(lengths) / len(lengths)
+    else:
+        prompts = [t.prompt_length for t in traces] if spec.protects_prompt else [0]
+        entries = budget + interval + sum(prompts) / len(prompts)
+    return {"kv_entries": entries, "kv_mib": entries * entry_bytes / 2**20}
 
 
 def _labels_for(

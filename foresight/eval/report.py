@@ -69,10 +69,12 @@ def write_results(
     plotted: Sequence[str],
     reference: str = "full",
     after: Sequence[str] = (),
+    by_memory: Sequence[str] = (),
 ) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (title, settings, notes, table, then the
     markdown blocks of `after`) and one PNG per metric in `plotted` that has a value (budget against
-    the metric, one line per policy, the `reference` policy dashed). Returns the paths written."""
+    the metric, one line per policy, the `reference` policy dashed), and one more per metric of
+    `by_memory` against the rows' KV memory (`kv_mib`). Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
@@ -89,13 +91,22 @@ def write_results(
     for metric in plotted:
         if any(row.get(metric) is not None for row in rows):
             paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png", reference))
+    for metric in by_memory:
+        if any(row.get(metric) is not None and row.get(MEMORY) is not None for row in rows):
+            paths.append(plot_metric(rows, metric, out_dir / f"{metric}_by_memory.png", reference, x=MEMORY))
     return paths
 
 
-def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path, reference: str = "full") -> Path:
-    """Budget against `metric`, one line per policy (matplotlib, Agg backend), with the confidence
-    interval as error bars where rows have one; each policy gets its own colour and marker, the
-    `reference` a dashed black line."""
+MEMORY = "kv_mib"
+"""The rows' KV memory per sequence in MiB, the x axis of the memory plots."""
+
+
+def plot_metric(
+    rows: Sequence[dict[str, Any]], metric: str, path: Path, reference: str = "full", x: str = "budget"
+) -> Path:
+    """Budget (or `x`: MEMORY) against `metric`, one line per policy (matplotlib, Agg backend), with the
+    confidence interval as error bars where rows have one; each policy gets its own colour and marker,
+    the `reference` a dashed black line (a point, against memory)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,8 +118,8 @@ def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path, referen
     low_key, high_key = interval_keys(metric)
     for index, policy in enumerate(dict.fromkeys(row["policy"] for row in rows)):
         points = sorted(
-            (r["budget"], r[metric], r.get(low_key), r.get(high_key))
-            for r in rows if r["policy"] == policy and r[metric] is not None
+            (r[x], r[metric], r.get(low_key), r.get(high_key))
+            for r in rows if r["policy"] == policy and r[metric] is not None and r.get(x) is not None
         )
         if not points:
             continue
@@ -119,10 +130,16 @@ def plot_metric(rows: Sequence[dict[str, Any]], metric: str, path: Path, referen
             axes.errorbar(budgets, values, yerr=errors, capsize=3, marker=markers[index % len(markers)], label=policy, **style)
         else:
             axes.plot(budgets, values, marker=markers[index % len(markers)], label=policy, **style)
-    axes.set_xticks(sorted({row["budget"] for row in rows}))
-    axes.set_xlabel("budget B (cache entries)")
-    axes.set_ylabel(metric.replace("_", " "))
-    axes.set_title(f"{metric.replace('_', ' ')} by budget (L={rows[0]['interval']})")
+    name = metric.replace("_", " ")
+    if x == MEMORY:
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("peak KV cache per sequence (MiB; B + L entries, plus the prompt where protected)")
+        axes.set_title(f"{name} against KV memory (L={rows[0]['interval']})")
+    else:
+        axes.set_xticks(sorted({row["budget"] for row in rows}))
+        axes.set_xlabel("budget B (cache entries)")
+        axes.set_title(f"{name} by budget (L={rows[0]['interval']})")
+    axes.set_ylabel(name)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()

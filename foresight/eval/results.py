@@ -28,12 +28,15 @@ class EvaluationResult:
 
 
 METRICS = ("loss_ratio", "low_entropy_damage", "low_entropy_dl2", "attn_cosine", "golden_overlap")
+BY_MEMORY = ("loss_ratio", "low_entropy_damage")
+"""The figures also drawn against the KV memory each policy holds (the field's accuracy-against-memory curves)."""
 
 
 COLUMNS: tuple[Column, ...] = (
     ("policy", "policy", "{}"),
     ("budget", "B", "{}"),
     ("interval", "L", "{}"),
+    ("kv_mib", "KV MiB / sequence", "{:.2f}"),
     ("loss_ratio", "loss ratio", "{:.4f}"),
     ("low_entropy_damage", "low-entropy damage", "{:.2%}"),
     ("low_entropy_dl2", "mean ΔL² (damaged)", "{:.3f}"),
@@ -65,7 +68,7 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
     paths = write_results(
         out_dir, "Teacher-forced evaluation", settings, result.notes, sorted_rows(result.rows), COLUMNS, METRICS,
-        reference=REFERENCE.name, after=sections,
+        reference=REFERENCE.name, after=sections, by_memory=BY_MEMORY,
     )
     paths.append(Path(out_dir) / "traces.json")
     write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))

@@ -4,17 +4,19 @@ tell which budgets each can run at. Shared by the teacher-forced replay and the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from foresight.labels import GoldenLabels
 from foresight.policies import POLICIES, Policy, make_policy
-from foresight.scorer.model import ForesightScorer, load_scorer
+from foresight.policies.options import parse_value, typed_options
 from foresight.runtime.engine import EvictionConfig
 from foresight.scorer.eviction_sampling import check_temperature
+from foresight.scorer.model import ForesightScorer, load_scorer
 
 RECOMMENDED_SEEDS = 8
 """Seeds a sampled learned policy is replayed with by default (`foresight eval --sampled-seeds`)."""
@@ -25,13 +27,20 @@ RECOMMENDED_SEEDS = 8
 class PolicySpec:
     """A policy to evaluate and what building it takes. Golden takes the labels of the batch; a
     policy that needs another artifact (a learned scorer's folder) becomes one more kind of spec
-    with its own `build`, without touching the replay loop."""
+    with its own `build`, without touching the replay loop.
+
+    name: the row's name; policy: the registered policy it runs (default: `name`), so one policy can
+    run under two settings as two rows; options: its constructor options (e.g. triattention's
+    stats); protect_prompt: overrides the policy's own default (None keeps it)."""
 
     name: str
+    policy: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+    protect_prompt: bool | None = None
 
     @property
     def policy_class(self) -> type[Policy]:
-        return POLICIES[self.name]
+        return POLICIES[self.policy or self.name]
 
     @property
     def needs_labels(self) -> bool:
@@ -39,10 +48,11 @@ class PolicySpec:
 
     @property
     def missing_artifacts(self) -> list[str]:
-        """Required constructor arguments that eval cannot give (every one but golden's labels)."""
+        """Required constructor arguments that neither eval (golden's labels) nor the options give."""
+        given = {key for key, _ in self.options}
         return [
             f.name for f in fields(self.policy_class)
-            if f.init and f.default is f.default_factory is MISSING and f.name != "labels"
+            if f.init and f.default is f.default_factory is MISSING and f.name != "labels" and f.name not in given
         ]
 
     @property
@@ -51,11 +61,14 @@ class PolicySpec:
 
     @property
     def protects_prompt(self) -> bool:
-        return not self.needs_labels and self.policy_class.default_protect_prompt
+        if self.needs_labels:
+            return False
+        return self.policy_class.default_protect_prompt if self.protect_prompt is None else self.protect_prompt
 
     def build(self, labels: Sequence[GoldenLabels] | None, trace_indices: Sequence[int] = ()) -> Policy:
         """The policy for one batch: `labels` of its traces (golden), `trace_indices` (a sampled scorer)."""
-        return make_policy(self.name, labels=list(labels)) if self.needs_labels else make_policy(self.name)
+        options = dict(self.options) | ({"labels": list(labels)} if self.needs_labels else {})
+        return make_policy(self.policy_class.name, **options)
 
     def replays(self) -> list[PolicySpec]:
         """The replays whose per-trace sums average into this spec's row: itself (a sampled learned
@@ -69,7 +82,7 @@ class PolicySpec:
             return None
         if self.needs_labels:
             return EvictionConfig(budget, interval, sinks=0, protect_prompt=False)
-        return EvictionConfig(budget, interval)
+        return EvictionConfig(budget, interval, protect_prompt=self.protect_prompt)
 
     def skip_reason(self, budget: int, interval: int) -> str | None:
         """Why the policy cannot run at this budget and interval (a learned scorer runs only at its own)."""
@@ -157,24 +170,54 @@ def trace_seed(seed: int, trace_index: int) -> int:
 REFERENCE = PolicySpec("full")
 
 
-def resolve_policies(text: str) -> tuple[list[PolicySpec], list[str]]:
-    """Specs for `all` or a comma-separated list of names, and notes on what `all` leaves out."""
+def resolve_policies(
+    text: str, options: Mapping[str, Mapping[str, str]] | None = None
+) -> tuple[list[PolicySpec], list[str]]:
+    """Specs for `all` or a comma-separated list of rows, and notes on what `all` leaves out. A row is
+    NAME, or ROW=NAME to run a registered policy under a row name of its own (one policy under two
+    settings). `options` maps a row to its option texts {key: value}, typed from the policy's fields
+    (e.g. triattention's stats); the key protect_prompt overrides the policy's default."""
+    options = dict(options or {})
     if text == "all":
-        specs, notes = [], []
-        for name in sorted(POLICIES):
-            missing = PolicySpec(name).missing_artifacts
-            if missing:
-                notes.append(f"{name}: skipped, it needs {', '.join(missing)}, which eval does not provide yet")
-            else:
-                specs.append(PolicySpec(name))
-        return specs, notes
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise ValueError(f"--policies {text!r} names no policy; give 'all' or names such as h2o,snapkv")
-    for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose 'all' or some of: {', '.join(sorted(POLICIES))}")
-        missing = PolicySpec(name).missing_artifacts
-        if missing:
-            raise ValueError(f"policy {name!r} needs {', '.join(missing)}, which eval does not provide yet")
-    return [PolicySpec(name) for name in dict.fromkeys(names)], []
+        rows = {name: name for name in sorted(POLICIES)}
+    else:
+        rows = dict(_row(item) for item in text.split(",") if item.strip())
+        if not rows:
+            raise ValueError(f"--policies {text!r} names no policy; give 'all' or names such as h2o,snapkv")
+    unknown = sorted(set(options) - set(rows))
+    if unknown:
+        raise ValueError(f"options for {unknown[0]!r}, which is not a row of --policies (rows: {', '.join(rows)})")
+    specs, notes = [], []
+    for row, policy in rows.items():
+        spec = _with_options(row, policy, options.get(row, {}))
+        missing = spec.missing_artifacts
+        if not missing:
+            specs.append(spec)
+            continue
+        needed = f"it needs {', '.join(missing)}: give " + ", ".join(f"-o {row}.{key}=VALUE" for key in missing)
+        if text != "all":
+            raise ValueError(f"policy {row!r}: {needed}")
+        notes.append(f"{row}: skipped, {needed}")
+    return specs, notes
+
+
+def _row(item: str) -> tuple[str, str]:
+    """(row name, registered policy) of a --policies item NAME or ROW=NAME."""
+    row, sep, policy = (part.strip() for part in item.partition("="))
+    policy = policy if sep else row
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose 'all' or some of: {', '.join(sorted(POLICIES))}")
+    if not row:
+        raise ValueError(f"--policies item {item!r} must be NAME or ROW=NAME")
+    return row, policy
+
+
+def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec:
+    texts = dict(texts)
+    protect = texts.pop("protect_prompt", None)
+    try:
+        protect_prompt = None if protect is None else parse_value(protect, bool)
+    except ValueError:
+        raise ValueError(f"-o {row}.protect_prompt expects true or false, got {protect!r}") from None
+    typed = typed_options(POLICIES[policy], texts)
+    return PolicySpec(row, None if policy == row else policy, tuple(sorted(typed.items())), protect_prompt)
