@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the environment, then the main job on the embedded default model: reasoning traces ->
 # golden labels -> supervised fit of the learned scorer -> reinforcement (GRPO) of that scorer ->
-# teacher-forced evaluation of the nine heuristics, golden and both learned scorers (at the budget they
+# teacher-forced evaluation of the twelve heuristics, golden and both learned scorers (at the budget they
 # were trained for) on held-out traces at B = 128 (trained) and B = 256 (twice the cache), ending with the comparison table (every figure with its bootstrap interval) and
 # plots against B. Within 15 minutes on 2 CPU cores, set-up included (docs/benchmarks.md).
 # A smaller run of configs/default.yaml and configs/default-rl.yaml (the recipes of the shipped scorer
@@ -17,6 +17,12 @@ foresight fit --config configs/default.yaml --out "$out" \
 foresight rl --config configs/default-rl.yaml --scorer "$out/scorer" --out "$out/rl" --traces "$out/traces" \
   --set data.holdout=0.25 --set data.batch_size=2 --set model.group_size=4 --set trainer.max_steps=3
 foresight labels --traces "$out/traces" --budget 256 --interval 32  # fit labelled B = 128; golden needs both
-foresight eval --traces "$out/traces" --holdout 0.25 --policies full,golden,h2o,snapkv,rkv,tova,streaming,lagkv,lazy,raas,epikv \
+# The 2026 baselines too: random eviction with the prompt protected, VaSE, and TriAttention (its statistics
+# calibrated on data/corpus/train52) as its authors run it (prompt protected) and on the same memory as the
+# others (tri-open: prompt evictable).
+stats=checkpoints/triattention-default
+foresight eval --traces "$out/traces" --holdout 0.25 \
+  --policies full,golden,h2o,snapkv,rkv,tova,streaming,lagkv,lazy,raas,epikv,random-prompt,vase,triattention,tri-open=triattention \
+  -o triattention.stats=$stats -o tri-open.stats=$stats -o tri-open.protect_prompt=false \
   --scorer foresight-sl="$out/scorer" --scorer foresight-rl="$out/rl/scorer" \
   --budgets 128,256 --interval 32 --out "$out/eval"

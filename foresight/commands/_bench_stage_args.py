@@ -22,7 +22,7 @@ from foresight.commands._bench_args import (
     report_flags,
 )
 from foresight.commands._model import add_model_arguments, add_placement_arguments, model_options
-from foresight.commands._policy import add_cadence_arguments, add_policies_argument, int_list
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument, add_row_options_argument, int_list
 from foresight.eval.specs import resolve_policies
 from foresight.models import DEFAULT_MODEL
 
@@ -80,6 +80,7 @@ def _add_paged_reclaim(parser: argparse.ArgumentParser) -> None:
         help="a trained scorer folder (or Hub id, or NAME=DIR) replayed as the learned `foresight` policy at the B and L "
         "it was trained for; repeat for several",
     )
+    add_row_options_argument(parser)
     add_cadence_arguments(parser, budget=[128, 256], interval=32, several_budgets=True)
     parser.add_argument("--page-sizes", type=int_list, default=[16, 32, 64], help="page sizes P (positions per page), comma-separated")
     add_placement_arguments(parser)
@@ -89,12 +90,13 @@ def _add_paged_reclaim(parser: argparse.ArgumentParser) -> None:
 
 
 def _paged_reclaim_settings(args: argparse.Namespace) -> paged_reclaim.PagedReclaimSettings:
-    specs, notes = policy_specs(args.policies, args.scorer)
+    specs, notes = policy_specs(args.policies, args.scorer, args.option)
     plot = args.plot or args.out.parent / f"{args.section or paged_reclaim.NAME}.png"
     command = (
         f"foresight bench paged-reclaim --traces {args.traces}"
         + (f" --holdout {args.holdout}" if args.holdout is not None else "")
-        + f" --policies {args.policies}" + "".join(f" --scorer {shlex.quote(source)}" for source in args.scorer)
+        + f" --policies {args.policies}" + "".join(f" -o {shlex.quote(option)}" for option in args.option)
+        + "".join(f" --scorer {shlex.quote(source)}" for source in args.scorer)
         + f" --budgets {','.join(map(str, args.budgets))} --interval {args.interval}"
         + f" --page-sizes {','.join(map(str, args.page_sizes))} {placement_flags(args)} --plot {shlex.quote(str(plot))}"
         + f" {report_flags(args)}"

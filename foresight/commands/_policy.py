@@ -66,6 +66,17 @@ def add_policies_argument(parser: argparse.ArgumentParser, all_means: str) -> No
     )
 
 
+def add_row_options_argument(parser: argparse.ArgumentParser) -> None:
+    """-o ROW.KEY=VALUE: options of the rows of --policies (`foresight.eval.specs.resolve_policies`)."""
+    parser.add_argument(
+        "--option", "-o", action="append", default=[], metavar="ROW.KEY=VALUE",
+        help="an option of one row of --policies, typed as its policy declares it (`foresight policies`), e.g. "
+        "-o triattention.stats=checkpoints/triattention-default; the key protect_prompt overrides the policy's "
+        "own default. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
+        "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several",
+    )
+
+
 def selected_policies(text: str) -> list[str]:
     """The full cache and the policies of --policies ('all': every one that needs no labels or scorer)."""
     names = sorted(n for n, cls in POLICIES.items() if _constructible(cls)) if text == "all" else text.split(",")

@@ -31,7 +31,7 @@ from foresight.commands._model import (
     model_of_traces,
     model_options,
 )
-from foresight.commands._policy import add_cadence_arguments, add_policies_argument
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument, add_row_options_argument
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
 from foresight.eval.results import markdown_table, write_report
@@ -76,13 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the forwards before the first eviction (the same results; saves the memory of the recorded queries, "
         "keys and values of B + L tokens per trace)",
     )
-    parser.add_argument(
-        "--option", "-o", action="append", default=[], metavar="ROW.KEY=VALUE",
-        help="an option of one row of --policies, typed as its policy declares it (`foresight policies`), e.g. "
-        "-o triattention.stats=checkpoints/triattention-default; the key protect_prompt overrides the policy's "
-        "own default. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
-        "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several",
-    )
+    add_row_options_argument(parser)
     parser.add_argument(
         "--scorer", action="append", default=[], metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
