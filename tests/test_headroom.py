@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from foresight.eval.headroom import TraceScore, _resample_weights, headroom, paired_ratio_gain
+from foresight.eval.headroom import TraceScore, _resample_weights, headroom, paired_gain
 
 B = 128
 TOKENS = (100, 50, 80)  # scored tokens of the three traces
@@ -111,11 +111,44 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
     assert "| 50.0% [" in rows["first"] and "| 0.0% [" in rows["second"]
     assert headroom(merged, B, "first", ["second"]).share.value == pytest.approx(0.5)
     assert "| -0.1000 [" in rows["second"]  # first − second: 1.2 − 1.3 on the same traces, paired
-    gain = paired_ratio_gain(merged, B, "second", "first")
+    gain = paired_gain(merged, B, "second", "first")
     assert gain.value == pytest.approx(0.1) and gain.low <= gain.value <= gain.high
-    assert paired_ratio_gain(merged, B, "first", "raas") is None  # no trace scored on the same tokens
+    assert paired_gain(merged, B, "first", "raas") is None  # no trace scored on the same tokens
     _eval_folder(tmp_path / "other", scores("golden", (56.0, 22.0, 44.0)))  # not the same traces
     with pytest.raises(ValueError, match="golden at B = 128 on trace 0 differs"):
         merged_scores((tmp_path / "base", tmp_path / "other"))
     with pytest.raises(ValueError, match="holds no traces.json"):
         merged_scores((tmp_path / "missing",))
+
+
+def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
+    """Per policy: pooled figures, KV memory from results.json, and the learned scorer's paired gain (by hand:
+    h2o 1.3 − foresight 1.2 = 0.1; damage 8/240 − 2/240); a policy scored on other tokens has none."""
+    import json
+
+    from foresight.bench.baselines import BaselinesSettings, memory_rows, plot_path, run
+
+    _eval_folder(tmp_path / "a", [s for s in RUN if s.policy != "foresight"])
+    _eval_folder(tmp_path / "b", [s for s in RUN if s.policy in ("foresight", "golden")])
+    rows = [{"policy": p, "budget": B, "interval": 32, "loss_ratio": 1.0, "kv_mib": mib} for p, mib in
+            (("h2o", 2.5), ("raas", 4.0), ("foresight", 2.5))]
+    (tmp_path / "a" / "results.json").write_text(json.dumps([{**rows[0], "kv_mib": None}, rows[1]]))
+    (tmp_path / "b" / "results.json").write_text(json.dumps([rows[0], rows[2]]))
+    assert {(r["policy"], r["kv_mib"]) for r in memory_rows((tmp_path / "a", tmp_path / "b"))} == {
+        ("h2o", 2.5), ("raas", 4.0), ("foresight", 2.5)  # the row that states its memory wins
+    }
+    settings = BaselinesSettings(sets=(("Set A", (tmp_path / "a", tmp_path / "b")),), learned="foresight",
+                                 budgets=(B, 256), plot_dir=tmp_path, command="cmd")
+    report = run(settings)
+    lines = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
+    gain = paired_gain(RUN, B, "h2o", "foresight")
+    assert lines["h2o"].startswith("| h2o | 2.50 | 1.3000 [") and f"| {gain} |" in lines["h2o"]
+    assert gain.value == pytest.approx(0.1)
+    damage = paired_gain(RUN, B, "h2o", "foresight", "low_entropy_damage")
+    assert damage.value == pytest.approx(8 / 240 - 2 / 240) and lines["h2o"].endswith(f"| {damage.value:.2%} [{damage.low:.2%}, {damage.high:.2%}] |")
+    assert lines["raas"].endswith("| other tokens | other tokens |") and lines["golden"].startswith("| golden | – |")
+    assert lines["foresight"].endswith("| – | – |")
+    assert "B = 256: foresight was not evaluated here." in report
+    assert plot_path(tmp_path, "Set A").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="holds no results.json"):
+        memory_rows((tmp_path / "missing",))

@@ -20,7 +20,7 @@ import json
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_ratio_gain, percent
+from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_gain, percent
 
 NAME = "ablation"
 
@@ -77,7 +77,7 @@ def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for what, result in results:
-        over_first = paired_ratio_gain(scores, budget, first.learned, result.learned) if result is not first else None
+        over_first = paired_gain(scores, budget, first.learned, result.learned) if result is not first else None
         lines.append(
             f"| {result.learned} | {what} | {result.loss_ratio[result.learned]} | "
             f"{percent(result.damage[result.learned])} | {percent(result.share, 1)} | {result.ratio_gain} | "

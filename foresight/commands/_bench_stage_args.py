@@ -10,7 +10,16 @@ from pathlib import Path
 
 import torch
 
-from foresight.bench import ablation, eval_prefix, labels_memory, paged_reclaim, rl_heldout, rl_step, trace_generation
+from foresight.bench import (
+    ablation,
+    baselines,
+    eval_prefix,
+    labels_memory,
+    paged_reclaim,
+    rl_heldout,
+    rl_step,
+    trace_generation,
+)
 from foresight.bench.common import dtype_name
 from foresight.commands import rl
 from foresight.commands.eval import policy_specs
@@ -233,6 +242,29 @@ def _ablation_settings(args: argparse.Namespace) -> ablation.AblationSettings:
     return ablation.AblationSettings(sets=sets, learned=tuple(args.learned), budget=args.budget, command=command)
 
 
+def _add_baselines(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set", dest="sets", action="append", required=True, type=_named("DIR,DIR,..."), metavar="NAME=DIR,...",
+        help="a trace set and the `foresight eval` folders of its traces (repeat per set)",
+    )
+    parser.add_argument("--learned", required=True, help="the learned scorer's row name in those folders")
+    parser.add_argument("--budgets", "-B", type=int_list, default=[128, 256], help="budgets B tabled, comma-separated")
+    parser.add_argument("--plot-dir", type=Path, default=Path("docs"), help="folder of the PNGs, one per set")
+    add_report_arguments(parser, "baselines")
+
+
+def _baselines_settings(args: argparse.Namespace) -> baselines.BaselinesSettings:
+    sets = tuple((name, tuple(Path(folder) for folder in folders.split(","))) for name, folders in args.sets)
+    flags = " ".join(f"--set {shlex.quote(f'{n}={v}')}" for n, v in args.sets)
+    command = (
+        f"foresight bench baselines {flags} --learned {args.learned} --budgets {','.join(map(str, args.budgets))} "
+        f"--plot-dir {shlex.quote(str(args.plot_dir))} {report_flags(args)}"
+    )
+    return baselines.BaselinesSettings(
+        sets=sets, learned=args.learned, budgets=tuple(args.budgets), plot_dir=args.plot_dir, command=command
+    )
+
+
 STAGE_BENCHMARKS = (
     BenchCommand(eval_prefix, _add_eval_prefix, _eval_prefix_settings, lambda settings: f"eval-prefix-{device_kind(settings)}"),
     BenchCommand(labels_memory, _add_labels_memory, _labels_memory_settings, _labels_memory_section),
@@ -242,4 +274,5 @@ STAGE_BENCHMARKS = (
     BenchCommand(trace_generation, _add_trace_generation, _trace_generation_settings,
                  lambda settings: f"trace-generation-{device_kind(settings)}"),
     BenchCommand(ablation, _add_ablation, _ablation_settings, lambda settings: f"ablation-B{settings.budget}"),
+    BenchCommand(baselines, _add_baselines, _baselines_settings, lambda settings: baselines.NAME),
 )

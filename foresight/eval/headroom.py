@@ -143,22 +143,46 @@ def headroom(
 _SUMS = ("nll_evicted", "nll_full", "low_entropy", "damaged")
 
 
-def paired_ratio_gain(
-    scores: Sequence[TraceScore], budget: int, reference: str, other: str, seed: int = 0, resamples: int = RESAMPLES
+FIGURES = {"loss_ratio": ("nll_evicted", "nll_full"), "low_entropy_damage": ("damaged", "low_entropy")}
+"""The pooled figures a paired comparison reads: numerator and denominator sums of `TraceScore`."""
+
+
+def paired_gain(
+    scores: Sequence[TraceScore],
+    budget: int,
+    reference: str,
+    other: str,
+    figure: str = "loss_ratio",
+    seed: int = 0,
+    resamples: int = RESAMPLES,
 ) -> Estimate | None:
-    """Loss ratio of `reference` − `other` at `budget`, paired over the traces both scored on the same
-    tokens (positive: `other` is better), or None when they share no such trace."""
+    """`figure` (a key of FIGURES) of `reference` − `other` at `budget`, pooled and paired over the traces
+    both scored on the same tokens (positive: `other` is better), or None when they share no such trace."""
     tables = _by_policy([s for s in scores if s.budget == budget])
     first, second = tables.get(reference, {}), tables.get(other, {})
     traces = sorted(i for i in first.keys() & second.keys() if first[i].tokens == second[i].tokens)
     if not traces:
         return None
     weights = _resample_weights(len(traces), resamples, seed)
-    ratios = [
-        _pooled(*(np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in _SUMS[:2]), weights)
+    pooled = [
+        _pooled(*(np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in FIGURES[figure]), weights)
         for table in (first, second)
     ]
-    return _estimate(ratios[0] - ratios[1])
+    return _estimate(pooled[0] - pooled[1])
+
+
+def pooled_figure(
+    scores: Sequence[TraceScore], budget: int, policy: str, figure: str = "loss_ratio", seed: int = 0,
+    resamples: int = RESAMPLES,
+) -> Estimate | None:
+    """`figure` of one policy at `budget`, pooled over its traces with a bootstrap interval (None: not scored)."""
+    table = _by_policy([s for s in scores if s.budget == budget]).get(policy, {})
+    if not table:
+        return None
+    traces = sorted(table)
+    weights = _resample_weights(len(traces), resamples, seed)
+    sums = (np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in FIGURES[figure])
+    return _estimate(_pooled(*sums, weights))
 
 
 def _by_policy(scores: Sequence[TraceScore]) -> dict[str, dict[int, TraceScore]]:
