@@ -37,7 +37,7 @@ from trainers import data as data_module
 from trainers import supervised
 from trainers.cli import cli_main
 from trainers.data import GoldenDataModule, concat_steps
-from trainers.ranking import average_ranks, kept_overlap, pairwise_ranking_loss, spearman
+from trainers.ranking import PairWeight, average_ranks, kept_overlap, pairwise_ranking_loss, spearman
 from trainers.supervised import SupervisedScorer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,35 +45,43 @@ B, L_ = 16, 4
 
 
 # -- the loss and the metrics ---------------------------------------------------------------------
-def loop_pairwise_loss(scores: torch.Tensor, alpha: torch.Tensor, margin: float, lowest: int | None = None) -> torch.Tensor:
+def loop_pairwise_loss(
+    scores: torch.Tensor, alpha: torch.Tensor, margin: float, lowest: int | None = None, gap: bool = False
+) -> torch.Tensor:
     """Eq. 6 for one problem by a double loop: mean over pairs with α_i < α_j of max(0, m - (φ_j - φ_i)),
-    i restricted to the `lowest` entries a golden step evicts (sorted by α, then newest first)."""
+    i restricted to the `lowest` entries a golden step evicts (sorted by α, then newest first); with `gap`,
+    the mean weighted by α_j − α_i."""
     rows = range(len(scores))
     if lowest is not None:
         rows = sorted(rows, key=lambda n: (float(alpha[n]), -n))[:lowest]
-    terms = [
-        torch.clamp(margin - (scores[j] - scores[i]), min=0)
-        for i, j in itertools.product(rows, range(len(scores)))
-        if alpha[i] < alpha[j]
-    ]
-    return torch.stack(terms).mean() if terms else scores.sum() * 0
+    pairs = [(i, j) for i, j in itertools.product(rows, range(len(scores))) if alpha[i] < alpha[j]]
+    if not pairs:
+        return scores.sum() * 0
+    terms = torch.stack([torch.clamp(margin - (scores[j] - scores[i]), min=0) for i, j in pairs])
+    weights = torch.stack([alpha[j] - alpha[i] if gap else torch.tensor(1.0) for i, j in pairs])
+    return (terms * weights).sum() / weights.sum()
 
 
+@pytest.mark.parametrize("weight", list(PairWeight))
 @pytest.mark.parametrize("lowest", [None, 1, 3, 9])
 @pytest.mark.parametrize("chunk_size", [1, 3, 256])
-def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size, lowest):
+def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size, lowest, weight):
     generator = torch.Generator().manual_seed(0)
     scores = (torch.randn(2, 3, 9, generator=generator) * 0.01).requires_grad_()
     alpha = torch.randint(0, 4, (2, 3, 9), generator=generator).float()  # many ties: tied pairs do not count
     alpha[1, 2] = 1.0  # all equal: no pair
-    loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01, chunk_size=chunk_size, lowest=lowest)
+    loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01, chunk_size=chunk_size, lowest=lowest, weight=weight)
     reference_scores = scores.detach().clone().requires_grad_()
+    gap = weight is PairWeight.GAP
     expected = torch.stack([
-        torch.stack([loop_pairwise_loss(reference_scores[b, h], alpha[b, h], 0.01, lowest) for h in range(3)])
+        torch.stack([loop_pairwise_loss(reference_scores[b, h], alpha[b, h], 0.01, lowest, gap) for h in range(3)])
         for b in range(2)
     ])
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-7)
-    if lowest in (None, 9):  # every entry is some pair's lower member
+    if lowest in (None, 9) and gap:  # the total weight: Σ over pairs of α_j − α_i
+        sums = [[sum(float(c - a) for a in alpha[b, h] for c in alpha[b, h] if a < c) for h in range(3)] for b in range(2)]
+        torch.testing.assert_close(pairs, torch.tensor(sums), rtol=1e-6, atol=0)
+    elif lowest in (None, 9):  # every entry is some pair's lower member
         counts = [[sum(int(a < c) for a in alpha[b, h] for c in alpha[b, h]) for h in range(3)] for b in range(2)]
         assert pairs.tolist() == counts
     assert pairs[1, 2] == 0 and loss[1, 2] == 0
@@ -122,10 +130,10 @@ def test_ties_share_their_mean_rank_and_keep_the_lower_position():
 
 
 # -- the LightningModule ----------------------------------------------------------------------------
-@pytest.mark.parametrize("pairs", ["all", "evicted"])
-def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_path, pairs):
-    """Both pair sets learn which entries to keep; only all pairs also order the kept ones."""
-    module = SupervisedScorer(scorer_spec(), lr=3e-2, pairs=pairs)
+@pytest.mark.parametrize(("pairs", "pair_weight"), [("all", "uniform"), ("evicted", "uniform"), ("all", "gap")])
+def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_path, pairs, pair_weight):
+    """Both pair sets and both weightings learn which entries to keep; only all pairs also order the kept ones."""
+    module = SupervisedScorer(scorer_spec(), lr=3e-2, pairs=pairs, pair_weight=pair_weight)
     assert {id(p) for p in module.parameters()} == {id(p) for p in module.scorer.parameters()}
     train = DataLoader(synthetic_traces(8, 4), batch_size=2, shuffle=True, collate_fn=concat_steps)
     val = DataLoader(synthetic_traces(2, 4, seed=1), batch_size=2, collate_fn=concat_steps)
@@ -160,6 +168,8 @@ def test_module_rejects_bad_hyperparameters():
         SupervisedScorer(scorer_spec(), lr=0.0)
     with pytest.raises(ValueError, match="unknown ranking pairs 'some'; allowed: 'all', 'evicted'"):
         SupervisedScorer(scorer_spec(), pairs="some")
+    with pytest.raises(ValueError, match="unknown .*'flat'; allowed: 'uniform', 'gap'"):
+        SupervisedScorer(scorer_spec(), pair_weight="flat")
 
 
 # -- the data module reads; it makes nothing -------------------------------------------------------

@@ -28,18 +28,32 @@ class RankingPairs(Choice):
     EVICTED = "evicted"
 
 
+class PairWeight(Choice):
+    """How much each pair (i, j) with α_i < α_j counts in its problem's mean.
+
+    "uniform": every pair alike (Eq. 6). "gap": in proportion to α_j − α_i, the future attention lost
+    by keeping i instead of j, so the pairs an eviction can hurt most weigh most and the ordering among
+    entries nobody will attend to, most of the pairs, weighs little.
+    """
+
+    UNIFORM = "uniform"
+    GAP = "gap"
+
+
 def pairwise_ranking_loss(
     scores: torch.Tensor,
     alpha: torch.Tensor,
     margin: float = DEFAULT_MARGIN,
     chunk_size: int = 256,
     lowest: int | None = None,
+    weight: PairWeight = PairWeight.UNIFORM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ForesightKV Eq. 6 per ranking problem: the mean over ordered pairs (i, j) with α_i < α_j of
-    max(0, m - (φ_j - φ_i)) (docs/algorithms.md §6). Returns (loss [...], number of pairs [...]); a
-    problem without a pair (all α equal) has loss 0 and 0 pairs. `lowest`: only pairs whose i is
-    among the `lowest` entries of its problem that the golden step evicts (the smallest α; ties evict
-    the higher index, the newer entry).
+    max(0, m - (φ_j - φ_i)) (docs/algorithms.md §6), each pair weighted by `weight` (`PairWeight`).
+    Returns (loss [...], total pair weight [...]: the number of pairs when uniform); a problem without
+    a pair (all α equal) has loss 0 and weight 0. `lowest`: only pairs whose i is among the `lowest`
+    entries of its problem that the golden step evicts (the smallest α; ties evict the higher index,
+    the newer entry).
 
     Every such pair is used, none sampled. The N x N pair matrix is built in chunks of `chunk_size`
     rows i, each under activation checkpointing, so forward and backward hold O(chunk_size x N)
@@ -54,15 +68,18 @@ def pairwise_ranking_loss(
     alpha = alpha.to(scores.dtype)
     # The golden step keeps the N - lowest largest α, ties to the older entry; i ranges over the rest.
     rows_used = torch.ones_like(alpha, dtype=torch.bool) if lowest is None else ~top_k_mask(alpha, alpha.shape[-1] - lowest)
+    gap = weight is PairWeight.GAP
     total = scores.new_zeros(scores.shape[:-1])
+    weights = scores.new_zeros(scores.shape[:-1]) if gap else count_ordered_pairs(alpha, rows_used).to(scores.dtype)
     for start in range(0, scores.shape[-1], chunk_size):
         rows = slice(start, start + chunk_size)
         total = total + checkpoint(
-            _hinge_sum, scores[..., rows], alpha[..., rows], rows_used[..., rows], scores, alpha, margin,
+            _hinge_sum, scores[..., rows], alpha[..., rows], rows_used[..., rows], scores, alpha, margin, gap,
             use_reentrant=False,
         )
-    pairs = count_ordered_pairs(alpha, rows_used)
-    return total / pairs.clamp_min(1), pairs
+        if gap:
+            weights = weights + _pair_weights(alpha[..., rows], rows_used[..., rows], alpha, gap).sum((-1, -2))
+    return total / weights.clamp_min(torch.finfo(scores.dtype).tiny if gap else 1), weights
 
 
 def count_ordered_pairs(alpha: torch.Tensor, rows_used: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,6 +90,12 @@ def count_ordered_pairs(alpha: torch.Tensor, rows_used: torch.Tensor | None = No
     return (larger if rows_used is None else larger * rows_used).sum(-1)
 
 
+def _pair_weights(alpha_i: torch.Tensor, used_i: torch.Tensor, alpha: torch.Tensor, gap: bool) -> torch.Tensor:
+    """[..., chunk, N] the weight of each pair (i, j): 0 unless α_i < α_j and i is used; else 1, or α_j − α_i."""
+    ordered = (alpha_i[..., :, None] < alpha[..., None, :]) & used_i[..., :, None]
+    return (alpha[..., None, :] - alpha_i[..., :, None]) * ordered if gap else ordered
+
+
 def _hinge_sum(
     scores_i: torch.Tensor,
     alpha_i: torch.Tensor,
@@ -80,11 +103,11 @@ def _hinge_sum(
     scores: torch.Tensor,
     alpha: torch.Tensor,
     margin: float,
+    gap: bool,
 ) -> torch.Tensor:
-    """Sum over i in the chunk where `used_i` and all j with α_i < α_j of max(0, m - (φ_j - φ_i))."""
-    ordered = (alpha_i[..., :, None] < alpha[..., None, :]) & used_i[..., :, None]
+    """Weighted sum over i in the chunk where `used_i` and all j with α_i < α_j of max(0, m - (φ_j - φ_i))."""
     hinge = torch.relu(margin - (scores[..., None, :] - scores_i[..., :, None]))
-    return (hinge * ordered).sum((-1, -2))
+    return (hinge * _pair_weights(alpha_i, used_i, alpha, gap)).sum((-1, -2))
 
 
 def kept_overlap(scores: torch.Tensor, alpha: torch.Tensor, count: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from foresight.scorer.attention_features import cumulative_feature, feature_dim
 from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
 from trainers.ranking import (
     DEFAULT_MARGIN,
+    PairWeight,
     RankingPairs,
     kept_overlap,
     pairwise_ranking_loss,
@@ -41,6 +42,7 @@ class SupervisedScorer(ScorerModule):
       rate annealed by a cosine from `lr` to 0 over the run's optimisation steps (paper: lr 1e-2).
     pairs: "all" (Eq. 6, every pair) or "evicted" (only pairs whose lower member is one of the L
       entries the golden step evicts; `RankingPairs`).
+    pair_weight: "uniform" (Eq. 6) or "gap" (each pair in proportion to α_j − α_i; `PairWeight`).
     pair_chunk: rows of the pair matrix built at once (memory only; the loss uses every chosen pair).
     init_scorer: a scorer folder to start from instead of a fresh initialisation (an on-policy round
       refits from the previous round's scorer); its config must match this one's.
@@ -55,11 +57,12 @@ class SupervisedScorer(ScorerModule):
         lr: float = 1e-2,
         weight_decay: float = 0.0,
         pairs: str = RankingPairs.ALL.value,
+        pair_weight: str = PairWeight.UNIFORM.value,
         pair_chunk: int = 256,
         init_scorer: str | None = None,
     ) -> None:
         super().__init__()
-        pairs = RankingPairs.parse(pairs).value
+        pairs, pair_weight = RankingPairs.parse(pairs).value, PairWeight.parse(pair_weight).value
         if lr <= 0 or margin < 0 or weight_decay < 0:
             raise ValueError(
                 f"need lr > 0, margin >= 0 and weight_decay >= 0, got lr={lr}, margin={margin}, weight_decay={weight_decay}"
@@ -84,7 +87,9 @@ class SupervisedScorer(ScorerModule):
     def _loss(self, scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global-batch mean of Eq. 6 (see the module docstring)."""
         lowest = self.scorer.config.interval if self.hparams.pairs == RankingPairs.EVICTED.value else None
-        per_problem, _ = pairwise_ranking_loss(scores, alpha, self.hparams.margin, self.hparams.pair_chunk, lowest)
+        per_problem, _ = pairwise_ranking_loss(
+            scores, alpha, self.hparams.margin, self.hparams.pair_chunk, lowest, PairWeight.parse(self.hparams.pair_weight)
+        )
         count = torch.tensor(float(per_problem.numel()), device=per_problem.device)
         world = self.trainer.world_size
         total = self.trainer.strategy.reduce(count, reduce_op="sum") if world > 1 else count
