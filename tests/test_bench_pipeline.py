@@ -12,7 +12,7 @@ from foresight.cli import main
 from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
-STAGES = ["labels", "examples", "eval replay", "fit, loader before", "fit, loader now", "rl rollouts"]
+STAGES = ["labels", "examples", "eval replay", "fit before", "fit now", "rl rollouts"]
 
 
 class Sleeper(torch.nn.Module):
@@ -61,7 +61,7 @@ def test_pipeline_times_every_stage_with_its_forward_share(traces_dir, tiny_dir,
             assert work == "2 steps" and share == "–"
         else:
             assert work.endswith("tokens") and 0 < float(share.rstrip("%")) / 100 <= 1, (stage, cells)
-    assert "2 worker processes" in rows["fit, loader now"][0]
+    assert "2 worker processes" in rows["fit now"][0]
     assert capsys.readouterr().out.strip().endswith(f"wrote the pipeline section of {out}")
 
 

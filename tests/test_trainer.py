@@ -62,15 +62,18 @@ def loop_pairwise_loss(
     return (terms * weights).sum() / weights.sum()
 
 
+@pytest.mark.parametrize("block", [None, 9, 200])  # whole batch; one problem's row chunk; a few problems
 @pytest.mark.parametrize("weight", list(PairWeight))
 @pytest.mark.parametrize("lowest", [None, 1, 3, 9])
 @pytest.mark.parametrize("chunk_size", [1, 3, 256])
-def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size, lowest, weight):
+def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size, lowest, weight, block):
     generator = torch.Generator().manual_seed(0)
     scores = (torch.randn(2, 3, 9, generator=generator) * 0.01).requires_grad_()
     alpha = torch.randint(0, 4, (2, 3, 9), generator=generator).float()  # many ties: tied pairs do not count
     alpha[1, 2] = 1.0  # all equal: no pair
-    loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01, chunk_size=chunk_size, lowest=lowest, weight=weight)
+    loss, pairs = pairwise_ranking_loss(
+        scores, alpha, margin=0.01, chunk_size=chunk_size, lowest=lowest, weight=weight, block_elements=block
+    )
     reference_scores = scores.detach().clone().requires_grad_()
     gap = weight is PairWeight.GAP
     expected = torch.stack([

@@ -28,6 +28,12 @@ class RankingPairs(Choice):
     EVICTED = "evicted"
 
 
+PAIR_BLOCK_ELEMENTS = 2**20
+"""Pair-matrix elements built at once (problems x rows x candidates): small enough to stay in the CPU's
+cache, where a batch's whole [problems, N, N] matrix (hundreds of MB) runs at memory speed, several times
+slower; the same sums either way."""
+
+
 class PairWeight(Choice):
     """How much each pair (i, j) with α_i < α_j counts in its problem's mean.
 
@@ -47,6 +53,7 @@ def pairwise_ranking_loss(
     chunk_size: int = 256,
     lowest: int | None = None,
     weight: PairWeight = PairWeight.UNIFORM,
+    block_elements: int | None = PAIR_BLOCK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ForesightKV Eq. 6 per ranking problem: the mean over ordered pairs (i, j) with α_i < α_j of
     max(0, m - (φ_j - φ_i)) (docs/algorithms.md §6), each pair weighted by `weight` (`PairWeight`).
@@ -55,9 +62,11 @@ def pairwise_ranking_loss(
     entries of its problem that the golden step evicts (the smallest α; ties evict the higher index,
     the newer entry).
 
-    Every such pair is used, none sampled. The N x N pair matrix is built in chunks of `chunk_size`
-    rows i, each under activation checkpointing, so forward and backward hold O(chunk_size x N)
-    numbers per problem (the paper's B = 1024 would otherwise need N^2 per head and step).
+    Every such pair is used, none sampled. The N x N pair matrices are built in blocks of problems and
+    of `chunk_size` rows i (at most `block_elements` numbers; None: every problem at once, as before the
+    blocks, for benchmarks), each under activation checkpointing, so
+    forward and backward hold O(chunk_size x N) numbers per problem (the paper's B = 1024 would otherwise
+    need N^2 per head and step) and each block's work stays in cache.
     """
     if scores.shape != alpha.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and alpha {tuple(alpha.shape)} must have the same shape")
@@ -68,17 +77,28 @@ def pairwise_ranking_loss(
     alpha = alpha.to(scores.dtype)
     # The golden step keeps the N - lowest largest α, ties to the older entry; i ranges over the rest.
     rows_used = torch.ones_like(alpha, dtype=torch.bool) if lowest is None else ~top_k_mask(alpha, alpha.shape[-1] - lowest)
-    gap = weight is PairWeight.GAP
-    total = scores.new_zeros(scores.shape[:-1])
-    weights = scores.new_zeros(scores.shape[:-1]) if gap else count_ordered_pairs(alpha, rows_used).to(scores.dtype)
-    for start in range(0, scores.shape[-1], chunk_size):
-        rows = slice(start, start + chunk_size)
-        total = total + checkpoint(
-            _hinge_sum, scores[..., rows], alpha[..., rows], rows_used[..., rows], scores, alpha, margin, gap,
-            use_reentrant=False,
-        )
-        if gap:
-            weights = weights + _pair_weights(alpha[..., rows], rows_used[..., rows], alpha, gap).sum((-1, -2))
+    gap, candidates = weight is PairWeight.GAP, scores.shape[-1]
+    flat = [tensor.reshape(-1, candidates) for tensor in (scores, alpha, rows_used)]
+    rows_per_block = min(chunk_size, candidates)
+    problems = flat[0].shape[0]
+    problems_per_block = problems if block_elements is None else max(1, block_elements // (rows_per_block * candidates))
+    totals, weight_totals = [], []
+    for first in range(0, problems, problems_per_block):
+        block_scores, block_alpha, block_used = (tensor[first : first + problems_per_block] for tensor in flat)
+        total = block_scores.new_zeros(block_scores.shape[0])
+        weights = block_scores.new_zeros(block_scores.shape[0])
+        for start in range(0, candidates, rows_per_block):
+            rows = slice(start, start + rows_per_block)
+            total = total + checkpoint(
+                _hinge_sum, block_scores[:, rows], block_alpha[:, rows], block_used[:, rows], block_scores, block_alpha,
+                margin, gap, use_reentrant=False,
+            )
+            if gap:
+                weights = weights + _pair_weights(block_alpha[:, rows], block_used[:, rows], block_alpha, gap).sum((-1, -2))
+        totals.append(total)
+        weight_totals.append(weights)
+    total = torch.cat(totals).reshape(scores.shape[:-1])
+    weights = torch.cat(weight_totals).reshape(scores.shape[:-1]) if gap else count_ordered_pairs(alpha, rows_used).to(scores.dtype)
     return total / weights.clamp_min(torch.finfo(scores.dtype).tiny if gap else 1), weights
 
 

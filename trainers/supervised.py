@@ -23,6 +23,7 @@ from foresight.scorer.attention_features import cumulative_feature, feature_dim
 from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
 from trainers.ranking import (
     DEFAULT_MARGIN,
+    PAIR_BLOCK_ELEMENTS,
     PairWeight,
     RankingPairs,
     kept_overlap,
@@ -44,6 +45,8 @@ class SupervisedScorer(ScorerModule):
       entries the golden step evicts; `RankingPairs`).
     pair_weight: "uniform" (Eq. 6) or "gap" (each pair in proportion to α_j − α_i; `PairWeight`).
     pair_chunk: rows of the pair matrix built at once (memory only; the loss uses every chosen pair).
+    pair_block: pair-matrix numbers built at once over problems and rows (speed only: a block that stays in
+      cache; null builds every problem of the batch at once, the layout before blocks).
     init_scorer: a scorer folder to start from instead of a fresh initialisation (an on-policy round
       refits from the previous round's scorer); its config must match this one's.
     """
@@ -59,6 +62,7 @@ class SupervisedScorer(ScorerModule):
         pairs: str = RankingPairs.ALL.value,
         pair_weight: str = PairWeight.UNIFORM.value,
         pair_chunk: int = 256,
+        pair_block: int | None = PAIR_BLOCK_ELEMENTS,
         init_scorer: str | None = None,
     ) -> None:
         super().__init__()
@@ -88,7 +92,8 @@ class SupervisedScorer(ScorerModule):
         """This rank's share of the global-batch mean of Eq. 6 (see the module docstring)."""
         lowest = self.scorer.config.interval if self.hparams.pairs == RankingPairs.EVICTED.value else None
         per_problem, _ = pairwise_ranking_loss(
-            scores, alpha, self.hparams.margin, self.hparams.pair_chunk, lowest, PairWeight.parse(self.hparams.pair_weight)
+            scores, alpha, self.hparams.margin, self.hparams.pair_chunk, lowest, PairWeight.parse(self.hparams.pair_weight),
+            self.hparams.pair_block,
         )
         count = torch.tensor(float(per_problem.numel()), device=per_problem.device)
         world = self.trainer.world_size

@@ -221,10 +221,13 @@ def _fit(data: GoldenDataModule, settings: PipelineSettings) -> list[StageFigure
     before = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
                         drop_last=loader.drop_last, collate_fn=_float32_steps)
     return [
-        _fit_steps(data, settings, before, "fit, loader before", "one process, batches cast to float32 in the collate"),
-        _fit_steps(data, settings, None, "fit, loader now",
+        _fit_steps(data, settings, before, "fit before",
+                   "one process, batches cast to float32 in the collate; each batch's pair matrices built at once",
+                   pair_block=None),
+        _fit_steps(data, settings, None, "fit now",
                    f"{loader.num_workers} worker processes, batches in the storage dtype cast on the device"
-                   + (", pinned memory" if settings.device.startswith("cuda") else "")),
+                   + (", pinned memory" if settings.device.startswith("cuda") else "")
+                   + "; pair matrices in cache-sized blocks"),
     ]
 
 
@@ -236,10 +239,10 @@ def _float32_steps(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 
 def _fit_steps(
-    data: GoldenDataModule, settings: PipelineSettings, loader: DataLoader | None, stage: str, what: str
+    data: GoldenDataModule, settings: PipelineSettings, loader: DataLoader | None, stage: str, what: str, **module_options
 ) -> StageFigures:
-    """`fit_steps` optimisation steps of a fresh scorer from `loader` (None: the data module's); the
-    seconds of the steps after the first, which also starts the loader."""
+    """`fit_steps` optimisation steps of a fresh scorer (`SupervisedScorer` with `module_options`) from
+    `loader` (None: the data module's); the seconds of the steps after the first, which also starts the loader."""
     import lightning as L
 
     from trainers.supervised import SupervisedScorer
@@ -258,7 +261,7 @@ def _fit_steps(
         max_steps=settings.fit_steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
     )
-    module = SupervisedScorer(data.scorer_spec)
+    module = SupervisedScorer(data.scorer_spec, **module_options)
     if loader is None:
         trainer.fit(module, datamodule=data)
     else:
