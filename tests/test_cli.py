@@ -272,10 +272,11 @@ def verb_parsers(verb: str) -> list[argparse.ArgumentParser]:
 
 def test_model_verbs_are_the_verbs_with_device_and_dtype():
     """A new verb that loads a model must take --device and --dtype (and join MODEL_VERBS); a verb with
-    sub-commands takes them in every sub-command that loads a model (`bench ablation` reads reports only)."""
+    sub-commands takes them in every sub-command that loads a model (`bench ablation` and `bench baselines`
+    read evaluations only)."""
     with_placement = set()
     for verb in _verbs():
-        parsers = [p for p in verb_parsers(verb) if not p.prog.endswith(" ablation")]
+        parsers = [p for p in verb_parsers(verb) if not p.prog.endswith((" ablation", " baselines"))]
         options = [{option for action in p._actions for option in action.option_strings} for p in parsers[len(parsers) > 1:]]
         if all({"--device", "--dtype"} <= found for found in options):
             with_placement.add(verb)

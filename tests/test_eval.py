@@ -279,7 +279,7 @@ def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
     assert (spec.name, spec.policy_class.name, spec.protects_prompt, spec.config(B, L).protect_prompt) == (
         "tri", "triattention", False, False
     )
-    assert resolve_policies("triattention", {"triattention": {"stats": "x"}})[0][0].protects_prompt
+    assert resolve_policies("triattention", {"triattention": {"stats": str(stats_dir)}})[0][0].protects_prompt
     with pytest.raises(ValueError, match=r"policy 'triattention': it needs stats: give -o triattention.stats=VALUE"):
         resolve_policies("h2o,triattention")
     with pytest.raises(ValueError, match="options for 'snapkv', which is not a row of --policies"):
@@ -290,9 +290,21 @@ def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
         resolve_policies("h2o", {"h2o": {"protect_prompt": "maybe"}})
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         resolve_policies("x=nope")
+    with pytest.raises(ValueError, match="--policies row 'a' given twice \\(h2o, snapkv\\)"):
+        resolve_policies("a=h2o,a=snapkv")
+    with pytest.raises(ValueError, match="row 'snapkv' would run h2o"):
+        resolve_policies("snapkv=h2o")
+    with pytest.raises(ValueError, match="policy 'foresight' comes from a trained scorer: give --scorer"):
+        resolve_policies("lf=foresight")
+    with pytest.raises(ValueError, match="-o golden.protect_prompt: only a heuristic that evicts takes it"):
+        resolve_policies("golden", {"golden": {"protect_prompt": "true"}})
+    with pytest.raises(ValueError, match="is not a TriAttention stats folder"):  # refused before any replay
+        resolve_policies("triattention", {"triattention": {"stats": str(stats_dir / "missing")}})
+    with pytest.raises(ValueError, match="policy 'tri' has no option 'nope'; its options are: .*protect_prompt"):
+        resolve_policies("tri=triattention", {"tri": {"nope": "1"}})
     notes = resolve_policies("all")[1]
     assert "triattention: skipped, it needs stats: give -o triattention.stats=VALUE" in notes
-    assert "triattention" in {s.name for s in resolve_policies("all", {"triattention": {"stats": "x"}})[0]}
+    assert "triattention" in {s.name for s in resolve_policies("all", {"triattention": {"stats": str(stats_dir)}})[0]}
 
 
 def test_stored_full_cache_losses_match_a_full_cache_replay(traces_dir, model):
@@ -307,6 +319,18 @@ def synthetic_trace(model, index: int, length: int, prompt: int = 6) -> Trace:
     ids = torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(index))
     nll, entropy = token_losses(model, ids)
     return Trace(index, "synthetic", ids, prompt, nll, entropy, None, None, "", "")
+
+
+def test_kv_memory_counts_the_scored_traces_and_none_without(model):
+    """A budget no trace reaches gives rows without memory (no division by zero); a policy that protects the
+    prompt counts only the traces it evicted on, each at most its length."""
+    traces = [synthetic_trace(model, i, n, prompt=p) for i, (n, p) in enumerate([(40, 6), (30, 14)])]
+    result = evaluate(model, traces, [PolicySpec("full"), PolicySpec("random-prompt")], [B, 64], L, progress=False)
+    rows = {(row["policy"], row["budget"]): row for row in result.rows}
+    assert rows["full", 64]["kv_entries"] is None and rows["random-prompt", 64]["kv_mib"] is None
+    protected = rows["random-prompt", B]  # the 30-token trace (14 + 16 + 4 > 30 - 2) never evicts
+    assert protected["never_evicted"] == 1 and protected["kv_entries"] == 6 + B + L
+    assert rows["full", B]["kv_entries"] == 35
 
 
 def test_short_traces_are_skipped_and_counted(model):

@@ -5,6 +5,8 @@ resuming after a kill, and the command's report and errors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+import os
 import random
 
 import pytest
@@ -263,3 +265,11 @@ def test_a_row_under_other_options_is_not_mixed_in(tmp_path):
                   PolicySpec("random-prompt", policy="random")):
         with pytest.raises(ArtifactError, match="were made by another random-prompt"):
             store.job_folder(Job(other, B, L))
+    # A resumed run names the same row alike: its default protect_prompt spelled out, or a folder by a
+    # relative or an absolute path, is the same row.
+    assert store.job_folder(Job(PolicySpec("random-prompt", protect_prompt=True), B, L)).is_dir()
+    folder = tmp_path / "stats"
+    folder.mkdir()
+    store.job_folder(Job(PolicySpec("tri", policy="random", options=(("stats", str(folder)),)), B, L))
+    relative = Path(os.path.relpath(folder))
+    assert store.job_folder(Job(PolicySpec("tri", policy="random", options=(("stats", relative),)), B, L)).is_dir()

@@ -152,3 +152,9 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     assert plot_path(tmp_path, "Set A").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="holds no results.json"):
         memory_rows((tmp_path / "missing",))
+    twice = BaselinesSettings(sets=(("Set A", (tmp_path / "a",)), ("set-a", (tmp_path / "a",))), learned="foresight",
+                              budgets=(B,), plot_dir=tmp_path, command="cmd")
+    with pytest.raises(ValueError, match="give the same plot file"):
+        run(twice)
+    with pytest.raises(ValueError, match="figure 'nope' is not one of: loss_ratio, low_entropy_damage"):
+        paired_gain(RUN, B, "h2o", "foresight", "nope")

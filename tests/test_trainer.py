@@ -95,6 +95,13 @@ def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size, lowest, weig
     assert scores.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0, 5), (3, 0)])
+def test_pairwise_loss_of_no_problem_or_no_candidate_is_empty_or_zero(shape):
+    for weight in PairWeight:
+        loss, pairs = pairwise_ranking_loss(torch.zeros(shape), torch.zeros(shape), weight=weight)
+        assert loss.shape == pairs.shape == shape[:-1] and not loss.any() and not pairs.any()
+
+
 def test_pairwise_loss_hand_computed():
     """α = (0, 1, 2): pairs (0,1), (0,2), (1,2). φ = (0, 0.005, 0.1): hinges 0.005, 0, 0 -> mean 0.005/3.
     Only the pairs of the one entry a golden step evicts, entry 0: (0,1), (0,2) -> mean 0.005/2."""
@@ -173,6 +180,10 @@ def test_module_rejects_bad_hyperparameters():
         SupervisedScorer(scorer_spec(), pairs="some")
     with pytest.raises(ValueError, match="unknown .*'flat'; allowed: 'uniform', 'gap'"):
         SupervisedScorer(scorer_spec(), pair_weight="flat")
+    with pytest.raises(ValueError, match="pair_block must be a positive number of pairs or null, got 0"):
+        SupervisedScorer(scorer_spec(), pair_block=0)
+    with pytest.raises(ValueError, match="pair_chunk must be a positive number of pairs, got -1"):
+        SupervisedScorer(scorer_spec(), pair_chunk=-1)
 
 
 # -- the data module reads; it makes nothing -------------------------------------------------------

@@ -67,6 +67,9 @@ class SupervisedScorer(ScorerModule):
     ) -> None:
         super().__init__()
         pairs, pair_weight = RankingPairs.parse(pairs).value, PairWeight.parse(pair_weight).value
+        for name, value in (("pair_chunk", pair_chunk), ("pair_block", pair_block)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive number of pairs{' or null' if name == 'pair_block' else ''}, got {value}")
         if lr <= 0 or margin < 0 or weight_decay < 0:
             raise ValueError(
                 f"need lr > 0, margin >= 0 and weight_decay >= 0, got lr={lr}, margin={margin}, weight_decay={weight_decay}"

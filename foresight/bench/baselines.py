@@ -17,6 +17,7 @@ loss ratio against KV memory, one curve per policy over every budget of the set'
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ def budget_table(scores: list[TraceScore], rows: list[dict[str, Any]], learned: 
         f"| policy | KV MiB / sequence | loss ratio | low-entropy damage | loss ratio, it − {learned} | damage, it − {learned} |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for policy in sorted(policies, key=lambda p: figures[p][0].value):
+    for policy in sorted(policies, key=lambda p: (math.isnan(figures[p][0].value), figures[p][0].value)):
         ratio, damage = figures[policy]
         gains = ["–", "–"] if policy == learned else [_gain(scores, budget, policy, learned, figure) for figure in FIGURES]
         kv = "–" if memory.get(policy) is None else f"{memory[policy]:.2f}"
@@ -97,10 +98,15 @@ def run(settings: BaselinesSettings) -> str:
         f"the same tokens, 95% bootstrap intervals; positive: {settings.learned} is better. KV MiB: the peak cache per "
         "sequence (B + L entries, plus the prompt for a policy that protects it; the full cache: the whole trace).",
     ]
-    for name, folders in settings.sets:
+    paths = [plot_path(settings.plot_dir, name) for name, _ in settings.sets]
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"set names {[name for name, _ in settings.sets]} give the same plot file: name them apart")
+    for (name, folders), path in zip(settings.sets, paths):
         scores, rows = merged_scores(folders), memory_rows(folders)
-        path = plot_path(settings.plot_dir, name)
-        plot_metric(rows, "loss_ratio", path, x=MEMORY)
-        parts.append(f"**{name}** (loss ratio against KV memory: `{path}`)")
+        if any(row.get(MEMORY) is not None for row in rows):
+            plot_metric(rows, "loss_ratio", path, x=MEMORY)
+            parts.append(f"**{name}** (loss ratio against KV memory: `{path}`)")
+        else:
+            parts.append(f"**{name}** (no row states its KV memory: these evaluations predate it, so no plot)")
         parts += ["\n".join(budget_table(scores, rows, settings.learned, budget)) for budget in settings.budgets]
     return "\n\n".join(parts)

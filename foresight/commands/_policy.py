@@ -4,6 +4,7 @@ from its own dataclass fields (-o KEY=VALUE), and the eviction cadence (B, L, si
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from foresight.policies import POLICIES, Policy, make_policy
@@ -75,6 +76,18 @@ def add_row_options_argument(parser: argparse.ArgumentParser) -> None:
         "own default. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
         "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several",
     )
+
+
+def options_by_row(texts: Sequence[str]) -> dict[str, dict[str, str]]:
+    """{row: {key: value}} of the -o ROW.KEY=VALUE texts."""
+    options: dict[str, dict[str, str]] = {}
+    for text in texts:
+        target, sep, value = text.partition("=")
+        row, dot, key = target.strip().rpartition(".")
+        if not (sep and dot and row and key):
+            raise ValueError(f"-o {text!r} must look like ROW.KEY=VALUE, e.g. triattention.stats=DIR")
+        options.setdefault(row, {})[key] = value.strip()
+    return options
 
 
 def selected_policies(text: str) -> list[str]:

@@ -31,7 +31,12 @@ from foresight.commands._model import (
     model_of_traces,
     model_options,
 )
-from foresight.commands._policy import add_cadence_arguments, add_policies_argument, add_row_options_argument
+from foresight.commands._policy import (
+    add_cadence_arguments,
+    add_policies_argument,
+    add_row_options_argument,
+    options_by_row,
+)
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
 from foresight.eval.results import markdown_table, write_report
@@ -111,23 +116,13 @@ def policy_specs(
         specs, notes = resolve_policies(policies, row_options)
         return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
     others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
+    if row_options and not others.strip(","):
+        raise ValueError(f"-o {next(iter(row_options))}...: --policies names no heuristic to take options (a --scorer row takes none)")
     specs, notes = resolve_policies(others, row_options) if others.strip(",") else ([], [])
     notes = [note for note in notes if not note.startswith("foresight:")]
     specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
     check_distinct_names(specs)
     return specs, notes
-
-
-def options_by_row(texts: Sequence[str]) -> dict[str, dict[str, str]]:
-    """{row: {key: value}} of the -o ROW.KEY=VALUE texts."""
-    options: dict[str, dict[str, str]] = {}
-    for text in texts:
-        target, sep, value = text.partition("=")
-        row, dot, key = target.strip().rpartition(".")
-        if not (sep and dot and row and key):
-            raise ValueError(f"-o {text!r} must look like ROW.KEY=VALUE, e.g. triattention.stats=DIR")
-        options.setdefault(row, {})[key] = value.strip()
-    return options
 
 
 def option_settings(specs: Sequence[PolicySpec]) -> dict[str, str]:

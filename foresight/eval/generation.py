@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -187,15 +188,26 @@ def _identity(spec: PolicySpec) -> dict[str, str]:
     the weights of a learned scorer."""
     scorer = getattr(spec, "scorer", None)
     if scorer is None:
-        settings = {key: str(value) for key, value in spec.options}
-        if spec.protect_prompt is not None:
-            settings["protect_prompt"] = str(spec.protect_prompt)
-        return {"policy": spec.name, **({"runs": spec.policy_class.name} if spec.policy else {}), **settings}
+        identity = {"policy": spec.name}
+        if spec.policy:
+            identity["runs"] = spec.policy_class.name
+        if spec.options:
+            identity["options"] = {key: _option_identity(value) for key, value in spec.options}
+        if spec.protect_prompt is not None and spec.protect_prompt != spec.policy_class.default_protect_prompt:
+            identity["protect_prompt"] = spec.protect_prompt
+        return identity
     digest = hashlib.sha256()
     for name, tensor in sorted(scorer.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return {"policy": spec.name, "scorer_sha256": digest.hexdigest()}
+
+
+def _option_identity(value: Any) -> Any:
+    """An option as it identifies completions: a folder by its absolute path, anything else as it is."""
+    if isinstance(value, (str, os.PathLike)) and Path(value).exists():
+        return str(Path(value).resolve())
+    return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclass(frozen=True)

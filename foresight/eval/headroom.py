@@ -164,10 +164,7 @@ def paired_gain(
     if not traces:
         return None
     weights = _resample_weights(len(traces), resamples, seed)
-    pooled = [
-        _pooled(*(np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in FIGURES[figure]), weights)
-        for table in (first, second)
-    ]
+    pooled = [_pooled(*_figure_sums(table, traces, figure), weights) for table in (first, second)]
     return _estimate(pooled[0] - pooled[1])
 
 
@@ -180,9 +177,14 @@ def pooled_figure(
     if not table:
         return None
     traces = sorted(table)
-    weights = _resample_weights(len(traces), resamples, seed)
-    sums = (np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in FIGURES[figure])
-    return _estimate(_pooled(*sums, weights))
+    return _estimate(_pooled(*_figure_sums(table, traces, figure), _resample_weights(len(traces), resamples, seed)))
+
+
+def _figure_sums(table: dict[int, TraceScore], traces: Sequence[int], figure: str) -> list[np.ndarray]:
+    """The per-trace numerator and denominator sums of `figure` (a key of FIGURES), in the order of `traces`."""
+    if figure not in FIGURES:
+        raise ValueError(f"figure {figure!r} is not one of: {', '.join(FIGURES)}")
+    return [np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in FIGURES[figure]]
 
 
 def _by_policy(scores: Sequence[TraceScore]) -> dict[str, dict[int, TraceScore]]:

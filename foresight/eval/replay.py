@@ -121,7 +121,7 @@ def evaluate(
                 _evaluate_batch(model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix)
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
-                | kv_memory(spec, budget, interval, [t for batch in batches for t in batch], entry_bytes)
+                | kv_memory(spec, budget, interval, tallies[spec.name].traces, entry_bytes)
                 for spec in budget_specs
             ]
             notes += [
@@ -137,16 +137,18 @@ def evaluate(
 
 def kv_memory(
     spec: PolicySpec, budget: int, interval: int, traces: Sequence[Trace], entry_bytes: int
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """The row's peak KV cache per sequence, in entries and MiB (the x axis of the field's accuracy-against-
-    memory curves): B + L entries, plus the prompt for a policy that protects it (mean over the traces);
-    the full cache holds every token of a trace (mean length)."""
-    lengths = [t.input_ids.numel() for t in traces]
-    if not spec.evicts:
-        entries = sum(lengths) / len(lengths)
-    else:
-        prompts = [t.prompt_length for t in traces] if spec.protects_prompt else [0]
-        entries = budget + interval + sum(prompts) / len(prompts)
+    memory curves), the mean over the traces its figures come from: min(T, B + L) entries, plus the prompt
+    for a policy that protects it; the full cache holds every token of a trace. None without traces."""
+    if not traces:
+        return {"kv_entries": None, "kv_mib": None}
+    peaks = [
+        t.input_ids.numel() if not spec.evicts
+        else min(t.input_ids.numel(), budget + interval + (t.prompt_length if spec.protects_prompt else 0))
+        for t in traces
+    ]
+    entries = sum(peaks) / len(peaks)
     return {"kv_entries": entries, "kv_mib": entries * entry_bytes / 2**20}
 
 

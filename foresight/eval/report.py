@@ -124,12 +124,12 @@ def plot_metric(
         if not points:
             continue
         style = dict(color="black", linestyle="--") if policy == reference else dict(color=colours[index % 20])
-        budgets, values = [p[0] for p in points], [p[1] for p in points]
+        xs, values = [p[0] for p in points], [p[1] for p in points]
         if all(p[2] is not None and p[3] is not None for p in points):
             errors = [[v - p[2] for v, p in zip(values, points)], [p[3] - v for v, p in zip(values, points)]]
-            axes.errorbar(budgets, values, yerr=errors, capsize=3, marker=markers[index % len(markers)], label=policy, **style)
+            axes.errorbar(xs, values, yerr=errors, capsize=3, marker=markers[index % len(markers)], label=policy, **style)
         else:
-            axes.plot(budgets, values, marker=markers[index % len(markers)], label=policy, **style)
+            axes.plot(xs, values, marker=markers[index % len(markers)], label=policy, **style)
     name = metric.replace("_", " ")
     if x == MEMORY:
         axes.set_xscale("log", base=2)

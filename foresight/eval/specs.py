@@ -170,25 +170,35 @@ def trace_seed(seed: int, trace_index: int) -> int:
 REFERENCE = PolicySpec("full")
 
 
+LEARNED = "foresight"
+"""The learned policy: its rows come from trained scorers (`ScorerSpec`), never from --policies alone."""
+PROTECT_PROMPT = "protect_prompt"
+"""The option key that overrides a policy's protected prompt (not a policy field: the engine's cadence)."""
+
+
 def resolve_policies(
     text: str, options: Mapping[str, Mapping[str, str]] | None = None
 ) -> tuple[list[PolicySpec], list[str]]:
     """Specs for `all` or a comma-separated list of rows, and notes on what `all` leaves out. A row is
     NAME, or ROW=NAME to run a registered policy under a row name of its own (one policy under two
     settings). `options` maps a row to its option texts {key: value}, typed from the policy's fields
-    (e.g. triattention's stats); the key protect_prompt overrides the policy's default."""
+    (e.g. triattention's stats); the key protect_prompt overrides the policy's default. The learned
+    policy is not a row here: its rows come from trained scorers."""
     options = dict(options or {})
     if text == "all":
         rows = {name: name for name in sorted(POLICIES)}
     else:
-        rows = dict(_row(item) for item in text.split(",") if item.strip())
-        if not rows:
-            raise ValueError(f"--policies {text!r} names no policy; give 'all' or names such as h2o,snapkv")
-    unknown = sorted(set(options) - set(rows))
+        rows = _rows(text)
+    unknown = sorted(set(options) - set(rows) | set(options) & {LEARNED})
     if unknown:
-        raise ValueError(f"options for {unknown[0]!r}, which is not a row of --policies (rows: {', '.join(rows)})")
+        raise ValueError(
+            f"options for {unknown[0]!r}, which is not a row of --policies (rows: {', '.join(r for r in rows if r != LEARNED)})"
+        )
     specs, notes = [], []
     for row, policy in rows.items():
+        if policy == LEARNED:
+            notes.append(f"{LEARNED}: skipped, it needs a trained scorer")
+            continue
         spec = _with_options(row, policy, options.get(row, {}))
         missing = spec.missing_artifacts
         if not missing:
@@ -201,23 +211,42 @@ def resolve_policies(
     return specs, notes
 
 
-def _row(item: str) -> tuple[str, str]:
-    """(row name, registered policy) of a --policies item NAME or ROW=NAME."""
-    row, sep, policy = (part.strip() for part in item.partition("="))
-    policy = policy if sep else row
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose 'all' or some of: {', '.join(sorted(POLICIES))}")
-    if not row:
-        raise ValueError(f"--policies item {item!r} must be NAME or ROW=NAME")
-    return row, policy
+def _rows(text: str) -> dict[str, str]:
+    """{row name: registered policy} of the --policies items NAME or ROW=NAME, each row once."""
+    rows: dict[str, str] = {}
+    for item in (part for part in text.split(",") if part.strip()):
+        row, sep, policy = (part.strip() for part in item.partition("="))
+        policy = policy if sep else row
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose 'all' or some of: {', '.join(sorted(POLICIES))}")
+        if policy == LEARNED:
+            raise ValueError(f"policy {LEARNED!r} comes from a trained scorer: give --scorer [NAME=]DIR, not {item!r}")
+        if not row:
+            raise ValueError(f"--policies item {item!r} must be NAME or ROW=NAME")
+        if row in POLICIES and row != policy:
+            raise ValueError(f"--policies row {row!r} would run {policy}: name it apart from every registered policy")
+        if rows.get(row, policy) != policy:
+            raise ValueError(f"--policies row {row!r} given twice ({rows[row]}, {policy})")
+        rows[row] = policy
+    if not rows:
+        raise ValueError(f"--policies {text!r} names no policy; give 'all' or names such as h2o,snapkv")
+    return rows
 
 
 def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec:
+    """The row's spec, its options typed and checked by building the policy once (a missing statistics
+    folder is refused here, before any replay)."""
     texts = dict(texts)
-    protect = texts.pop("protect_prompt", None)
+    protect = texts.pop(PROTECT_PROMPT, None)
+    spec = PolicySpec(row, None if policy == row else policy)
+    if protect is not None and (spec.needs_labels or not spec.evicts):
+        raise ValueError(f"-o {row}.{PROTECT_PROMPT}: only a heuristic that evicts takes it ({row} runs {policy})")
     try:
         protect_prompt = None if protect is None else parse_value(protect, bool)
     except ValueError:
-        raise ValueError(f"-o {row}.protect_prompt expects true or false, got {protect!r}") from None
-    typed = typed_options(POLICIES[policy], texts)
-    return PolicySpec(row, None if policy == row else policy, tuple(sorted(typed.items())), protect_prompt)
+        raise ValueError(f"-o {row}.{PROTECT_PROMPT} expects true or false, got {protect!r}") from None
+    typed = typed_options(POLICIES[policy], texts, label=row, extra=[] if spec.needs_labels else [PROTECT_PROMPT])
+    spec = replace(spec, options=tuple(sorted(typed.items())), protect_prompt=protect_prompt)
+    if typed and not spec.missing_artifacts and not spec.needs_labels:
+        spec.build(None)
+    return spec

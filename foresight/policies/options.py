@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, fields
 from enum import Enum
 from pathlib import Path
@@ -18,16 +18,18 @@ _NONE = ("none", "null")
 _BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
-def typed_options(cls: type[Policy], texts: Mapping[str, str]) -> dict[str, Any]:
+def typed_options(
+    cls: type[Policy], texts: Mapping[str, str], label: str | None = None, extra: Sequence[str] = ()
+) -> dict[str, Any]:
     """Option texts of a policy converted to the types of its dataclass fields; an unknown option or a
-    value of the wrong type is a one-line error."""
-    name, settable = cls.name, settable_options(cls)
+    value of the wrong type is a one-line error naming `label` (default: the policy) and, among the
+    allowed options, the `extra` keys the caller reads itself."""
+    name, settable = label or cls.name, settable_options(cls)
     options = {}
     for key, text in texts.items():
         if key not in settable:
-            raise ValueError(
-                f"policy {name!r} has no option {key!r}; its options are: {', '.join(settable) or 'none'}"
-            )
+            allowed = [*settable, *extra]
+            raise ValueError(f"policy {name!r} has no option {key!r}; its options are: {', '.join(allowed) or 'none'}")
         try:
             options[key] = parse_value(text, settable[key])
         except ValueError:
@@ -92,6 +94,8 @@ def _convert(text: str, kind: Any) -> Any:
     if kind is bool:
         return _BOOLEANS[text.lower()]
     if kind in (Path, os.PathLike):
+        if not text:
+            raise ValueError(text)  # Path("") would be the working directory
         return Path(text)
     if typing.get_origin(kind) is Literal:
         return {str(value): value for value in typing.get_args(kind)}[text]
