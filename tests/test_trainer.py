@@ -383,6 +383,8 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     labelled = len(list(LabelStore(out / "traces", B, L_).directory.iterdir()))
     assert labelled and len(list((out / "examples").glob("trace-*.safetensors"))) == labelled
     assert loads == [str(tiny_dir)]  # one load shared by the three steps
+    # The scorer was configured before its traces existed; it still names their source.
+    assert load_scorer(out / "scorer").config.training_sources == [str(DATA / "arithmetic.jsonl")]
     assert cli.main([*args, "--set", "trainer.max_steps=3", "--ckpt-path", "last"]) == 0
     printed = capsys.readouterr().out
     assert "0 shard(s) written, 1 already complete" in printed

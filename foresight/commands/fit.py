@@ -23,6 +23,7 @@ process makes the data and the others find it made.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import warnings
 from dataclasses import replace
@@ -33,7 +34,8 @@ from filelock import FileLock
 
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
 from foresight.export import export_scorer, reported_metrics
-from foresight.scorer.model import load_scorer
+from foresight.data.trace_store import folder_sources
+from foresight.scorer.model import ScorerConfig, load_scorer
 from trainers.example_cache import ExampleCache
 from trainers.preparation import (
     OnPolicyRounds,
@@ -116,11 +118,19 @@ def prepare(args: argparse.Namespace):
     with FileLock(str(args.out / ".steps.lock")):
         if recipe is not None:
             _report("traces", make_traces(data.frozen, recipe, data.traces_dir, progress=show), show)
+            record_sources(cli.model.scorer.config, data.traces_dir)
         _report("labels", make_labels(data.frozen, data.traces_dir, data.budget, data.interval, progress=show), show)
         if data.examples is not None:
             examples = make_examples(data.frozen, data.examples, replay_batch_size=data.replay_batch_size, progress=show)
             _report("examples", examples, show)
     return cli
+
+
+def record_sources(config: ScorerConfig, traces_dir: str | os.PathLike) -> None:
+    """The traces' prompt sources in the scorer's config when the run sampled them after the config was
+    built (a fresh run: the data module read an empty folder)."""
+    if not config.training_sources:
+        config.training_sources = folder_sources(traces_dir)
 
 
 def _report(step: str, summary, show: bool) -> None:
