@@ -137,10 +137,13 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     assert {(r["policy"], r["kv_mib"]) for r in memory_rows((tmp_path / "a", tmp_path / "b"))} == {
         ("h2o", 2.5), ("raas", 4.0), ("foresight", 2.5)  # the row that states its memory wins
     }
-    settings = BaselinesSettings(sets=(("Set A", (tmp_path / "a", tmp_path / "b")),), learned="foresight",
+    _eval_folder(tmp_path / "c", scores("h2o", (70.0, 25.0, 48.0), budget=256))
+    (tmp_path / "c" / "results.json").write_text(json.dumps([{**rows[0], "budget": 256, "kv_mib": 4.5}]))
+    settings = BaselinesSettings(sets=(("Set A", (tmp_path / "a", tmp_path / "b", tmp_path / "c")),), learned=("other", "foresight"),
                                  budgets=(B, 256), plot_dir=tmp_path, command="cmd")
     report = run(settings)
-    lines = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
+    at_128, at_256 = report.split("B = 256")
+    lines = {line.split(" | ")[0].strip("| "): line for line in at_128.splitlines() if line.startswith("| ")}
     gain = paired_gain(RUN, B, "h2o", "foresight")
     assert lines["h2o"].startswith("| h2o | 2.50 | 1.3000 [") and f"| {gain} |" in lines["h2o"]
     assert gain.value == pytest.approx(0.1)
@@ -148,13 +151,19 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     assert damage.value == pytest.approx(8 / 240 - 2 / 240) and lines["h2o"].endswith(f"| {damage.value:.2%} [{damage.low:.2%}, {damage.high:.2%}] |")
     assert lines["raas"].endswith("| other tokens | other tokens |") and lines["golden"].startswith("| golden | – |")
     assert lines["foresight"].endswith("| – | – |")
-    assert "B = 256: foresight was not evaluated here." in report
+    assert "Learned row: foresight." in report
+    assert at_256.startswith(", 3 traces; foresight did not run at this budget (no gains).")
+    assert "| h2o | 4.50 | 1.3000 [" in at_256 and at_256.count("| – | – |") == 1
     assert plot_path(tmp_path, "Set A").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="holds no results.json"):
         memory_rows((tmp_path / "missing",))
-    twice = BaselinesSettings(sets=(("Set A", (tmp_path / "a",)), ("set-a", (tmp_path / "a",))), learned="foresight",
+    twice = BaselinesSettings(sets=(("Set A", (tmp_path / "a",)), ("set-a", (tmp_path / "a",))), learned=("foresight",),
                               budgets=(B,), plot_dir=tmp_path, command="cmd")
     with pytest.raises(ValueError, match="give the same plot file"):
         run(twice)
+    heuristics_only = BaselinesSettings(sets=(("a", (tmp_path / "a",)),), learned=("foresight",), budgets=(B,),
+                                        plot_dir=tmp_path, command="cmd")
+    with pytest.raises(ValueError, match=r"set a: none of the learned rows \['foresight'\] was evaluated"):
+        run(heuristics_only)
     with pytest.raises(ValueError, match="figure 'nope' is not one of: loss_ratio, low_entropy_damage"):
         paired_gain(RUN, B, "h2o", "foresight", "nope")

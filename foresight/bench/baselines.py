@@ -33,10 +33,11 @@ NAME = "baselines"
 
 @dataclass(frozen=True, kw_only=True)
 class BaselinesSettings:
-    """`sets`: (name, eval folders) per trace set; `learned`: the learned scorer's row name in them."""
+    """`sets`: (name, eval folders) per trace set; `learned`: the learned scorer's row names, the first
+    that a set holds being its learned row."""
 
     sets: tuple[tuple[str, tuple[Path, ...]], ...]
-    learned: str
+    learned: tuple[str, ...]
     budgets: tuple[int, ...]
     plot_dir: Path
     command: str
@@ -57,21 +58,24 @@ def memory_rows(folders: Sequence[Path]) -> list[dict[str, Any]]:
 
 
 def budget_table(scores: list[TraceScore], rows: list[dict[str, Any]], learned: str, budget: int) -> list[str]:
-    """The lines of one budget's table: every policy scored there, best loss ratio first."""
+    """The lines of one budget's table: every policy scored there, best loss ratio first; the learned
+    scorer's gains where it ran at this budget (it runs only at the B it was trained for)."""
     policies = sorted({s.policy for s in scores if s.budget == budget})
-    if learned not in policies:
-        return [f"B = {budget}: {learned} was not evaluated here."]
+    if not policies:
+        return [f"B = {budget}: not evaluated."]
     memory = {row["policy"]: row.get(MEMORY) for row in rows if row["budget"] == budget}
     figures = {p: (pooled_figure(scores, budget, p), pooled_figure(scores, budget, p, "low_entropy_damage")) for p in policies}
+    here = learned in policies
     lines = [
-        f"B = {budget}, {len({s.index for s in scores if s.budget == budget})} traces.",
+        f"B = {budget}, {len({s.index for s in scores if s.budget == budget})} traces"
+        + ("." if here else f"; {learned} did not run at this budget (no gains)."),
         "",
         f"| policy | KV MiB / sequence | loss ratio | low-entropy damage | loss ratio, it − {learned} | damage, it − {learned} |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for policy in sorted(policies, key=lambda p: (math.isnan(figures[p][0].value), figures[p][0].value)):
         ratio, damage = figures[policy]
-        gains = ["–", "–"] if policy == learned else [_gain(scores, budget, policy, learned, figure) for figure in FIGURES]
+        gains = [_gain(scores, budget, policy, learned, figure) for figure in FIGURES] if here and policy != learned else ["–", "–"]
         kv = "–" if memory.get(policy) is None else f"{memory[policy]:.2f}"
         lines.append(f"| {policy} | {kv} | {ratio} | {percent(damage)} | {gains[0]} | {gains[1]} |")
     return lines
@@ -95,7 +99,7 @@ def run(settings: BaselinesSettings) -> str:
     parts = [
         f"Command: `{settings.command}`",
         "Loss ratio and low-entropy damage pooled over traces; gains paired over the traces both policies scored on "
-        f"the same tokens, 95% bootstrap intervals; positive: {settings.learned} is better. KV MiB: the peak cache per "
+        "the same tokens, 95% bootstrap intervals; positive: the learned scorer is better. KV MiB: the peak cache per "
         "sequence (B + L entries, plus the prompt for a policy that protects it; the full cache: the whole trace).",
     ]
     paths = [plot_path(settings.plot_dir, name) for name, _ in settings.sets]
@@ -103,10 +107,14 @@ def run(settings: BaselinesSettings) -> str:
         raise ValueError(f"set names {[name for name, _ in settings.sets]} give the same plot file: name them apart")
     for (name, folders), path in zip(settings.sets, paths):
         scores, rows = merged_scores(folders), memory_rows(folders)
+        learned = next((row for row in settings.learned if row in {s.policy for s in scores}), None)
+        if learned is None:
+            raise ValueError(f"set {name}: none of the learned rows {list(settings.learned)} was evaluated in {list(map(str, folders))}")
         if any(row.get(MEMORY) is not None for row in rows):
             plot_metric(rows, "loss_ratio", path, x=MEMORY)
             parts.append(f"**{name}** (loss ratio against KV memory: `{path}`)")
         else:
             parts.append(f"**{name}** (no row states its KV memory: these evaluations predate it, so no plot)")
-        parts += ["\n".join(budget_table(scores, rows, settings.learned, budget)) for budget in settings.budgets]
+        parts.append(f"Learned row: {learned}.")
+        parts += ["\n".join(budget_table(scores, rows, learned, budget)) for budget in settings.budgets]
     return "\n\n".join(parts)

@@ -247,7 +247,11 @@ def _add_baselines(parser: argparse.ArgumentParser) -> None:
         "--set", dest="sets", action="append", required=True, type=_named("DIR,DIR,..."), metavar="NAME=DIR,...",
         help="a trace set and the `foresight eval` folders of its traces (repeat per set)",
     )
-    parser.add_argument("--learned", required=True, help="the learned scorer's row name in those folders")
+    parser.add_argument(
+        "--learned", action="append", required=True, metavar="ROW",
+        help="the learned scorer's row name in those folders; repeat for sets that name it otherwise (a set's "
+        "learned row is the first of these it holds)",
+    )
     parser.add_argument("--budgets", "-B", type=int_list, default=[128, 256], help="budgets B tabled, comma-separated")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs"), help="folder of the PNGs, one per set")
     add_report_arguments(parser, "baselines")
@@ -257,11 +261,12 @@ def _baselines_settings(args: argparse.Namespace) -> baselines.BaselinesSettings
     sets = tuple((name, tuple(Path(folder) for folder in folders.split(","))) for name, folders in args.sets)
     flags = " ".join(f"--set {shlex.quote(f'{n}={v}')}" for n, v in args.sets)
     command = (
-        f"foresight bench baselines {flags} --learned {args.learned} --budgets {','.join(map(str, args.budgets))} "
+        f"foresight bench baselines {flags} {' '.join(f'--learned {shlex.quote(row)}' for row in args.learned)} "
+        f"--budgets {','.join(map(str, args.budgets))} "
         f"--plot-dir {shlex.quote(str(args.plot_dir))} {report_flags(args)}"
     )
     return baselines.BaselinesSettings(
-        sets=sets, learned=args.learned, budgets=tuple(args.budgets), plot_dir=args.plot_dir, command=command
+        sets=sets, learned=tuple(args.learned), budgets=tuple(args.budgets), plot_dir=args.plot_dir, command=command
     )
 
 
