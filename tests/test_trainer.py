@@ -333,6 +333,8 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
     for name, tensor in scorer.state_dict().items():
         torch.testing.assert_close(tensor, final[f"scorer.{name}"], rtol=0, atol=0)
     assert {"README.md", "config.json", "model.safetensors"} <= {p.name for p in (whole / "scorer").iterdir()}
+    card = (whole / "scorer" / "README.md").read_text()
+    assert "- ranking loss: hinge with margin 0.01 over every pair with α_i < α_j, each alike (Eq. 6)" in card
     # The same run stopped after its first epoch (as if killed), then resumed from last.ckpt: the same weights.
     split = tmp_path / "split"
     args = fit_args(config, split, traces_dir, *two_epochs)

@@ -86,6 +86,16 @@ class SupervisedScorer(ScorerModule):
         feature_set = self.scorer.config.feature_set
         self._cumulative, self._features_per_head = cumulative_feature(feature_set), feature_dim(feature_set)
 
+    def stage_settings(self) -> dict[str, str]:
+        """The ranking loss in words, for the model card."""
+        hparams = self.hparams
+        pairs = "every pair" if hparams.pairs == RankingPairs.ALL.value else "the pairs of a golden-evicted entry"
+        weight = "each weighted by α_j − α_i" if hparams.pair_weight == PairWeight.GAP.value else "each alike (Eq. 6)"
+        return {
+            "ranking loss": f"hinge with margin {hparams.margin} over {pairs} with α_i < α_j, {weight}",
+            "optimiser": f"AdamW, lr {hparams.lr} annealed by a cosine to 0, weight decay {hparams.weight_decay}",
+        }
+
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Keep scores [steps, layers, Hkv, B] of every candidate of every step of the batch."""
         inputs = [batch[name].transpose(0, 1) for name in ("keys", "values", "features")]  # layers first
