@@ -257,19 +257,22 @@ def test_policy_options_run_one_policy_under_two_settings(traces_dir, stats_dir,
     out = tmp_path / "eval"
     with contextlib.redirect_stdout(io.StringIO()):
         code = cli.main([
-            "eval", "--traces", str(traces_dir), "--policies", "full,triattention,tri-open=triattention", "--budgets", str(B),
-            "-L", str(L), "--out", str(out), "-o", f"triattention.stats={stats_dir}", "-o", f"tri-open.stats={stats_dir}",
-            "-o", "tri-open.protect_prompt=false",
+            "eval", "--traces", str(traces_dir), "--policies", "full,triattention,tri-open=triattention,tri-sink=triattention",
+            "--budgets", str(B), "-L", str(L), "--out", str(out), "-o", f"triattention.stats={stats_dir}",
+            "-o", f"tri-open.stats={stats_dir}", "-o", "tri-open.protect_prompt=false", "-o", f"tri-sink.stats={stats_dir}",
+            "-o", "tri-sink.protect_prompt=false", "-o", "tri-sink.sinks=2",
         ])
     assert code == 0
     rows = rows_of(json.loads((out / "results.json").read_text()), B)
     assert rows["tri-open"]["tokens"] == rows["full"]["tokens"] > rows["triattention"]["tokens"]
     assert "tri-open (policy triattention, stats=" in (out / "results.md").read_text()
     store, traces = LabelStore(traces_dir, B, L), list(TraceStore(traces_dir))
-    for row, protect in (("triattention", None), ("tri-open", False)):
+    assert "tri-sink (policy triattention, stats=" in (out / "results.md").read_text()
+    assert rows["tri-sink"]["loss_ratio"] != rows["tri-open"]["loss_ratio"]  # two entries never evicted change it
+    for row, protect, sinks in (("triattention", None, None), ("tri-open", False, None), ("tri-sink", False, 2)):
         ratio, *_ = reference_row(
-            model, traces, lambda trace: make_policy("triattention", stats=str(stats_dir)), EvictionConfig(B, L, protect_prompt=protect),
-            store,
+            model, traces, lambda trace: make_policy("triattention", stats=str(stats_dir)),
+            EvictionConfig(B, L, sinks=sinks, protect_prompt=protect), store,
         )
         assert rows[row]["loss_ratio"] == pytest.approx(ratio, abs=1e-5), row
 
@@ -286,7 +289,7 @@ def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
         resolve_policies("h2o", {"snapkv": {"window": "4"}})
     with pytest.raises(ValueError, match="policy 'h2o' has no option 'nope'"):
         resolve_policies("h2o", {"h2o": {"nope": "1"}})
-    with pytest.raises(ValueError, match=r"-o h2o.protect_prompt expects true or false, got 'maybe'"):
+    with pytest.raises(ValueError, match=r"-o h2o.protect_prompt expects a bool \(true or false\), got 'maybe'"):
         resolve_policies("h2o", {"h2o": {"protect_prompt": "maybe"}})
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         resolve_policies("x=nope")
@@ -300,7 +303,12 @@ def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
         resolve_policies("golden", {"golden": {"protect_prompt": "true"}})
     with pytest.raises(ValueError, match="is not a TriAttention stats folder"):  # refused before any replay
         resolve_policies("triattention", {"triattention": {"stats": str(stats_dir / "missing")}})
-    with pytest.raises(ValueError, match="policy 'tri' has no option 'nope'; its options are: .*protect_prompt"):
+    with pytest.raises(ValueError, match=r"-o h2o.sinks expects an int, got 'x'"):
+        resolve_policies("h2o", {"h2o": {"sinks": "x"}})
+    with pytest.raises(ValueError, match=r"-o h2o.sinks must be 0 or more, got -1"):
+        resolve_policies("h2o", {"h2o": {"sinks": "-1"}})
+    assert resolve_policies("h2o", {"h2o": {"sinks": "4"}})[0][0].config(B, L).sinks == 4
+    with pytest.raises(ValueError, match="policy 'tri' has no option 'nope'; its options are: .*protect_prompt, sinks"):
         resolve_policies("tri=triattention", {"tri": {"nope": "1"}})
     notes = resolve_policies("all")[1]
     assert "triattention: skipped, it needs stats: give -o triattention.stats=VALUE" in notes

@@ -72,8 +72,8 @@ def add_row_options_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--option", "-o", action="append", default=[], metavar="ROW.KEY=VALUE",
         help="an option of one row of --policies, typed as its policy declares it (`foresight policies`), e.g. "
-        "-o triattention.stats=checkpoints/triattention-default; the key protect_prompt overrides the policy's "
-        "own default. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
+        "-o triattention.stats=checkpoints/triattention-default; the keys protect_prompt and sinks override the "
+        "policy's own defaults. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
         "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several",
     )
 

@@ -130,7 +130,7 @@ def option_settings(specs: Sequence[PolicySpec]) -> dict[str, str]:
     described = []
     for spec in specs:
         settings = [f"{key}={value}" for key, value in spec.options]
-        settings += [] if spec.protect_prompt is None else [f"protect_prompt={spec.protect_prompt}"]
+        settings += [f"{key}={value}" for key in ("protect_prompt", "sinks") if (value := getattr(spec, key)) is not None]
         if spec.policy or settings:
             described.append(f"{spec.name} ({', '.join([f'policy {spec.policy_class.name}', *settings])})")
     return {"policy options": "; ".join(described)} if described else {}

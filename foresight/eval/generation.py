@@ -195,6 +195,8 @@ def _identity(spec: PolicySpec) -> dict[str, str]:
             identity["options"] = {key: _option_identity(value) for key, value in spec.options}
         if spec.protect_prompt is not None and spec.protect_prompt != spec.policy_class.default_protect_prompt:
             identity["protect_prompt"] = spec.protect_prompt
+        if spec.sinks is not None and spec.sinks != spec.policy_class.default_sinks:
+            identity["sinks"] = spec.sinks
         return identity
     digest = hashlib.sha256()
     for name, tensor in sorted(scorer.state_dict().items()):

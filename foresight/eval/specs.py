@@ -13,7 +13,7 @@ import numpy as np
 
 from foresight.labels import GoldenLabels
 from foresight.policies import POLICIES, Policy, make_policy
-from foresight.policies.options import parse_value, typed_options
+from foresight.policies.options import describe_type, parse_value, typed_options
 from foresight.runtime.engine import EvictionConfig
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer
@@ -31,12 +31,13 @@ class PolicySpec:
 
     name: the row's name; policy: the registered policy it runs (default: `name`), so one policy can
     run under two settings as two rows; options: its constructor options (e.g. triattention's
-    stats); protect_prompt: overrides the policy's own default (None keeps it)."""
+    stats); protect_prompt and sinks: override the policy's own defaults (None keeps them)."""
 
     name: str
     policy: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
     protect_prompt: bool | None = None
+    sinks: int | None = None
 
     @property
     def policy_class(self) -> type[Policy]:
@@ -82,7 +83,7 @@ class PolicySpec:
             return None
         if self.needs_labels:
             return EvictionConfig(budget, interval, sinks=0, protect_prompt=False)
-        return EvictionConfig(budget, interval, protect_prompt=self.protect_prompt)
+        return EvictionConfig(budget, interval, sinks=self.sinks, protect_prompt=self.protect_prompt)
 
     def skip_reason(self, budget: int, interval: int) -> str | None:
         """Why the policy cannot run at this budget and interval (a learned scorer runs only at its own)."""
@@ -172,8 +173,8 @@ REFERENCE = PolicySpec("full")
 
 LEARNED = "foresight"
 """The learned policy: its rows come from trained scorers (`ScorerSpec`), never from --policies alone."""
-PROTECT_PROMPT = "protect_prompt"
-"""The option key that overrides a policy's protected prompt (not a policy field: the engine's cadence)."""
+CADENCE_OPTIONS = {"protect_prompt": bool, "sinks": int}
+"""Option keys that override a policy's cadence defaults (not policy fields: the engine applies them)."""
 
 
 def resolve_policies(
@@ -182,7 +183,7 @@ def resolve_policies(
     """Specs for `all` or a comma-separated list of rows, and notes on what `all` leaves out. A row is
     NAME, or ROW=NAME to run a registered policy under a row name of its own (one policy under two
     settings). `options` maps a row to its option texts {key: value}, typed from the policy's fields
-    (e.g. triattention's stats); the key protect_prompt overrides the policy's default. The learned
+    (e.g. triattention's stats); the keys protect_prompt and sinks override the policy's defaults. The learned
     policy is not a row here: its rows come from trained scorers."""
     options = dict(options or {})
     if text == "all":
@@ -237,16 +238,21 @@ def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec
     """The row's spec, its options typed and checked by building the policy once (a missing statistics
     folder is refused here, before any replay)."""
     texts = dict(texts)
-    protect = texts.pop(PROTECT_PROMPT, None)
     spec = PolicySpec(row, None if policy == row else policy)
-    if protect is not None and (spec.needs_labels or not spec.evicts):
-        raise ValueError(f"-o {row}.{PROTECT_PROMPT}: only a heuristic that evicts takes it ({row} runs {policy})")
-    try:
-        protect_prompt = None if protect is None else parse_value(protect, bool)
-    except ValueError:
-        raise ValueError(f"-o {row}.{PROTECT_PROMPT} expects true or false, got {protect!r}") from None
-    typed = typed_options(POLICIES[policy], texts, label=row, extra=[] if spec.needs_labels else [PROTECT_PROMPT])
-    spec = replace(spec, options=tuple(sorted(typed.items())), protect_prompt=protect_prompt)
+    cadence = {key: texts.pop(key) for key in CADENCE_OPTIONS if key in texts}
+    if cadence and (spec.needs_labels or not spec.evicts):
+        raise ValueError(f"-o {row}.{next(iter(cadence))}: only a heuristic that evicts takes it ({row} runs {policy})")
+    overrides = {}
+    for key, text in cadence.items():
+        try:
+            overrides[key] = parse_value(text, CADENCE_OPTIONS[key])
+        except ValueError:
+            raise ValueError(f"-o {row}.{key} expects {describe_type(CADENCE_OPTIONS[key])}, got {text!r}") from None
+    if overrides.get("sinks", 0) < 0:
+        raise ValueError(f"-o {row}.sinks must be 0 or more, got {overrides['sinks']}")
+    extra = [] if spec.needs_labels else list(CADENCE_OPTIONS)
+    typed = typed_options(POLICIES[policy], texts, label=row, extra=extra)
+    spec = replace(spec, options=tuple(sorted(typed.items())), **overrides)
     if typed and not spec.missing_artifacts and not spec.needs_labels:
         spec.build(None)
     return spec
