@@ -295,7 +295,8 @@ def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
                                                      num_key_value_heads=3, head_dim=64, hidden_size=576).config)
     built = cli_main(["--config", str(REPO / "configs" / "default.yaml")], run=False)
     assert built.datamodule.model_name == "default" and built.model.scorer.config.num_layers == 30
-    assert built.datamodule.examples.key == ExampleKey("default", "float32", 128, 32, "paper", "float16")
+    assert built.datamodule.examples.key == ExampleKey("default", "float32", 128, 32, "standardised", "float16")
+    assert built.model.hparams.pair_weight == "gap" and built.trainer.max_steps == 600
     assert built.config_init.traces.prompts == "reasoning-gym:gsm_symbolic"
     args = cli.build_parser().parse_args(["fit", "--config", str(REPO / "configs" / "default.yaml"), "--out", str(tmp_path),
                                           "--set", "traces.num=24"])
