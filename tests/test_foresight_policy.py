@@ -95,9 +95,10 @@ def default_checkpoint_step() -> EvictionContext:
 
 
 def test_an_existing_scorer_loads_and_scores_as_before_the_standardised_set():
-    """The shipped "paper" scorer's keep scores at a fixed step, pinned before issue 21's changes: an older
-    feature set keeps its features, its two state fields and its raw keys and values."""
-    policy = make_policy("foresight", scorer=str(Path(__file__).resolve().parents[1] / "checkpoints" / "default"))
+    """The "paper" scorer shipped before this round (checkpoints/default-paper), its keep scores at a fixed step
+    pinned before issue 21's changes: an older feature set keeps its features, its two state fields and its raw
+    keys and values."""
+    policy = make_policy("foresight", scorer=str(Path(__file__).resolve().parents[1] / "checkpoints" / "default-paper"))
     assert [field.name for field in policy.state_fields] == [CUMULATIVE, DECAYED]
     context = default_checkpoint_step()
     policy.observe(context)
@@ -318,7 +319,7 @@ def test_the_shipped_default_scorer_runs_on_the_default_model():
     from foresight.models import load_model
 
     model, tokenizer = load_model("default")
-    policy = make_policy("foresight", scorer=str(Path(__file__).resolve().parents[1] / "checkpoints" / "default"))
+    policy = make_policy("foresight", scorer=str(Path(__file__).resolve().parents[1] / "checkpoints" / "default-paper"))
     assert (policy.scorer.config.budget, policy.scorer.config.interval) == (128, 32)
     prompt = tokenizer.encode("Count from one to one hundred in words: one, two, three, four, five," * 3)
     output = EvictionEngine(model, policy, EvictionConfig(128, 32)).generate([prompt], 200)
