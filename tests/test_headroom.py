@@ -121,6 +121,26 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
         merged_scores((tmp_path / "missing",))
 
 
+def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):
+    """Two sets with traces 0-2 each pool into one set of 6 traces, its figures the sums over both."""
+    from foresight.bench.ablation import SET_STRIDE, AblationSettings, pooled_scores, run
+
+    _eval_folder(tmp_path / "a", RUN)
+    _eval_folder(tmp_path / "b", RUN)
+    sets = (("a", (tmp_path / "a",)), ("b", (tmp_path / "b",)), ("c", (tmp_path / "a",)))
+    report = run(AblationSettings(sets=sets, learned=(("foresight", "x"),), budget=B, command="cmd", pooled=("a", "b")))
+    assert "**pooled over a + b**: 6 traces, B = 128; best heuristic h2o" in report
+    pooled = pooled_scores([RUN, RUN])
+    assert sorted({s.index for s in pooled}) == [0, 1, 2, SET_STRIDE, SET_STRIDE + 1, SET_STRIDE + 2]
+    result = headroom(pooled, B, "foresight")
+    assert result.traces == 6 and result.share.value == pytest.approx(0.5)  # the same sums, twice
+    assert result.share.high - result.share.low <= headroom(RUN, B, "foresight").share.high - headroom(RUN, B, "foresight").share.low
+    with pytest.raises(ValueError, match="--pool names 'd', which is not a set; the sets are: a, b, c"):
+        run(AblationSettings(sets=sets, learned=(("foresight", "x"),), budget=B, command="cmd", pooled=("d",)))
+    with pytest.raises(ValueError, match="cannot be pooled across sets"):
+        pooled_scores([[TraceScore("h2o", B, SET_STRIDE, "src", 1, 1.0, 1.0, 1, 0)]])
+
+
 def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     """Per policy: pooled figures, KV memory from results.json, and the learned scorer's paired gain (by hand:
     h2o 1.3 − foresight 1.2 = 0.1; damage 8/240 − 2/240); a policy scored on other tokens has none."""

@@ -80,6 +80,7 @@ class TraceRecipe:
 
 
 MAX_ROUNDS = 10
+"""The most on-policy rounds a fit runs (each replays every training trace and refits)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,6 @@ class OnPolicyRounds:
             raise ValueError(f"on-policy rounds must be between 0 and {MAX_ROUNDS}, got {self.rounds}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"on-policy round steps must be a positive integer, got {self.steps}")
-
 
 
 @dataclass(frozen=True)

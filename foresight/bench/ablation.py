@@ -8,7 +8,8 @@ the merge is refused. Per set and learned scorer: its loss ratio and low-entropy
 the headroom between the best heuristic and golden, and its loss-ratio gain over the best heuristic,
 and its loss-ratio gain over the first scorer of the table (the reference recipe), all with paired 95%
 bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic is chosen among every
-non-learned policy of the set, the same for every scorer.
+non-learned policy of the set, the same for every scorer. `pooled` names sets whose traces one more
+table pools as one set (its best heuristic is the best over all of them).
 
     foresight bench ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
         --learned std="standardised features" --budget 128
@@ -17,7 +18,7 @@ non-learned policy of the set, the same for every scorer.
 from __future__ import annotations
 
 import json
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_gain, percent
@@ -27,12 +28,14 @@ NAME = "ablation"
 
 @dataclass(frozen=True, kw_only=True)
 class AblationSettings:
-    """`sets`: (name, eval folders) per trace set; `learned`: (row name, what it is) per scorer, in table order."""
+    """`sets`: (name, eval folders) per trace set; `learned`: (row name, what it is) per scorer, in table order;
+    `pooled`: the names of the sets pooled into one more table (none: no such table)."""
 
     sets: tuple[tuple[str, tuple[Path, ...]], ...]
     learned: tuple[tuple[str, str], ...]
     budget: int
     command: str
+    pooled: tuple[str, ...] = ()
 
 
 def merged_scores(folders: tuple[Path, ...]) -> list[TraceScore]:
@@ -86,7 +89,28 @@ def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str
     return "\n".join(lines)
 
 
+SET_STRIDE = 1_000_000
+"""Index offset between the sets of a pooled table (trace indices are below it)."""
+
+
+def pooled_scores(sets: list[list[TraceScore]]) -> list[TraceScore]:
+    """The trace scores of several sets as one set: each trace keeps its own sums and gets an index no
+    other set's trace has (set number x SET_STRIDE + its index), so resamples draw traces of every set."""
+    for scores in sets:
+        if any(score.index >= SET_STRIDE for score in scores):
+            raise ValueError(f"a trace index of {SET_STRIDE} or more cannot be pooled across sets")
+    return [replace(score, index=number * SET_STRIDE + score.index) for number, scores in enumerate(sets) for score in scores]
+
+
+
 def run(settings: AblationSettings) -> str:
-    tables = [set_table(name, merged_scores(folders), settings.learned, settings.budget) for name, folders in settings.sets]
+    sets = [(name, merged_scores(folders)) for name, folders in settings.sets]
+    unknown = [name for name in settings.pooled if name not in dict(sets)]
+    if unknown:
+        raise ValueError(f"--pool names {unknown[0]!r}, which is not a set; the sets are: {', '.join(dict(sets))}")
+    if settings.pooled:
+        pooled = pooled_scores([dict(sets)[name] for name in settings.pooled])
+        sets.append((f"pooled over {' + '.join(settings.pooled)}", pooled))
+    tables = [set_table(name, scores, settings.learned, settings.budget) for name, scores in sets]
     intervals = "95% paired bootstrap intervals over traces; every scorer against the same best heuristic."
     return "\n\n".join([f"Command: `{settings.command}`", intervals, *tables])

@@ -230,6 +230,10 @@ def _add_ablation(parser: argparse.ArgumentParser) -> None:
         help="a learned scorer's row name in those folders and what it is (repeat; table order)",
     )
     parser.add_argument("--budget", "-B", type=int, default=128, help="the budget B compared")
+    parser.add_argument(
+        "--pool", default="", metavar="NAME,NAME,...",
+        help="one more table with these sets' traces pooled as one set (paired intervals over all of them)",
+    )
     add_report_arguments(parser, "ablation-B{budget}")
 
 
@@ -238,8 +242,10 @@ def _ablation_settings(args: argparse.Namespace) -> ablation.AblationSettings:
     flags = " ".join(
         [*(f"--set {shlex.quote(f'{n}={v}')}" for n, v in args.sets), *(f"--learned {shlex.quote(f'{n}={v}')}" for n, v in args.learned)]
     )
-    command = f"foresight bench ablation {flags} --budget {args.budget} {report_flags(args)}"
-    return ablation.AblationSettings(sets=sets, learned=tuple(args.learned), budget=args.budget, command=command)
+    pooled = tuple(name.strip() for name in args.pool.split(",") if name.strip())
+    pool = f" --pool {shlex.quote(args.pool)}" if pooled else ""
+    command = f"foresight bench ablation {flags} --budget {args.budget}{pool} {report_flags(args)}"
+    return ablation.AblationSettings(sets=sets, learned=tuple(args.learned), budget=args.budget, command=command, pooled=pooled)
 
 
 def _add_baselines(parser: argparse.ArgumentParser) -> None:

@@ -126,13 +126,12 @@ def policy_specs(
 
 
 def option_settings(specs: Sequence[PolicySpec]) -> dict[str, str]:
-    """The report's line on the rows run with options or under another policy's name (none without)."""
-    described = []
-    for spec in specs:
-        settings = [f"{key}={value}" for key, value in spec.options]
-        settings += [f"{key}={value}" for key in ("protect_prompt", "sinks") if (value := getattr(spec, key)) is not None]
-        if spec.policy or settings:
-            described.append(f"{spec.name} ({', '.join([f'policy {spec.policy_class.name}', *settings])})")
+    """The report's line on the rows run with settings of their own or under another policy's name (none without)."""
+    described = [
+        f"{spec.name} ({', '.join([f'policy {spec.policy_class.name}', *(f'{k}={v}' for k, v in spec.settings().items())])})"
+        for spec in specs
+        if spec.policy or spec.settings()
+    ]
     return {"policy options": "; ".join(described)} if described else {}
 
 

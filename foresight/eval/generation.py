@@ -183,20 +183,16 @@ class CompletionStore:
         write_text(folder / f"batch-{number:05d}.json", json.dumps(records))
 
 
-def _identity(spec: PolicySpec) -> dict[str, str]:
+def _identity(spec: PolicySpec) -> dict[str, Any]:
     """What makes a policy's completions: its name, the policy and options of a row that has them, and
     the weights of a learned scorer."""
     scorer = getattr(spec, "scorer", None)
     if scorer is None:
-        identity = {"policy": spec.name}
+        identity: dict[str, Any] = {"policy": spec.name}
         if spec.policy:
             identity["runs"] = spec.policy_class.name
-        if spec.options:
-            identity["options"] = {key: _option_identity(value) for key, value in spec.options}
-        if spec.protect_prompt is not None and spec.protect_prompt != spec.policy_class.default_protect_prompt:
-            identity["protect_prompt"] = spec.protect_prompt
-        if spec.sinks is not None and spec.sinks != spec.policy_class.default_sinks:
-            identity["sinks"] = spec.sinks
+        if settings := spec.settings():
+            identity["settings"] = {key: _option_identity(value) for key, value in settings.items()}
         return identity
     digest = hashlib.sha256()
     for name, tensor in sorted(scorer.state_dict().items()):

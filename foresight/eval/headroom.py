@@ -111,16 +111,17 @@ def headroom(
     traces = sorted(tables[ORACLE])
     tokens = [tables[ORACLE][i].tokens for i in traces]
     comparable = {  # every evicting policy scored on golden's tokens
-        policy: np.array([[getattr(table[i], name) for i in traces] for name in _SUMS], dtype=np.float64)
-        for policy, table in tables.items()
+        policy: table for policy, table in tables.items()
         if policy != REFERENCE and sorted(table) == traces and [table[i].tokens for i in traces] == tokens
     }
     heuristics = [p for p in comparable if p not in (ORACLE, learned, *other_learned)]
     if learned not in comparable or not heuristics:
         return None
     weights = _resample_weights(len(traces), resamples, seed)  # [1 + resamples, traces]; row 0: the sample itself
-    ratios = {p: _pooled(sums[0], sums[1], weights) for p, sums in comparable.items()}
-    damages = {p: _pooled(sums[3], sums[2], weights) for p, sums in comparable.items()}
+    ratios, damages = (
+        {p: _pooled(*_figure_sums(table, traces, figure), weights) for p, table in comparable.items()}
+        for figure in FIGURES
+    )
     best = min(heuristics, key=lambda p: ratios[p][0])
     least_damaging = min(heuristics, key=lambda p: damages[p][0])
     gap = ratios[best] - ratios[ORACLE]
@@ -138,9 +139,6 @@ def headroom(
         ratio_gain=_estimate(ratios[best] - ratios[learned]),
         damage_gain=_estimate(damages[least_damaging] - damages[learned]),
     )
-
-
-_SUMS = ("nll_evicted", "nll_full", "low_entropy", "damaged")
 
 
 FIGURES = {"loss_ratio": ("nll_evicted", "nll_full"), "low_entropy_damage": ("damaged", "low_entropy")}

@@ -66,6 +66,15 @@ class PolicySpec:
             return False
         return self.policy_class.default_protect_prompt if self.protect_prompt is None else self.protect_prompt
 
+    def settings(self) -> dict[str, Any]:
+        """What the row sets beyond its policy's defaults: its options, then the cadence overrides that differ
+        from the policy's own (the report's line on the row, and what identifies its completions)."""
+        cls, given = self.policy_class, dict(self.options)
+        for key, default in (("protect_prompt", cls.default_protect_prompt), ("sinks", cls.default_sinks)):
+            if (value := getattr(self, key)) is not None and value != default:
+                given[key] = value
+        return given
+
     def build(self, labels: Sequence[GoldenLabels] | None, trace_indices: Sequence[int] = ()) -> Policy:
         """The policy for one batch: `labels` of its traces (golden), `trace_indices` (a sampled scorer)."""
         options = dict(self.options) | ({"labels": list(labels)} if self.needs_labels else {})
