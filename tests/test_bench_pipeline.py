@@ -74,3 +74,33 @@ def test_pipeline_refuses_bad_options_in_one_line(traces_dir, tmp_path, capsys, 
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert message in error and "\n" not in error
+
+
+@pytest.mark.parametrize("feature_set, key_values", [("standardised", True), ("paper", True), ("standardised", False)])
+def test_the_fit_step_of_before_has_the_scores_loss_and_gradient_of_now(feature_set, key_values):
+    """The benchmark's row of before times the same arithmetic as now, up to float rounding: the scores
+    of the concatenated einsum forward, Eq. 6 over the whole batch and its gradient."""
+    from foresight.bench.fit_before import ranking_loss_before, scores_before
+    from foresight.scorer.model import ForesightScorer, ScorerConfig
+    from trainers.ranking import PairWeight, pairwise_ranking_loss
+
+    torch.manual_seed(0)
+    config = ScorerConfig(num_layers=3, num_query_heads=4, num_kv_heads=2, head_dim=8, budget=16, interval=4,
+                          base_model="tiny", feature_set=feature_set, key_values=key_values)
+    scorer = ForesightScorer(config)
+    shape = (3, 5, 2, 16)  # layers, batch, Hkv, N
+    keys, values = (torch.randn(*shape, 8).half() * 4 for _ in range(2))
+    features = torch.rand(*shape, config.feature_width).half()
+    alpha = torch.rand(*shape) ** 3
+    torch.testing.assert_close(scorer(keys, values, features), scores_before(scorer, keys, values, features),
+                               rtol=0, atol=2e-6)
+    for weight in PairWeight:
+        gap = weight is PairWeight.GAP
+        now = torch.randn(*shape).mul(0.01).requires_grad_()
+        before = now.detach().clone().requires_grad_()
+        loss_now = pairwise_ranking_loss(now, alpha, 0.01, weight=weight)[0]
+        loss_before = ranking_loss_before(before, alpha, 0.01, gap)
+        torch.testing.assert_close(loss_now, loss_before, rtol=1e-5, atol=1e-7)
+        loss_now.sum().backward()
+        loss_before.sum().backward()
+        torch.testing.assert_close(now.grad, before.grad, rtol=1e-5, atol=1e-7)

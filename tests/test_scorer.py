@@ -88,15 +88,17 @@ def test_a_standardised_scorer_reads_unit_norm_keys_and_values_and_older_ones_ra
 
 
 @pytest.mark.parametrize("layers, kv_heads", [(1, 1), (3, 2), (4, 4)])
-def test_einsum_calls_do_not_grow_with_layers_or_heads(monkeypatch, layers, kv_heads):
+def test_matmul_calls_do_not_grow_with_layers_or_heads(monkeypatch, layers, kv_heads):
     calls = []
-    einsum = torch.einsum
-    monkeypatch.setattr(torch, "einsum", lambda *args: calls.append(args[0]) or einsum(*args))
+    for name in ("bmm", "baddbmm"):
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
     scorer = make_scorer(num_layers=layers, num_kv_heads=kv_heads, num_query_heads=2 * kv_heads)
     keys, values, features = random_inputs(scorer.config, layers, 2)
     scorer(keys, values, features)
     scorer.score_layer(layers - 1, keys[0], values[0], features[0])
-    assert len(calls) == 4  # two per call: hidden layer and output layer
+    # four per call: the feature, key and value blocks of the hidden layer, then the output layer
+    assert calls == ["baddbmm", "bmm", "bmm", "bmm"] * 2
 
 
 def test_init_is_linear_default_per_head():

@@ -208,7 +208,7 @@ def test_the_data_module_makes_no_labels_and_no_features(fresh_traces, tiny_dir)
 
 def test_cached_batches_come_from_workers_in_the_samplers_order_and_the_storage_dtype(tmp_path, tiny_dir, traces_dir):
     """Worker processes and the storage dtype change how batches travel, not which: the same traces in the
-    same order as one process, each epoch; the module casts them to float32 on the device."""
+    same order as one process, each epoch; the scorer casts them to float32 on the device."""
     frozen = FrozenModel(str(tiny_dir))
     make_labels(frozen, traces_dir, B, L_, progress=False)
     key = ExampleKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
@@ -230,8 +230,9 @@ def test_cached_batches_come_from_workers_in_the_samplers_order_and_the_storage_
         for batch, expected in zip(batches, one_process):
             assert batch.keys() == expected.keys() and all(torch.equal(batch[n], expected[n]) for n in batch)
             assert batch["keys"].dtype == torch.float16 and batch["alpha"].dtype == torch.float32
-    cast = supervised.on_device_float32(batches[0])
-    assert all(tensor.dtype == torch.float32 and torch.equal(tensor, batches[0][n].float()) for n, tensor in cast.items())
+    scorer = supervised.SupervisedScorer(modules[0].scorer_spec)
+    cast = {name: tensor.float() for name, tensor in batches[0].items()}
+    assert torch.equal(scorer(batches[0]), scorer(cast))  # the half batch is cast inside, exactly
     replayed = GoldenDataModule(str(traces_dir), B, L_, model=str(tiny_dir), pin_memory=None)
     assert replayed._loading() == {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
     replayed.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))

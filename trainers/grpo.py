@@ -268,7 +268,7 @@ class GRPOScorer(ScorerModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=size)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.scorer.parameters(), lr=self.hparams.lr)
+        optimizer = torch.optim.Adam(self.trained_parameters(), lr=self.hparams.lr)
         warm_up = self.hparams.warm_up
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warm_up) if warm_up else 1.0)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

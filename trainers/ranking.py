@@ -7,7 +7,6 @@ Every function reads scores φ and targets α laid out [..., N]: one ranking pro
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from foresight.cadence import top_k_mask
 from foresight.choices import Choice
@@ -64,9 +63,9 @@ def pairwise_ranking_loss(
 
     Every such pair is used, none sampled. The N x N pair matrices are built in blocks of problems and
     of `chunk_size` rows i (at most `block_elements` numbers; None: every problem at once, as before the
-    blocks, for benchmarks), each under activation checkpointing, so
-    forward and backward hold O(chunk_size x N) numbers per problem (the paper's B = 1024 would otherwise
-    need N^2 per head and step) and each block's work stays in cache.
+    blocks, for benchmarks), with the gradient summed in the same pass (`_PairwiseHinge`), so the loss
+    holds O(chunk_size x N) numbers per problem (the paper's B = 1024 would otherwise need N^2 per head
+    and step) and each block's work stays in cache.
     """
     if scores.shape != alpha.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and alpha {tuple(alpha.shape)} must have the same shape")
@@ -83,20 +82,9 @@ def pairwise_ranking_loss(
         return scores.new_zeros(scores.shape[:-1]), weights
     candidates = scores.shape[-1]
     flat = [tensor.reshape(-1, candidates) for tensor in (scores, alpha, rows_used)]
-    rows_per_block, problems = min(chunk_size, candidates), flat[0].shape[0]
-    problems_per_block = problems if block_elements is None else max(1, block_elements // (rows_per_block * candidates))
-    totals = []
-    for first in range(0, problems, problems_per_block):
-        block_scores, block_alpha, block_used = (tensor[first : first + problems_per_block] for tensor in flat)
-        total = block_scores.new_zeros(block_scores.shape[0])
-        for start in range(0, candidates, rows_per_block):
-            rows = slice(start, start + rows_per_block)
-            total = total + checkpoint(
-                _hinge_sum, block_scores[:, rows], block_alpha[:, rows], block_used[:, rows], block_scores, block_alpha,
-                margin, gap, use_reentrant=False,
-            )
-        totals.append(total)
-    total = torch.cat(totals).reshape(scores.shape[:-1])
+    rows_per_block = min(chunk_size, candidates)
+    problems_per_block = None if block_elements is None else max(1, block_elements // (rows_per_block * candidates))
+    total = _PairwiseHinge.apply(*flat, margin, gap, rows_per_block, problems_per_block).reshape(scores.shape[:-1])
     return total / (weights.clamp_min(torch.finfo(scores.dtype).tiny) if gap else weights.clamp_min(1)), weights
 
 
@@ -118,24 +106,51 @@ def gap_weight_totals(alpha: torch.Tensor, rows_used: torch.Tensor) -> torch.Ten
     return (larger_sum * rows_used).sum(-1)
 
 
-def _pair_weights(alpha_i: torch.Tensor, used_i: torch.Tensor, alpha: torch.Tensor, gap: bool) -> torch.Tensor:
-    """[..., chunk, N] the weight of each pair (i, j): 0 unless α_i < α_j and i is used; else 1, or α_j − α_i."""
-    ordered = (alpha_i[..., :, None] < alpha[..., None, :]) & used_i[..., :, None]
-    return (alpha[..., None, :] - alpha_i[..., :, None]) * ordered if gap else ordered
-
-
-def _hinge_sum(
-    scores_i: torch.Tensor,
-    alpha_i: torch.Tensor,
-    used_i: torch.Tensor,
-    scores: torch.Tensor,
-    alpha: torch.Tensor,
-    margin: float,
-    gap: bool,
+def _active_pair_weights(
+    alpha_i: torch.Tensor, used_i: torch.Tensor, alpha: torch.Tensor, hinge_on: torch.Tensor, gap: bool
 ) -> torch.Tensor:
-    """Weighted sum over i in the chunk where `used_i` and all j with α_i < α_j of max(0, m - (φ_j - φ_i))."""
-    hinge = torch.relu(margin - (scores[..., None, :] - scores_i[..., :, None]))
-    return (hinge * _pair_weights(alpha_i, used_i, alpha, gap)).sum((-1, -2))
+    """[..., chunk, N] the weight of each pair (i, j) whose hinge is on: 0 unless α_i < α_j, i is used and
+    `hinge_on`; else 1, or α_j − α_i (positive exactly when α_i < α_j, gradual underflow included)."""
+    if not gap:
+        return ((alpha_i[..., :, None] < alpha[..., None, :]) & used_i[..., :, None] & hinge_on).to(alpha.dtype)
+    weights = (alpha[..., None, :] - alpha_i[..., :, None]).clamp_min_(0)
+    return weights.mul_(hinge_on & used_i[..., :, None])
+
+
+class _PairwiseHinge(torch.autograd.Function):
+    """Σ_ij w_ij max(0, m − (φ_j − φ_i)) per problem over flat [problems, N] scores, with its gradient
+    computed in the same pass over the pair blocks.
+
+    With A_ij = w_ij·1[φ_j < φ_i + m] (the pairs whose hinge is on), the sum is
+    Σ_i (φ_i + m)·Σ_j A_ij − Σ_j φ_j·Σ_i A_ij and the gradient Σ_j A_ij − Σ_i A_ji: each block builds A
+    alone. Why not autograd through the blocks: storing them would hold N^2 numbers per problem, and
+    recomputing them in the backward (activation checkpointing) builds every block twice; the gradient
+    is [problems, N], as small as the scores."""
+
+    @staticmethod
+    def forward(ctx, scores, alpha, rows_used, margin, gap, rows_per_block, problems_per_block):
+        problems, candidates = scores.shape
+        step = problems if problems_per_block is None else problems_per_block
+        total, grad = scores.new_zeros(problems), torch.zeros_like(scores)
+        for first in range(0, problems, step):
+            block = slice(first, first + step)
+            block_scores, block_alpha, block_used = scores[block], alpha[block], rows_used[block]
+            for start in range(0, candidates, rows_per_block):
+                rows = slice(start, start + rows_per_block)
+                raised = block_scores[:, rows] + margin
+                hinge_on = block_scores[:, None, :] < raised[:, :, None]
+                active = _active_pair_weights(block_alpha[:, rows], block_used[:, rows], block_alpha, hinge_on, gap)
+                row_sums, column_sums = active.sum(-1), active.sum(-2)
+                total[block] += (raised * row_sums).sum(-1) - (block_scores * column_sums).sum(-1)
+                grad[block, rows] += row_sums
+                grad[block] -= column_sums
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return grad_total[:, None] * grad, None, None, None, None, None, None
 
 
 def kept_overlap(scores: torch.Tensor, alpha: torch.Tensor, count: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 (ForesightKV §3.2 Eq. 6, App. E.1; docs/algorithms.md §6).
 
 A batch holds the eviction steps of a few traces (`trainers.data`): keys, values [steps, layers, Hkv, B, D],
-features [steps, layers, Hkv, B, F*G], alpha [steps, layers, Hkv, B], in their storage dtype until the
-steps cast them to float32 on the device (`on_device_float32`). Every (step, layer, KV head)
+features [steps, layers, Hkv, B, F*G], alpha [steps, layers, Hkv, B], in their storage dtype: the
+scorer casts its inputs on the device in the copy that lays them out for its matmuls. Every (step, layer, KV head)
 is one ranking problem; the loss is Eq. 6's per-problem mean over pairs with α_i < α_j, averaged over
 all problems of the global batch (a problem without a pair, all α equal, adds 0). Under DDP each rank
 divides its sum by the problem count of all ranks, so the averaged gradient is exactly that of the
@@ -114,8 +114,7 @@ class SupervisedScorer(ScorerModule):
         return per_problem.sum() * world / total
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        batch = on_device_float32(batch)
-        loss = self._loss(self(batch), batch["alpha"])
+        loss = self._loss(self(batch), batch["alpha"].float())
         self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["alpha"].shape[0])
         return loss
 
@@ -126,8 +125,7 @@ class SupervisedScorer(ScorerModule):
             metric.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        batch = on_device_float32(batch)
-        scores, alpha = self(batch), batch["alpha"]
+        scores, alpha = self(batch), batch["alpha"].float()
         size = alpha.shape[0]
         self.log("val/loss", self._loss(scores, alpha), prog_bar=True, sync_dist=True, batch_size=size)
         keep = self.scorer.config.budget - self.scorer.config.interval
@@ -143,23 +141,16 @@ class SupervisedScorer(ScorerModule):
         (H2O's statistic, under log1p; the standardised set's standardised per-query cumulative rate), as
         keep scores [steps, layers, Hkv, B]."""
         features = batch["features"][..., self._cumulative :: self._features_per_head]
-        return features.mean(-1)
+        return features.float().mean(-1)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(
-            self.scorer.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+            self.trained_parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
         # The name is the tag under which the CLI's LearningRateMonitor logs the learning rate.
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
-
-
-def on_device_float32(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch in float32, cast where it already is (the device): batches cross the loader and the copy
-    to the device in the examples' storage dtype, half the bytes of float32 for a float16 cache. (Not in
-    `on_after_batch_transfer`, which Lightning warns about whenever a data module is given too.)"""
-    return {name: tensor.float() for name, tensor in batch.items()}
 
 
 def _matching_weights(start: ForesightScorer, config: ScorerConfig, source: str) -> dict[str, torch.Tensor]:

@@ -6,9 +6,10 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
 - examples: `foresight examples` into a scratch example cache (the golden replay in the eviction
   engine, the recorder and the file writes); the forward is the model's inside the engine;
 - eval replay: `foresight eval`'s replay of one policy at B (the full-cache reference and the policy);
-- fit: optimisation steps from that example cache, first with the loader of before (one process,
-  batches cast to float32 in the collate), then with the data module's (worker processes, batches in
-  the storage dtype cast on the device, pinned memory on CUDA); steady state, after each run's first step;
+- fit: optimisation steps from that example cache, first as the step ran before (one process,
+  batches cast to float32 in the collate, the scorer and the loss of `foresight.bench.fit_before`),
+  then as it runs now (the data module's worker processes, batches in the storage dtype cast on the
+  device, pinned memory on CUDA); steady state, after each run's first step;
 - rl rollouts: G sampled replays of every trace under a freshly initialised scorer (`roll_out`: the
   speed of a rollout does not depend on the scorer's weights).
 
@@ -45,6 +46,7 @@ from foresight.models import describe
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
 from trainers.preparation import FrozenModel, make_examples
+from trainers.ranking import PairWeight
 from trainers.rollouts import roll_out
 
 if TYPE_CHECKING:
@@ -215,19 +217,22 @@ def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str)
 
 
 def _fit(data: GoldenDataModule, settings: PipelineSettings) -> list[StageFigures]:
-    """Steps per second of the fit with the loader of before, then with the data module's own."""
+    """Steps per second of the fit as it ran before (`foresight.bench.fit_before`), then as it runs now."""
+    from foresight.bench.fit_before import SupervisedScorerBefore
+    from trainers.supervised import SupervisedScorer
+
     data.setup("fit")
     loader = data.train_dataloader()
     before = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
                         drop_last=loader.drop_last, collate_fn=_float32_steps)
     return [
-        _fit_steps(data, settings, before, "fit before",
-                   "one process, batches cast to float32 in the collate; each batch's pair matrices built at once",
-                   pair_block=None),
-        _fit_steps(data, settings, None, "fit now",
-                   f"{loader.num_workers} worker processes, batches in the storage dtype cast on the device"
-                   + (", pinned memory" if settings.device.startswith("cuda") else "")
-                   + "; pair matrices in cache-sized blocks"),
+        _fit_steps(data, settings, before, SupervisedScorerBefore, "fit before",
+                   "one process, batches cast to float32 in the collate; x_n concatenated, einsums broadcast "
+                   "over the batch; the batch's pair matrices at once, built again in the backward"),
+        _fit_steps(data, settings, None, SupervisedScorer, "fit now",
+                   f"{loader.num_workers} worker processes, batches in the storage dtype cast in the scorer's "
+                   + "layout copy" + (", pinned memory" if settings.device.startswith("cuda") else "")
+                   + "; one matmul per (layer, head); pair blocks in cache, the gradient in the same pass"),
     ]
 
 
@@ -239,13 +244,13 @@ def _float32_steps(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 
 def _fit_steps(
-    data: GoldenDataModule, settings: PipelineSettings, loader: DataLoader | None, stage: str, what: str, **module_options
+    data: GoldenDataModule, settings: PipelineSettings, loader: DataLoader | None, module_class: type, stage: str,
+    what: str,
 ) -> StageFigures:
-    """`fit_steps` optimisation steps of a fresh scorer (`SupervisedScorer` with `module_options`) from
-    `loader` (None: the data module's); the seconds of the steps after the first, which also starts the loader."""
+    """`fit_steps` optimisation steps of a fresh scorer (`module_class`, the shipped recipe's gap-weighted
+    pairs) from `loader` (None: the data module's); the seconds of the steps after the first, which
+    also starts the loader."""
     import lightning as L
-
-    from trainers.supervised import SupervisedScorer
 
     class StepTimes(L.Callback):
         def __init__(self) -> None:
@@ -261,7 +266,7 @@ def _fit_steps(
         max_steps=settings.fit_steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
     )
-    module = SupervisedScorer(data.scorer_spec, **module_options)
+    module = module_class(data.scorer_spec, pair_weight=PairWeight.GAP.value)
     if loader is None:
         trainer.fit(module, datamodule=data)
     else:

@@ -2,7 +2,7 @@
 
 phi_n = W2 GELU(W1 x_n + b1) + b2 with x_n = [k_n || v_n || a_n] (key, value, attention features of
 `foresight.scorer.attention_features`), W1: (2D + F*G) x H, W2: H x 1, H = 16. phi_n is a KEEP score (higher = keep).
-All layers' and heads' MLPs live in four stacked parameters and run as batched einsums:
+All layers' and heads' MLPs live in four stacked parameters and run as batched matmuls:
     w1 [layers, Hkv, 2D + F*G, H]   b1 [layers, Hkv, H]   w2 [layers, Hkv, H]   b2 [layers, Hkv]
 Init: each (layer, head) slice is initialised like its own `nn.Linear` (uniform in +-1/sqrt(fan_in)
 for weights and biases), so the stack starts distributed exactly like the paper's independent MLPs.
@@ -62,7 +62,7 @@ class ScorerConfig:
     of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
     (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
     width (16 in the paper). feature_set: "paper" (F = 6), "official-8" or "pooled" (F = 8), or "standardised"
-    (F = 7; its scorer also L2-normalises each key and value, `unit_rows`). stage: the training
+    (F = 7; its scorer also L2-normalises each key and value, `UNIT_EPS`). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
     scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not
@@ -117,14 +117,22 @@ class ScorerConfig:
         return 2 * self.head_dim * self.key_values + self.feature_width
 
 
-def unit_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """Each row (last dim) scaled to unit L2 norm, in float32: the standardised set's keys and values.
+UNIT_EPS = 1e-6
+"""The smallest norm a key or value is divided by (a zero key stays zero).
 
-    Why: key and value norms differ by orders of magnitude across models, layers and heads (outlier
-    channels, sinks), which a scorer fitted on one model's heads does not transfer; the direction keeps
-    the content, and how strongly an entry is read is in the attention features. Per entry, not over the
-    candidates, so a recorded eviction pool (`SampledEviction`) scores exactly as at sampling time."""
-    return nn.functional.normalize(tensor.float(), dim=-1, eps=1e-6)
+Why the standardised set's scorer reads unit-norm keys and values: their norms differ by orders of
+magnitude across models, layers and heads (outlier channels, sinks), which a scorer fitted on one
+model's heads does not transfer; the direction keeps the content, and how strongly an entry is read is
+in the attention features. Per entry, not over the candidates, so a recorded eviction pool
+(`SampledEviction`) scores exactly as at sampling time."""
+
+
+def _by_head(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[layers, batch, Hkv, N, W] -> [layers * Hkv, batch * N, W] in `dtype`, cast and laid out in one copy."""
+    count, batch, heads, entries, width = tensor.shape
+    grouped = torch.empty(count, heads, batch, entries, width, dtype=dtype, device=tensor.device)
+    grouped.copy_(tensor.permute(0, 2, 1, 3, 4))
+    return grouped.view(count * heads, batch * entries, width)
 
 
 class ForesightScorer(
@@ -169,22 +177,22 @@ class ForesightScorer(
         -> [batch, Hkv, N] (inference)."""
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"layer {layer} out of range: the scorer has layers 0..{self.config.num_layers - 1}")
-        inputs = self._inputs(keys, values, features, leading=1)
-        return self._mlp(inputs, self.w1[layer], self.b1[layer], self.w2[layer], self.b2[layer])
+        self._check_inputs(keys, values, features, leading=1)
+        layers = slice(layer, layer + 1)
+        return self._mlp([tensor.unsqueeze(0) for tensor in (keys, values, features)], layers)[0]
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """KEEP scores of every layer at once (training): keys, values [layers, batch, Hkv, N, D], features
-        [layers, batch, Hkv, N, F*G] -> [layers, batch, Hkv, N]."""
-        inputs = self._inputs(keys, values, features, leading=2)
-        if inputs.shape[0] != self.config.num_layers:
-            raise ValueError(f"expected {self.config.num_layers} layers on dim 0, got {inputs.shape[0]}")
-        # A singleton batch dim lets each layer's weights broadcast over the batch.
-        return self._mlp(inputs, self.w1[:, None], self.b1[:, None], self.w2[:, None], self.b2[:, None])
+        [layers, batch, Hkv, N, F*G] -> [layers, batch, Hkv, N]. The inputs may be in any float dtype
+        (a half-precision example cache): they are cast to the parameters' dtype in the one copy that
+        lays them out for the matmuls."""
+        self._check_inputs(keys, values, features, leading=2)
+        if keys.shape[0] != self.config.num_layers:
+            raise ValueError(f"expected {self.config.num_layers} layers on dim 0, got {keys.shape[0]}")
+        return self._mlp([keys, values, features], slice(None))
 
-    def _inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int
-    ) -> torch.Tensor:
-        """x_n = [k_n || v_n || a_n] (or a_n alone) in the parameters' dtype, after checking the shapes."""
+    def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int) -> None:
+        """One-line ValueError naming the tensor whose shape does not fit x_n = [k_n || v_n || a_n]."""
         config = self.config
         layout = "[layers, batch, Hkv, N, *]" if leading == 2 else "[batch, Hkv, N, *]"
         widths = {"keys": config.head_dim, "values": config.head_dim, "features": config.feature_width}
@@ -200,18 +208,28 @@ class ForesightScorer(
                 f"keys {tuple(keys.shape)}, values {tuple(values.shape)} and features "
                 f"{tuple(features.shape)} disagree before the last dim"
             )
-        if config.key_values and config.feature_set.unit_key_values:
-            keys, values = unit_rows(keys), unit_rows(values)
-        parts = [keys, values, features] if config.key_values else [features]
-        return torch.cat(parts, dim=-1).to(self.w1.dtype)
 
-    @staticmethod
-    def _mlp(
-        inputs: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
-    ) -> torch.Tensor:
-        """ForesightKV Eq. 22 for every head at once: inputs [..., Hkv, N, in], weights [..., Hkv, in, H]."""
-        hidden = torch.einsum("...ni,...ih->...nh", inputs, w1) + b1.unsqueeze(-2)
-        return torch.einsum("...nh,...h->...n", nn.functional.gelu(hidden), w2) + b2.unsqueeze(-1)
+    def _mlp(self, parts: list[torch.Tensor], layers: slice) -> torch.Tensor:
+        """ForesightKV Eq. 22 for every (layer, head) of `layers` at once: parts (keys, values, features)
+        [layers, batch, Hkv, N, *] -> [layers, batch, Hkv, N].
+
+        Each (layer, head) is one matmul over all its batch's entries ([batch * N, in] x [in, H]), and
+        W1 x_n is summed from its key, value and feature blocks, so x_n is never concatenated: a
+        key the standardised set reads at unit norm contributes (W1_k k_n) / |k_n|, the same product
+        up to float rounding without a normalised copy of the keys."""
+        config = self.config
+        w1, b1, w2, b2 = (weight[layers].flatten(0, 1) for weight in (self.w1, self.b1, self.w2, self.b2))
+        count, batch, heads, entries = parts[0].shape[:4]
+        grouped = [_by_head(part, w1.dtype) for part in (parts if config.key_values else parts[2:])]
+        blocks = w1.split([part.shape[-1] for part in grouped], dim=1)
+        hidden = torch.baddbmm(b1.unsqueeze(1), grouped[-1], blocks[-1])
+        for part, block in zip(grouped[:-1], blocks[:-1]):
+            product = torch.bmm(part, block)
+            if config.feature_set.unit_key_values:
+                product = product / torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(UNIT_EPS)
+            hidden = hidden + product
+        scores = torch.bmm(nn.functional.gelu(hidden), w2.unsqueeze(-1)).squeeze(-1) + b2.unsqueeze(-1)
+        return scores.unflatten(0, (count, heads)).unflatten(-1, (batch, entries)).permute(0, 2, 1, 3)
 
     @classmethod
     def _from_pretrained(
