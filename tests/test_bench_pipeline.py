@@ -12,7 +12,7 @@ from foresight.cli import main
 from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
-STAGES = ["labels", "examples", "eval replay", "fit before", "fit now", "rl rollouts"]
+STAGES = ["labels", "examples", "eval replay", "fit before", "fit now", "rl rollouts before", "rl rollouts now"]
 
 
 class Sleeper(torch.nn.Module):

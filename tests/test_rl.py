@@ -171,6 +171,28 @@ def test_a_row_rolls_out_the_same_in_any_group(llama):
     assert not torch.equal(whole.actions.order[:, :, 0], whole.actions.order[:, :, 1])
 
 
+def test_a_group_runs_the_forwards_before_its_first_eviction_once(llama):
+    """The G rows hold the same tokens until the first eviction: the model runs those B + L tokens on one
+    row, the group reuses them, and every rollout is the one of running them on every row."""
+    trace, scorer = random_trace(llama, 64, prompt=9, seed=3), scorer_for(llama)
+    seeds = rollout_seeds(2, 0, trace.index, range(4))
+    token_rows = []
+    hook = llama.register_forward_pre_hook(
+        lambda module, args, kwargs: token_rows.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        shared = roll_out(llama, scorer, trace, seeds)
+        shared_rows = sum(token_rows)
+        token_rows.clear()
+        alone = roll_out(llama, scorer, trace, seeds, share_prefix=False)
+    finally:
+        hook.remove()
+    assert sum(token_rows) - shared_rows == (len(seeds) - 1) * (B + L_)
+    assert torch.equal(shared.actions.order, alone.actions.order)
+    torch.testing.assert_close(shared.scores.reward, alone.scores.reward, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(shared.scores.loss_ratio, alone.scores.loss_ratio, rtol=1e-5, atol=1e-6)
+
+
 def scaled(scorer: ForesightScorer, factor: float) -> ForesightScorer:
     """A copy of `scorer` whose keep scores are `factor` times its own (the last layer scaled)."""
     copy = ForesightScorer(scorer.config)

@@ -39,6 +39,7 @@ from foresight.metrics import (
 from foresight.policies import make_policy
 from foresight.policies.foresight import SampledEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.prefix import ReplayPrefix
 from foresight.scorer.eviction_sampling import plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer
 
@@ -226,12 +227,16 @@ def roll_out(
     storage_dtype: torch.dtype = torch.float32,
     temperature: float = 1.0,
     exponent: float = DAMAGE_EXPONENT,
+    share_prefix: bool = True,
 ) -> GroupRollout:
     """Replay `trace` once per seed as the rows of one batch, `scorer` sampling every eviction (Eq. 2)
     at the B and L it was trained for and at `temperature`; record the evictions and score each row.
 
     The replay prefills min(B + L, prompt) tokens, so every row evicts on the cadence of §1 from the
-    first token on (the cadence of the supervised stage and of `foresight eval`)."""
+    first token on (the cadence of the supervised stage and of `foresight eval`). Until the first
+    eviction every row holds the same tokens, so with `share_prefix` the model runs those forwards on
+    one row and the group reuses them (`foresight.runtime.prefix`; the same figures up to float
+    rounding: a one-row matmul may round differently from a G-row one)."""
     config = scorer.config
     length = trace.input_ids.numel()
     if length < config.budget + config.interval + 2:
@@ -243,9 +248,11 @@ def roll_out(
     policy = make_policy(
         "foresight", scorer=scorer, mode="sampled", temperature=temperature, row_seeds=tuple(row_seeds)
     )
-    engine = EvictionEngine(model, policy, EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False))
+    cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
     prefill = min(config.budget + config.interval, trace.prompt_length)
-    output = engine.replay([trace.input_ids] * len(row_seeds), [prefill] * len(row_seeds))
+    prefix = _group_prefix(model, trace, cadence, prefill) if share_prefix else None
+    engine = EvictionEngine(model, policy, cadence)
+    output = engine.replay([trace.input_ids] * len(row_seeds), [prefill] * len(row_seeds), prefix=prefix)
     # A step after position T - 3 changes no prediction: the last one, of token T - 1, is made at T - 2.
     actions = EvictionActions.stack(policy.records, engine.num_layers, before=length - 2, dtype=storage_dtype)
     scores = score_rollouts(output.nll, output.first_eviction, trace, actions.after, share, threshold, exponent)
@@ -257,6 +264,16 @@ def roll_out(
         forward_seconds=output.stats.forward_seconds,
         seconds=time.perf_counter() - started,
     )
+
+
+def _group_prefix(model: torch.nn.Module, trace: Trace, cadence: EvictionConfig, prefill: int) -> ReplayPrefix:
+    """The forwards of `trace` up to and including the one after which a replay first evicts (its first
+    B + L tokens), recorded on one row. The policy is immaterial: before an eviction the forwards
+    depend on the tokens only."""
+    prefix = ReplayPrefix()
+    engine = EvictionEngine(model, make_policy("streaming"), cadence)
+    engine.replay([trace.input_ids[: cadence.budget + cadence.interval]], [prefill], prefix=prefix)
+    return prefix
 
 
 def equal_reward_groups(rewards: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -11,7 +11,8 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
   then as it runs now (the data module's worker processes, batches in the storage dtype cast on the
   device, pinned memory on CUDA); steady state, after each run's first step;
 - rl rollouts: G sampled replays of every trace under a freshly initialised scorer (`roll_out`: the
-  speed of a rollout does not depend on the scorer's weights).
+  speed of a rollout does not depend on the scorer's weights), first with every row running the
+  forwards before the group's first eviction, then with them run once on one row.
 
 The forward share is the time inside the model's top-level forward (a pre-hook and a hook timing it,
 CUDA synchronised at both edges) over the stage's time: what is left is the stage's own work. The fit
@@ -147,7 +148,7 @@ def run(settings: PipelineSettings) -> str:
             _examples(model, data.frozen, data.examples, traces),
             _eval(model, traces, settings),
             *_fit(data, settings),
-            _rollouts(model, traces, settings),
+            *_rollouts(model, traces, settings),
         ]
     return _report(settings, traces, store.settings["model"], rows)
 
@@ -189,21 +190,27 @@ def _eval(model, traces: list[Trace], settings: PipelineSettings) -> StageFigure
     return StageFigures("eval replay", what, _tokens(traces), "tokens", seconds, forward)
 
 
-def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> StageFigures:
+def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
+    """The rollouts of every trace with each group's forwards before its first eviction run on every row
+    (before), then once (now)."""
     config = ScorerConfig(**asdict(describe(model)), budget=settings.budget, interval=settings.interval, base_model="bench")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         scorer = ForesightScorer(config).to(model.device)
     long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
     seeds = list(range(settings.group_size))
+    rows = []
+    for stage, share_prefix, how in (("rl rollouts before", False, "every row runs the group's first B + L tokens"),
+                                     ("rl rollouts now", True, "the group's first B + L tokens run on one row")):
 
-    def work() -> None:
-        for trace in long_enough:
-            roll_out(model, scorer, trace, seeds)
+        def work() -> None:
+            for trace in long_enough:
+                roll_out(model, scorer, trace, seeds, share_prefix=share_prefix)
 
-    seconds, forward = _timed(model, work)
-    what = f"G = {settings.group_size} sampled replays of each trace, scored"
-    return StageFigures("rl rollouts", what, settings.group_size * _tokens(long_enough), "tokens", seconds, forward)
+        seconds, forward = _timed(model, work)
+        what = f"G = {settings.group_size} sampled replays of each trace, scored; {how}"
+        rows.append(StageFigures(stage, what, settings.group_size * _tokens(long_enough), "tokens", seconds, forward))
+    return rows
 
 
 def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str) -> GoldenDataModule:

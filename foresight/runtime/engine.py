@@ -245,6 +245,7 @@ class EvictionEngine:
             return _token_nll(self._forward(run, input_ids, positions, valid), targets)
         recorded = forwards.reusable(input_ids, positions, valid)
         if recorded is not None:
+            recorded = recorded.for_rows(input_ids.shape[0])
             self._forward(run, input_ids, positions, valid, inject=recorded)
             return recorded.nll
         record = forwards.start_recording(input_ids, positions, valid)

@@ -10,8 +10,10 @@ recorded queries, so what the attention function keeps (the policy's queries, th
 is what a real forward would give, and it takes the recorded token losses. Policy hooks run as usual.
 
 A forward is injected only while the replay has not evicted, when its tokens, positions and valid counts
-equal the recorded forward's, and when the policy reads no hidden states (those come from the model);
-anything else runs the model.
+equal the recorded forward's (or, for a forward recorded on one row, every row's), and when the policy
+reads no hidden states (those come from the model); anything else runs the model. A one-row recording
+serves a batch whose rows all replay the same trace: the G rollouts of the reinforcement stage run the
+model once on the tokens before their first eviction (`trainers.rollouts.roll_out`).
 """
 
 from __future__ import annotations
@@ -45,11 +47,25 @@ class RecordedForward:
         self.scaling.append(scaling)
 
     def matches(self, input_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> bool:
-        return (
-            self.input_ids.shape == input_ids.shape
-            and torch.equal(self.input_ids, input_ids)
-            and torch.equal(self.positions, positions)
-            and torch.equal(self.valid, valid)
+        """Whether a forward of these inputs is the recorded one: the same rows, or rows that all repeat
+        a recorded single row (the G rollouts of one trace, recorded once)."""
+        if self.input_ids.shape[0] not in (1, input_ids.shape[0]) or self.input_ids.shape[1:] != input_ids.shape[1:]:
+            return False
+        pairs = ((self.input_ids, input_ids), (self.positions, positions), (self.valid, valid))
+        return all(torch.equal(mine.expand_as(theirs), theirs) for mine, theirs in pairs)
+
+    def for_rows(self, rows: int) -> RecordedForward:
+        """This forward for a batch of `rows` (a single recorded row repeated, as views)."""
+        if self.input_ids.shape[0] == rows:
+            return self
+
+        def repeat(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.expand(rows, *tensor.shape[1:])
+
+        return RecordedForward(
+            repeat(self.input_ids), repeat(self.positions), repeat(self.valid),
+            [repeat(q) for q in self.queries], [repeat(k) for k in self.keys], [repeat(v) for v in self.values],
+            self.scaling, None if self.nll is None else repeat(self.nll),
         )
 
 
