@@ -75,13 +75,13 @@ def pairwise_ranking_loss(
         raise ValueError(f"lowest must be in 1..{alpha.shape[-1]} (the candidates of a problem), got {lowest}")
     alpha = alpha.to(scores.dtype)
     # The golden step keeps the N - lowest largest α, ties to the older entry; i ranges over the rest.
-    rows_used = torch.ones_like(alpha, dtype=torch.bool) if lowest is None else ~top_k_mask(alpha, alpha.shape[-1] - lowest)
+    rows_used = None if lowest is None else ~top_k_mask(alpha, alpha.shape[-1] - lowest)
     gap = weight is PairWeight.GAP
     weights = gap_weight_totals(alpha, rows_used) if gap else count_ordered_pairs(alpha, rows_used)
     if scores.numel() == 0:
         return scores.new_zeros(scores.shape[:-1]), weights
     candidates = scores.shape[-1]
-    flat = [tensor.reshape(-1, candidates) for tensor in (scores, alpha, rows_used)]
+    flat = [None if tensor is None else tensor.reshape(-1, candidates) for tensor in (scores, alpha, rows_used)]
     rows_per_block = min(chunk_size, candidates)
     problems_per_block = None if block_elements is None else max(1, block_elements // (rows_per_block * candidates))
     total = _PairwiseHinge.apply(*flat, margin, gap, rows_per_block, problems_per_block).reshape(scores.shape[:-1])
@@ -96,10 +96,14 @@ def count_ordered_pairs(alpha: torch.Tensor, rows_used: torch.Tensor | None = No
     return (larger if rows_used is None else larger * rows_used).sum(-1)
 
 
-def gap_weight_totals(alpha: torch.Tensor, rows_used: torch.Tensor) -> torch.Tensor:
+def gap_weight_totals(alpha: torch.Tensor, rows_used: torch.Tensor | None = None) -> torch.Tensor:
     """Σ (α_j − α_i) over the pairs with α_i < α_j (only rows i where `rows_used`) per problem, by sorting:
-    for each i, the sum of the larger α minus their count times α_i; O(N log N), not N^2."""
+    for each i, the sum of the larger α minus their count times α_i; O(N log N), not N^2. Over every
+    row, Σ_k α_(k) (2k − N − 1) of the sorted α (1-based k; a tied pair adds 0 either way)."""
     ordered = alpha.sort(dim=-1).values.contiguous()
+    if rows_used is None:
+        count = alpha.shape[-1]
+        return ordered @ (2 * torch.arange(count, dtype=alpha.dtype, device=alpha.device) + 1 - count)
     larger_from = torch.searchsorted(ordered, alpha.contiguous(), side="right")
     suffix = torch.cat([ordered.flip(-1).cumsum(-1).flip(-1), ordered.new_zeros(*ordered.shape[:-1], 1)], -1)
     larger_sum = suffix.gather(-1, larger_from) - (alpha.shape[-1] - larger_from) * alpha
@@ -107,14 +111,15 @@ def gap_weight_totals(alpha: torch.Tensor, rows_used: torch.Tensor) -> torch.Ten
 
 
 def _active_pair_weights(
-    alpha_i: torch.Tensor, used_i: torch.Tensor, alpha: torch.Tensor, hinge_on: torch.Tensor, gap: bool
+    alpha_i: torch.Tensor, used_i: torch.Tensor | None, alpha: torch.Tensor, hinge_on: torch.Tensor, gap: bool
 ) -> torch.Tensor:
-    """[..., chunk, N] the weight of each pair (i, j) whose hinge is on: 0 unless α_i < α_j, i is used and
-    `hinge_on`; else 1, or α_j − α_i (positive exactly when α_i < α_j, gradual underflow included)."""
+    """[..., chunk, N] the weight of each pair (i, j) whose hinge is on: 0 unless α_i < α_j, i is used (None:
+    every i) and `hinge_on`; else 1, or α_j − α_i (positive exactly when α_i < α_j, gradual underflow
+    included)."""
+    on = hinge_on if used_i is None else hinge_on & used_i[..., :, None]
     if not gap:
-        return ((alpha_i[..., :, None] < alpha[..., None, :]) & used_i[..., :, None] & hinge_on).to(alpha.dtype)
-    weights = (alpha[..., None, :] - alpha_i[..., :, None]).clamp_min_(0)
-    return weights.mul_(hinge_on & used_i[..., :, None])
+        return ((alpha_i[..., :, None] < alpha[..., None, :]) & on).to(alpha.dtype)
+    return (alpha[..., None, :] - alpha_i[..., :, None]).clamp_min_(0).mul_(on)
 
 
 class _PairwiseHinge(torch.autograd.Function):
@@ -134,12 +139,14 @@ class _PairwiseHinge(torch.autograd.Function):
         total, grad = scores.new_zeros(problems), torch.zeros_like(scores)
         for first in range(0, problems, step):
             block = slice(first, first + step)
-            block_scores, block_alpha, block_used = scores[block], alpha[block], rows_used[block]
+            block_scores, block_alpha = scores[block], alpha[block]
+            block_used = None if rows_used is None else rows_used[block]
             for start in range(0, candidates, rows_per_block):
                 rows = slice(start, start + rows_per_block)
                 raised = block_scores[:, rows] + margin
                 hinge_on = block_scores[:, None, :] < raised[:, :, None]
-                active = _active_pair_weights(block_alpha[:, rows], block_used[:, rows], block_alpha, hinge_on, gap)
+                used = None if block_used is None else block_used[:, rows]
+                active = _active_pair_weights(block_alpha[:, rows], used, block_alpha, hinge_on, gap)
                 row_sums, column_sums = active.sum(-1), active.sum(-2)
                 total[block] += (raised * row_sums).sum(-1) - (block_scores * column_sums).sum(-1)
                 grad[block, rows] += row_sums
