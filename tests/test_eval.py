@@ -562,6 +562,37 @@ def test_sampled_row_is_the_mean_of_single_seed_replays(traces_dir, tmp_path, pa
     assert "- learned trained on: " in report and "learned-sampled trained on" not in report
 
 
+
+def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(traces_dir, tmp_path, patched_model, model, monkeypatch,
+                                                                  capsys):
+    """`foresight bench rl-heldout --sampled-seeds 2` replays the sampled policy as `foresight eval` does:
+    each trace's sampled sums equal eval's NAME-sampled row's, in both modes a scorer against itself
+    changes nothing, and the report has a table per mode."""
+    scorer_dir = spread_scorer(model, tmp_path / "scorer")
+    out = tmp_path / "eval"
+    assert cli.main(["eval", "--traces", str(traces_dir), "--policies", "h2o", "--scorer", f"learned={scorer_dir}",
+                     "--sampled-seeds", "2", "--sample-temperature", "0.5", "-B", str(B), "-L", str(L),
+                     "--out", str(out)]) == 0
+    report, results = tmp_path / "bench.md", tmp_path / "heldout.json"
+    monkeypatch.setattr("foresight.bench.rl_heldout.load_model", lambda name, **kw: (model, None))
+    assert cli.main(["bench", "rl-heldout", "--traces", str(traces_dir), "--scorer", f"a={scorer_dir}",
+                     "--scorer", f"b={scorer_dir}", "--sampled-seeds", "2", "--sample-temperature", "0.5",
+                     "--resamples", "200", "--out", str(report), "--results", str(results)]) == 0
+    modes = json.loads(results.read_text())
+    assert list(modes) == ["deterministic", "sampled (τ = 0.5, mean of 2 seeds)"]
+    evaluated = {(s["policy"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
+    for mode, policy in zip(modes, ("learned", "learned-sampled")):
+        assert modes[mode]["a"] == modes[mode]["b"]
+        for row in modes[mode]["a"]:
+            assert row["evicted_nll"] == pytest.approx(evaluated[(policy, row["trace"])]["nll_evicted"], rel=1e-4)
+    text = report.read_text()
+    assert "**deterministic policy**" in text and "**sampled (τ = 0.5, mean of 2 seeds) policy**" in text
+    assert text.count("Change of −R, b against a: +0.0% [+0.0%, +0.0%]") == 2
+    capsys.readouterr()
+    assert cli.main(["bench", "rl-heldout", "--traces", str(traces_dir), "--scorer", f"a={scorer_dir}",
+                     "--scorer", f"b={scorer_dir}", "--sampled-seeds", "2", "--sample-temperature", "0"]) == 2
+    assert "--sample-temperature a finite number > 0, got 2 and 0.0" in capsys.readouterr().err
+
 def test_sampled_rows_at_a_vanishing_temperature_are_the_deterministic_ones(traces_dir, tmp_path, patched_model, model):
     scorer_dir = spread_scorer(model, tmp_path / "scorer")
     out = tmp_path / "eval"

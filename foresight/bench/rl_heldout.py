@@ -2,7 +2,9 @@
 
 Every held-out trace is replayed once per scorer with the learned `foresight` policy in deterministic
 mode at the B and L the scorers were trained for, on the cadence of `foresight eval` (batches prefill
-the same min(B + L, shortest prompt) tokens). Per trace and scorer, over the predictions after the
+the same min(B + L, shortest prompt) tokens); with `--sampled-seeds N`, also N times per scorer in
+sampled mode (Eq. 2 at `--sample-temperature`, the policy GRPO trains), each trace's sums the mean
+of its N replays, each replay seeded by (seed, trace) as `foresight eval` seeds them. Per trace and scorer, over the predictions after the
 first eviction (`foresight.metrics`, the functions `foresight eval` and the reward use): Σ NLL with
 eviction, Σ NLL with the full cache (stored with the trace), and the low-entropy damage counts.
 
@@ -15,6 +17,7 @@ difference. The report goes to a section of docs/benchmarks.md; per-trace figure
     foresight bench rl-heldout --traces runs/rl-default/traces --holdout 0.4 \\
         --scorer supervised=checkpoints/default --scorer reinforced=runs/rl-default/rl/scorer
     foresight bench rl-heldout --traces DIR --exclude 0,4,5 ...   # every trace but those trained on
+    foresight bench rl-heldout ... --sampled-seeds 8 --sample-temperature 0.005   # and the sampled policy
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tqdm.auto import tqdm
 
 from foresight.artifacts import write_text
 from foresight.data.trace_store import TraceStore, select_traces
+from foresight.eval.specs import trace_seed
 from foresight.metrics import loss_ratio, low_entropy_damage, scored_tokens
 from foresight.models import load_model
 from foresight.policies import make_policy
@@ -44,7 +48,8 @@ FIELDS = ("evicted_nll", "full_nll", "low_entropy", "damaged", "squared_sum")
 class RlHeldoutSettings:
     """`scorers`: (name, folder or Hub id) of the supervised scorer, then of the reinforced one;
     `holdout`/`holdout_seed`: the held-out split both stages left out (None: every trace);
-    `exclude`: trace indices a stage trained on; `results`: also write per-trace figures (JSON) there."""
+    `exclude`: trace indices a stage trained on; `results`: also write per-trace figures (JSON) there;
+    `sampled_seeds`: replays per trace of the sampled policy at `sample_temperature` (0: deterministic only)."""
 
     traces: Path
     scorers: tuple[tuple[str, str], tuple[str, str]]
@@ -57,18 +62,26 @@ class RlHeldoutSettings:
     dtype: torch.dtype
     results: Path | None
     command: str
+    sampled_seeds: int = 0
+    sample_temperature: float = 1.0
 
 
-def per_trace(model, scorer, traces, batch_size: int) -> list[dict[str, float]]:
-    """Σ NLL with eviction and with the full cache, and the damage counts, of every trace."""
+def per_trace(model, scorer, traces, batch_size: int, seed: int | None = None, temperature: float = 1.0) -> list[dict[str, float]]:
+    """Σ NLL with eviction and with the full cache, and the damage counts, of every trace: under the
+    deterministic policy, or (`seed` given) the sampled one at `temperature`, each trace drawing from its
+    own generator seeded by (seed, trace index)."""
     config = scorer.config
-    engine = EvictionEngine(model, make_policy("foresight", scorer=scorer),
-                            EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False))
+    cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
     rows = []
     for start in tqdm(range(0, len(traces), batch_size), desc=f"replays B={config.budget}", unit="batch"):
         batch = traces[start : start + batch_size]
+        if seed is None:
+            policy = make_policy("foresight", scorer=scorer)
+        else:
+            seeds = tuple(trace_seed(seed, trace.index) for trace in batch)
+            policy = make_policy("foresight", scorer=scorer, mode="sampled", temperature=temperature, row_seeds=seeds)
         prefill = min(config.budget + config.interval, *(t.prompt_length for t in batch))
-        output = engine.replay([t.input_ids for t in batch], [prefill] * len(batch))
+        output = EvictionEngine(model, policy, cadence).replay([t.input_ids for t in batch], [prefill] * len(batch))
         for trace, nll, first in zip(batch, output.nll, output.first_eviction):
             scored = scored_tokens(nll.numel(), first)
             damage = low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored])
@@ -102,21 +115,47 @@ def run(settings: RlHeldoutSettings) -> str:
     ]
     model, _ = load_model(store.settings["model"], device=settings.device, dtype=settings.dtype)
     started = time.perf_counter()
-    rows = {name: per_trace(model, scorer, traces, settings.batch_size) for name, scorer in zip(names, scorers)}
+    modes = {"deterministic": {name: per_trace(model, scorer, traces, settings.batch_size)
+                               for name, scorer in zip(names, scorers)}}
+    if settings.sampled_seeds:
+        sampled = f"sampled (τ = {settings.sample_temperature}, mean of {settings.sampled_seeds} seeds)"
+        modes[sampled] = {
+            name: _mean_rows([per_trace(model, scorer, traces, settings.batch_size, seed, settings.sample_temperature)
+                              for seed in range(settings.sampled_seeds)])
+            for name, scorer in zip(names, scorers)
+        }
     seconds = time.perf_counter() - started
+    low_entropy = int(sum(row["low_entropy"] for row in modes["deterministic"][names[0]]))
+    lines = [
+        f"### Reinforced against supervised scorer on held-out traces ({model.device.type})", "",
+        f"Command: `{settings.command}`", "",
+        f"{len(traces)} held-out traces of {store.settings['source']} ({low_entropy} "
+        f"low-entropy tokens after the first eviction), never used by either stage (held out, or outside what the stages read); B = {config.budget}, "
+        f"L = {config.interval}; 95% paired bootstrap intervals over traces "
+        f"({settings.resamples} resamples). Replays took {seconds:.0f} s.",
+    ]
+    for mode, rows in modes.items():
+        lines += ["", *_comparison(mode, names, rows, settings.resamples)]
+    if settings.results is not None:
+        write_text(settings.results, json.dumps(modes, indent=1))
+    return "\n".join(lines)
+
+
+def _mean_rows(replays: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per trace, the mean of each figure over several replays of the same traces."""
+    return [{name: float(np.mean([rows[i][name] for rows in replays])) for name in replays[0][i]} for i in range(len(replays[0]))]
+
+
+def _comparison(mode: str, names: list[str], rows: dict[str, list[dict[str, float]]], resamples: int) -> list[str]:
+    """The table and the paired changes of the second scorer against the first under one policy mode."""
     sums = np.array([[[row[field] for field in FIELDS] for row in rows[name]] for name in names])  # [2, traces, 5]
-    picks = np.random.default_rng(0).integers(0, len(traces), size=(settings.resamples, len(traces)))
+    picks = np.random.default_rng(0).integers(0, sums.shape[1], size=(resamples, sums.shape[1]))
     samples = pooled(sums[:, picks].sum(2))  # each figure [2, resamples]
     point = pooled(sums.sum(1))
     change = samples["penalty"][1] / samples["penalty"][0] - 1
     difference = samples["loss_ratio"][1] - samples["loss_ratio"][0]
     lines = [
-        f"### Reinforced against supervised scorer on held-out traces ({model.device.type})", "",
-        f"Command: `{settings.command}`", "",
-        f"{len(traces)} held-out traces of {store.settings['source']} ({int(sums[0, :, 2].sum())} "
-        f"low-entropy tokens after the first eviction), never used by either stage (held out, or outside what the stages read); B = {config.budget}, "
-        f"L = {config.interval}, deterministic policy; 95% paired bootstrap intervals over traces "
-        f"({settings.resamples} resamples). Replays took {seconds:.0f} s.", "",
+        f"**{mode} policy**", "",
         "| scorer | −R (ΔL²·1[ΔL > 1.5], mean over low-entropy tokens) | loss ratio | damaged share |",
         "|---|---:|---:|---:|",
     ]
@@ -129,15 +168,12 @@ def run(settings: RlHeldoutSettings) -> str:
     point_change = point["penalty"][1] / point["penalty"][0] - 1
     point_difference = point["loss_ratio"][1] - point["loss_ratio"][0]
     (change_low, change_high), (difference_low, difference_high) = _interval(change), _interval(difference)
-    lines += [
+    return lines + [
         "",
         f"Change of −R, {names[1]} against {names[0]}: {point_change:+.1%} [{change_low:+.1%}, "
         f"{change_high:+.1%}] (target: −20% or lower). Loss-ratio difference: {point_difference:+.4f} "
         f"[{difference_low:+.4f}, {difference_high:+.4f}] (target: at most +0.005).",
     ]
-    if settings.results is not None:
-        write_text(settings.results, json.dumps(rows, indent=1))
-    return "\n".join(lines)
 
 
 def _interval(values: np.ndarray) -> np.ndarray:

@@ -126,6 +126,10 @@ def _add_rl_heldout(parser: argparse.ArgumentParser) -> None:
                         help="exactly two: the supervised scorer first, then the reinforced one")
     parser.add_argument("--batch-size", type=int, default=4, help="traces replayed together")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples")
+    parser.add_argument("--sampled-seeds", type=int, default=0, metavar="N",
+                        help="also compare the sampled policies (Eq. 2), each trace's figures the mean of N seeded replays")
+    parser.add_argument("--sample-temperature", type=float, default=1.0, metavar="T",
+                        help="τ of the sampled policies (the rollouts' model.temperature)")
     add_placement_arguments(parser)
     add_report_arguments(parser, "rl-heldout-DEVICE")
     parser.add_argument("--results", type=Path, default=None, help="also write the per-trace figures as JSON to this file")
@@ -135,18 +139,25 @@ def _rl_heldout_settings(args: argparse.Namespace) -> rl_heldout.RlHeldoutSettin
     if len(args.scorer) != 2 or not all("=" in text for text in args.scorer):
         raise ValueError("give exactly two --scorer NAME=DIR: the supervised one, then the reinforced one")
     supervised, reinforced = (tuple(text.split("=", 1)) for text in args.scorer)
+    if args.sampled_seeds < 0 or not 0 < args.sample_temperature < float("inf"):
+        raise ValueError(
+            f"--sampled-seeds must be at least 0 and --sample-temperature a finite number > 0, got "
+            f"{args.sampled_seeds} and {args.sample_temperature}"
+        )
     exclude = {int(index) for index in (args.exclude or "").split(",") if index.strip()}
     command = (
         f"foresight bench rl-heldout --traces {args.traces}"
         + (f" --holdout {args.holdout} --holdout-seed {args.holdout_seed}" if args.holdout is not None else "")
         + (f" --exclude {args.exclude}" if args.exclude else "")
         + "".join(f" --scorer {text}" for text in args.scorer)
-        + f" --batch-size {args.batch_size} --resamples {args.resamples} {placement_flags(args)} {report_flags(args)}"
+        + f" --batch-size {args.batch_size} --resamples {args.resamples}"
+        + (f" --sampled-seeds {args.sampled_seeds} --sample-temperature {args.sample_temperature}" if args.sampled_seeds else "")
+        + f" {placement_flags(args)} {report_flags(args)}"
     )
     return rl_heldout.RlHeldoutSettings(
         traces=args.traces, scorers=(supervised, reinforced), holdout=args.holdout, holdout_seed=args.holdout_seed,
         exclude=exclude, batch_size=args.batch_size, resamples=args.resamples, **model_options(args),
-        results=args.results, command=command,
+        results=args.results, command=command, sampled_seeds=args.sampled_seeds, sample_temperature=args.sample_temperature,
     )
 
 
