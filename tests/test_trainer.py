@@ -476,6 +476,25 @@ def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
     return {event.step: event.value for event in accumulator.Scalars(tag)}
 
 
+def test_b2_is_frozen_and_a_run_saved_while_it_was_optimised_resumes():
+    """b2 takes no gradient and no optimiser slot; a checkpoint whose optimiser still held it (saved before
+    it was frozen) loads into the optimiser of today, with the other parameters' moments kept."""
+    module = supervised.SupervisedScorer(scorer_spec())
+    assert not module.scorer.b2.requires_grad
+    assert [p.shape for p in module.trained_parameters()] == [module.scorer.w1.shape, module.scorer.b1.shape,
+                                                               module.scorer.w2.shape]
+    old = torch.optim.AdamW(module.scorer.parameters(), lr=0.01)  # the optimiser of before: b2 last
+    for parameter in module.scorer.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    old.step()
+    checkpoint = {"optimizer_states": [old.state_dict()]}
+    module.on_load_checkpoint(checkpoint)
+    today = torch.optim.AdamW(module.trained_parameters(), lr=0.01)
+    today.load_state_dict(checkpoint["optimizer_states"][0])
+    moments = [today.state[p]["exp_avg"] for p in module.trained_parameters()]
+    assert all(torch.equal(m, old.state[p]["exp_avg"]) for m, p in zip(moments, module.trained_parameters()))
+
+
 @pytest.mark.slow
 def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_path, tiny_dir, traces_dir):
     """Two gloo processes with 2 traces each per step against one process with 4: the logged losses

@@ -131,6 +131,7 @@ class GRPOScorer(ScorerModule):
         self.scorer = ForesightScorer(config)
         self.scorer.load_state_dict(start.state_dict())
         self.reference = copy.deepcopy(self.scorer).requires_grad_(False)
+        self.freeze_untrained()
         self.storage_dtype = float_dtype("storage_dtype", storage_dtype)
         self.model_dtype = float_dtype("dtype", dtype)
         self._frozen: FrozenModel | None = None
@@ -246,7 +247,7 @@ class GRPOScorer(ScorerModule):
     def _average_gradients(self) -> None:
         if self.trainer.world_size == 1 or not dist.is_initialized():
             return
-        for parameter in self.scorer.parameters():
+        for parameter in self.trained_parameters():
             dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
             parameter.grad /= self.trainer.world_size
 

@@ -7,6 +7,7 @@ Every function reads scores φ and targets α laid out [..., N]: one ranking pro
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from foresight.cadence import top_k_mask
 from foresight.choices import Choice
@@ -130,13 +131,17 @@ class _PairwiseHinge(torch.autograd.Function):
     Σ_i (φ_i + m)·Σ_j A_ij − Σ_j φ_j·Σ_i A_ij and the gradient Σ_j A_ij − Σ_i A_ji: each block builds A
     alone. Why not autograd through the blocks: storing them would hold N^2 numbers per problem, and
     recomputing them in the backward (activation checkpointing) builds every block twice; the gradient
-    is [problems, N], as small as the scores."""
+    is [problems, N], as small as the scores. The scores are centred per problem first: the loss and its
+    gradient do not change, and the two sums above do not cancel large offsets in float32. Once
+    differentiable (no second derivative)."""
 
     @staticmethod
     def forward(ctx, scores, alpha, rows_used, margin, gap, rows_per_block, problems_per_block):
         problems, candidates = scores.shape
         step = problems if problems_per_block is None else problems_per_block
-        total, grad = scores.new_zeros(problems), torch.zeros_like(scores)
+        scores = scores - scores.mean(-1, keepdim=True)
+        want_grad = ctx.needs_input_grad[0]
+        total, grad = scores.new_zeros(problems), torch.zeros_like(scores) if want_grad else None
         for first in range(0, problems, step):
             block = slice(first, first + step)
             block_scores, block_alpha = scores[block], alpha[block]
@@ -149,12 +154,14 @@ class _PairwiseHinge(torch.autograd.Function):
                 active = _active_pair_weights(block_alpha[:, rows], used, block_alpha, hinge_on, gap)
                 row_sums, column_sums = active.sum(-1), active.sum(-2)
                 total[block] += (raised * row_sums).sum(-1) - (block_scores * column_sums).sum(-1)
-                grad[block, rows] += row_sums
-                grad[block] -= column_sums
+                if want_grad:
+                    grad[block, rows] += row_sums
+                    grad[block] -= column_sums
         ctx.save_for_backward(grad)
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total):
         (grad,) = ctx.saved_tensors
         return grad_total[:, None] * grad, None, None, None, None, None, None

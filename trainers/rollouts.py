@@ -269,10 +269,11 @@ def roll_out(
 def _group_prefix(model: torch.nn.Module, trace: Trace, cadence: EvictionConfig, prefill: int) -> ReplayPrefix:
     """The forwards of `trace` up to and including the one after which a replay first evicts (its first
     B + L tokens), recorded on one row. The policy is immaterial: before an eviction the forwards
-    depend on the tokens only."""
+    depend on the tokens only. One token more is fed, so the last recorded forward's token losses read
+    their true targets (nothing after the first eviction is recorded)."""
     prefix = ReplayPrefix()
     engine = EvictionEngine(model, make_policy("streaming"), cadence)
-    engine.replay([trace.input_ids[: cadence.budget + cadence.interval]], [prefill], prefix=prefix)
+    engine.replay([trace.input_ids[: cadence.budget + cadence.interval + 1]], [prefill], prefix=prefix)
     return prefix
 
 

@@ -16,6 +16,10 @@ from foresight.export import checkpoint_entries
 from foresight.scorer.model import ForesightScorer
 
 
+UNTRAINED = "b2"
+"""The scorer parameter neither stage trains (`ScorerModule.freeze_untrained`)."""
+
+
 class ScorerModule(L.LightningModule):
     """Subclasses set `self.scorer` and may add their own settings to `training_record`."""
 
@@ -30,15 +34,27 @@ class ScorerModule(L.LightningModule):
         metrics = {name: round(float(value), 6) for name, value in sorted(latest.items())}
         return {**data, **self.stage_settings(), "optimisation steps": self.global_step, "metrics": metrics}
 
-    def trained_parameters(self) -> list[torch.nn.Parameter]:
-        """The scorer's parameters that change a ranking: W1, b1, W2, not b2.
+    def freeze_untrained(self) -> None:
+        """Stop gradients to b2 (call once `self.scorer` is set).
 
-        Why b2 is left out: it shifts every score of a (layer, head) alike, and every eviction rule (the
+        Why b2 is not trained: it shifts every score of a (layer, head) alike, and every eviction rule (the
         L lowest, Eq. 2's draws) and both stages' losses compare scores within one (layer, head) only, so
         its gradient is zero but for float rounding, which Adam would scale up to full-size steps that
         differ with the batch's layout (one process or DDP ranks)."""
-        scorer = self.scorer
-        return [scorer.w1, scorer.b1, scorer.w2]
+        self.scorer.get_parameter(UNTRAINED).requires_grad_(False)
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """The scorer's parameters that change a ranking: every one but b2 (`freeze_untrained`)."""
+        return [parameter for name, parameter in self.scorer.named_parameters() if name != UNTRAINED]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume a run saved while b2 was still optimised: its optimiser groups held every scorer
+        parameter, b2 (registered last) among them; that entry and its state are dropped."""
+        trained = len(self.trained_parameters())
+        for optimizer in checkpoint.get("optimizer_states", []):
+            for group in optimizer["param_groups"]:
+                if len(group["params"]) == trained + 1:
+                    optimizer["state"].pop(group["params"].pop(), None)
 
     def stage_settings(self) -> dict[str, str]:
         """Settings of the stage worth naming on the model card, in words (none by default)."""

@@ -78,6 +78,7 @@ class SupervisedScorer(ScorerModule):
         self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden, key_values=key_values))
         if init_scorer is not None:
             self.scorer.load_state_dict(_matching_weights(load_scorer(init_scorer), self.scorer.config, init_scorer))
+        self.freeze_untrained()
         # Means over every ranking problem of the validation set, synced across ranks; a problem whose
         # Spearman correlation is undefined (NaN: all α equal) is left out.
         self.val_overlap = MeanMetric(nan_strategy="ignore")

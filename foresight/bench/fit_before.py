@@ -6,7 +6,7 @@ einsums broadcast over the batch (now: one matmul per (layer, head) over the bat
 summed from its blocks); Eq. 6's pair matrices were built for the whole batch at once under activation
 checkpointing, so the backward built them again (now: cache-sized blocks, the gradient summed in the
 same pass); and batches were cast to float32 in the loader's collate (now: in the scorer's layout copy).
-The scores and the loss are the same up to float rounding (tests/test_trainer.py compares them).
+The scores and the loss are the same up to float rounding (tests/test_bench_pipeline.py compares them).
 """
 
 from __future__ import annotations

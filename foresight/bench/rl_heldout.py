@@ -12,7 +12,8 @@ Figures pool tokens over traces, as `foresight eval` does: −R = Σ ΔL²·1[Δ
 bottom-80%-entropy tokens (minus the reward of docs/algorithms.md §7), loss ratio, damaged share. 95%
 intervals: paired bootstrap over traces (resample the traces with replacement; both scorers on the
 same resample), percentile intervals, also for the relative change of −R and the loss-ratio
-difference. The report goes to a section of docs/benchmarks.md; per-trace figures to --results.
+difference. The report goes to a section of docs/benchmarks.md; per-trace figures to --results (JSON:
+{mode: {scorer: [per-trace figures]}}).
 
     foresight bench rl-heldout --traces runs/rl-default/traces --holdout 0.4 \\
         --scorer supervised=checkpoints/default --scorer reinforced=runs/rl-default/rl/scorer
