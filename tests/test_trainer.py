@@ -164,7 +164,8 @@ def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_pat
     torch.testing.assert_close(module.cumulative_attention(batch), cumulative)
     if pairs == "all":  # the evicted pairs can all meet the margin by now: no gradient left
         module._loss(module(batch), batch["alpha"]).backward()
-        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.trained_parameters())
+        assert module.scorer.b2.grad is None  # frozen: it ranks nothing
 
 
 def test_key_values_false_builds_a_features_only_scorer():
