@@ -63,8 +63,7 @@ def pairwise_ranking_loss(
     the newer entry).
 
     Every such pair is used, none sampled. The N x N pair matrices are built in blocks of problems and
-    of `chunk_size` rows i (at most `block_elements` numbers; None: every problem at once, as before the
-    blocks, for benchmarks), with the gradient summed in the same pass (`_PairwiseHinge`), so the loss
+    of `chunk_size` rows i (at most `block_elements` numbers; None: every problem at once), with the gradient summed in the same pass (`_PairwiseHinge`), so the loss
     holds O(chunk_size x N) numbers per problem (the paper's B = 1024 would otherwise need N^2 per head
     and step) and each block's work stays in cache.
     """

@@ -102,7 +102,6 @@ def pooled_scores(sets: list[list[TraceScore]]) -> list[TraceScore]:
     return [replace(score, index=number * SET_STRIDE + score.index) for number, scores in enumerate(sets) for score in scores]
 
 
-
 def run(settings: AblationSettings) -> str:
     sets = [(name, merged_scores(folders)) for name, folders in settings.sets]
     unknown = [name for name in settings.pooled if name not in dict(sets)]

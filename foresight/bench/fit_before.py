@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from foresight.scorer.model import UNIT_EPS, ForesightScorer
-from trainers.ranking import PairWeight
+from trainers.ranking import PairWeight, count_ordered_pairs, gap_weight_totals
 from trainers.supervised import SupervisedScorer
 
 
@@ -35,16 +35,16 @@ def ranking_loss_before(scores: torch.Tensor, alpha: torch.Tensor, margin: float
     """Eq. 6 per problem [...] (every pair, uniform or gap-weighted) of before: the whole batch's pair
     matrices at once, under activation checkpointing."""
     flat_scores, flat_alpha = scores.reshape(-1, scores.shape[-1]), alpha.reshape(-1, alpha.shape[-1])
-    total, weights = checkpoint(_hinge_and_weights, flat_scores, flat_alpha, margin, gap, use_reentrant=False)
-    floor = torch.finfo(scores.dtype).tiny if gap else 1.0
-    return (total / weights.clamp_min(floor)).reshape(scores.shape[:-1])
+    total = checkpoint(_hinge_sum, flat_scores, flat_alpha, margin, gap, use_reentrant=False).reshape(scores.shape[:-1])
+    # the totals by sorting, outside the checkpoint, as before
+    return total / (gap_weight_totals(alpha).clamp_min(torch.finfo(scores.dtype).tiny) if gap else count_ordered_pairs(alpha).clamp_min(1))
 
 
-def _hinge_and_weights(scores: torch.Tensor, alpha: torch.Tensor, margin: float, gap: bool):
+def _hinge_sum(scores: torch.Tensor, alpha: torch.Tensor, margin: float, gap: bool) -> torch.Tensor:
     ordered = alpha[:, :, None] < alpha[:, None, :]
-    weights = (alpha[:, None, :] - alpha[:, :, None]) * ordered if gap else ordered.float()
+    weights = (alpha[:, None, :] - alpha[:, :, None]) * ordered if gap else ordered
     hinge = torch.relu(margin - (scores[:, None, :] - scores[:, :, None]))
-    return (hinge * weights).sum((-1, -2)), weights.sum((-1, -2))
+    return (hinge * weights).sum((-1, -2))
 
 
 class SupervisedScorerBefore(SupervisedScorer):

@@ -62,7 +62,7 @@ class ScorerConfig:
     of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
     (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
     width (16 in the paper). feature_set: "paper" (F = 6), "official-8" or "pooled" (F = 8), or "standardised"
-    (F = 7; its scorer also L2-normalises each key and value, `UNIT_EPS`). stage: the training
+    (F = 7; its scorer also reads each key and value at unit L2 norm, `UNIT_EPS`). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
     scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not
@@ -128,11 +128,14 @@ in the attention features. Per entry, not over the candidates, so a recorded evi
 
 
 def _by_head(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[layers, batch, Hkv, N, W] -> [layers * Hkv, batch * N, W] in `dtype`, cast and laid out in one copy."""
+    """[layers, batch, Hkv, N, W] -> [layers * Hkv, batch * N, W] in `dtype`: cast and laid out in one copy,
+    or a view where the tensor already is in `dtype` and that layout (one sequence at inference)."""
     count, batch, heads, entries, width = tensor.shape
+    by_head = tensor.permute(0, 2, 1, 3, 4)
+    if tensor.dtype == dtype:
+        return by_head.reshape(count * heads, batch * entries, width)
     grouped = torch.empty(count, heads, batch, entries, width, dtype=dtype, device=tensor.device)
-    grouped.copy_(tensor.permute(0, 2, 1, 3, 4))
-    return grouped.view(count * heads, batch * entries, width)
+    return grouped.copy_(by_head).view(count * heads, batch * entries, width)
 
 
 class ForesightScorer(
