@@ -250,8 +250,10 @@ def test_two_shard_processes_together_equal_one_run(reference, tmp_path):
 def test_rerun_skips_complete_shards_and_refuses_other_settings(reference, tmp_path):
     out_dir = tmp_path / "copy"
     shutil.copytree(reference, out_dir)
-    (out_dir / ".shard-00002.tmp-12345").mkdir()
-    (out_dir / ".shard-00002.tmp-12345" / "data-00000-of-00001.arrow").write_bytes(b"partial")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = out_dir / f".shard-00002.tmp-{int(dead.stdout)}"  # a writer whose process is gone (no fixed pid: it may be alive)
+    leftover.mkdir()
+    (leftover / "data-00000-of-00001.arrow").write_bytes(b"partial")
     before = {path: path.stat().st_mtime_ns for path in out_dir.glob("shard-*/*")}
     summary = generate(out_dir)
     assert (summary.shards_written, summary.shards_skipped, summary.counts.kept) == (0, 3, 7)
