@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from foresight.host_memory import keep_freed_memory
 from trainers.data import GoldenDataModule
 from trainers.grpo import GRPOScorer
 from trainers.preparation import OnPolicyRounds, TraceRecipe
@@ -66,7 +67,9 @@ class ReinforcementCLI(LightningCLI):
 
 
 def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedCLI:
-    """Run the supervised stage's CLI on `args` (default: the command line)."""
+    """Run the supervised stage's CLI on `args` (default: the command line), freed host memory kept for
+    the next step's tensors (`foresight.host_memory`)."""
+    keep_freed_memory()
     return SupervisedCLI(
         SupervisedScorer,
         GoldenDataModule,
@@ -77,7 +80,9 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedC
 
 
 def rl_cli_main(args: Sequence[str] | None = None, run: bool = True) -> ReinforcementCLI:
-    """Run the reinforcement stage's CLI on `args` (default: the command line)."""
+    """Run the reinforcement stage's CLI on `args` (default: the command line), freed host memory kept
+    for the next step's tensors."""
+    keep_freed_memory()
     return ReinforcementCLI(
         GRPOScorer,
         RolloutDataModule,

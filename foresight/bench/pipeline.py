@@ -6,13 +6,15 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
 - examples: `foresight examples` into a scratch example cache (the golden replay in the eviction
   engine, the recorder and the file writes); the forward is the model's inside the engine;
 - eval replay: `foresight eval`'s replay of one policy at B (the full-cache reference and the policy);
-- fit: optimisation steps from that example cache, first as the step ran before (one process,
-  batches cast to float32 in the collate, the scorer and the loss of `foresight.bench.fit_before`),
-  then as it runs now (the data module's worker processes, batches in the storage dtype cast on the
-  device, pinned memory on CUDA); steady state, after each run's first step;
 - rl rollouts: G sampled replays of every trace under a freshly initialised scorer (`roll_out`: the
   speed of a rollout does not depend on the scorer's weights), first with every row running the
-  forwards before the group's first eviction, then with them run once on one row.
+  forwards before the group's first eviction, then with them run once on one row;
+- fit: optimisation steps from that example cache, first as the step ran before (one process,
+  batches cast to float32 in the collate, the scorer and the loss of `foresight.bench.fit_before`,
+  glibc's malloc as it comes), then as it runs now (the data module's worker processes, batches in the
+  storage dtype cast on the device, pinned memory on CUDA, freed host memory kept for reuse as the
+  training CLIs set it: `foresight.host_memory`, which stays set for the process, hence last); steady
+  state, after each run's first step.
 
 The forward share is the time inside the model's top-level forward (a pre-hook and a hook timing it,
 CUDA synchronised at both edges) over the stage's time: what is left is the stage's own work. The fit
@@ -42,6 +44,7 @@ from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.trace_store import Trace, TraceStore, describe_traces
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec
+from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
 from foresight.models import describe
 from foresight.scorer.model import ForesightScorer, ScorerConfig
@@ -143,14 +146,14 @@ def run(settings: PipelineSettings) -> str:
     with tempfile.TemporaryDirectory(prefix="foresight-bench-examples-") as examples_dir:
         data = _data_module(settings, store.settings["model"], examples_dir)
         model = data.frozen.load()[0]
-        rows = [
+        stages = [
             _labels(model, traces, settings),
             _examples(model, data.frozen, data.examples, traces),
             _eval(model, traces, settings),
-            *_fit(data, settings),
-            *_rollouts(model, traces, settings),
         ]
-    return _report(settings, traces, store.settings["model"], rows)
+        rollouts = _rollouts(model, traces, settings)  # before the fit, whose row of now changes malloc's settings
+        stages += [*_fit(data, settings), *rollouts]
+    return _report(settings, traces, store.settings["model"], stages)
 
 
 def _has_steps(trace: Trace, budget: int, interval: int) -> bool:
@@ -232,15 +235,16 @@ def _fit(data: GoldenDataModule, settings: PipelineSettings) -> list[StageFigure
     loader = data.train_dataloader()
     before = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
                         drop_last=loader.drop_last, collate_fn=_float32_steps)
-    return [
-        _fit_steps(data, settings, before, SupervisedScorerBefore, "fit before",
-                   "one process, batches cast to float32 in the collate; x_n concatenated, einsums broadcast "
-                   "over the batch; the batch's pair matrices at once, built again in the backward"),
-        _fit_steps(data, settings, None, SupervisedScorer, "fit now",
-                   f"{loader.num_workers} worker processes, batches in the storage dtype cast in the scorer's "
-                   + "layout copy" + (", pinned memory" if settings.device.startswith("cuda") else "")
-                   + "; one matmul per (layer, head); pair blocks in cache, the gradient in the same pass"),
-    ]
+    first = _fit_steps(data, settings, before, SupervisedScorerBefore, "fit before",
+                       "one process, batches cast to float32 in the collate; x_n concatenated, einsums broadcast "
+                       "over the batch; the batch's pair matrices at once, built again in the backward")
+    kept = keep_freed_memory()  # as `foresight fit` runs: for the rest of this process
+    now = _fit_steps(data, settings, None, SupervisedScorer, "fit now",
+                     f"{loader.num_workers} worker processes, batches in the storage dtype cast in the scorer's "
+                     + "layout copy" + (", pinned memory" if settings.device.startswith("cuda") else "")
+                     + "; one matmul per (layer, head); pair blocks in cache, the gradient in the same pass"
+                     + ("; freed host memory kept for the next step" if kept else ""))
+    return [first, now]
 
 
 def _float32_steps(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
