@@ -593,6 +593,26 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(traces_dir, tmp
                      "--scorer", f"b={scorer_dir}", "--sampled-seeds", "2", "--sample-temperature", "0"]) == 2
     assert "--sample-temperature a finite number > 0, got 2 and 0.0" in capsys.readouterr().err
 
+def test_rl_heldout_replays_share_the_forwards_before_the_first_eviction(traces_dir, tmp_path, model):
+    """Every replay of a batch after the first reuses its recorded prefix: the same figures, fewer forwards."""
+    from foresight.bench.rl_heldout import per_trace
+    from foresight.scorer.model import load_scorer
+
+    scorer = load_scorer(spread_scorer(model, tmp_path / "scorer"))
+    traces = list(TraceStore(traces_dir))
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+    try:
+        alone = [per_trace(model, scorer, traces, 2, seed, 0.5) for seed in (None, 0, 1)]
+        unshared = len(calls)
+        prefixes: dict = {}
+        shared = [per_trace(model, scorer, traces, 2, seed, 0.5, prefixes) for seed in (None, 0, 1)]
+    finally:
+        hook.remove()
+    assert shared == alone
+    assert len(prefixes) == 2 and 0 < len(calls) - unshared < unshared
+
+
 def test_sampled_rows_at_a_vanishing_temperature_are_the_deterministic_ones(traces_dir, tmp_path, patched_model, model):
     scorer_dir = spread_scorer(model, tmp_path / "scorer")
     out = tmp_path / "eval"

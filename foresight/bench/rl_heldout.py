@@ -6,7 +6,9 @@ the same min(B + L, shortest prompt) tokens); with `--sampled-seeds N`, also N t
 sampled mode (Eq. 2 at `--sample-temperature`, the policy GRPO trains), each trace's sums the mean
 of its N replays, each replay seeded by (seed, trace) as `foresight eval` seeds them. Per trace and scorer, over the predictions after the
 first eviction (`foresight.metrics`, the functions `foresight eval` and the reward use): Σ NLL with
-eviction, Σ NLL with the full cache (stored with the trace), and the low-entropy damage counts.
+eviction, Σ NLL with the full cache (stored with the trace), and the low-entropy damage counts. The
+forwards before the first eviction run once per batch of traces, shared by every replay of that batch
+(both scorers, both modes, every seed), as `foresight eval` shares them between policies.
 
 Figures pool tokens over traces, as `foresight eval` does: −R = Σ ΔL²·1[ΔL > 1.5] / number of
 bottom-80%-entropy tokens (minus the reward of docs/algorithms.md §7), loss ratio, damaged share. 95%
@@ -39,6 +41,7 @@ from foresight.metrics import loss_ratio, low_entropy_damage, scored_tokens
 from foresight.models import load_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.prefix import ReplayPrefix
 from foresight.scorer.model import load_scorer
 
 NAME = "rl-heldout"
@@ -67,10 +70,15 @@ class RlHeldoutSettings:
     sample_temperature: float = 1.0
 
 
-def per_trace(model, scorer, traces, batch_size: int, seed: int | None = None, temperature: float = 1.0) -> list[dict[str, float]]:
+def per_trace(
+    model, scorer, traces, batch_size: int, seed: int | None = None, temperature: float = 1.0,
+    prefixes: dict[int, ReplayPrefix] | None = None,
+) -> list[dict[str, float]]:
     """Σ NLL with eviction and with the full cache, and the damage counts, of every trace: under the
     deterministic policy, or (`seed` given) the sampled one at `temperature`, each trace drawing from its
-    own generator seeded by (seed, trace index)."""
+    own generator seeded by (seed, trace index). `prefixes`: per batch (its first trace's position), the
+    forwards before the first eviction, recorded by the first replay of the batch and reused by every
+    later one (`foresight.runtime.prefix`: the same figures, the model run once on those tokens)."""
     config = scorer.config
     cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
     rows = []
@@ -82,7 +90,10 @@ def per_trace(model, scorer, traces, batch_size: int, seed: int | None = None, t
             seeds = tuple(trace_seed(seed, trace.index) for trace in batch)
             policy = make_policy("foresight", scorer=scorer, mode="sampled", temperature=temperature, row_seeds=seeds)
         prefill = min(config.budget + config.interval, *(t.prompt_length for t in batch))
-        output = EvictionEngine(model, policy, cadence).replay([t.input_ids for t in batch], [prefill] * len(batch))
+        prefix = None if prefixes is None else prefixes.setdefault(start, ReplayPrefix())
+        output = EvictionEngine(model, policy, cadence).replay(
+            [t.input_ids for t in batch], [prefill] * len(batch), prefix=prefix
+        )
         for trace, nll, first in zip(batch, output.nll, output.first_eviction):
             scored = scored_tokens(nll.numel(), first)
             damage = low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored])
@@ -116,13 +127,16 @@ def run(settings: RlHeldoutSettings) -> str:
     ]
     model, _ = load_model(store.settings["model"], device=settings.device, dtype=settings.dtype)
     started = time.perf_counter()
-    modes = {"deterministic": {name: per_trace(model, scorer, traces, settings.batch_size)
+    prefixes: dict[int, ReplayPrefix] = {}  # every replay of a batch of traces shares its forwards before the first eviction
+    modes = {"deterministic": {name: per_trace(model, scorer, traces, settings.batch_size, prefixes=prefixes)
                                for name, scorer in zip(names, scorers)}}
     if settings.sampled_seeds:
         sampled = f"sampled (τ = {settings.sample_temperature}, mean of {settings.sampled_seeds} seeds)"
         modes[sampled] = {
-            name: _mean_rows([per_trace(model, scorer, traces, settings.batch_size, seed, settings.sample_temperature)
-                              for seed in range(settings.sampled_seeds)])
+            name: _mean_rows([
+                per_trace(model, scorer, traces, settings.batch_size, seed, settings.sample_temperature, prefixes)
+                for seed in range(settings.sampled_seeds)
+            ])
             for name, scorer in zip(names, scorers)
         }
     seconds = time.perf_counter() - started
