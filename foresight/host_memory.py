@@ -3,8 +3,8 @@
 glibc's malloc serves a block above its mmap threshold (at most 32 MiB) with a fresh mapping and unmaps
 it when freed, and gives the top of its heap back to the OS past a trim threshold. A training step
 allocates the same large tensors every step (a batch laid out per (layer, head) is ~100 MB for two
-traces of the default model), so each step faults every page of them in again: on this project's CPU
-that was half the supervised fit's step (docs/benchmarks.md, "Pipeline stages"). With mmap off and
+traces of the default model), so each step faults every page of them in again (`foresight bench pipeline`'s
+fit rows measure the step with and without). With mmap off and
 trimming past 2 GiB, freed blocks stay in the heap and the next step reuses them; the resident set
 then holds the loop's peak for the rest of the process, which is what a training process keeps anyway.
 """

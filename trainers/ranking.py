@@ -31,8 +31,7 @@ class RankingPairs(Choice):
 PAIR_BLOCK_ELEMENTS = 2**18
 """Pair-matrix elements built at once (problems x rows x candidates): 1 MiB of float32, small enough to
 stay in a core's L2 cache, where a batch's whole [problems, N, N] matrix (hundreds of MB) runs at memory
-speed, several times slower (2**20 took 2.2x as long on this project's CPU, 1 MiB of L2 per core); the
-same sums either way."""
+speed, several times slower (this project's CPU has 1 MiB of L2 per core); the same sums either way."""
 
 
 class PairWeight(Choice):
