@@ -86,14 +86,20 @@ def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequen
 STANDARDISED_NAMES = ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age")
 
 
-def loop_standardised_features(attention, state, positions, query_positions):
-    """The "standardised" features before standardisation and the new state, one python float at a time:
-    attention [batch, Hkv, G, l, N]; state {cumulative, decayed, recent: [batch, Hkv, N, G], observed:
-    [batch, Hkv, N]}; positions [batch, Hkv, N]; query_positions [batch, l]. Every query weighs
-    factor ** (1 / tokens) per token it is older than the block's newest."""
+def loop_standardised_features(attention, state, positions, query_positions, names=STANDARDISED_NAMES):
+    """A standardised set's features (`names`, per query head) before standardisation and the new state,
+    one python float at a time: attention [batch, Hkv, G, l, N]; state {cumulative, decayed, recent:
+    [batch, Hkv, N, G], observed: [batch, Hkv, N]}; positions [batch, Hkv, N]; query_positions [batch, l].
+    Every query weighs factor ** (1 / tokens) per token it is older than the block's newest; "pooled_last_8"
+    is the largest "last_8" among the slots n - 3 .. n + 3."""
     batch, kv_heads, group, rows, entries = attention.shape
-    features = torch.zeros(batch, kv_heads, entries, group * 7, dtype=torch.float64)
+    width = len(names)
+    features = torch.zeros(batch, kv_heads, entries, group * width, dtype=torch.float64)
     new = {name: torch.zeros_like(value, dtype=torch.float64) for name, value in state.items()}
+
+    def last(b, h, g, n, size):
+        return sum(float(attention[b, h, g, q, n]) for q in range(max(0, rows - size), rows))
+
     for b, h, n in itertools.product(range(batch), range(kv_heads), range(entries)):
         position, queries = int(positions[b, h, n]), [int(q) for q in query_positions[b]]
         new["observed"][b, h, n] = float(state["observed"][b, h, n]) + sum(0 <= q and position <= q for q in queries)
@@ -105,13 +111,14 @@ def loop_standardised_features(attention, state, positions, query_positions):
                 per_token = factor ** (1 / tokens)
                 history = per_token**rows * float(state[name][b, h, n, g])
                 new[name][b, h, n, g] = history + sum(per_token ** (rows - 1 - q) * a for q, a in enumerate(column))
-            values = {f"last_{size}": sum(column[max(0, rows - size) :]) for size in (8, 16, 32)}
+            values = {f"last_{size}": last(b, h, g, n, size) for size in (1, 8, 16, 32)}
+            values["pooled_last_8"] = max(last(b, h, g, m, 8) for m in range(max(0, n - 3), min(entries, n + 4)))
             values["recent_128"] = float(new["recent"][b, h, n, g])
             values["decayed"] = float(new["decayed"][b, h, n, g])
             values["cumulative_rate"] = float(new["cumulative"][b, h, n, g]) / max(float(new["observed"][b, h, n]), 1)
-            for f, name in enumerate(STANDARDISED_NAMES):
+            for f, name in enumerate(names):
                 value = math.log1p(age) if name == "log_age" else math.log(values[name] + 1e-6)
-                features[b, h, n, g * 7 + f] = value
+                features[b, h, n, g * width + f] = value
     return features, new
 
 

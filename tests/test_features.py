@@ -76,10 +76,13 @@ def test_feature_dims_and_names():
     assert feature_dim(FeatureSet.OFFICIAL_8) == 8
     assert feature_dim("pooled") == 8
     assert feature_dim("standardised") == 7
-    with pytest.raises(ValueError, match="'bogus'.*'paper', 'official-8', 'pooled', 'standardised'"):
+    assert feature_dim("standardised-heuristic") == 9
+    with pytest.raises(ValueError, match="'bogus'.*'paper', 'official-8', 'pooled', 'standardised', 'standardised-heuristic'"):
         feature_dim("bogus")
-    with pytest.raises(ValueError, match="standardised features need entry positions"):
+    with pytest.raises(ValueError, match="'standardised' features need entry positions"):
         attention_features(torch.zeros(1, 1, 1, 2, 3), torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 3, 1), "standardised")
+    with pytest.raises(ValueError, match="feature_set must be a standardised set, got 'paper'"):
+        standardised_features(*standardised_step(12, seed=0), "paper")
 
 
 def test_uniform_attention_hand_computed_over_three_blocks():
@@ -200,12 +203,14 @@ def standardised_step(rows: int, seed: int, scale: float = 1.0):
     return scale * attention, state, positions, query_positions
 
 
+@pytest.mark.parametrize("feature_set", ["standardised", "standardised-heuristic"])
 @pytest.mark.parametrize("rows", [12, 40])  # 12: windows 16 and 32 clamp to L; 40: every window is distinct
-def test_standardised_features_match_loop_reference(rows):
+def test_standardised_features_match_loop_reference(rows, feature_set):
     attention, state, positions, query_positions = standardised_step(rows, seed=rows)
-    features, new_state = standardised_features(attention, state, positions, query_positions)
-    want_features, want_state = loop_standardised_features(attention, state, positions, query_positions)
-    assert FEATURE_NAMES[FeatureSet.STANDARDISED] == STANDARDISED_NAMES and feature_dim("standardised") == 7
+    features, new_state = standardised_features(attention, state, positions, query_positions, feature_set)
+    names = FEATURE_NAMES[FeatureSet.parse(feature_set)]
+    want_features, want_state = loop_standardised_features(attention, state, positions, query_positions, names)
+    assert names[:7] == STANDARDISED_NAMES and feature_dim(feature_set) == len(names)
     torch.testing.assert_close(features, want_features, rtol=0, atol=1e-12)
     assert new_state.keys() == want_state.keys()
     for name, value in want_state.items():

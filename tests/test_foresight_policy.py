@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from foresight.scorer.attention_features import DECAY
+from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
 from foresight.models import describe
 from foresight.policies import make_policy
 from foresight.runtime.policy import EvictionContext
@@ -136,17 +136,18 @@ def standardised_step(scorer, scale: float = 1.0) -> EvictionContext:
     return context
 
 
-def test_standardised_keep_scores_equal_independent_mlps_on_loop_features(llama):
-    """The standardised policy's state and keep scores equal the per-(layer, head) MLP of
+@pytest.mark.parametrize("feature_set", ["standardised", "standardised-heuristic"])
+def test_standardised_keep_scores_equal_independent_mlps_on_loop_features(llama, feature_set):
+    """A standardised policy's state and keep scores equal the per-(layer, head) MLP of
     [k/|k| || v/|v| || a] with loop-computed features standardised over each row's valid candidates."""
-    scorer = random_scorer(llama, feature_set="standardised")
+    scorer = random_scorer(llama, feature_set=feature_set)
     policy = make_policy("foresight", scorer=scorer)
     assert [field.name for field in policy.state_fields] == ["cumulative", "decayed", "recent", "observed"]
     context = standardised_step(scorer)
     state = policy.observe(context)
     scores = policy.keep_scores(context)
     features, expected_state = loop_standardised_features(context.attention, context.state, context.positions,
-                                                          context.query_positions)
+                                                          context.query_positions, FEATURE_NAMES[FeatureSet.parse(feature_set)])
     for name, value in expected_state.items():
         torch.testing.assert_close(state[name].double(), value, rtol=1e-5, atol=1e-6)
     valid = context.candidate_positions >= 0

@@ -31,7 +31,7 @@ STANDARDISED_STATE = (
 def feature_state(feature_set: str | FeatureSet) -> tuple[StateField, ...]:
     """The per-entry state a feature set keeps in the cache (only what it reads, so the older sets'
     caches stay as they were)."""
-    return STANDARDISED_STATE if FeatureSet.parse(feature_set) is FeatureSet.STANDARDISED else FEATURE_STATE
+    return STANDARDISED_STATE if FeatureSet.parse(feature_set).standardised else FEATURE_STATE
 
 
 def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -42,9 +42,9 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
     compute features from the same block attention and state in the same way, the standardised set's
     standardisation over the valid candidates included."""
     candidates = slice(0, context.num_candidates)
-    if FeatureSet.parse(feature_set) is FeatureSet.STANDARDISED:
+    if FeatureSet.parse(feature_set).standardised:
         features, state = standardised.standardised_features(
-            context.attention, context.state, context.positions, context.query_positions
+            context.attention, context.state, context.positions, context.query_positions, feature_set
         )
         valid = context.candidate_positions >= 0
         return standardised.standardise_candidates(features[..., candidates, :], valid), state

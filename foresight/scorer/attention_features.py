@@ -20,6 +20,9 @@ head g of the group (head-major), with f following `FEATURE_NAMES`:
 - "standardised" (F = 7, ours, issue 21): windows and decays in tokens, a per-query cumulative rate and
   the entry's age, log(x + eps) then standardised over each step's candidates, with unit-norm keys and
   values; computed in `foresight.scorer.standardised_features`, which documents why.
+- "standardised-heuristic" (F = 9, ours): the standardised seven, then the statistics of the two best
+  heuristics: TOVA's attention from the newest query ("last_1") and SnapKV's sum over the last 8 queries
+  max-pooled along the cache slots ("pooled_last_8"), transformed and standardised like the seven.
 A window larger than L covers the whole block (it clamps to L), so with L < 32 some window sums equal
 the block sum.
 
@@ -53,18 +56,25 @@ class FeatureSet(Choice):
     OFFICIAL_8 = "official-8"
     POOLED = "pooled"
     STANDARDISED = "standardised"
+    STANDARDISED_HEURISTIC = "standardised-heuristic"
+
+    @property
+    def standardised(self) -> bool:
+        """Whether the set is computed by `foresight.scorer.standardised_features` (token time scales,
+        log then standardised over each step's candidates, a per-entry observed count in the state)."""
+        return self in (FeatureSet.STANDARDISED, FeatureSet.STANDARDISED_HEURISTIC)
 
     @property
     def unit_key_values(self) -> bool:
         """Whether the scorer reads L2-normalised keys and values (`ForesightScorer`): only the standardised
-        set, whose inputs must all sit on scales that do not depend on the model or the head; the older
+        sets, whose inputs must all sit on scales that do not depend on the model or the head; the older
         sets' scorers were trained on raw keys and values and keep reading them."""
-        return self is FeatureSet.STANDARDISED
+        return self.standardised
 
     @property
     def transform(self) -> str:
         """How the features are normalised, in words (an exported scorer's model card says it)."""
-        if self is FeatureSet.STANDARDISED:
+        if self.standardised:
             return "log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values"
         return "log1p"
 
@@ -74,6 +84,9 @@ FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.OFFICIAL_8: ("max", "min", "block", "last_16", "last_8", "last_32", "cumulative", "decayed"),
     FeatureSet.POOLED: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed", "pooled_last_8", "pooled_last_L"),
     FeatureSet.STANDARDISED: ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age"),
+    FeatureSet.STANDARDISED_HEURISTIC: (
+        "last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age", "last_1", "pooled_last_8",
+    ),
 }
 """Per-query-head feature order of each set (see the module docstring)."""
 
@@ -132,8 +145,10 @@ def attention_features(
     in the dtype they came in.
     """
     feature_set = FeatureSet.parse(feature_set)
-    if feature_set is FeatureSet.STANDARDISED:
-        raise ValueError("the standardised features need entry positions: use foresight.scorer.standardised_features")
+    if feature_set.standardised:
+        raise ValueError(
+            f"the {feature_set.value!r} features need entry positions: use foresight.scorer.standardised_features"
+        )
     names = FEATURE_NAMES[feature_set]
     check_state(block_attention, {"cumulative": cumulative, "decayed": decayed})
 
@@ -151,15 +166,15 @@ def attention_features(
         "cumulative": lambda: new_cumulative,
         "decayed": lambda: new_decayed,
         **{name: (lambda size=size: window_sum(rows, size)) for name, size in WINDOWS.items()},
-        "pooled_last_8": lambda: _max_pool_slots(window_sum(rows, 8)),
-        "pooled_last_L": lambda: _max_pool_slots(block_sum),
+        "pooled_last_8": lambda: max_pool_slots(window_sum(rows, 8)),
+        "pooled_last_L": lambda: max_pool_slots(block_sum),
     }
     stacked = torch.stack([compute[name]().to(block_attention.dtype) for name in names], dim=-1)
     features = torch.log1p(stacked.flatten(-2))  # [batch, Hkv, N, G*F], head-major
     return features, new_cumulative.to(cumulative.dtype), new_decayed.to(decayed.dtype)
 
 
-def _max_pool_slots(sums: torch.Tensor) -> torch.Tensor:
+def max_pool_slots(sums: torch.Tensor) -> torch.Tensor:
     """Max over the POOL_WIDTH slots centred on each entry, along N: sums [batch, Hkv, N, G] -> same shape."""
     batch, kv_heads, entries, group = sums.shape
     rows = sums.permute(0, 1, 3, 2).reshape(-1, 1, entries)

@@ -1,4 +1,5 @@
-"""The "standardised" attention features (ours, issue 21; docs/algorithms.md section 5).
+"""The "standardised" attention features, and "standardised-heuristic" (ours, issue 21; docs/algorithms.md
+section 5).
 
 The older sets (`foresight.scorer.attention_features`) generalise poorly to unseen task families. Each
 choice here removes one scale that differs between training and use:
@@ -24,6 +25,11 @@ choice here removes one scale that differs between training and use:
   among the entries it competes with. Multiplying all attention sums by a constant changes nothing.
   `standardise_candidates` is the one function that does it, called by
   `foresight.policies.foresight.observe_features` for the policy and for the supervised recorder alike.
+- The heuristics' statistics, in the heuristic set. On unseen task families TOVA and SnapKV are the
+  best heuristics, and neither statistic is among the seven: TOVA ranks by the newest query's attention
+  ("last_1"), SnapKV by the last 8 queries' attention max-pooled over 7 neighbouring slots
+  ("pooled_last_8": an entry beside one that is read is likely read later, which no per-entry sum says).
+  They are added as further columns, transformed and standardised like the others.
 - Keys and values are L2-normalised per entry in the scorer (`FeatureSet.unit_key_values`): their norms
   vary across models, layers and heads by orders of magnitude; per entry (not over the candidates) so a
   sampled eviction's recorded pool scores exactly as at sampling time.
@@ -44,6 +50,7 @@ from foresight.scorer.attention_features import (
     WINDOWS,
     FeatureSet,
     check_state,
+    max_pool_slots,
     window_sum,
 )
 
@@ -82,15 +89,21 @@ def standardised_features(
     state: Mapping[str, torch.Tensor],
     positions: torch.Tensor,
     query_positions: torch.Tensor,
+    feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Features of every entry before standardisation, and the updated state.
 
     block_attention [batch, Hkv, G, l, N] (rows oldest first, the l queries since the last step);
     state: the raw sums [batch, Hkv, N, G] and the observed count [batch, Hkv, N] (module docstring);
-    positions [batch, Hkv, N] (-1: invalid), query_positions [batch, l] (-1: padding). Returns features
+    positions [batch, Hkv, N] (-1: invalid), query_positions [batch, l] (-1: padding); feature_set: one
+    of the standardised sets (both keep the same state). Returns features
     [batch, Hkv, N, F*G] (head-major, `FEATURE_NAMES`; log(x + LOG_EPS) of the sums, log1p of the age)
     and the new state in the dtypes it came in. `standardise_candidates` finishes them.
     """
+    feature_set = FeatureSet.parse(feature_set)
+    if not feature_set.standardised:
+        raise ValueError(f"feature_set must be a standardised set, got {feature_set.value!r}")
+    names = FEATURE_NAMES[feature_set]
     check_state(block_attention, {name: state[name] for name in PER_QUERY_HEAD_STATE})
     check_state(block_attention, {OBSERVED: state[OBSERVED]}, per_query_head=False)
     rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
@@ -108,11 +121,12 @@ def standardised_features(
     }
     sums = {name: window_sum(rows, size) for name, size in WINDOWS.items()}
     sums.update(recent_128=new[RECENT], decayed=new[DECAYED])
+    if "last_1" in names:
+        sums.update(last_1=window_sum(rows, 1), pooled_last_8=max_pool_slots(sums["last_8"]))
     sums["cumulative_rate"] = new[CUMULATIVE] / new[OBSERVED].clamp_min(1)[..., None]
     age = (query_positions.amax(-1)[:, None, None] - positions).clamp_min(0).to(dtype)
     columns = {name: torch.log(value + LOG_EPS) for name, value in sums.items()}
     columns["log_age"] = torch.log1p(age)[..., None].expand_as(sums["decayed"])
-    names = FEATURE_NAMES[FeatureSet.STANDARDISED]
     features = torch.stack([columns[name] for name in names], dim=-1).flatten(-2)  # [batch, Hkv, N, G*F]
     return features, {name: value.to(state[name].dtype) for name, value in new.items()}
 
