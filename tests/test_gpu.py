@@ -142,6 +142,31 @@ def count_syncs(model, name: str, new_tokens: int) -> tuple[int, int]:
     return syncs, output.stats.evictions
 
 
+def test_sampler_reads_back_once_per_decode_step():
+    """Counter draws in fixed slots: a decode step (sample, release, forward) synchronises with the host
+    once, for the tokens and losses it reads back, however many rows it holds."""
+    from foresight.data.sampler import Request, _Slots
+    from foresight.runtime.sampling import Draws, REASONING_SAMPLING
+
+    model = tiny_on_cuda("llama")
+    batch = _Slots(model, REASONING_SAMPLING, Draws.COUNTER, 8, max_new_tokens=64, eos=set())
+    for slot in range(8):
+        batch.admit(slot, Request(slot, list(range(3, 10 + slot)), seed=slot))
+    counts = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                list(batch.release_ended(batch.sample()))
+                batch.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchronizing" in str(w.message) for w in caught))
+    assert counts == [1] * 10
+
+
 @pytest.mark.parametrize("name", ["full", "streaming", "snapkv", "h2o"])
 def test_no_host_synchronisation_per_layer_per_token(name):
     """Doubling the layers adds no sync per token; at most one per layer at each eviction step (the

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from foresight.data.growing_cache import SPARE_SHARE
-from foresight.runtime.sampling import SamplingConfig, logits_processors
+from foresight.data.slot_cache import SlotLayer
+from foresight.runtime.sampling import Draws, SamplingConfig, counter_gumbel, logits_processors
 from foresight.data.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
 from tests.helpers import eos_prone_model, random_prompts
 
@@ -27,8 +27,10 @@ def requests(count: int = 9) -> list[Request]:
     return [Request(key=i, prompt=p, seed=1000 + 17 * i) for i, p in enumerate(prompts)]
 
 
-def reference_sample(model, request: Request, max_new_tokens: int, sampling: SamplingConfig) -> list[int]:
-    """The rule written plainly: the request alone, the whole sequence re-run at every step, its own generator."""
+def reference_sample(model, request: Request, max_new_tokens: int, sampling: SamplingConfig,
+                     draws: Draws = Draws.GENERATOR) -> list[int]:
+    """The rule written plainly: the request alone, the whole sequence re-run at every step, its own
+    generator (or, with counter draws, the argmax of the filtered logits plus its (seed, step) noise)."""
     generator = torch.Generator().manual_seed(request.seed)
     processors = logits_processors(sampling)
     ids = list(request.prompt)
@@ -37,6 +39,9 @@ def reference_sample(model, request: Request, max_new_tokens: int, sampling: Sam
         logits = model(torch.tensor([ids])).logits[0, -1].float()
         if sampling.temperature == 0:
             token = int(logits.argmax())
+        elif draws is Draws.COUNTER:
+            noise = counter_gumbel(torch.tensor([request.seed]), torch.tensor([len(tokens)]), logits.numel())[0]
+            token = int((processors(None, logits[None])[0] + noise).argmax())
         else:
             probs = torch.softmax(processors(None, logits[None]), dim=-1)[0]
             token = int(torch.multinomial(probs, 1, generator=generator))
@@ -53,14 +58,16 @@ def full_cache_losses(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
     return nll, -(log_probs.exp() * log_probs).sum(-1)
 
 
+@pytest.mark.parametrize("draws", list(Draws))
 @pytest.mark.parametrize("sampling", [SAMPLING, SamplingConfig(temperature=0)], ids=["sampled", "greedy"])
-def test_every_batch_size_samples_what_each_request_samples_alone(model, sampling):
+def test_every_batch_size_samples_what_each_request_samples_alone(model, sampling, draws):
     work = requests()
-    expected = {r.key: reference_sample(model, r, 24, sampling) for r in work}
+    expected = {r.key: reference_sample(model, r, 24, sampling, draws) for r in work}
     assert len({len(tokens) for tokens in expected.values()}) > 3  # rows leave the batch at many steps
     assert any(len(tokens) == 24 and tokens[-1] != EOS for tokens in expected.values())  # and some run out
     for batch_size in (1, 2, 4, len(work) + 3):
-        done = list(sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=sampling, batch_size=batch_size))
+        done = list(sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=sampling,
+                                       batch_size=batch_size, draws=draws))
         assert sorted(c.key for c in done) == [r.key for r in work]
         for completion in done:
             assert completion.tokens == expected[completion.key], (batch_size, completion.key)
@@ -102,6 +109,23 @@ def test_losses_are_the_full_cache_losses_of_the_whole_sequence(model):
         torch.testing.assert_close(completion.token_entropy, entropy, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_joining_and_leaving_copy_no_cache_and_each_step_reads_back_once(model, monkeypatch):
+    """Fixed slots: the cache's buffers are allocated once for the longest request (no growth, no copy of
+    other rows when a row joins or leaves), and a decode step reads back one tensor (`tolist`)."""
+    work = sorted(requests(), key=lambda r: -len(r.prompt))  # the longest prompt first: one reservation
+    grown, read_backs = [], []
+    grow = SlotLayer.grow
+    monkeypatch.setattr(SlotLayer, "grow", lambda self, capacity: grown.append(capacity) or grow(self, capacity))
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: read_backs.append(self.shape) or tolist(self))
+    steps = []
+    done = list(sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING,
+                                   batch_size=3, draws="counter", on_token=steps.append))
+    assert len(done) == len(work)
+    assert len(set(grown)) == 1  # every layer grew once, to the first (longest) request's room
+    assert len(read_backs) == len(steps) and all(shape == (3, 3) for shape in read_backs)
+
+
 def test_bad_arguments_are_refused(model):
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1, got 0"):
         list(sample_completions(model, requests(1), max_new_tokens=0, eos_token_ids=[EOS]))
@@ -110,19 +134,21 @@ def test_bad_arguments_are_refused(model):
     with pytest.raises(ValueError, match="request 7 has an empty prompt"):
         list(sample_completions(model, [Request(7, [], 0)], max_new_tokens=4, eos_token_ids=[EOS]))
     assert list(sample_completions(model, [], max_new_tokens=4, eos_token_ids=[EOS])) == []
+    with pytest.raises(ValueError, match="'bogus'.*'generator', 'counter'"):
+        list(sample_completions(model, requests(1), max_new_tokens=4, eos_token_ids=[EOS], draws="bogus"))
 
 
 def test_auto_batch_size_on_a_cpu_is_the_measured_default(model):
     assert auto_batch_size(model, max_length=4096) == 16
 
 
-def test_auto_batch_size_on_a_gpu_counts_the_cache_with_its_spare_room(model, monkeypatch):
-    """Rows x (cache at max_length with SPARE_SHARE room to spare + logits) fit in GPU_MEMORY_SHARE of
-    the free memory, and one more row would not."""
+def test_auto_batch_size_on_a_gpu_counts_a_slot_at_max_length(model, monkeypatch):
+    """Rows x (a slot's cache at max_length + logits) fit in GPU_MEMORY_SHARE of the free memory, and one
+    more row would not."""
     text = model.config
     on_gpu = SimpleNamespace(device=torch.device("cuda"), config=text, dtype=torch.float32)
     per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
-    row = int((1 + SPARE_SHARE) * per_token * 1000) + 16 * text.vocab_size
+    row = per_token * 1000 + 16 * text.vocab_size
     free = 10 * row
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 4 * free))
     rows = auto_batch_size(on_gpu, max_length=1000)

@@ -267,6 +267,28 @@ def test_rerun_skips_complete_shards_and_refuses_other_settings(reference, tmp_p
     assert manifest(out_dir) == manifest(reference)
 
 
+def test_a_folder_made_before_draws_were_recorded_resumes_as_generator_draws(reference, tmp_path):
+    """Old manifests have no "draws": they were sampled from per-problem generators, so a rerun with
+    those is accepted and one with counter draws (other traces) is refused."""
+    out_dir = tmp_path / "old"
+    shutil.copytree(reference, out_dir)
+    old = manifest(out_dir)
+    assert old["settings"].pop("draws") == "generator"
+    (out_dir / "manifest.json").write_text(json.dumps(old))
+    assert generate(out_dir).shards_skipped == 3
+    with pytest.raises(ValueError, match="draws 'generator' -> 'counter'"):
+        generate(out_dir, draws="counter")
+
+
+def test_counter_draws_do_not_depend_on_batch_size_and_differ_from_generator_draws(reference, tmp_path):
+    for batch_size in (1, 5):
+        generate(tmp_path / f"counter-{batch_size}", draws="counter", batch_size=batch_size)
+    one, five = (TraceStore(tmp_path / f"counter-{batch_size}") for batch_size in (1, 5))
+    assert_same_rows(five, one)
+    assert manifest(tmp_path / "counter-1")["settings"]["draws"] == "counter"
+    assert [t.input_ids.tolist() for t in one] != [t.input_ids.tolist() for t in TraceStore(reference)]
+
+
 def test_filters_count_what_they_drop(reference, tmp_path, monkeypatch):
     full = {t.index: t.input_ids.tolist() for t in TraceStore(reference)}
     min_tokens = sorted(map(len, full.values()))[3]

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from foresight.artifacts import MISSING
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.tasks import recorded_source
-from foresight.runtime.sampling import REASONING_SAMPLING
+from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from foresight.data.trace_generation import generate_traces
 from foresight.data.trace_store import (
     Trace,
@@ -72,11 +72,13 @@ class TraceRecipe:
     batch_size: int | None = None  # rows decoded together; None sizes it to the machine
     shard_size: int = 64
     seed: int = 0
+    draws: str | None = None  # "generator" or "counter" (foresight.runtime.sampling.Draws); None: the device's
 
-    def settings(self, model: str) -> TraceSettings:
-        """The settings a traces folder made by `model` from this recipe records."""
-        options = {name: value for name, value in asdict(self).items() if name not in ("prompts", "batch_size")}
-        return TraceSettings(model=model, source=recorded_source(self.prompts), **options)
+    def settings(self, model: str, device: str = "cpu") -> TraceSettings:
+        """The settings a traces folder made by `model` on `device` from this recipe records."""
+        options = {name: value for name, value in asdict(self).items() if name not in ("prompts", "batch_size", "draws")}
+        draws = Draws.for_device(device) if self.draws is None else Draws.parse(self.draws)
+        return TraceSettings(model=model, source=recorded_source(self.prompts), draws=draws.value, **options)
 
 
 MAX_ROUNDS = 10
@@ -125,7 +127,7 @@ def make_traces(
     progress: bool = True,
 ) -> TraceRunSummary:
     """`foresight traces`: sample the recipe's traces into `out_dir`, resuming; a complete folder loads no model."""
-    finished = finished_run(out_dir, recipe.settings(frozen.name), shard)
+    finished = finished_run(out_dir, recipe.settings(frozen.name, frozen.device), shard)
     if finished is not None:
         return finished
     model, tokenizer = frozen.load()

@@ -23,6 +23,7 @@ from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._sampling import add_sampling_arguments
 from foresight.data.trace_import import import_traces
 from foresight.models import load_model
+from foresight.runtime.sampling import Draws
 from trainers.preparation import FrozenModel, TraceRecipe, make_traces
 
 AUTO = "auto"
@@ -79,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="problems decoded together (continuous batching); auto: as many as GPU memory holds (at most 256), "
         "16 on a CPU",
     )
+    parser.add_argument(
+        "--draws", choices=[*(member.value for member in Draws), AUTO], default=AUTO,
+        help="each problem's random numbers: its own torch generator (one draw per row and step; the traces "
+        "sampled before counter existed), or a counter-based hash batched over the rows; auto: counter on "
+        "cuda, generator elsewhere",
+    )
     parser.add_argument("--shard-size", type=int, default=64, help="problems per stored shard (the unit of resuming)")
     parser.add_argument(
         "--shard", type=_shard_spec, default="0/1", metavar="i/n", help="write only shards k with k %% n == i"
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         shard_size=args.shard_size,
         seed=args.seed,
+        draws=None if args.draws == AUTO else args.draws,
     )
     print(make_traces(FrozenModel(args.model, **model_options(args)), recipe, args.out, shard=args.shard).describe())
     return 0

@@ -11,22 +11,24 @@ Every prediction the model makes along the way is kept: the full-cache loss and 
 token of the sequence given the ones before it (temperature 1, no filtering), the two numbers a
 trace stores, so no second teacher-forced pass is needed.
 
-Layout: a `transformers` cache (`foresight.data.growing_cache`, filled in place) whose rows hold their
-tokens in their last `lengths[r]` slots (a new row's prompt is prefilled alone, then left-padded to
-the batch's width), a 2D attention mask that hides the rest, and position ids counted per row.
+Layout: a cache of fixed row slots (`foresight.data.slot_cache`): a new row's prompt is prefilled alone
+and copied into a free slot, each step writes every row's token at its own length, and a row that ends
+frees its slot; nothing else is copied when rows join or leave. A 2D attention mask shows each row its own
+tokens and position ids are counted per row. A decode step reads back one tensor (the sampled tokens and
+their losses); with `Draws.COUNTER` the draws of every row are one kernel, so on an accelerator nothing
+else waits for the host.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from foresight.data.growing_cache import SPARE_SHARE, growing_cache
-from foresight.runtime.sampling import SamplingConfig, logits_processors
+from foresight.data.slot_cache import SlotCache
+from foresight.runtime.sampling import Draws, SamplingConfig, counter_draw, logits_processors
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
 CPU_BATCH = 16  # rows decoded together on a CPU when the caller does not say (docs/benchmarks.md)
@@ -64,6 +66,7 @@ class _Row:
     generator: torch.Generator
     prompt_nll: torch.Tensor  # [len(prompt) - 1]
     prompt_entropy: torch.Tensor
+    order: int = 0  # when the row was admitted (rows ending at one step come back in this order)
     tokens: list[int] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)  # one per sampled token
     entropy: list[float] = field(default_factory=list)
@@ -81,16 +84,15 @@ class _Row:
 
 def auto_batch_size(model, max_length: int) -> int:
     """Rows to decode together: on a GPU as many as the free memory holds at `max_length` tokens
-    (the growing cache's buffers, spare room included, plus a few [vocab] float32 rows of logits
-    each), at most 256; `CPU_BATCH` on a CPU. Counting the cache without its spare room ran an H100
-    out of memory at 256 rows of ~1-4K tokens (docs/traces.md)."""
+    (a slot's keys and values at that length, plus a few [vocab] float32 rows of logits each), at most
+    256; `CPU_BATCH` on a CPU."""
     if model.device.type != "cuda":
         return CPU_BATCH
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     kv_bytes = 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize * max_length
-    row_bytes = int((1 + SPARE_SHARE) * kv_bytes) + 4 * 4 * text.vocab_size
+    row_bytes = kv_bytes + 4 * 4 * text.vocab_size
     free, _ = torch.cuda.mem_get_info(model.device)
     return max(1, min(MAX_GPU_BATCH, int(GPU_MEMORY_SHARE * free) // row_bytes))
 
@@ -104,135 +106,136 @@ def sample_completions(
     eos_token_ids: Sequence[int],
     sampling: SamplingConfig = SamplingConfig(),
     batch_size: int = CPU_BATCH,
+    draws: str | Draws | None = None,
     on_token: Callable[[int], None] | None = None,
 ) -> Iterator[Completion]:
     """Sample a completion of every request, `batch_size` rows at a time, yielded as rows end.
 
     `sampling` gives temperature (0: greedy), top-k and top-p (its `seed` is not used: each row has
-    its request's). `on_token(n)` is called after each decode step with the tokens it sampled."""
+    its request's). `draws`: where each row's random numbers come from (`foresight.runtime.sampling.Draws`;
+    None: `Draws.for_device`). `on_token(n)` is called after each decode step with the tokens it sampled."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    batch = _Batch(model, sampling)
-    eos = torch.tensor(sorted(set(eos_token_ids)), device=model.device)
+    draws = Draws.for_device(model.device) if draws is None else Draws.parse(draws)
+    batch = _Slots(model, sampling, draws, batch_size, max_new_tokens, set(eos_token_ids))
     pending = iter(requests)
     while True:
-        for request in itertools.islice(pending, batch_size - len(batch.rows)):
-            batch.admit(request)
+        for slot, request in zip(batch.free_slots(), pending):
+            batch.admit(slot, request)
         if not batch.rows:
             return
-        tokens = batch.sample()
+        sampled = batch.sample()
         if on_token is not None:
-            on_token(len(tokens))
-        is_eos = torch.isin(tokens, eos)
-        ended = is_eos | torch.tensor([len(row.tokens) == max_new_tokens for row in batch.rows], device=eos.device)
-        yield from batch.release(ended, is_eos)
+            on_token(len(batch.rows))
+        yield from batch.release_ended(sampled)
         if batch.rows:
-            batch.step(tokens[~ended])
+            batch.step()
 
 
-class _Batch:
-    """The rows decoding together: their cache, valid lengths, next-token logits and sampling state."""
+class _Slots:
+    """The rows decoding together, each in a fixed slot of one `SlotCache` (free slots decode padding that
+    nothing reads). Per decode step the host reads back one tensor, the sampled tokens with their losses,
+    and sends nothing: what the step needs per slot lives on the device, set when a row is admitted or freed."""
 
-    def __init__(self, model, sampling: SamplingConfig) -> None:
+    def __init__(self, model, sampling: SamplingConfig, draws: Draws, slots: int, max_new_tokens: int, eos: set[int]) -> None:
         self.model = model.eval()
-        self.sampling = sampling
+        self.sampling, self.draws = sampling, draws
         self.processors = logits_processors(sampling)
+        self.max_new_tokens, self.eos = max_new_tokens, eos
         self.device = model.device
-        self.rows: list[_Row] = []
-        self.cache = growing_cache()
-        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [rows] tokens held per row
-        self.logits = None  # [rows, vocab] float32: each row's prediction of its next token
+        self.cache = SlotCache(model, slots)
+        self.rows: dict[int, _Row] = {}  # slot -> the request decoding there
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=self.device)  # tokens each slot holds
+        self.seeds = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.sampled = torch.zeros(slots, dtype=torch.long, device=self.device)  # tokens each row has sampled
+        self.busy = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self.logits = torch.zeros(slots, model.config.get_text_config().vocab_size, device=self.device)
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)  # the tokens sampled last
+        self.admitted = 0
 
-    def admit(self, request: Request) -> None:
-        """Prefill the request's prompt alone, keep its losses, and append it as the batch's last row."""
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(self.lengths.numel()) if slot not in self.rows]
+
+    def admit(self, slot: int, request: Request) -> None:
+        """Prefill the request's prompt alone, keep its losses and next-token logits, and copy its cache
+        into `slot` (the other slots are not touched)."""
         if not request.prompt:
             raise ValueError(f"request {request.key} has an empty prompt")
         ids = torch.as_tensor(list(request.prompt), dtype=torch.long, device=self.device)[None]
-        cache = growing_cache()
-        hidden = self.model.base_model(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
+        prefilled = DynamicCache()
+        hidden = self.model.base_model(input_ids=ids, past_key_values=prefilled, use_cache=True).last_hidden_state[0]
         nll, entropy = chunked_losses(self.model.get_output_embeddings(), hidden[:-1], ids[0, 1:])
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        self.rows.append(_Row(request, generator, nll, entropy))
-        last = self.model.get_output_embeddings()(hidden[-1:]).float()
-        self.logits = last if self.logits is None else torch.cat([self.logits, last])
-        self._append_cache(cache, ids.shape[1])
+        self.rows[slot] = _Row(request, generator, nll, entropy, order=self.admitted)
+        self.admitted += 1
+        self.logits[slot] = self.model.get_output_embeddings()(hidden[-1]).float()
+        self.cache.reserve(ids.shape[1] + self.max_new_tokens)
+        self.cache.admit(slot, prefilled)
+        self.lengths[slot] = ids.shape[1]
+        self.seeds[slot] = request.seed
+        self.sampled[slot] = 0
+        self.busy[slot] = True
 
-    def sample(self) -> torch.Tensor:
-        """Draw each row's next token [rows] and record its full-cache loss and entropy."""
+    def sample(self) -> dict[int, tuple[int, float, float]]:
+        """Draw each row's next token, with its full-cache loss and entropy: {slot: (token, nll, entropy)}."""
         log_probs = torch.log_softmax(self.logits, dim=-1)
         if self.sampling.temperature == 0:
             tokens = self.logits.argmax(-1)
+        elif self.draws is Draws.COUNTER:
+            tokens = counter_draw(self.processors(None, self.logits), self.seeds, self.sampled)
         else:
             probs = torch.softmax(self.processors(None, self.logits), dim=-1)
-            tokens = torch.cat([
-                torch.multinomial(probs[r], 1, generator=row.generator) for r, row in enumerate(self.rows)
-            ])
+            tokens = self.tokens.clone()
+            for slot, row in self.rows.items():
+                tokens[slot : slot + 1] = torch.multinomial(probs[slot], 1, generator=row.generator)
+        self.tokens = tokens
+        self.sampled += 1
         nll = -log_probs.gather(-1, tokens[:, None]).squeeze(-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-        for row, token, loss, spread in zip(self.rows, tokens.tolist(), nll.tolist(), entropy.tolist()):
-            row.tokens.append(token)
+        read = torch.stack([tokens.double(), nll.double(), entropy.double()], 1).tolist()  # the step's one read-back
+        sampled = {}
+        for slot, row in self.rows.items():
+            token, loss, spread = read[slot]
+            sampled[slot] = (int(token), loss, spread)
+            row.tokens.append(int(token))
             row.nll.append(loss)
             row.entropy.append(spread)
-        return tokens
+        return sampled
 
-    def release(self, ended: torch.Tensor, is_eos: torch.Tensor) -> Iterator[Completion]:
-        """Yield the completions of the rows that `ended` [rows] (truncated unless `is_eos`) and drop them."""
-        if not bool(ended.any()):
-            return
-        flags = list(zip(self.rows, ended.tolist(), is_eos.tolist()))
-        keep = ~ended
-        self.rows = [row for row, done, _ in flags if not done]
-        self.lengths, self.logits = self.lengths[keep], self.logits[keep]
-        if self.rows:
-            self.cache.batch_select_indices(keep.nonzero().squeeze(1))
-            self._narrow(int(self.lengths.max()))
-        else:
-            self.cache = growing_cache()
-        for row, done, eos in flags:
-            if done:
-                yield row.completion(truncated=not eos)
+    def release_ended(self, sampled: dict[int, tuple[int, float, float]]) -> Iterator[Completion]:
+        """Yield the completions of the rows that sampled an EOS or their last token, in the order they
+        were admitted, and free their slots."""
+        ended = [slot for slot, (token, _, _) in sampled.items()
+                 if token in self.eos or len(self.rows[slot].tokens) == self.max_new_tokens]
+        for slot in sorted(ended, key=lambda slot: self.rows[slot].order):
+            row = self.rows.pop(slot)
+            self.busy[slot] = False
+            yield row.completion(truncated=row.tokens[-1] not in self.eos)
 
-    def step(self, tokens: torch.Tensor) -> None:
-        """Feed each row its last sampled token; the logits become the rows' next predictions."""
-        width = self.cache.get_seq_length() + 1
-        slots = torch.arange(width, device=self.device)
-        self.lengths = self.lengths + 1
-        mask = (slots[None, :] >= width - self.lengths[:, None]).long()
+    def step(self) -> None:
+        """Feed every slot its last sampled token; the logits become the rows' next predictions."""
+        width = max(len(row.request.prompt) + len(row.tokens) for row in self.rows.values())
+        self.lengths = torch.where(self.busy, self.lengths + 1, 0)  # a free slot holds nothing
+        self.cache.step.write_index = (self.lengths - 1).clamp_min(0)
+        self.cache.step.width = width
         output = self.model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=(self.lengths - 1)[:, None],
+            input_ids=self.tokens[:, None],
+            attention_mask=self._attention_mask(width),
+            position_ids=self.cache.step.write_index[:, None],
             past_key_values=self.cache,
             use_cache=True,
         )
         self.logits = output.logits[:, -1].float()
 
-    def _append_cache(self, cache: DynamicCache, length: int) -> None:
-        """Append a prefilled one-row cache as the last row, left-padding it or the batch to one width."""
-        if len(self.rows) == 1:
-            self.cache = cache
-        else:
-            width = max(self.cache.get_seq_length(), length)
-            for mine, theirs in zip(self.cache.layers, cache.layers):
-                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
-        self.lengths = torch.cat([self.lengths, self.lengths.new_tensor([length])])
-
-    def _narrow(self, width: int) -> None:
-        """Drop leading slots that no row uses any more."""
-        if width < self.cache.get_seq_length():
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, -width:], layer.values[:, :, -width:]
-
-
-def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, heads, n, dim] -> [rows, heads, width, dim] with zeros in front (masked out of attention)."""
-    missing = width - tensor.shape[2]
-    if missing == 0:
-        return tensor
-    return torch.cat([tensor.new_zeros(*tensor.shape[:2], missing, tensor.shape[3]), tensor], dim=2)
+    def _attention_mask(self, width: int) -> torch.Tensor:
+        """Each slot's own tokens (a free slot: its first position), as the additive [slots, 1, 1, width]
+        mask the model uses as it is: from a 2D mask `transformers` would first test whether any entry is
+        masked, a read-back per step."""
+        shown = torch.arange(width, device=self.device)[None, :] < self.lengths.clamp_min(1)[:, None]
+        hidden = torch.finfo(self.model.dtype).min
+        return torch.zeros(shown.shape, dtype=self.model.dtype, device=self.device).masked_fill(~shown, hidden)[:, None, None]
 
 
 def chunked_losses(

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from foresight.runtime.sampling import REASONING_SAMPLING, SamplingConfig
+from foresight.runtime.sampling import REASONING_SAMPLING, Draws, SamplingConfig
 from foresight.data.sampler import Completion, Request, auto_batch_size, chunked_losses, sample_completions
 from foresight.data.trace_store import ShardRows, ShardWriter, TraceCounts, TraceRunSummary, TraceSettings
 from foresight.data.tasks import Problem, chat_prompt_ids, check_answer, load_problems, recorded_source
@@ -63,6 +63,7 @@ def generate_traces(
     shard_size: int = 64,
     shard: tuple[int, int] = (0, 1),
     seed: int = 0,
+    draws: str | Draws | None = None,
     progress: bool = True,
     model_name: str | None = None,
 ) -> TraceRunSummary:
@@ -74,8 +75,10 @@ def generate_traces(
     together by continuous batching (None: sized to the machine, `foresight.data.sampler.auto_batch_size`).
     A trace is kept when its length (prompt + completion) is at least ``min_tokens`` and, with
     ``only_correct``, its answer checks as correct (App. E.1 keeps correct traces over 4096 tokens).
-    ``shard=(i, n)`` makes this call write only shards k with k % n == i. ``model_name`` (default:
-    the model's ``name_or_path``) is recorded and checked on reruns.
+    ``shard=(i, n)`` makes this call write only shards k with k % n == i. ``draws``: where each problem's
+    random numbers come from (`foresight.runtime.sampling.Draws`; None: `Draws.for_device`), recorded, since
+    the two sample different traces. ``model_name`` (default: the model's ``name_or_path``) is recorded and
+    checked on reruns.
     """
     index, count = shard
     if not 0 <= index < count:
@@ -94,6 +97,7 @@ def generate_traces(
         only_correct=only_correct,
         seed=seed,
         shard_size=shard_size,
+        draws=(Draws.for_device(model.device) if draws is None else Draws.parse(draws)).value,
     )
     check_plain_logits(model)
     eos_ids = eos_token_ids(model, tokenizer, settings.model)
@@ -116,7 +120,7 @@ def generate_traces(
 
         completions = sample_completions(
             model, requests, max_new_tokens=max_new_tokens, eos_token_ids=eos_ids, sampling=sampling,
-            batch_size=batch_size, on_token=count,
+            batch_size=batch_size, draws=settings.draws, on_token=count,
         )
         for completion in completions:
             k = shard_of[completion.key]

@@ -38,7 +38,7 @@ import math
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from filelock import FileLock
 
 from foresight.artifacts import atomic_folder, remove_leftovers, write_text
 from foresight.data.tasks import source_names
+from foresight.runtime.sampling import Draws
 
 MANIFEST = "manifest.json"
 SHARD_RECORD = "shard.json"
@@ -101,8 +102,10 @@ class TraceSettings(Sharded):
     only_correct: bool
     seed: int
     shard_size: int
+    draws: str = Draws.GENERATOR.value  # folders made before the field existed drew from generators
 
     def __post_init__(self) -> None:
+        Draws.parse(self.draws)
         for name in ("num", "max_new_tokens", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -207,7 +210,7 @@ def finished_run(
     manifest = _read_json(out_dir / MANIFEST)
     if manifest is None:
         return None
-    _check_same_settings(out_dir, manifest["settings"], asdict(settings))
+    _check_same_settings(out_dir, _with_defaults(manifest["settings"]), asdict(settings))
     records = {record["shard"]: record for record in manifest["shards"]}
     owned = [k for k in range(shard[0], settings.num_shards, shard[1])]
     if any(k not in records for k in owned):
@@ -270,7 +273,7 @@ class ShardWriter:
         with self.lock:
             manifest = _read_json(out_dir / MANIFEST)
             if manifest is not None:
-                _check_same_settings(out_dir, manifest["settings"], asdict(settings))
+                _check_same_settings(out_dir, _with_defaults(manifest["settings"]), asdict(settings))
             self._write_manifest()
 
     def shard_dir(self, shard: int) -> Path:
@@ -339,6 +342,13 @@ def _rejected(records: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
         for row in record.get("rejected_rows", []):
             reasons[row["reason"]].append(row["row"])
     return dict(reasons)
+
+
+def _with_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's settings with the fields added to `TraceSettings` since it was written at their
+    defaults (which say how the older folders were made)."""
+    added = {f.name: f.default for f in fields(TraceSettings) if f.default is not MISSING and f.name not in stored}
+    return {**stored, **added}
 
 
 def _check_same_settings(out_dir: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:

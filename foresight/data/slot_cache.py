@@ -1,0 +1,113 @@
+"""A `transformers` KV cache of fixed row slots, for continuous batching without cache copies.
+
+Each layer holds keys and values in one buffer [slots, heads, capacity, head_dim]. A request takes a free
+slot and keeps it until it ends: its prefilled prompt is written at the slot's start (`admit`, a copy of
+that row only), each decode step writes every slot's new token at that slot's own length, and a row that
+ends just frees its slot. Nothing is copied when rows join or leave, unlike a batch whose cache is
+concatenated and re-indexed (the whole cache copied each time), and nothing is read back to the host:
+the lengths live on the device and the host keeps its own copy of the widest (`SlotStep`).
+
+The model sees the buffers' first `width` slots (a view) with a 2D attention mask that shows each row its
+own `length + 1` entries; `get_seq_length` reports `width - 1`, so the causal mask of the one new query
+shows every kept slot and the 2D mask alone decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+CAPACITY_ROUNDING = 64
+"""Buffers grow to a multiple of this many positions (growth copies every slot, so it should be rare)."""
+
+
+@dataclass
+class SlotStep:
+    """What the next forward writes: `write_index` [slots] on the device (each slot's length, where its new
+    token goes) and `width`, the positions the model attends over (the longest row's length + 1)."""
+
+    write_index: torch.Tensor
+    width: int = 1
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's fixed-slot buffers; `keys`/`values` are views of their first `step.width` positions."""
+
+    def __init__(self, step: SlotStep, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.step = step
+        self.key_buffer = torch.zeros(slots, heads, 0, head_dim, dtype=dtype, device=device)
+        self.value_buffer = torch.zeros_like(self.key_buffer)
+        self.rows = torch.arange(slots, device=device)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a slot layer is made with its buffers")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each slot's one new token [slots, heads, 1, head_dim] at its own length."""
+        if key_states.shape[-2] != 1 or key_states.shape[0] != self.rows.numel():
+            raise ValueError(f"a slot cache decodes one token per slot, got key states {tuple(key_states.shape)}")
+        self.key_buffer[self.rows, :, self.step.write_index] = key_states[:, :, 0]
+        self.value_buffer[self.rows, :, self.step.write_index] = value_states[:, :, 0]
+        self.keys = self.key_buffer[:, :, : self.step.width]
+        self.values = self.value_buffer[:, :, : self.step.width]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.step.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.step.width - 1
+
+    def get_max_length(self) -> int:
+        return self.key_buffer.shape[2]
+
+    def admit(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write a prefilled row's keys and values [1, heads, n, head_dim] at the start of `slot`."""
+        length = keys.shape[2]
+        self.key_buffer[slot, :, :length] = keys[0]
+        self.value_buffer[slot, :, :length] = values[0]
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` positions per slot (copies every slot once)."""
+        if capacity <= self.key_buffer.shape[2]:
+            return
+        held = self.key_buffer.shape[2]
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :held] = old
+            setattr(self, name, new)
+
+
+class SlotCache(Cache):
+    """The fixed-slot cache of a model: one `SlotLayer` per layer sharing one `SlotStep`."""
+
+    def __init__(self, model, slots: int) -> None:
+        text = model.config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.step = SlotStep(write_index=torch.zeros(slots, dtype=torch.long, device=model.device))
+        layers = [
+            SlotLayer(self.step, slots, heads, head_dim, model.dtype, model.device) for _ in range(text.num_hidden_layers)
+        ]
+        super().__init__(layers=layers)
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].get_max_length()
+
+    def reserve(self, positions: int) -> None:
+        """Make every slot able to hold `positions` tokens (a request's prompt and its new tokens)."""
+        if positions > self.capacity:
+            capacity = -(-positions // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+            for layer in self.layers:
+                layer.grow(capacity)
+
+    def admit(self, slot: int, prefilled: Cache) -> None:
+        """Copy a one-row prefilled cache into `slot` (the caller `reserve`d its room)."""
+        for mine, theirs in zip(self.layers, prefilled.layers, strict=True):
+            mine.admit(slot, theirs.keys, theirs.values)
