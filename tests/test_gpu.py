@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import foresight.runtime.capture as capture
+from foresight.data.sampler import Request, _Slots
+from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from foresight.models import random_model, tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.cadence import top_k_mask
@@ -145,9 +147,6 @@ def count_syncs(model, name: str, new_tokens: int) -> tuple[int, int]:
 def test_sampler_reads_back_once_per_decode_step():
     """Counter draws in fixed slots: a decode step (sample, release, forward) synchronises with the host
     once, for the tokens and losses it reads back, however many rows it holds."""
-    from foresight.data.sampler import Request, _Slots
-    from foresight.runtime.sampling import Draws, REASONING_SAMPLING
-
     model = tiny_on_cuda("llama")
     batch = _Slots(model, REASONING_SAMPLING, Draws.COUNTER, 8, max_new_tokens=64, eos=set())
     for slot in range(8):
