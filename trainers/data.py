@@ -125,7 +125,7 @@ class GoldenDataModule(TraceSplitDataModule):
 
     model: the frozen model, "default" or a folder / Hub id; it must be the one that made the traces.
     traces_dir: a traces folder (`foresight traces`); its labels are in traces_dir/labels-B{B}-L{L}.
-    budget, interval: B and L. feature_set: "paper", "official-8", "pooled" or "standardised"
+    budget, interval: B and L. feature_set: "paper", "official-8", "pooled", "standardised" or "standardised-heuristic"
       (`foresight.scorer.attention_features`).
     examples_dir: the example cache (`foresight examples`); None replays the traces on every pass.
     on_policy_dirs: example caches of the scorer's own trajectories (`foresight fit --rounds`), each

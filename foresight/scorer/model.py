@@ -61,8 +61,9 @@ class ScorerConfig:
     num_layers, num_query_heads, num_kv_heads, head_dim: the base model's shape (Hq must be a multiple
     of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
     (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
-    width (16 in the paper). feature_set: "paper" (F = 6), "official-8" or "pooled" (F = 8), or "standardised"
-    (F = 7; its scorer also reads each key and value at unit L2 norm, `UNIT_EPS`). stage: the training
+    width (16 in the paper). feature_set: "paper" (F = 6), "official-8" or "pooled" (F = 8), "standardised"
+    (F = 7) or "standardised-heuristic" (F = 9; the standardised sets' scorers also read each key and value
+    at unit L2 norm, `UNIT_EPS`). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
     scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not

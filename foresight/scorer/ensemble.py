@@ -1,0 +1,51 @@
+"""Several scorers as one: the mean of their keep scores, written as a single wider scorer.
+
+Fits of one recipe that differ only in their seed rank the same entries differently (on unseen task
+families a fit's share of the headroom moves by about 5 points with the seed alone); their mean score
+averages that out. Since phi = W2 GELU(W1 x + b1) + b2 is linear in W2, the mean of k scorers of width H
+is exactly one scorer of width k*H: W1 and b1 side by side, W2 side by side divided by k, b2 the mean.
+It loads, runs, exports and refines (`foresight rl`) like any other scorer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from foresight.scorer.model import ForesightScorer
+
+SHARED_FIELDS = ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "budget", "interval", "feature_set",
+                 "key_values", "base_model")
+"""What the members must agree on: the model, the cadence and the inputs they read."""
+
+
+def ensemble(scorers: Sequence[ForesightScorer]) -> ForesightScorer:
+    """One scorer whose keep score is the mean of `scorers`' (at least two, of one model, cadence and
+    feature set; their widths may differ)."""
+    if len(scorers) < 2:
+        raise ValueError(f"an ensemble needs at least 2 scorers, got {len(scorers)}")
+    first = scorers[0].config
+    for index, scorer in enumerate(scorers[1:], start=1):
+        differing = [name for name in SHARED_FIELDS if getattr(scorer.config, name) != getattr(first, name)]
+        if differing:
+            pairs = ", ".join(f"{name} {_shown(first, name)!r} vs {_shown(scorer.config, name)!r}" for name in differing)
+            raise ValueError(f"scorer {index} does not fit scorer 0 ({pairs}): an ensemble's members read the same inputs")
+    sources = sorted({source for scorer in scorers for source in scorer.config.training_sources})
+    config = dataclasses.replace(
+        first, hidden=sum(scorer.config.hidden for scorer in scorers), training_sources=sources
+    )
+    merged = ForesightScorer(config)
+    with torch.no_grad():
+        merged.w1.copy_(torch.cat([scorer.w1 for scorer in scorers], dim=-1))
+        merged.b1.copy_(torch.cat([scorer.b1 for scorer in scorers], dim=-1))
+        merged.w2.copy_(torch.cat([scorer.w2 for scorer in scorers], dim=-1) / len(scorers))
+        merged.b2.copy_(torch.stack([scorer.b2 for scorer in scorers]).mean(0))
+    return merged.eval()
+
+
+def _shown(config, name: str):
+    """A config field as a user writes it (a feature set by its name)."""
+    value = getattr(config, name)
+    return getattr(value, "value", value)
