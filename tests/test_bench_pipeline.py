@@ -12,7 +12,8 @@ from foresight.cli import main
 from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
-STAGES = ["labels", "examples", "eval replay", "fit before", "fit now", "rl rollouts before", "rl rollouts now"]
+STAGES = ["labels", "examples", "eval replay", "fit before", "fit now", "rl rollouts before", "rl rollouts now",
+          "rl rollouts now, bfloat16"]
 
 
 class Sleeper(torch.nn.Module):

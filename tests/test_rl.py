@@ -4,6 +4,7 @@ deterministic limit, `foresight rl` (export, resume, configs, errors) and DDP ag
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -33,6 +34,7 @@ from trainers import grpo as grpo_module
 from trainers.cli import rl_cli_main
 from trainers.rollouts import (
     EvictionActions,
+    full_cache_losses,
     equal_reward_groups,
     group_advantages,
     grpo_objective,
@@ -191,6 +193,29 @@ def test_a_group_runs_the_forwards_before_its_first_eviction_once(llama):
     assert torch.equal(shared.actions.order, alone.actions.order)
     torch.testing.assert_close(shared.scores.reward, alone.scores.reward, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(shared.scores.loss_ratio, alone.scores.loss_ratio, rtol=1e-5, atol=1e-6)
+
+
+def test_rollouts_in_another_dtype_are_scored_against_the_models_own_full_cache_losses(llama):
+    """The replayed reference equals the stored losses in the dtype that made them; in bfloat16 it is the
+    bfloat16 model's own, and a group is scored against it (`score_rollouts` reads it in place of the
+    stored losses), so a row's ΔL counts eviction damage, not the dtype's rounding."""
+    trace, scorer = random_trace(llama, 64, prompt=9, seed=4), scorer_for(llama)
+    torch.testing.assert_close(full_cache_losses(llama, trace), trace.token_nll, rtol=1e-5, atol=1e-5)
+    low = copy.deepcopy(llama).to(torch.bfloat16)
+    reference = full_cache_losses(low, trace)
+    assert reference.dtype == torch.float32 and not torch.allclose(reference, trace.token_nll, atol=1e-3)
+    seeds = rollout_seeds(0, 0, trace.index, range(2))
+    replayed = roll_out(low, scorer, trace, seeds, threshold=0.0, reference_nll=reference)
+    stored = roll_out(low, scorer, trace, seeds, threshold=0.0)
+    assert torch.equal(replayed.actions.order, stored.actions.order)
+    assert not torch.allclose(replayed.scores.reward, stored.scores.reward)
+    rows = [trace.token_nll + 0.5 * torch.rand(trace.token_nll.shape, generator=torch.Generator().manual_seed(row))
+            for row in range(2)]
+    scores = score_rollouts(rows, [20, 20], trace, torch.tensor([19]), share=0.8, threshold=0.0, reference_nll=reference)
+    for row, nll in enumerate(rows):
+        want = slow_reward(nll[20:].tolist(), reference[20:].tolist(), trace.token_entropy[20:].tolist(), share=0.8,
+                           threshold=0.0)
+        assert math.isclose(float(scores.reward[row]), want, rel_tol=1e-5)
 
 
 def scaled(scorer: ForesightScorer, factor: float) -> ForesightScorer:
@@ -443,15 +468,16 @@ def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir,
         torch.testing.assert_close(resumed["state_dict"][name], tensor, rtol=0, atol=1e-6)
 
 
-def test_reward_to_go_credit_trains_and_records_its_settings(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
-    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, model={"credit": "reward_to_go", "damage_exponent": 3.0})
+def test_reward_to_go_credit_and_a_replayed_reference_train_and_record_their_settings(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir,
+                       model={"credit": "reward_to_go", "damage_exponent": 3.0, "loss_reference": "replay"})
     run = tmp_path / "run"
     assert cli.main(rl_args(config, start_scorer, run)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert 0 <= float(last.split("train/zero_advantage_share ")[1].split(",")[0]) < 1
     hparams = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
     assert (hparams["credit"], hparams["damage_threshold"], hparams["damage_exponent"]) == ("reward_to_go", 0.0, 3.0)
-    assert hparams["storage_dtype"] == "float32"
+    assert (hparams["storage_dtype"], hparams["loss_reference"]) == ("float32", "replay")
     assert "reward ΔL^3.0·1[ΔL > 0.0], credit: reward_to_go" in (run / "scorer" / "README.md").read_text()
     start = load_file(start_scorer / "model.safetensors")
     assert any(not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items())
@@ -514,6 +540,8 @@ def test_bad_input_is_a_one_line_error(tmp_path, tiny_dir, traces_dir, start_sco
         (rl_args(config, start_scorer, tmp_path / "d", "model.group_size=1"), "group_size G must be at least 2"),
         (rl_args(config, start_scorer, tmp_path / "f", "model.credit=steps"),
          "unknown credit 'steps'; allowed: 'rollout', 'reward_to_go'"),
+        (rl_args(config, start_scorer, tmp_path / "h", "model.loss_reference=full"),
+         "unknown loss reference 'full'; allowed: 'stored', 'replay'"),
         (rl_args(config, start_scorer, tmp_path / "g", "model.damage_exponent=0"),
          "need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold=0.0, damage_exponent=0.0"),
         (rl_args(tmp_path / "missing.yaml", start_scorer, tmp_path / "e"), "missing.yaml does not exist"),

@@ -41,7 +41,9 @@ from trainers.rollouts import (
     Credit,
     EvictionActions,
     GroupRollout,
+    LossReference,
     equal_reward_groups,
+    full_cache_losses,
     group_advantages,
     grpo_objective,
     roll_out,
@@ -76,6 +78,9 @@ class GRPOScorer(ScorerModule):
     storage_dtype: dtype of the recorded scorer inputs between rollout and update ("float32"; "float16"
       or "bfloat16" halve the memory of long traces but round what the update scores against what was
       sampled). dtype: of the frozen model, which runs on the module's device.
+    loss_reference: what the rollouts' token losses are compared with: "stored" (the trace's full-cache
+      losses) or "replay" (the frozen model's own, in `dtype`, replayed once per trace and kept; with a
+      dtype other than the one the traces were sampled in, `trainers.rollouts.LossReference`).
     seed: seeds every rollout's sampling with (seed, round, trace, row).
     """
 
@@ -100,6 +105,7 @@ class GRPOScorer(ScorerModule):
         credit: str = Credit.ROLLOUT.value,
         storage_dtype: str = "float32",
         dtype: str = "float32",
+        loss_reference: str = LossReference.STORED.value,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -117,6 +123,7 @@ class GRPOScorer(ScorerModule):
                 f"damage_exponent={damage_exponent}"
             )
         self.credit = Credit.parse(credit)
+        self.loss_reference = LossReference.parse(loss_reference)
         self.save_hyperparameters()
         self.automatic_optimization = False
         start = load_scorer(scorer)
@@ -135,6 +142,7 @@ class GRPOScorer(ScorerModule):
         self.storage_dtype = float_dtype("storage_dtype", storage_dtype)
         self.model_dtype = float_dtype("dtype", dtype)
         self._frozen: FrozenModel | None = None
+        self._full_cache_nll: dict[int, torch.Tensor] = {}  # by trace index, with loss_reference "replay"
         names = (
             "reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share",
             "zero_advantage_share",
@@ -166,10 +174,15 @@ class GRPOScorer(ScorerModule):
         """This rank's rollouts of one trace (no grad)."""
         round_index = self.global_step // self.hparams.epochs
         seeds = rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows())
+        reference = None
+        if self.loss_reference is LossReference.REPLAY:
+            if trace.index not in self._full_cache_nll:
+                self._full_cache_nll[trace.index] = full_cache_losses(self.frozen_model, trace)
+            reference = self._full_cache_nll[trace.index]
         return roll_out(
             self.frozen_model, self.scorer, trace, seeds, share=self.hparams.low_entropy_share,
             threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
-            temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent,
+            temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent, reference_nll=reference,
         )
 
     def training_step(self, batch: Sequence[Trace], batch_idx: int) -> None:

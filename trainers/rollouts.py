@@ -51,6 +51,17 @@ ADVANTAGE_EPSILON = 1e-8
 """Added to the group's standard deviation in Eq. 9 (a group of equal rewards gets 0 apart: `group_advantages`)."""
 
 
+class LossReference(Choice):
+    """What a rollout's token losses are compared with (ΔL of the reward, the loss ratio): the full-cache
+    losses stored with the trace, or the frozen model's own full-cache losses in the dtype it runs in
+    (`full_cache_losses`). The stored ones were made in the sampler's dtype; a rollout in another one (a
+    bfloat16 model on a CPU with bfloat16 matmuls, about twice as fast there) would count the rounding of
+    its dtype as damage, by 0.01-0.03 nats per token on average."""
+
+    STORED = "stored"
+    REPLAY = "replay"
+
+
 class Credit(Choice):
     """What an eviction step's advantage is computed from: its rollout's reward (Eq. 9, the paper's),
     or its reward-to-go, the damage to the tokens predicted after the step only."""
@@ -168,15 +179,18 @@ def score_rollouts(
     share: float = LOW_ENTROPY_SHARE,
     threshold: float = DAMAGE_THRESHOLD,
     exponent: float = DAMAGE_EXPONENT,
+    reference_nll: torch.Tensor | None = None,
 ) -> RolloutScores:
     """Reward, loss ratio, damage share and rewards-to-go of replays of `trace` (`nll` per row [T - 1])
     against its stored full-cache loss and entropy: R = −(1/|S|) Σ_{t∈S} ΔL_t^p·1[ΔL_t > η] over the
     tokens S predicted after the first eviction whose full-cache entropy is in their bottom `share`
-    (`token_damage`); `after` [steps]: the position of each recorded eviction step."""
+    (`token_damage`); `after` [steps]: the position of each recorded eviction step. `reference_nll` [T - 1]:
+    the full-cache losses to compare with (`LossReference`; None: the trace's stored ones)."""
+    reference = trace.token_nll if reference_nll is None else reference_nll
     rewards, ratios, shares, to_go = [], [], [], []
     for row_nll, first in zip(nll, first_eviction, strict=True):
         scored = scored_tokens(row_nll.numel(), first)
-        evicted, full, entropy = row_nll[scored], trace.token_nll[scored], trace.token_entropy[scored]
+        evicted, full, entropy = row_nll[scored], reference[scored], trace.token_entropy[scored]
         damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent)
         counts = damage.counts()
         rewards.append(-counts.penalty)
@@ -228,6 +242,7 @@ def roll_out(
     temperature: float = 1.0,
     exponent: float = DAMAGE_EXPONENT,
     share_prefix: bool = True,
+    reference_nll: torch.Tensor | None = None,
 ) -> GroupRollout:
     """Replay `trace` once per seed as the rows of one batch, `scorer` sampling every eviction (Eq. 2)
     at the B and L it was trained for and at `temperature`; record the evictions and score each row.
@@ -236,7 +251,8 @@ def roll_out(
     first token on (the cadence of the supervised stage and of `foresight eval`). Until the first
     eviction every row holds the same tokens, so with `share_prefix` the model runs those forwards on
     one row and the group reuses them (`foresight.runtime.prefix`; the same figures up to float
-    rounding: a one-row matmul may round differently from a G-row one)."""
+    rounding: a one-row matmul may round differently from a G-row one). `reference_nll`: the full-cache
+    losses the rows are scored against (`score_rollouts`; None: the trace's stored ones)."""
     config = scorer.config
     length = trace.input_ids.numel()
     if length < config.budget + config.interval + 2:
@@ -255,7 +271,9 @@ def roll_out(
     output = engine.replay([trace.input_ids] * len(row_seeds), [prefill] * len(row_seeds), prefix=prefix)
     # A step after position T - 3 changes no prediction: the last one, of token T - 1, is made at T - 2.
     actions = EvictionActions.stack(policy.records, engine.num_layers, before=length - 2, dtype=storage_dtype)
-    scores = score_rollouts(output.nll, output.first_eviction, trace, actions.after, share, threshold, exponent)
+    scores = score_rollouts(
+        output.nll, output.first_eviction, trace, actions.after, share, threshold, exponent, reference_nll
+    )
     return GroupRollout(
         trace_index=trace.index,
         actions=actions,
@@ -264,6 +282,13 @@ def roll_out(
         forward_seconds=output.stats.forward_seconds,
         seconds=time.perf_counter() - started,
     )
+
+
+def full_cache_losses(model: torch.nn.Module, trace: Trace) -> torch.Tensor:
+    """The frozen model's loss of every token of `trace` given the ones before it, with the full cache, in
+    the dtype the model runs in: [T - 1] float32 on the CPU (`LossReference.REPLAY`)."""
+    engine = EvictionEngine(model, make_policy("full"), None)
+    return engine.replay([trace.input_ids], [trace.prompt_length]).nll[0].float().cpu()
 
 
 def _group_prefix(model: torch.nn.Module, trace: Trace, cadence: EvictionConfig, prefill: int) -> ReplayPrefix:

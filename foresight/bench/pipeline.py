@@ -8,7 +8,9 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
 - eval replay: `foresight eval`'s replay of one policy at B (the full-cache reference and the policy);
 - rl rollouts: G sampled replays of every trace under a freshly initialised scorer (`roll_out`: the
   speed of a rollout does not depend on the scorer's weights), first with every row running the
-  forwards before the group's first eviction, then with them run once on one row;
+  forwards before the group's first eviction, then with them run once on one row; then, for a float32
+  model, with a bfloat16 copy of it, its own full-cache replay of each trace included
+  (`foresight rl --model.dtype bfloat16 --model.loss_reference replay`);
 - fit: optimisation steps from that example cache, first as the step ran before (one process,
   batches cast to float32 in the collate, the scorer and the loss of `foresight.bench.fit_before`,
   glibc's malloc as it comes), then as it runs now (the data module's worker processes, batches in the
@@ -28,6 +30,7 @@ schedule replaced live on only as the slow twins of tests/test_labels.py.
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -51,7 +54,7 @@ from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
 from trainers.preparation import FrozenModel, make_examples
 from trainers.ranking import PairWeight
-from trainers.rollouts import roll_out
+from trainers.rollouts import full_cache_losses, roll_out
 
 if TYPE_CHECKING:
     from trainers.data import GoldenDataModule
@@ -213,7 +216,24 @@ def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[St
         seconds, forward = _timed(model, work)
         what = f"G = {settings.group_size} sampled replays of each trace, scored; {how}"
         rows.append(StageFigures(stage, what, settings.group_size * _tokens(long_enough), "tokens", seconds, forward))
+    if model.dtype == torch.float32:
+        rows.append(_bfloat16_rollouts(model, scorer, long_enough, seeds))
     return rows
+
+
+def _bfloat16_rollouts(model, scorer: ForesightScorer, traces: list[Trace], seeds: list[int]) -> StageFigures:
+    """The rollouts of the row of now with the frozen model in bfloat16, each scored against its own
+    full-cache losses (one more one-row replay per trace: a dtype's rounding is not eviction damage)."""
+    low = copy.deepcopy(model).to(torch.bfloat16)
+
+    def work() -> None:
+        for trace in traces:
+            roll_out(low, scorer, trace, seeds, reference_nll=full_cache_losses(low, trace))
+
+    seconds, forward = _timed(low, work)
+    what = ("as now with the model in bfloat16, each group scored against the model's own full-cache losses "
+            "(one more one-row replay per trace, counted)")
+    return StageFigures("rl rollouts now, bfloat16", what, len(seeds) * _tokens(traces), "tokens", seconds, forward)
 
 
 def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str) -> GoldenDataModule:
