@@ -448,6 +448,35 @@ def test_fit_on_policy_rounds_add_the_scorers_own_states_and_resume(tmp_path, ti
     assert (plain / "scorer" / "config.json").is_file() and not list(plain.glob("round-*"))
 
 
+def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path, tiny_dir, traces_dir, capsys):
+    """--ensemble 2: member i fits with seed_everything + i in --out/member-i (member 0 is the plain fit of
+    the same seed), and --out/scorer scores the mean of the two. A rerun skips the members made."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, feature_set="standardised")
+    out, single = tmp_path / "run", tmp_path / "single"
+    args = [*fit_args(config, out, traces_dir, "trainer.max_steps=2"), "--ensemble", "2"]
+    assert cli.main(args) == 0
+    assert f"{out / 'scorer'}: the mean of 2 fits (seed_everything 0 and 1)" in capsys.readouterr().out
+    assert cli.main(fit_args(config, single, traces_dir, "trainer.max_steps=2")) == 0
+    members = [load_scorer(out / f"member-{member}" / "scorer") for member in (0, 1)]
+    for name, tensor in load_scorer(single / "scorer").state_dict().items():
+        torch.testing.assert_close(members[0].state_dict()[name], tensor, rtol=0, atol=0)
+    assert any((members[1].state_dict()[name] != tensor).any() for name, tensor in members[0].state_dict().items())
+    merged = load_scorer(out / "scorer")
+    assert merged.config.hidden == 2 * members[0].config.hidden
+    generator = torch.Generator().manual_seed(0)
+    shape = (merged.config.num_layers, 1, merged.config.num_kv_heads, 5)
+    inputs = [torch.randn(*shape, width, generator=generator)
+              for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(*inputs), (members[0](*inputs) + members[1](*inputs)) / 2, rtol=0, atol=1e-6)
+    assert "the mean keep score of 2 fits of this recipe" in (out / "scorer" / "README.md").read_text()
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    assert "scorer trained" not in capsys.readouterr().out
+    assert cli.main([*args, "--on-policy-rounds", "1"]) == 2
+    assert "on-policy rounds (1) and a seed ensemble (2 members) do not combine" in capsys.readouterr().err
+
+
 def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
     assert cli.main(["fit", "--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "x")]) == 2
@@ -455,7 +484,8 @@ def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
     assert cli.main(fit_args(config, tmp_path / "x", traces_dir, "trainer.max_steps")) == 2
     assert "--set 'trainer.max_steps' must look like KEY=VALUE" in capsys.readouterr().err
     for flag, value, message in (("--on-policy-rounds", "11", "on-policy rounds must be between 0 and 10, got 11"),
-                                 ("--round-steps", "0", "round steps must be a positive integer, got 0")):
+                                 ("--round-steps", "0", "round steps must be a positive integer, got 0"),
+                                 ("--ensemble", "0", "ensemble members must be between 1 and 16, got 0")):
         with pytest.raises(SystemExit) as stopped:  # refused by the parser, before any trace is sampled
             cli.main([*fit_args(config, tmp_path / "x", traces_dir), flag, value])
         assert stopped.value.code == 2 and message in capsys.readouterr().err

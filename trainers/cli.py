@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningCLI
 from foresight.host_memory import keep_freed_memory
 from trainers.data import GoldenDataModule
 from trainers.grpo import GRPOScorer
-from trainers.preparation import OnPolicyRounds, TraceRecipe
+from trainers.preparation import OnPolicyRounds, SeedEnsemble, TraceRecipe
 from trainers.rl_data import RolloutDataModule
 from trainers.supervised import SupervisedScorer
 
@@ -38,9 +38,9 @@ def add_checkpoint_section(parser) -> None:
 
 class SupervisedCLI(LightningCLI):
     """LightningCLI with a `checkpoint` section, an `lr_monitor` section (a LearningRateMonitor that logs
-    the learning rate every optimisation step as `train/lr`), `traces` and `on_policy` sections (a
-    `TraceRecipe` and `OnPolicyRounds`, read by `foresight fit` only) and the data -> model link of the
-    scorer's shape."""
+    the learning rate every optimisation step as `train/lr`), `traces`, `on_policy` and `ensemble` sections
+    (a `TraceRecipe`, `OnPolicyRounds` and a `SeedEnsemble`, read by `foresight fit` only) and the data ->
+    model link of the scorer's shape."""
 
     def add_arguments_to_parser(self, parser) -> None:
         add_checkpoint_section(parser)
@@ -52,6 +52,10 @@ class SupervisedCLI(LightningCLI):
         parser.add_argument(
             "--on_policy", type=OnPolicyRounds | None, default=None,
             help="on-policy rounds `foresight fit` runs after the golden fit (null: none; --on-policy-rounds overrides)",
+        )
+        parser.add_argument(
+            "--ensemble", type=SeedEnsemble | None, default=None,
+            help="fits under several seeds that `foresight fit` averages into one scorer (null: one fit; --ensemble overrides)",
         )
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.link_arguments("data.scorer_spec", "model.scorer", apply_on="instantiate")

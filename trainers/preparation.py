@@ -100,6 +100,22 @@ class OnPolicyRounds:
             raise ValueError(f"on-policy round steps must be a positive integer, got {self.steps}")
 
 
+MAX_MEMBERS = 16
+"""The most fits a seed ensemble averages."""
+
+
+@dataclass(frozen=True)
+class SeedEnsemble:
+    """Fits of one recipe under `members` seeds (seed_everything, + 1, ...) whose keep scores `foresight fit`
+    averages into one scorer (`foresight.scorer.ensemble`); 1: a single fit."""
+
+    members: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.members <= MAX_MEMBERS:
+            raise ValueError(f"ensemble members must be between 1 and {MAX_MEMBERS}, got {self.members}")
+
+
 @dataclass(frozen=True)
 class StepSummary:
     """What a labels or examples step found and did; `action` and `already` word its line."""

@@ -15,7 +15,13 @@ training traces under round r-1's scorer, labels the states its own evictions re
 scores, adds them to the golden examples and all earlier rounds' and refits from round r-1's weights.
 Round 0 trains in --out as above; round r in --out/round-r (examples/, checkpoints/, lightning_logs/);
 each round's scorer is --out/round-r/scorer and the last one is also --out/scorer. A rerun skips the
-rounds whose scorer exists and, with --ckpt-path last, resumes the others. Under a DDP strategy (--set trainer.strategy=ddp --set
+rounds whose scorer exists and, with --ckpt-path last, resumes the others.
+
+--ensemble N (or the config's `ensemble: {members: N}`) fits the recipe N times instead, member i in
+--out/member-i (checkpoints/, lightning_logs/, scorer/) with seed_everything + i, on the same traces and
+examples, and writes the mean of their keep scores to --out/scorer as one wider scorer
+(`foresight.scorer.ensemble`): fits that differ only in their seed rank entries differently, and their
+mean averages that out. A rerun skips the members whose scorer exists. Under a DDP strategy (--set trainer.strategy=ddp --set
 trainer.devices=N) every process runs this command; the steps run under a file lock in --out, so one
 process makes the data and the others find it made.
 """
@@ -35,10 +41,12 @@ from filelock import FileLock
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
 from foresight.export import export_scorer, reported_metrics
 from foresight.data.trace_store import folder_sources
+from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import ScorerConfig, load_scorer
 from trainers.example_cache import ExampleCache
 from trainers.preparation import (
     OnPolicyRounds,
+    SeedEnsemble,
     make_examples,
     make_labels,
     make_on_policy_examples,
@@ -57,27 +65,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
     parser.add_argument(
-        "--on-policy-rounds", type=_round_option("rounds"), default=None, metavar="R",
+        "--on-policy-rounds", type=_checked_by(OnPolicyRounds, "rounds"), default=None, metavar="R",
         help="after the golden fit, R rounds that add the scorer's own states to its training examples "
         "(default: the config's on_policy.rounds, else 0)",
     )
     parser.add_argument(
-        "--round-steps", type=_round_option("steps"), default=None, metavar="N",
+        "--round-steps", type=_checked_by(OnPolicyRounds, "steps"), default=None, metavar="N",
         help="optimisation steps of each on-policy round (default: the config's on_policy.steps, else trainer.max_steps)",
+    )
+    parser.add_argument(
+        "--ensemble", type=_checked_by(SeedEnsemble, "members"), default=None, metavar="N",
+        help="fit N times under seeds seed_everything, +1, ... and average the fits' keep scores into one scorer "
+        "(default: the config's ensemble.members, else 1)",
     )
 
 
-def _round_option(name: str):
-    """An argparse type checked by `OnPolicyRounds` itself (one rule for the flag and the config section),
-    so a bad value stops before any trace is sampled."""
+def _checked_by(settings: type, name: str):
+    """An argparse type checked by the `settings` dataclass itself (one rule for the flag and the config
+    section), so a bad value stops before any trace is sampled."""
 
     def parse(text: str) -> int:
         try:
-            return getattr(OnPolicyRounds(**{name: int(text)}), name)
+            return getattr(settings(**{name: int(text)}), name)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
     return parse
+
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:
@@ -141,6 +155,15 @@ def _report(step: str, summary, show: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     cli = prepare(args)
     rounds = _rounds_of(args, cli.config_init.get("on_policy"))
+    members = args.ensemble or (cli.config_init.get("ensemble") or SeedEnsemble()).members
+    if members > 1:
+        if rounds.rounds:
+            raise ValueError(
+                f"on-policy rounds ({rounds.rounds}) and a seed ensemble ({members} members) do not combine; "
+                "set --on-policy-rounds 0 or --ensemble 1"
+            )
+        _fit_ensemble(args, cli, members)
+        return 0
     if rounds.rounds == 0:
         _fit_and_export(cli, args.ckpt_path, args.out / "scorer")
         return 0
@@ -156,6 +179,32 @@ def run(args: argparse.Namespace) -> int:
         shutil.copytree(scorer, args.out / "scorer", dirs_exist_ok=True)
         print(f"{args.out / 'scorer'}: the scorer of on-policy round {rounds.rounds}")
     return 0
+
+
+def _fit_ensemble(args: argparse.Namespace, cli, members: int) -> None:
+    """Fit member i in --out/member-i with seed_everything + i (skipped when its scorer exists; resumed with
+    --ckpt-path last), then export the mean of the members' keep scores to --out/scorer."""
+    seed = cli.config.get("seed_everything")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"a seed ensemble needs an integer seed_everything to count its members' seeds from, got {seed!r}")
+    folders = [args.out / f"member-{member}" for member in range(members)]
+    for member, folder in enumerate(folders):
+        if (folder / "scorer" / "config.json").is_file():
+            continue
+        member_cli = _built_cli(args, [
+            f"--seed_everything={seed + member}",
+            f"--trainer.default_root_dir={folder}",
+            f"--checkpoint.dirpath={folder / 'checkpoints'}",
+        ])
+        resume = "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
+        _fit_and_export(member_cli, resume, folder / "scorer")
+    if not cli.trainer.is_global_zero:
+        return
+    seeds = f"seed_everything {seed}..{seed + members - 1}" if members > 2 else f"seed_everything {seed} and {seed + 1}"
+    record = {"ensemble": f"the mean keep score of {members} fits of this recipe under {seeds} (member-i/scorer, "
+                          "each with its own card and training record)"}
+    export_scorer(ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record)
+    print(f"{args.out / 'scorer'}: the mean of {members} fits ({seeds})", flush=True)
 
 
 def _rounds_of(args: argparse.Namespace, configured: OnPolicyRounds | None) -> OnPolicyRounds:
