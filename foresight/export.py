@@ -10,6 +10,7 @@ needs neither Lightning, nor the trainer's module layout, nor the training data.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,18 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ForesightScorer, dict[str,
     scorer = ForesightScorer(ScorerConfig(**checkpoint[SCORER_KEY]["config"]))
     scorer.load_state_dict(checkpoint[SCORER_KEY]["state_dict"], strict=True)
     return scorer.eval(), checkpoint.get(TRAINING_KEY, {})
+
+
+def ensemble_record(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The training record of a seed ensemble (`foresight.scorer.ensemble`) for its model card: what it
+    averages, the entries every member's record shares, and each metric's mean over the members."""
+    shared = {key: value for key, value in records[0].items()
+              if key != "metrics" and all(record.get(key) == value for record in records)}
+    metrics = [record.get("metrics") or {} for record in records]
+    names = [name for name in metrics[0] if all(name in member for member in metrics)]
+    mean = {name: round(sum(member[name] for member in metrics) / len(metrics), 6) for name in names}
+    what = f"the mean keep score of {len(records)} fits of one recipe under successive seeds; metrics: their means"
+    return {"ensemble": what, **shared, **({"metrics": mean} if mean else {})}
 
 
 def export_scorer(

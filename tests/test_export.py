@@ -57,6 +57,31 @@ def test_export_writes_a_complete_folder_from_a_checkpoint(checkpoint, tmp_path,
     assert "train/lr" not in card  # the learning rate is not a result
 
 
+def test_several_checkpoints_export_the_mean_of_their_keep_scores_with_a_shared_record(checkpoint, tmp_path):
+    path, module = checkpoint
+    other = tmp_path / "other"
+    module.scorer.save_pretrained(other)
+    with torch.no_grad():  # a second member: the same scorer with other weights, saved as a folder (no record)
+        loaded = load_scorer(other)
+        loaded.w2.mul_(-1)
+        loaded.save_pretrained(other)
+    out = tmp_path / "mean"
+    assert cli.main(["export", "--checkpoint", str(path), "--checkpoint", str(path), "--out", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert "ensemble: the mean keep score of 2 fits of one recipe" in card and "optimisation steps: 3" in card
+    assert "| val/overlap |" in card
+    assert load_scorer(out).config.hidden == 2 * module.scorer.config.hidden
+    assert cli.main(["export", "--checkpoint", str(path), "--checkpoint", str(other), "--out", str(tmp_path / "zero")]) == 0
+    generator = torch.Generator().manual_seed(0)
+    config = module.scorer.config
+    inputs = [torch.randn(config.num_layers, 1, config.num_kv_heads, 6, width, generator=generator)
+              for width in (config.head_dim, config.head_dim, config.feature_width)]
+    with torch.no_grad():  # w2 and -w2: the hidden layers cancel, b2 is left
+        scores = load_scorer(tmp_path / "zero")(*inputs)
+        torch.testing.assert_close(scores, module.scorer.b2[:, None, :, None].expand_as(scores), rtol=0, atol=1e-6)
+    assert "No training record" not in (tmp_path / "zero" / "README.md").read_text()
+
+
 def test_export_reexports_a_scorer_folder(checkpoint, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     assert cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(first)]) == 0

@@ -469,7 +469,7 @@ def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path,
               for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)]
     with torch.no_grad():
         torch.testing.assert_close(merged(*inputs), (members[0](*inputs) + members[1](*inputs)) / 2, rtol=0, atol=1e-6)
-    assert "the mean keep score of 2 fits of this recipe" in (out / "scorer" / "README.md").read_text()
+    assert "ensemble: the mean keep score of 2 fits of one recipe" in (out / "scorer" / "README.md").read_text()
     capsys.readouterr()
     assert cli.main(args) == 0
     assert "scorer trained" not in capsys.readouterr().out

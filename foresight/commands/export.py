@@ -1,7 +1,8 @@
 """Export a trained scorer as a Hugging Face Hub folder (config.json, model.safetensors, README.md model card).
 
 --checkpoint is a Lightning checkpoint of the supervised stage (e.g. RUN/checkpoints/last.ckpt) or a
-scorer folder. --evaluation adds a markdown file (e.g. the table of `foresight eval`) to the card.
+scorer folder; given several times, the exported scorer is the mean of their keep scores
+(`foresight.scorer.ensemble`: e.g. fits of one recipe under other seeds). --evaluation adds a markdown file (e.g. the table of `foresight eval`) to the card.
 --push-to-hub uploads the folder through huggingface_hub; without a token or a network it stops
 with a one-line error and the folder stays complete.
 """
@@ -11,11 +12,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from foresight.export import export_scorer, push_folder, read_checkpoint
+from foresight.export import ensemble_record, export_scorer, push_folder, read_checkpoint
+from foresight.scorer.ensemble import ensemble
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", type=Path, required=True, help="a supervised-stage .ckpt file or a scorer folder")
+    parser.add_argument(
+        "--checkpoint", type=Path, action="append", required=True,
+        help="a supervised-stage .ckpt file or a scorer folder; repeated: export the mean of their keep scores",
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     parser.add_argument("--evaluation", type=Path, default=None, help="markdown file with an evaluation table for the card")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the folder to this Hub repo")
@@ -25,7 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.evaluation is not None and not args.evaluation.is_file():
         raise ValueError(f"--evaluation {args.evaluation} does not exist")
-    scorer, training = read_checkpoint(args.checkpoint)
+    members = [read_checkpoint(path) for path in args.checkpoint]
+    if len(members) == 1:
+        scorer, training = members[0]
+    else:
+        scorer, training = ensemble([member for member, _ in members]), ensemble_record([record for _, record in members])
     evaluation = args.evaluation.read_text() if args.evaluation is not None else None
     folder = export_scorer(scorer, args.out, training=training, evaluation=evaluation)
     config = scorer.config

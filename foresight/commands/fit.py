@@ -39,7 +39,7 @@ import yaml
 from filelock import FileLock
 
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
-from foresight.export import export_scorer, reported_metrics
+from foresight.export import ensemble_record, export_scorer, read_checkpoint, reported_metrics
 from foresight.data.trace_store import folder_sources
 from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import ScorerConfig, load_scorer
@@ -201,8 +201,7 @@ def _fit_ensemble(args: argparse.Namespace, cli, members: int) -> None:
     if not cli.trainer.is_global_zero:
         return
     seeds = f"seed_everything {seed}..{seed + members - 1}" if members > 2 else f"seed_everything {seed} and {seed + 1}"
-    record = {"ensemble": f"the mean keep score of {members} fits of this recipe under {seeds} (member-i/scorer, "
-                          "each with its own card and training record)"}
+    record = ensemble_record([read_checkpoint(folder / "checkpoints" / "last.ckpt")[1] for folder in folders])
     export_scorer(ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record)
     print(f"{args.out / 'scorer'}: the mean of {members} fits ({seeds})", flush=True)
 
