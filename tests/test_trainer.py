@@ -299,7 +299,7 @@ def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
     assert built.datamodule.model_name == "default" and built.model.scorer.config.num_layers == 30
     assert built.datamodule.examples.key == ExampleKey("default", "float32", 128, 32, "standardised", "float16")
     assert built.model.hparams.pair_weight == "gap" and built.trainer.max_steps == 600
-    assert built.config_init.traces.prompts == "reasoning-gym:gsm_symbolic"
+    assert built.config_init.traces.prompts == "reasoning-gym:gsm_symbolic" and built.config_init.ensemble.members == 5
     args = cli.build_parser().parse_args(["fit", "--config", str(REPO / "configs" / "default.yaml"), "--out", str(tmp_path),
                                           "--set", "traces.num=24"])
     assert f"--data.examples_dir={tmp_path / 'examples'}" in lightning_args(args)
