@@ -276,8 +276,11 @@ def test_a_folder_made_before_draws_were_recorded_resumes_as_generator_draws(ref
     assert old["settings"].pop("draws") == "generator"
     (out_dir / "manifest.json").write_text(json.dumps(old))
     assert generate(out_dir).shards_skipped == 3
-    with pytest.raises(ValueError, match="draws 'generator' -> 'counter'"):
+    with pytest.raises(ValueError, match=r"draws 'generator' -> 'counter'.*\(--draws generator keeps its draws\)"):
         generate(out_dir, draws="counter")
+    greedy = tmp_path / "greedy"
+    generate(greedy, draws="counter", temperature=0.0)
+    assert manifest(greedy)["settings"]["draws"] == "generator"  # greedy decoding draws nothing
 
 
 def test_counter_draws_do_not_depend_on_batch_size_and_differ_from_generator_draws(reference, tmp_path):

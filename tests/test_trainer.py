@@ -473,8 +473,17 @@ def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path,
     capsys.readouterr()
     assert cli.main(args) == 0
     assert "scorer trained" not in capsys.readouterr().out
-    assert cli.main([*args, "--on-policy-rounds", "1"]) == 2
-    assert "on-policy rounds (1) and a seed ensemble (2 members) do not combine" in capsys.readouterr().err
+    shutil.rmtree(out / "member-1")  # a lost member is fitted again; the ensemble is written again
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"{out / 'member-1' / 'scorer'}: scorer trained for 2 steps" in printed and "member-0/scorer: scorer" not in printed
+    assert "seeds: 0 and 1" in (out / "scorer" / "README.md").read_text()
+    refused = [(["--on-policy-rounds", "1"], "on-policy rounds (1) and a seed ensemble (2 members) do not combine"),
+               (["--ckpt-path", "x.ckpt"], "resumes each member from its own last checkpoint: --ckpt-path last, not 'x.ckpt'"),
+               (["--set", "seed_everything=true"], "needs an integer seed_everything to count its members' seeds from, got True")]
+    for extra, message in refused:
+        assert cli.main([*args, *extra]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):

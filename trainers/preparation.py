@@ -77,7 +77,7 @@ class TraceRecipe:
     def settings(self, model: str, device: str = "cpu") -> TraceSettings:
         """The settings a traces folder made by `model` on `device` from this recipe records."""
         options = {name: value for name, value in asdict(self).items() if name not in ("prompts", "batch_size", "draws")}
-        draws = Draws.for_device(device) if self.draws is None else Draws.parse(self.draws)
+        draws = Draws.resolve(self.draws, device, self.temperature)
         return TraceSettings(model=model, source=recorded_source(self.prompts), draws=draws.value, **options)
 
 

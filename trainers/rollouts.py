@@ -56,7 +56,8 @@ class LossReference(Choice):
     losses stored with the trace, or the frozen model's own full-cache losses in the dtype it runs in
     (`full_cache_losses`). The stored ones were made in the sampler's dtype; a rollout in another one (a
     bfloat16 model on a CPU with bfloat16 matmuls, about twice as fast there) would count the rounding of
-    its dtype as damage, by 0.01-0.03 nats per token on average."""
+    its dtype as damage, by 0.01-0.03 nats per token on average. Which tokens count (the bottom share by
+    entropy) is read from the stored entropies either way."""
 
     STORED = "stored"
     REPLAY = "replay"

@@ -221,7 +221,9 @@ def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[St
     return rows
 
 
-def _bfloat16_rollouts(model, scorer: ForesightScorer, traces: list[Trace], seeds: list[int]) -> StageFigures:
+def _bfloat16_rollouts(
+    model: torch.nn.Module, scorer: ForesightScorer, traces: list[Trace], seeds: list[int]
+) -> StageFigures:
     """The rollouts of the row of now with the frozen model in bfloat16, each scored against its own
     full-cache losses (one more one-row replay per trace: a dtype's rounding is not eviction damage)."""
     low = copy.deepcopy(model).to(torch.bfloat16)

@@ -29,6 +29,7 @@ process makes the data and the others find it made.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import warnings
@@ -39,7 +40,7 @@ import yaml
 from filelock import FileLock
 
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
-from foresight.export import ensemble_record, export_scorer, read_checkpoint, reported_metrics
+from foresight.export import ensemble_record, export_scorer, reported_metrics
 from foresight.data.trace_store import folder_sources
 from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import ScorerConfig, load_scorer
@@ -53,6 +54,10 @@ from trainers.preparation import (
     make_traces,
     scorer_trajectory,
 )
+
+
+TRAINING_RECORD = "training.json"
+"""A seed ensemble's member keeps its training record here (member-i/), for the ensemble's model card."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +98,6 @@ def _checked_by(settings: type, name: str):
     return parse
 
 
-
 def lightning_args(args: argparse.Namespace) -> list[str]:
     """The LightningCLI arguments of a `foresight fit` call (no subcommand: `prepare` drives the trainer)."""
     checked_config(args.config)
@@ -122,10 +126,10 @@ def _built_cli(args: argparse.Namespace, extra: list[str] | None = None):
         return cli_main(lightning_args(args) + (extra or []), run=False)
 
 
-def prepare(args: argparse.Namespace):
-    """Build the run from its config, then make what its data module reads: traces (with a recipe),
-    labels, examples. Returns the LightningCLI, ready to fit."""
-    cli = _built_cli(args)
+def prepare(args: argparse.Namespace, cli=None):
+    """Build the run from its config (unless `cli`, the built LightningCLI, is given), then make what its
+    data module reads: traces (with a recipe), labels, examples. Returns the LightningCLI, ready to fit."""
+    cli = cli or _built_cli(args)
     data, recipe = cli.datamodule, cli.config_init.get("traces")
     show = cli.trainer.is_global_zero
     args.out.mkdir(parents=True, exist_ok=True)
@@ -153,17 +157,14 @@ def _report(step: str, summary, show: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cli = prepare(args)
+    cli = _built_cli(args)
     rounds = _rounds_of(args, cli.config_init.get("on_policy"))
     members = args.ensemble or (cli.config_init.get("ensemble") or SeedEnsemble()).members
     if members > 1:
-        if rounds.rounds:
-            raise ValueError(
-                f"on-policy rounds ({rounds.rounds}) and a seed ensemble ({members} members) do not combine; "
-                "set --on-policy-rounds 0 or --ensemble 1"
-            )
-        _fit_ensemble(args, cli, members)
+        seed = _ensemble_seed(args, rounds, members)  # refused before any data is made
+        _fit_ensemble(args, prepare(args, cli), members, seed)
         return 0
+    prepare(args, cli)
     if rounds.rounds == 0:
         _fit_and_export(cli, args.ckpt_path, args.out / "scorer")
         return 0
@@ -181,12 +182,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_ensemble(args: argparse.Namespace, cli, members: int) -> None:
-    """Fit member i in --out/member-i with seed_everything + i (skipped when its scorer exists; resumed with
-    --ckpt-path last), then export the mean of the members' keep scores to --out/scorer."""
-    seed = cli.config.get("seed_everything")
+def _ensemble_seed(args: argparse.Namespace, rounds: OnPolicyRounds, members: int) -> int:
+    """The seed of member 0 (member i's is + i), as the config and --set give it: a seed ensemble needs an
+    integer there (LightningCLI replaces `true` by a random one, which a rerun would not find again), no
+    on-policy rounds and no resume but from each member's last checkpoint."""
+    if rounds.rounds:
+        raise ValueError(
+            f"on-policy rounds ({rounds.rounds}) and a seed ensemble ({members} members) do not combine; "
+            "set --on-policy-rounds 0 or --ensemble 1"
+        )
+    if args.ckpt_path not in (None, "last"):
+        raise ValueError(f"a seed ensemble resumes each member from its own last checkpoint: --ckpt-path last, not {args.ckpt_path!r}")
+    seed = (yaml.safe_load(args.config.read_text()) or {}).get("seed_everything")
+    for text in args.overrides:
+        key, _, value = text.partition("=")
+        if key.strip() == "seed_everything":
+            seed = yaml.safe_load(value)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"a seed ensemble needs an integer seed_everything to count its members' seeds from, got {seed!r}")
+    return seed
+
+
+def _fit_ensemble(args: argparse.Namespace, cli, members: int, seed: int) -> None:
+    """Fit member i in --out/member-i with seed + i (skipped when its scorer exists; resumed with --ckpt-path
+    last), keeping its training record in member-i/training.json, then export the mean of the members'
+    keep scores to --out/scorer."""
     folders = [args.out / f"member-{member}" for member in range(members)]
     for member, folder in enumerate(folders):
         if (folder / "scorer" / "config.json").is_file():
@@ -197,13 +217,16 @@ def _fit_ensemble(args: argparse.Namespace, cli, members: int) -> None:
             f"--checkpoint.dirpath={folder / 'checkpoints'}",
         ])
         resume = "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
-        _fit_and_export(member_cli, resume, folder / "scorer")
+        record = _fit_and_export(member_cli, resume, folder / "scorer")
+        if record is not None:
+            (folder / TRAINING_RECORD).write_text(json.dumps(record, indent=1))
     if not cli.trainer.is_global_zero:
         return
-    seeds = f"seed_everything {seed}..{seed + members - 1}" if members > 2 else f"seed_everything {seed} and {seed + 1}"
-    record = ensemble_record([read_checkpoint(folder / "checkpoints" / "last.ckpt")[1] for folder in folders])
+    seeds = f"{seed}..{seed + members - 1}" if members > 2 else f"{seed} and {seed + 1}"
+    records = [json.loads((folder / TRAINING_RECORD).read_text()) for folder in folders]
+    record = {**ensemble_record(records), "seeds": seeds}
     export_scorer(ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record)
-    print(f"{args.out / 'scorer'}: the mean of {members} fits ({seeds})", flush=True)
+    print(f"{args.out / 'scorer'}: the mean of {members} fits (seed_everything {seeds})", flush=True)
 
 
 def _rounds_of(args: argparse.Namespace, configured: OnPolicyRounds | None) -> OnPolicyRounds:
@@ -251,16 +274,18 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | N
     return scorer
 
 
-def _fit_and_export(cli, ckpt_path: str | None, folder: Path) -> None:
-    """Train, validate once more (the final figures of the scorer being exported) and export to `folder`."""
+def _fit_and_export(cli, ckpt_path: str | None, folder: Path) -> dict | None:
+    """Train, validate once more (the final figures of the scorer being exported) and export to `folder`.
+    Returns the training record on the process that exports (None on the others)."""
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     train_metrics = {name: value for name, value in cli.trainer.callback_metrics.items() if name.startswith("train/")}
     if cli.datamodule.val_dataloader():
         cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
     if not cli.trainer.is_global_zero:
-        return
+        return None
     module = cli.model
     record = module.training_record(extra_metrics=train_metrics)
     export_scorer(module.scorer, folder, training=record)
     metrics = ", ".join(f"{name} {value:.4f}" for name, value in reported_metrics(record).items())
     print(f"{folder}: scorer trained for {module.global_step} steps; {metrics}", flush=True)
+    return record

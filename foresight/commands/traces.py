@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draws", choices=[*(member.value for member in Draws), AUTO], default=AUTO,
         help="each problem's random numbers: its own torch generator (one draw per row and step; the traces "
-        "sampled before counter existed), or a counter-based hash batched over the rows; auto: counter on "
-        "cuda, generator elsewhere",
+        "sampled before counter existed), or a counter-based hash batched over the rows; auto: generator on "
+        "a CPU, counter on an accelerator; greedy decoding (temperature 0) draws nothing",
     )
     parser.add_argument("--shard-size", type=int, default=64, help="problems per stored shard (the unit of resuming)")
     parser.add_argument(

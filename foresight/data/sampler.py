@@ -14,7 +14,8 @@ trace stores, so no second teacher-forced pass is needed.
 Layout: a cache of fixed row slots (`foresight.data.slot_cache`): a new row's prompt is prefilled alone
 and copied into a free slot, each step writes every row's token at its own length, and a row that ends
 frees its slot; nothing else is copied when rows join or leave. A 2D attention mask shows each row its own
-tokens and position ids are counted per row. A decode step reads back one tensor (the sampled tokens and
+tokens and position ids are counted per row; slots fill lowest first and a step runs the slots up to
+the highest busy one. A decode step reads back one tensor (the sampled tokens and
 their losses); with `Draws.COUNTER` the draws of every row are one kernel, so on an accelerator nothing
 else waits for the host.
 """
@@ -28,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from foresight.data.slot_cache import SlotCache
+from foresight.models import describe
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_draw, logits_processors
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
@@ -88,11 +90,9 @@ def auto_batch_size(model, max_length: int) -> int:
     256; `CPU_BATCH` on a CPU."""
     if model.device.type != "cuda":
         return CPU_BATCH
-    text = model.config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    kv_bytes = 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize * max_length
-    row_bytes = kv_bytes + 4 * 4 * text.vocab_size
+    shape = describe(model)
+    kv_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * model.dtype.itemsize * max_length
+    row_bytes = kv_bytes + 4 * 4 * model.config.get_text_config().vocab_size
     free, _ = torch.cuda.mem_get_info(model.device)
     return max(1, min(MAX_GPU_BATCH, int(GPU_MEMORY_SHARE * free) // row_bytes))
 
@@ -139,7 +139,9 @@ class _Slots:
     nothing reads). Per decode step the host reads back one tensor, the sampled tokens with their losses,
     and sends nothing: what the step needs per slot lives on the device, set when a row is admitted or freed."""
 
-    def __init__(self, model, sampling: SamplingConfig, draws: Draws, slots: int, max_new_tokens: int, eos: set[int]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, sampling: SamplingConfig, draws: Draws, slots: int, max_new_tokens: int, eos: set[int]
+    ) -> None:
         self.model = model.eval()
         self.sampling, self.draws = sampling, draws
         self.processors = logits_processors(sampling)
@@ -156,6 +158,7 @@ class _Slots:
         self.admitted = 0
 
     def free_slots(self) -> list[int]:
+        """The slots no row holds, lowest first (a new request takes the lowest)."""
         return [slot for slot in range(self.lengths.numel()) if slot not in self.rows]
 
     def admit(self, slot: int, request: Request) -> None:
@@ -180,17 +183,19 @@ class _Slots:
 
     def sample(self) -> dict[int, tuple[int, float, float]]:
         """Draw each row's next token, with its full-cache loss and entropy: {slot: (token, nll, entropy)}."""
-        log_probs = torch.log_softmax(self.logits, dim=-1)
+        active = self._active()
+        logits = self.logits[:active]
+        log_probs = torch.log_softmax(logits, dim=-1)
         if self.sampling.temperature == 0:
-            tokens = self.logits.argmax(-1)
+            tokens = logits.argmax(-1)
         elif self.draws is Draws.COUNTER:
-            tokens = counter_draw(self.processors(None, self.logits), self.seeds, self.sampled)
+            tokens = counter_draw(self.processors(None, logits), self.seeds[:active], self.sampled[:active])
         else:
-            probs = torch.softmax(self.processors(None, self.logits), dim=-1)
-            tokens = self.tokens.clone()
+            probs = torch.softmax(self.processors(None, logits), dim=-1)
+            tokens = self.tokens[:active].clone()
             for slot, row in self.rows.items():
                 tokens[slot : slot + 1] = torch.multinomial(probs[slot], 1, generator=row.generator)
-        self.tokens = tokens
+        self.tokens[:active] = tokens
         self.sampled += 1
         nll = -log_probs.gather(-1, tokens[:, None]).squeeze(-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
@@ -215,25 +220,31 @@ class _Slots:
             yield row.completion(truncated=row.tokens[-1] not in self.eos)
 
     def step(self) -> None:
-        """Feed every slot its last sampled token; the logits become the rows' next predictions."""
+        """Feed every active slot its last sampled token; the logits become the rows' next predictions."""
+        active = self._active()
         width = max(len(row.request.prompt) + len(row.tokens) for row in self.rows.values())
         self.lengths = torch.where(self.busy, self.lengths + 1, 0)  # a free slot holds nothing
         self.cache.step.write_index = (self.lengths - 1).clamp_min(0)
-        self.cache.step.width = width
+        self.cache.step.width, self.cache.step.active = width, active
         output = self.model(
-            input_ids=self.tokens[:, None],
-            attention_mask=self._attention_mask(width),
-            position_ids=self.cache.step.write_index[:, None],
+            input_ids=self.tokens[:active, None],
+            attention_mask=self._attention_mask(active, width),
+            position_ids=self.cache.step.write_index[:active, None],
             past_key_values=self.cache,
             use_cache=True,
         )
-        self.logits = output.logits[:, -1].float()
+        self.logits[:active] = output.logits[:, -1].float()
 
-    def _attention_mask(self, width: int) -> torch.Tensor:
-        """Each slot's own tokens (a free slot: its first position), as the additive [slots, 1, 1, width]
-        mask the model uses as it is: from a 2D mask `transformers` would first test whether any entry is
-        masked, a read-back per step."""
-        shown = torch.arange(width, device=self.device)[None, :] < self.lengths.clamp_min(1)[:, None]
+    def _active(self) -> int:
+        """The slots a step runs: up to the highest busy one (slots fill lowest first)."""
+        return max(self.rows) + 1
+
+    def _attention_mask(self, active: int, width: int) -> torch.Tensor:
+        """Each active slot's own tokens (a free one: its first position), as the additive [active, 1, 1,
+        width] mask the model uses as it is: from a 2D mask `transformers` would first test whether any
+        entry is masked, a read-back per step."""
+        lengths = self.lengths[:active].clamp_min(1)
+        shown = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         hidden = torch.finfo(self.model.dtype).min
         return torch.zeros(shown.shape, dtype=self.model.dtype, device=self.device).masked_fill(~shown, hidden)[:, None, None]
 

@@ -7,9 +7,10 @@ ends just frees its slot. Nothing is copied when rows join or leave, unlike a ba
 concatenated and re-indexed (the whole cache copied each time), and nothing is read back to the host:
 the lengths live on the device and the host keeps its own copy of the widest (`SlotStep`).
 
-The model sees the buffers' first `width` slots (a view) with a 2D attention mask that shows each row its
-own `length + 1` entries; `get_seq_length` reports `width - 1`, so the causal mask of the one new query
-shows every kept slot and the 2D mask alone decides.
+The model sees the first `active` slots' first `width` positions (a view: slots fill lowest first, so the
+idle ones above the highest busy slot cost nothing) with an additive 4D attention mask, built by the
+sampler, that shows each row its own `length + 1` entries; `transformers` uses such a mask as it is.
+A model with sliding-window layers is refused: one mask serves every layer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from foresight.models import describe
+
 CAPACITY_ROUNDING = 64
 """Buffers grow to a multiple of this many positions (growth copies every slot, so it should be rare)."""
 
@@ -26,10 +29,12 @@ CAPACITY_ROUNDING = 64
 @dataclass
 class SlotStep:
     """What the next forward writes: `write_index` [slots] on the device (each slot's length, where its new
-    token goes) and `width`, the positions the model attends over (the longest row's length + 1)."""
+    token goes), `width`, the positions the model attends over (the longest row's length + 1), and
+    `active`, the slots it runs (the highest busy one + 1)."""
 
     write_index: torch.Tensor
     width: int = 1
+    active: int = 1
 
 
 class SlotLayer(CacheLayerMixin):
@@ -47,13 +52,15 @@ class SlotLayer(CacheLayerMixin):
         raise RuntimeError("a slot layer is made with its buffers")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each slot's one new token [slots, heads, 1, head_dim] at its own length."""
-        if key_states.shape[-2] != 1 or key_states.shape[0] != self.rows.numel():
-            raise ValueError(f"a slot cache decodes one token per slot, got key states {tuple(key_states.shape)}")
-        self.key_buffer[self.rows, :, self.step.write_index] = key_states[:, :, 0]
-        self.value_buffer[self.rows, :, self.step.write_index] = value_states[:, :, 0]
-        self.keys = self.key_buffer[:, :, : self.step.width]
-        self.values = self.value_buffer[:, :, : self.step.width]
+        """Write each active slot's one new token [active, heads, 1, head_dim] at its own length."""
+        active = self.step.active
+        if key_states.shape[-2] != 1 or key_states.shape[0] != active:
+            raise ValueError(f"a slot cache decodes one token per active slot ({active}), got key states {tuple(key_states.shape)}")
+        rows, index = self.rows[:active], self.step.write_index[:active]
+        self.key_buffer[rows, :, index] = key_states[:, :, 0]
+        self.value_buffer[rows, :, index] = value_states[:, :, 0]
+        self.keys = self.key_buffer[:active, :, : self.step.width]
+        self.values = self.value_buffer[:active, :, : self.step.width]
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -86,13 +93,17 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """The fixed-slot cache of a model: one `SlotLayer` per layer sharing one `SlotStep`."""
 
-    def __init__(self, model, slots: int) -> None:
-        text = model.config.get_text_config()
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    def __init__(self, model: torch.nn.Module, slots: int) -> None:
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+        if "sliding_attention" in layer_types:
+            raise ValueError(
+                f"{model.config.name_or_path} has sliding-window layers; the slot cache's one mask serves full attention only"
+            )
+        shape = describe(model)
         self.step = SlotStep(write_index=torch.zeros(slots, dtype=torch.long, device=model.device))
         layers = [
-            SlotLayer(self.step, slots, heads, head_dim, model.dtype, model.device) for _ in range(text.num_hidden_layers)
+            SlotLayer(self.step, slots, shape.num_kv_heads, shape.head_dim, model.dtype, model.device)
+            for _ in range(shape.num_layers)
         ]
         super().__init__(layers=layers)
 

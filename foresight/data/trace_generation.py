@@ -97,7 +97,7 @@ def generate_traces(
         only_correct=only_correct,
         seed=seed,
         shard_size=shard_size,
-        draws=(Draws.for_device(model.device) if draws is None else Draws.parse(draws)).value,
+        draws=Draws.resolve(draws, model.device, temperature).value,
     )
     check_plain_logits(model)
     eos_ids = eos_token_ids(model, tokenizer, settings.model)
@@ -107,6 +107,7 @@ def generate_traces(
     prompts = {i: chat_prompt_ids(tokenizer, problems[i].prompt) for k in todo for i in settings.shard_range(k)}
     if batch_size is None:
         batch_size = auto_batch_size(model, max(map(len, prompts.values()), default=0) + max_new_tokens)
+    batch_size = min(batch_size, max(len(prompts), 1))  # a slot no problem takes would hold memory for nothing
     requests = (Request(i, prompt, problem_seed(seed, i)) for i, prompt in prompts.items())
     sampling = SamplingConfig(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
     shards = {k: ShardRows(settings.shard_range(k)) for k in todo}

@@ -357,9 +357,10 @@ def _check_same_settings(out_dir: Path, stored: dict[str, Any], wanted: dict[str
         for name in dict.fromkeys([*wanted, *stored]) if stored.get(name) != wanted.get(name)
     ]
     if differing:
+        draws = f" (--draws {stored['draws']} keeps its draws)" if stored.get("draws") != wanted.get("draws") else ""
         raise ValueError(
             f"{out_dir} holds traces made with other settings ({', '.join(differing)}); "
-            "use another output folder or the same settings"
+            f"use another output folder or the same settings{draws}"
         )
 
 

@@ -36,6 +36,14 @@ class Draws(Choice):
         host-bound; a generator per row on a CPU, so the shipped traces' commands sample them again."""
         return cls.GENERATOR if torch.device(device).type == "cpu" else cls.COUNTER
 
+    @classmethod
+    def resolve(cls, draws: str | Draws | None, device: torch.device | str, temperature: float) -> Draws:
+        """The draws a run uses and records: `draws`, or the device's default when None; greedy decoding
+        (temperature 0) draws nothing and counts as "generator", as folders made before draws existed."""
+        if temperature == 0:
+            return cls.GENERATOR
+        return cls.for_device(device) if draws is None else cls.parse(draws)
+
 
 
 @dataclass(frozen=True)
