@@ -210,7 +210,7 @@ def finished_run(
     manifest = _read_json(out_dir / MANIFEST)
     if manifest is None:
         return None
-    _check_same_settings(out_dir, _with_defaults(manifest["settings"]), asdict(settings))
+    _check_same_settings(out_dir, _with_defaults(manifest["settings"], settings), asdict(settings))
     records = {record["shard"]: record for record in manifest["shards"]}
     owned = [k for k in range(shard[0], settings.num_shards, shard[1])]
     if any(k not in records for k in owned):
@@ -273,7 +273,7 @@ class ShardWriter:
         with self.lock:
             manifest = _read_json(out_dir / MANIFEST)
             if manifest is not None:
-                _check_same_settings(out_dir, _with_defaults(manifest["settings"]), asdict(settings))
+                _check_same_settings(out_dir, _with_defaults(manifest["settings"], settings), asdict(settings))
             self._write_manifest()
 
     def shard_dir(self, shard: int) -> Path:
@@ -344,10 +344,10 @@ def _rejected(records: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
     return dict(reasons)
 
 
-def _with_defaults(stored: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's settings with the fields added to `TraceSettings` since it was written at their
+def _with_defaults(stored: dict[str, Any], settings: Sharded) -> dict[str, Any]:
+    """A manifest's settings with the fields added to the class of `settings` since it was written at their
     defaults (which say how the older folders were made)."""
-    added = {f.name: f.default for f in fields(TraceSettings) if f.default is not MISSING and f.name not in stored}
+    added = {f.name: f.default for f in fields(settings) if f.default is not MISSING and f.name not in stored}
     return {**stored, **added}
 
 
