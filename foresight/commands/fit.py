@@ -216,14 +216,13 @@ def _fit_ensemble(args: argparse.Namespace, cli, members: int, seed: int) -> Non
             f"--trainer.default_root_dir={folder}",
             f"--checkpoint.dirpath={folder / 'checkpoints'}",
         ])
-        resume = "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
-        record = _fit_and_export(member_cli, resume, folder / "scorer")
+        record = _fit_and_export(member_cli, _resume_from(args, folder), folder / "scorer")
         if record is not None:
             (folder / TRAINING_RECORD).write_text(json.dumps(record, indent=1))
     if not cli.trainer.is_global_zero:
         return
     seeds = f"{seed}..{seed + members - 1}" if members > 2 else f"{seed} and {seed + 1}"
-    records = [json.loads((folder / TRAINING_RECORD).read_text()) for folder in folders]
+    records = [json.loads(path.read_text()) if path.is_file() else {} for path in (f / TRAINING_RECORD for f in folders)]
     record = {**ensemble_record(records), "seeds": seeds}
     export_scorer(ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record)
     print(f"{args.out / 'scorer'}: the mean of {members} fits (seed_everything {seeds})", flush=True)
@@ -269,9 +268,13 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | N
     if steps is not None:
         round_args.append(f"--trainer.max_steps={steps}")
     cli = _built_cli(args, round_args)
-    resume = "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
-    _fit_and_export(cli, resume, scorer)
+    _fit_and_export(cli, _resume_from(args, folder), scorer)
     return scorer
+
+
+def _resume_from(args: argparse.Namespace, folder: Path) -> str | None:
+    """"last" when --ckpt-path last asks to resume and `folder` holds a last checkpoint, else None (a fresh fit)."""
+    return "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
 
 
 def _fit_and_export(cli, ckpt_path: str | None, folder: Path) -> dict | None:

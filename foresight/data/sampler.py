@@ -13,11 +13,11 @@ trace stores, so no second teacher-forced pass is needed.
 
 Layout: a cache of fixed row slots (`foresight.data.slot_cache`): a new row's prompt is prefilled alone
 and copied into a free slot, each step writes every row's token at its own length, and a row that ends
-frees its slot; nothing else is copied when rows join or leave. A 2D attention mask shows each row its own
-tokens and position ids are counted per row; slots fill lowest first and a step runs the slots up to
-the highest busy one. A decode step reads back one tensor (the sampled tokens and
-their losses); with `Draws.COUNTER` the draws of every row are one kernel, so on an accelerator nothing
-else waits for the host.
+frees its slot; nothing else is copied when rows join or leave. An additive attention mask built on the
+device shows each row its own tokens, and position ids are counted per row; slots fill lowest first and a
+step runs the slots up to the highest busy one. A decode step reads back one tensor (the sampled tokens
+and their losses); with `Draws.COUNTER` the draws of every row are one kernel, so on an accelerator
+nothing else waits for the host.
 """
 
 from __future__ import annotations
