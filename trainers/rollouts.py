@@ -55,9 +55,9 @@ class LossReference(Choice):
     """What a rollout's token losses are compared with (ΔL of the reward, the loss ratio): the full-cache
     losses stored with the trace, or the frozen model's own full-cache losses in the dtype it runs in
     (`full_cache_losses`). The stored ones were made in the sampler's dtype; a rollout in another one (a
-    bfloat16 model on a CPU with bfloat16 matmuls, about twice as fast there) would count the rounding of
-    its dtype as damage, by 0.01-0.03 nats per token on average. Which tokens count (the bottom share by
-    entropy) is read from the stored entropies either way."""
+    bfloat16 model on a CPU with bfloat16 matmuls, docs/benchmarks.md "Pipeline stages") would count the
+    rounding of its dtype as damage. Which tokens count (the bottom share by entropy) is read from the
+    stored entropies either way."""
 
     STORED = "stored"
     REPLAY = "replay"
@@ -287,7 +287,9 @@ def roll_out(
 
 def full_cache_losses(model: torch.nn.Module, trace: Trace) -> torch.Tensor:
     """The frozen model's loss of every token of `trace` given the ones before it, with the full cache, in
-    the dtype the model runs in: [T - 1] float32 on the CPU (`LossReference.REPLAY`)."""
+    the dtype the model runs in: [T - 1] float32 on the CPU (`LossReference.REPLAY`). A replay in the
+    eviction engine rather than `foresight.data.trace_generation.token_losses`: the rollout's rows run the
+    engine's kernels and chunks, so the reference rounds as they do and ΔL is the eviction's alone."""
     engine = EvictionEngine(model, make_policy("full"), None)
     return engine.replay([trace.input_ids], [trace.prompt_length]).nll[0].float().cpu()
 

@@ -198,44 +198,43 @@ def _eval(model, traces: list[Trace], settings: PipelineSettings) -> StageFigure
 
 def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
     """The rollouts of every trace with each group's forwards before its first eviction run on every row
-    (before), then once (now)."""
+    (before), then once (now), then once with the model in bfloat16 (a float32 model's only)."""
     config = ScorerConfig(**asdict(describe(model)), budget=settings.budget, interval=settings.interval, base_model="bench")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         scorer = ForesightScorer(config).to(model.device)
     long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
-    seeds = list(range(settings.group_size))
-    rows = []
-    for stage, share_prefix, how in (("rl rollouts before", False, "every row runs the group's first B + L tokens"),
-                                     ("rl rollouts now", True, "the group's first B + L tokens run on one row")):
-
-        def work() -> None:
-            for trace in long_enough:
-                roll_out(model, scorer, trace, seeds, share_prefix=share_prefix)
-
-        seconds, forward = _timed(model, work)
-        what = f"G = {settings.group_size} sampled replays of each trace, scored; {how}"
-        rows.append(StageFigures(stage, what, settings.group_size * _tokens(long_enough), "tokens", seconds, forward))
-    if model.dtype == torch.float32:
-        rows.append(_bfloat16_rollouts(model, scorer, long_enough, seeds))
+    group = f"G = {settings.group_size} sampled replays of each trace, scored; "
+    rows = [
+        _rollout_row(model, scorer, long_enough, settings.group_size, "rl rollouts before",
+                     group + "every row runs the group's first B + L tokens", share_prefix=False),
+        _rollout_row(model, scorer, long_enough, settings.group_size, "rl rollouts now",
+                     group + "the group's first B + L tokens run on one row"),
+    ]
+    if model.dtype == torch.float32:  # a bfloat16 copy, each group scored against its own full-cache losses
+        rows.append(_rollout_row(
+            copy.deepcopy(model).to(torch.bfloat16), scorer, long_enough, settings.group_size, "rl rollouts now, bfloat16",
+            "as now with the model in bfloat16, each group scored against the model's own full-cache losses "
+            "(one more one-row replay per trace, counted)", replayed_reference=True,
+        ))
     return rows
 
 
-def _bfloat16_rollouts(
-    model: torch.nn.Module, scorer: ForesightScorer, traces: list[Trace], seeds: list[int]
+def _rollout_row(
+    model: torch.nn.Module, scorer: ForesightScorer, traces: list[Trace], group_size: int, stage: str, what: str,
+    share_prefix: bool = True, replayed_reference: bool = False,
 ) -> StageFigures:
-    """The rollouts of the row of now with the frozen model in bfloat16, each scored against its own
-    full-cache losses (one more one-row replay per trace: a dtype's rounding is not eviction damage)."""
-    low = copy.deepcopy(model).to(torch.bfloat16)
+    """One timed pass of G rollouts of every trace (`roll_out`), each group scored against the stored losses or,
+    with `replayed_reference`, the model's own (its replay counted: a dtype's rounding is not eviction damage)."""
+    seeds = list(range(group_size))
 
     def work() -> None:
         for trace in traces:
-            roll_out(low, scorer, trace, seeds, reference_nll=full_cache_losses(low, trace))
+            reference = full_cache_losses(model, trace) if replayed_reference else None
+            roll_out(model, scorer, trace, seeds, share_prefix=share_prefix, reference_nll=reference)
 
-    seconds, forward = _timed(low, work)
-    what = ("as now with the model in bfloat16, each group scored against the model's own full-cache losses "
-            "(one more one-row replay per trace, counted)")
-    return StageFigures("rl rollouts now, bfloat16", what, len(seeds) * _tokens(traces), "tokens", seconds, forward)
+    seconds, forward = _timed(model, work)
+    return StageFigures(stage, what, group_size * _tokens(traces), "tokens", seconds, forward)
 
 
 def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str) -> GoldenDataModule:

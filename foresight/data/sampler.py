@@ -113,12 +113,12 @@ def sample_completions(
 
     `sampling` gives temperature (0: greedy), top-k and top-p (its `seed` is not used: each row has
     its request's). `draws`: where each row's random numbers come from (`foresight.runtime.sampling.Draws`;
-    None: `Draws.for_device`). `on_token(n)` is called after each decode step with the tokens it sampled."""
+    None: the device's, `Draws.resolve`). `on_token(n)` is called after each decode step with the tokens it sampled."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    draws = Draws.for_device(model.device) if draws is None else Draws.parse(draws)
+    draws = Draws.resolve(draws, model.device, sampling.temperature)
     batch = _Slots(model, sampling, draws, batch_size, max_new_tokens, set(eos_token_ids))
     pending = iter(requests)
     while True:

@@ -76,7 +76,7 @@ def generate_traces(
     A trace is kept when its length (prompt + completion) is at least ``min_tokens`` and, with
     ``only_correct``, its answer checks as correct (App. E.1 keeps correct traces over 4096 tokens).
     ``shard=(i, n)`` makes this call write only shards k with k % n == i. ``draws``: where each problem's
-    random numbers come from (`foresight.runtime.sampling.Draws`; None: `Draws.for_device`), recorded, since
+    random numbers come from (`foresight.runtime.sampling.Draws`; None: the device's, `Draws.resolve`), recorded, since
     the two sample different traces. ``model_name`` (default: the model's ``name_or_path``) is recorded and
     checked on reruns.
     """

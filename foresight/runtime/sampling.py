@@ -40,9 +40,8 @@ class Draws(Choice):
     def resolve(cls, draws: str | Draws | None, device: torch.device | str, temperature: float) -> Draws:
         """The draws a run uses and records: `draws`, or the device's default when None; greedy decoding
         (temperature 0) draws nothing and counts as "generator", as folders made before draws existed."""
-        if temperature == 0:
-            return cls.GENERATOR
-        return cls.for_device(device) if draws is None else cls.parse(draws)
+        chosen = cls.for_device(device) if draws is None else cls.parse(draws)  # a bad name is refused even so
+        return cls.GENERATOR if temperature == 0 else chosen
 
 
 

@@ -121,8 +121,8 @@ def standardised_features(
     }
     sums = {name: window_sum(rows, size) for name, size in WINDOWS.items()}
     sums.update(recent_128=new[RECENT], decayed=new[DECAYED])
-    if "last_1" in names:
-        sums.update(last_1=window_sum(rows, 1), pooled_last_8=max_pool_slots(sums["last_8"]))
+    heuristic = {"last_1": lambda: window_sum(rows, 1), "pooled_last_8": lambda: max_pool_slots(sums["last_8"])}
+    sums.update({name: compute() for name, compute in heuristic.items() if name in names})
     sums["cumulative_rate"] = new[CUMULATIVE] / new[OBSERVED].clamp_min(1)[..., None]
     age = (query_positions.amax(-1)[:, None, None] - positions).clamp_min(0).to(dtype)
     columns = {name: torch.log(value + LOG_EPS) for name, value in sums.items()}
