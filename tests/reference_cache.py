@@ -45,9 +45,10 @@ class ConcatenatingLayer(EvictionLayer):
         else:
             self.state[name][rows] = value
 
-    def compact(self, keep: torch.Tensor) -> None:
+    def compact(self, keep: torch.Tensor, width: int) -> None:
+        """Counts what the mask keeps itself: the engine's host cadence must have announced that width."""
         kept_per_row = keep[:, 0].sum(-1)
-        width = int(kept_per_row.max())
+        assert int(kept_per_row.max()) == width, (int(kept_per_row.max()), width)
         index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
 
         def gather(tensor: torch.Tensor) -> torch.Tensor:

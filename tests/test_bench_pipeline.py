@@ -63,6 +63,7 @@ def test_pipeline_times_every_stage_with_its_forward_share(traces_dir, tiny_dir,
         else:
             assert work.endswith("tokens") and 0 < float(share.rstrip("%")) / 100 <= 1, (stage, cells)
     assert "2 worker processes" in rows["fit now"][0]
+    assert "one replay of the first trace: snapkv 0.0, rl rollouts (G = 2) 0.0." in text  # rows in step read nothing back
     assert capsys.readouterr().out.strip().endswith(f"wrote the pipeline section of {out}")
 
 

@@ -180,9 +180,9 @@ class EvictionLog:
         self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
         compact = EvictionLayer.compact
 
-        def recording(layer, keep):
+        def recording(layer, keep, width):
             self.steps.append((layer.entry_positions().clone(), keep.clone()))
-            compact(layer, keep)
+            compact(layer, keep, width)
 
         monkeypatch.setattr(EvictionLayer, "compact", recording)
 

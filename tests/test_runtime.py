@@ -232,7 +232,7 @@ def test_sdpa_mask_matches_eager_with_padding(llama):
     from foresight.runtime.cache import EvictionCache
 
     cache = EvictionCache(1)
-    cache.begin_forward(torch.tensor([[0, 1, 2, 3, 4, 5, 6], [-1, -1, 0, 1, 2, 3, 4]]), torch.tensor([7, 5]))
+    cache.begin_forward(torch.tensor([[0, 1, 2, 3, 4, 5, 6], [-1, -1, 0, 1, 2, 3, 4]]), torch.tensor([7, 5]), [7, 5])
     cache.update(key, value, 0)
     output, _ = eviction_attention(Module(), query, key, value, None, scaling=0.25, eviction_cache=cache)
     valid = torch.tensor([[True] * 7, [False] * 2 + [True] * 5])

@@ -250,7 +250,7 @@ def test_eviction_request_errors():
     scores = torch.randn(2, 5)
     with pytest.raises(ValueError, match="num_evict must be in 1..5 .* got 6"):
         evict_lowest(scores, 6)
-    with pytest.raises(ValueError, match="only 1 eligible candidates, fewer than num_evict=2"):
+    with pytest.raises(ValueError, match="a row has fewer eligible candidates than num_evict=2"):
         sample_eviction(scores, 2, eligible=torch.tensor([True, False, False, False, False]))
     with pytest.raises(ValueError, match=r"eligible mask \(3,\) does not broadcast to scores \(2, 5\)"):
         evict_lowest(scores, 2, eligible=torch.ones(3, dtype=torch.bool))

@@ -11,6 +11,8 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
   forwards before the group's first eviction, then with them run once on one row; then, for a float32
   model, with a bfloat16 copy of it, its own full-cache replay of each trace included
   (`foresight rl --model.dtype bfloat16 --model.loss_reference replay`);
+- host reads: the device values each eviction step reads back (`HostReads`), in one replay of the
+  first trace under the eval stage's policy and under G sampled rollout rows;
 - fit: optimisation steps from that example cache, first as the step ran before (one process,
   batches cast to float32 in the collate, the scorer and the loss of `foresight.bench.fit_before`,
   glibc's malloc as it comes), then as it runs now (the data module's worker processes, batches in the
@@ -50,6 +52,9 @@ from foresight.eval.specs import PolicySpec
 from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
 from foresight.models import describe
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.host_reads import HostReads
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
 from trainers.preparation import FrozenModel, make_examples
@@ -155,8 +160,9 @@ def run(settings: PipelineSettings) -> str:
             _eval(model, traces, settings),
         ]
         rollouts = _rollouts(model, traces, settings)  # before the fit, whose row of now changes malloc's settings
+        reads = _host_reads(model, traces[0], settings)
         stages += [*_fit(data, settings), *rollouts]
-    return _report(settings, traces, store.settings["model"], stages)
+    return _report(settings, traces, store.settings["model"], stages, reads)
 
 
 def _has_steps(trace: Trace, budget: int, interval: int) -> bool:
@@ -196,13 +202,18 @@ def _eval(model, traces: list[Trace], settings: PipelineSettings) -> StageFigure
     return StageFigures("eval replay", what, _tokens(traces), "tokens", seconds, forward)
 
 
-def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
-    """The rollouts of every trace with each group's forwards before its first eviction run on every row
-    (before), then once (now), then once with the model in bfloat16 (a float32 model's only)."""
+def _bench_scorer(model, settings: PipelineSettings) -> ForesightScorer:
+    """A freshly initialised scorer at the bench's (B, L): a rollout's speed does not depend on its weights."""
     config = ScorerConfig(**asdict(describe(model)), budget=settings.budget, interval=settings.interval, base_model="bench")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        scorer = ForesightScorer(config).to(model.device)
+        return ForesightScorer(config).to(model.device)
+
+
+def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
+    """The rollouts of every trace with each group's forwards before its first eviction run on every row
+    (before), then once (now), then once with the model in bfloat16 (a float32 model's only)."""
+    scorer = _bench_scorer(model, settings)
     long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
     group = f"G = {settings.group_size} sampled replays of each trace, scored; "
     rows = [
@@ -218,6 +229,29 @@ def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[St
             "(one more one-row replay per trace, counted)", replayed_reference=True,
         ))
     return rows
+
+
+def _host_reads(model, trace: Trace, settings: PipelineSettings) -> dict[str, float]:
+    """Device values read back by the host per eviction step (`HostReads`; on a GPU each one is a
+    synchronisation) in one replay of `trace`: the eval stage's policy on one row, and G rollout rows
+    of a sampled scorer evicting together."""
+    scorer = _bench_scorer(model, settings)
+    config = settings.policy.config(settings.budget, settings.interval)
+    cadence = EvictionConfig(settings.budget, settings.interval, sinks=0, protect_prompt=False)
+    seeds = tuple(range(settings.group_size))
+    replays = {
+        settings.policy.name: (settings.policy.build(None), config, 1, min(trace.prompt_length, trace.input_ids.numel() - 1)),
+        f"rl rollouts (G = {settings.group_size})": (
+            make_policy("foresight", scorer=scorer, mode="sampled", row_seeds=seeds, record=False), cadence,
+            settings.group_size, settings.budget + settings.interval,
+        ),
+    }
+    per_step = {}
+    for name, (policy, eviction, rows, prefill) in replays.items():
+        reads = HostReads()
+        output = EvictionEngine(model, policy, eviction, step_observer=reads).replay([trace.input_ids] * rows, [prefill] * rows)
+        per_step[name] = reads.total / max(output.stats.evictions, 1)
+    return per_step
 
 
 def _rollout_row(
@@ -307,7 +341,9 @@ def _fit_steps(
     return StageFigures(stage, what, steps, "steps", times.times[-1] - times.times[0], None)
 
 
-def _report(settings: PipelineSettings, traces: list[Trace], model_name: str, rows: list[StageFigures]) -> str:
+def _report(
+    settings: PipelineSettings, traces: list[Trace], model_name: str, rows: list[StageFigures], reads: dict[str, float]
+) -> str:
     kind = torch.device(settings.device).type
     lines = [
         f"### Pipeline stages at the speed of the model forward ({kind})", "",
@@ -327,4 +363,10 @@ def _report(settings: PipelineSettings, traces: list[Trace], model_name: str, ro
             f"| {row.stage} | {row.what} | {row.work:,.0f} {row.unit} | {row.seconds:.2f} | "
             f"{row.rate:,.1f} {row.unit}/s | {share} |"
         )
+    counted = ", ".join(f"{name} {count:.1f}" for name, count in reads.items())
+    lines += ["", (
+        f"Host reads per eviction step (device values read back inside the step, counted by "
+        f"`foresight.runtime.host_reads.HostReads`; on a GPU each one is a synchronisation), one replay of the "
+        f"first trace: {counted}."
+    )]
     return "\n".join(lines) + "\n"

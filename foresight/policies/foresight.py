@@ -240,8 +240,10 @@ class Foresight(Policy):
         scorer.to(context.keys.device)
         config = scorer.config
         interval = context.keys.shape[2] - context.num_candidates
-        valid = (context.candidate_positions[:, 0] >= 0).sum(-1)
-        fewest, most = int(valid.min()), int(valid.max())
+        counts = context.candidate_counts
+        if counts is None:  # a context built outside the engine: count on the device
+            counts = (context.candidate_positions[:, 0] >= 0).sum(-1).tolist()
+        fewest, most = min(counts), max(counts)
         # A prefill of a long prompt may bring more candidates, only at the run's first step.
         budget_fits = fewest >= config.budget and (self._steps == 0 or most == config.budget)
         if interval != config.interval or not budget_fits:

@@ -21,12 +21,14 @@ storage holds is one the layer gathers).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from foresight.device_checks import require
 from foresight.runtime.prefix import RecordedForward
 
 KEYS, VALUES, POSITIONS = "keys", "values", "positions"
@@ -284,15 +286,15 @@ class EvictionLayer(CacheLayerMixin):
         self.unobserved_count = count - end
         return blocks
 
-    def compact(self, keep: torch.Tensor) -> None:
+    def compact(self, keep: torch.Tensor, width: int) -> None:
         """Keep the entries where `keep` [batch, Hkv, N] is True, in position order, right-aligned.
 
         Every row keeps the same count on each of its heads; rows may differ (padding, protected
-        prompts), so the layer narrows to the largest count and shorter rows get invalid slots in front.
-        Reading that count is this layer's one host synchronisation per eviction step (none per token).
-        """
+        prompts), so the layer narrows to `width`, the largest count, which the caller knows from its
+        cadence (reading it here would synchronise with the device in every layer), and shorter rows get
+        invalid slots in front. The count is checked on the device, without waiting for it."""
         kept_per_row = keep[:, 0].sum(-1)
-        width = int(kept_per_row.max())
+        require(kept_per_row.max() == width, f"an eviction step kept another count than its cadence's {width}")
         # A stable sort of the 0/1 mask puts dropped slots first and kept ones last, in position order.
         index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
         self.storage.compact(index)
@@ -335,16 +337,17 @@ class EvictionCache(Cache):
         self.records_queries = True
         self.recorder: RecordedForward | None = None  # set while a forward is recorded for reuse (runtime/prefix.py)
 
-    def begin_forward(self, positions: torch.Tensor, valid: torch.Tensor, record_queries: bool = True) -> None:
-        """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch], and
-        whether their queries are recorded (where the layers record queries at all).
+    def begin_forward(
+        self, positions: torch.Tensor, valid: torch.Tensor, lengths: Sequence[int], record_queries: bool = True
+    ) -> None:
+        """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch], each
+        row's valid entries after it (`lengths`, on the host), and whether their queries are recorded
+        (where the layers record queries at all).
 
-        Also decides once per forward (one host sync, not one per layer) whether any row will hold
-        invalid slots, which every layer's attention needs to know."""
-        first = self.layers[0]
-        entries = first.get_seq_length() + positions.shape[1]
-        lengths = valid if first.lengths is None else first.lengths + valid
-        self.has_padding = bool((lengths < entries).any())
+        Also decides once per forward, from the host's lengths, whether any row will hold invalid slots,
+        which every layer's attention needs to know."""
+        entries = self.layers[0].get_seq_length() + positions.shape[1]
+        self.has_padding = min(lengths) < entries
         self.records_queries = record_queries
         for layer in self.layers:
             layer.pending_positions = positions

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -79,10 +80,40 @@ class ReplayOutput:
 
 
 @dataclass
+class HostCadence:
+    """Each row's valid entries, the count at which it evicts and the count an eviction leaves, mirrored on
+    the host: every decision of the cadence (which rows evict, how far a chunk may run, how many slots the
+    compacted cache keeps) is read here, so an eviction step whose rows all evict reads nothing back
+    from the device. An eviction leaves a row its kept candidates and the recent window: it holds at
+    least its limit, more than that, so the top-k never reaches an invalid slot."""
+
+    lengths: list[int]
+    limits: list[int]
+    left: list[int]  # entries an eviction step leaves: kept candidates + L
+
+    def fed(self, counts: Sequence[int]) -> None:
+        self.lengths = [length + count for length, count in zip(self.lengths, counts, strict=True)]
+
+    def due(self) -> list[bool]:
+        return [length >= limit for length, limit in zip(self.lengths, self.limits)]
+
+    def room(self) -> int:
+        """Tokens every row can still take before its next eviction."""
+        return min(limit - length for length, limit in zip(self.lengths, self.limits))
+
+    def evict(self, due: Sequence[bool]) -> int:
+        """Apply an eviction step of the `due` rows; the entries the widest row holds after it."""
+        self.lengths = [left if evicts else length for length, left, evicts in zip(self.lengths, self.left, due)]
+        return max(self.lengths)
+
+
+@dataclass
 class _Run:
-    """Per-run bookkeeping: the cache and each row's cadence."""
+    """Per-run bookkeeping: the cache and each row's cadence (on the device for the masks, on the host
+    for the decisions)."""
 
     cache: EvictionCache
+    cadence: HostCadence
     protected: torch.Tensor  # [batch] prompt entries that are never evicted
     limits: torch.Tensor  # [batch] entries at which the row evicts
     keep_counts: torch.Tensor  # [batch] candidates kept by an eviction step
@@ -106,6 +137,7 @@ class EvictionEngine:
         policy: Policy,
         config: EvictionConfig | None = None,
         attention: str = ATTENTION_NAME,
+        step_observer: AbstractContextManager | None = None,
     ):
         if policy.evicts and config is None:
             raise ValueError(f"policy {policy.name!r} evicts and needs a budget and an interval")
@@ -127,6 +159,7 @@ class EvictionEngine:
         self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
         self.last_stats: RunStats | None = None  # its counters, also when a callback ended it early
         self.attention = attention
+        self.step_observer = step_observer or nullcontext()  # entered around every eviction step (`host_reads`)
 
     # -- public entry points -------------------------------------------------------------------------
     @torch.no_grad()
@@ -157,7 +190,7 @@ class EvictionEngine:
 
     def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds):
         run, input_ids, positions, valid = self._start(prompts, pad_token_id, max(max_new_tokens - 1, 0))  # the last token is never fed
-        logits = self._forward(run, input_ids, positions, valid)[:, -1]
+        logits = self._forward(run, input_ids, positions, valid, [len(prompt) for prompt in prompts])[:, -1]
         processors = logits_processors(sampling)
         seeds = [sampling.seed] if row_seeds is None else row_seeds
         generators = [torch.Generator(device=logits.device).manual_seed(seed) for seed in seeds]
@@ -165,6 +198,7 @@ class EvictionEngine:
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=logits.device)
         new_tokens, all_logits = [], []
         ones = torch.ones(len(prompts), dtype=torch.long, device=logits.device)
+        one_each = [1] * len(prompts)
         for _ in range(max_new_tokens):
             if return_logits:
                 all_logits.append(logits)
@@ -177,7 +211,7 @@ class EvictionEngine:
             if bool(finished.all()) or len(new_tokens) == max_new_tokens:
                 break
             start = time.perf_counter()
-            logits = self._forward(run, token[:, None], run.next_positions[:, None], ones)[:, -1]
+            logits = self._forward(run, token[:, None], run.next_positions[:, None], ones, one_each)[:, -1]
             run.stats.step_seconds.append(time.perf_counter() - start)
         tokens = _trim_after_eos(torch.stack(new_tokens, 1) if new_tokens else input_ids[:, :0], eos)
         stacked = torch.stack(all_logits, 1) if return_logits and all_logits else None
@@ -214,17 +248,19 @@ class EvictionEngine:
         rest = _right_pad([seq[length:].to(device) for seq, length in zip(sequences, prompt_lengths)], pad_token_id)
         layout = torch.cat([input_ids, rest, rest.new_full((len(prompts), 1), pad_token_id)], dim=1)
         forwards = _PrefixForwards(prefix if self.evicts else None, can_inject=not self._tap_layers)
-        columns = [self._replay_forward(run, input_ids, positions, valid, layout[:, 1 : input_ids.shape[1] + 1], forwards)]
+        prefill = [len(prompt) for prompt in prompts]
+        columns = [self._replay_forward(run, input_ids, positions, valid, prefill, layout[:, 1 : input_ids.shape[1] + 1], forwards)]
         chunk_cap = max_chunk or (self.config.interval if self.config else rest.shape[1] or 1)
         done = 0
         ones = torch.ones(len(prompts), dtype=torch.long, device=device)
         while done < rest.shape[1]:
-            size = min(chunk_cap, rest.shape[1] - done, self._room(run))
+            size = min(chunk_cap, rest.shape[1] - done, run.cadence.room() if self.evicts else chunk_cap)
             offsets = torch.arange(size, device=device)
             chunk_positions = run.next_positions[:, None] + offsets
             start = input_ids.shape[1] + done
             targets = layout[:, start + 1 : start + size + 1]
-            columns.append(self._replay_forward(run, rest[:, done : done + size], chunk_positions, ones * size, targets, forwards))
+            fed = rest[:, done : done + size]
+            columns.append(self._replay_forward(run, fed, chunk_positions, ones * size, [size] * len(prompts), targets, forwards))
             done += size
             if on_tokens is not None:
                 on_tokens(size)
@@ -239,17 +275,17 @@ class EvictionEngine:
             stats=run.stats,
         )
 
-    def _replay_forward(self, run: _Run, input_ids, positions, valid, targets, forwards: _PrefixForwards):
+    def _replay_forward(self, run: _Run, input_ids, positions, valid, counts, targets, forwards: _PrefixForwards):
         """One forward of a replay and the NLL of its targets, recorded or reused per `forwards`."""
         if run.stats.evictions:
-            return _token_nll(self._forward(run, input_ids, positions, valid), targets)
+            return _token_nll(self._forward(run, input_ids, positions, valid, counts), targets)
         recorded = forwards.reusable(input_ids, positions, valid)
         if recorded is not None:
             recorded = recorded.for_rows(input_ids.shape[0])
-            self._forward(run, input_ids, positions, valid, inject=recorded)
+            self._forward(run, input_ids, positions, valid, counts, inject=recorded)
             return recorded.nll
         record = forwards.start_recording(input_ids, positions, valid)
-        nll = _token_nll(self._forward(run, input_ids, positions, valid, record=record), targets)
+        nll = _token_nll(self._forward(run, input_ids, positions, valid, counts, record=record), targets)
         if record is not None:
             record.nll = nll
         return nll
@@ -279,8 +315,16 @@ class EvictionEngine:
             capacity=min(width + new_tokens, int(limits.max())),  # the most entries a layer holds
         )
         self.last_cache = cache
+        host_protected = [len(p) for p in prompts] if self.protect_prompt else [0] * len(prompts)
+        never = torch.iinfo(torch.long).max
+        cadence = HostCadence(
+            lengths=[0] * len(prompts),
+            limits=[p + budget + interval if self.evicts else never for p in host_protected],
+            left=[p + budget for p in host_protected],
+        )
         run = _Run(
             cache=cache,
+            cadence=cadence,
             protected=protected,
             limits=limits,
             keep_counts=protected + budget - interval,
@@ -298,24 +342,23 @@ class EvictionEngine:
             return 0
         return min(interval, self.policy.latest_queries or interval)
 
-    def _room(self, run: _Run) -> int:
-        """Tokens every row can still take before its next eviction."""
-        return int((run.limits - run.cache.lengths).min()) if self.evicts else torch.iinfo(torch.long).max
-
     def _forward(
         self,
         run: _Run,
         input_ids,
         positions,
         valid,
+        counts: Sequence[int],
         inject: RecordedForward | None = None,
         record: RecordedForward | None = None,
     ) -> torch.Tensor | None:
         """Run the model on the tokens (recording into `record` if given), or `inject` a recorded run of
-        the same tokens (no logits then), and every policy hook and eviction step that follows."""
+        the same tokens (no logits then), and every policy hook and eviction step that follows.
+        `valid` [batch] and `counts` (its values on the host): each row's tokens that are not padding."""
         start = time.perf_counter()
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
-        run.cache.begin_forward(positions, valid, record_queries=not skip_prompt)
+        run.cadence.fed(counts)
+        run.cache.begin_forward(positions, valid, run.cadence.lengths, record_queries=not skip_prompt)
         logits = None
         if inject is not None:
             self._inject(run, inject)
@@ -337,7 +380,7 @@ class EvictionEngine:
         self._store_token_state(run, positions)
         run.prefilled = True
         run.next_positions = positions.max(dim=1).values + 1
-        run.stats.tokens += int(valid.sum())
+        run.stats.tokens += sum(counts)
         run.stats.forward_seconds += time.perf_counter() - start
         run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
         if self.evicts:
@@ -381,17 +424,24 @@ class EvictionEngine:
         """Hand every-query policies their complete query blocks (all that is left when a row evicts),
         then run an eviction step for the rows that reached their limit."""
         start = time.perf_counter()
-        due = run.cache.lengths >= run.limits
-        evicting = bool(due.any())
+        with self.step_observer:
+            self._eviction_step(run)
+        run.stats.eviction_seconds += time.perf_counter() - start
+
+    def _eviction_step(self, run: _Run) -> None:
+        due_rows = run.cadence.due()
+        evicting = any(due_rows)
         if self.observes_every_query:
             self._observe_queries(run, complete_blocks_only=not evicting)
         if evicting:
-            rows = None if bool(due.all()) else due.nonzero().squeeze(1)
+            due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
+            rows = None if all(due_rows) else due.nonzero().squeeze(1)  # a ragged step reads its rows once
+            candidates = [length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
+            width = run.cadence.evict(due_rows)
             for layer_idx, layer in enumerate(run.cache.layers):
-                layer.compact(self._keep_mask(run, layer_idx, layer, rows))
+                layer.compact(self._keep_mask(run, layer_idx, layer, rows, tuple(candidates)), width)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
             run.stats.evictions += 1
-        run.stats.eviction_seconds += time.perf_counter() - start
 
     def _observe_queries(self, run: _Run, complete_blocks_only: bool) -> None:
         """docs/algorithms.md sections 2-3: `observe` each recorded query once, in query order, in blocks of at
@@ -418,9 +468,12 @@ class EvictionEngine:
                 for name, value in self.policy.observe(context).items():
                     layer.write_state(name, value)
 
-    def _keep_mask(self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None) -> torch.Tensor:
+    def _keep_mask(
+        self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None, candidate_counts: tuple[int, ...]
+    ) -> torch.Tensor:
         """[batch, Hkv, N] entries to keep: the recent window, sinks, protected prompt and the top
-        candidates by keep score for the evicting rows; everything valid for the others."""
+        candidates by keep score for the evicting rows (`rows`, None: all; `candidate_counts`: their valid
+        candidates); everything valid for the others."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if rows is None else tensor[rows]
@@ -437,6 +490,7 @@ class EvictionEngine:
             num_candidates=entries - interval,
             scaling=layer.scaling,
             state={name: select(value) for name, value in layer.state.items()},
+            candidate_counts=candidate_counts,
         )
         if not self.observes_every_query:  # every-query policies observed all their queries already
             if self.policy.needs_attention:

@@ -62,6 +62,7 @@ class EvictionContext:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # [batch, Hkv, N, *trailing]
     queries: torch.Tensor | None = None  # [batch, Hq, l, D] the observed queries (l <= L), oldest first
     query_positions: torch.Tensor | None = None  # [batch, l], -1 for padding
+    candidate_counts: tuple[int, ...] | None = None  # valid candidates per row, known on the host (None: unknown)
 
     @cached_property
     def attention(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from foresight.device_checks import require
 
 
 def _masked(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None) -> torch.Tensor:
@@ -26,9 +27,8 @@ def _masked(scores: torch.Tensor, num_evict: int, eligible: torch.Tensor | None)
         raise ValueError(
             f"eligible mask {tuple(eligible.shape)} does not broadcast to scores {tuple(scores.shape)}"
         ) from None
-    fewest = int(eligible.sum(-1).min()) if eligible.numel() else candidates
-    if fewest < num_evict:
-        raise ValueError(f"a row has only {fewest} eligible candidates, fewer than num_evict={num_evict}")
+    if eligible.numel():
+        require(eligible.sum(-1).min() >= num_evict, f"a row has fewer eligible candidates than num_evict={num_evict}")
     return scores.masked_fill(~eligible, float("inf"))
 
 
@@ -130,8 +130,7 @@ def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor
     logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor."""
     logits = _logits(masked, temperature)
     drawn = torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
-    if bool((drawn.sum(-1) != order.shape[-1]).any()):
-        raise ValueError("order must hold distinct candidates that all lie in the pool")
+    require((drawn.sum(-1) == order.shape[-1]).all(), "order must hold distinct candidates that all lie in the pool")
     never_drawn = logits.gather(-1, pool).masked_fill(drawn, float("-inf")).logsumexp(-1, keepdim=True)
     drawn_logits = logits.gather(-1, order)
     remaining_drawn = drawn_logits.flip(-1).logcumsumexp(-1).flip(-1)
