@@ -13,7 +13,7 @@ from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
 STAGES = ["labels", "examples", "eval replay", "fit before", "fit now", "rl rollouts before", "rl rollouts now",
-          "rl rollouts now, bfloat16"]
+          "rl rollouts now, 2 traces per replay", "rl rollouts now, bfloat16"]
 
 
 class Sleeper(torch.nn.Module):

@@ -40,6 +40,7 @@ from trainers.rollouts import (
     grpo_objective,
     k3_kl,
     roll_out,
+    roll_out_together,
     rollout_seeds,
     score_rollouts,
 )
@@ -193,6 +194,43 @@ def test_a_group_runs_the_forwards_before_its_first_eviction_once(llama):
     assert torch.equal(shared.actions.order, alone.actions.order)
     torch.testing.assert_close(shared.scores.reward, alone.scores.reward, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(shared.scores.loss_ratio, alone.scores.loss_ratio, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_rolled_out_together_equal_each_group_alone(llama):
+    """Two traces of different lengths in one replay: each group samples, scores and records what it does
+    alone, the shorter one's rows dropping the steps and losses past its end; the prefill runs on one
+    row per trace."""
+    scorer = scorer_for(llama)
+    traces = [random_trace(llama, 64, prompt=9, seed=6), random_trace(llama, 47, prompt=30, seed=7)]
+    seeds = [rollout_seeds(1, 0, trace.index, range(3)) for trace in traces]
+    token_rows = []
+    hook = llama.register_forward_pre_hook(
+        lambda module, args, kwargs: token_rows.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        together = roll_out_together(llama, scorer, traces, seeds)
+        shared_rows = sum(token_rows)
+        token_rows.clear()
+        roll_out_together(llama, scorer, traces, seeds, share_prefix=False)
+    finally:
+        hook.remove()
+    assert sum(token_rows) - shared_rows == len(traces) * ((3 - 1) * (B + L_) - 1)
+    for trace, group_seeds, packed in zip(traces, seeds, together, strict=True):
+        alone = roll_out(llama, scorer, trace, group_seeds)
+        assert packed.trace_index == trace.index and packed.eviction_steps == alone.eviction_steps
+        assert torch.equal(packed.actions.order, alone.actions.order)
+        assert torch.equal(packed.actions.evicted, alone.actions.evicted)
+        assert torch.equal(packed.actions.after, alone.actions.after)
+        torch.testing.assert_close(packed.actions.features, alone.actions.features, rtol=1e-4, atol=1e-5)
+        for name in ("reward", "loss_ratio", "damage_share", "reward_to_go"):
+            torch.testing.assert_close(getattr(packed.scores, name), getattr(alone.scores, name), rtol=1e-5, atol=1e-6)
+    assert together[1].actions.after.numel() < together[0].actions.after.numel()  # the shorter trace's steps
+
+
+def test_groups_rolled_out_together_must_be_of_one_size(llama):
+    traces = [random_trace(llama, 40, seed=8), random_trace(llama, 40, seed=9)]
+    with pytest.raises(ValueError, match=r"all of one size: got sizes \[2, 3\] for 2 traces"):
+        roll_out_together(llama, scorer_for(llama), traces, [(1, 2), (3, 4, 5)])
 
 
 def test_rollouts_in_another_dtype_are_scored_against_the_models_own_full_cache_losses(llama):
@@ -542,6 +580,8 @@ def test_bad_input_is_a_one_line_error(tmp_path, tiny_dir, traces_dir, start_sco
          "unknown credit 'steps'; allowed: 'rollout', 'reward_to_go'"),
         (rl_args(config, start_scorer, tmp_path / "h", "model.loss_reference=full"),
          "unknown loss reference 'full'; allowed: 'stored', 'replay'"),
+        (rl_args(config, start_scorer, tmp_path / "i", "model.traces_per_replay=0"),
+         "traces_per_replay must be at least 1, got 0"),
         (rl_args(config, start_scorer, tmp_path / "g", "model.damage_exponent=0"),
          "need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold=0.0, damage_exponent=0.0"),
         (rl_args(tmp_path / "missing.yaml", start_scorer, tmp_path / "e"), "missing.yaml does not exist"),
@@ -631,6 +671,23 @@ def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_
             torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
     assert any(not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
                for name, tensor in weights[0].items())
+
+
+def test_traces_replayed_together_train_as_one_trace_per_replay(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    """`traces_per_replay` 2 packs each batch's two groups into one replay: the same rollouts, so the same
+    update as one trace per replay (b2 left out, as in the test above)."""
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
+    weights = []
+    for pack in (1, 2):
+        out = tmp_path / f"pack{pack}"
+        assert cli.main(rl_args(config, start_scorer, out, f"model.traces_per_replay={pack}")) == 0
+        weights.append(load_file(out / "scorer" / "model.safetensors"))
+    for name, tensor in weights[0].items():
+        if name != "b2":
+            torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
+               for name, tensor in weights[0].items())
+    capsys.readouterr()
 
 
 def test_further_epochs_on_one_batch_clip_the_ratio(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):

@@ -2,7 +2,8 @@
 App. E.1; docs/algorithms.md §7).
 
 Every training step takes a batch of traces (`trainers.rl_data`), rolls each out G times with the
-current scorer sampling its evictions (`trainers.rollouts.roll_out`, the frozen model under no_grad),
+current scorer sampling its evictions (`trainers.rollouts.roll_out_together`, the frozen model under
+no_grad, `traces_per_replay` traces' groups per replay),
 normalises the rewards within each trace's group (Eq. 9), then minimises minus Eq. 10: the clipped
 ratio objective with the advantage broadcast to every eviction (step, layer, KV head) of the rollout
 (or, with `credit: reward_to_go`, each step's own advantage from the damage to the tokens after it),
@@ -46,7 +47,8 @@ from trainers.rollouts import (
     full_cache_losses,
     group_advantages,
     grpo_objective,
-    roll_out,
+    packs,
+    roll_out_together,
     rollout_seeds,
 )
 from trainers.preparation import FrozenModel
@@ -81,6 +83,9 @@ class GRPOScorer(ScorerModule):
     loss_reference: what the rollouts' token losses are compared with: "stored" (the trace's full-cache
       losses) or "replay" (the frozen model's own, in `dtype`, replayed once per trace and kept; with a
       dtype other than the one the traces were sampled in, `trainers.rollouts.LossReference`).
+    traces_per_replay: the groups of this many traces of a batch replay together as the rows of one
+      batch (`trainers.rollouts.roll_out_together`; 1: one trace per replay). The same rollouts either
+      way; more rows per forward suit a GPU, where a replay of G rows leaves it idle.
     seed: seeds every rollout's sampling with (seed, round, trace, row).
     """
 
@@ -106,6 +111,7 @@ class GRPOScorer(ScorerModule):
         storage_dtype: str = "float32",
         dtype: str = "float32",
         loss_reference: str = LossReference.STORED.value,
+        traces_per_replay: int = 1,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -117,6 +123,8 @@ class GRPOScorer(ScorerModule):
                 f"clip={clip}, epochs={epochs}, warm_up={warm_up}"
             )
         check_temperature(temperature)
+        if traces_per_replay < 1:
+            raise ValueError(f"traces_per_replay must be at least 1, got {traces_per_replay}")
         if not 0 <= damage_threshold < float("inf") or not 0 < damage_exponent < float("inf"):
             raise ValueError(
                 f"need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold={damage_threshold}, "
@@ -170,20 +178,30 @@ class GRPOScorer(ScorerModule):
         share = size // world
         return range(rank * share, (rank + 1) * share)
 
-    def roll_out(self, trace: Trace) -> GroupRollout:
-        """This rank's rollouts of one trace (no grad)."""
+    def roll_out(self, traces: Sequence[Trace]) -> list[GroupRollout]:
+        """This rank's rollouts of a batch's traces (no grad), `traces_per_replay` groups per replay, the
+        traces of similar length together (a row past its trace's end replays padding)."""
         round_index = self.global_step // self.hparams.epochs
-        seeds = rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows())
-        reference = None
-        if self.loss_reference is LossReference.REPLAY:
-            if trace.index not in self._full_cache_nll:
-                self._full_cache_nll[trace.index] = full_cache_losses(self.frozen_model, trace)
-            reference = self._full_cache_nll[trace.index]
-        return roll_out(
-            self.frozen_model, self.scorer, trace, seeds, share=self.hparams.low_entropy_share,
-            threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
-            temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent, reference_nll=reference,
-        )
+        groups: dict[int, GroupRollout] = {}
+        for packed in packs(traces, self.hparams.traces_per_replay):
+            seeds = [rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows()) for trace in packed]
+            rolled = roll_out_together(
+                self.frozen_model, self.scorer, packed, seeds, share=self.hparams.low_entropy_share,
+                threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
+                temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent,
+                reference_nll=[self._reference_nll(trace) for trace in packed],
+            )
+            groups.update((trace.index, group) for trace, group in zip(packed, rolled, strict=True))
+        return [groups[trace.index] for trace in traces]
+
+    def _reference_nll(self, trace: Trace) -> torch.Tensor | None:
+        """The full-cache losses a trace's rollouts are scored against: None (its stored ones) or, with
+        loss_reference "replay", the frozen model's own, replayed once and kept."""
+        if self.loss_reference is LossReference.STORED:
+            return None
+        if trace.index not in self._full_cache_nll:
+            self._full_cache_nll[trace.index] = full_cache_losses(self.frozen_model, trace)
+        return self._full_cache_nll[trace.index]
 
     def training_step(self, batch: Sequence[Trace], batch_idx: int) -> None:
         """Roll out, score and back-propagate one trace at a time (only one trace's recorded evictions
@@ -193,8 +211,7 @@ class GRPOScorer(ScorerModule):
         beta, rows = self.current_beta(), self.rollout_rows()
         optimizer.zero_grad()
         updates, rewards, forward_seconds = [], [], 0.0
-        for trace in batch:
-            group = self.roll_out(trace)
+        for group in self.roll_out(batch):
             advantages = self._advantages(group)[rows.start : rows.stop]
             update = _Update(group.actions, advantages, self.scorer, self.reference)
             self._backward(update, beta, len(batch))

@@ -4,8 +4,10 @@
 A rollout is a teacher-forced replay of a stored trace through the frozen model in the eviction
 runtime, the learned policy sampling its evictions (Eq. 2: L of the 2L lowest-scoring candidates,
 without replacement) at every eviction step and (layer, KV head). The G rollouts of one trace replay
-together as the G rows of one batch, so one forward per chunk serves the whole group; each row draws
-from its own seeded generator, so a rollout is the same whichever process or batch replays it.
+together as the G rows of one batch, so one forward per chunk serves the whole group, and the groups of
+several traces can share one replay (`roll_out_together`: every row prefills B + L tokens, so all rows
+evict at the same tokens); each row draws from its own seeded generator, so a rollout is the same
+whichever process, group or pack replays it.
 
 Each rollout records, per step and layer, the scorer's inputs over its eviction pool (keys, values,
 attention features) and the sampled order (`SampledEviction`), stacked here as `EvictionActions`:
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from foresight.cadence import eviction_steps
 from foresight.choices import Choice
 from foresight.data.trace_store import Trace
 from foresight.metrics import (
@@ -93,11 +96,16 @@ class EvictionActions:
 
     @classmethod
     def stack(
-        cls, records: Sequence[SampledEviction], num_layers: int, before: int, dtype: torch.dtype = torch.float32
+        cls,
+        records: Sequence[SampledEviction],
+        num_layers: int,
+        before: int,
+        dtype: torch.dtype = torch.float32,
+        rows: slice = slice(None),
     ) -> EvictionActions:
-        """Stack a sampled policy's records (step by step, layers in order within a step) of rows that
-        evict together, keeping the steps that ran after a position < `before` (a later one changes no
-        prediction of the trace). Scorer inputs are stored in `dtype`."""
+        """Stack a sampled policy's records (step by step, layers in order within a step) of `rows` (one
+        trace's group of a replay) that evict together, keeping the steps that ran after a position <
+        `before` (a later one changes no prediction of the trace). Scorer inputs are stored in `dtype`."""
         if not records or len(records) % num_layers:
             raise ValueError(f"expected the records of whole eviction steps of {num_layers} layers, got {len(records)}")
         steps = [records[i : i + num_layers] for i in range(0, len(records), num_layers)]
@@ -106,15 +114,16 @@ class EvictionActions:
         temperatures = {record.temperature for record in records}
         if len(temperatures) != 1:
             raise ValueError(f"the records were sampled at several temperatures {sorted(temperatures)}; stack one run's")
-        if any(bool((step[0].query_positions[:, -1] != step[0].query_positions[0, -1]).any()) for step in steps):
+        newest = torch.stack([step[0].query_positions[rows, -1] for step in steps])  # [steps, rows]
+        if not torch.equal(newest, newest[:, :1].expand_as(newest)):
             raise ValueError("the rows of a rollout group must evict together (replay one trace per group)")
-        steps = [step for step in steps if int(step[0].query_positions[0, -1]) < before]
+        steps = [step for step, position in zip(steps, newest[:, 0].tolist()) if position < before]
         if not steps:
             raise ValueError(f"no eviction step ran before position {before}: nothing to learn from this replay")
 
         def stacked(name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
             def value(record: SampledEviction) -> torch.Tensor:
-                tensor = getattr(record, name)
+                tensor = getattr(record, name)[rows]
                 return tensor if as_dtype is None else tensor.to(as_dtype)
 
             return torch.stack([torch.stack([value(record) for record in step]) for step in steps], 1)
@@ -125,8 +134,8 @@ class EvictionActions:
             features=stacked("features", dtype),
             eligible=stacked("eligible"),
             order=stacked("order"),
-            evicted=torch.stack([torch.stack([r.positions.gather(-1, r.order) for r in step]) for step in steps], 1),
-            after=torch.stack([step[0].query_positions[0, -1] for step in steps]),
+            evicted=torch.stack([torch.stack([r.positions[rows].gather(-1, r.order[rows]) for r in step]) for step in steps], 1),
+            after=torch.stack([step[0].query_positions[rows][0, -1] for step in steps]),
             temperature=temperatures.pop(),
         )
 
@@ -245,44 +254,88 @@ def roll_out(
     share_prefix: bool = True,
     reference_nll: torch.Tensor | None = None,
 ) -> GroupRollout:
-    """Replay `trace` once per seed as the rows of one batch, `scorer` sampling every eviction (Eq. 2)
-    at the B and L it was trained for and at `temperature`; record the evictions and score each row.
+    """The rollouts of one trace, one per seed (`roll_out_together` of a single group)."""
+    return roll_out_together(
+        model, scorer, [trace], [row_seeds], share, threshold, storage_dtype, temperature, exponent, share_prefix,
+        [reference_nll],
+    )[0]
 
-    The replay prefills min(B + L, prompt) tokens, so every row evicts on the cadence of §1 from the
-    first token on (the cadence of the supervised stage and of `foresight eval`). Until the first
-    eviction every row holds the same tokens, so with `share_prefix` the model runs those forwards on
-    one row and the group reuses them (`foresight.runtime.prefix`; the same figures up to float
-    rounding: a one-row matmul may round differently from a G-row one). `reference_nll`: the full-cache
-    losses the rows are scored against (`score_rollouts`; None: the trace's stored ones)."""
+
+@torch.no_grad()
+def roll_out_together(
+    model: torch.nn.Module,
+    scorer: ForesightScorer,
+    traces: Sequence[Trace],
+    row_seeds: Sequence[Sequence[int]],
+    share: float = LOW_ENTROPY_SHARE,
+    threshold: float = DAMAGE_THRESHOLD,
+    storage_dtype: torch.dtype = torch.float32,
+    temperature: float = 1.0,
+    exponent: float = DAMAGE_EXPONENT,
+    share_prefix: bool = True,
+    reference_nll: Sequence[torch.Tensor | None] | None = None,
+) -> list[GroupRollout]:
+    """Replay each trace once per seed of its group (`row_seeds[i]`, the same count for every trace), every
+    group as consecutive rows of one batch, `scorer` sampling every eviction (Eq. 2) at the B and L it was
+    trained for and at `temperature`; record the evictions and score each row. A group's rollouts are
+    those it would have alone: its rows draw from their own generators and see only their own tokens.
+
+    Every row prefills the first B + L tokens of its trace (the cadence of §1 from the first token on, as
+    in the supervised stage and `foresight eval`), so the rows of every trace evict after the same
+    tokens; a row past its trace's end replays padding, whose steps and losses its group drops. Until
+    the first eviction the rows of a group hold the same tokens, so with `share_prefix` the model runs
+    that prefill on one row per trace and the groups reuse it (`foresight.runtime.prefix`; the same
+    figures up to float rounding: a one-row matmul may round differently from a G-row one).
+    `reference_nll[i]`: the full-cache losses trace i is scored against (`score_rollouts`; None: its
+    stored ones). Each group is credited an equal share of the replay's time."""
     config = scorer.config
-    length = trace.input_ids.numel()
-    if length < config.budget + config.interval + 2:
-        raise ValueError(
-            f"trace {trace.index} has {length} tokens, too few for an eviction that changes a prediction "
-            f"(needs at least B + L + 2 = {config.budget + config.interval + 2})"
-        )
+    groups = {len(seeds) for seeds in row_seeds}
+    if len(row_seeds) != len(traces) or len(groups) != 1:
+        raise ValueError(f"give one group of seeds per trace, all of one size: got sizes {[len(s) for s in row_seeds]} for {len(traces)} traces")
+    for trace in traces:
+        if trace.input_ids.numel() < config.budget + config.interval + 2:
+            raise ValueError(
+                f"trace {trace.index} has {trace.input_ids.numel()} tokens, too few for an eviction that changes a "
+                f"prediction (needs at least B + L + 2 = {config.budget + config.interval + 2})"
+            )
     started = time.perf_counter()
-    policy = make_policy(
-        "foresight", scorer=scorer, mode="sampled", temperature=temperature, row_seeds=tuple(row_seeds)
-    )
+    size = groups.pop()
+    seeds = tuple(seed for group in row_seeds for seed in group)
+    policy = make_policy("foresight", scorer=scorer, mode="sampled", temperature=temperature, row_seeds=seeds)
     cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
-    prefill = min(config.budget + config.interval, trace.prompt_length)
-    prefix = _group_prefix(model, trace, cadence, prefill) if share_prefix else None
+    prefill = config.budget + config.interval
+    prefix = _groups_prefix(model, traces, cadence) if share_prefix else None
     engine = EvictionEngine(model, policy, cadence)
-    output = engine.replay([trace.input_ids] * len(row_seeds), [prefill] * len(row_seeds), prefix=prefix)
-    # A step after position T - 3 changes no prediction: the last one, of token T - 1, is made at T - 2.
-    actions = EvictionActions.stack(policy.records, engine.num_layers, before=length - 2, dtype=storage_dtype)
-    scores = score_rollouts(
-        output.nll, output.first_eviction, trace, actions.after, share, threshold, exponent, reference_nll
-    )
-    return GroupRollout(
-        trace_index=trace.index,
-        actions=actions,
-        scores=scores,
-        eviction_steps=output.stats.evictions,
-        forward_seconds=output.stats.forward_seconds,
-        seconds=time.perf_counter() - started,
-    )
+    sequences = [trace.input_ids for trace in traces for _ in range(size)]
+    output = engine.replay(sequences, [prefill] * len(sequences), prefix=prefix)
+    seconds, references = time.perf_counter() - started, reference_nll or [None] * len(traces)
+    rollouts = []
+    for index, (trace, reference) in enumerate(zip(traces, references, strict=True)):
+        rows = slice(index * size, (index + 1) * size)
+        length = trace.input_ids.numel()
+        # A step after position T - 3 changes no prediction: the last one, of token T - 1, is made at T - 2.
+        actions = EvictionActions.stack(
+            policy.records, engine.num_layers, before=length - 2, dtype=storage_dtype, rows=rows
+        )
+        scores = score_rollouts(
+            output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference
+        )
+        rollouts.append(GroupRollout(
+            trace_index=trace.index,
+            actions=actions,
+            scores=scores,
+            eviction_steps=eviction_steps(length, config.budget, config.interval),
+            forward_seconds=output.stats.forward_seconds / len(traces),
+            seconds=seconds / len(traces),
+        ))
+    return rollouts
+
+
+def packs(traces: Sequence[Trace], size: int) -> list[list[Trace]]:
+    """The traces to replay together in runs of `size` (`roll_out_together`), in order of length, so that a
+    pack's rows replay little padding past the shorter traces' ends."""
+    by_length = sorted(traces, key=lambda trace: trace.input_ids.numel())
+    return [by_length[start : start + size] for start in range(0, len(by_length), size)]
 
 
 def full_cache_losses(model: torch.nn.Module, trace: Trace) -> torch.Tensor:
@@ -294,14 +347,15 @@ def full_cache_losses(model: torch.nn.Module, trace: Trace) -> torch.Tensor:
     return engine.replay([trace.input_ids], [trace.prompt_length]).nll[0].float().cpu()
 
 
-def _group_prefix(model: torch.nn.Module, trace: Trace, cadence: EvictionConfig, prefill: int) -> ReplayPrefix:
-    """The forwards of `trace` up to and including the one after which a replay first evicts (its first
-    B + L tokens), recorded on one row. The policy is immaterial: before an eviction the forwards
-    depend on the tokens only. One token more is fed, so the last recorded forward's token losses read
-    their true targets (nothing after the first eviction is recorded)."""
+def _groups_prefix(model: torch.nn.Module, traces: Sequence[Trace], cadence: EvictionConfig) -> ReplayPrefix:
+    """The prefill of B + L tokens after which a replay first evicts, recorded on one row per trace. The
+    policy is immaterial: before an eviction the forwards depend on the tokens only. One token more is
+    fed, so the recorded forward's token losses read their true targets (nothing after the first
+    eviction is recorded)."""
     prefix = ReplayPrefix()
+    prefill = cadence.budget + cadence.interval
     engine = EvictionEngine(model, make_policy("streaming"), cadence)
-    engine.replay([trace.input_ids[: cadence.budget + cadence.interval + 1]], [prefill], prefix=prefix)
+    engine.replay([trace.input_ids[: prefill + 1] for trace in traces], [prefill] * len(traces), prefix=prefix)
     return prefix
 
 

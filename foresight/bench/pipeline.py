@@ -6,9 +6,10 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
 - examples: `foresight examples` into a scratch example cache (the golden replay in the eviction
   engine, the recorder and the file writes); the forward is the model's inside the engine;
 - eval replay: `foresight eval`'s replay of one policy at B (the full-cache reference and the policy);
-- rl rollouts: G sampled replays of every trace under a freshly initialised scorer (`roll_out`: the
-  speed of a rollout does not depend on the scorer's weights), first with every row running the
-  forwards before the group's first eviction, then with them run once on one row; then, for a float32
+- rl rollouts: G sampled replays of every trace under a freshly initialised scorer (`roll_out_together`:
+  the speed of a rollout does not depend on the scorer's weights), first with every row running the
+  forwards before the group's first eviction, then with them run once on one row, then with the groups
+  of `batch_size` traces of similar length in one replay; then, for a float32
   model, with a bfloat16 copy of it, its own full-cache replay of each trace included
   (`foresight rl --model.dtype bfloat16 --model.loss_reference replay`);
 - host reads: the device values each eviction step reads back (`HostReads`), in one replay of the
@@ -59,7 +60,7 @@ from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
 from trainers.preparation import FrozenModel, make_examples
 from trainers.ranking import PairWeight
-from trainers.rollouts import full_cache_losses, roll_out
+from trainers.rollouts import full_cache_losses, packs, roll_out_together
 
 if TYPE_CHECKING:
     from trainers.data import GoldenDataModule
@@ -221,6 +222,9 @@ def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[St
                      group + "every row runs the group's first B + L tokens", share_prefix=False),
         _rollout_row(model, scorer, long_enough, settings.group_size, "rl rollouts now",
                      group + "the group's first B + L tokens run on one row"),
+        _rollout_row(model, scorer, long_enough, settings.group_size, f"rl rollouts now, {settings.batch_size} traces per replay",
+                     group + f"as now, the groups of {settings.batch_size} traces of similar length in one replay",
+                     traces_per_replay=settings.batch_size),
     ]
     if model.dtype == torch.float32:  # a bfloat16 copy, each group scored against its own full-cache losses
         rows.append(_rollout_row(
@@ -256,16 +260,19 @@ def _host_reads(model, trace: Trace, settings: PipelineSettings) -> dict[str, fl
 
 def _rollout_row(
     model: torch.nn.Module, scorer: ForesightScorer, traces: list[Trace], group_size: int, stage: str, what: str,
-    share_prefix: bool = True, replayed_reference: bool = False,
+    share_prefix: bool = True, replayed_reference: bool = False, traces_per_replay: int = 1,
 ) -> StageFigures:
-    """One timed pass of G rollouts of every trace (`roll_out`), each group scored against the stored losses or,
-    with `replayed_reference`, the model's own (its replay counted: a dtype's rounding is not eviction damage)."""
+    """One timed pass of G rollouts of every trace (`roll_out_together`, `traces_per_replay` traces per replay),
+    each group scored against the stored losses or, with `replayed_reference`, the model's own (its replay
+    counted: a dtype's rounding is not eviction damage)."""
     seeds = list(range(group_size))
 
     def work() -> None:
-        for trace in traces:
-            reference = full_cache_losses(model, trace) if replayed_reference else None
-            roll_out(model, scorer, trace, seeds, share_prefix=share_prefix, reference_nll=reference)
+        for packed in packs(traces, traces_per_replay):
+            references = [full_cache_losses(model, trace) if replayed_reference else None for trace in packed]
+            roll_out_together(
+                model, scorer, packed, [seeds] * len(packed), share_prefix=share_prefix, reference_nll=references
+            )
 
     seconds, forward = _timed(model, work)
     return StageFigures(stage, what, group_size * _tokens(traces), "tokens", seconds, forward)

@@ -25,7 +25,7 @@ def _add_pipeline(parser: argparse.ArgumentParser) -> None:
     add_cadence_arguments(parser, budget=128, interval=32)
     parser.add_argument("--policy", default="snapkv", help="the policy the eval stage replays")
     parser.add_argument("--fit-steps", type=int, default=20, help="optimisation steps of each fit run (at least 2)")
-    parser.add_argument("--batch-size", type=int, default=2, help="traces per optimisation step of the fit")
+    parser.add_argument("--batch-size", type=int, default=2, help="traces per optimisation step of the fit, and per replay in the packed rl rollouts row")
     parser.add_argument("--group-size", type=int, default=4, help="rollouts of each trace (G)")
     add_placement_arguments(parser)
     add_report_arguments(parser, "pipeline-DEVICE")

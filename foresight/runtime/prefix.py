@@ -10,10 +10,11 @@ recorded queries, so what the attention function keeps (the policy's queries, th
 is what a real forward would give, and it takes the recorded token losses. Policy hooks run as usual.
 
 A forward is injected only while the replay has not evicted, when its tokens, positions and valid counts
-equal the recorded forward's (or, for a forward recorded on one row, every row's), and when the policy
-reads no hidden states (those come from the model); anything else runs the model. A one-row recording
-serves a batch whose rows all replay the same trace: the G rollouts of the reinforcement stage run the
-model once on the tokens before their first eviction (`trainers.rollouts.roll_out`).
+equal the recorded forward's with each recorded row repeated over an equal run of the batch's rows (one
+to one, or a single recorded row for every row), and when the policy reads no hidden states (those come
+from the model); anything else runs the model. A recording of one row per trace serves a batch of G
+rows per trace: the G rollouts of each trace of the reinforcement stage run the model once on the tokens
+before their first eviction (`trainers.rollouts.roll_out_together`).
 """
 
 from __future__ import annotations
@@ -47,20 +48,22 @@ class RecordedForward:
         self.scaling.append(scaling)
 
     def matches(self, input_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> bool:
-        """Whether a forward of these inputs is the recorded one: the same rows, or rows that all repeat
-        a recorded single row (the G rollouts of one trace, recorded once)."""
-        if self.input_ids.shape[0] not in (1, input_ids.shape[0]) or self.input_ids.shape[1:] != input_ids.shape[1:]:
+        """Whether a forward of these inputs is the recorded one with each recorded row repeated over an
+        equal run of rows (`for_rows`): the same rows, or the G rollouts of each recorded trace."""
+        recorded, rows = self.input_ids.shape[0], input_ids.shape[0]
+        if rows % recorded or self.input_ids.shape[1:] != input_ids.shape[1:]:
             return False
         pairs = ((self.input_ids, input_ids), (self.positions, positions), (self.valid, valid))
-        return all(torch.equal(mine.expand_as(theirs), theirs) for mine, theirs in pairs)
+        return all(torch.equal(_repeat_rows(mine, rows), theirs) for mine, theirs in pairs)
 
     def for_rows(self, rows: int) -> RecordedForward:
-        """This forward for a batch of `rows` (a single recorded row repeated, as views)."""
+        """This forward for a batch of `rows`, recorded row i serving rows [i·m, (i + 1)·m) with m = rows /
+        recorded rows (views when a single row is recorded)."""
         if self.input_ids.shape[0] == rows:
             return self
 
         def repeat(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.expand(rows, *tensor.shape[1:])
+            return _repeat_rows(tensor, rows)
 
         return RecordedForward(
             repeat(self.input_ids), repeat(self.positions), repeat(self.valid),
@@ -74,3 +77,10 @@ class ReplayPrefix:
     """The forwards shared by the replays of one batch (empty until the first replay records them)."""
 
     forwards: list[RecordedForward] = field(default_factory=list)
+
+
+def _repeat_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` [r, ...] with each row repeated rows / r times in place, [rows, ...] (a view when r = 1)."""
+    if tensor.shape[0] in (1, rows):
+        return tensor.expand(rows, *tensor.shape[1:])
+    return tensor.repeat_interleave(rows // tensor.shape[0], dim=0)
