@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import constructible_policies, prompts, random_scorer
 
+from foresight.device_checks import require
 from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
@@ -32,7 +33,9 @@ def test_host_reads_counts_the_calls_that_read_a_value():
     assert dict(reads.counts) == {"__bool__": 1, "__int__": 1, "tolist": 1, "nonzero": 1, "item": 1}
     with reads:  # entered again, it keeps counting
         values.cpu()
-    assert reads.total == 6
+        values[values > 2], values[1:], torch.equal(values, total)  # a boolean mask sizes its result on the host
+        values.to(torch.float32), values.to("cpu")  # no copy between host and device
+    assert reads.total == 8 and reads.counts["__getitem__"] == 1 and reads.counts["equal"] == 1
 
 
 def engine_with(name: str, model, **options) -> tuple[EvictionEngine, HostReads]:
@@ -68,3 +71,49 @@ def test_rows_out_of_step_read_their_rows_once_per_step(llama):
     output = engine.generate(prompts([5, 11], seed=5), 40)
     assert output.stats.evictions >= 8
     assert dict(reads.counts) == {"nonzero": output.stats.evictions}
+
+
+def test_a_failed_check_is_a_value_error_with_its_message_on_a_cpu():
+    require(torch.tensor(True), "never shown")
+    with pytest.raises(ValueError, match="^a row has too few$"):
+        require(torch.tensor(False), "a row has too few")
+    with pytest.raises(ValueError, match=r"one-element condition, got shape \(2,\)"):
+        require(torch.tensor([True, False]), "unused")
+
+
+def test_a_compaction_to_another_width_than_the_mask_keeps_is_refused(llama):
+    engine, _ = engine_with("snapkv", llama)
+    engine.replay([torch.tensor(prompts([40])[0])], [8])
+    layer = engine.last_cache.layers[0]
+    keep = torch.ones_like(layer.entry_positions(), dtype=torch.bool)
+    with pytest.raises(ValueError, match=f"kept another count than its cadence's {layer.get_seq_length() - 1}"):
+        layer.compact(keep, layer.get_seq_length() - 1)
+
+
+class LengthsAgree:
+    """Before every eviction step, the host cadence's lengths against the cache's on the device."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.checked = 0
+        step = EvictionEngine._eviction_step
+
+        def checking(engine, run) -> None:
+            assert run.cadence.lengths == run.cache.lengths.tolist()
+            self.checked += 1
+            step(engine, run)
+            assert run.cadence.lengths == run.cache.lengths.tolist()
+
+        monkeypatch.setattr(EvictionEngine, "_eviction_step", checking)
+
+
+@pytest.mark.parametrize("protect_prompt", [None, True, False])
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "raas", "streaming"])
+def test_the_host_cadence_follows_the_cache_on_the_device(llama, monkeypatch, name, protect_prompt):
+    """Ragged prompts, a prompt longer than B + L, padding past a row's end, sinks and short chunks."""
+    agree = LengthsAgree(monkeypatch)
+    config = EvictionConfig(B, L, sinks=2, protect_prompt=protect_prompt)
+    engine = EvictionEngine(llama, make_policy(name), config)
+    engine.generate(prompts([3, 9, 25], seed=6), 30)
+    sequences = [torch.tensor(p) for p in prompts([70, 45, 60], seed=7)]
+    engine.replay(sequences, [20, 5, 12], max_chunk=3)
+    assert agree.checked > 20

@@ -8,7 +8,7 @@ import torch
 
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.runtime.prefix import ReplayPrefix
+from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from tests.helpers import constructible_policies, random_scorer
 
 B, L = 12, 4
@@ -87,3 +87,21 @@ def test_other_inputs_run_the_model_and_a_full_cache_records_nothing(llama):
     full_prefix = ReplayPrefix()
     EvictionEngine(llama, make_policy("full")).replay(sequences(), PREFILL, prefix=full_prefix)
     assert full_prefix.forwards == []
+
+
+def test_a_recording_of_one_row_per_trace_serves_runs_of_rows():
+    """Recorded row i serves rows [i·m, (i + 1)·m): a batch of m rows per recorded row matches and gets each
+    row's tensors repeated in place; any other layout or token does not match."""
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    positions, valid = torch.arange(3).expand(2, 3), torch.tensor([3, 3])
+    recorded = RecordedForward(ids, positions, valid, queries=[torch.arange(2.0).view(2, 1, 1, 1)], keys=[], values=[],
+                               scaling=[], nll=torch.tensor([[0.5] * 3, [1.5] * 3]))
+    spread = ids.repeat_interleave(3, 0)
+    assert recorded.matches(spread, positions[:1].expand(6, 3), torch.full((6,), 3))
+    assert recorded.matches(ids, positions, valid)  # one to one
+    assert not recorded.matches(ids.repeat(3, 1), positions[:1].expand(6, 3), torch.full((6,), 3))  # traces interleaved
+    assert not recorded.matches(ids[:1].expand(3, 3), positions[:1].expand(3, 3), torch.full((3,), 3))  # 3 rows, 2 recorded
+    batch = recorded.for_rows(6)
+    assert batch.queries[0].flatten().tolist() == [0.0] * 3 + [1.0] * 3
+    assert batch.nll[:, 0].tolist() == [0.5] * 3 + [1.5] * 3
+    assert recorded.for_rows(2) is recorded

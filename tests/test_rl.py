@@ -217,7 +217,7 @@ def test_groups_rolled_out_together_equal_each_group_alone(llama):
     assert sum(token_rows) - shared_rows == len(traces) * ((3 - 1) * (B + L_) - 1)
     for trace, group_seeds, packed in zip(traces, seeds, together, strict=True):
         alone = roll_out(llama, scorer, trace, group_seeds)
-        assert packed.trace_index == trace.index and packed.eviction_steps == alone.eviction_steps
+        assert packed.trace_index == trace.index
         assert torch.equal(packed.actions.order, alone.actions.order)
         assert torch.equal(packed.actions.evicted, alone.actions.evicted)
         assert torch.equal(packed.actions.after, alone.actions.after)
@@ -227,10 +227,14 @@ def test_groups_rolled_out_together_equal_each_group_alone(llama):
     assert together[1].actions.after.numel() < together[0].actions.after.numel()  # the shorter trace's steps
 
 
-def test_groups_rolled_out_together_must_be_of_one_size(llama):
+def test_groups_rolled_out_together_refuse_bad_groups_in_one_line(llama):
     traces = [random_trace(llama, 40, seed=8), random_trace(llama, 40, seed=9)]
     with pytest.raises(ValueError, match=r"all of one size: got sizes \[2, 3\] for 2 traces"):
         roll_out_together(llama, scorer_for(llama), traces, [(1, 2), (3, 4, 5)])
+    with pytest.raises(ValueError, match=r"non-empty group of seeds per trace, all of one size: got sizes \[0, 0\]"):
+        roll_out_together(llama, scorer_for(llama), traces, [(), ()])
+    with pytest.raises(ValueError, match="give one reference \\(or None\\) per trace: got 1 for 2 traces"):
+        roll_out_together(llama, scorer_for(llama), traces, [(1, 2), (3, 4)], reference_nll=[None])
 
 
 def test_rollouts_in_another_dtype_are_scored_against_the_models_own_full_cache_losses(llama):

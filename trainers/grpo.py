@@ -25,7 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -178,11 +178,11 @@ class GRPOScorer(ScorerModule):
         share = size // world
         return range(rank * share, (rank + 1) * share)
 
-    def roll_out(self, traces: Sequence[Trace]) -> list[GroupRollout]:
+    def roll_out(self, traces: Sequence[Trace]) -> Iterator[GroupRollout]:
         """This rank's rollouts of a batch's traces (no grad), `traces_per_replay` groups per replay, the
-        traces of similar length together (a row past its trace's end replays padding)."""
+        traces of similar length together (a row past its trace's end replays padding); one replay's
+        groups at a time, so only their recorded evictions are held while they are used."""
         round_index = self.global_step // self.hparams.epochs
-        groups: dict[int, GroupRollout] = {}
         for packed in packs(traces, self.hparams.traces_per_replay):
             seeds = [rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows()) for trace in packed]
             rolled = roll_out_together(
@@ -191,8 +191,7 @@ class GRPOScorer(ScorerModule):
                 temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent,
                 reference_nll=[self._reference_nll(trace) for trace in packed],
             )
-            groups.update((trace.index, group) for trace, group in zip(packed, rolled, strict=True))
-        return [groups[trace.index] for trace in traces]
+            yield from rolled
 
     def _reference_nll(self, trace: Trace) -> torch.Tensor | None:
         """The full-cache losses a trace's rollouts are scored against: None (its stored ones) or, with
@@ -204,7 +203,7 @@ class GRPOScorer(ScorerModule):
         return self._full_cache_nll[trace.index]
 
     def training_step(self, batch: Sequence[Trace], batch_idx: int) -> None:
-        """Roll out, score and back-propagate one trace at a time (only one trace's recorded evictions
+        """Roll out, score and back-propagate one replay's groups at a time (only their recorded evictions
         are held, unless epochs > 1 keeps them for the further updates), then step."""
         started = time.perf_counter()
         optimizer, schedule = self.optimizers(), self.lr_schedulers()

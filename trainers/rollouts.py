@@ -76,7 +76,7 @@ class Credit(Choice):
 
 @dataclass(frozen=True)
 class EvictionActions:
-    """The sampled evictions of the rows of one replay, stacked over layers and eviction steps.
+    """The sampled evictions of one trace's group of rows in a replay, stacked over layers and eviction steps.
 
     keys, values [layers, steps, rows, Hkv, P, D], features [..., P, F*G]: the scorer inputs of each
     step's pool P = 2L (`SampledEviction`); eligible [..., P]; order [..., L]: the pool indices in
@@ -287,11 +287,18 @@ def roll_out_together(
     that prefill on one row per trace and the groups reuse it (`foresight.runtime.prefix`; the same
     figures up to float rounding: a one-row matmul may round differently from a G-row one).
     `reference_nll[i]`: the full-cache losses trace i is scored against (`score_rollouts`; None: its
-    stored ones). Each group is credited an equal share of the replay's time."""
+    stored ones). Each group is credited an equal share of the replay's time (its padding steps past a
+    shorter trace's end included; the prefill's recording is not counted as forward time)."""
     config = scorer.config
     groups = {len(seeds) for seeds in row_seeds}
-    if len(row_seeds) != len(traces) or len(groups) != 1:
-        raise ValueError(f"give one group of seeds per trace, all of one size: got sizes {[len(s) for s in row_seeds]} for {len(traces)} traces")
+    if len(row_seeds) != len(traces) or len(groups) != 1 or 0 in groups:
+        raise ValueError(
+            f"give one non-empty group of seeds per trace, all of one size: got sizes {[len(s) for s in row_seeds]} "
+            f"for {len(traces)} traces"
+        )
+    references = [None] * len(traces) if reference_nll is None else list(reference_nll)
+    if len(references) != len(traces):
+        raise ValueError(f"give one reference (or None) per trace: got {len(references)} for {len(traces)} traces")
     for trace in traces:
         if trace.input_ids.numel() < config.budget + config.interval + 2:
             raise ValueError(
@@ -308,8 +315,7 @@ def roll_out_together(
     engine = EvictionEngine(model, policy, cadence)
     sequences = [trace.input_ids for trace in traces for _ in range(size)]
     output = engine.replay(sequences, [prefill] * len(sequences), prefix=prefix)
-    seconds, references = time.perf_counter() - started, reference_nll or [None] * len(traces)
-    rollouts = []
+    scored = []
     for index, (trace, reference) in enumerate(zip(traces, references, strict=True)):
         rows = slice(index * size, (index + 1) * size)
         length = trace.input_ids.numel()
@@ -320,22 +326,27 @@ def roll_out_together(
         scores = score_rollouts(
             output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference
         )
-        rollouts.append(GroupRollout(
+        scored.append((trace, actions, scores))
+    share = 1 / len(traces)  # padding past a shorter trace's end included
+    seconds = time.perf_counter() - started
+    return [
+        GroupRollout(
             trace_index=trace.index,
             actions=actions,
             scores=scores,
-            eviction_steps=eviction_steps(length, config.budget, config.interval),
-            forward_seconds=output.stats.forward_seconds / len(traces),
-            seconds=seconds / len(traces),
-        ))
-    return rollouts
+            eviction_steps=eviction_steps(trace.input_ids.numel(), config.budget, config.interval),
+            forward_seconds=output.stats.forward_seconds * share,
+            seconds=seconds * share,
+        )
+        for trace, actions, scores in scored
+    ]
 
 
 def packs(traces: Sequence[Trace], size: int) -> list[list[Trace]]:
-    """The traces to replay together in runs of `size` (`roll_out_together`), in order of length, so that a
-    pack's rows replay little padding past the shorter traces' ends."""
-    by_length = sorted(traces, key=lambda trace: trace.input_ids.numel())
-    return [by_length[start : start + size] for start in range(0, len(by_length), size)]
+    """The traces to replay together in runs of `size` (`roll_out_together`): in order of length, so that a
+    pack's rows replay little padding past the shorter traces' ends; one at a time in the given order."""
+    ordered = sorted(traces, key=lambda trace: trace.input_ids.numel()) if size > 1 else list(traces)
+    return [ordered[start : start + size] for start in range(0, len(ordered), size)]
 
 
 def full_cache_losses(model: torch.nn.Module, trace: Trace) -> torch.Tensor:

@@ -213,7 +213,8 @@ def _bench_scorer(model, settings: PipelineSettings) -> ForesightScorer:
 
 def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
     """The rollouts of every trace with each group's forwards before its first eviction run on every row
-    (before), then once (now), then once with the model in bfloat16 (a float32 model's only)."""
+    (before), then once (now), then with the groups of `batch_size` traces in one replay, then once with the
+    model in bfloat16 (a float32 model's only)."""
     scorer = _bench_scorer(model, settings)
     long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
     group = f"G = {settings.group_size} sampled replays of each trace, scored; "

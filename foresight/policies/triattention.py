@@ -22,9 +22,10 @@ from foresight.runtime.policy import EvictionContext, Policy
 STD_FLOOR = 1e-6  # the authors' clamp of the per-head standard deviation
 
 
-def geometric_offsets(max_offset: int) -> torch.Tensor:
-    """The authors' future distances 1, 2, 4, ... up to `max_offset` (float64)."""
-    return 2.0 ** torch.arange(max_offset.bit_length(), dtype=torch.float64)
+def geometric_offsets(max_offset: int, device: torch.device | None = None) -> torch.Tensor:
+    """The authors' future distances 1, 2, 4, ... up to `max_offset` (float64), made on `device` (no copy
+    from the host inside an eviction step)."""
+    return 2.0 ** torch.arange(max_offset.bit_length(), dtype=torch.float64, device=device)
 
 
 def zscore(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ class TriAttention(Policy):
         centre = stats.q_mean[context.layer_idx].reshape(kv_heads, -1, dim // 2)  # [Hkv, G, F]
         residual = stats.q_abs_mean[context.layer_idx].reshape(centre.shape) - centre.abs()
         start = (context.newest_position + 1).double()  # the authors' round start t, per row
-        angles = (start[:, None] + geometric_offsets(self.max_offset).to(device))[..., None] * stats.inv_freq.double()
+        angles = (start[:, None] + geometric_offsets(self.max_offset, device))[..., None] * stats.inv_freq.double()
         phase = torch.polar(torch.ones_like(angles), angles).mean(dim=1).to(torch.complex64)  # c_f [batch, F]
         query = centre[None] * phase[:, None, None, :]  # [batch, Hkv, G, F]
         real, imag = keys.chunk(2, dim=-1)

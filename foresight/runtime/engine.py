@@ -84,8 +84,9 @@ class HostCadence:
     """Each row's valid entries, the count at which it evicts and the count an eviction leaves, mirrored on
     the host: every decision of the cadence (which rows evict, how far a chunk may run, how many slots the
     compacted cache keeps) is read here, so an eviction step whose rows all evict reads nothing back
-    from the device. An eviction leaves a row its kept candidates and the recent window: it holds at
-    least its limit, more than that, so the top-k never reaches an invalid slot."""
+    from the device. When a row evicts it holds at least its limit (protected + B + L valid entries), so
+    its top-k of protected + B − L candidates never reaches an invalid slot, and the step leaves it
+    exactly those candidates and the recent window: protected + B entries."""
 
     lengths: list[int]
     limits: list[int]
@@ -259,8 +260,8 @@ class EvictionEngine:
             chunk_positions = run.next_positions[:, None] + offsets
             start = input_ids.shape[1] + done
             targets = layout[:, start + 1 : start + size + 1]
-            fed = rest[:, done : done + size]
-            columns.append(self._replay_forward(run, fed, chunk_positions, ones * size, [size] * len(prompts), targets, forwards))
+            chunk = rest[:, done : done + size]
+            columns.append(self._replay_forward(run, chunk, chunk_positions, ones * size, [size] * len(prompts), targets, forwards))
             done += size
             if on_tokens is not None:
                 on_tokens(size)
@@ -295,16 +296,22 @@ class EvictionEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        width = int(lengths.max())
+        prompt_lengths = [len(p) for p in prompts]
+        lengths = torch.tensor(prompt_lengths, device=device)
+        width = max(prompt_lengths)
         input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
         positions = torch.full_like(input_ids, -1)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), device=device)
             positions[row, width - len(prompt) :] = torch.arange(len(prompt), device=device)
-        protected = lengths if self.protect_prompt else torch.zeros_like(lengths)
         budget, interval = (self.config.budget, self.config.interval) if self.evicts else (0, 0)
-        limits = protected + budget + interval if self.evicts else torch.full_like(lengths, torch.iinfo(torch.long).max)
+        protected = prompt_lengths if self.protect_prompt else [0] * len(prompts)
+        never = torch.iinfo(torch.long).max
+        cadence = HostCadence(
+            lengths=[0] * len(prompts),
+            limits=[p + budget + interval if self.evicts else never for p in protected],
+            left=[p + budget for p in protected],
+        )
         self.policy.reset()
         cache = EvictionCache(
             self.num_layers,
@@ -312,22 +319,15 @@ class EvictionEngine:
             group_size=self.group_size,
             query_window=self._query_window(interval),
             keep_every_query=self.observes_every_query,
-            capacity=min(width + new_tokens, int(limits.max())),  # the most entries a layer holds
+            capacity=min(width + new_tokens, max(cadence.limits)),  # the most entries a layer holds
         )
         self.last_cache = cache
-        host_protected = [len(p) for p in prompts] if self.protect_prompt else [0] * len(prompts)
-        never = torch.iinfo(torch.long).max
-        cadence = HostCadence(
-            lengths=[0] * len(prompts),
-            limits=[p + budget + interval if self.evicts else never for p in host_protected],
-            left=[p + budget for p in host_protected],
-        )
         run = _Run(
             cache=cache,
             cadence=cadence,
-            protected=protected,
-            limits=limits,
-            keep_counts=protected + budget - interval,
+            protected=torch.tensor(protected, device=device),
+            limits=torch.tensor(cadence.limits, device=device),
+            keep_counts=torch.tensor([left - interval for left in cadence.left], device=device),
             sinks=self.sinks,
             first_eviction=torch.full_like(lengths, -1),
             next_positions=lengths.clone(),

@@ -121,7 +121,14 @@ def plackett_luce_logprob(
             f"scores {tuple(scores.shape)}"
         )
     masked = _masked(scores, order.shape[-1], eligible)
+    if bool((_drawn(masked, pool, order).sum(-1) != order.shape[-1]).any()):  # off the hot path: checked at once
+        raise ValueError("order must hold distinct candidates that all lie in the pool")
     return _plackett_luce(masked, pool, order, temperature)
+
+
+def _drawn(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[..., P] which pool entries `order` draws."""
+    return torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
 
 
 def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -129,8 +136,7 @@ def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor
     at draw k are the pool entries never drawn plus o_k..o_L, so each denominator is a logaddexp of one
     logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor."""
     logits = _logits(masked, temperature)
-    drawn = torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
-    require((drawn.sum(-1) == order.shape[-1]).all(), "order must hold distinct candidates that all lie in the pool")
+    drawn = _drawn(masked, pool, order)
     never_drawn = logits.gather(-1, pool).masked_fill(drawn, float("-inf")).logsumexp(-1, keepdim=True)
     drawn_logits = logits.gather(-1, order)
     remaining_drawn = drawn_logits.flip(-1).logcumsumexp(-1).flip(-1)
