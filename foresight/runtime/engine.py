@@ -438,8 +438,11 @@ class EvictionEngine:
             rows = None if all(due_rows) else due.nonzero().squeeze(1)  # a ragged step reads its rows once
             candidates = [length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
             width = run.cadence.evict(due_rows)
-            for layer_idx, layer in enumerate(run.cache.layers):
-                layer.compact(self._keep_mask(run, layer_idx, layer, rows, tuple(candidates)), width)
+            layers = run.cache.layers
+            scored = [self._scores(run, index, layer, rows, tuple(candidates)) for index, layer in enumerate(layers)]
+            keep = self._keep_top(run, rows, *(torch.stack(parts) for parts in zip(*scored)))
+            for layer, layer_keep in zip(layers, keep):
+                layer.compact(layer_keep if rows is None else _with_rows(layer, layer_keep, rows), width)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
             run.stats.evictions += 1
 
@@ -468,26 +471,24 @@ class EvictionEngine:
                 for name, value in self.policy.observe(context).items():
                     layer.write_state(name, value)
 
-    def _keep_mask(
+    def _scores(
         self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None, candidate_counts: tuple[int, ...]
-    ) -> torch.Tensor:
-        """[batch, Hkv, N] entries to keep: the recent window, sinks, protected prompt and the top
-        candidates by keep score for the evicting rows (`rows`, None: all; `candidate_counts`: their valid
-        candidates); everything valid for the others."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's part of an eviction step: the policy observes its evicting rows (`rows`, None: all;
+        `candidate_counts`: their valid candidates) and scores their candidates -> (keep scores, candidate
+        positions), both [rows, Hkv, C]."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if rows is None else tensor[rows]
 
-        interval = self.config.interval
         entries = layer.get_seq_length()
-        positions = select(layer.entry_positions())
         context = EvictionContext(
             layer_idx=layer_idx,
             num_layers=self.num_layers,
             keys=select(layer.keys),
             values=select(layer.values),
-            positions=positions,
-            num_candidates=entries - interval,
+            positions=select(layer.entry_positions()),
+            num_candidates=entries - self.config.interval,
             scaling=layer.scaling,
             state={name: select(value) for name, value in layer.state.items()},
             candidate_counts=candidate_counts,
@@ -498,20 +499,33 @@ class EvictionEngine:
             for name, value in self.policy.observe(context).items():
                 context.state[name] = value
                 layer.write_state(name, value, rows)
-        scores = self.policy.keep_scores(context).float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
-        candidates = positions[..., : entries - interval]
+        return self.policy.keep_scores(context), context.candidate_positions
+
+    def _keep_top(
+        self, run: _Run, rows: torch.Tensor | None, scores: torch.Tensor, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """[layers, rows, Hkv, N] entries every layer keeps, in one pass over the layers' stacked keep
+        scores and candidate positions [layers, rows, Hkv, C]: the recent window, sinks, the protected
+        prompt and the top candidates by keep score."""
+
+        def select(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if rows is None else tensor[rows]
+
+        scores = scores.float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
         protected = (candidates >= 0) & (
             (candidates < run.sinks) | (candidates < select(run.protected)[:, None, None])
         )
         scores = scores.masked_fill(protected, float("inf")).masked_fill(candidates < 0, float("-inf"))
         keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
-        recent = torch.ones_like(keep_candidates[..., :interval])
-        keep_rows = torch.cat([keep_candidates, recent], dim=-1)
-        if rows is None:
-            return keep_rows
-        keep = layer.valid[:, None, :].expand(-1, keep_rows.shape[1], -1).clone()
-        keep[rows] = keep_rows
-        return keep
+        recent = torch.ones_like(keep_candidates[..., : self.config.interval])
+        return torch.cat([keep_candidates, recent], dim=-1)
+
+
+def _with_rows(layer: EvictionLayer, keep_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[batch, Hkv, N]: `keep_rows` for the evicting `rows`, every valid entry for the others."""
+    keep = layer.valid[:, None, :].expand(-1, keep_rows.shape[1], -1).clone()
+    keep[rows] = keep_rows
+    return keep
 
 
 class _PrefixForwards:
