@@ -174,23 +174,26 @@ def test_a_row_rolls_out_the_same_in_any_group(llama):
     assert not torch.equal(whole.actions.order[:, :, 0], whole.actions.order[:, :, 1])
 
 
+def with_token_rows(model, run):
+    """`run()`'s result and the token rows (batch rows x tokens) the model's forwards were fed during it."""
+    token_rows = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: token_rows.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        return run(), sum(token_rows)
+    finally:
+        hook.remove()
+
+
 def test_a_group_runs_the_forwards_before_its_first_eviction_once(llama):
     """The G rows hold the same tokens until the first eviction: the model runs those B + L tokens on one
     row, the group reuses them, and every rollout is the one of running them on every row."""
     trace, scorer = random_trace(llama, 64, prompt=9, seed=3), scorer_for(llama)
     seeds = rollout_seeds(2, 0, trace.index, range(4))
-    token_rows = []
-    hook = llama.register_forward_pre_hook(
-        lambda module, args, kwargs: token_rows.append(kwargs["input_ids"].numel()), with_kwargs=True
-    )
-    try:
-        shared = roll_out(llama, scorer, trace, seeds)
-        shared_rows = sum(token_rows)
-        token_rows.clear()
-        alone = roll_out(llama, scorer, trace, seeds, share_prefix=False)
-    finally:
-        hook.remove()
-    assert sum(token_rows) - shared_rows == (len(seeds) - 1) * (B + L_) - 1  # the recording feeds one token more
+    shared, shared_rows = with_token_rows(llama, lambda: roll_out(llama, scorer, trace, seeds))
+    alone, alone_rows = with_token_rows(llama, lambda: roll_out(llama, scorer, trace, seeds, share_prefix=False))
+    assert alone_rows - shared_rows == (len(seeds) - 1) * (B + L_) - 1  # the recording feeds one token more
     assert torch.equal(shared.actions.order, alone.actions.order)
     torch.testing.assert_close(shared.scores.reward, alone.scores.reward, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(shared.scores.loss_ratio, alone.scores.loss_ratio, rtol=1e-5, atol=1e-6)
@@ -203,18 +206,9 @@ def test_groups_rolled_out_together_equal_each_group_alone(llama):
     scorer = scorer_for(llama)
     traces = [random_trace(llama, 64, prompt=9, seed=6), random_trace(llama, 47, prompt=30, seed=7)]
     seeds = [rollout_seeds(1, 0, trace.index, range(3)) for trace in traces]
-    token_rows = []
-    hook = llama.register_forward_pre_hook(
-        lambda module, args, kwargs: token_rows.append(kwargs["input_ids"].numel()), with_kwargs=True
-    )
-    try:
-        together = roll_out_together(llama, scorer, traces, seeds)
-        shared_rows = sum(token_rows)
-        token_rows.clear()
-        roll_out_together(llama, scorer, traces, seeds, share_prefix=False)
-    finally:
-        hook.remove()
-    assert sum(token_rows) - shared_rows == len(traces) * ((3 - 1) * (B + L_) - 1)
+    together, shared_rows = with_token_rows(llama, lambda: roll_out_together(llama, scorer, traces, seeds))
+    _, alone_rows = with_token_rows(llama, lambda: roll_out_together(llama, scorer, traces, seeds, share_prefix=False))
+    assert alone_rows - shared_rows == len(traces) * ((3 - 1) * (B + L_) - 1)
     for trace, group_seeds, packed in zip(traces, seeds, together, strict=True):
         alone = roll_out(llama, scorer, trace, group_seeds)
         assert packed.trace_index == trace.index

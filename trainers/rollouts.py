@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -240,25 +242,16 @@ def rollout_seeds(seed: int, round_index: int, trace_index: int, rows: Sequence[
     return tuple(int(np.random.SeedSequence([seed, round_index, trace_index, row]).generate_state(1)[0]) for row in rows)
 
 
-@torch.no_grad()
 def roll_out(
     model: torch.nn.Module,
     scorer: ForesightScorer,
     trace: Trace,
     row_seeds: Sequence[int],
-    share: float = LOW_ENTROPY_SHARE,
-    threshold: float = DAMAGE_THRESHOLD,
-    storage_dtype: torch.dtype = torch.float32,
-    temperature: float = 1.0,
-    exponent: float = DAMAGE_EXPONENT,
-    share_prefix: bool = True,
     reference_nll: torch.Tensor | None = None,
+    **options: Any,
 ) -> GroupRollout:
-    """The rollouts of one trace, one per seed (`roll_out_together` of a single group)."""
-    return roll_out_together(
-        model, scorer, [trace], [row_seeds], share, threshold, storage_dtype, temperature, exponent, share_prefix,
-        [reference_nll],
-    )[0]
+    """The rollouts of one trace, one per seed: `roll_out_together` of a single group, with its `options`."""
+    return roll_out_together(model, scorer, [trace], [row_seeds], reference_nll=[reference_nll], **options)[0]
 
 
 @torch.no_grad()
@@ -274,6 +267,7 @@ def roll_out_together(
     exponent: float = DAMAGE_EXPONENT,
     share_prefix: bool = True,
     reference_nll: Sequence[torch.Tensor | None] | None = None,
+    step_observer: AbstractContextManager | None = None,
 ) -> list[GroupRollout]:
     """Replay each trace once per seed of its group (`row_seeds[i]`, the same count for every trace), every
     group as consecutive rows of one batch, `scorer` sampling every eviction (Eq. 2) at the B and L it was
@@ -288,7 +282,8 @@ def roll_out_together(
     figures up to float rounding: a one-row matmul may round differently from a G-row one).
     `reference_nll[i]`: the full-cache losses trace i is scored against (`score_rollouts`; None: its
     stored ones). Each group is credited an equal share of the replay's time (its padding steps past a
-    shorter trace's end included; the prefill's recording is not counted as forward time)."""
+    shorter trace's end included; the prefill's recording is not counted as forward time).
+    `step_observer`: entered around every eviction step of the replay (`EvictionEngine`)."""
     config = scorer.config
     groups = {len(seeds) for seeds in row_seeds}
     if len(row_seeds) != len(traces) or len(groups) != 1 or 0 in groups:
@@ -312,7 +307,7 @@ def roll_out_together(
     cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
     prefill = config.budget + config.interval
     prefix = _groups_prefix(model, traces, cadence) if share_prefix else None
-    engine = EvictionEngine(model, policy, cadence)
+    engine = EvictionEngine(model, policy, cadence, step_observer=step_observer)
     sequences = [trace.input_ids for trace in traces for _ in range(size)]
     output = engine.replay(sequences, [prefill] * len(sequences), prefix=prefix)
     scored = []
@@ -327,7 +322,7 @@ def roll_out_together(
             output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference
         )
         scored.append((trace, actions, scores))
-    share = 1 / len(traces)  # padding past a shorter trace's end included
+    portion = 1 / len(traces)  # of the replay's time, padding past a shorter trace's end included
     seconds = time.perf_counter() - started
     return [
         GroupRollout(
@@ -335,8 +330,8 @@ def roll_out_together(
             actions=actions,
             scores=scores,
             eviction_steps=eviction_steps(trace.input_ids.numel(), config.budget, config.interval),
-            forward_seconds=output.stats.forward_seconds * share,
-            seconds=seconds * share,
+            forward_seconds=output.stats.forward_seconds * portion,
+            seconds=seconds * portion,
         )
         for trace, actions, scores in scored
     ]

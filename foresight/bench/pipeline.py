@@ -53,8 +53,7 @@ from foresight.eval.specs import PolicySpec
 from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
 from foresight.models import describe
-from foresight.policies import make_policy
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.engine import EvictionEngine
 from foresight.runtime.host_reads import HostReads
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
@@ -240,23 +239,15 @@ def _host_reads(model, trace: Trace, settings: PipelineSettings) -> dict[str, fl
     """Device values read back by the host per eviction step (`HostReads`; on a GPU each one is a
     synchronisation) in one replay of `trace`: the eval stage's policy on one row, and G rollout rows
     of a sampled scorer evicting together."""
-    scorer = _bench_scorer(model, settings)
-    config = settings.policy.config(settings.budget, settings.interval)
-    cadence = EvictionConfig(settings.budget, settings.interval, sinks=0, protect_prompt=False)
-    seeds = tuple(range(settings.group_size))
-    replays = {
-        settings.policy.name: (settings.policy.build(None), config, 1, min(trace.prompt_length, trace.input_ids.numel() - 1)),
-        f"rl rollouts (G = {settings.group_size})": (
-            make_policy("foresight", scorer=scorer, mode="sampled", row_seeds=seeds, record=False), cadence,
-            settings.group_size, settings.budget + settings.interval,
-        ),
+    policy, eval_reads = settings.policy, HostReads()
+    engine = EvictionEngine(model, policy.build(None), policy.config(settings.budget, settings.interval), step_observer=eval_reads)
+    evicted = engine.replay([trace.input_ids], [min(trace.prompt_length, trace.input_ids.numel() - 1)]).stats.evictions
+    rollout_reads, seeds = HostReads(), list(range(settings.group_size))
+    group = roll_out_together(model, _bench_scorer(model, settings), [trace], [seeds], step_observer=rollout_reads)[0]
+    return {
+        policy.name: eval_reads.total / max(evicted, 1),
+        f"rl rollouts (G = {settings.group_size})": rollout_reads.total / group.eviction_steps,
     }
-    per_step = {}
-    for name, (policy, eviction, rows, prefill) in replays.items():
-        reads = HostReads()
-        output = EvictionEngine(model, policy, eviction, step_observer=reads).replay([trace.input_ids] * rows, [prefill] * rows)
-        per_step[name] = reads.total / max(output.stats.evictions, 1)
-    return per_step
 
 
 def _rollout_row(

@@ -255,7 +255,7 @@ class EvictionEngine:
         done = 0
         ones = torch.ones(len(prompts), dtype=torch.long, device=device)
         while done < rest.shape[1]:
-            size = min(chunk_cap, rest.shape[1] - done, run.cadence.room() if self.evicts else chunk_cap)
+            size = min(chunk_cap, rest.shape[1] - done, run.cadence.room())
             offsets = torch.arange(size, device=device)
             chunk_positions = run.next_positions[:, None] + offsets
             start = input_ids.shape[1] + done

@@ -91,7 +91,7 @@ def sample_eviction(
     gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(logits.dtype).tiny)))
     picks = (logits + gumbel).topk(num_evict, dim=-1).indices
     order = pool.gather(-1, picks)
-    return order, _plackett_luce(masked, pool, order, temperature)
+    return order, _plackett_luce(masked, pool, order, temperature, _drawn(masked, pool, order))
 
 
 def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
@@ -121,9 +121,10 @@ def plackett_luce_logprob(
             f"scores {tuple(scores.shape)}"
         )
     masked = _masked(scores, order.shape[-1], eligible)
-    if bool((_drawn(masked, pool, order).sum(-1) != order.shape[-1]).any()):  # off the hot path: checked at once
+    drawn = _drawn(masked, pool, order)
+    if bool((drawn.sum(-1) != order.shape[-1]).any()):  # off the hot path: checked at once
         raise ValueError("order must hold distinct candidates that all lie in the pool")
-    return _plackett_luce(masked, pool, order, temperature)
+    return _plackett_luce(masked, pool, order, temperature, drawn)
 
 
 def _drawn(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -131,12 +132,13 @@ def _drawn(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor) -> tor
     return torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
 
 
-def _plackett_luce(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, temperature: float) -> torch.Tensor:
+def _plackett_luce(
+    masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, temperature: float, drawn: torch.Tensor
+) -> torch.Tensor:
     """sum_k [l(o_k) - logsumexp of l over the pool entries not yet drawn]. The entries still available
     at draw k are the pool entries never drawn plus o_k..o_L, so each denominator is a logaddexp of one
-    logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor."""
+    logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor. `drawn`: `_drawn` of the order."""
     logits = _logits(masked, temperature)
-    drawn = _drawn(masked, pool, order)
     never_drawn = logits.gather(-1, pool).masked_fill(drawn, float("-inf")).logsumexp(-1, keepdim=True)
     drawn_logits = logits.gather(-1, order)
     remaining_drawn = drawn_logits.flip(-1).logcumsumexp(-1).flip(-1)
