@@ -76,3 +76,8 @@ class ConcatenatingCache(EvictionCache):
         self.layers = [
             ConcatenatingLayer(state_fields, group_size, query_window, keep_every_query) for _ in range(num_layers)
         ]
+
+    def compact(self, keep: torch.Tensor, width: int) -> None:
+        """Each layer counts and sorts its own mask [batch, Hkv, N] (the runtime does all layers at once)."""
+        for layer, layer_keep in zip(self.layers, keep, strict=True):
+            layer.compact(layer_keep, width)

@@ -13,8 +13,8 @@ from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
 from foresight.models import describe
 from foresight.policies import make_policy
 from foresight.runtime.policy import EvictionContext
-from foresight.policies.foresight import CUMULATIVE, DECAYED
-from foresight.runtime.cache import EvictionLayer
+from foresight.policies.foresight import CUMULATIVE, DECAYED, Foresight
+from foresight.runtime.cache import EvictionCache
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests.helpers import (
     independent_mlp,
@@ -178,13 +178,14 @@ class EvictionLog:
 
     def __init__(self, monkeypatch):
         self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
-        compact = EvictionLayer.compact
+        compact = EvictionCache.compact
 
-        def recording(layer, keep, width):
-            self.steps.append((layer.entry_positions().clone(), keep.clone()))
-            compact(layer, keep, width)
+        def recording(cache, keep, width):
+            for layer, layer_keep in zip(cache.layers, keep):
+                self.steps.append((layer.entry_positions().clone(), layer_keep.clone()))
+            compact(cache, keep, width)
 
-        monkeypatch.setattr(EvictionLayer, "compact", recording)
+        monkeypatch.setattr(EvictionCache, "compact", recording)
 
     def evicted(self, index: int) -> list[list[set[int]]]:
         """Positions evicted at compaction `index`, per row and head."""
@@ -216,8 +217,14 @@ def test_deterministic_mode_evicts_the_lowest_scores(llama, eviction_log):
     scorer = random_scorer(llama)
     policy = make_policy("foresight", scorer=scorer)
     seen = []
-    keep_scores = policy.keep_scores
-    policy.keep_scores = lambda context: seen.append((context.candidate_positions, keep_scores(context))) or seen[-1][1]
+    step_keep_scores = policy.step_keep_scores
+
+    def spy(contexts):
+        scores = step_keep_scores(contexts)
+        seen.extend((context.candidate_positions, layer_scores) for context, layer_scores in zip(contexts, scores))
+        return scores
+
+    policy.step_keep_scores = spy
     EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([6, 6], seed=2), 24)
     assert len(seen) == len(eviction_log.steps) > 4
     for index, (candidates, scores) in enumerate(seen):
@@ -270,6 +277,38 @@ def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama,
     EvictionEngine(llama, unrecorded, EvictionConfig(B, L)).generate(random_prompts([7, 7], seed=4), 30)
     assert unrecorded.records == [] and len(eviction_log.steps) == before + steps
     assert all(eviction_log.evicted(before + index) == eviction_log.evicted(index) for index in range(steps))
+
+
+class _OneLayerAtATime(Foresight):
+    """The learned policy scoring and sampling each layer on its own, as the engine's step ran it before
+    the layers went through the stacked MLPs together: the reference of `step_keep_scores`."""
+
+    def step_keep_scores(self, contexts):
+        return torch.stack([Foresight.step_keep_scores(self, [context])[0] for context in contexts])
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "sampled", "row_seeds": (5, 9)}, {"mode": "sampled", "seed": 2}])
+def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(llama, options):
+    """Same evictions, losses and sampled records (on a CPU a generator's draws for all layers at once are
+    its draws layer after layer)."""
+    scorer = random_scorer(llama, feature_set="standardised")
+    sequences = [torch.tensor(prompt) for prompt in random_prompts([40, 40], seed=6)]
+    runs = []
+    for policy in (Foresight(scorer=scorer, **options), _OneLayerAtATime(scorer=scorer, **options)):
+        engine = EvictionEngine(llama, policy, EvictionConfig(B, L, sinks=0, protect_prompt=False))
+        output = engine.replay(sequences, [B + L] * 2)
+        runs.append((output, policy.records, [layer.entry_positions() for layer in engine.last_cache.layers]))
+    (together, records, held), (alone, reference, held_alone) = runs
+    assert together.stats.evictions == alone.stats.evictions >= 5
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(held, held_alone, strict=True))
+    for row in range(2):
+        torch.testing.assert_close(together.nll[row], alone.nll[row], rtol=0, atol=1e-5)
+    assert len(records) == len(reference) == (together.stats.evictions * describe(llama).num_layers if options else 0)
+    for record, expected in zip(records, reference):
+        assert record.layer == expected.layer and torch.equal(record.order, expected.order)
+        assert torch.equal(record.positions, expected.positions) and torch.equal(record.eligible, expected.eligible)
+        for name in ("keys", "values", "features", "logprob"):
+            torch.testing.assert_close(getattr(record, name), getattr(expected, name), rtol=0, atol=1e-5)
 
 
 # -- errors ---------------------------------------------------------------------------------------

@@ -84,10 +84,12 @@ def test_a_failed_check_is_a_value_error_with_its_message_on_a_cpu():
 def test_a_compaction_to_another_width_than_the_mask_keeps_is_refused(llama):
     engine, _ = engine_with("snapkv", llama)
     engine.replay([torch.tensor(prompts([40])[0])], [8])
-    layer = engine.last_cache.layers[0]
-    keep = torch.ones_like(layer.entry_positions(), dtype=torch.bool)
-    with pytest.raises(ValueError, match=f"kept another count than its cadence's {layer.get_seq_length() - 1}"):
-        layer.compact(keep, layer.get_seq_length() - 1)
+    cache = engine.last_cache
+    keep = torch.stack([torch.ones_like(layer.entry_positions(), dtype=torch.bool) for layer in cache.layers])
+    keep[0, :, :, 0] = False  # the first layer keeps one entry fewer: the others keep more than asked
+    width = cache.layers[0].get_seq_length() - 1
+    with pytest.raises(ValueError, match=f"kept another count than its cadence's {width}"):
+        cache.compact(keep, width)
 
 
 class LengthsAgree:

@@ -104,7 +104,7 @@ class StepRecorder(Policy):
     feature_set: str = FeatureSet.PAPER.value
     storage_dtype: torch.dtype = torch.float16
     buffers: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    _features: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _features: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)  # by layer, observe to score
 
     def __post_init__(self) -> None:
         learned = isinstance(self.driver, Foresight)
@@ -129,14 +129,19 @@ class StepRecorder(Policy):
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
         if isinstance(self.driver, Foresight):  # it computes the same features for its own scores
             state = self.driver.observe(context)
-            self._features = self.driver.observed_features(context)
+            self._features[context.layer_idx] = self.driver.observed_features(context)
             return state
-        self._features, state = observe_features(context, self.feature_set)
+        self._features[context.layer_idx], state = observe_features(context, self.feature_set)
         return {**self.driver.observe(context), **state}
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        scores = self.driver.keep_scores(context)
-        self._record(context)
+        return self.step_keep_scores([context])[0]
+
+    def step_keep_scores(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
+        """The driver's scores of the step's layers (at once where it batches them), then each layer recorded."""
+        scores = self.driver.step_keep_scores(contexts)
+        for context in contexts:
+            self._record(context)
         return scores
 
     def _record(self, context: EvictionContext) -> None:
@@ -150,7 +155,7 @@ class StepRecorder(Policy):
         inputs = {
             "keys": context.keys[..., candidates, :],
             "values": context.values[..., candidates, :],
-            "features": self._features,  # the candidates', as the scorer reads them (`observe_features`)
+            "features": self._features.pop(context.layer_idx),  # the candidates', as the scorer reads them
         }
         if not self.buffers:
             self._allocate(context, inputs)

@@ -143,11 +143,9 @@ class HeldPositions:
         self.steps = []
         self.policy.reset()
 
-    def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        if context.layer_idx == 0:
-            self.steps.append([])
-        self.steps[-1].append(context.positions[0].cpu())
-        return self.policy.keep_scores(context)
+    def step_keep_scores(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
+        self.steps.append([context.positions[0].cpu() for context in contexts])
+        return self.policy.step_keep_scores(contexts)
 
 
 def held_after_steps(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -136,7 +137,7 @@ class Foresight(Policy):
     record: bool = True
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
-    _pending: tuple[EvictionContext, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _pending: dict[int, tuple[EvictionContext, torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
     _generator: torch.Generator | list[torch.Generator] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,14 +158,14 @@ class Foresight(Policy):
     def reset(self) -> None:
         self.records = []
         self._steps = 0
-        self._pending = None
+        self._pending = {}
         self._generator = None
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
         if context.layer_idx == 0:
             self._check(context)
         features, state = observe_features(context, self.scorer.config.feature_set)
-        self._pending = (context, features)
+        self._pending[context.layer_idx] = (context, features)
         if context.layer_idx == context.num_layers - 1:
             self._steps += 1
         return state
@@ -172,52 +173,60 @@ class Foresight(Policy):
     def observed_features(self, context: EvictionContext) -> torch.Tensor:
         """The candidates' features [batch, Hkv, C, F*G] that `observe` computed for this context (what
         `keep_scores` will read; the supervised data maker records them instead of computing them again)."""
-        if self._pending is None or self._pending[0] is not context:
+        pending = self._pending.get(context.layer_idx)
+        if pending is None or pending[0] is not context:
             raise RuntimeError("keep_scores and observed_features must follow observe on the same eviction context")
-        return self._pending[1]
+        return pending[1]
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
-        features = self.observed_features(context)
-        self._pending = None
-        candidates = slice(0, context.num_candidates)
-        keys, values = context.keys[..., candidates, :], context.values[..., candidates, :]
-        scores = self.scorer.score_layer(context.layer_idx, keys, values, features)
+        return self.step_keep_scores([context])[0]
+
+    def step_keep_scores(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
+        """Every layer of the step through the stacked MLPs in one pass and, in sampled mode, one draw
+        for all of them (a row's generator draws its noise layer after layer, as one draw per layer would)."""
+        first = contexts[0].layer_idx
+        if [context.layer_idx for context in contexts] != list(range(first, first + len(contexts))):
+            raise ValueError(f"a step's contexts must be consecutive layers, got {[c.layer_idx for c in contexts]}")
+        features = _stacked([self.observed_features(context) for context in contexts])
+        for context in contexts:
+            del self._pending[context.layer_idx]
+        candidates = slice(0, contexts[0].num_candidates)
+        keys = _stacked([context.keys[..., candidates, :] for context in contexts])
+        values = _stacked([context.values[..., candidates, :] for context in contexts])
+        scores = self.scorer.score_layers(first, keys, values, features)
         if self.mode == EvictionMode.DETERMINISTIC.value:
             return scores
-        return self._sample(context, scores, keys, values, features)
+        return self._sample(contexts, scores, keys, values, features)
 
-    def _sample(self, context, scores, keys, values, features) -> torch.Tensor:
-        """Eq. 2: draw L evictions among the 2L lowest; keep scores 1, sampled entries 0."""
-        eligible = context.candidate_positions >= 0
+    def _sample(self, contexts, scores, keys, values, features) -> torch.Tensor:
+        """Eq. 2: draw L evictions among the 2L lowest; keep scores 1, sampled entries 0 ([layers, ...] all)."""
+        positions = torch.stack([context.candidate_positions for context in contexts])
+        eligible = positions >= 0
         if self._generator is None:
             self._generator = self._generators(scores.device)
-        order, logprob = sample_eviction(scores, self.scorer.config.interval, self._generator, eligible, self.temperature)
+        order, logprob = self._draw(scores, eligible)
         if self.record:
-            self.records.append(self._recorded(context, eligible, scores, keys, values, features, order, logprob))
+            pooled = _Pooled.of(scores, self.scorer.config.interval, eligible, order)
+            inputs = [pooled(tensor) for tensor in (positions, keys, values, features, eligible)]
+            self.records.extend(
+                SampledEviction(
+                    context.layer_idx, context.query_positions, *(tensor[index] for tensor in inputs),
+                    order=pooled.order[index], logprob=logprob[index], temperature=self.temperature,
+                )
+                for index, context in enumerate(contexts)
+            )
         sampled = torch.zeros_like(eligible).scatter(-1, order, True)
         return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
 
-    def _recorded(self, context, eligible, scores, keys, values, features, order, logprob) -> SampledEviction:
-        """The draw with the scorer inputs of its pool, as the reinforcement stage needs it."""
-        pool = eviction_pool(scores, self.scorer.config.interval, eligible)
-        in_pool = (pool[..., None, :] == order[..., :, None]).int().argmax(-1)
-
-        def pooled(tensor: torch.Tensor) -> torch.Tensor:
-            index = pool[..., None].expand(*pool.shape, tensor.shape[-1])
-            return tensor.gather(-2, index)
-
-        return SampledEviction(
-            layer=context.layer_idx,
-            query_positions=context.query_positions,
-            positions=context.candidate_positions.gather(-1, pool),
-            keys=pooled(keys),
-            values=pooled(values),
-            features=pooled(features),
-            eligible=eligible.gather(-1, pool),
-            order=in_pool,
-            logprob=logprob,
-            temperature=self.temperature,
-        )
+    def _draw(self, scores: torch.Tensor, eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_eviction` over [layers, batch, ...]; per-row generators index the batch dim."""
+        interval = self.scorer.config.interval
+        if isinstance(self._generator, list):
+            order, logprob = sample_eviction(
+                scores.transpose(0, 1), interval, self._generator, eligible.transpose(0, 1), self.temperature
+            )
+            return order.transpose(0, 1), logprob.transpose(0, 1)
+        return sample_eviction(scores, interval, self._generator, eligible, self.temperature)
 
     def _generators(self, device: torch.device) -> torch.Generator | list[torch.Generator]:
         if self.row_seeds is None:
@@ -257,3 +266,29 @@ class Foresight(Policy):
                 f"sampled eviction removes exactly L={config.interval} of B={config.budget} candidates per step, "
                 f"but a row holds {most} candidates (a prompt longer than B + L); use deterministic mode"
             )
+
+
+def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-layer [batch, Hkv, ...] tensors as one [layers, batch, Hkv, ...] laid out head-major in memory
+    ([layers, Hkv, batch, ...]), the layout the scorer's per-(layer, head) matmuls read without a copy."""
+    return torch.stack([tensor.transpose(0, 1) for tensor in tensors]).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class _Pooled:
+    """The sampling pool of a draw (`eviction_pool`): gathers any [..., C, *] tensor of the candidates at
+    the pool's indices; `order` indexes the pool in sampled order."""
+
+    pool: torch.Tensor
+    order: torch.Tensor
+
+    @classmethod
+    def of(cls, scores: torch.Tensor, interval: int, eligible: torch.Tensor, order: torch.Tensor) -> _Pooled:
+        pool = eviction_pool(scores, interval, eligible)
+        return cls(pool, (pool[..., None, :] == order[..., :, None]).int().argmax(-1))
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == self.pool.dim():
+            return tensor.gather(-1, self.pool)
+        index = self.pool[..., None].expand(*self.pool.shape, tensor.shape[-1])
+        return tensor.gather(-2, index)

@@ -286,19 +286,11 @@ class EvictionLayer(CacheLayerMixin):
         self.unobserved_count = count - end
         return blocks
 
-    def compact(self, keep: torch.Tensor, width: int) -> None:
-        """Keep the entries where `keep` [batch, Hkv, N] is True, in position order, right-aligned.
-
-        Every row keeps the same count on each of its heads; rows may differ (padding, protected
-        prompts), so the layer narrows to `width`, the largest count, which the caller knows from its
-        cadence (reading it here would synchronise with the device in every layer), and shorter rows get
-        invalid slots in front. The count is checked on the device, without waiting for it."""
-        kept_per_row = keep[:, 0].sum(-1)
-        require(kept_per_row.max() == width, f"an eviction step kept another count than its cadence's {width}")
-        # A stable sort of the 0/1 mask puts dropped slots first and kept ones last, in position order.
-        index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
+    def keep_entries(self, index: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Keep the entries at slots `index` [batch, Hkv, W], in that order, of which the last `lengths`
+        [batch] of each row are valid (`EvictionCache.compact` works them out for every layer at once)."""
         self.storage.compact(index)
-        self.lengths = kept_per_row
+        self.lengths = lengths
         self._refresh_views()
 
     def storage_bytes(self) -> int:
@@ -352,6 +344,24 @@ class EvictionCache(Cache):
         for layer in self.layers:
             layer.pending_positions = positions
             layer.pending_valid = valid
+
+    def compact(self, keep: torch.Tensor, width: int) -> None:
+        """Keep, in every layer, the entries where `keep` [layers, batch, Hkv, N] is True, in position order,
+        right-aligned.
+
+        Every row keeps the same count on each of its heads; rows may differ (padding, protected
+        prompts), so the layers narrow to `width`, the largest count, which the caller knows from its
+        cadence (reading it here would synchronise with the device), and shorter rows get invalid slots
+        in front. One count, one device-side check and one sort serve all the layers; each layer then
+        gathers its own buffers."""
+        kept_per_row = keep[:, :, 0].sum(-1)  # [layers, batch]
+        require(
+            (kept_per_row.amax(-1) == width).all(), f"an eviction step kept another count than its cadence's {width}"
+        )
+        # A stable sort of the 0/1 mask puts dropped slots first and kept ones last, in position order.
+        index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
+        for layer, layer_index, lengths in zip(self.layers, index, kept_per_row, strict=True):
+            layer.keep_entries(layer_index, lengths)
 
     @property
     def lengths(self) -> torch.Tensor:

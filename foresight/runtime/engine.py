@@ -438,11 +438,13 @@ class EvictionEngine:
             rows = None if all(due_rows) else due.nonzero().squeeze(1)  # a ragged step reads its rows once
             candidates = [length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
             width = run.cadence.evict(due_rows)
-            layers = run.cache.layers
-            scored = [self._scores(run, index, layer, rows, tuple(candidates)) for index, layer in enumerate(layers)]
-            keep = self._keep_top(run, rows, *(torch.stack(parts) for parts in zip(*scored)))
-            for layer, layer_keep in zip(layers, keep):
-                layer.compact(layer_keep if rows is None else _with_rows(layer, layer_keep, rows), width)
+            contexts = [
+                self._observed_context(index, layer, rows, tuple(candidates)) for index, layer in enumerate(run.cache.layers)
+            ]
+            scores = self.policy.step_keep_scores(contexts)
+            positions = torch.stack([context.candidate_positions for context in contexts])
+            keep = self._keep_top(run, rows, scores, positions)
+            run.cache.compact(keep if rows is None else _with_rows(run.cache.layers[0], keep, rows), width)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
             run.stats.evictions += 1
 
@@ -471,12 +473,12 @@ class EvictionEngine:
                 for name, value in self.policy.observe(context).items():
                     layer.write_state(name, value)
 
-    def _scores(
-        self, run: _Run, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None, candidate_counts: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's part of an eviction step: the policy observes its evicting rows (`rows`, None: all;
-        `candidate_counts`: their valid candidates) and scores their candidates -> (keep scores, candidate
-        positions), both [rows, Hkv, C]."""
+    def _observed_context(
+        self, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None, candidate_counts: tuple[int, ...]
+    ) -> EvictionContext:
+        """One layer's context at an eviction step, for its evicting rows (`rows`, None: all;
+        `candidate_counts`: their valid candidates), after the policy observed it (a WINDOW policy's
+        observation; an every-query policy observed all its queries already) and its new state was written."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if rows is None else tensor[rows]
@@ -493,13 +495,13 @@ class EvictionEngine:
             state={name: select(value) for name, value in layer.state.items()},
             candidate_counts=candidate_counts,
         )
-        if not self.observes_every_query:  # every-query policies observed all their queries already
+        if not self.observes_every_query:
             if self.policy.needs_attention:
                 context.queries, context.query_positions = layer.buffered_queries(rows)
             for name, value in self.policy.observe(context).items():
                 context.state[name] = value
                 layer.write_state(name, value, rows)
-        return self.policy.keep_scores(context), context.candidate_positions
+        return context
 
     def _keep_top(
         self, run: _Run, rows: torch.Tensor | None, scores: torch.Tensor, candidates: torch.Tensor
@@ -522,9 +524,11 @@ class EvictionEngine:
 
 
 def _with_rows(layer: EvictionLayer, keep_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[batch, Hkv, N]: `keep_rows` for the evicting `rows`, every valid entry for the others."""
-    keep = layer.valid[:, None, :].expand(-1, keep_rows.shape[1], -1).clone()
-    keep[rows] = keep_rows
+    """[layers, batch, Hkv, N]: `keep_rows` [layers, len(rows), Hkv, N] for the evicting `rows`, every valid
+    entry for the others (`layer`: any layer; their valid slots are the same)."""
+    layers, _, heads, _ = keep_rows.shape
+    keep = layer.valid[None, :, None, :].expand(layers, -1, heads, -1).clone()
+    keep[:, rows] = keep_rows
     return keep
 
 

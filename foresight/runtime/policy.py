@@ -10,6 +10,7 @@ tensors with a slow loop-based twin in the tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import cached_property
@@ -129,6 +130,13 @@ class Policy:
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         """KEEP score of each candidate: [batch, Hkv, num_candidates], higher = keep."""
         raise NotImplementedError
+
+    def step_keep_scores(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
+        """KEEP scores [layers, batch, Hkv, num_candidates] of one eviction step's layers (`contexts`, in
+        layer order, each observed already). The engine calls this once per step; `keep_scores` of each
+        layer by default, and a policy that scores the layers at once (the learned scorer's stacked
+        MLPs) overrides it, so a step runs its kernels once instead of once per layer."""
+        return torch.stack([self.keep_scores(context) for context in contexts])
 
     @property
     def needs(self) -> str:

@@ -179,11 +179,22 @@ class ForesightScorer(
     ) -> torch.Tensor:
         """KEEP scores of one layer's entries: keys, values [batch, Hkv, N, D], features [batch, Hkv, N, F*G]
         -> [batch, Hkv, N] (inference)."""
-        if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer {layer} out of range: the scorer has layers 0..{self.config.num_layers - 1}")
         self._check_inputs(keys, values, features, leading=1)
-        layers = slice(layer, layer + 1)
-        return self._mlp([tensor.unsqueeze(0) for tensor in (keys, values, features)], layers)[0]
+        return self.score_layers(layer, *(tensor.unsqueeze(0) for tensor in (keys, values, features)))[0]
+
+    def score_layers(
+        self, first: int, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor
+    ) -> torch.Tensor:
+        """KEEP scores of consecutive layers from `first` at once (inference: one eviction step of the model
+        runs its layers' MLPs together): keys, values [layers, batch, Hkv, N, D], features
+        [layers, batch, Hkv, N, F*G] -> [layers, batch, Hkv, N]."""
+        self._check_inputs(keys, values, features, leading=2)
+        last = first + keys.shape[0] - 1
+        if first < 0 or last >= self.config.num_layers:
+            raise ValueError(
+                f"layer {first if first < 0 else last} out of range: the scorer has layers 0..{self.config.num_layers - 1}"
+            )
+        return self._mlp([keys, values, features], slice(first, last + 1))
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """KEEP scores of every layer at once (training): keys, values [layers, batch, Hkv, N, D], features
