@@ -51,7 +51,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from foresight.artifacts import check_metadata, file_problem, read_tensors, save_tensors
 from foresight.cadence import check_budget, eviction_steps, keep_top
 from foresight.models import ModelShape, describe
-from foresight.runtime.capture import attention_implementation, attention_logits, register_attention
+from foresight.runtime.capture import attention_implementation, attention_logits, logits_budget, register_attention
 
 CAPTURE_ATTENTION = "foresight_golden_capture"
 FORMAT = "foresight-golden-labels/1"
@@ -111,13 +111,6 @@ def golden_schedule(
         candidates[step] = torch.cat([kept, leaving], dim=-1)
         kept = keep_top(candidates[step], future[step].gather(-1, candidates[step]), budget - interval)
     return candidates, future.gather(-1, candidates)
-
-
-def logits_budget(device: torch.device) -> int:
-    """Float32 logits [Hq, K·L, keys] of one block-attention product: on the CPU a product is fastest while
-    it stays in the cache (1 MiB), on an accelerator while it fills the device (256 MiB). A product holds
-    at least one block whatever its size (one block's logits are what the labels need anyway)."""
-    return 2**18 if device.type == "cpu" else 2**26
 
 
 def block_scores(

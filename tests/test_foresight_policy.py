@@ -13,6 +13,7 @@ from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
 from foresight.models import describe
 from foresight.policies import make_policy
 from foresight.runtime.policy import EvictionContext
+from foresight.policies import foresight as foresight_policy
 from foresight.policies.foresight import CUMULATIVE, DECAYED, Foresight
 from foresight.runtime.cache import EvictionCache
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
@@ -280,17 +281,24 @@ def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama,
 
 
 class _OneLayerAtATime(Foresight):
-    """The learned policy scoring and sampling each layer on its own, as the engine's step ran it before
-    the layers went through the stacked MLPs together: the reference of `step_keep_scores`."""
+    """The learned policy observing, scoring and sampling each layer on its own, as the engine's step ran
+    it before the layers went through it together: the reference of `step_observe` and `step_keep_scores`."""
+
+    def step_observe(self, contexts):
+        return [Foresight.step_observe(self, [context])[0] for context in contexts]
 
     def step_keep_scores(self, contexts):
         return torch.stack([Foresight.step_keep_scores(self, [context])[0] for context in contexts])
 
 
+@pytest.mark.parametrize("all_layers_in_one_pass", [False, True])
 @pytest.mark.parametrize("options", [{}, {"mode": "sampled", "row_seeds": (5, 9)}, {"mode": "sampled", "seed": 2}])
-def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(llama, options):
+def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(llama, monkeypatch, options, all_layers_in_one_pass):
     """Same evictions, losses and sampled records (on a CPU a generator's draws for all layers at once are
-    its draws layer after layer)."""
+    its draws layer after layer), with the layers' block attention in one pass (as on an accelerator) or in
+    one pass per layer (the CPU's cache-sized passes)."""
+    if all_layers_in_one_pass:
+        monkeypatch.setattr(foresight_policy, "logits_budget", lambda device: 2**26)
     scorer = random_scorer(llama, feature_set="standardised")
     sequences = [torch.tensor(prompt) for prompt in random_prompts([40, 40], seed=6)]
     runs = []

@@ -13,8 +13,10 @@ from helpers import constructible_policies, prompts, random_scorer
 
 from foresight.device_checks import require
 from foresight.models import tiny_model
+from foresight.policies import foresight as foresight_policy
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.device_ops import DeviceOps
 from foresight.runtime.host_reads import HostReads
 
 B, L = 12, 4
@@ -119,3 +121,39 @@ def test_the_host_cadence_follows_the_cache_on_the_device(llama, monkeypatch, na
     sequences = [torch.tensor(p) for p in prompts([70, 45, 60], seed=7)]
     engine.replay(sequences, [20, 5, 12], max_chunk=3)
     assert agree.checked > 20
+
+
+def test_device_ops_counts_the_operations_that_compute():
+    values = torch.arange(6.0)
+    with DeviceOps() as ops:
+        values.view(2, 3).t(), values[1:], values.unsqueeze(0)  # views: metadata only
+    assert ops.total == 0
+    with ops:  # entered again, it keeps counting
+        total = values * 2 + 1
+        total.add_(1), total.sum(), torch.cat([values, total])
+    assert ops.total == 5
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_learned_step_runs_as_many_operations_whatever_the_layer_count(monkeypatch, sampled):
+    """With the layers' block attention in one pass (an accelerator's pass size), the learned policy's part of
+    an eviction step (observation, stacked MLPs, the draw) launches the same kernels for 2 layers as for 4:
+    one step for the whole model, not one per layer."""
+    monkeypatch.setattr(foresight_policy, "logits_budget", lambda device: 2**26)
+    counted = []
+    for layers in (2, 4):
+        model = tiny_model("llama", num_hidden_layers=layers)
+        options = {"mode": "sampled", "row_seeds": (1, 2)} if sampled else {}
+        policy = make_policy("foresight", scorer=random_scorer(model), **options)
+        ops = DeviceOps()
+        for method in ("step_observe", "step_keep_scores"):
+            original = getattr(policy, method)
+            monkeypatch.setattr(policy, method, lambda contexts, original=original, ops=ops: _counted(ops, original, contexts))
+        output = EvictionEngine(model, policy, EvictionConfig(B, L)).replay([torch.tensor(p) for p in prompts([40, 40])], [8, 8])
+        counted.append(ops.total / output.stats.evictions)
+    assert counted[0] == counted[1] > 0
+
+
+def _counted(ops: DeviceOps, method, contexts):
+    with ops:
+        return method(contexts)

@@ -127,12 +127,18 @@ class StepRecorder(Policy):
         self.buffers = {}
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
+        return self.step_observe([context])[0]
+
+    def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         if isinstance(self.driver, Foresight):  # it computes the same features for its own scores
-            state = self.driver.observe(context)
-            self._features[context.layer_idx] = self.driver.observed_features(context)
-            return state
-        self._features[context.layer_idx], state = observe_features(context, self.feature_set)
-        return {**self.driver.observe(context), **state}
+            states = self.driver.step_observe(contexts)
+            self._features.update((context.layer_idx, self.driver.observed_features(context)) for context in contexts)
+            return states
+        states = []
+        for context, driver_state in zip(contexts, self.driver.step_observe(contexts), strict=True):
+            self._features[context.layer_idx], state = observe_features(context, self.feature_set)
+            states.append({**driver_state, **state})
+        return states
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         return self.step_keep_scores([context])[0]

@@ -12,8 +12,9 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
   of `batch_size` traces of similar length in one replay; then, for a float32
   model, with a bfloat16 copy of it, its own full-cache replay of each trace included
   (`foresight rl --model.dtype bfloat16 --model.loss_reference replay`);
-- host reads: the device values each eviction step reads back (`HostReads`), in one replay of the
-  first trace under the eval stage's policy and under G sampled rollout rows;
+- step counts: the device values each eviction step reads back (`HostReads`) and the operations it
+  runs (`DeviceOps`), in one replay of the first trace under the eval stage's policy, the learned
+  scorer and G sampled rollout rows;
 - fit: optimisation steps from that example cache, first as the step ran before (one process,
   batches cast to float32 in the collate, the scorer and the loss of `foresight.bench.fit_before`,
   glibc's malloc as it comes), then as it runs now (the data module's worker processes, batches in the
@@ -53,7 +54,9 @@ from foresight.eval.specs import PolicySpec
 from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
 from foresight.models import describe
-from foresight.runtime.engine import EvictionEngine
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.device_ops import DeviceOps
 from foresight.runtime.host_reads import HostReads
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
@@ -160,9 +163,9 @@ def run(settings: PipelineSettings) -> str:
             _eval(model, traces, settings),
         ]
         rollouts = _rollouts(model, traces, settings)  # before the fit, whose row of now changes malloc's settings
-        reads = _host_reads(model, traces[0], settings)
+        counts = _step_counts(model, traces[0], settings)
         stages += [*_fit(data, settings), *rollouts]
-    return _report(settings, traces, store.settings["model"], stages, reads)
+    return _report(settings, traces, store.settings["model"], stages, counts)
 
 
 def _has_steps(trace: Trace, budget: int, interval: int) -> bool:
@@ -235,19 +238,46 @@ def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[St
     return rows
 
 
-def _host_reads(model, trace: Trace, settings: PipelineSettings) -> dict[str, float]:
-    """Device values read back by the host per eviction step (`HostReads`; on a GPU each one is a
-    synchronisation) in one replay of `trace`: the eval stage's policy on one row, and G rollout rows
-    of a sampled scorer evicting together."""
-    policy, eval_reads = settings.policy, HostReads()
-    engine = EvictionEngine(model, policy.build(None), policy.config(settings.budget, settings.interval), step_observer=eval_reads)
-    evicted = engine.replay([trace.input_ids], [min(trace.prompt_length, trace.input_ids.numel() - 1)]).stats.evictions
-    rollout_reads, seeds = HostReads(), list(range(settings.group_size))
-    group = roll_out_together(model, _bench_scorer(model, settings), [trace], [seeds], step_observer=rollout_reads)[0]
-    return {
-        policy.name: eval_reads.total / max(evicted, 1),
-        f"rl rollouts (G = {settings.group_size})": rollout_reads.total / group.eviction_steps,
-    }
+class StepCounts:
+    """Entered around every eviction step of a replay: the device values the step reads back
+    (`HostReads`; on a GPU each one is a synchronisation) and the operations it runs (`DeviceOps`; on a
+    GPU each one launches at least one kernel)."""
+
+    def __init__(self) -> None:
+        self.reads, self.ops = HostReads(), DeviceOps()
+
+    def __enter__(self) -> None:
+        self.reads.__enter__()
+        self.ops.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.ops.__exit__(*exc)
+        self.reads.__exit__(*exc)
+
+    def per_step(self, steps: int) -> tuple[float, float]:
+        """(host reads, device operations) per eviction step over `steps` steps."""
+        return self.reads.total / max(steps, 1), self.ops.total / max(steps, 1)
+
+
+def _step_counts(model, trace: Trace, settings: PipelineSettings) -> dict[str, tuple[float, float]]:
+    """Host reads and device operations per eviction step (`StepCounts`) in one replay of `trace`: the
+    eval stage's policy and the learned scorer (deterministic, as `foresight eval` runs it) on one row,
+    and G sampled rollout rows of it evicting together."""
+    scorer, seeds = _bench_scorer(model, settings), list(range(settings.group_size))
+    spec = settings.policy
+    counts = {}
+    for name, policy, config in (
+        (spec.name, spec.build(None), spec.config(settings.budget, settings.interval)),
+        ("foresight", make_policy("foresight", scorer=scorer), EvictionConfig(settings.budget, settings.interval)),
+    ):
+        counted = StepCounts()
+        engine = EvictionEngine(model, policy, config, step_observer=counted)
+        steps = engine.replay([trace.input_ids], [min(trace.prompt_length, trace.input_ids.numel() - 1)]).stats.evictions
+        counts[name] = counted.per_step(steps)
+    counted = StepCounts()
+    group = roll_out_together(model, scorer, [trace], [seeds], step_observer=counted)[0]
+    counts[f"rl rollouts (G = {settings.group_size})"] = counted.per_step(group.eviction_steps)
+    return counts
 
 
 def _rollout_row(
@@ -341,7 +371,8 @@ def _fit_steps(
 
 
 def _report(
-    settings: PipelineSettings, traces: list[Trace], model_name: str, rows: list[StageFigures], reads: dict[str, float]
+    settings: PipelineSettings, traces: list[Trace], model_name: str, rows: list[StageFigures],
+    counts: dict[str, tuple[float, float]],
 ) -> str:
     kind = torch.device(settings.device).type
     lines = [
@@ -362,10 +393,16 @@ def _report(
             f"| {row.stage} | {row.what} | {row.work:,.0f} {row.unit} | {row.seconds:.2f} | "
             f"{row.rate:,.1f} {row.unit}/s | {share} |"
         )
-    counted = ", ".join(f"{name} {count:.1f}" for name, count in reads.items())
-    lines += ["", (
-        f"Host reads per eviction step (device values read back inside the step, counted by "
-        f"`foresight.runtime.host_reads.HostReads`; on a GPU each one is a synchronisation), one replay of the "
-        f"first trace: {counted}."
-    )]
+    lines += [
+        "",
+        (
+            "Per eviction step, one replay of the first trace: the device values read back inside the step "
+            "(`foresight.runtime.host_reads.HostReads`; on a GPU each one is a synchronisation) and the operations "
+            "it runs that are not views (`foresight.runtime.device_ops.DeviceOps`; on a GPU each one launches at "
+            "least one kernel)."
+        ),
+        "",
+        "| replay | host reads per step | device operations per step |", "|---|---:|---:|",
+        *(f"| {name} | {reads:.1f} | {ops:,.0f} |" for name, (reads, ops) in counts.items()),
+    ]
     return "\n".join(lines) + "\n"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +12,7 @@ from foresight.choices import Choice
 from foresight.scorer.attention_features import FeatureSet, attention_features
 from foresight.models import ModelShape
 from foresight.policies import register
+from foresight.runtime.capture import block_attention, logits_budget
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
 from foresight.scorer.model import ForesightScorer, load_scorer
@@ -42,16 +43,26 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
     Shared by the learned policy and the supervised data maker, so that training and inference
     compute features from the same block attention and state in the same way, the standardised set's
     standardisation over the valid candidates included."""
-    candidates = slice(0, context.num_candidates)
-    if FeatureSet.parse(feature_set).standardised:
-        features, state = standardised.standardised_features(
-            context.attention, context.state, context.positions, context.query_positions, feature_set
-        )
-        valid = context.candidate_positions >= 0
-        return standardised.standardise_candidates(features[..., candidates, :], valid), state
-    features, cumulative, decayed = attention_features(
-        context.attention, context.state[CUMULATIVE], context.state[DECAYED], feature_set
+    return _features(
+        context.attention, context.state, context.positions, context.query_positions, context.num_candidates, feature_set
     )
+
+
+def _features(
+    attention: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    num_candidates: int,
+    feature_set: str,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`observe_features` of block attention [batch, Hkv, G, l, N]; every batch row on its own."""
+    candidates = slice(0, num_candidates)
+    if FeatureSet.parse(feature_set).standardised:
+        features, new_state = standardised.standardised_features(attention, state, positions, query_positions, feature_set)
+        valid = positions[..., candidates] >= 0
+        return standardised.standardise_candidates(features[..., candidates, :], valid), new_state
+    features, cumulative, decayed = attention_features(attention, state[CUMULATIVE], state[DECAYED], feature_set)
     return features[..., candidates, :], {CUMULATIVE: cumulative, DECAYED: decayed}
 
 
@@ -162,13 +173,45 @@ class Foresight(Policy):
         self._generator = None
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
-        if context.layer_idx == 0:
-            self._check(context)
-        features, state = observe_features(context, self.scorer.config.feature_set)
-        self._pending[context.layer_idx] = (context, features)
-        if context.layer_idx == context.num_layers - 1:
+        return self.step_observe([context])[0]
+
+    def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
+        """The layers' features in few passes: block attention and the feature sums treat each batch row on
+        its own, so consecutive layers of one softmax scale run as the rows of one batch, as many as keep
+        a pass's attention logits within `logits_budget` (all of them on an accelerator; on a CPU the
+        logits of one layer fill the cache already)."""
+        if contexts[0].layer_idx == 0:
+            self._check(contexts[0])
+        states = []
+        for layers in _attention_batches(contexts):
+            features, state = self._layer_features(layers)
+            for index, context in enumerate(layers):
+                self._pending[context.layer_idx] = (context, features[index])
+                states.append({name: value[index] for name, value in state.items()})
+        if contexts[-1].layer_idx == contexts[-1].num_layers - 1:
             self._steps += 1
-        return state
+        return states
+
+    def _layer_features(
+        self, contexts: Sequence[EvictionContext]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`observe_features` of the layers [layers, batch, ...], as the rows of one batch; a lone layer's
+        from its context's own block attention (`EvictionContext.attention`, computed once)."""
+        feature_set = self.scorer.config.feature_set
+        if len(contexts) == 1:
+            features, state = observe_features(contexts[0], feature_set)
+            return features[None], {name: value[None] for name, value in state.items()}
+
+        def rows(name: str) -> torch.Tensor:
+            return torch.cat([getattr(context, name) for context in contexts])
+
+        positions, query_positions = rows("positions"), rows("query_positions")
+        attention = block_attention(rows("queries"), query_positions, rows("keys"), positions, contexts[0].scaling)
+        state = {name: torch.cat([context.state[name] for context in contexts]) for name in contexts[0].state}
+        features, state = _features(attention, state, positions, query_positions, contexts[0].num_candidates, feature_set)
+        return features.unflatten(0, (len(contexts), -1)), {
+            name: value.unflatten(0, (len(contexts), -1)) for name, value in state.items()
+        }
 
     def observed_features(self, context: EvictionContext) -> torch.Tensor:
         """The candidates' features [batch, Hkv, C, F*G] that `observe` computed for this context (what
@@ -292,3 +335,18 @@ class _Pooled:
             return tensor.gather(-1, self.pool)
         index = self.pool[..., None].expand(*self.pool.shape, tensor.shape[-1])
         return tensor.gather(-2, index)
+
+
+def _attention_batches(contexts: Sequence[EvictionContext]) -> list[list[EvictionContext]]:
+    """Runs of consecutive layers of one softmax scale whose block attention logits [batch, Hq, l, N] stay
+    within `logits_budget` together (at least one layer each)."""
+    first = contexts[0]
+    per_layer = first.keys.shape[0] * first.queries.shape[1] * first.queries.shape[2] * first.keys.shape[2]
+    size = max(1, logits_budget(first.keys.device) // per_layer)
+    batches: list[list[EvictionContext]] = []
+    for context in contexts:
+        if batches and len(batches[-1]) < size and batches[-1][0].scaling == context.scaling:
+            batches[-1].append(context)
+        else:
+            batches.append([context])
+    return batches

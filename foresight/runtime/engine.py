@@ -438,9 +438,13 @@ class EvictionEngine:
             rows = None if all(due_rows) else due.nonzero().squeeze(1)  # a ragged step reads its rows once
             candidates = [length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
             width = run.cadence.evict(due_rows)
-            contexts = [
-                self._observed_context(index, layer, rows, tuple(candidates)) for index, layer in enumerate(run.cache.layers)
-            ]
+            layers = run.cache.layers
+            contexts = [self._context(index, layer, rows, tuple(candidates)) for index, layer in enumerate(layers)]
+            if not self.observes_every_query:  # every-query policies observed all their queries already
+                for context, layer, state in zip(contexts, layers, self.policy.step_observe(contexts), strict=True):
+                    for name, value in state.items():
+                        context.state[name] = value
+                        layer.write_state(name, value, rows)
             scores = self.policy.step_keep_scores(contexts)
             positions = torch.stack([context.candidate_positions for context in contexts])
             keep = self._keep_top(run, rows, scores, positions)
@@ -473,12 +477,11 @@ class EvictionEngine:
                 for name, value in self.policy.observe(context).items():
                     layer.write_state(name, value)
 
-    def _observed_context(
+    def _context(
         self, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None, candidate_counts: tuple[int, ...]
     ) -> EvictionContext:
         """One layer's context at an eviction step, for its evicting rows (`rows`, None: all;
-        `candidate_counts`: their valid candidates), after the policy observed it (a WINDOW policy's
-        observation; an every-query policy observed all its queries already) and its new state was written."""
+        `candidate_counts`: their valid candidates), with the latest queries a WINDOW policy reads."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if rows is None else tensor[rows]
@@ -495,12 +498,8 @@ class EvictionEngine:
             state={name: select(value) for name, value in layer.state.items()},
             candidate_counts=candidate_counts,
         )
-        if not self.observes_every_query:
-            if self.policy.needs_attention:
-                context.queries, context.query_positions = layer.buffered_queries(rows)
-            for name, value in self.policy.observe(context).items():
-                context.state[name] = value
-                layer.write_state(name, value, rows)
+        if self.policy.needs_attention and not self.observes_every_query:
+            context.queries, context.query_positions = layer.buffered_queries(rows)
         return context
 
     def _keep_top(
