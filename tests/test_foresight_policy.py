@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
-from foresight.models import describe
+from foresight.models import describe, tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.policy import EvictionContext
 from foresight.policies import foresight as foresight_policy
@@ -291,14 +291,19 @@ class _OneLayerAtATime(Foresight):
         return torch.stack([Foresight.step_keep_scores(self, [context])[0] for context in contexts])
 
 
-@pytest.mark.parametrize("all_layers_in_one_pass", [False, True])
+@pytest.mark.parametrize("layers_per_pass", [1, 2, 5])
 @pytest.mark.parametrize("options", [{}, {"mode": "sampled", "row_seeds": (5, 9)}, {"mode": "sampled", "seed": 2}])
-def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(llama, monkeypatch, options, all_layers_in_one_pass):
+def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(monkeypatch, options, layers_per_pass):
     """Same evictions, losses and sampled records (on a CPU a generator's draws for all layers at once are
-    its draws layer after layer), with the layers' block attention in one pass (as on an accelerator) or in
-    one pass per layer (the CPU's cache-sized passes)."""
-    if all_layers_in_one_pass:
-        monkeypatch.setattr(foresight_policy, "logits_budget", lambda device: 2**26)
+    its draws layer after layer), with the block attention of 1, 2 (passes of 2, 2 and 1) or all 5 layers
+    per pass (`logits_budget` sized to fit that many)."""
+    llama = tiny_model("llama", num_hidden_layers=5)
+    logits_per_layer = 2 * llama.config.num_attention_heads * L * (B + L)  # rows × Hq × queries × entries
+    monkeypatch.setattr(foresight_policy, "logits_budget", lambda device: layers_per_pass * logits_per_layer)
+    passes = []  # the rows (layers × batch rows) of each pass of several layers
+    block_attention = foresight_policy.block_attention
+    monkeypatch.setattr(foresight_policy, "block_attention", lambda queries, *args: passes.append(queries.shape[0])
+                        or block_attention(queries, *args))
     scorer = random_scorer(llama, feature_set="standardised")
     sequences = [torch.tensor(prompt) for prompt in random_prompts([40, 40], seed=6)]
     runs = []
@@ -307,6 +312,7 @@ def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(llama,
         output = engine.replay(sequences, [B + L] * 2)
         runs.append((output, policy.records, [layer.entry_positions() for layer in engine.last_cache.layers]))
     (together, records, held), (alone, reference, held_alone) = runs
+    assert set(passes) == ({2 * layers_per_pass} if layers_per_pass > 1 else set())  # a lone layer: its own attention
     assert together.stats.evictions == alone.stats.evictions >= 5
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(held, held_alone, strict=True))
     for row in range(2):

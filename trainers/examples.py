@@ -125,6 +125,7 @@ class StepRecorder(Policy):
     def reset(self) -> None:
         self.driver.reset()
         self.buffers = {}
+        self._features = {}
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
         return self.step_observe([context])[0]
@@ -155,14 +156,12 @@ class StepRecorder(Policy):
         targets = self.targets
         steps = step_of(context.positions.amax(dim=(1, 2)).cpu(), targets.budget, targets.interval)
         rows = ((steps >= 1) & (steps <= self.num_steps)).nonzero().squeeze(1)
+        features = self._features.pop(context.layer_idx)  # the candidates', as the scorer reads them
         if rows.numel() == 0:
             return
         candidates = slice(0, context.num_candidates)
-        inputs = {
-            "keys": context.keys[..., candidates, :],
-            "values": context.values[..., candidates, :],
-            "features": self._features.pop(context.layer_idx),  # the candidates', as the scorer reads them
-        }
+        keys, values = context.keys[..., candidates, :], context.values[..., candidates, :]
+        inputs = {"keys": keys, "values": values, "features": features}
         if not self.buffers:
             self._allocate(context, inputs)
         index = (rows, steps[rows] - 1, context.layer_idx)

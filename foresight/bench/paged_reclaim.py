@@ -28,8 +28,8 @@ whenever the layer page that contains it is, and a layer page whenever the seque
 is, so each layout reclaims at least as much as the one before.
 
 The state right after step t is read at the next moment the cache can be seen: in the policy's
-`keep_scores` before step t + 1, or from the cache at the end of the replay. Only the positions up to
-step t's newest are taken (the newest at step t's own `keep_scores`): what a head holds of them then is
+`step_keep_scores` before step t + 1, or from the cache at the end of the replay. Only the positions up to
+step t's newest are taken (the newest at step t's own `step_keep_scores`): what a head holds of them then is
 exactly what step t kept, since nothing is evicted between steps and the positions written since are newer.
 
     foresight bench paged-reclaim --traces runs/r21/unseen --policies all --budgets 128,256 \\

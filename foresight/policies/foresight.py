@@ -178,8 +178,8 @@ class Foresight(Policy):
     def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         """The layers' features in few passes: block attention and the feature sums treat each batch row on
         its own, so consecutive layers of one softmax scale run as the rows of one batch, as many as keep
-        a pass's attention logits within `logits_budget` (all of them on an accelerator; on a CPU the
-        logits of one layer fill the cache already)."""
+        a pass's attention logits within `logits_budget` (on an accelerator usually all of them; on a CPU,
+        whose budget is its cache, a few or one)."""
         if contexts[0].layer_idx == 0:
             self._check(contexts[0])
         states = []

@@ -140,7 +140,8 @@ class EntryStorage:
 
 
 class EvictionLayer(CacheLayerMixin):
-    """One decoder layer's cache: appends by copy into preallocated slots, evicts by gather (`compact`).
+    """One decoder layer's cache: appends by copy into preallocated slots, evicts by gather (`keep_entries`,
+    with the index `EvictionCache.compact` sorts for every layer at once).
 
     `capacity` is the most entries a run can hold (its storage is sized for it up front); None grows
     the storage as entries arrive."""

@@ -129,8 +129,9 @@ class Policy:
 
     def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         """`observe` of one eviction step's layers (`contexts`, in layer order): their new per-entry state.
-        The engine calls this once per step for a policy that reads the latest queries; `observe` of each
-        layer by default, and a policy whose observation batches across layers overrides it."""
+        The engine calls this once per step unless the policy observes every query (it observed them as
+        they ran); `observe` of each layer by default, and a policy whose observation batches across
+        layers overrides it."""
         return [self.observe(context) for context in contexts]
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
