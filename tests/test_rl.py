@@ -671,14 +671,21 @@ def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_
                for name, tensor in weights[0].items())
 
 
-def test_traces_replayed_together_train_as_one_trace_per_replay(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+def test_traces_replayed_together_train_as_one_trace_per_replay(
+    tmp_path, tiny_dir, traces_dir, start_scorer, capsys, monkeypatch
+):
     """`traces_per_replay` 2 packs each batch's two groups into one replay: the same rollouts, so the same
     update as one trace per replay (b2 left out, as in the test above)."""
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
-    weights = []
+    weights, replays = [], []  # replays: the traces of each `roll_out_together` call
+    rolled_out = grpo_module.roll_out_together
+    monkeypatch.setattr(grpo_module, "roll_out_together", lambda model, scorer, traces, *args, **kwargs: replays.append(
+        len(traces)) or rolled_out(model, scorer, traces, *args, **kwargs))
     for pack in (1, 2):
         out = tmp_path / f"pack{pack}"
+        replays.clear()
         assert cli.main(rl_args(config, start_scorer, out, f"model.traces_per_replay={pack}")) == 0
+        assert replays and set(replays) == {pack}, (pack, replays)  # each replay packs `pack` traces
         weights.append(load_file(out / "scorer" / "model.safetensors"))
     for name, tensor in weights[0].items():
         if name != "b2":

@@ -10,7 +10,13 @@ import safetensors.torch
 import torch
 
 from foresight.scorer.model import ForesightScorer, ScorerConfig
-from foresight.scorer.eviction_sampling import evict_lowest, eviction_pool, plackett_luce_logprob, sample_eviction
+from foresight.scorer.eviction_sampling import (
+    draw_eviction,
+    evict_lowest,
+    eviction_pool,
+    plackett_luce_logprob,
+    sample_eviction,
+)
 from tests.helpers import independent_mlp
 
 
@@ -268,6 +274,9 @@ def test_logprob_matches_sequential_reference():
         expected = sequential_logprob(scores, pool, order, mask)
         torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-10)
         torch.testing.assert_close(plackett_luce_logprob(scores, pool, order, mask), expected, rtol=0, atol=1e-10)
+        draw = draw_eviction(scores, 3, torch.Generator().manual_seed(5), eligible=mask)  # the same draw, with its pool
+        assert torch.equal(draw.pool, pool) and torch.equal(draw.order, order) and torch.equal(draw.logprob, logprob)
+        assert torch.equal(pool.gather(-1, draw.picks), order)
 
 
 @pytest.mark.parametrize(

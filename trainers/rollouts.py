@@ -102,8 +102,8 @@ class EvictionActions:
         records: Sequence[SampledEviction],
         num_layers: int,
         before: int,
+        rows: slice,
         dtype: torch.dtype = torch.float32,
-        rows: slice = slice(None),
     ) -> EvictionActions:
         """Stack a sampled policy's records (step by step, layers in order within a step) of `rows` (one
         trace's group of a replay) that evict together, keeping the steps that ran after a position <
@@ -119,7 +119,8 @@ class EvictionActions:
         newest = torch.stack([step[0].query_positions[rows, -1] for step in steps])  # [steps, rows]
         if not torch.equal(newest, newest[:, :1].expand_as(newest)):
             raise ValueError("the rows of a rollout group must evict together (replay one trace per group)")
-        steps = [step for step, position in zip(steps, newest[:, 0].tolist()) if position < before]
+        kept = newest[:, 0] < before
+        steps = [step for step, keep in zip(steps, kept.tolist()) if keep]
         if not steps:
             raise ValueError(f"no eviction step ran before position {before}: nothing to learn from this replay")
 
@@ -137,7 +138,7 @@ class EvictionActions:
             eligible=stacked("eligible"),
             order=stacked("order"),
             evicted=torch.stack([torch.stack([r.positions[rows].gather(-1, r.order[rows]) for r in step]) for step in steps], 1),
-            after=torch.stack([step[0].query_positions[rows][0, -1] for step in steps]),
+            after=newest[kept, 0],
             temperature=temperatures.pop(),
         )
 
@@ -316,7 +317,7 @@ def roll_out_together(
         length = trace.input_ids.numel()
         # A step after position T - 3 changes no prediction: the last one, of token T - 1, is made at T - 2.
         actions = EvictionActions.stack(
-            policy.records, engine.num_layers, before=length - 2, dtype=storage_dtype, rows=rows
+            policy.records, engine.num_layers, before=length - 2, rows=rows, dtype=storage_dtype
         )
         scores = score_rollouts(
             output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference

@@ -50,8 +50,9 @@ from tqdm.auto import tqdm
 
 from foresight.artifacts import atomic_file
 from foresight.bench.common import dtype_name
-from foresight.cadence import check_budget, golden_prefill
+from foresight.cadence import check_budget
 from foresight.data.trace_store import Trace, TraceStore, describe_traces, select_traces
+from foresight.eval.replay import prefill_lengths
 from foresight.eval.specs import PolicySpec
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.models import load_model
@@ -154,8 +155,7 @@ def held_after_steps(
     """The held masks [layers, Hkv, T] right after every eviction step of one replay (none if it never evicts)."""
     recorder = HeldPositions(spec.build(None if labels is None else [labels]))
     engine = EvictionEngine(model, recorder, spec.config(budget, interval))  # type: ignore[arg-type]  # a Policy by delegation
-    prompt = trace.prompt_length if engine.protect_prompt else golden_prefill([trace.prompt_length], budget, interval)
-    engine.replay([trace.input_ids], [prompt])
+    engine.replay([trace.input_ids], prefill_lengths([trace], budget, interval, engine.protect_prompt))
     if not recorder.steps:
         return []
     final = torch.stack([layer.entry_positions()[0].cpu() for layer in engine.last_cache.layers])

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from foresight.bench.common import dtype_name, machine, threads_note
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.trace_store import Trace, TraceStore, describe_traces
-from foresight.eval.replay import evaluate
+from foresight.eval.replay import evaluate, prefill_lengths
 from foresight.eval.specs import PolicySpec
 from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
@@ -62,7 +62,7 @@ from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
 from trainers.preparation import FrozenModel, make_examples
 from trainers.ranking import PairWeight
-from trainers.rollouts import full_cache_losses, packs, roll_out_together
+from trainers.rollouts import full_cache_losses, packs, roll_out, roll_out_together
 
 if TYPE_CHECKING:
     from trainers.data import GoldenDataModule
@@ -162,8 +162,10 @@ def run(settings: PipelineSettings) -> str:
             _examples(model, data.frozen, data.examples, traces),
             _eval(model, traces, settings),
         ]
-        rollouts = _rollouts(model, traces, settings)  # before the fit, whose row of now changes malloc's settings
-        counts = _step_counts(model, traces[0], settings)
+        scorer = _bench_scorer(model, settings)
+        long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
+        rollouts = _rollouts(model, scorer, long_enough, settings)  # before the fit, whose row of now changes malloc's settings
+        counts = _step_counts(model, scorer, long_enough[0], settings)
         stages += [*_fit(data, settings), *rollouts]
     return _report(settings, traces, store.settings["model"], stages, counts)
 
@@ -213,25 +215,23 @@ def _bench_scorer(model, settings: PipelineSettings) -> ForesightScorer:
         return ForesightScorer(config).to(model.device)
 
 
-def _rollouts(model, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
-    """The rollouts of every trace with each group's forwards before its first eviction run on every row
-    (before), then once (now), then with the groups of `batch_size` traces in one replay, then once with the
-    model in bfloat16 (a float32 model's only)."""
-    scorer = _bench_scorer(model, settings)
-    long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
+def _rollouts(model, scorer: ForesightScorer, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
+    """The rollouts of every trace (each long enough for one) with each group's forwards before its first eviction
+    run on every row (before), then once (now), then with the groups of `batch_size` traces in one replay,
+    then once with the model in bfloat16 (a float32 model's only)."""
     group = f"G = {settings.group_size} sampled replays of each trace, scored; "
     rows = [
-        _rollout_row(model, scorer, long_enough, settings.group_size, "rl rollouts before",
+        _rollout_row(model, scorer, traces, settings.group_size, "rl rollouts before",
                      group + "every row runs the group's first B + L tokens", share_prefix=False),
-        _rollout_row(model, scorer, long_enough, settings.group_size, "rl rollouts now",
+        _rollout_row(model, scorer, traces, settings.group_size, "rl rollouts now",
                      group + "the group's first B + L tokens run on one row"),
-        _rollout_row(model, scorer, long_enough, settings.group_size, f"rl rollouts now, {settings.batch_size} traces per replay",
+        _rollout_row(model, scorer, traces, settings.group_size, f"rl rollouts now, {settings.batch_size} traces per replay",
                      group + f"as now, the groups of {settings.batch_size} traces of similar length in one replay",
                      traces_per_replay=settings.batch_size),
     ]
     if model.dtype == torch.float32:  # a bfloat16 copy, each group scored against its own full-cache losses
         rows.append(_rollout_row(
-            copy.deepcopy(model).to(torch.bfloat16), scorer, long_enough, settings.group_size, "rl rollouts now, bfloat16",
+            copy.deepcopy(model).to(torch.bfloat16), scorer, traces, settings.group_size, "rl rollouts now, bfloat16",
             "as now with the model in bfloat16, each group scored against the model's own full-cache losses "
             "(one more one-row replay per trace, counted)", replayed_reference=True,
         ))
@@ -259,12 +259,11 @@ class StepCounts:
         return self.reads.total / max(steps, 1), self.ops.total / max(steps, 1)
 
 
-def _step_counts(model, trace: Trace, settings: PipelineSettings) -> dict[str, tuple[float, float]]:
+def _step_counts(model, scorer: ForesightScorer, trace: Trace, settings: PipelineSettings) -> dict[str, tuple[float, float]]:
     """Host reads and device operations per eviction step (`StepCounts`) in one replay of `trace`: the
-    eval stage's policy and the learned scorer (deterministic, as `foresight eval` runs it) on one row,
-    and G sampled rollout rows of it evicting together."""
-    scorer, seeds = _bench_scorer(model, settings), list(range(settings.group_size))
-    spec = settings.policy
+    eval stage's policy and the learned scorer (deterministic), each on one row prefilled as `foresight
+    eval` prefills it, and G sampled rollout rows of the scorer evicting together."""
+    seeds, spec = list(range(settings.group_size)), settings.policy
     counts = {}
     for name, policy, config in (
         (spec.name, spec.build(None), spec.config(settings.budget, settings.interval)),
@@ -272,10 +271,11 @@ def _step_counts(model, trace: Trace, settings: PipelineSettings) -> dict[str, t
     ):
         counted = StepCounts()
         engine = EvictionEngine(model, policy, config, step_observer=counted)
-        steps = engine.replay([trace.input_ids], [min(trace.prompt_length, trace.input_ids.numel() - 1)]).stats.evictions
+        prefill = prefill_lengths([trace], settings.budget, settings.interval, engine.protect_prompt)
+        steps = engine.replay([trace.input_ids], prefill).stats.evictions
         counts[name] = counted.per_step(steps)
     counted = StepCounts()
-    group = roll_out_together(model, scorer, [trace], [seeds], step_observer=counted)[0]
+    group = roll_out(model, scorer, trace, seeds, step_observer=counted)
     counts[f"rl rollouts (G = {settings.group_size})"] = counted.per_step(group.eviction_steps)
     return counts
 

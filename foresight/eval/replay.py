@@ -168,7 +168,7 @@ def _labels_for(
     return {t.index: store.load(t.index, num_tokens=t.input_ids.numel()) for t in traces}
 
 
-def _prefill(batch: Sequence[Trace], budget: int, interval: int, protects_prompt: bool) -> list[int]:
+def prefill_lengths(batch: Sequence[Trace], budget: int, interval: int, protects_prompt: bool) -> list[int]:
     """Prompt lengths handed to the replay (see the module docstring: the golden cadence, or the
     true prompts for policies that protect them)."""
     if protects_prompt:
@@ -185,7 +185,7 @@ def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
 
 def _work(batch: Sequence[Trace], budget: int, interval: int, spec: PolicySpec) -> int:
     """Token columns x rows a replay of the batch feeds after its prefill (the progress bar's unit)."""
-    prefill = _prefill(batch, budget, interval, spec.protects_prompt)
+    prefill = prefill_lengths(batch, budget, interval, spec.protects_prompt)
     return len(batch) * max(t.input_ids.numel() - p for t, p in zip(batch, prefill))
 
 
@@ -263,7 +263,7 @@ def _replay(
     policy = spec.build(labels, [t.index for t in batch])
     engine = EvictionEngine(model, policy, spec.config(budget, interval), attention=PROBE_ATTENTION)
     bar.set_postfix_str(f"B={budget} {spec.name}")
-    prefill = _prefill(batch, budget, interval, engine.protect_prompt)
+    prefill = prefill_lengths(batch, budget, interval, engine.protect_prompt)
     chunk = None if spec.evicts else REFERENCE_CHUNK
     prefix = None if prefixes is None else prefixes.setdefault(tuple(prefill), ReplayPrefix())
     with probe.active():

@@ -16,7 +16,7 @@ from foresight.runtime.capture import block_attention, logits_budget
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
 from foresight.scorer.model import ForesightScorer, load_scorer
-from foresight.scorer.eviction_sampling import check_temperature, eviction_pool, plackett_luce_logprob, sample_eviction
+from foresight.scorer.eviction_sampling import EvictionDraw, check_temperature, draw_eviction, plackett_luce_logprob
 from foresight.scorer import standardised_features as standardised
 
 CUMULATIVE = "cumulative"
@@ -247,29 +247,26 @@ class Foresight(Policy):
         eligible = positions >= 0
         if self._generator is None:
             self._generator = self._generators(scores.device)
-        order, logprob = self._draw(scores, eligible)
+        draw = self._draw(scores, eligible)
         if self.record:
-            pooled = _Pooled.of(scores, self.scorer.config.interval, eligible, order)
-            inputs = [pooled(tensor) for tensor in (positions, keys, values, features, eligible)]
+            inputs = [_pooled(tensor, draw.pool) for tensor in (positions, keys, values, features, eligible)]
             self.records.extend(
                 SampledEviction(
                     context.layer_idx, context.query_positions, *(tensor[index] for tensor in inputs),
-                    order=pooled.order[index], logprob=logprob[index], temperature=self.temperature,
+                    order=draw.picks[index], logprob=draw.logprob[index], temperature=self.temperature,
                 )
                 for index, context in enumerate(contexts)
             )
-        sampled = torch.zeros_like(eligible).scatter(-1, order, True)
+        sampled = torch.zeros_like(eligible).scatter(-1, draw.order, True)
         return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
 
-    def _draw(self, scores: torch.Tensor, eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`sample_eviction` over [layers, batch, ...]; per-row generators index the batch dim."""
+    def _draw(self, scores: torch.Tensor, eligible: torch.Tensor) -> EvictionDraw:
+        """`draw_eviction` over [layers, batch, ...]; per-row generators index the batch dim."""
         interval = self.scorer.config.interval
         if isinstance(self._generator, list):
-            order, logprob = sample_eviction(
-                scores.transpose(0, 1), interval, self._generator, eligible.transpose(0, 1), self.temperature
-            )
-            return order.transpose(0, 1), logprob.transpose(0, 1)
-        return sample_eviction(scores, interval, self._generator, eligible, self.temperature)
+            draw = draw_eviction(scores.transpose(0, 1), interval, self._generator, eligible.transpose(0, 1), self.temperature)
+            return draw.transpose(0, 1)
+        return draw_eviction(scores, interval, self._generator, eligible, self.temperature)
 
     def _generators(self, device: torch.device) -> torch.Generator | list[torch.Generator]:
         if self.row_seeds is None:
@@ -313,28 +310,16 @@ class Foresight(Policy):
 
 def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-layer [batch, Hkv, ...] tensors as one [layers, batch, Hkv, ...] laid out head-major in memory
-    ([layers, Hkv, batch, ...]), the layout the scorer's per-(layer, head) matmuls read without a copy."""
+    ([layers, Hkv, batch, ...]), the layout the scorer's per-(layer, head) matmuls read without another
+    copy (when the scorer's dtype is theirs; else its one casting copy)."""
     return torch.stack([tensor.transpose(0, 1) for tensor in tensors]).transpose(1, 2)
 
 
-@dataclass(frozen=True)
-class _Pooled:
-    """The sampling pool of a draw (`eviction_pool`): gathers any [..., C, *] tensor of the candidates at
-    the pool's indices; `order` indexes the pool in sampled order."""
-
-    pool: torch.Tensor
-    order: torch.Tensor
-
-    @classmethod
-    def of(cls, scores: torch.Tensor, interval: int, eligible: torch.Tensor, order: torch.Tensor) -> _Pooled:
-        pool = eviction_pool(scores, interval, eligible)
-        return cls(pool, (pool[..., None, :] == order[..., :, None]).int().argmax(-1))
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() == self.pool.dim():
-            return tensor.gather(-1, self.pool)
-        index = self.pool[..., None].expand(*self.pool.shape, tensor.shape[-1])
-        return tensor.gather(-2, index)
+def _pooled(tensor: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """The pool's entries [..., P, *] of a [..., C, *] tensor of the candidates (`pool` [..., P])."""
+    if tensor.dim() == pool.dim():
+        return tensor.gather(-1, pool)
+    return tensor.gather(-2, pool[..., None].expand(*pool.shape, tensor.shape[-1]))
 
 
 def _attention_batches(contexts: Sequence[EvictionContext]) -> list[list[EvictionContext]]:

@@ -4,8 +4,11 @@ The GRPO stage differentiates the Plackett-Luce log-probability of a sampled evi
 and its log-probability share one masking of the eligible entries and one temperature check.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -84,14 +87,42 @@ def sample_eviction(
     perturbed logits, given which one was largest, are again independent Gumbels around their logits,
     so the next largest is a softmax sample over the rest, and so on (Yellott 1977; Kool et al. 2019).
     """
+    draw = draw_eviction(scores, num_evict, generator, eligible, temperature)
+    return draw.order, draw.logprob
+
+
+@dataclass(frozen=True)
+class EvictionDraw:
+    """One `sample_eviction` draw with its pool: `pool` [..., P] the candidates it drew from
+    (`eviction_pool`), `picks` [..., L] the pool indices in sampled order, `order` [..., L] the drawn
+    candidates in sampled order and `logprob` [...] their Plackett-Luce log-probability."""
+
+    pool: torch.Tensor
+    picks: torch.Tensor
+    order: torch.Tensor
+    logprob: torch.Tensor
+
+    def transpose(self, dim0: int, dim1: int) -> EvictionDraw:
+        return EvictionDraw(*(tensor.transpose(dim0, dim1) for tensor in (self.pool, self.picks, self.order, self.logprob)))
+
+
+def draw_eviction(
+    scores: torch.Tensor,
+    num_evict: int,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    eligible: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> EvictionDraw:
+    """`sample_eviction`, keeping the pool and the picks within it (what a recorded draw stores)."""
     masked = _masked(scores, num_evict, eligible)
     pool = _pool(masked, num_evict)
     logits = _logits(masked, temperature).gather(-1, pool)
     uniform = _uniform(logits, generator)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(logits.dtype).tiny)))
     picks = (logits + gumbel).topk(num_evict, dim=-1).indices
-    order = pool.gather(-1, picks)
-    return order, _plackett_luce(masked, pool, order, temperature, _drawn(masked, pool, order))
+    drawn = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, picks, True)
+    logprob = _plackett_luce(logits, logits.gather(-1, picks), drawn)
+    return EvictionDraw(pool, picks, pool.gather(-1, picks), logprob)
 
 
 def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
@@ -121,25 +152,18 @@ def plackett_luce_logprob(
             f"scores {tuple(scores.shape)}"
         )
     masked = _masked(scores, order.shape[-1], eligible)
-    drawn = _drawn(masked, pool, order)
+    drawn = torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
     if bool((drawn.sum(-1) != order.shape[-1]).any()):  # off the hot path: checked at once
         raise ValueError("order must hold distinct candidates that all lie in the pool")
-    return _plackett_luce(masked, pool, order, temperature, drawn)
-
-
-def _drawn(masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """[..., P] which pool entries `order` draws."""
-    return torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True).gather(-1, pool)
-
-
-def _plackett_luce(
-    masked: torch.Tensor, pool: torch.Tensor, order: torch.Tensor, temperature: float, drawn: torch.Tensor
-) -> torch.Tensor:
-    """sum_k [l(o_k) - logsumexp of l over the pool entries not yet drawn]. The entries still available
-    at draw k are the pool entries never drawn plus o_k..o_L, so each denominator is a logaddexp of one
-    logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor. `drawn`: `_drawn` of the order."""
     logits = _logits(masked, temperature)
-    never_drawn = logits.gather(-1, pool).masked_fill(drawn, float("-inf")).logsumexp(-1, keepdim=True)
-    drawn_logits = logits.gather(-1, order)
+    return _plackett_luce(logits.gather(-1, pool), logits.gather(-1, order), drawn)
+
+
+def _plackett_luce(pool_logits: torch.Tensor, drawn_logits: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """sum_k [l(o_k) - logsumexp of l over the pool entries not yet drawn], from the pool's logits [..., P],
+    the drawn ones in order [..., L] and which pool entries are drawn [..., P]. The entries still available
+    at draw k are the pool entries never drawn plus o_k..o_L, so each denominator is a logaddexp of one
+    logsumexp and a reversed cumulative logsumexp: stable, no [L, P] tensor."""
+    never_drawn = pool_logits.masked_fill(drawn, float("-inf")).logsumexp(-1, keepdim=True)
     remaining_drawn = drawn_logits.flip(-1).logcumsumexp(-1).flip(-1)
     return (drawn_logits - torch.logaddexp(never_drawn, remaining_drawn)).sum(-1)
