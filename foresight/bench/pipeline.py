@@ -55,8 +55,8 @@ from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
 from foresight.models import describe
 from foresight.policies import make_policy
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.device_ops import DeviceOps
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.host_reads import HostReads
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import ExampleCache
@@ -302,7 +302,9 @@ def _rollout_row(
 
 def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str) -> GoldenDataModule:
     """The supervised stage's data module over every trace (no holdout), its example cache in `examples_dir`."""
-    from trainers.data import GoldenDataModule  # Lightning is imported only when the benchmark runs
+    from trainers.data import (
+        GoldenDataModule,  # Lightning is imported only when the benchmark runs
+    )
 
     return GoldenDataModule(
         str(settings.traces), settings.budget, settings.interval, model=model_name, examples_dir=examples_dir,
