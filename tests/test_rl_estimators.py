@@ -1,0 +1,146 @@
+"""The reinforcement stage's estimator options against slow references: the evicted set's Plackett-Luce
+log-probability (Kool et al. 2020) against the sum over every order of the set, its gradient against
+autograd through that sum and finite differences; leave-one-out advantages and the dense reward by loops;
+the resolver's errors; and the GRPO module trained with each choice."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from foresight.metrics import token_damage
+from foresight.scorer.eviction_sampling import (
+    LogProbability,
+    draw_eviction,
+    plackett_luce_logprob,
+    plackett_luce_set_logprob,
+)
+
+
+# -- the evicted set's log-probability --------------------------------------------------------------
+def enumerated_set_logprob(scores: torch.Tensor, evicted: list[int], eligible: list[bool], temperature: float) -> torch.Tensor:
+    """log of the sum over every order of `evicted` of the product of sequential softmax ratios over the
+    eligible entries still available (Eq. 2's draws, one by one), by loops; differentiable w.r.t. `scores`."""
+    logits = -scores / temperature
+    total = scores.new_zeros(())
+    for order in itertools.permutations(evicted):
+        available, probability = [i for i in range(len(eligible)) if eligible[i]], scores.new_ones(())
+        for pick in order:
+            weights = torch.stack([logits[i] for i in available]).exp()
+            probability = probability * logits[pick].exp() / weights.sum()
+            available.remove(pick)
+        total = total + probability
+    return total.log()
+
+
+@pytest.mark.parametrize("pool_size,num_evict,spread,temperature", [
+    (4, 2, 1.0, 1.0), (6, 3, 0.1, 1.0), (6, 3, 3.0, 0.5), (7, 3, 1.0, 1.0), (8, 4, 5.0, 1.0), (8, 4, 1.0, 0.05),
+])
+def test_set_logprob_equals_the_sum_over_every_order(pool_size, num_evict, spread, temperature):
+    generator = torch.Generator().manual_seed(pool_size * 10 + num_evict)
+    for trial in range(3):
+        scores = (torch.randn(pool_size, generator=generator, dtype=torch.float64) * spread).requires_grad_()
+        eligible = [True] * pool_size
+        if trial == 2:  # one ineligible entry: weight 0, never drawn
+            eligible[int(torch.randint(pool_size, (1,), generator=generator))] = False
+        candidates = [i for i in range(pool_size) if eligible[i]]
+        evicted = [candidates[i] for i in torch.randperm(len(candidates), generator=generator)[:num_evict].tolist()]
+        pool, order = torch.arange(pool_size), torch.tensor(evicted)
+        mask = torch.tensor(eligible)
+        value = plackett_luce_set_logprob(scores, pool, order, mask, temperature)
+        expected = enumerated_set_logprob(scores, evicted, eligible, temperature)
+        assert math.isclose(float(value.detach()), float(expected.detach()), rel_tol=1e-9, abs_tol=1e-9)
+        (grad,) = torch.autograd.grad(value, scores)
+        (expected_grad,) = torch.autograd.grad(expected, scores)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-7, atol=1e-9)
+
+
+def test_set_logprob_sums_to_one_over_every_set_and_ignores_the_order():
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(10, generator=generator, dtype=torch.float64)
+    sets = torch.tensor(list(itertools.combinations(range(10), 5)))  # 252 sets
+    values = plackett_luce_set_logprob(scores.expand(len(sets), 10), torch.arange(10).expand(len(sets), 10), sets)
+    assert math.isclose(float(values.exp().sum()), 1.0, rel_tol=1e-9)
+    shuffled = sets[:, torch.randperm(5, generator=generator)]
+    torch.testing.assert_close(
+        plackett_luce_set_logprob(scores.expand(len(sets), 10), torch.arange(10).expand(len(sets), 10), shuffled), values,
+        rtol=1e-14, atol=1e-14,  # the set's factors summed in another order
+    )
+    orders = plackett_luce_logprob(scores.expand(len(sets), 10), torch.arange(10).expand(len(sets), 10), sets)
+    assert bool((values > orders).all())  # a set is at least as likely as any one of its orders
+
+
+def race_integral_logprob(logits: torch.Tensor, drawn: torch.Tensor, nodes: int = 400_000) -> float:
+    """log ∫_0^∞ e^{-v} prod_{i in S} (1 - e^{-v w_i / W_R}) dv (the exponential race of Kool et al. 2020
+    with v = W_R t) by the midpoint rule on a fine uniform grid of v up to L + 60, where e^{-v} is below
+    e^{-40} of the integrand's mass: an independent twin for pools too large to enumerate."""
+    weights = logits.double().exp()
+    ratio = weights[drawn] / weights[~drawn].sum()
+    end = int(drawn.sum()) + 60
+    v = (torch.arange(nodes, dtype=torch.float64) + 0.5) * (end / nodes)
+    log_integrand = -v + torch.log(-torch.expm1(-v[:, None] * ratio)).sum(-1)
+    return float(log_integrand.logsumexp(0)) + math.log(end / nodes)
+
+
+@pytest.mark.parametrize("spread", [0.05, 0.5, 1.5])
+def test_set_logprob_of_large_pools_equals_a_fine_quadrature_in_the_papers_variable(spread):
+    """L = 32 of a pool of 64, as the default B = 128, L = 32: float32 and float64 alike."""
+    generator = torch.Generator().manual_seed(int(spread * 100))
+    scores = torch.randn(64, generator=generator) * spread
+    for evicted in (torch.randperm(64, generator=generator)[:32], scores.topk(32, largest=False).indices):
+        drawn = torch.zeros(64, dtype=torch.bool)
+        drawn[evicted] = True
+        expected = race_integral_logprob(-scores, drawn)
+        for dtype, tolerance in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
+            value = float(plackett_luce_set_logprob(scores.to(dtype), torch.arange(64), evicted))
+            assert math.isclose(value, expected, rel_tol=tolerance, abs_tol=tolerance), (dtype, value, expected)
+
+
+def test_set_logprob_gradient_of_large_pools_equals_finite_differences():
+    generator = torch.Generator().manual_seed(5)
+    scores = (torch.randn(64, generator=generator, dtype=torch.float64) * 2).requires_grad_()
+    evicted = torch.randperm(64, generator=generator)[:32]
+    value = plackett_luce_set_logprob(scores, torch.arange(64), evicted, temperature=0.7)
+    (grad,) = torch.autograd.grad(value, scores)
+    step = 1e-5
+    for index in (int(evicted[0]), int(evicted[5]), *[i for i in range(64) if i not in evicted.tolist()][:3]):
+        shifted = [scores.detach().clone() for _ in range(2)]
+        shifted[0][index] += step
+        shifted[1][index] -= step
+        up, down = (float(plackett_luce_set_logprob(s, torch.arange(64), evicted, temperature=0.7)) for s in shifted)
+        assert math.isclose(float(grad[index]), (up - down) / (2 * step), rel_tol=1e-5, abs_tol=1e-8)
+    assert math.isclose(float(grad.sum()), 0.0, abs_tol=1e-9)  # a shift of every score changes no draw
+
+
+def test_set_logprob_matches_the_frequency_of_sampled_sets():
+    """Eq. 2's sampler and the set probability agree: the share of 20,000 draws that evict each set."""
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.tensor([0.3, -0.5, 1.2, 0.0, -1.0, 0.8])
+    draws = draw_eviction(scores.expand(20_000, 6), 3, generator=generator, temperature=0.8)
+    counts: dict[tuple, int] = {}
+    for row in draws.order.sort(-1).values.tolist():
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    for evicted, count in counts.items():
+        probability = float(plackett_luce_set_logprob(scores, torch.arange(6), torch.tensor(evicted), temperature=0.8).exp())
+        assert abs(count / 20_000 - probability) < 4 * math.sqrt(probability * (1 - probability) / 20_000) + 1e-4
+
+
+def test_set_logprob_of_a_pool_whose_rest_is_ineligible_is_zero_and_batches_broadcast():
+    scores = torch.tensor([[0.1, 0.4, -0.2, 3.0], [0.5, 0.1, 0.2, 0.3]], requires_grad=True)
+    eligible = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    order = torch.tensor([[1, 0], [3, 2]])
+    value = plackett_luce_set_logprob(scores, torch.arange(4).expand(2, 4), order, eligible)
+    assert float(value[0].detach()) == 0.0 and float(value[1].detach()) < 0
+    value.sum().backward()
+    assert torch.isfinite(scores.grad).all() and bool((scores.grad[0] == 0).all())
+
+
+def test_log_probability_choice_resolves_both_rules_and_names_the_allowed_ones():
+    scores, pool, order = torch.randn(2, 8), torch.arange(8).expand(2, 8), torch.tensor([[0, 3, 5], [7, 1, 2]])
+    assert torch.equal(LogProbability.parse("order").of(scores, pool, order), plackett_luce_logprob(scores, pool, order))
+    assert torch.equal(LogProbability.parse("set").of(scores, pool, order), plackett_luce_set_logprob(scores, pool, order))
+    with pytest.raises(ValueError, match="unknown log probability 'sets'; allowed: 'order', 'set'"):
+        LogProbability.parse("sets")
