@@ -16,6 +16,7 @@ import torch.nn.functional as F
 LOW_ENTROPY_SHARE = 0.8  # ForesightKV §2.2: the bottom 80% of a trace's tokens by entropy
 DAMAGE_THRESHOLD = 1.5  # η of ForesightKV §3.3: a loss increase above it damages a token
 DAMAGE_EXPONENT = 2.0  # p of the reward's damage term ΔL^p (ForesightKV §3.3: ΔL²)
+DAMAGE_OFFSET = 0.0  # δ of the dense damage term (ΔL − δ)₊^p (ours)
 
 
 def scored_tokens(num_predictions: int, first_eviction: int | None) -> torch.Tensor:
@@ -126,6 +127,25 @@ def token_damage(
     delta = evicted_nll.double() - full_nll.double()
     damaged = low & (delta > threshold)
     return TokenDamage(low, damaged, torch.where(damaged, delta, 0.0).pow(exponent))
+
+
+def dense_token_damage(
+    evicted_nll: torch.Tensor,
+    full_nll: torch.Tensor,
+    full_entropy: torch.Tensor,
+    share: float = LOW_ENTROPY_SHARE,
+    offset: float = DAMAGE_OFFSET,
+    exponent: float = DAMAGE_EXPONENT,
+) -> TokenDamage:
+    """A dense damage term of one trace, token by token (ours, beside `token_damage`'s thresholded one):
+    (ΔL − δ)₊^p on every low-entropy token, so a token whose loss grew by less than η still counts, and a
+    rollout scores by how much it damaged rather than by how many tokens crossed η. A token is `damaged`
+    when ΔL > δ. Same tokens and arguments as `token_damage`, δ = `offset`."""
+    _check_same_tokens(evicted_nll, full_nll)
+    _check_same_tokens(full_entropy, full_nll)
+    low = low_entropy_tokens(full_entropy, share)
+    excess = (evicted_nll.double() - full_nll.double() - offset).clamp_min(0.0)
+    return TokenDamage(low, low & (excess > 0), torch.where(low, excess, 0.0).pow(exponent))
 
 
 def low_entropy_damage(

@@ -32,10 +32,11 @@ import torch.distributed as dist
 from torchmetrics import MeanMetric
 
 from foresight.data.trace_store import Trace
-from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
+from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_OFFSET, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
 from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer
+from trainers.estimators import Advantage, Estimator, Reward
 from trainers.rollouts import (
     CLIP_EPSILON,
     LOG_RATIO_CLAMP,
@@ -45,7 +46,6 @@ from trainers.rollouts import (
     LossReference,
     equal_reward_groups,
     full_cache_losses,
-    group_advantages,
     grpo_objective,
     packs,
     roll_out_together,
@@ -73,6 +73,10 @@ class GRPOScorer(ScorerModule):
       scorer's own ranking, exploring around it. The exported scorer is used deterministically either way.
     low_entropy_share, damage_threshold, damage_exponent: the reward's bottom-entropy share (0.8), η (1.5)
       and p (2) of its damage term ΔL^p·1[ΔL > η].
+    logprob, advantage, reward, damage_offset: the estimator's options (`trainers.estimators.Estimator`): the
+      log-probability of the drawn "order" (the paper's) or of the evicted "set" (Kool et al. 2020); Eq. 9's
+      "grpo" advantages or leave-one-out "rloo" ones, unscaled; the "thresholded" damage term above or the
+      "dense" (ΔL − δ)₊^p, δ = damage_offset (0). The logged `train/paper_reward` is R of §3.3 whatever trains.
     credit: "rollout" (the paper's): every eviction of a rollout gets the advantage of its reward;
       "reward_to_go": eviction step s gets the advantage of its reward-to-go (the damage to the tokens
       predicted after it only), normalised per step index across the G rollouts, so a step is not
@@ -108,6 +112,10 @@ class GRPOScorer(ScorerModule):
         damage_threshold: float = DAMAGE_THRESHOLD,
         damage_exponent: float = DAMAGE_EXPONENT,
         credit: str = Credit.ROLLOUT.value,
+        logprob: str = "order",
+        advantage: str = Advantage.GRPO.value,
+        reward: str = Reward.THRESHOLDED.value,
+        damage_offset: float = DAMAGE_OFFSET,
         storage_dtype: str = "float32",
         dtype: str = "float32",
         loss_reference: str = LossReference.STORED.value,
@@ -125,11 +133,8 @@ class GRPOScorer(ScorerModule):
         check_temperature(temperature)
         if traces_per_replay < 1:
             raise ValueError(f"traces_per_replay must be at least 1, got {traces_per_replay}")
-        if not 0 <= damage_threshold < float("inf") or not 0 < damage_exponent < float("inf"):
-            raise ValueError(
-                f"need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold={damage_threshold}, "
-                f"damage_exponent={damage_exponent}"
-            )
+        self.estimator = Estimator(logprob, advantage, reward, low_entropy_share, damage_threshold, damage_exponent,
+                                   damage_offset)
         self.credit = Credit.parse(credit)
         self.loss_reference = LossReference.parse(loss_reference)
         self.save_hyperparameters()
@@ -152,7 +157,7 @@ class GRPOScorer(ScorerModule):
         self._frozen: FrozenModel | None = None
         self._full_cache_nll: dict[int, torch.Tensor] = {}  # by trace index, with loss_reference "replay"
         names = (
-            "reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share",
+            "reward", "paper_reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share",
             "zero_advantage_share",
         )
         self.figures = torch.nn.ModuleDict({name: MeanMetric() for name in names})
@@ -189,7 +194,7 @@ class GRPOScorer(ScorerModule):
                 self.frozen_model, self.scorer, packed, seeds, share=self.hparams.low_entropy_share,
                 threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
                 temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent,
-                reference_nll=[self._reference_nll(trace) for trace in packed],
+                reference_nll=[self._reference_nll(trace) for trace in packed], reward=self.estimator.damage,
             )
             yield from rolled
 
@@ -212,7 +217,7 @@ class GRPOScorer(ScorerModule):
         updates, rewards, forward_seconds = [], [], 0.0
         for group in self.roll_out(batch):
             advantages = self._advantages(group)[rows.start : rows.stop]
-            update = _Update(group.actions, advantages, self.scorer, self.reference)
+            update = _Update(group.actions, advantages, self.scorer, self.reference, self.estimator)
             self._backward(update, beta, len(batch))
             self._tally(group)
             rewards.append(self._gather_group(group.scores.reward))
@@ -234,14 +239,15 @@ class GRPOScorer(ScorerModule):
         rewards = self._gather_group(group.scores.credited(self.credit))  # every rank's rows, in order
         equal = equal_reward_groups(rewards, dim=0)
         self.figures["zero_advantage_share"].update(equal.float().mean(), weight=equal.numel())
-        return group_advantages(rewards, dim=0)
+        return self.estimator.advantages(rewards, dim=0)
 
     def _backward(self, update: _Update, beta: float, traces: int) -> None:
         """Back-propagate this trace's share (1 / traces) of minus Eq. 10, through the scorer only."""
         actions = update.actions
         with self._no_gradient_sync():
             scores = actions.scores(self.scorer)
-            by_step = [lp.transpose(1, 2) for lp in (actions.logprob(scores), update.old_logprob, update.ref_logprob)]
+            logprob = actions.logprob(scores, self.estimator.logprob)
+            by_step = [lp.transpose(1, 2) for lp in (logprob, update.old_logprob, update.ref_logprob)]
             objective = grpo_objective(  # [rows, steps, layers, Hkv]: a row's or a step's advantage broadcasts
                 *by_step, update.advantages.to(scores.device), beta, clip=self.hparams.clip, clamp=LOG_RATIO_CLAMP,
             )
@@ -283,6 +289,7 @@ class GRPOScorer(ScorerModule):
     def _tally(self, group: GroupRollout) -> None:
         """Add one trace's rollouts to the step's figures."""
         self.figures["loss_ratio"].update(group.scores.loss_ratio.mean())
+        self.figures["paper_reward"].update(group.scores.paper_reward.mean())
         self.figures["damage"].update(group.scores.damage_share.mean())
         self.figures["steps_per_second"].update(group.eviction_steps / group.seconds)
 
@@ -309,19 +316,19 @@ class GRPOScorer(ScorerModule):
             f"G = {hparams.group_size}, lr {hparams.lr} after {hparams.warm_up} warm-up steps, β = {hparams.beta}"
             + (f" for {hparams.kl_steps} steps" if hparams.kl_steps is not None else "")
             + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts, sampling temperature τ = "
-            + f"{hparams.temperature}; reward ΔL^{hparams.damage_exponent}·1[ΔL > {hparams.damage_threshold}], "
-            + f"credit: {self.credit.value}"
+            + f"{hparams.temperature}; {self.estimator.describe()}, credit: {self.credit.value}"
         )
         return {"GRPO": settings}
 
 
 class _Update:
     """What one trace's update needs: its recorded evictions, the advantage of each of this rank's rows,
-    and the log-probability of every eviction under the scorer that sampled it (π_old) and under π_ref."""
+    and the log-probability (the estimator's) of every eviction under the scorer that sampled it (π_old) and
+    under π_ref."""
 
     def __init__(self, actions: EvictionActions, advantages: torch.Tensor, scorer: ForesightScorer,
-                 reference: ForesightScorer) -> None:
+                 reference: ForesightScorer, estimator: Estimator) -> None:
         self.actions, self.advantages = actions, advantages
         with torch.no_grad():
-            self.old_logprob = actions.logprob(actions.scores(scorer))
-            self.ref_logprob = actions.logprob(actions.scores(reference))
+            self.old_logprob = actions.logprob(actions.scores(scorer), estimator.logprob)
+            self.ref_logprob = actions.logprob(actions.scores(reference), estimator.logprob)

@@ -21,7 +21,7 @@ functions `foresight eval` reports, over the same tokens (those predicted after 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -45,8 +45,12 @@ from foresight.policies import make_policy
 from foresight.policies.foresight import SampledEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.prefix import ReplayPrefix
-from foresight.scorer.eviction_sampling import plackett_luce_logprob
+from foresight.scorer.eviction_sampling import LogProbability
 from foresight.scorer.model import ForesightScorer
+
+DamageRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], TokenDamage]
+"""A reward's damage term of one trace's scored tokens from (evicted losses, full-cache losses, full-cache
+entropies), as `trainers.estimators.Estimator.damage`."""
 
 CLIP_EPSILON = 0.2
 """ε of Eq. 10 (App. E.1)."""
@@ -152,13 +156,13 @@ class EvictionActions:
         inputs = [tensor.flatten(1, 2) for tensor in (self.keys, self.values, self.features)]
         return scorer(*inputs).unflatten(1, (steps, rows))
 
-    def logprob(self, scores: torch.Tensor) -> torch.Tensor:
+    def logprob(self, scores: torch.Tensor, rule: LogProbability = LogProbability.ORDER) -> torch.Tensor:
         """Plackett-Luce log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action
-        probability of Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature."""
+        probability of Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature:
+        of its drawn order, or with `rule` SET of its evicted set."""
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
         order, eligible = self.order.to(scores.device), self.eligible.to(scores.device)
-        logprob = plackett_luce_logprob(scores, pool, order, eligible, self.temperature)
-        return logprob.movedim(2, 0)
+        return rule.of(scores, pool, order, eligible, self.temperature).movedim(2, 0)
 
     def first_draw_entropy(self, scores: torch.Tensor) -> torch.Tensor:
         """Entropy [rows, layers, steps, Hkv] of the first draw of Eq. 2 (softmax of the negated scores
@@ -170,14 +174,16 @@ class EvictionActions:
 
 @dataclass(frozen=True)
 class RolloutScores:
-    """Per rollout row: the reward R (docs/algorithms.md §7), the loss ratio and the share of low-entropy
-    tokens damaged (docs/algorithms.md §8), all over the predictions after the first eviction; and the
-    reward-to-go [rows, steps] of every recorded eviction step (`rewards_to_go`)."""
+    """Per rollout row: the reward that trains (R of docs/algorithms.md §7 unless another damage term was
+    chosen), the loss ratio and the share of low-entropy tokens damaged (docs/algorithms.md §8), all over the
+    predictions after the first eviction; the reward-to-go [rows, steps] of every recorded eviction step
+    (`rewards_to_go`); and R of §7 itself, what `foresight eval` reports as −R (`paper_reward`)."""
 
     reward: torch.Tensor
     loss_ratio: torch.Tensor
     damage_share: torch.Tensor
     reward_to_go: torch.Tensor
+    paper_reward: torch.Tensor
 
     def credited(self, credit: Credit) -> torch.Tensor:
         """The rewards the advantages normalise: [rows] per rollout, or [rows, steps] per eviction step."""
@@ -193,24 +199,31 @@ def score_rollouts(
     threshold: float = DAMAGE_THRESHOLD,
     exponent: float = DAMAGE_EXPONENT,
     reference_nll: torch.Tensor | None = None,
+    reward: DamageRule | None = None,
 ) -> RolloutScores:
     """Reward, loss ratio, damage share and rewards-to-go of replays of `trace` (`nll` per row [T - 1])
     against its stored full-cache loss and entropy: R = −(1/|S|) Σ_{t∈S} ΔL_t^p·1[ΔL_t > η] over the
     tokens S predicted after the first eviction whose full-cache entropy is in their bottom `share`
     (`token_damage`); `after` [steps]: the position of each recorded eviction step. `reference_nll` [T - 1]:
-    the full-cache losses to compare with (`LossReference`; None: the trace's stored ones)."""
+    the full-cache losses to compare with (`LossReference`; None: the trace's stored ones). `reward`: the
+    damage term the training reward and its rewards-to-go average instead (`trainers.estimators.Estimator.damage`);
+    the loss ratio, damage share and paper reward stay those of §7 and §8."""
     reference = trace.token_nll if reference_nll is None else reference_nll
-    rewards, ratios, shares, to_go = [], [], [], []
+    rewards, ratios, shares, to_go, paper = [], [], [], [], []
     for row_nll, first in zip(nll, first_eviction, strict=True):
         scored = scored_tokens(row_nll.numel(), first)
         evicted, full, entropy = row_nll[scored], reference[scored], trace.token_entropy[scored]
         damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent)
+        training = damage if reward is None else reward(evicted, full, entropy)
         counts = damage.counts()
-        rewards.append(-counts.penalty)
+        paper.append(-counts.penalty)
+        rewards.append(-training.counts().penalty)
         ratios.append(loss_ratio(evicted, full))
         shares.append(counts.share)
-        to_go.append(rewards_to_go(damage, scored, after))
-    return RolloutScores(*(torch.tensor(values) for values in (rewards, ratios, shares)), torch.stack(to_go).float())
+        to_go.append(rewards_to_go(training, scored, after))
+    return RolloutScores(
+        *(torch.tensor(values) for values in (rewards, ratios, shares)), torch.stack(to_go).float(), torch.tensor(paper)
+    )
 
 
 def rewards_to_go(damage: TokenDamage, scored: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
@@ -269,6 +282,7 @@ def roll_out_together(
     share_prefix: bool = True,
     reference_nll: Sequence[torch.Tensor | None] | None = None,
     step_observer: AbstractContextManager | None = None,
+    reward: DamageRule | None = None,
 ) -> list[GroupRollout]:
     """Replay each trace once per seed of its group (`row_seeds[i]`, the same count for every trace), every
     group as consecutive rows of one batch, `scorer` sampling every eviction (Eq. 2) at the B and L it was
@@ -284,7 +298,8 @@ def roll_out_together(
     `reference_nll[i]`: the full-cache losses trace i is scored against (`score_rollouts`; None: its
     stored ones). Each group is credited an equal share of the replay's time (its padding steps past a
     shorter trace's end included; the prefill's recording is not counted as forward time).
-    `step_observer`: entered around every eviction step of the replay (`EvictionEngine`)."""
+    `step_observer`: entered around every eviction step of the replay (`EvictionEngine`). `reward`: the
+    training reward's damage term (`score_rollouts`)."""
     config = scorer.config
     groups = {len(seeds) for seeds in row_seeds}
     if len(row_seeds) != len(traces) or len(groups) != 1 or 0 in groups:
@@ -320,7 +335,8 @@ def roll_out_together(
             policy.records, engine.num_layers, before=length - 2, rows=rows, dtype=storage_dtype
         )
         scores = score_rollouts(
-            output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference
+            output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference,
+            reward,
         )
         scored.append((trace, actions, scores))
     portion = 1 / len(traces)  # of the replay's time, padding past a shorter trace's end included
