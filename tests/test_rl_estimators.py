@@ -7,17 +7,30 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from foresight.metrics import token_damage
+from foresight import cli
+from foresight.metrics import dense_token_damage, token_damage
 from foresight.scorer.eviction_sampling import (
     LogProbability,
     draw_eviction,
     plackett_luce_logprob,
     plackett_luce_set_logprob,
 )
+from tests.test_rl import (  # noqa: F401  (start_scorer is a fixture)
+    enumerated_order_probabilities,
+    random_trace,
+    rl_args,
+    rl_config,
+    scorer_for,
+    start_scorer,
+)
+from trainers.estimators import Advantage, Estimator, Reward, leave_one_out_advantages
+from trainers.rollouts import group_advantages, roll_out, rollout_seeds
 
 
 # -- the evicted set's log-probability --------------------------------------------------------------
@@ -144,3 +157,113 @@ def test_log_probability_choice_resolves_both_rules_and_names_the_allowed_ones()
     assert torch.equal(LogProbability.parse("set").of(scores, pool, order), plackett_luce_set_logprob(scores, pool, order))
     with pytest.raises(ValueError, match="unknown log probability 'sets'; allowed: 'order', 'set'"):
         LogProbability.parse("sets")
+
+
+def test_set_logprob_of_recorded_evictions_sums_their_enumerated_orders(llama):
+    """B = 6, L = 2: pools of 4 entries; the recorded set's probability is that of its two orders."""
+    scorer = scorer_for(llama, budget=6, interval=2)
+    actions = roll_out(llama, scorer, random_trace(llama, 20), rollout_seeds(0, 0, 0, range(2))).actions
+    scores = actions.scores(scorer).detach()
+    logprob = actions.logprob(scores, LogProbability.SET)  # [rows, layers, steps, Hkv]
+    layers, steps, rows, heads = actions.order.shape[:4]
+    for layer, step, row, head in itertools.product(range(layers), range(steps), range(rows), range(heads)):
+        table = enumerated_order_probabilities(scores[layer, step, row, head].tolist(),
+                                               actions.eligible[layer, step, row, head].tolist(), draws=2)
+        first, second = actions.order[layer, step, row, head].tolist()
+        expected = math.log(table[(first, second)] + table[(second, first)])
+        assert math.isclose(float(logprob[row, layer, step, head]), expected, abs_tol=1e-5)
+
+
+# -- advantages and rewards ---------------------------------------------------------------------------
+def test_leave_one_out_advantages_by_loops():
+    generator = torch.Generator().manual_seed(11)
+    rewards = torch.randn(5, 8, generator=generator, dtype=torch.float64) * 0.01
+    rewards[3] = -0.25  # a group of equal rewards
+    advantages = leave_one_out_advantages(rewards, dim=-1)
+    for group, row in enumerate(rewards.tolist()):
+        for k, reward in enumerate(row):
+            others = row[:k] + row[k + 1:]
+            assert math.isclose(float(advantages[group, k]), reward - sum(others) / len(others), abs_tol=1e-15)
+    assert torch.equal(advantages[3], torch.zeros(8, dtype=torch.float64))
+    assert float(advantages.abs().max()) < 0.1  # in the reward's units: no std scaling to ±1
+    torch.testing.assert_close(leave_one_out_advantages(rewards.T, dim=0), advantages.T, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="at least 2 rollouts"):
+        leave_one_out_advantages(torch.zeros(3, 1))
+
+
+def slow_dense_terms(evicted: list[float], full: list[float], entropy: list[float], share: float, offset: float,
+                     exponent: float) -> list[float]:
+    """(ΔL − δ)₊^p on the tokens whose entropy is at most the `share` quantile (linear interpolation), 0 elsewhere."""
+    ordered = sorted(entropy)
+    position = share * (len(ordered) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    cut = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    return [max(e - f - offset, 0.0) ** exponent if h <= cut else 0.0 for e, f, h in zip(evicted, full, entropy)]
+
+
+@pytest.mark.parametrize("offset,exponent", [(0.0, 2.0), (0.1, 1.0), (0.5, 1.5)])
+def test_dense_damage_by_loops_and_the_estimator_routes_each_reward(offset, exponent):
+    generator = torch.Generator().manual_seed(int(offset * 10 + exponent))
+    full = torch.rand(60, generator=generator, dtype=torch.float64) * 2
+    evicted = full + torch.randn(60, generator=generator, dtype=torch.float64) * 0.8
+    entropy = torch.rand(60, generator=generator, dtype=torch.float64)
+    dense = dense_token_damage(evicted, full, entropy, share=0.8, offset=offset, exponent=exponent)
+    expected = slow_dense_terms(evicted.tolist(), full.tolist(), entropy.tolist(), 0.8, offset, exponent)
+    torch.testing.assert_close(dense.terms, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    assert int(dense.low_entropy.sum()) == 48 and int(dense.damaged.sum()) == sum(term > 0 for term in expected)
+    estimator = Estimator(reward="dense", offset=offset, exponent=exponent)
+    torch.testing.assert_close(estimator.damage(evicted, full, entropy).terms, dense.terms, rtol=0, atol=0)
+    thresholded = Estimator(threshold=1.0, exponent=exponent).damage(evicted, full, entropy)
+    torch.testing.assert_close(thresholded.terms, token_damage(evicted, full, entropy, 0.8, 1.0, exponent).terms,
+                               rtol=0, atol=0)
+    # the dense term counts the tokens the threshold drops: more of them are nonzero
+    assert int((dense.terms > 0).sum()) > int((thresholded.terms > 0).sum())
+
+
+def test_estimator_resolves_names_and_rejects_bad_options():
+    estimator = Estimator("set", "rloo", "dense", offset=0.2)
+    assert estimator.name == "set/rloo/dense" and estimator.logprob is LogProbability.SET
+    assert estimator.advantage is Advantage.RLOO and estimator.reward is Reward.DENSE
+    rewards = torch.tensor([[0.0, -1.0, -3.0]])
+    torch.testing.assert_close(estimator.advantages(rewards, dim=-1), leave_one_out_advantages(rewards))
+    torch.testing.assert_close(Estimator().advantages(rewards, dim=-1), group_advantages(rewards))
+    for options, message in (
+        (dict(advantage="ppo"), "unknown advantage 'ppo'; allowed: 'grpo', 'rloo'"),
+        (dict(reward="sparse"), "unknown reward 'sparse'; allowed: 'thresholded', 'dense'"),
+        (dict(logprob="sets"), "unknown log probability 'sets'"),
+        (dict(offset=-0.1), "need a finite damage_offset >= 0"),
+        (dict(exponent=0.0), "damage_exponent > 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Estimator(**options)
+
+
+# -- the GRPO module with each option ------------------------------------------------------------------
+def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_path, tiny_dir, traces_dir, start_scorer,
+                                                                           capsys):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir,
+                       model={"logprob": "set", "advantage": "rloo", "reward": "dense", "damage_offset": 0.05})
+    run = tmp_path / "run"
+    assert cli.main(rl_args(config, start_scorer, run)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    reward, paper = (float(last.split(f"train/{name} ")[1].split(",")[0]) for name in ("reward", "paper_reward"))
+    assert paper < reward <= 0  # η = 0: both count every loss increase, and (ΔL − δ)₊² < ΔL² wherever ΔL > 0
+    hparams = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert (hparams["logprob"], hparams["advantage"], hparams["reward"], hparams["damage_offset"]) == ("set", "rloo", "dense", 0.05)
+    assert "log-probability of the evicted set, rloo advantages, reward (ΔL − 0.05)₊^2.0" in (run / "scorer" / "README.md").read_text()
+    start = load_file(start_scorer / "model.safetensors")
+    assert any(not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items())
+
+
+def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, tiny_dir, traces_dir, start_scorer):
+    """(ΔL − 0)₊^p and ΔL^p·1[ΔL > 0] are the same numbers: the same rewards, so the same trained weights;
+    with the set log-probability and RLOO the weights differ from the paper's estimator's."""
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
+    weights = {}
+    for name, overrides in (("thresholded", []), ("dense", ["model.reward=dense"]),
+                            ("set-rloo", ["model.logprob=set", "model.advantage=rloo"])):
+        assert cli.main(rl_args(config, start_scorer, tmp_path / name, *overrides)) == 0
+        weights[name] = load_file(tmp_path / name / "scorer" / "model.safetensors")
+    for name, tensor in weights["thresholded"].items():
+        assert torch.equal(weights["dense"][name], tensor), name
+    assert any(not torch.equal(weights["set-rloo"][name], tensor) for name, tensor in weights["thresholded"].items() if name != "b2")
