@@ -228,46 +228,52 @@ def _plackett_luce(pool_logits: torch.Tensor, drawn_logits: torch.Tensor, drawn:
 
 SET_LEFT_END = -20.0
 """Lower end of the set integral's variable s = log(W_R t); the integrand below it is < e^-16 of P(S)."""
+TAIL_START, TAIL_STRETCH = -3.0, 4.0
+"""Below s = TAIL_START the integrand falls as a plain exponential, so the nodes there are up to
+1 + TAIL_STRETCH times further apart (`_set_nodes`)."""
 SET_CHUNK = 1 << 22
 """Numbers per chunk of `_set_integral`'s [actions, L, nodes] grid: its memory, whatever the batch."""
 
 
-def _set_nodes(num_evict: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The quadrature nodes of s: a uniform step of 0.8 / sqrt(L + 1) (at most 0.25), which keeps the
-    trapezoid rule's relative error under 1e-6 (the integrand's log is concave with curvature at most about
-    1.25 L + 1 at its mode, tests/test_rl_estimators.py), from SET_LEFT_END to 3 past the highest mode."""
-    step = min(0.25, 0.8 / math.sqrt(num_evict + 1))
-    return torch.arange(SET_LEFT_END, math.log(num_evict + 1) + 3.0, step, dtype=dtype, device=device)
+def _set_nodes(num_evict: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quadrature nodes of s and the log of their weights: the trapezoid rule on a uniform grid of v with
+    s = v − TAIL_STRETCH·softplus(TAIL_START − v) (smooth, so the rule keeps its geometric convergence),
+    step min(0.25, 0.9 / sqrt(L + 1)) (the integrand's log has curvature up to about 1.25 L + 1 at its mode),
+    from s ≈ SET_LEFT_END to 3 past the highest mode. Against a grid 10 times finer, the log-probability
+    differs by under 2e-7 for L = 1..128 and logits of any spread (about 80 nodes at L = 32)."""
+    step = min(0.25, 0.9 / math.sqrt(num_evict + 1))
+    start = (SET_LEFT_END + TAIL_STRETCH * TAIL_START) / (1 + TAIL_STRETCH)  # where s ≈ SET_LEFT_END
+    v = torch.arange(start, math.log(num_evict + 1) + 3.0, step, dtype=dtype, device=device)
+    nodes = v - TAIL_STRETCH * torch.nn.functional.softplus(TAIL_START - v)
+    log_weights = math.log(step) + torch.log1p(TAIL_STRETCH * torch.sigmoid(TAIL_START - v))
+    return nodes, log_weights
 
 
 def _set_integral(relative: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log P(S) [...] and its gradient [..., L] w.r.t. `relative` [..., L] = log(w_i / W_R) of the set's entries.
 
     With s = log(W_R t) the integral of `plackett_luce_set_logprob` reads
-    P(S) = ∫ exp(s - e^s + sum_i log(1 - exp(-e^{r_i + s}))) ds over the real line: no scale left, a
-    log-concave integrand whose mode lies in [0, log(L + 1)] (where its slope 1 - e^s + sum_i h(z_i),
-    h(z) = z / (e^z - 1) in (0, 1], vanishes) and whose left tail falls at least as e^{0.95 s} below
-    s = -3. The trapezoid rule on uniform nodes (`_set_nodes`) converges geometrically for such an
-    integrand; the sum runs in log space. d log P / d r_i is the mean of h(z_i(s)) under the normalised
-    integrand. Computed in chunks of actions, so memory stays at SET_CHUNK numbers."""
+    P(S) = ∫ exp(s − e^s + sum_i log(1 − exp(−z_i))) ds over the real line, z_i = e^{r_i + s}: no scale
+    left, a log-concave integrand whose mode lies in [0, log(L + 1)] (where its slope 1 − e^s + sum_i h(z_i),
+    h(z) = z / (e^z − 1) in (0, 1], vanishes) and whose left tail falls at least as e^{0.95 s} below
+    s = −3. The trapezoid rule (`_set_nodes`) converges geometrically for such an integrand; the sum runs
+    in log space. d log P / d r_i is the mean of h(z_i(s)) under the normalised integrand. Computed in
+    chunks of actions, so memory stays at SET_CHUNK numbers."""
     dtype = torch.promote_types(relative.dtype, torch.float32)
     flat = relative.detach().to(dtype).reshape(-1, relative.shape[-1])
-    nodes = _set_nodes(relative.shape[-1], dtype, relative.device)
-    log_step = math.log(float(nodes[1] - nodes[0]))
+    nodes, log_weights = _set_nodes(relative.shape[-1], dtype, relative.device)
     values, grads = [], []
     for chunk in flat.split(max(1, SET_CHUNK // (flat.shape[-1] * nodes.numel()))):
         exponent = chunk[..., None] + nodes  # [n, L, nodes]: log z_i(s)
         z = exponent.exp()
-        log_factor = torch.where(
-            exponent < -20, exponent, torch.where(z < math.log(2), torch.log(-torch.expm1(-z)), torch.log1p(-torch.exp(-z)))
-        )
-        log_integrand = nodes - nodes.exp() + log_factor.sum(-2)  # [n, nodes]
-        values.append((log_integrand + log_step).logsumexp(-1))
-        weights = log_integrand.softmax(-1)[:, None, :]
-        slope = torch.where(z < 1e-6, 1 - z / 2, z / torch.expm1(z))  # h(z) = d log(1 - e^-z) / d log z
+        arrived = -torch.expm1(-z)  # 1 − e^{−z}, exact for small z
+        tiny = exponent < -20  # z below 2e-9: log(1 − e^{−z}) = log z and h(z) = 1, to float precision
+        log_integrand = nodes - nodes.exp() + torch.where(tiny, exponent, arrived.log()).sum(-2)  # [n, nodes]
+        values.append((log_integrand + log_weights).logsumexp(-1))
+        weights = (log_integrand + log_weights).softmax(-1)[:, None, :]
+        slope = torch.where(tiny, 1.0, z * (1 - arrived) / arrived)  # h(z) = d log(1 − e^{−z}) / d log z
         grads.append((weights * slope).sum(-1))
-    shape = relative.shape[:-1]
-    return torch.cat(values).reshape(shape), torch.cat(grads).reshape(relative.shape)
+    return torch.cat(values).reshape(relative.shape[:-1]), torch.cat(grads).reshape(relative.shape)
 
 
 class _SetIntegral(torch.autograd.Function):
