@@ -1,10 +1,11 @@
 """The options of the benchmarks of the pipeline's stages (eval-prefix, labels-memory, paged-reclaim, rl-heldout,
-rl-step, trace-generation, ablation) and their translation into the settings of foresight.bench.*, with the
+rl-signal, rl-step, trace-generation, ablation) and their translation into the settings of foresight.bench.*, with the
 command that reproduces each report."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from foresight.bench import (
     labels_memory,
     paged_reclaim,
     rl_heldout,
+    rl_signal,
     rl_step,
     trace_generation,
 )
@@ -197,6 +199,17 @@ def _trainer_placement(device: str, dtype: torch.dtype) -> list[str]:
             f"model.dtype={dtype_name(dtype)}"]
 
 
+def _add_rl_signal(parser: argparse.ArgumentParser) -> None:
+    for item in dataclasses.fields(rl_signal.Settings):
+        parser.add_argument(f"--{item.name.replace('_', '-')}", type=type(item.default), default=item.default,
+                            help=f"{item.metadata['help']} (default: {item.default})")
+    add_report_arguments(parser, rl_signal.NAME)
+
+
+def _rl_signal_settings(args: argparse.Namespace) -> rl_signal.Settings:
+    return rl_signal.Settings(**{item.name: getattr(args, item.name) for item in dataclasses.fields(rl_signal.Settings)})
+
+
 def _add_trace_generation(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--prompts", default=trace_generation.SOURCES, help="prompt SOURCE (a mixture, so completion lengths vary)")
@@ -292,6 +305,7 @@ STAGE_BENCHMARKS = (
     BenchCommand(labels_memory, _add_labels_memory, _labels_memory_settings, _labels_memory_section),
     BenchCommand(paged_reclaim, _add_paged_reclaim, _paged_reclaim_settings, lambda settings: paged_reclaim.NAME),
     BenchCommand(rl_heldout, _add_rl_heldout, _rl_heldout_settings, lambda settings: f"rl-heldout-{device_kind(settings)}"),
+    BenchCommand(rl_signal, _add_rl_signal, _rl_signal_settings, lambda settings: rl_signal.NAME),
     BenchCommand(rl_step, _add_rl_step, _rl_step_settings, lambda settings: f"rl-step-{device_kind(settings)}"),
     BenchCommand(trace_generation, _add_trace_generation, _trace_generation_settings,
                  lambda settings: f"trace-generation-{device_kind(settings)}"),
