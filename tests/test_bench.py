@@ -100,7 +100,7 @@ def test_largest_batch_says_when_even_a_small_batch_does_not_fit():
         largest_batch(FakeGpu(limit=7), 11 * GIB)
 
 
-BENCHMARKS = ("decode", "memory", "capacity", "serve", "eval-prefix", "labels-memory", "rl-heldout", "rl-step",
+BENCHMARKS = ("decode", "memory", "capacity", "serve", "eval-prefix", "labels-memory", "rl-heldout", "rl-signal", "rl-step",
               "trace-generation")
 
 

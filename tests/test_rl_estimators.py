@@ -9,11 +9,13 @@ import itertools
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from foresight import cli
+from foresight.bench.rl_signal import chunk_noise_scale, noise_scale
 from foresight.metrics import dense_token_damage, token_damage
 from foresight.scorer.eviction_sampling import (
     LogProbability,
@@ -228,19 +230,19 @@ def test_estimator_resolves_names_and_rejects_bad_options():
     torch.testing.assert_close(estimator.advantages(rewards, dim=-1), leave_one_out_advantages(rewards))
     torch.testing.assert_close(Estimator().advantages(rewards, dim=-1), group_advantages(rewards))
     for options, message in (
-        (dict(advantage="ppo"), "unknown advantage 'ppo'; allowed: 'grpo', 'rloo'"),
-        (dict(reward="sparse"), "unknown reward 'sparse'; allowed: 'thresholded', 'dense'"),
-        (dict(logprob="sets"), "unknown log probability 'sets'"),
-        (dict(offset=-0.1), "need a finite damage_offset >= 0"),
-        (dict(exponent=0.0), "damage_exponent > 0"),
+        ({"advantage": "ppo"}, "unknown advantage 'ppo'; allowed: 'grpo', 'rloo'"),
+        ({"reward": "sparse"}, "unknown reward 'sparse'; allowed: 'thresholded', 'dense'"),
+        ({"logprob": "sets"}, "unknown log probability 'sets'"),
+        ({"offset": -0.1}, "need a finite damage_offset >= 0"),
+        ({"exponent": 0.0}, "damage_exponent > 0"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             Estimator(**options)
 
 
 # -- the GRPO module with each option ------------------------------------------------------------------
-def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_path, tiny_dir, traces_dir, start_scorer,
-                                                                           capsys):
+def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_path, tiny_dir, traces_dir,
+                                                                           start_scorer, capsys):  # noqa: F811
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir,
                        model={"logprob": "set", "advantage": "rloo", "reward": "dense", "damage_offset": 0.05})
     run = tmp_path / "run"
@@ -255,7 +257,8 @@ def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_pa
     assert any(not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items())
 
 
-def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, tiny_dir, traces_dir, start_scorer):
+def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, tiny_dir, traces_dir,
+                                                                     start_scorer):  # noqa: F811
     """(ΔL − 0)₊^p and ΔL^p·1[ΔL > 0] are the same numbers: the same rewards, so the same trained weights;
     with the set log-probability and RLOO the weights differ from the paper's estimator's."""
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
@@ -267,3 +270,49 @@ def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, t
     for name, tensor in weights["thresholded"].items():
         assert torch.equal(weights["dense"][name], tensor), name
     assert any(not torch.equal(weights["set-rloo"][name], tensor) for name, tensor in weights["thresholded"].items() if name != "b2")
+
+
+# -- foresight bench rl-signal ------------------------------------------------------------------------------
+def test_noise_scale_of_samples_with_known_mean_and_covariance():
+    """M = 4,000 samples of G + noise in 50 dimensions, tr(Σ) = 50·0.09, |G|² = 0.25: both estimates
+    (from the Gram matrix, and from the means of 8 parts) recover B_noise = 18 within 10%."""
+    generator = torch.Generator().manual_seed(0)
+    mean = torch.zeros(50, dtype=torch.float64)
+    mean[:4] = 0.25
+    samples = mean + 0.3 * torch.randn(4000, 50, generator=generator, dtype=torch.float64)
+    expected = 50 * 0.09 / 0.25
+    scale, signal, mean_norm = noise_scale((samples @ samples.T).numpy())
+    assert math.isclose(scale, expected, rel_tol=0.1) and math.isclose(signal, 0.25, rel_tol=0.1)
+    assert mean_norm > signal  # the measured mean carries the noise of 4,000 samples on top
+    parts = [samples[part::8].mean(0) for part in range(8)]
+    assert math.isclose(chunk_noise_scale(parts, 4000), expected, rel_tol=0.1)
+    assert math.isinf(noise_scale(np.zeros((40, 40)))[0])  # gradients of exactly 0: no signal, B_noise ∞
+
+
+def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):  # noqa: F811
+    """No token is damaged past η = 10⁶, so the thresholded reward teaches nothing (every group's advantages
+    are 0, no signal resolved) while the dense one does; the planted reward's true gradient is recovered,
+    more closely with more episodes."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "rl-signal", "--traces", str(traces_dir), "--count", "2", "--tokens", "48", "--scorer",
+            str(start_scorer), "--groups", "2", "--group-size", "4", "--temperature", "1.0", "--damage-threshold", "1e6",
+            "--damage-offset", "0.05", "--planted-episodes", "128", "--reference-draws", "512", "--resamples", "50",
+            "--out", str(out)]
+    assert cli.main(argv) == 0
+    text = out.read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    for name in ("order/grpo/thresholded", "set/rloo/thresholded"):
+        assert "| 100% | 0.00 | ∞ (no signal resolved)" in rows[name]
+    for name in ("order/grpo/dense", "set/rloo/dense"):
+        assert "| 0% |" in rows[name] and "∞ (no signal resolved)" not in rows[name]
+    reference = float(text.split("cosine of its two halves: ")[1].split(")")[0])
+    assert reference > 0.9
+    for name in ("order / grpo", "order / rloo", "set / grpo", "set / rloo"):
+        cosines = [float(cell) for cell in rows[name].split(" | ")[1:8]]  # n = 4 .. 128 episodes per trace
+        assert cosines[-1] > max(cosines[0], 0.3), (name, cosines)
+    assert f"wrote the rl-signal section of {out}" in capsys.readouterr().out
+
+
+def test_rl_signal_rejects_bad_settings_in_one_line(capsys):
+    assert cli.main(["bench", "rl-signal", "--planted-episodes", "100", "--group-size", "8"]) == 2
+    assert "planted_episodes must be a multiple of group_size x 8 = 64, got 100" in capsys.readouterr().err

@@ -77,8 +77,8 @@ class Settings:
     device: str = field(default="cpu", metadata={"help": "device of the model and the scorer"})
 
     def __post_init__(self) -> None:
-        counts = dict(count=self.count, groups=self.groups, planted_episodes=self.planted_episodes,
-                      reference_draws=self.reference_draws, resamples=self.resamples)
+        counts = {"count": self.count, "groups": self.groups, "planted_episodes": self.planted_episodes,
+                  "reference_draws": self.reference_draws, "resamples": self.resamples}
         if min(counts.values()) < 1 or self.group_size < 2 or self.groups < 2:
             raise ValueError(f"need counts >= 1, groups >= 2 and group_size >= 2, got {counts}, group_size={self.group_size}")
         if self.planted_episodes % (self.group_size * CHUNKS):
@@ -284,14 +284,18 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
             weight = estimator.advantages(rewards.reshape(-1, size, rewards.shape[-1]), dim=1).reshape(rewards.shape)
             weight = weight / (size * actions)  # one group's gradient: Σ_k Â_k ∇log π_k / (G · actions)
 
-            def mean_gradient(episodes: torch.Tensor) -> torch.Tensor:
+            def mean_gradient(episodes: torch.Tensor, weight: torch.Tensor, per_episode: torch.Tensor) -> torch.Tensor:
+                """The mean over the groups of `episodes` (whole groups, every trace) of one group's gradient."""
                 combined = torch.einsum("nt,nlsthp->lsthp", weight[episodes].to(per_episode.dtype), per_episode[episodes])
                 return weights_of(combined / (len(episodes) // size * rewards.shape[-1]))
 
-            cosines = [float(torch.nn.functional.cosine_similarity(mean_gradient(torch.arange(n)), truth, dim=0))
-                       for n in ladder]
+            cosines = [
+                float(torch.nn.functional.cosine_similarity(mean_gradient(torch.arange(n), weight, per_episode), truth, dim=0))
+                for n in ladder
+            ]
             group_index = torch.arange(count) // size
-            parts = [mean_gradient(torch.nonzero(group_index % CHUNKS == part).squeeze(-1)) for part in range(CHUNKS)]
+            parts = [mean_gradient(torch.nonzero(group_index % CHUNKS == part).squeeze(-1), weight, per_episode)
+                     for part in range(CHUNKS)]
             rows.append(PlantedFigures(rule, advantage, cosines, chunk_noise_scale(parts, count // size * rewards.shape[-1])))
         del per_episode
     reference = float(torch.nn.functional.cosine_similarity(true_a, true_b, dim=0))
@@ -351,14 +355,18 @@ def report(settings: Settings, traces: Sequence[Trace], noise: Sequence[NoiseSca
     lines = [
         f"### Policy-gradient signal of the reinforcement stage's estimators ({torch.device(settings.device).type})", "",
         f"Command: `foresight bench rl-signal {settings.command()}` {threads_note()}", "",
-        f"Scorer `{settings.scorer}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
-        f"({', '.join(sorted({trace.source for trace in traces}))}) cut to {settings.tokens} tokens; G = "
-        f"{settings.group_size}, τ = {settings.temperature}, {settings.groups} groups per trace, "
-        f"{group_tokens:,} forward tokens per group; {machine(settings.device)}, {seconds:.0f} s.", "",
-        "B_noise = tr(Σ) / |G|² of one group's policy gradient over the trained weights, in forward tokens (the "
-        "batch of rollouts at which the mean gradient's noise equals its signal: lower is better); signal share "
-        "= |G|² / |ḡ|² of the measured mean; 95% bootstrap over each trace's groups, paired; ratio = the first "
-        "row's B_noise / this row's.", "",
+        (
+            f"Scorer `{settings.scorer}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
+            f"({', '.join(sorted({trace.source for trace in traces}))}) cut to {settings.tokens} tokens; G = "
+            f"{settings.group_size}, τ = {settings.temperature}, {settings.groups} groups per trace, "
+            f"{group_tokens:,} forward tokens per group; {machine(settings.device)}, {seconds:.0f} s."
+        ), "",
+        (
+            "B_noise = tr(Σ) / |G|² of one group's policy gradient over the trained weights, in forward tokens (the "
+            "batch of rollouts at which the mean gradient's noise equals its signal: lower is better); signal share "
+            "= |G|² / |ḡ|² of the measured mean; 95% bootstrap over each trace's groups, paired; ratio = the first "
+            "row's B_noise / this row's."
+        ), "",
         "| log-prob / advantage / reward | groups with Â = 0 | signal share | B_noise (forward tokens) | ratio |",
         "|---|---:|---:|---|---|",
     ]
@@ -371,10 +379,13 @@ def report(settings: Settings, traces: Sequence[Trace], noise: Sequence[NoiseSca
                 f"{number(ratio, '.3g')} {interval(today.resampled / figures.resampled, '.3g')} |"
             )
     lines += [
-        "", f"Planted reward: a penalty of 1 on {settings.planted_share:.1%} of the pool entries at the {planted.states} "
-        f"states of each trace's first rollout (held fixed), {settings.planted_episodes} episodes per trace; the true "
-        f"gradient from {settings.reference_draws} draws per state (cosine of its two halves: "
-        f"{planted.reference_cosine:.3f}). Cosine of each estimator's mean gradient to it, by episodes per trace:", "",
+        "",
+        (
+            f"Planted reward: a penalty of 1 on {settings.planted_share:.1%} of the pool entries at the {planted.states} "
+            f"states of each trace's first rollout (held fixed), {settings.planted_episodes} episodes per trace; the "
+            f"true gradient from {settings.reference_draws} draws per state (cosine of its two halves: "
+            f"{planted.reference_cosine:.3f}). Cosine of each estimator's mean gradient to it, by episodes per trace:"
+        ), "",
         "| log-prob / advantage | " + " | ".join(f"n = {n}" for n in planted.episodes)
         + " | " + " | ".join(f"episodes to {c}" for c in COSINES) + " | B_noise (forward tokens) |",
         "|---|" + "---:|" * (len(planted.episodes) + len(COSINES) + 1),

@@ -130,7 +130,7 @@ def draw_eviction(
 
 def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
     """U(0, 1) noise shaped like `logits`, from one generator or from one per row of the first dim."""
-    options = dict(dtype=logits.dtype, device=logits.device)
+    options = {"dtype": logits.dtype, "device": logits.device}
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(logits.shape, generator=generator, **options)
     if len(generator) != logits.shape[0]:
