@@ -172,6 +172,26 @@ class Foresight(Policy):
         self._pending = {}
         self._generator = None
 
+    def run_state(self) -> dict[str, object]:
+        """Steps run so far and, once the sampled mode has drawn, its generators' states: [rows, S] with
+        `row_seeds` (each row's own, selected with its row when a replay is copied), else the one shared."""
+        generator, device = self._generator, None
+        if isinstance(generator, list):
+            device, generator = generator[0].device, torch.stack([row.get_state() for row in generator])
+        elif generator is not None:
+            device, generator = generator.device, (generator.get_state(),)
+        return {"steps": self._steps, "generators": generator, "generator_device": device}
+
+    def load_run_state(self, state: dict[str, object]) -> None:
+        self._steps = state["steps"]
+        generators, device = state["generators"], state["generator_device"]
+        if isinstance(generators, torch.Tensor):
+            self._generator = [torch.Generator(device=device).set_state(row.clone()) for row in generators]  # not a view: set_state reads its storage from 0
+        elif generators is not None:
+            self._generator = torch.Generator(device=device).set_state(generators[0])
+        else:
+            self._generator = None
+
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
         return self.step_observe([context])[0]
 
