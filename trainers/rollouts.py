@@ -21,7 +21,7 @@ functions `foresight eval` reports, over the same tokens (those predicted after 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +36,11 @@ from foresight.metrics import (
     DAMAGE_EXPONENT,
     DAMAGE_THRESHOLD,
     LOW_ENTROPY_SHARE,
+    DamageTerms,
     TokenDamage,
     loss_ratio,
     scored_tokens,
+    thresholded_terms,
     token_damage,
 )
 from foresight.policies import make_policy
@@ -84,7 +86,9 @@ class EvictionActions:
     step's pool P = 2L (`SampledEviction`); eligible [..., P]; order [..., L]: the pool indices in
     sampled order; evicted [..., L]: their sequence positions; after [steps]: the position of the
     newest token when the step ran (the eviction changes the cache of every later token); temperature:
-    the τ the policy sampled at (Eq. 2 reads the keep scores divided by it).
+    the τ the policy sampled at (Eq. 2 reads the keep scores divided by it); layers: the model layers
+    the records hold, in order on the first dim (None: all; a subset when only some layers sampled,
+    `trainers.branches`).
     """
 
     keys: torch.Tensor
@@ -95,6 +99,7 @@ class EvictionActions:
     evicted: torch.Tensor
     after: torch.Tensor
     temperature: float = 1.0
+    layers: tuple[int, ...] | None = None
 
     @classmethod
     def stack(
@@ -104,15 +109,19 @@ class EvictionActions:
         before: int,
         rows: slice,
         dtype: torch.dtype = torch.float32,
+        layers: Sequence[int] | None = None,
     ) -> EvictionActions:
         """Stack a sampled policy's records (step by step, layers in order within a step) of `rows` (one
         trace's group of a replay) that evict together, keeping the steps that ran after a position <
-        `before` (a later one changes no prediction of the trace). Scorer inputs are stored in `dtype`."""
-        if not records or len(records) % num_layers:
-            raise ValueError(f"expected the records of whole eviction steps of {num_layers} layers, got {len(records)}")
-        steps = [records[i : i + num_layers] for i in range(0, len(records), num_layers)]
-        if any(record.layer != layer for step in steps for layer, record in enumerate(step)):
-            raise ValueError("records must hold every layer of a step, in order")
+        `before` (a later one changes no prediction of the trace). Scorer inputs are stored in `dtype`.
+        `layers`: the layers every step recorded (None: all `num_layers`)."""
+        recorded = list(range(num_layers)) if layers is None else list(layers)
+        per_step = len(recorded)
+        if not records or len(records) % per_step:
+            raise ValueError(f"expected the records of whole eviction steps of {per_step} layers, got {len(records)}")
+        steps = [records[i : i + per_step] for i in range(0, len(records), per_step)]
+        if any(record.layer != layer for step in steps for layer, record in zip(recorded, step)):
+            raise ValueError(f"records must hold the layers {recorded} of every step, in order")
         temperatures = {record.temperature for record in records}
         if len(temperatures) != 1:
             raise ValueError(f"the records were sampled at several temperatures {sorted(temperatures)}; stack one run's")
@@ -140,6 +149,7 @@ class EvictionActions:
             evicted=torch.stack([torch.stack([r.positions[rows].gather(-1, r.order[rows]) for r in step]) for step in steps], 1),
             after=newest[kept, 0],
             temperature=temperatures.pop(),
+            layers=None if layers is None else tuple(recorded),
         )
 
     @property
@@ -150,14 +160,15 @@ class EvictionActions:
         """Keep scores [layers, steps, rows, Hkv, P] of every pool entry under `scorer` (differentiable)."""
         layers, steps, rows = self.keys.shape[:3]
         inputs = [tensor.flatten(1, 2) for tensor in (self.keys, self.values, self.features)]
-        return scorer(*inputs).unflatten(1, (steps, rows))
+        return scorer(*inputs, layers=self.layers).unflatten(1, (steps, rows))
 
-    def logprob(self, scores: torch.Tensor) -> torch.Tensor:
-        """Plackett-Luce log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action
-        probability of Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature."""
+    def logprob(self, scores: torch.Tensor, rule: Callable[..., torch.Tensor] = plackett_luce_logprob) -> torch.Tensor:
+        """Log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action probability of
+        Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature, by `rule`
+        (`trainers.estimators.LOGPROB_RULES`; the default is Plackett-Luce of the sampled order)."""
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
         order, eligible = self.order.to(scores.device), self.eligible.to(scores.device)
-        logprob = plackett_luce_logprob(scores, pool, order, eligible, self.temperature)
+        logprob = rule(scores, pool, order, eligible, self.temperature)
         return logprob.movedim(2, 0)
 
     def first_draw_entropy(self, scores: torch.Tensor) -> torch.Tensor:
@@ -193,18 +204,21 @@ def score_rollouts(
     threshold: float = DAMAGE_THRESHOLD,
     exponent: float = DAMAGE_EXPONENT,
     reference_nll: torch.Tensor | None = None,
+    terms: DamageTerms = thresholded_terms,
 ) -> RolloutScores:
     """Reward, loss ratio, damage share and rewards-to-go of replays of `trace` (`nll` per row [T - 1])
     against its stored full-cache loss and entropy: R = −(1/|S|) Σ_{t∈S} ΔL_t^p·1[ΔL_t > η] over the
     tokens S predicted after the first eviction whose full-cache entropy is in their bottom `share`
     (`token_damage`); `after` [steps]: the position of each recorded eviction step. `reference_nll` [T - 1]:
-    the full-cache losses to compare with (`LossReference`; None: the trace's stored ones)."""
+    the full-cache losses to compare with (`LossReference`; None: the trace's stored ones). `terms`: the
+    reward's damage term per token (`trainers.estimators.REWARD_RULES`; the default is the paper's, above);
+    the damage share counts ΔL > η whatever it is."""
     reference = trace.token_nll if reference_nll is None else reference_nll
     rewards, ratios, shares, to_go = [], [], [], []
     for row_nll, first in zip(nll, first_eviction, strict=True):
         scored = scored_tokens(row_nll.numel(), first)
         evicted, full, entropy = row_nll[scored], reference[scored], trace.token_entropy[scored]
-        damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent)
+        damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent, terms=terms)
         counts = damage.counts()
         rewards.append(-counts.penalty)
         ratios.append(loss_ratio(evicted, full))
@@ -227,8 +241,10 @@ def rewards_to_go(damage: TokenDamage, scored: torch.Tensor, after: torch.Tensor
 
 @dataclass(frozen=True)
 class GroupRollout:
-    """The rollouts of one trace on this process: their recorded evictions and scores, and timings
-    (seconds of the frozen model's forward passes, and of the whole replay)."""
+    """The rollouts of one trace on this process (or one branch group of it, `trainers.branches`): their
+    recorded evictions and scores, the eviction steps and tokens the model ran for them (`forward_tokens`,
+    row by row), and timings (seconds of the frozen model's forward passes, and of the whole replay).
+    `backbone_reward`: a branch group's deterministic replay's R over its whole trace (None for episodes)."""
 
     trace_index: int
     actions: EvictionActions
@@ -236,6 +252,8 @@ class GroupRollout:
     eviction_steps: int
     forward_seconds: float
     seconds: float
+    forward_tokens: int = 0
+    backbone_reward: float | None = None
 
 
 def rollout_seeds(seed: int, round_index: int, trace_index: int, rows: Sequence[int]) -> tuple[int, ...]:
@@ -269,6 +287,7 @@ def roll_out_together(
     share_prefix: bool = True,
     reference_nll: Sequence[torch.Tensor | None] | None = None,
     step_observer: AbstractContextManager | None = None,
+    terms: DamageTerms = thresholded_terms,
 ) -> list[GroupRollout]:
     """Replay each trace once per seed of its group (`row_seeds[i]`, the same count for every trace), every
     group as consecutive rows of one batch, `scorer` sampling every eviction (Eq. 2) at the B and L it was
@@ -284,7 +303,8 @@ def roll_out_together(
     `reference_nll[i]`: the full-cache losses trace i is scored against (`score_rollouts`; None: its
     stored ones). Each group is credited an equal share of the replay's time (its padding steps past a
     shorter trace's end included; the prefill's recording is not counted as forward time).
-    `step_observer`: entered around every eviction step of the replay (`EvictionEngine`)."""
+    `step_observer`: entered around every eviction step of the replay (`EvictionEngine`). `terms`: the
+    reward's damage term (`score_rollouts`)."""
     config = scorer.config
     groups = {len(seeds) for seeds in row_seeds}
     if len(row_seeds) != len(traces) or len(groups) != 1 or 0 in groups:
@@ -320,7 +340,8 @@ def roll_out_together(
             policy.records, engine.num_layers, before=length - 2, rows=rows, dtype=storage_dtype
         )
         scores = score_rollouts(
-            output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference
+            output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference,
+            terms,
         )
         scored.append((trace, actions, scores))
     portion = 1 / len(traces)  # of the replay's time, padding past a shorter trace's end included
@@ -333,6 +354,7 @@ def roll_out_together(
             eviction_steps=eviction_steps(trace.input_ids.numel(), config.budget, config.interval),
             forward_seconds=output.stats.forward_seconds * portion,
             seconds=seconds * portion,
+            forward_tokens=round(output.stats.tokens * portion),
         )
         for trace, actions, scores in scored
     ]

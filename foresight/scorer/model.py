@@ -18,6 +18,7 @@ Its eviction rules (lowest scores, Eq. 2 sampling, Plackett-Luce) are in
 """
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -196,15 +197,23 @@ class ForesightScorer(
             )
         return self._mlp([keys, values, features], slice(first, last + 1))
 
-    def forward(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """KEEP scores of every layer at once (training): keys, values [layers, batch, Hkv, N, D], features
         [layers, batch, Hkv, N, F*G] -> [layers, batch, Hkv, N]. The inputs may be in any float dtype
         (a half-precision example cache): they are cast to the parameters' dtype in the one copy that
-        lays them out for the matmuls."""
+        lays them out for the matmuls. `layers`: the scorer layers the inputs hold on dim 0, in that
+        order (None: all; a subset when only some layers sampled their evictions)."""
         self._check_inputs(keys, values, features, leading=2)
-        if keys.shape[0] != self.config.num_layers:
-            raise ValueError(f"expected {self.config.num_layers} layers on dim 0, got {keys.shape[0]}")
-        return self._mlp([keys, values, features], slice(None))
+        expected = self.config.num_layers if layers is None else len(layers)
+        if keys.shape[0] != expected:
+            raise ValueError(f"expected {expected} layers on dim 0, got {keys.shape[0]}")
+        if layers is None:
+            return self._mlp([keys, values, features], slice(None))
+        if not all(0 <= layer < self.config.num_layers for layer in layers):
+            raise ValueError(f"layers {list(layers)} out of range: the scorer has layers 0..{self.config.num_layers - 1}")
+        return self._mlp([keys, values, features], torch.tensor(list(layers), device=self.w1.device))
 
     def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int) -> None:
         """One-line ValueError naming the tensor whose shape does not fit x_n = [k_n || v_n || a_n]."""
@@ -224,7 +233,7 @@ class ForesightScorer(
                 f"{tuple(features.shape)} disagree before the last dim"
             )
 
-    def _mlp(self, parts: list[torch.Tensor], layers: slice) -> torch.Tensor:
+    def _mlp(self, parts: list[torch.Tensor], layers: slice | torch.Tensor) -> torch.Tensor:
         """ForesightKV Eq. 22 for every (layer, head) of `layers` at once: parts (keys, values, features)
         [layers, batch, Hkv, N, *] -> [layers, batch, Hkv, N].
 
