@@ -9,9 +9,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
+from foresight import cli
+from foresight.commands.rl import lightning_args as rl_lightning_args
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.test_rl import B, L_, random_trace, scorer_for
+from tests.test_rl import B, L_, Killed, KillAtStep, random_trace, rl_args, rl_config, scorer_for, start_scorer  # noqa: F401
+from trainers.cli import rl_cli_main
 from trainers.branches import BranchSettings, branch_points, changing_steps, roll_out_branches
 
 
@@ -106,3 +111,50 @@ def test_branch_steps_are_drawn_among_the_steps_that_change_a_prediction():
     assert len({tuple(p) for p in points}) > 5 and branch_points(2, 5, 0, 0, 0) == [0, 1]
     with pytest.raises(ValueError, match="need branch_rows >= 2, branch_chunks >= 1"):
         BranchSettings(rows=1)
+
+
+def test_rl_with_branch_groups_trains_records_its_settings_and_resumes(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    """`model.rollout: branch` through `foresight rl`: the scorer moves, the branch settings and the estimator's
+    rules are in the checkpoint's hyper-parameters and on the card, the deterministic backbone's reward is
+    logged, and a run killed after step 2 and resumed from last.ckpt ends with the weights of one run through."""
+    branch = {"rollout": "branch", "branch_rows": 4, "branch_chunks": 2, "branch_steps": 2, "branch_layers": 1}
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3}, model=branch,
+                       checkpoint={"every_n_train_steps": 1})
+    whole = tmp_path / "whole"
+    assert cli.main(rl_args(config, start_scorer, whole)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "scorer refined by GRPO for 3 steps" in last and "train/backbone_reward " in last
+    hparams = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert {name: hparams[name] for name in branch} == branch
+    assert (hparams["reward_rule"], hparams["advantage_rule"], hparams["logprob_rule"]) == ("thresholded", "group_normalised", "order")
+    card = (whole / "scorer" / "README.md").read_text()
+    assert "step-level branch groups: K = 4 rows at 2 eviction steps per trace, sampled on 1 layers per group" in card
+    assert "reward rule thresholded, advantage rule group_normalised, log-probability rule order" in card
+    start = load_file(start_scorer / "model.safetensors")
+    final = load_file(whole / "scorer" / "model.safetensors")
+    assert any(not torch.equal(tensor, start[name]) for name, tensor in final.items())
+    split = tmp_path / "split"
+    args = rl_args(config, start_scorer, split)
+    killed = rl_cli_main(rl_lightning_args(cli.build_parser().parse_args(args))[1:], run=False)
+    killed.trainer.callbacks.append(KillAtStep(2))
+    with pytest.raises(Killed):
+        killed.trainer.fit(killed.model, datamodule=killed.datamodule)
+    assert cli.main([*args, "--ckpt-path", "last"]) == 0
+    for name, tensor in load_file(split / "scorer" / "model.safetensors").items():
+        torch.testing.assert_close(tensor, final[name], rtol=0, atol=1e-6)
+
+
+def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
+    cases = [
+        ("model.rollout=vine", "unknown rollout 'vine'; allowed: 'episode', 'branch'"),
+        ("model.branch_rows=1", "need branch_rows >= 2, branch_chunks >= 1, branch_steps >= 1 and branch_layers >= 1"),
+        ("model.reward_rule=dense9", "unknown reward_rule 'dense9'; allowed: 'thresholded'"),
+        ("model.advantage_rule=none", "unknown advantage_rule 'none'; allowed: 'group_normalised'"),
+        ("model.logprob_rule=sets", "unknown logprob_rule 'sets'; allowed: 'order'"),
+    ]
+    capsys.readouterr()
+    for override, message in cases:
+        assert cli.main(rl_args(config, start_scorer, tmp_path / "out", override)) == 2, message
+        error = capsys.readouterr().err.strip()
+        assert message in error and error.count("\n") == 0, error

@@ -70,6 +70,14 @@ class LossReference(Choice):
     REPLAY = "replay"
 
 
+class Rollout(Choice):
+    """How the reinforcement stage rolls out a trace: G episodes sampling every eviction step (the paper's),
+    or step-level branch groups off one deterministic replay (`trainers.branches`)."""
+
+    EPISODE = "episode"
+    BRANCH = "branch"
+
+
 class Credit(Choice):
     """What an eviction step's advantage is computed from: its rollout's reward (Eq. 9, the paper's),
     or its reward-to-go, the damage to the tokens predicted after the step only."""

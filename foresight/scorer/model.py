@@ -17,6 +17,7 @@ Its eviction rules (lowest scores, Eq. 2 sampling, Plackett-Luce) are in
 `foresight.scorer.eviction_sampling`.
 """
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ class ScorerConfig:
     (F = 7) or "standardised-heuristic" (F = 9; the standardised sets' scorers also read each key and value
     at unit L2 norm, `UNIT_EPS`). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
-    scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
+    scorer the reinforcement stage started from, by the hash of its weights and the folder or Hub id it
+    was read from (`named_by_content`; older scorers hold the path only; None for the supervised stage).
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not
     recorded). key_values: whether x_n holds the entry's key and value (True, the paper's x_n) or only its
     attention features (False: an ablation whose scorer cannot key on token content or on the absolute
@@ -290,6 +292,22 @@ class ForesightScorer(
 # candidates (any leading dims, e.g. [batch, Hkv]); `eligible` [..., C] (or anything that broadcasts to
 # it, e.g. [C]) marks the candidates that may be evicted, so sinks or protected entries are never picked.
 # Scores must be finite.
+
+
+def weights_digest(scorer: "ForesightScorer") -> str:
+    """SHA-256 of a scorer's weights (every tensor's name, dtype, shape and bytes, in name order): what names
+    a scorer by its content, whichever folder or file format holds it."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(scorer.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def named_by_content(scorer: "ForesightScorer", source: str | os.PathLike) -> str:
+    """How a refined scorer names its start: by the hash of its weights, then, for people, where it was read
+    from ("sha256:<64 hex> (checkpoints/default)"); a path alone says nothing once its content changes."""
+    return f"sha256:{weights_digest(scorer)} ({source})"
 
 
 SCORER_FILES = (constants.CONFIG_NAME, constants.SAFETENSORS_SINGLE_FILE)
