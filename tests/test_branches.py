@@ -86,8 +86,8 @@ def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama,
             ratio = sum(reference[t] for t in window) / sum(full[t] for t in window)
             assert math.isclose(float(group.scores.loss_ratio[row]), float(ratio), rel_tol=1e-5)
         assert len(set(group.scores.reward.tolist())) > 1  # the rows drew different evictions
-        whole = loop_window_reward(backbone.tolist(), full, entropy, first, range(first, ids.numel() - 1), 0.0)
-        assert group.backbone_reward == pytest.approx(whole, rel=1e-4)  # R of the deterministic policy
+        whole = loop_window_reward(backbone.tolist(), full, entropy, first, range(first, ids.numel() - 1), 1.5)
+        assert group.backbone_reward == pytest.approx(whole, rel=1e-4, abs=1e-9)  # the paper's R (η = 1.5), not the run's
 
 
 def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):

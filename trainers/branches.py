@@ -39,6 +39,7 @@ from foresight.metrics import (
     LOW_ENTROPY_SHARE,
     DamageTerms,
     loss_ratio,
+    low_entropy_tokens,
     scored_tokens,
     thresholded_terms,
     token_damage,
@@ -179,12 +180,10 @@ class _WindowScores:
         output = backbone.output()
         self.nll, self.reference, self.threshold, self.exponent, self.terms = output.nll[0], reference, threshold, exponent, terms
         scored = scored_tokens(self.nll.numel(), output.first_eviction[0])
-        damage = token_damage(
-            self.nll[scored], reference[scored], trace.token_entropy[scored], share, threshold, exponent, terms
-        )
-        self.backbone_reward = -damage.counts().penalty
+        paper = token_damage(self.nll[scored], reference[scored], trace.token_entropy[scored])  # η = 1.5, p = 2
+        self.backbone_reward = -paper.counts().penalty  # the reported R, whatever the training reward
         self.low = torch.zeros(self.nll.numel(), dtype=torch.bool)
-        self.low[scored] = damage.low_entropy
+        self.low[scored] = low_entropy_tokens(trace.token_entropy[scored], share)
 
     def reward(self, nll: torch.Tensor, window: slice) -> float:
         """−(1/|S_w|) Σ_{t∈S_w} term(ΔL_t) of one row's losses over `window` (0 without low-entropy tokens)."""

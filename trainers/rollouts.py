@@ -252,7 +252,8 @@ class GroupRollout:
     """The rollouts of one trace on this process (or one branch group of it, `trainers.branches`): their
     recorded evictions and scores, the eviction steps and tokens the model ran for them (`forward_tokens`,
     row by row), and timings (seconds of the frozen model's forward passes, and of the whole replay).
-    `backbone_reward`: a branch group's deterministic replay's R over its whole trace (None for episodes)."""
+    `backbone_reward`: a branch group's deterministic replay's R over its whole trace, the paper's (η = 1.5,
+    p = 2) whatever the training reward (None for episodes)."""
 
     trace_index: int
     actions: EvictionActions
