@@ -7,7 +7,7 @@ concatenating tokens or by adding the counts these functions return.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +96,8 @@ def low_entropy_tokens(entropy: torch.Tensor, share: float = LOW_ENTROPY_SHARE) 
 @dataclass(frozen=True)
 class TokenDamage:
     """Per scored token of one trace: whether it is low-entropy (in the bottom share), whether it is
-    damaged (low-entropy and ΔL > η), and its damage term ΔL^p (0 unless damaged). Kept per token so
+    damaged (low-entropy and ΔL > η), and its damage term (ΔL^p when damaged, else 0, unless a reward rule
+    other than the paper's made it; 0 on tokens that are not low-entropy). Kept per token so
     the reinforcement stage can credit each eviction step with the damage to the tokens after it."""
 
     low_entropy: torch.Tensor
@@ -108,6 +109,22 @@ class TokenDamage:
         return EntropyDamage(int(self.low_entropy.sum()), int(self.damaged.sum()), float(self.terms.sum()))
 
 
+DamageTerms = Callable[[torch.Tensor, float, float], torch.Tensor]
+"""A reward's damage term per token from ΔL [tokens], η and p (`thresholded_terms`, the paper's)."""
+
+
+def thresholded_terms(delta: torch.Tensor, threshold: float, exponent: float) -> torch.Tensor:
+    """ForesightKV §3.3's damage term ΔL^p·1[ΔL > η] per token."""
+    return torch.where(delta > threshold, delta, 0.0).pow(exponent)
+
+
+def dense_terms(delta: torch.Tensor, threshold: float, exponent: float, offset: float = DAMAGE_OFFSET) -> torch.Tensor:
+    """A dense damage term per token (ours): (ΔL − δ)₊^p, δ = `offset`, so a loss increase below η still counts
+    and a rollout scores by how much it damaged rather than by how many tokens crossed η. η (`threshold`) is
+    not read: it still decides which tokens the damage share counts (`token_damage`)."""
+    return (delta - offset).clamp_min(0.0).pow(exponent)
+
+
 def token_damage(
     evicted_nll: torch.Tensor,
     full_nll: torch.Tensor,
@@ -115,37 +132,20 @@ def token_damage(
     share: float = LOW_ENTROPY_SHARE,
     threshold: float = DAMAGE_THRESHOLD,
     exponent: float = DAMAGE_EXPONENT,
+    terms: DamageTerms = thresholded_terms,
 ) -> TokenDamage:
     """Low-entropy damage of one trace, token by token (ForesightKV §2.2 and the reward of §3.3).
 
     All three tensors hold the trace's scored tokens. Low-entropy tokens are the bottom `share` by
     full-cache entropy among them (`low_entropy_tokens`); a low-entropy token is damaged when
-    ΔL = evicted_nll - full_nll > threshold, and its damage term is ΔL^exponent."""
+    ΔL = evicted_nll - full_nll > threshold, and its damage term is `terms` of its ΔL (ΔL^exponent when
+    damaged, the paper's; the reinforcement stage may train on another, `trainers.estimators`)."""
     _check_same_tokens(evicted_nll, full_nll)
     _check_same_tokens(full_entropy, full_nll)
     low = low_entropy_tokens(full_entropy, share)
     delta = evicted_nll.double() - full_nll.double()
     damaged = low & (delta > threshold)
-    return TokenDamage(low, damaged, torch.where(damaged, delta, 0.0).pow(exponent))
-
-
-def dense_token_damage(
-    evicted_nll: torch.Tensor,
-    full_nll: torch.Tensor,
-    full_entropy: torch.Tensor,
-    share: float = LOW_ENTROPY_SHARE,
-    offset: float = DAMAGE_OFFSET,
-    exponent: float = DAMAGE_EXPONENT,
-) -> TokenDamage:
-    """A dense damage term of one trace, token by token (ours, beside `token_damage`'s thresholded one):
-    (ΔL − δ)₊^p on every low-entropy token, so a token whose loss grew by less than η still counts, and a
-    rollout scores by how much it damaged rather than by how many tokens crossed η. A token is `damaged`
-    when ΔL > δ. Same tokens and arguments as `token_damage`, δ = `offset`."""
-    _check_same_tokens(evicted_nll, full_nll)
-    _check_same_tokens(full_entropy, full_nll)
-    low = low_entropy_tokens(full_entropy, share)
-    excess = (evicted_nll.double() - full_nll.double() - offset).clamp_min(0.0)
-    return TokenDamage(low, low & (excess > 0), torch.where(low, excess, 0.0).pow(exponent))
+    return TokenDamage(low, damaged, torch.where(low, terms(delta, threshold, exponent), 0.0))
 
 
 def low_entropy_damage(

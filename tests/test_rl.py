@@ -5,6 +5,7 @@ deterministic limit, `foresight rl` (export, resume, configs, errors) and DDP ag
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import math
 import os
@@ -472,6 +473,15 @@ def test_gradients_reach_the_scorer_and_nothing_else(tmp_path, tiny_dir, traces_
     assert not any(name.startswith("_frozen") for name in module.state_dict())  # the frozen model is never saved
 
 
+def safetensors_digest(path: Path) -> str:
+    """SHA-256 over a weights file's tensors in name order (name, dtype, shape, bytes), read from the file."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(path).items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3},
                        checkpoint={"every_n_train_steps": 1})
@@ -483,9 +493,10 @@ def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir,
                    "train/loss_ratio", "train/damage"):
         assert f"{metric} " in last
     exported = load_scorer(whole / "scorer")
-    assert (exported.config.stage, exported.config.started_from) == ("reinforcement", str(start_scorer))
+    started_from = f"sha256:{safetensors_digest(start_scorer / 'model.safetensors')} ({start_scorer})"
+    assert (exported.config.stage, exported.config.started_from) == ("reinforcement", started_from)
     card = (whole / "scorer" / "README.md").read_text()
-    assert "Reinforcement stage (ForesightKV §3.3)" in card and f"started from `{start_scorer}`" in card
+    assert "Reinforcement stage (ForesightKV §3.3)" in card and f"started from `{started_from}`" in card
     final = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     for name, tensor in exported.state_dict().items():
         torch.testing.assert_close(tensor, final[f"scorer.{name}"], rtol=0, atol=0)
@@ -625,7 +636,8 @@ def test_default_rl_config_builds_for_the_shipped_scorer(monkeypatch):
     shipped = REPO / "checkpoints" / "default"
     built = rl_cli_main(["--config", str(REPO / "configs" / "default-rl.yaml"), f"--model.scorer={shipped}"], run=False)
     module = built.model
-    assert module.hparams.group_size == 8 and module.scorer.config.started_from == str(shipped)
+    started_from = f"sha256:{safetensors_digest(shipped / 'model.safetensors')} ({shipped})"
+    assert module.hparams.group_size == 8 and module.scorer.config.started_from == started_from
     assert (module.hparams.credit, module.hparams.damage_threshold, module.hparams.damage_exponent) == ("rollout", 1.5, 2.0)
     assert module.storage_dtype == torch.float32  # recorded scorer inputs are not rounded by default
     assert (built.datamodule.budget, built.datamodule.interval) == (128, 32)

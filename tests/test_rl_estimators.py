@@ -16,13 +16,8 @@ from safetensors.torch import load_file
 
 from foresight import cli
 from foresight.bench.rl_signal import chunk_noise_scale, noise_scale
-from foresight.metrics import dense_token_damage, token_damage
-from foresight.scorer.eviction_sampling import (
-    LogProbability,
-    draw_eviction,
-    plackett_luce_logprob,
-    plackett_luce_set_logprob,
-)
+from foresight.metrics import dense_terms, token_damage
+from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob, plackett_luce_set_logprob
 from tests.test_rl import (  # noqa: F401  (start_scorer is a fixture)
     enumerated_order_probabilities,
     random_trace,
@@ -31,7 +26,7 @@ from tests.test_rl import (  # noqa: F401  (start_scorer is a fixture)
     scorer_for,
     start_scorer,
 )
-from trainers.estimators import Advantage, Estimator, Reward, leave_one_out_advantages
+from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, REWARD_RULES, Estimator, leave_one_out_advantages
 from trainers.rollouts import group_advantages, roll_out, rollout_seeds
 
 
@@ -153,20 +148,12 @@ def test_set_logprob_of_a_pool_whose_rest_is_ineligible_is_zero_and_batches_broa
     assert torch.isfinite(scores.grad).all() and bool((scores.grad[0] == 0).all())
 
 
-def test_log_probability_choice_resolves_both_rules_and_names_the_allowed_ones():
-    scores, pool, order = torch.randn(2, 8), torch.arange(8).expand(2, 8), torch.tensor([[0, 3, 5], [7, 1, 2]])
-    assert torch.equal(LogProbability.parse("order").of(scores, pool, order), plackett_luce_logprob(scores, pool, order))
-    assert torch.equal(LogProbability.parse("set").of(scores, pool, order), plackett_luce_set_logprob(scores, pool, order))
-    with pytest.raises(ValueError, match="unknown log probability 'sets'; allowed: 'order', 'set'"):
-        LogProbability.parse("sets")
-
-
 def test_set_logprob_of_recorded_evictions_sums_their_enumerated_orders(llama):
     """B = 6, L = 2: pools of 4 entries; the recorded set's probability is that of its two orders."""
     scorer = scorer_for(llama, budget=6, interval=2)
     actions = roll_out(llama, scorer, random_trace(llama, 20), rollout_seeds(0, 0, 0, range(2))).actions
     scores = actions.scores(scorer).detach()
-    logprob = actions.logprob(scores, LogProbability.SET)  # [rows, layers, steps, Hkv]
+    logprob = actions.logprob(scores, plackett_luce_set_logprob)  # [rows, layers, steps, Hkv]
     layers, steps, rows, heads = actions.order.shape[:4]
     for layer, step, row, head in itertools.product(range(layers), range(steps), range(rows), range(heads)):
         table = enumerated_order_probabilities(scores[layer, step, row, head].tolist(),
@@ -204,37 +191,35 @@ def slow_dense_terms(evicted: list[float], full: list[float], entropy: list[floa
 
 
 @pytest.mark.parametrize("offset,exponent", [(0.0, 2.0), (0.1, 1.0), (0.5, 1.5)])
-def test_dense_damage_by_loops_and_the_estimator_routes_each_reward(offset, exponent):
+def test_dense_damage_by_loops(offset, exponent):
     generator = torch.Generator().manual_seed(int(offset * 10 + exponent))
     full = torch.rand(60, generator=generator, dtype=torch.float64) * 2
     evicted = full + torch.randn(60, generator=generator, dtype=torch.float64) * 0.8
     entropy = torch.rand(60, generator=generator, dtype=torch.float64)
-    dense = dense_token_damage(evicted, full, entropy, share=0.8, offset=offset, exponent=exponent)
+    terms = Estimator("dense", offset=offset).damage_terms
+    dense = token_damage(evicted, full, entropy, share=0.8, threshold=1.0, exponent=exponent, terms=terms)
     expected = slow_dense_terms(evicted.tolist(), full.tolist(), entropy.tolist(), 0.8, offset, exponent)
     torch.testing.assert_close(dense.terms, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-15)
-    assert int(dense.low_entropy.sum()) == 48 and int(dense.damaged.sum()) == sum(term > 0 for term in expected)
-    estimator = Estimator(reward="dense", offset=offset, exponent=exponent)
-    torch.testing.assert_close(estimator.damage(evicted, full, entropy).terms, dense.terms, rtol=0, atol=0)
-    thresholded = Estimator(threshold=1.0, exponent=exponent).damage(evicted, full, entropy)
-    torch.testing.assert_close(thresholded.terms, token_damage(evicted, full, entropy, 0.8, 1.0, exponent).terms,
-                               rtol=0, atol=0)
-    # the dense term counts the tokens the threshold drops: more of them are nonzero
-    assert int((dense.terms > 0).sum()) > int((thresholded.terms > 0).sum())
+    thresholded = token_damage(evicted, full, entropy, share=0.8, threshold=1.0, exponent=exponent)
+    assert torch.equal(dense.damaged, thresholded.damaged)  # the damage share counts ΔL > η whatever the rule
+    assert int((dense.terms > 0).sum()) > int((thresholded.terms > 0).sum())  # the dense term counts more tokens
 
 
-def test_estimator_resolves_names_and_rejects_bad_options():
-    estimator = Estimator("set", "rloo", "dense", offset=0.2)
-    assert estimator.name == "set/rloo/dense" and estimator.logprob is LogProbability.SET
-    assert estimator.advantage is Advantage.RLOO and estimator.reward is Reward.DENSE
+def test_estimator_resolves_every_rule_and_rejects_unknown_ones():
+    assert set(REWARD_RULES) == {"thresholded", "dense"} and set(ADVANTAGE_RULES) == {"group_normalised", "leave_one_out"}
+    assert set(LOGPROB_RULES) == {"order", "set"}
+    estimator = Estimator("dense", "leave_one_out", "set", offset=0.2)
+    assert estimator.name == "set / leave_one_out / dense" and estimator.action_logprob is plackett_luce_set_logprob
+    delta = torch.tensor([-0.5, 0.1, 0.3, 2.0], dtype=torch.float64)
+    torch.testing.assert_close(estimator.damage_terms(delta, 1.5, 2.0), dense_terms(delta, 1.5, 2.0, offset=0.2))
     rewards = torch.tensor([[0.0, -1.0, -3.0]])
     torch.testing.assert_close(estimator.advantages(rewards, dim=-1), leave_one_out_advantages(rewards))
     torch.testing.assert_close(Estimator().advantages(rewards, dim=-1), group_advantages(rewards))
     for options, message in (
-        ({"advantage": "ppo"}, "unknown advantage 'ppo'; allowed: 'grpo', 'rloo'"),
-        ({"reward": "sparse"}, "unknown reward 'sparse'; allowed: 'thresholded', 'dense'"),
-        ({"logprob": "sets"}, "unknown log probability 'sets'"),
-        ({"offset": -0.1}, "need a finite damage_offset >= 0"),
-        ({"exponent": 0.0}, "damage_exponent > 0"),
+        ({"advantage": "ppo"}, "unknown advantage_rule 'ppo'; allowed: 'group_normalised', 'leave_one_out'"),
+        ({"reward": "sparse"}, "unknown reward_rule 'sparse'; allowed: 'thresholded', 'dense'"),
+        ({"logprob": "sets"}, "unknown logprob_rule 'sets'; allowed: 'order', 'set'"),
+        ({"offset": -0.1}, "damage_offset (δ of the dense reward) must be a finite number >= 0, got -0.1"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             Estimator(**options)
@@ -244,15 +229,18 @@ def test_estimator_resolves_names_and_rejects_bad_options():
 def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_path, tiny_dir, traces_dir,
                                                                            start_scorer, capsys):  # noqa: F811
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir,
-                       model={"logprob": "set", "advantage": "rloo", "reward": "dense", "damage_offset": 0.05})
+                       model={"logprob_rule": "set", "advantage_rule": "leave_one_out", "reward_rule": "dense",
+                              "damage_offset": 0.05})
     run = tmp_path / "run"
     assert cli.main(rl_args(config, start_scorer, run)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     reward, paper = (float(last.split(f"train/{name} ")[1].split(",")[0]) for name in ("reward", "paper_reward"))
     assert paper < reward <= 0  # η = 0: both count every loss increase, and (ΔL − δ)₊² < ΔL² wherever ΔL > 0
     hparams = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
-    assert (hparams["logprob"], hparams["advantage"], hparams["reward"], hparams["damage_offset"]) == ("set", "rloo", "dense", 0.05)
-    assert "log-probability of the evicted set, rloo advantages, reward (ΔL − 0.05)₊^2.0" in (run / "scorer" / "README.md").read_text()
+    chosen = tuple(hparams[name] for name in ("logprob_rule", "advantage_rule", "reward_rule", "damage_offset"))
+    assert chosen == ("set", "leave_one_out", "dense", 0.05)
+    card = (run / "scorer" / "README.md").read_text()
+    assert "reward rule dense (δ = 0.05), advantage rule leave_one_out, log-probability rule set" in card
     start = load_file(start_scorer / "model.safetensors")
     assert any(not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items())
 
@@ -263,8 +251,8 @@ def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, t
     with the set log-probability and RLOO the weights differ from the paper's estimator's."""
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
     weights = {}
-    for name, overrides in (("thresholded", []), ("dense", ["model.reward=dense"]),
-                            ("set-rloo", ["model.logprob=set", "model.advantage=rloo"])):
+    for name, overrides in (("thresholded", []), ("dense", ["model.reward_rule=dense"]),
+                            ("set-rloo", ["model.logprob_rule=set", "model.advantage_rule=leave_one_out"])):
         assert cli.main(rl_args(config, start_scorer, tmp_path / name, *overrides)) == 0
         weights[name] = load_file(tmp_path / name / "scorer" / "model.safetensors")
     for name, tensor in weights["thresholded"].items():
@@ -291,8 +279,9 @@ def test_noise_scale_of_samples_with_known_mean_and_covariance():
 
 def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):  # noqa: F811
     """No token is damaged past η = 10⁶, so the thresholded reward teaches nothing (every group's advantages
-    are 0, no signal resolved) while the dense one does; the planted reward's true gradient is recovered,
-    more closely with more episodes."""
+    are 0, no signal resolved) in episodes and branch groups alike, while the dense one does (resolved for
+    episodes; the 8 branch groups are too few to promise it); the planted reward's true gradient is
+    recovered, more closely with more episodes."""
     out = tmp_path / "bench.md"
     argv = ["bench", "rl-signal", "--traces", str(traces_dir), "--count", "2", "--tokens", "48", "--scorer",
             str(start_scorer), "--groups", "2", "--group-size", "4", "--temperature", "1.0", "--damage-threshold", "1e6",
@@ -300,15 +289,20 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
             "--out", str(out)]
     assert cli.main(argv) == 0
     text = out.read_text()
-    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
-    for name in ("order/grpo/thresholded", "set/rloo/thresholded"):
-        assert "| 100% | 0.00 | ∞ (no signal resolved)" in rows[name]
-    for name in ("order/grpo/dense", "set/rloo/dense"):
-        assert "| 0% |" in rows[name] and "∞ (no signal resolved)" not in rows[name]
+    lines = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    noise = {(cells[0], cells[1]): " | ".join(cells[2:]) for cells in lines if len(cells) == 6}
+    for kind in ("episodes", "branch groups"):
+        for name in ("order / group_normalised / thresholded", "set / leave_one_out / thresholded"):
+            assert noise[kind, name].startswith("100% | 0.00 | ∞ (no signal resolved)"), (kind, name)
+        for name in ("order / group_normalised / dense", "set / leave_one_out / dense"):
+            assert not noise[kind, name].startswith("100%")  # dense rewards differ within groups
+    for name in ("order / group_normalised / dense", "set / leave_one_out / dense"):
+        assert "∞ (no signal resolved)" not in noise["episodes", name]
     reference = float(text.split("cosine of its two halves: ")[1].split(")")[0])
     assert reference > 0.9
-    for name in ("order / grpo", "order / rloo", "set / grpo", "set / rloo"):
-        cosines = [float(cell) for cell in rows[name].split(" | ")[1:8]]  # n = 4 .. 128 episodes per trace
+    planted = {cells[0]: cells[1:] for cells in lines if len(cells) == 10}  # 6 episode counts, 2 targets, B_noise
+    for name in ("order / group_normalised", "order / leave_one_out", "set / group_normalised", "set / leave_one_out"):
+        cosines = [float(cell) for cell in planted[name][:6]]  # n = 4 .. 128 episodes per trace
         assert cosines[-1] > max(cosines[0], 0.3), (name, cosines)
     assert f"wrote the rl-signal section of {out}" in capsys.readouterr().out
 

@@ -35,8 +35,9 @@ from foresight.data.trace_store import Trace
 from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_OFFSET, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
 from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
-from foresight.scorer.model import ForesightScorer, load_scorer
-from trainers.estimators import Advantage, Estimator, Reward
+from foresight.scorer.model import ForesightScorer, load_scorer, named_by_content
+from trainers.branches import BranchSettings, roll_out_branches
+from trainers.estimators import Estimator, LogprobRule
 from trainers.rollouts import (
     CLIP_EPSILON,
     LOG_RATIO_CLAMP,
@@ -44,6 +45,7 @@ from trainers.rollouts import (
     EvictionActions,
     GroupRollout,
     LossReference,
+    Rollout,
     equal_reward_groups,
     full_cache_losses,
     grpo_objective,
@@ -73,10 +75,6 @@ class GRPOScorer(ScorerModule):
       scorer's own ranking, exploring around it. The exported scorer is used deterministically either way.
     low_entropy_share, damage_threshold, damage_exponent: the reward's bottom-entropy share (0.8), η (1.5)
       and p (2) of its damage term ΔL^p·1[ΔL > η].
-    logprob, advantage, reward, damage_offset: the estimator's options (`trainers.estimators.Estimator`): the
-      log-probability of the drawn "order" (the paper's) or of the evicted "set" (Kool et al. 2020); Eq. 9's
-      "grpo" advantages or leave-one-out "rloo" ones, unscaled; the "thresholded" damage term above or the
-      "dense" (ΔL − δ)₊^p, δ = damage_offset (0). The logged `train/paper_reward` is R of §3.3 whatever trains.
     credit: "rollout" (the paper's): every eviction of a rollout gets the advantage of its reward;
       "reward_to_go": eviction step s gets the advantage of its reward-to-go (the damage to the tokens
       predicted after it only), normalised per step index across the G rollouts, so a step is not
@@ -90,7 +88,18 @@ class GRPOScorer(ScorerModule):
     traces_per_replay: the groups of this many traces of a batch replay together as the rows of one
       batch (`trainers.rollouts.roll_out_together`; 1: one trace per replay). The same rollouts either
       way; more rows per forward suit a GPU, where a replay of G rows leaves it idle.
-    seed: seeds every rollout's sampling with (seed, round, trace, row).
+    rollout: "episode" (the paper's): G rollouts per trace sampling every step; "branch": step-level branch
+      groups (`trainers.branches`): one deterministic backbone replay per trace, and at branch_steps of its
+      eviction steps, branch_rows rows (K) copied from its state that draw that step by Eq. 2 (on
+      branch_layers layers per group, null: all) and continue deterministically for branch_chunks chunks
+      (W), rewarded by the backbone's damage minus their own over those W·L tokens. group_size and
+      traces_per_replay apply to episodes only.
+    reward_rule, advantage_rule, logprob_rule: the estimator's rules by name (`trainers.estimators`):
+      "thresholded" (the damage term ΔL^p·1[ΔL > η]), "group_normalised" (Eq. 9), "order" (Plackett-Luce of
+      the sampled order), the paper's; or "dense" ((ΔL − δ)₊^p, δ = damage_offset), "leave_one_out" (RLOO,
+      unscaled), "set" (the evicted set's probability, Kool et al. 2020). Episodes log R of §3.3 as
+      `train/paper_reward` whatever the reward rule.
+    seed: seeds every rollout's sampling with (seed, round, trace, row) (and the branch step).
     """
 
     def __init__(
@@ -112,17 +121,25 @@ class GRPOScorer(ScorerModule):
         damage_threshold: float = DAMAGE_THRESHOLD,
         damage_exponent: float = DAMAGE_EXPONENT,
         credit: str = Credit.ROLLOUT.value,
-        logprob: str = "order",
-        advantage: str = Advantage.GRPO.value,
-        reward: str = Reward.THRESHOLDED.value,
-        damage_offset: float = DAMAGE_OFFSET,
         storage_dtype: str = "float32",
         dtype: str = "float32",
         loss_reference: str = LossReference.STORED.value,
         traces_per_replay: int = 1,
+        rollout: str = Rollout.EPISODE.value,
+        branch_rows: int = 8,
+        branch_chunks: int = 4,
+        branch_steps: int = 2,
+        branch_layers: int | None = None,
+        reward_rule: str = "thresholded",
+        advantage_rule: str = "group_normalised",
+        logprob_rule: str = "order",
+        damage_offset: float = DAMAGE_OFFSET,
         seed: int = 0,
     ) -> None:
         super().__init__()
+        self.rollout = Rollout.parse(rollout)
+        self.branches = BranchSettings(branch_rows, branch_chunks, branch_steps, branch_layers)
+        self.estimator = Estimator(reward_rule, advantage_rule, logprob_rule, damage_offset)
         if group_size < 2:
             raise ValueError(f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}")
         if lr <= 0 or beta < 0 or not 0 < clip < 1 or epochs < 1 or warm_up < 0:
@@ -133,8 +150,11 @@ class GRPOScorer(ScorerModule):
         check_temperature(temperature)
         if traces_per_replay < 1:
             raise ValueError(f"traces_per_replay must be at least 1, got {traces_per_replay}")
-        self.estimator = Estimator(logprob, advantage, reward, low_entropy_share, damage_threshold, damage_exponent,
-                                   damage_offset)
+        if not 0 <= damage_threshold < float("inf") or not 0 < damage_exponent < float("inf"):
+            raise ValueError(
+                f"need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold={damage_threshold}, "
+                f"damage_exponent={damage_exponent}"
+            )
         self.credit = Credit.parse(credit)
         self.loss_reference = LossReference.parse(loss_reference)
         self.save_hyperparameters()
@@ -147,7 +167,7 @@ class GRPOScorer(ScorerModule):
                 f"L={interval}; train one for them or set data.budget and data.interval to match"
             )
         start.check_compatible(describe(load_config(model)))
-        config = dataclasses.replace(start.config, stage="reinforcement", started_from=str(scorer))
+        config = dataclasses.replace(start.config, stage="reinforcement", started_from=named_by_content(start, scorer))
         self.scorer = ForesightScorer(config)
         self.scorer.load_state_dict(start.state_dict())
         self.reference = copy.deepcopy(self.scorer).requires_grad_(False)
@@ -157,8 +177,9 @@ class GRPOScorer(ScorerModule):
         self._frozen: FrozenModel | None = None
         self._full_cache_nll: dict[int, torch.Tensor] = {}  # by trace index, with loss_reference "replay"
         names = (
-            "reward", "paper_reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share",
-            "zero_advantage_share",
+            "reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share",
+            "zero_advantage_share", "tokens_per_second",
+            *(("backbone_reward",) if self.rollout is Rollout.BRANCH else ("paper_reward",)),
         )
         self.figures = torch.nn.ModuleDict({name: MeanMetric() for name in names})
 
@@ -177,9 +198,11 @@ class GRPOScorer(ScorerModule):
     def rollout_rows(self) -> range:
         """The rows of each group this rank replays (all of them on one process)."""
         world, rank = self.trainer.world_size, self.trainer.global_rank
-        size = self.hparams.group_size
+        branches = self.rollout is Rollout.BRANCH
+        size = self.branches.rows if branches else self.hparams.group_size
         if size % world:
-            raise ValueError(f"group_size G={size} must be a multiple of the number of processes ({world})")
+            name = "branch_rows K" if branches else "group_size G"
+            raise ValueError(f"{name}={size} must be a multiple of the number of processes ({world})")
         share = size // world
         return range(rank * share, (rank + 1) * share)
 
@@ -188,15 +211,24 @@ class GRPOScorer(ScorerModule):
         traces of similar length together (a row past its trace's end replays padding); one replay's
         groups at a time, so only their recorded evictions are held while they are used."""
         round_index = self.global_step // self.hparams.epochs
+        scoring = dict(
+            share=self.hparams.low_entropy_share, threshold=self.hparams.damage_threshold,
+            exponent=self.hparams.damage_exponent, terms=self.estimator.damage_terms,
+            storage_dtype=self.storage_dtype, temperature=self.hparams.temperature,
+        )
+        if self.rollout is Rollout.BRANCH:
+            for trace in traces:
+                yield from roll_out_branches(
+                    self.frozen_model, self.scorer, trace, self.branches, self.rollout_rows(), seed=self.hparams.seed,
+                    round_index=round_index, reference_nll=self._reference_nll(trace), **scoring,
+                )
+            return
         for packed in packs(traces, self.hparams.traces_per_replay):
             seeds = [rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows()) for trace in packed]
-            rolled = roll_out_together(
-                self.frozen_model, self.scorer, packed, seeds, share=self.hparams.low_entropy_share,
-                threshold=self.hparams.damage_threshold, storage_dtype=self.storage_dtype,
-                temperature=self.hparams.temperature, exponent=self.hparams.damage_exponent,
-                reference_nll=[self._reference_nll(trace) for trace in packed], reward=self.estimator.damage,
+            yield from roll_out_together(
+                self.frozen_model, self.scorer, packed, seeds,
+                reference_nll=[self._reference_nll(trace) for trace in packed], **scoring,
             )
-            yield from rolled
 
     def _reference_nll(self, trace: Trace) -> torch.Tensor | None:
         """The full-cache losses a trace's rollouts are scored against: None (its stored ones) or, with
@@ -217,7 +249,7 @@ class GRPOScorer(ScorerModule):
         updates, rewards, forward_seconds = [], [], 0.0
         for group in self.roll_out(batch):
             advantages = self._advantages(group)[rows.start : rows.stop]
-            update = _Update(group.actions, advantages, self.scorer, self.reference, self.estimator)
+            update = _Update(group.actions, advantages, self.scorer, self.reference, self.estimator.action_logprob)
             self._backward(update, beta, len(batch))
             self._tally(group)
             rewards.append(self._gather_group(group.scores.reward))
@@ -246,7 +278,7 @@ class GRPOScorer(ScorerModule):
         actions = update.actions
         with self._no_gradient_sync():
             scores = actions.scores(self.scorer)
-            logprob = actions.logprob(scores, self.estimator.logprob)
+            logprob = actions.logprob(scores, self.estimator.action_logprob)
             by_step = [lp.transpose(1, 2) for lp in (logprob, update.old_logprob, update.ref_logprob)]
             objective = grpo_objective(  # [rows, steps, layers, Hkv]: a row's or a step's advantage broadcasts
                 *by_step, update.advantages.to(scores.device), beta, clip=self.hparams.clip, clamp=LOG_RATIO_CLAMP,
@@ -289,9 +321,13 @@ class GRPOScorer(ScorerModule):
     def _tally(self, group: GroupRollout) -> None:
         """Add one trace's rollouts to the step's figures."""
         self.figures["loss_ratio"].update(group.scores.loss_ratio.mean())
-        self.figures["paper_reward"].update(group.scores.paper_reward.mean())
         self.figures["damage"].update(group.scores.damage_share.mean())
         self.figures["steps_per_second"].update(group.eviction_steps / group.seconds)
+        self.figures["tokens_per_second"].update(group.forward_tokens / group.seconds)
+        if group.backbone_reward is not None:
+            self.figures["backbone_reward"].update(group.backbone_reward)
+        if self.rollout is Rollout.EPISODE:
+            self.figures["paper_reward"].update(group.scores.paper_reward.mean())
 
     def _log_step(self, rewards: torch.Tensor, beta: float) -> None:
         """Log the step's figures (rewards [traces, G], gathered from every rank) and reset them."""
@@ -316,19 +352,26 @@ class GRPOScorer(ScorerModule):
             f"G = {hparams.group_size}, lr {hparams.lr} after {hparams.warm_up} warm-up steps, β = {hparams.beta}"
             + (f" for {hparams.kl_steps} steps" if hparams.kl_steps is not None else "")
             + f", ε = {hparams.clip}, {hparams.epochs} update(s) per batch of rollouts, sampling temperature τ = "
-            + f"{hparams.temperature}; {self.estimator.describe()}, credit: {self.credit.value}"
+            + f"{hparams.temperature}; reward ΔL^{hparams.damage_exponent}·1[ΔL > {hparams.damage_threshold}], "
+            + f"credit: {self.credit.value}; {self.estimator.describe()}"
         )
-        return {"GRPO": settings}
+        if self.rollout is Rollout.BRANCH:
+            branches = self.branches
+            layers = "every layer" if branches.layers is None else f"{branches.layers} layers per group"
+            return {"GRPO": settings, "rollouts": (
+                f"step-level branch groups: K = {branches.rows} rows at {branches.steps} eviction steps per trace, "
+                f"sampled on {layers}, continued deterministically for W = {branches.chunks} chunks"
+            )}
+        return {"GRPO": settings, "rollouts": f"episodes: G = {hparams.group_size} per trace, every step sampled"}
 
 
 class _Update:
     """What one trace's update needs: its recorded evictions, the advantage of each of this rank's rows,
-    and the log-probability (the estimator's) of every eviction under the scorer that sampled it (π_old) and
-    under π_ref."""
+    and the log-probability of every eviction under the scorer that sampled it (π_old) and under π_ref."""
 
     def __init__(self, actions: EvictionActions, advantages: torch.Tensor, scorer: ForesightScorer,
-                 reference: ForesightScorer, estimator: Estimator) -> None:
+                 reference: ForesightScorer, rule: LogprobRule) -> None:
         self.actions, self.advantages = actions, advantages
         with torch.no_grad():
-            self.old_logprob = actions.logprob(actions.scores(scorer), estimator.logprob)
-            self.ref_logprob = actions.logprob(actions.scores(reference), estimator.logprob)
+            self.old_logprob = actions.logprob(actions.scores(scorer), rule)
+            self.ref_logprob = actions.logprob(actions.scores(reference), rule)

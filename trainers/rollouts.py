@@ -36,21 +36,19 @@ from foresight.metrics import (
     DAMAGE_EXPONENT,
     DAMAGE_THRESHOLD,
     LOW_ENTROPY_SHARE,
+    DamageTerms,
     TokenDamage,
     loss_ratio,
     scored_tokens,
+    thresholded_terms,
     token_damage,
 )
 from foresight.policies import make_policy
 from foresight.policies.foresight import SampledEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.prefix import ReplayPrefix
-from foresight.scorer.eviction_sampling import LogProbability
+from foresight.scorer.eviction_sampling import plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer
-
-DamageRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], TokenDamage]
-"""A reward's damage term of one trace's scored tokens from (evicted losses, full-cache losses, full-cache
-entropies), as `trainers.estimators.Estimator.damage`."""
 
 CLIP_EPSILON = 0.2
 """ε of Eq. 10 (App. E.1)."""
@@ -72,6 +70,14 @@ class LossReference(Choice):
     REPLAY = "replay"
 
 
+class Rollout(Choice):
+    """How the reinforcement stage rolls out a trace: G episodes sampling every eviction step (the paper's),
+    or step-level branch groups off one deterministic replay (`trainers.branches`)."""
+
+    EPISODE = "episode"
+    BRANCH = "branch"
+
+
 class Credit(Choice):
     """What an eviction step's advantage is computed from: its rollout's reward (Eq. 9, the paper's),
     or its reward-to-go, the damage to the tokens predicted after the step only."""
@@ -88,7 +94,9 @@ class EvictionActions:
     step's pool P = 2L (`SampledEviction`); eligible [..., P]; order [..., L]: the pool indices in
     sampled order; evicted [..., L]: their sequence positions; after [steps]: the position of the
     newest token when the step ran (the eviction changes the cache of every later token); temperature:
-    the τ the policy sampled at (Eq. 2 reads the keep scores divided by it).
+    the τ the policy sampled at (Eq. 2 reads the keep scores divided by it); layers: the model layers
+    the records hold, in order on the first dim (None: all; a subset when only some layers sampled,
+    `trainers.branches`).
     """
 
     keys: torch.Tensor
@@ -99,6 +107,7 @@ class EvictionActions:
     evicted: torch.Tensor
     after: torch.Tensor
     temperature: float = 1.0
+    layers: tuple[int, ...] | None = None
 
     @classmethod
     def stack(
@@ -108,15 +117,19 @@ class EvictionActions:
         before: int,
         rows: slice,
         dtype: torch.dtype = torch.float32,
+        layers: Sequence[int] | None = None,
     ) -> EvictionActions:
         """Stack a sampled policy's records (step by step, layers in order within a step) of `rows` (one
         trace's group of a replay) that evict together, keeping the steps that ran after a position <
-        `before` (a later one changes no prediction of the trace). Scorer inputs are stored in `dtype`."""
-        if not records or len(records) % num_layers:
-            raise ValueError(f"expected the records of whole eviction steps of {num_layers} layers, got {len(records)}")
-        steps = [records[i : i + num_layers] for i in range(0, len(records), num_layers)]
-        if any(record.layer != layer for step in steps for layer, record in enumerate(step)):
-            raise ValueError("records must hold every layer of a step, in order")
+        `before` (a later one changes no prediction of the trace). Scorer inputs are stored in `dtype`.
+        `layers`: the layers every step recorded (None: all `num_layers`)."""
+        recorded = list(range(num_layers)) if layers is None else list(layers)
+        per_step = len(recorded)
+        if not records or len(records) % per_step:
+            raise ValueError(f"expected the records of whole eviction steps of {per_step} layers, got {len(records)}")
+        steps = [records[i : i + per_step] for i in range(0, len(records), per_step)]
+        if any(record.layer != layer for step in steps for layer, record in zip(recorded, step)):
+            raise ValueError(f"records must hold the layers {recorded} of every step, in order")
         temperatures = {record.temperature for record in records}
         if len(temperatures) != 1:
             raise ValueError(f"the records were sampled at several temperatures {sorted(temperatures)}; stack one run's")
@@ -144,6 +157,7 @@ class EvictionActions:
             evicted=torch.stack([torch.stack([r.positions[rows].gather(-1, r.order[rows]) for r in step]) for step in steps], 1),
             after=newest[kept, 0],
             temperature=temperatures.pop(),
+            layers=None if layers is None else tuple(recorded),
         )
 
     @property
@@ -154,15 +168,16 @@ class EvictionActions:
         """Keep scores [layers, steps, rows, Hkv, P] of every pool entry under `scorer` (differentiable)."""
         layers, steps, rows = self.keys.shape[:3]
         inputs = [tensor.flatten(1, 2) for tensor in (self.keys, self.values, self.features)]
-        return scorer(*inputs).unflatten(1, (steps, rows))
+        return scorer(*inputs, layers=self.layers).unflatten(1, (steps, rows))
 
-    def logprob(self, scores: torch.Tensor, rule: LogProbability = LogProbability.ORDER) -> torch.Tensor:
-        """Plackett-Luce log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action
-        probability of Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature:
-        of its drawn order, or with `rule` SET of its evicted set."""
+    def logprob(self, scores: torch.Tensor, rule: Callable[..., torch.Tensor] = plackett_luce_logprob) -> torch.Tensor:
+        """Log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action probability of
+        Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature, by `rule`
+        (`trainers.estimators.LOGPROB_RULES`; the default is Plackett-Luce of the sampled order)."""
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
         order, eligible = self.order.to(scores.device), self.eligible.to(scores.device)
-        return rule.of(scores, pool, order, eligible, self.temperature).movedim(2, 0)
+        logprob = rule(scores, pool, order, eligible, self.temperature)
+        return logprob.movedim(2, 0)
 
     def first_draw_entropy(self, scores: torch.Tensor) -> torch.Tensor:
         """Entropy [rows, layers, steps, Hkv] of the first draw of Eq. 2 (softmax of the negated scores
@@ -174,16 +189,17 @@ class EvictionActions:
 
 @dataclass(frozen=True)
 class RolloutScores:
-    """Per rollout row: the reward that trains (R of docs/algorithms.md §7 unless another damage term was
-    chosen), the loss ratio and the share of low-entropy tokens damaged (docs/algorithms.md §8), all over the
-    predictions after the first eviction; the reward-to-go [rows, steps] of every recorded eviction step
-    (`rewards_to_go`); and R of §7 itself, what `foresight eval` reports as −R (`paper_reward`)."""
+    """Per rollout row: the reward R (docs/algorithms.md §7, or the training reward's damage term), the loss
+    ratio and the share of low-entropy tokens damaged (docs/algorithms.md §8), all over the predictions after
+    the first eviction; the reward-to-go [rows, steps] of every recorded eviction step (`rewards_to_go`); and
+    the reward by the paper's damage term whatever the training reward (`paper_reward`: for an episode R of
+    §7, what `foresight eval` reports as −R; for a branch group its d_k, `trainers.branches`)."""
 
     reward: torch.Tensor
     loss_ratio: torch.Tensor
     damage_share: torch.Tensor
     reward_to_go: torch.Tensor
-    paper_reward: torch.Tensor
+    paper_reward: torch.Tensor | None = None
 
     def credited(self, credit: Credit) -> torch.Tensor:
         """The rewards the advantages normalise: [rows] per rollout, or [rows, steps] per eviction step."""
@@ -199,28 +215,28 @@ def score_rollouts(
     threshold: float = DAMAGE_THRESHOLD,
     exponent: float = DAMAGE_EXPONENT,
     reference_nll: torch.Tensor | None = None,
-    reward: DamageRule | None = None,
+    terms: DamageTerms = thresholded_terms,
 ) -> RolloutScores:
     """Reward, loss ratio, damage share and rewards-to-go of replays of `trace` (`nll` per row [T - 1])
     against its stored full-cache loss and entropy: R = −(1/|S|) Σ_{t∈S} ΔL_t^p·1[ΔL_t > η] over the
     tokens S predicted after the first eviction whose full-cache entropy is in their bottom `share`
     (`token_damage`); `after` [steps]: the position of each recorded eviction step. `reference_nll` [T - 1]:
-    the full-cache losses to compare with (`LossReference`; None: the trace's stored ones). `reward`: the
-    damage term the training reward and its rewards-to-go average instead (`trainers.estimators.Estimator.damage`);
-    the loss ratio, damage share and paper reward stay those of §7 and §8."""
+    the full-cache losses to compare with (`LossReference`; None: the trace's stored ones). `terms`: the
+    reward's damage term per token (`trainers.estimators.REWARD_RULES`; the default is the paper's, above);
+    the damage share counts ΔL > η whatever it is, and the paper reward is the paper's."""
     reference = trace.token_nll if reference_nll is None else reference_nll
     rewards, ratios, shares, to_go, paper = [], [], [], [], []
     for row_nll, first in zip(nll, first_eviction, strict=True):
         scored = scored_tokens(row_nll.numel(), first)
         evicted, full, entropy = row_nll[scored], reference[scored], trace.token_entropy[scored]
-        damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent)
-        training = damage if reward is None else reward(evicted, full, entropy)
+        damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent, terms=terms)
         counts = damage.counts()
-        paper.append(-counts.penalty)
-        rewards.append(-training.counts().penalty)
+        rewards.append(-counts.penalty)
+        paper.append(-counts.penalty if terms is thresholded_terms else
+                     -token_damage(evicted, full, entropy, share, threshold, exponent).counts().penalty)
         ratios.append(loss_ratio(evicted, full))
         shares.append(counts.share)
-        to_go.append(rewards_to_go(training, scored, after))
+        to_go.append(rewards_to_go(damage, scored, after))
     return RolloutScores(
         *(torch.tensor(values) for values in (rewards, ratios, shares)), torch.stack(to_go).float(), torch.tensor(paper)
     )
@@ -240,8 +256,11 @@ def rewards_to_go(damage: TokenDamage, scored: torch.Tensor, after: torch.Tensor
 
 @dataclass(frozen=True)
 class GroupRollout:
-    """The rollouts of one trace on this process: their recorded evictions and scores, and timings
-    (seconds of the frozen model's forward passes, and of the whole replay)."""
+    """The rollouts of one trace on this process (or one branch group of it, `trainers.branches`): their
+    recorded evictions and scores, the eviction steps and tokens the model ran for them (`forward_tokens`,
+    row by row), and timings (seconds of the frozen model's forward passes, and of the whole replay).
+    `backbone_reward`: a branch group's deterministic replay's R over its whole trace, the paper's (η = 1.5,
+    p = 2) whatever the training reward (None for episodes)."""
 
     trace_index: int
     actions: EvictionActions
@@ -249,6 +268,8 @@ class GroupRollout:
     eviction_steps: int
     forward_seconds: float
     seconds: float
+    forward_tokens: int = 0
+    backbone_reward: float | None = None
 
 
 def rollout_seeds(seed: int, round_index: int, trace_index: int, rows: Sequence[int]) -> tuple[int, ...]:
@@ -282,7 +303,7 @@ def roll_out_together(
     share_prefix: bool = True,
     reference_nll: Sequence[torch.Tensor | None] | None = None,
     step_observer: AbstractContextManager | None = None,
-    reward: DamageRule | None = None,
+    terms: DamageTerms = thresholded_terms,
 ) -> list[GroupRollout]:
     """Replay each trace once per seed of its group (`row_seeds[i]`, the same count for every trace), every
     group as consecutive rows of one batch, `scorer` sampling every eviction (Eq. 2) at the B and L it was
@@ -298,8 +319,8 @@ def roll_out_together(
     `reference_nll[i]`: the full-cache losses trace i is scored against (`score_rollouts`; None: its
     stored ones). Each group is credited an equal share of the replay's time (its padding steps past a
     shorter trace's end included; the prefill's recording is not counted as forward time).
-    `step_observer`: entered around every eviction step of the replay (`EvictionEngine`). `reward`: the
-    training reward's damage term (`score_rollouts`)."""
+    `step_observer`: entered around every eviction step of the replay (`EvictionEngine`). `terms`: the
+    reward's damage term (`score_rollouts`)."""
     config = scorer.config
     groups = {len(seeds) for seeds in row_seeds}
     if len(row_seeds) != len(traces) or len(groups) != 1 or 0 in groups:
@@ -336,7 +357,7 @@ def roll_out_together(
         )
         scores = score_rollouts(
             output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference,
-            reward,
+            terms,
         )
         scored.append((trace, actions, scores))
     portion = 1 / len(traces)  # of the replay's time, padding past a shorter trace's end included
@@ -349,6 +370,7 @@ def roll_out_together(
             eviction_steps=eviction_steps(trace.input_ids.numel(), config.budget, config.interval),
             forward_seconds=output.stats.forward_seconds * portion,
             seconds=seconds * portion,
+            forward_tokens=round(output.stats.tokens * portion),
         )
         for trace, actions, scores in scored
     ]

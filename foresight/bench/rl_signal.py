@@ -2,16 +2,21 @@
 
 Every choice of `trainers.estimators.Estimator` (the log-probability of the drawn order or of the evicted
 set, Eq. 9's advantages or leave-one-out ones, the thresholded or the dense damage term) is measured on the
-same episode rollouts (`trainers.rollouts.roll_out`: G rows of a trace, every eviction sampled by Eq. 2):
+same episode rollouts (`trainers.rollouts.roll_out`: G rows of a trace, every eviction sampled by Eq. 2),
+and on the same step-level branch groups (`trainers.branches.roll_out_branches`: K rows off one
+deterministic replay, differing at one eviction step):
 
 - The gradient noise scale B_noise = tr(Σ) / |G|² (McCandlish et al. 2018, "An empirical model of
   large-batch training"), Σ the covariance of one sample's policy gradient over the scorer's trained
-  weights and G its mean. A sample is one group of G rollouts of a trace (its advantages need the whole
-  group); its gradient is that of Eq. 10's surrogate at ratio 1 without the KL term,
-  Σ_k Â_k ∇log π(rollout k) / (G · actions per rollout). |G|² is estimated without bias as
+  weights and G its mean. A sample is one group (G episodes of a trace, or one branch group; its
+  advantages need the whole group); its gradient is that of Eq. 10's surrogate at ratio 1 without the KL
+  term, Σ_k Â_k ∇log π(row k) / (rows · actions per row). |G|² is estimated without bias as
   |ḡ|² − tr(Σ̂)/M over M samples. B_noise is the batch (in samples) at which the mean gradient's noise
-  equals its signal; times the forward tokens one sample costs (the group's rows past the shared prefill,
-  plus the prefill once) it is the tokens of rollouts one informative step needs: lower is better.
+  equals its signal; times the forward tokens one sample costs (`GroupRollout.forward_tokens`, row by row;
+  a branch group's share of its backbone included) it is the tokens of rollouts one informative step
+  needs: lower is better. Episodes and branch groups estimate different gradients (of the sampled
+  policy's reward at every step, of one step's draw against the deterministic policy's), so each kind's
+  B_noise is its own.
   Intervals: 95% bootstrap over the groups of each trace, paired across estimators.
 - A planted reward: a penalty of 1 on a seeded share of the pool entries of the states the rollouts
   visited (the first rollout's recorded scorer inputs of each trace, held fixed), an episode drawing one
@@ -41,9 +46,10 @@ from tqdm.auto import tqdm
 from foresight.bench.common import machine, threads_note
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.models import describe, load_model
-from foresight.scorer.eviction_sampling import LogProbability, draw_eviction
+from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer, load_scorer
-from trainers.estimators import Advantage, Estimator, Reward
+from trainers.branches import BranchSettings, roll_out_branches
+from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, REWARD_RULES, Estimator, LogprobRule
 from trainers.rollouts import EvictionActions, GroupRollout, roll_out, rollout_seeds
 
 NAME = "rl-signal"
@@ -63,8 +69,12 @@ class Settings:
     count: int = field(default=2, metadata={"help": "traces measured: the first COUNT with at least TOKENS tokens"})
     tokens: int = field(default=320, metadata={"help": "each trace is cut to its first TOKENS tokens (rollout cost)"})
     scorer: str = field(default="checkpoints/default", metadata={"help": "the scorer whose policy gradient is measured"})
-    groups: int = field(default=4, metadata={"help": "groups of rollouts per trace (the samples of B_noise)"})
-    group_size: int = field(default=8, metadata={"help": "rollouts per group, G"})
+    groups: int = field(default=4, metadata={"help": "groups of episodes per trace (the samples of B_noise)"})
+    group_size: int = field(default=8, metadata={"help": "episodes per group, G"})
+    branch_rounds: int = field(default=2, metadata={"help": "rounds of branch groups per trace (0: none)"})
+    branch_steps: int = field(default=2, metadata={"help": "branch groups per trace and round"})
+    branch_rows: int = field(default=8, metadata={"help": "rows per branch group, K"})
+    branch_chunks: int = field(default=2, metadata={"help": "chunks of L tokens a branch continues for, W"})
     temperature: float = field(default=0.005, metadata={"help": "τ of Eq. 2 in the rollouts (docs/rl.md's third round)"})
     damage_threshold: float = field(default=1.5, metadata={"help": "η of the thresholded reward"})
     damage_exponent: float = field(default=2.0, metadata={"help": "p of both rewards' damage term"})
@@ -79,8 +89,9 @@ class Settings:
     def __post_init__(self) -> None:
         counts = {"count": self.count, "groups": self.groups, "planted_episodes": self.planted_episodes,
                   "reference_draws": self.reference_draws, "resamples": self.resamples}
-        if min(counts.values()) < 1 or self.group_size < 2 or self.groups < 2:
-            raise ValueError(f"need counts >= 1, groups >= 2 and group_size >= 2, got {counts}, group_size={self.group_size}")
+        if min(counts.values()) < 1 or self.group_size < 2 or self.groups < 2 or self.branch_rounds < 0:
+            raise ValueError(f"need counts >= 1, groups >= 2, group_size >= 2 and branch_rounds >= 0, got {counts}, "
+                             f"group_size={self.group_size}, branch_rounds={self.branch_rounds}")
         if self.planted_episodes % (self.group_size * CHUNKS):
             raise ValueError(
                 f"planted_episodes must be a multiple of group_size x {CHUNKS} = {self.group_size * CHUNKS}, "
@@ -95,15 +106,9 @@ class Settings:
 
 
 def estimators(settings: Settings) -> list[Estimator]:
-    """Every combination of the options, the paper's (order, grpo, thresholded) first."""
-    return [estimator(settings, logprob, advantage, reward)
-            for logprob, advantage, reward in itertools.product(LogProbability, Advantage, Reward)]
-
-
-def estimator(settings: Settings, logprob: LogProbability = LogProbability.ORDER, advantage: Advantage = Advantage.GRPO,
-              reward: Reward = Reward.THRESHOLDED) -> Estimator:
-    return Estimator(logprob, advantage, reward, threshold=settings.damage_threshold, exponent=settings.damage_exponent,
-                     offset=settings.damage_offset)
+    """Every combination of the rules, the paper's (order, group_normalised, thresholded) first."""
+    return [Estimator(reward, advantage, logprob, settings.damage_offset)
+            for logprob, advantage, reward in itertools.product(LOGPROB_RULES, ADVANTAGE_RULES, REWARD_RULES)]
 
 
 def run(settings: Settings) -> str:
@@ -114,21 +119,27 @@ def run(settings: Settings) -> str:
     scorer = load_scorer(settings.scorer).to(settings.device)
     scorer.check_compatible(describe(model))
     traces = measured_traces(store, settings, scorer.config.budget + scorer.config.interval)
-    groups = [
-        [
-            roll_out(model, scorer, trace, rollout_seeds(settings.seed, index, trace.index, range(settings.group_size)),
-                     temperature=settings.temperature, threshold=settings.damage_threshold,
-                     exponent=settings.damage_exponent, reward=estimator(settings, reward=Reward.DENSE).damage)
-            for index in range(settings.groups)
-        ]
-        for trace in tqdm(traces, desc="rollouts", leave=False)
+    scoring = {"temperature": settings.temperature, "threshold": settings.damage_threshold,
+               "exponent": settings.damage_exponent, "terms": Estimator("dense", offset=settings.damage_offset).damage_terms}
+    episodes = [
+        [roll_out(model, scorer, trace, rollout_seeds(settings.seed, index, trace.index, range(settings.group_size)),
+                  **scoring) for index in range(settings.groups)]
+        for trace in tqdm(traces, desc="episodes", leave=False)
+    ]  # reward: the dense rule's; paper_reward: the thresholded one's
+    branches = BranchSettings(settings.branch_rows, settings.branch_chunks, settings.branch_steps)
+    branch_groups = [
+        [group for index in range(settings.branch_rounds) for group in roll_out_branches(
+            model, scorer, trace, branches, range(settings.branch_rows), seed=settings.seed, round_index=index, **scoring)]
+        for trace in tqdm(traces if settings.branch_rounds else [], desc="branch groups", leave=False)
     ]
-    prefill = scorer.config.budget + scorer.config.interval
-    group_tokens = prefill + settings.group_size * (settings.tokens - prefill)
-    noise = noise_scales(scorer, groups, estimators(settings), settings.resamples, settings.seed)
-    planted = planted_check(scorer, [trace_groups[0].actions for trace_groups in groups], settings)
+    kinds = [("episodes", episodes), *((("branch groups", branch_groups),) if settings.branch_rounds else ())]
+    noise = {kind: noise_scales(scorer, groups, estimators(settings), settings.resamples, settings.seed)
+             for kind, groups in kinds}
+    tokens = {kind: float(np.mean([group.forward_tokens for trace_groups in groups for group in trace_groups]))
+              for kind, groups in kinds}
+    planted = planted_check(scorer, [trace_groups[0].actions for trace_groups in episodes], settings)
     seconds = time.perf_counter() - started
-    return report(settings, traces, noise, planted, group_tokens, seconds)
+    return report(settings, traces, noise, tokens, planted, seconds)
 
 
 def measured_traces(store: TraceStore, settings: Settings, prefill: int) -> list[Trace]:
@@ -157,7 +168,7 @@ def row(actions: EvictionActions, index: int) -> EvictionActions:
     return dataclasses.replace(actions, **{name: getattr(actions, name)[:, :, index : index + 1] for name in PER_ROW})
 
 
-def score_vectors(scorer: ForesightScorer, actions: EvictionActions, rule: LogProbability) -> torch.Tensor:
+def score_vectors(scorer: ForesightScorer, actions: EvictionActions, rule: LogprobRule) -> torch.Tensor:
     """[rows, weights] ∇ Σ log π over every eviction of each rollout row, w.r.t. the trained weights (one
     backward per row)."""
     vectors = []
@@ -188,9 +199,9 @@ def noise_scales(scorer: ForesightScorer, groups: Sequence[Sequence[GroupRollout
     rollouts' score vectors (each sample's gradient is a combination of its rows' vectors)."""
     flat = [group for trace_groups in groups for group in trace_groups]
     grams = {}
-    for rule in LogProbability:
+    for name, rule in LOGPROB_RULES.items():
         vectors = torch.cat([score_vectors(scorer, group.actions, rule) for group in flat])
-        grams[rule] = (vectors @ vectors.T).double()
+        grams[name] = (vectors @ vectors.T).double()
         del vectors
     actions = flat[0].actions.order[..., 0].numel() // flat[0].actions.num_rows  # evictions per rollout
     size = flat[0].actions.num_rows
@@ -201,7 +212,7 @@ def noise_scales(scorer: ForesightScorer, groups: Sequence[Sequence[GroupRollout
              for _ in range(resamples)]  # each trace's groups resampled on their own
     figures = []
     for rule in rules:  # the rewards: paper_reward is the thresholded one, reward the dense one (`run`)
-        rewards = torch.stack([group.scores.reward if rule.reward is Reward.DENSE else group.scores.paper_reward
+        rewards = torch.stack([group.scores.reward if rule.reward == "dense" else group.scores.paper_reward
                                for group in flat]).double()
         advantages = rule.advantages(rewards, dim=1)  # [M, G]
         combine = torch.zeros(len(flat), len(flat) * size, dtype=torch.float64)
@@ -231,8 +242,8 @@ class PlantedFigures:
     """One (log-probability, advantage) pair's planted check: cosine to the true gradient at each episode
     count of `episodes`, and B_noise in groups."""
 
-    logprob: LogProbability
-    advantage: Advantage
+    logprob: str
+    advantage: str
     cosines: list[float]
     groups: float
 
@@ -273,15 +284,14 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
     actions = math.prod(fixed.shape[:2]) * fixed.shape[3]  # evictions per episode and trace
     ladder = [size * 2**k for k in range(int(math.log2(count // size)) + 1)]
     rows = []
-    for rule in LogProbability:
+    for logprob_name, rule in LOGPROB_RULES.items():
         leaf = fixed.expand(count, *fixed.shape).clone().requires_grad_()
         pool = torch.arange(fixed.shape[-1], device=fixed.device).expand_as(leaf)
-        logprob = rule.of(leaf, pool, draw.order, eligible, settings.temperature)
+        logprob = rule(leaf, pool, draw.order, eligible, settings.temperature)
         (per_episode,) = torch.autograd.grad(logprob.sum(), leaf)  # [n, layers, steps, traces, Hkv, P]
         del leaf, logprob
-        for advantage in Advantage:
-            estimator = Estimator(advantage=advantage)
-            weight = estimator.advantages(rewards.reshape(-1, size, rewards.shape[-1]), dim=1).reshape(rewards.shape)
+        for advantage_name, advantages in ADVANTAGE_RULES.items():
+            weight = advantages(rewards.reshape(-1, size, rewards.shape[-1]), dim=1).reshape(rewards.shape)
             weight = weight / (size * actions)  # one group's gradient: Σ_k Â_k ∇log π_k / (G · actions)
 
             def mean_gradient(episodes: torch.Tensor, weight: torch.Tensor, per_episode: torch.Tensor) -> torch.Tensor:
@@ -296,7 +306,8 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
             group_index = torch.arange(count) // size
             parts = [mean_gradient(torch.nonzero(group_index % CHUNKS == part).squeeze(-1), weight, per_episode)
                      for part in range(CHUNKS)]
-            rows.append(PlantedFigures(rule, advantage, cosines, chunk_noise_scale(parts, count // size * rewards.shape[-1])))
+            rows.append(PlantedFigures(logprob_name, advantage_name, cosines,
+                                       chunk_noise_scale(parts, count // size * rewards.shape[-1])))
         del per_episode
     reference = float(torch.nn.functional.cosine_similarity(true_a, true_b, dim=0))
     return Planted(ladder, reference, actions, rows)
@@ -315,7 +326,7 @@ def reference_gradient(fixed: torch.Tensor, eligible: torch.Tensor, planted: tor
         baseline = (penalty.sum(0, keepdim=True) - penalty) / (draws - 1)
         leaf = fixed.expand(draws, *fixed.shape).clone().requires_grad_()
         pool = torch.arange(fixed.shape[-1], device=fixed.device).expand_as(leaf)
-        logprob = LogProbability.ORDER.of(leaf, pool, draw.order, eligible, settings.temperature)
+        logprob = plackett_luce_logprob(leaf, pool, draw.order, eligible, settings.temperature)
         (gradient,) = torch.autograd.grad((logprob * (penalty - baseline).to(logprob.dtype)).sum() / draws, leaf)
         halves.append(gradient.sum(0))
     return halves[0], halves[1]
@@ -336,7 +347,7 @@ def number(value: float, form: str = ",.0f") -> str:
     return "∞" if math.isinf(value) else "n/a" if math.isnan(value) else format(value, form)
 
 
-def tokens_text(groups: float, group_tokens: int) -> str:
+def tokens_text(groups: float, group_tokens: float) -> str:
     return "∞ (no signal resolved)" if math.isinf(groups) else number(groups * group_tokens)
 
 
@@ -349,42 +360,48 @@ def interval(values: np.ndarray, form: str = ",.0f") -> str:
     return f"[{number(low, form)}, {number(high, form)}]"
 
 
-def report(settings: Settings, traces: Sequence[Trace], noise: Sequence[NoiseScale], planted: Planted,
-           group_tokens: int, seconds: float) -> str:
-    today = noise[0]
+def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[NoiseScale]], tokens: dict[str, float],
+           planted: Planted, seconds: float) -> str:
+    today, today_tokens = noise["episodes"][0], tokens["episodes"]
     lines = [
         f"### Policy-gradient signal of the reinforcement stage's estimators ({torch.device(settings.device).type})", "",
         f"Command: `foresight bench rl-signal {settings.command()}` {threads_note()}", "",
         (
             f"Scorer `{settings.scorer}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
-            f"({', '.join(sorted({trace.source for trace in traces}))}) cut to {settings.tokens} tokens; G = "
-            f"{settings.group_size}, τ = {settings.temperature}, {settings.groups} groups per trace, "
-            f"{group_tokens:,} forward tokens per group; {machine(settings.device)}, {seconds:.0f} s."
+            f"({', '.join(sorted({trace.source for trace in traces}))}) cut to {settings.tokens} tokens; τ = "
+            f"{settings.temperature}; episodes: {settings.groups} groups of G = {settings.group_size} per trace; branch "
+            f"groups: {settings.branch_rounds} rounds × {settings.branch_steps} groups of K = {settings.branch_rows} "
+            f"rows, W = {settings.branch_chunks} chunks, per trace; forward tokens per group: "
+            + ", ".join(f"{kind} {count:,.0f}" for kind, count in tokens.items())
+            + f"; {machine(settings.device)}, {seconds:.0f} s."
         ), "",
         (
             "B_noise = tr(Σ) / |G|² of one group's policy gradient over the trained weights, in forward tokens (the "
-            "batch of rollouts at which the mean gradient's noise equals its signal: lower is better); signal share "
-            "= |G|² / |ḡ|² of the measured mean; 95% bootstrap over each trace's groups, paired; ratio = the first "
-            "row's B_noise / this row's."
+            "rollout tokens at which the mean gradient's noise equals its signal: lower is better); signal share "
+            "= |G|² / |ḡ|² of the measured mean; 95% bootstrap over each trace's groups (paired within a kind); "
+            "ratio = the first row's B_noise / this row's."
         ), "",
-        "| log-prob / advantage / reward | groups with Â = 0 | signal share | B_noise (forward tokens) | ratio |",
-        "|---|---:|---:|---|---|",
+        "| rollouts | log-prob / advantage / reward | groups with Â = 0 | signal share | B_noise (forward tokens) | ratio |",
+        "|---|---|---:|---:|---|---|",
     ]
     with np.errstate(invalid="ignore", divide="ignore"):
-        for figures in noise:
-            ratio = today.groups / figures.groups if figures.groups else math.inf
-            lines.append(
-                f"| {figures.estimator.name} | {figures.zero_share:.0%} | {figures.signal_share:.2f} | "
-                f"{tokens_text(figures.groups, group_tokens)} {interval(figures.resampled * group_tokens)} | "
-                f"{number(ratio, '.3g')} {interval(today.resampled / figures.resampled, '.3g')} |"
-            )
+        for kind, rows in noise.items():
+            for figures in rows:
+                scale = today_tokens / tokens[kind]
+                ratio = today.groups / figures.groups * scale if figures.groups else math.inf
+                lines.append(
+                    f"| {kind} | {figures.estimator.name} | {figures.zero_share:.0%} | {figures.signal_share:.2f} | "
+                    f"{tokens_text(figures.groups, tokens[kind])} {interval(figures.resampled * tokens[kind])} | "
+                    f"{number(ratio, '.3g')} {interval(today.resampled / figures.resampled * scale, '.3g')} |"
+                )
     lines += [
         "",
         (
             f"Planted reward: a penalty of 1 on {settings.planted_share:.1%} of the pool entries at the {planted.states} "
-            f"states of each trace's first rollout (held fixed), {settings.planted_episodes} episodes per trace; the "
+            f"states of each trace's first episode (held fixed), {settings.planted_episodes} episodes per trace; the "
             f"true gradient from {settings.reference_draws} draws per state (cosine of its two halves: "
-            f"{planted.reference_cosine:.3f}). Cosine of each estimator's mean gradient to it, by episodes per trace:"
+            f"{planted.reference_cosine:.3f}). Cosine of each estimator's mean gradient to it, by episodes per trace "
+            "(an episode stands for one rollout):"
         ), "",
         "| log-prob / advantage | " + " | ".join(f"n = {n}" for n in planted.episodes)
         + " | " + " | ".join(f"episodes to {c}" for c in COSINES) + " | B_noise (forward tokens) |",
@@ -393,7 +410,7 @@ def report(settings: Settings, traces: Sequence[Trace], noise: Sequence[NoiseSca
     for figures in planted.rows:
         reached = [next((f"{n}" for n, value in zip(planted.episodes, figures.cosines) if value >= c), f"> {planted.episodes[-1]}")
                    for c in COSINES]
-        lines.append(f"| {figures.logprob.value} / {figures.advantage.value} | "
+        lines.append(f"| {figures.logprob} / {figures.advantage} | "
                      + " | ".join(f"{value:.3f}" for value in figures.cosines) + " | " + " | ".join(reached)
-                     + f" | {tokens_text(figures.groups, group_tokens)} |")
+                     + f" | {tokens_text(figures.groups, today_tokens)} |")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from foresight.commands._model import add_model_arguments, add_placement_argumen
 from foresight.commands._policy import add_cadence_arguments, add_policies_argument, add_row_options_argument, int_list
 from foresight.eval.specs import resolve_policies
 from foresight.models import DEFAULT_MODEL
+from trainers.rollouts import Rollout
 
 RL_CONFIG = Path("configs/default-rl.yaml")  # the default model, B = 128, L = 32, G = 8, on CPU
 SHIPPED_SCORER = "checkpoints/default"
@@ -167,7 +168,12 @@ def _add_rl_step(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", type=Path, required=True, help="traces of the default model (`foresight traces`)")
     parser.add_argument("--scorer", default=SHIPPED_SCORER, help="supervised scorer to start from")
     parser.add_argument("--steps", type=int, default=2, help="optimisation steps, one trace each")
-    parser.add_argument("--group-size", type=int, default=8, help="rollouts per trace (G)")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per trace (G) of episodes")
+    parser.add_argument("--rollouts", default="episode",
+                        help="comma-separated rollout kinds to time on the same traces, one run each: episode, branch")
+    parser.add_argument("--branch", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="branch-group settings of the branch run, e.g. branch_rows=8 branch_chunks=4 branch_steps=2 "
+                        "branch_layers=null (default: configs/default-rl.yaml's)")
     add_placement_arguments(parser)
     add_report_arguments(parser, "rl-step-DEVICE")
 
@@ -177,19 +183,29 @@ def _rl_step_settings(args: argparse.Namespace) -> rl_step.RlStepSettings:
     overrides = [f"trainer.max_steps={args.steps}", "data.batch_size=1", f"model.group_size={args.group_size}",
                  "trainer.enable_progress_bar=false", "trainer.logger=false", *_trainer_placement(**options)]
 
-    def lightning_args(scratch: Path) -> list[str]:
-        """Those of `foresight rl` on the default config, writing under `scratch` (no subcommand: not run)."""
+    rollouts = tuple(kind.strip() for kind in args.rollouts.split(",") if kind.strip())
+    for kind in rollouts:
+        Rollout.parse(kind)
+    branch = [f"model.{setting}" for setting in args.branch]
+
+    def lightning_args(scratch: Path, rollout: str) -> list[str]:
+        """Those of `foresight rl` on the default config rolling out as `rollout`, writing under `scratch` (no
+        subcommand: not run)."""
         parser = argparse.ArgumentParser(prog="foresight rl")
         rl.add_arguments(parser)
         argv = ["--config", str(RL_CONFIG), "--scorer", args.scorer, "--out", str(scratch), "--traces", str(args.traces)]
-        return rl.lightning_args(parser.parse_args(argv + [item for text in overrides for item in ("--set", text)]))[1:]
+        settings = [*overrides, f"model.rollout={rollout}", *(branch if rollout == Rollout.BRANCH.value else [])]
+        return rl.lightning_args(parser.parse_args(argv + [item for text in settings for item in ("--set", text)]))[1:]
 
     command = (
         f"foresight bench rl-step --traces {args.traces} --scorer {args.scorer} --steps {args.steps} "
-        f"--group-size {args.group_size} {placement_flags(args)} {report_flags(args)}"
+        f"--group-size {args.group_size} --rollouts {','.join(rollouts)}"
+        + (f" --branch {' '.join(args.branch)}" if args.branch else "")
+        + f" {placement_flags(args)} {report_flags(args)}"
     )
     return rl_step.RlStepSettings(lightning_args=lightning_args, steps=args.steps, group_size=args.group_size,
-                                  device=options["device"], command=command)
+                                  device=options["device"], command=command, rollouts=rollouts,
+                                  branches=", ".join(args.branch) or "configs/default-rl.yaml's settings")
 
 
 def _trainer_placement(device: str, dtype: torch.dtype) -> list[str]:

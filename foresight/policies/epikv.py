@@ -77,6 +77,12 @@ class EpiKV(Policy):
         self._previous = None  # [batch, 2, hidden]: h_a, h_b of each row's last token
         self._history = None  # [batch, 2, window - 1]: each row's last g values (NaN: none)
 
+    def run_state(self) -> dict[str, torch.Tensor | None]:
+        return {"previous": self._previous, "history": self._history}
+
+    def load_run_state(self, state: dict[str, torch.Tensor | None]) -> None:
+        self._previous, self._history = state["previous"], state["history"]
+
     def bands(self, num_layers: int) -> tuple[int, int]:
         """(a, b) for a model of `num_layers` decoder layers: the options, or `band_layers` defaults."""
         default_a, default_b = band_layers(num_layers)

@@ -125,6 +125,9 @@ class Foresight(Policy):
     row_seeds: one seed per batch row instead (sampled mode, every row evicting at every step, as the
       rollouts of one trace do): each row draws from its own generator, so a row's evictions do not
       depend on which rows share its batch (rollouts split across processes sample as on one).
+    sampled_layers: the layers that sample in sampled mode (None: all); the others evict their L lowest as
+      the deterministic mode does, and only the sampled layers' draws are recorded (a branch group of the
+      reinforcement stage may sample a few layers of a step, `trainers.branches`).
     record: keep each sampled draw in `records` (default true, what the reinforcement stage learns from);
       false when only the evictions matter (`foresight eval`, `foresight generate`), as the records of
       a long run hold the pool's keys, values and features of every step and layer.
@@ -145,6 +148,7 @@ class Foresight(Policy):
     temperature: float = 1.0
     seed: int = 0
     row_seeds: tuple[int, ...] | None = None
+    sampled_layers: tuple[int, ...] | None = None
     record: bool = True
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
@@ -160,6 +164,11 @@ class Foresight(Policy):
         check_temperature(self.temperature)
         if self.row_seeds is not None:
             self.row_seeds = tuple(int(seed) for seed in self.row_seeds)
+        if self.sampled_layers is not None:
+            self.sampled_layers = tuple(sorted({int(layer) for layer in self.sampled_layers}))
+            layers = self.scorer.config.num_layers
+            if not self.sampled_layers or not all(0 <= layer < layers for layer in self.sampled_layers):
+                raise ValueError(f"sampled_layers must name some of the layers 0..{layers - 1}, got {self.sampled_layers}")
 
     @property
     def state_fields(self) -> tuple[StateField, ...]:
@@ -171,6 +180,26 @@ class Foresight(Policy):
         self._steps = 0
         self._pending = {}
         self._generator = None
+
+    def run_state(self) -> dict[str, object]:
+        """Steps run so far and, once the sampled mode has drawn, its generators' states: [rows, S] with
+        `row_seeds` (each row's own, selected with its row when a replay is copied), else the one shared."""
+        generator, device = self._generator, None
+        if isinstance(generator, list):
+            device, generator = generator[0].device, torch.stack([row.get_state() for row in generator])
+        elif generator is not None:
+            device, generator = generator.device, (generator.get_state(),)
+        return {"steps": self._steps, "generators": generator, "generator_device": device}
+
+    def load_run_state(self, state: dict[str, object]) -> None:
+        self._steps = state["steps"]
+        generators, device = state["generators"], state["generator_device"]
+        if isinstance(generators, torch.Tensor):
+            self._generator = [torch.Generator(device=device).set_state(row.clone()) for row in generators]  # not a view: set_state reads its storage from 0
+        elif generators is not None:
+            self._generator = torch.Generator(device=device).set_state(generators[0])
+        else:
+            self._generator = None
 
     def observe(self, context: EvictionContext) -> dict[str, torch.Tensor]:
         return self.step_observe([context])[0]
@@ -242,23 +271,36 @@ class Foresight(Policy):
         return self._sample(contexts, scores, keys, values, features)
 
     def _sample(self, contexts, scores, keys, values, features) -> torch.Tensor:
-        """Eq. 2: draw L evictions among the 2L lowest; keep scores 1, sampled entries 0 ([layers, ...] all)."""
+        """Eq. 2: draw L evictions among the 2L lowest; keep scores 1, sampled entries 0 ([layers, ...] all).
+        Layers outside `sampled_layers` keep their scores, so the engine evicts their L lowest."""
+        layers = [context.layer_idx for context in contexts]
+        picked = [index for index, layer in enumerate(layers) if self.sampled_layers is None or layer in self.sampled_layers]
+        if not picked:
+            return scores
         positions = torch.stack([context.candidate_positions for context in contexts])
         eligible = positions >= 0
         if self._generator is None:
             self._generator = self._generators(scores.device)
+        every_layer = scores
+        if len(picked) < len(layers):
+            index = torch.tensor(picked, device=scores.device)
+            scores, keys, values, features, positions, eligible = (
+                tensor.index_select(0, index) for tensor in (scores, keys, values, features, positions, eligible)
+            )
         draw = self._draw(scores, eligible)
         if self.record:
             inputs = [_pooled(tensor, draw.pool) for tensor in (positions, keys, values, features, eligible)]
             self.records.extend(
                 SampledEviction(
-                    context.layer_idx, context.query_positions, *(tensor[index] for tensor in inputs),
+                    contexts[at].layer_idx, contexts[at].query_positions, *(tensor[index] for tensor in inputs),
                     order=draw.picks[index], logprob=draw.logprob[index], temperature=self.temperature,
                 )
-                for index, context in enumerate(contexts)
+                for index, at in enumerate(picked)
             )
-        sampled = torch.zeros_like(eligible).scatter(-1, draw.order, True)
-        return (~sampled).to(scores.dtype)  # the engine keeps the B - L entries scored 1
+        sampled = (~torch.zeros_like(eligible).scatter(-1, draw.order, True)).to(scores.dtype)
+        if len(picked) == len(layers):
+            return sampled  # the engine keeps the B - L entries scored 1
+        return every_layer.index_copy(0, index, sampled)
 
     def _draw(self, scores: torch.Tensor, eligible: torch.Tensor) -> EvictionDraw:
         """`draw_eviction` over [layers, batch, ...]; per-row generators index the batch dim."""

@@ -80,6 +80,12 @@ class LazyEviction(Policy):
     def reset(self) -> None:
         self._prompt_seen = False
 
+    def run_state(self) -> dict[str, bool]:
+        return {"prompt_seen": self._prompt_seen}
+
+    def load_run_state(self, state: dict[str, bool]) -> None:
+        self._prompt_seen = state["prompt_seen"]
+
     def on_forward(self, hidden_states: dict[int, torch.Tensor], positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """t_last of the new tokens: 0 for the prompt (the first forward of a run), t - 1 afterwards."""
         t_last = positions.float() - 1 if self._prompt_seen else torch.zeros_like(positions, dtype=torch.float32)

@@ -21,6 +21,7 @@ storage holds is one the layer gathers).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -124,6 +125,13 @@ class EntryStorage:
         if shrink:
             self.allocations += 1
         self.filled = width
+
+    def select_rows(self, rows: torch.Tensor) -> EntryStorage:
+        """A copy holding batch rows `rows` [R] (indices, repeats allowed) of every buffer, filled as this one."""
+        selected = copy.copy(self)
+        selected.buffers = {name: buffer[rows] for name, buffer in self.buffers.items()}
+        selected.batch = rows.numel()
+        return selected
 
     def _allocate(self, slots: int, keep: int = 0) -> None:
         """New buffers of `slots` entries holding the first `keep` entries of the old ones."""
@@ -294,6 +302,23 @@ class EvictionLayer(CacheLayerMixin):
         self.lengths = lengths
         self._refresh_views()
 
+    def select_rows(self, rows: torch.Tensor) -> EvictionLayer:
+        """A copy of this layer holding batch rows `rows` [R] (indices on its device, repeats allowed): the
+        entries and their state, the valid lengths, the query ring buffer (and its cursor) or the queries
+        not yet handed out, and the announced positions of a forward whose eviction step is pending."""
+        selected = copy.copy(self)
+        if self.storage is None:
+            return selected
+        selected.storage = self.storage.select_rows(rows)
+        selected.lengths = self.lengths[rows]
+        if self.queries is not None:
+            selected.queries, selected.query_positions = self.queries[rows], self.query_positions[rows]
+        selected.unobserved = [(queries[rows], positions[rows]) for queries, positions in self.unobserved]
+        if self.pending_positions is not None:
+            selected.pending_positions, selected.pending_valid = self.pending_positions[rows], self.pending_valid[rows]
+        selected._refresh_views()
+        return selected
+
     def storage_bytes(self) -> int:
         """Bytes held by this layer's entry storage and query ring buffer."""
         held = 0 if self.storage is None else self.storage.nbytes
@@ -363,6 +388,15 @@ class EvictionCache(Cache):
         index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
         for layer, layer_index, lengths in zip(self.layers, index, kept_per_row, strict=True):
             layer.keep_entries(layer_index, lengths)
+
+    def select_rows(self, rows: torch.Tensor) -> EvictionCache:
+        """A copy of the cache holding batch rows `rows` [R] of every layer (indices on the cache's device,
+        repeats allowed: `rows = [0] * K` copies a one-row cache into K rows). The copy shares nothing
+        with this cache, so both go on independently (`foresight.runtime.engine.Replay.select_rows`)."""
+        selected = copy.copy(self)
+        selected.layers = [layer.select_rows(rows) for layer in self.layers]
+        selected.recorder = None
+        return selected
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -13,16 +13,18 @@ step) kept in one place on purpose: it is the rule every policy runs under.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cadence import check_budget, top_k_mask
-from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import attention_implementation, ATTENTION_NAME
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
@@ -107,6 +109,9 @@ class HostCadence:
         self.lengths = [left if evicts else length for length, left, evicts in zip(self.lengths, self.left, due)]
         return max(self.lengths)
 
+    def select_rows(self, rows: Sequence[int]) -> HostCadence:
+        return HostCadence(*([values[row] for row in rows] for values in (self.lengths, self.limits, self.left)))
+
 
 @dataclass
 class _Run:
@@ -123,6 +128,95 @@ class _Run:
     next_positions: torch.Tensor  # [batch]
     prefilled: bool = False
     stats: RunStats = field(default_factory=RunStats)
+
+    def select_rows(self, rows: Sequence[int]) -> _Run:
+        """A copy of the run holding batch rows `rows` (repeats allowed), its counters carried over."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.protected.device)
+        return dataclasses.replace(
+            self,
+            cache=self.cache.select_rows(index),
+            cadence=self.cadence.select_rows(rows),
+            **{name: getattr(self, name)[index] for name in _Run.ROW_TENSORS},
+            stats=dataclasses.replace(self.stats, step_seconds=list(self.stats.step_seconds)),
+        )
+
+    ROW_TENSORS: ClassVar[tuple[str, ...]] = ("protected", "limits", "keep_counts", "first_eviction", "next_positions")
+
+
+@dataclass
+class Replay:
+    """A teacher-forced replay in progress (`EvictionEngine.start_replay`, `EvictionEngine.advance`).
+
+    It holds the run (cache, cadence, counters), the token layout of every row, how far it has fed
+    (`done`: tokens after the prompts), the token losses so far, whether the eviction step made due by
+    its last forward is still to run (`pending_eviction`), and the policy's `run_state`. `select_rows`
+    copies it into other rows mid-replay: the copy continues exactly as the selected rows would have,
+    which is what branching K rollouts from one replay's state needs (the reinforcement stage's
+    branch groups, `trainers.branches`)."""
+
+    run: _Run
+    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # the prompts' ids, positions, valid counts; None once fed
+    layout: torch.Tensor  # [batch, prompt width + rest + 1]: left-padded prompts, the rest, one pad (the targets)
+    rest: torch.Tensor  # [batch, longest rest]: each row's tokens after its prompt, right-padded
+    prompt_lengths: list[int]
+    sequence_lengths: list[int]
+    chunk_cap: int
+    forwards: _PrefixForwards
+    policy_state: dict[str, Any]
+    done: int = 0
+    columns: list[torch.Tensor] = field(default_factory=list)  # token NLL of each forward [batch, q]
+    pending_eviction: bool = False
+
+    @property
+    def prompt_width(self) -> int:
+        return self.layout.shape[1] - self.rest.shape[1] - 1
+
+    @property
+    def evictions(self) -> int:
+        """Eviction steps run so far (a pending one not counted)."""
+        return self.run.stats.evictions
+
+    @property
+    def position(self) -> int:
+        """The position of the newest token fed, in the widest row's count (equal for rows of one length)."""
+        return int(self.run.next_positions.max()) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.prefill is None and self.done >= self.rest.shape[1]
+
+    def select_rows(self, rows: Sequence[int]) -> Replay:
+        """A copy holding rows `rows` of this replay (indices, repeats allowed: `[0] * K` makes K copies of a
+        one-row replay), sharing no state with it: every tensor of the cache and its layers, the cadence,
+        the token layout and losses, and the policy's run state (`select_state_rows`). The copy reuses no
+        recorded prefix (it is past the forwards a prefix holds, or records none of its own)."""
+        rows = [int(row) for row in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.rest.device)
+        return Replay(
+            run=self.run.select_rows(rows),
+            prefill=None if self.prefill is None else tuple(tensor[index] for tensor in self.prefill),
+            layout=self.layout[index],
+            rest=self.rest[index],
+            prompt_lengths=[self.prompt_lengths[row] for row in rows],
+            sequence_lengths=[self.sequence_lengths[row] for row in rows],
+            chunk_cap=self.chunk_cap,
+            forwards=_PrefixForwards(None, can_inject=False),
+            policy_state=select_state_rows(self.policy_state, index),
+            done=self.done,
+            columns=[column[index] for column in self.columns],
+            pending_eviction=self.pending_eviction,
+        )
+
+    def output(self) -> ReplayOutput:
+        """The token losses of what was fed so far: entry j of a row predicts token j + 1."""
+        nll = torch.cat(self.columns, 1)
+        pad = self.prompt_width
+        spans = [
+            slice(pad - prompt, min(pad - prompt + length - 1, nll.shape[1]))
+            for prompt, length in zip(self.prompt_lengths, self.sequence_lengths)
+        ]
+        first = [int(v) if v >= 0 else None for v in self.run.first_eviction.tolist()]
+        return ReplayOutput(nll=[nll[row, span].cpu() for row, span in enumerate(spans)], first_eviction=first, stats=self.run.stats)
 
 
 class EvictionEngine:
@@ -235,58 +329,122 @@ class EvictionEngine:
         `prefix`: forwards shared with other replays of the same batch (`foresight.runtime.prefix`):
         an empty one records this replay's forwards up to its first eviction, a filled one is reused
         where it applies. Either way the result is that of running the model."""
+        replay = self.start_replay(sequences, prompt_lengths, max_chunk, pad_token_id, prefix)
+        return self.advance(replay, on_tokens=on_tokens).output()
+
+    def start_replay(
+        self,
+        sequences: Sequence[torch.Tensor],
+        prompt_lengths: Sequence[int],
+        max_chunk: int | None = None,
+        pad_token_id: int = 0,
+        prefix: ReplayPrefix | None = None,
+    ) -> Replay:
+        """A replay of `sequences` (the arguments of `replay`) that has fed nothing yet: `advance` runs it,
+        to its end or to a pause, and `Replay.output` reads its token losses."""
         for sequence, length in zip(sequences, prompt_lengths, strict=True):
             if not 1 <= length <= len(sequence):
                 raise ValueError(f"prompt length {length} must be between 1 and the sequence length {len(sequence)}")
-        with attention_implementation(self.model, self.attention):
-            return self._replay(sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens, prefix)
-
-    def _replay(self, sequences, prompt_lengths, max_chunk, pad_token_id, on_tokens, prefix) -> ReplayOutput:
         prompts = [seq[:length].tolist() for seq, length in zip(sequences, prompt_lengths)]
         fed = max(len(seq) - length for seq, length in zip(sequences, prompt_lengths))
         run, input_ids, positions, valid = self._start(prompts, pad_token_id, fed)
         device = input_ids.device
         rest = _right_pad([seq[length:].to(device) for seq, length in zip(sequences, prompt_lengths)], pad_token_id)
         layout = torch.cat([input_ids, rest, rest.new_full((len(prompts), 1), pad_token_id)], dim=1)
-        forwards = _PrefixForwards(prefix if self.evicts else None, can_inject=not self._tap_layers)
-        prefill = [len(prompt) for prompt in prompts]
-        columns = [self._replay_forward(run, input_ids, positions, valid, prefill, layout[:, 1 : input_ids.shape[1] + 1], forwards)]
-        chunk_cap = max_chunk or (self.config.interval if self.config else rest.shape[1] or 1)
-        done = 0
-        ones = torch.ones(len(prompts), dtype=torch.long, device=device)
-        while done < rest.shape[1]:
-            size = min(chunk_cap, rest.shape[1] - done, run.cadence.room())
-            offsets = torch.arange(size, device=device)
-            chunk_positions = run.next_positions[:, None] + offsets
-            start = input_ids.shape[1] + done
-            targets = layout[:, start + 1 : start + size + 1]
-            chunk = rest[:, done : done + size]
-            columns.append(self._replay_forward(run, chunk, chunk_positions, ones * size, [size] * len(prompts), targets, forwards))
-            done += size
-            if on_tokens is not None:
-                on_tokens(size)
-        nll = torch.cat(columns, 1)
-        pad = input_ids.shape[1]
-        rows = range(len(sequences))
-        spans = [slice(pad - prompt_lengths[r], pad - prompt_lengths[r] + len(sequences[r]) - 1) for r in rows]
-        first = [int(v) if v >= 0 else None for v in run.first_eviction.tolist()]
-        return ReplayOutput(
-            nll=[nll[r, spans[r]].cpu() for r in rows],
-            first_eviction=first,
-            stats=run.stats,
+        return Replay(
+            run=run,
+            prefill=(input_ids, positions, valid),
+            layout=layout,
+            rest=rest,
+            prompt_lengths=list(prompt_lengths),
+            sequence_lengths=[len(sequence) for sequence in sequences],
+            chunk_cap=max_chunk or (self.config.interval if self.config else rest.shape[1] or 1),
+            forwards=_PrefixForwards(prefix if self.evicts else None, can_inject=not self._tap_layers),
+            policy_state=self.policy.run_state(),
         )
 
+    @torch.no_grad()
+    def advance(
+        self,
+        replay: Replay,
+        stop_before_step: int | None = None,
+        tokens: int | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> Replay:
+        """Run `replay` on: to its end, or until its next eviction step would be number `stop_before_step`
+        (counted from 0 over the run; the forward that makes it due has run, the step has not), or until
+        `tokens` more tokens after the prompt are fed (an eviction step due after the last of them is left
+        pending). A paused replay keeps everything a later `advance` needs (its cache, cadence, token
+        losses, the policy's `run_state`), so this engine may run other replays meanwhile, and an engine of
+        another policy on the same model and cadence may take it on (the pending step then runs under
+        that policy). Returns `replay`, advanced in place."""
+        if stop_before_step is not None and stop_before_step < replay.evictions:
+            raise ValueError(f"the replay has run {replay.evictions} eviction steps, past step {stop_before_step}")
+        self.policy.load_run_state(replay.policy_state)
+        self.last_cache, self.last_stats = replay.run.cache, replay.run.stats
+        with attention_implementation(self.model, self.attention):
+            self._advance(replay, stop_before_step, tokens, on_tokens)
+        replay.policy_state = self.policy.run_state()
+        return replay
+
+    def _advance(self, replay: Replay, stop_before_step, tokens, on_tokens) -> None:
+        run, rest = replay.run, replay.rest
+        if replay.pending_eviction:
+            if stop_before_step == replay.evictions:
+                return
+            replay.pending_eviction = False
+            self._evict_due_rows(run)
+        left = rest.shape[1] if tokens is None else tokens
+        if replay.prefill is not None:
+            input_ids, positions, valid = replay.prefill
+            targets = replay.layout[:, 1 : replay.prompt_width + 1]
+            prefill = list(replay.prompt_lengths)
+            replay.columns.append(self._replay_forward(run, input_ids, positions, valid, prefill, targets, replay.forwards))
+            replay.prefill = None
+            if self._pause(replay, stop_before_step, stop=left == 0):
+                return
+        device, rows = rest.device, rest.shape[0]
+        ones = torch.ones(rows, dtype=torch.long, device=device)
+        while replay.done < rest.shape[1] and left > 0:
+            done = replay.done
+            size = min(replay.chunk_cap, rest.shape[1] - done, run.cadence.room(), left)
+            chunk_positions = run.next_positions[:, None] + torch.arange(size, device=device)
+            start = replay.prompt_width + done
+            targets = replay.layout[:, start + 1 : start + size + 1]
+            chunk = rest[:, done : done + size]
+            replay.columns.append(
+                self._replay_forward(run, chunk, chunk_positions, ones * size, [size] * rows, targets, replay.forwards)
+            )
+            replay.done, left = done + size, left - size
+            if on_tokens is not None:
+                on_tokens(size)
+            if self._pause(replay, stop_before_step, stop=left == 0):
+                return
+
+    def _pause(self, replay: Replay, stop_before_step: int | None, stop: bool) -> bool:
+        """After a forward of a replay: leave its eviction step pending (True) when one is due and the replay
+        stops here (`stop`, or it is step `stop_before_step`); else run the step (every-query policies
+        observe their complete blocks even when no row evicts)."""
+        if not self.evicts:
+            return False
+        if any(replay.run.cadence.due()) and (stop or stop_before_step == replay.evictions):
+            replay.pending_eviction = True
+            return True
+        self._evict_due_rows(replay.run)
+        return False
+
     def _replay_forward(self, run: _Run, input_ids, positions, valid, counts, targets, forwards: _PrefixForwards):
-        """One forward of a replay and the NLL of its targets, recorded or reused per `forwards`."""
+        """One forward of a replay and the NLL of its targets, recorded or reused per `forwards` (the eviction
+        step it may make due is the replay loop's to run: `_pause`)."""
         if run.stats.evictions:
-            return _token_nll(self._forward(run, input_ids, positions, valid, counts), targets)
+            return _token_nll(self._forward(run, input_ids, positions, valid, counts, evict=False), targets)
         recorded = forwards.reusable(input_ids, positions, valid)
         if recorded is not None:
             recorded = recorded.for_rows(input_ids.shape[0])
-            self._forward(run, input_ids, positions, valid, counts, inject=recorded)
+            self._forward(run, input_ids, positions, valid, counts, inject=recorded, evict=False)
             return recorded.nll
         record = forwards.start_recording(input_ids, positions, valid)
-        nll = _token_nll(self._forward(run, input_ids, positions, valid, counts, record=record), targets)
+        nll = _token_nll(self._forward(run, input_ids, positions, valid, counts, record=record, evict=False), targets)
         if record is not None:
             record.nll = nll
         return nll
@@ -351,9 +509,10 @@ class EvictionEngine:
         counts: Sequence[int],
         inject: RecordedForward | None = None,
         record: RecordedForward | None = None,
+        evict: bool = True,
     ) -> torch.Tensor | None:
         """Run the model on the tokens (recording into `record` if given), or `inject` a recorded run of
-        the same tokens (no logits then), and every policy hook and eviction step that follows.
+        the same tokens (no logits then), and every policy hook and, with `evict`, the eviction step that follows.
         `valid` [batch] and `counts` (its values on the host): each row's tokens that are not padding."""
         start = time.perf_counter()
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
@@ -383,7 +542,7 @@ class EvictionEngine:
         run.stats.tokens += sum(counts)
         run.stats.forward_seconds += time.perf_counter() - start
         run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
-        if self.evicts:
+        if self.evicts and evict:
             self._evict_due_rows(run)
         return logits
 

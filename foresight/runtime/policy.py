@@ -37,6 +37,12 @@ class ObservedQueries(str, Enum):
     ALL = "all"
 
 
+def select_state_rows(state: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """A policy's `run_state` for batch rows `rows` [R] (repeats allowed): tensors indexed along dim 0 (a copy),
+    every other value shared."""
+    return {name: value[rows.to(value.device)] if isinstance(value, torch.Tensor) else value for name, value in state.items()}
+
+
 _OBSERVED_IN_WORDS = {
     ObservedQueries.WINDOW: "",
     ObservedQueries.DECODE: " of every decode query",
@@ -111,6 +117,16 @@ class Policy:
 
     def reset(self) -> None:
         """Called at the start of every generation or replay (policies with run state override it)."""
+
+    def run_state(self) -> dict[str, Any]:
+        """The policy's state of the current run that the cache does not hold (what `reset` clears): a tensor
+        whose dim 0 is the batch row, or any other value that every row shares. A paused replay keeps it,
+        so another replay may run the policy meanwhile, and a replay copied into other rows selects its
+        rows (`select_state_rows`; `foresight.runtime.engine.Replay`). {} for a policy without run state."""
+        return {}
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        """Continue a run from `state`, one that `run_state` returned (possibly with its rows selected)."""
 
     def tapped_layers(self, num_layers: int) -> tuple[int, ...]:
         """Decoder layers whose output hidden states the policy reads after each forward."""

@@ -3,7 +3,8 @@
 The GRPO stage differentiates the Plackett-Luce log-probability of a sampled eviction, so the sampling
 and its log-probability share one masking of the eligible entries and one temperature check. The
 log-probability is that of the drawn order (`plackett_luce_logprob`) or of the evicted set whatever its
-order (`plackett_luce_set_logprob`, Kool, van Hoof and Welling 2020), chosen by `LogProbability`.
+order (`plackett_luce_set_logprob`, Kool, van Hoof and Welling 2020); the reinforcement stage chooses by
+name (`trainers.estimators.LOGPROB_RULES`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from foresight.choices import Choice
 from foresight.device_checks import require
 
 
@@ -174,28 +174,6 @@ def plackett_luce_set_logprob(
     has_rest = rest.amax(-1, keepdim=True) > float("-inf")
     log_rest = rest.masked_fill(~has_rest, 0.0).logsumexp(-1, keepdim=True)  # log W_R (finite where unused)
     return _SetIntegral.apply(drawn_logits - log_rest).masked_fill(~has_rest.squeeze(-1), 0.0)
-
-
-class LogProbability(Choice):
-    """Which probability of a sampled eviction the policy gradient differentiates: that of the drawn
-    order (Plackett-Luce, the stage's first choice) or that of the evicted set (Kool et al. 2020). A reward
-    that reads the evicted entries only has the same expected gradient under both; the set's carries no
-    noise from the order of the draws."""
-
-    ORDER = "order"
-    SET = "set"
-
-    def of(
-        self,
-        scores: torch.Tensor,
-        pool: torch.Tensor,
-        order: torch.Tensor,
-        eligible: torch.Tensor | None = None,
-        temperature: float = 1.0,
-    ) -> torch.Tensor:
-        """This log-probability of `order` (`plackett_luce_logprob`'s arguments)."""
-        rule = plackett_luce_logprob if self is LogProbability.ORDER else plackett_luce_set_logprob
-        return rule(scores, pool, order, eligible, temperature)
 
 
 def _pool_draw(

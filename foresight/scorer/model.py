@@ -17,7 +17,9 @@ Its eviction rules (lowest scores, Eq. 2 sampling, Plackett-Luce) are in
 `foresight.scorer.eviction_sampling`.
 """
 
+import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -65,7 +67,8 @@ class ScorerConfig:
     (F = 7) or "standardised-heuristic" (F = 9; the standardised sets' scorers also read each key and value
     at unit L2 norm, `UNIT_EPS`). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
-    scorer folder or Hub id the reinforcement stage started from (None for the supervised stage).
+    scorer the reinforcement stage started from, by the hash of its weights and the folder or Hub id it
+    was read from (`named_by_content`; older scorers hold the path only; None for the supervised stage).
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not
     recorded). key_values: whether x_n holds the entry's key and value (True, the paper's x_n) or only its
     attention features (False: an ablation whose scorer cannot key on token content or on the absolute
@@ -196,15 +199,23 @@ class ForesightScorer(
             )
         return self._mlp([keys, values, features], slice(first, last + 1))
 
-    def forward(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """KEEP scores of every layer at once (training): keys, values [layers, batch, Hkv, N, D], features
         [layers, batch, Hkv, N, F*G] -> [layers, batch, Hkv, N]. The inputs may be in any float dtype
         (a half-precision example cache): they are cast to the parameters' dtype in the one copy that
-        lays them out for the matmuls."""
+        lays them out for the matmuls. `layers`: the scorer layers the inputs hold on dim 0, in that
+        order (None: all; a subset when only some layers sampled their evictions)."""
         self._check_inputs(keys, values, features, leading=2)
-        if keys.shape[0] != self.config.num_layers:
-            raise ValueError(f"expected {self.config.num_layers} layers on dim 0, got {keys.shape[0]}")
-        return self._mlp([keys, values, features], slice(None))
+        expected = self.config.num_layers if layers is None else len(layers)
+        if keys.shape[0] != expected:
+            raise ValueError(f"expected {expected} layers on dim 0, got {keys.shape[0]}")
+        if layers is None:
+            return self._mlp([keys, values, features], slice(None))
+        if not all(0 <= layer < self.config.num_layers for layer in layers):
+            raise ValueError(f"layers {list(layers)} out of range: the scorer has layers 0..{self.config.num_layers - 1}")
+        return self._mlp([keys, values, features], torch.tensor(list(layers), device=self.w1.device))
 
     def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int) -> None:
         """One-line ValueError naming the tensor whose shape does not fit x_n = [k_n || v_n || a_n]."""
@@ -224,7 +235,7 @@ class ForesightScorer(
                 f"{tuple(features.shape)} disagree before the last dim"
             )
 
-    def _mlp(self, parts: list[torch.Tensor], layers: slice) -> torch.Tensor:
+    def _mlp(self, parts: list[torch.Tensor], layers: slice | torch.Tensor) -> torch.Tensor:
         """ForesightKV Eq. 22 for every (layer, head) of `layers` at once: parts (keys, values, features)
         [layers, batch, Hkv, N, *] -> [layers, batch, Hkv, N].
 
@@ -281,6 +292,22 @@ class ForesightScorer(
 # candidates (any leading dims, e.g. [batch, Hkv]); `eligible` [..., C] (or anything that broadcasts to
 # it, e.g. [C]) marks the candidates that may be evicted, so sinks or protected entries are never picked.
 # Scores must be finite.
+
+
+def weights_digest(scorer: "ForesightScorer") -> str:
+    """SHA-256 of a scorer's weights (every tensor's name, dtype, shape and bytes, in name order): what names
+    a scorer by its content, whichever folder or file format holds it."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(scorer.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def named_by_content(scorer: "ForesightScorer", source: str | os.PathLike) -> str:
+    """How a refined scorer names its start: by the hash of its weights, then, for people, where it was read
+    from ("sha256:<64 hex> (checkpoints/default)"); a path alone says nothing once its content changes."""
+    return f"sha256:{weights_digest(scorer)} ({source})"
 
 
 SCORER_FILES = (constants.CONFIG_NAME, constants.SAFETENSORS_SINGLE_FILE)

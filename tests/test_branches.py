@@ -1,0 +1,160 @@
+"""Step-level branch groups (trainers/branches.py) against replays run from the first token with the branch's
+eviction scripted at its step, rewards by loops, and the choice of steps, layers and seeds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from safetensors.torch import load_file
+
+from foresight import cli
+from foresight.commands.rl import lightning_args as rl_lightning_args
+from foresight.policies.foresight import Foresight
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.test_rl import B, L_, Killed, KillAtStep, random_trace, rl_args, rl_config, scorer_for, start_scorer  # noqa: F401
+from trainers.cli import rl_cli_main
+from trainers.branches import BranchSettings, branch_points, changing_steps, roll_out_branches
+
+
+@dataclass
+class ScriptedStep(Foresight):
+    """The deterministic learned policy, except that at eviction step `step` each layer of `evicted`
+    ({layer: positions [1, Hkv, L]}) evicts exactly those positions."""
+
+    step: int = 0
+    evicted: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def step_keep_scores(self, contexts):
+        scores = super().step_keep_scores(contexts)
+        if self._steps - 1 != self.step:  # step_observe has counted this step
+            return scores
+        for index, context in enumerate(contexts):
+            if context.layer_idx in self.evicted:
+                gone = (context.candidate_positions[..., None] == self.evicted[context.layer_idx][:, :, None, :]).any(-1)
+                scores[index] = (~gone).to(scores.dtype)
+        return scores
+
+
+def loop_window_reward(nll, full, entropy, first: int, window: range, threshold: float) -> float:
+    """−mean over the window's low-entropy tokens of ΔL²·1[ΔL > η]; low-entropy: entropy at most the 0.8
+    quantile (linear interpolation) of the trace's scored tokens (those from `first` on), by loops."""
+    scored = entropy[first:]
+    ordered = sorted(scored)
+    position = 0.8 * (len(ordered) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    cut = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    chosen = [t for t in window if entropy[t] <= cut]
+    if not chosen:
+        return 0.0
+    return -sum((nll[t] - full[t]) ** 2 if nll[t] - full[t] > threshold else 0.0 for t in chosen) / len(chosen)
+
+
+@pytest.mark.parametrize("layers", [None, 1])
+def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama, layers):
+    """Every branch row's window losses equal a one-row replay from the first token under the deterministic
+    policy with that row's recorded eviction scripted at the step (the branch ran K rows after its step, the
+    reference one: float32 rounding, 1e-5); d_k = the branch's window reward minus the backbone's, by loops,
+    the backbone being the plain deterministic replay; only the branch step's sampled layers are recorded."""
+    trace, scorer = random_trace(llama, 90, seed=4), scorer_for(llama)
+    settings = BranchSettings(rows=3, chunks=2, steps=2, layers=layers)
+    groups = roll_out_branches(llama, scorer, trace, settings, rows=range(3), seed=1, threshold=0.0)
+    assert len(groups) == 2
+    cadence = EvictionConfig(B, L_, sinks=0, protect_prompt=False)
+    ids, prefill = trace.input_ids, B + L_
+    backbone = EvictionEngine(llama, Foresight(scorer=scorer), cadence).replay([ids], [prefill]).nll[0]
+    full, entropy = trace.token_nll.tolist(), trace.token_entropy.tolist()
+    first = prefill
+    for group in groups:
+        actions = group.actions
+        after = int(actions.after[0])
+        step = (after - (prefill - 1)) // L_
+        assert after == prefill - 1 + step * L_ and actions.after.numel() == 1
+        recorded = list(range(2)) if layers is None else list(actions.layers)
+        assert actions.evicted.shape[:3] == (len(recorded), 1, 3) and len(recorded) == (layers or 2)
+        window = range(after + 1, min(after + 1 + settings.chunks * L_, ids.numel() - 1))
+        backbone_reward = loop_window_reward(backbone.tolist(), full, entropy, first, window, 0.0)
+        for row in range(3):
+            evicted = {layer: actions.evicted[index, 0, row][None] for index, layer in enumerate(recorded)}
+            engine = EvictionEngine(llama, ScriptedStep(scorer=scorer, step=step, evicted=evicted), cadence)
+            reference = engine.replay([ids], [prefill]).nll[0]
+            reward = loop_window_reward(reference.tolist(), full, entropy, first, window, 0.0) - backbone_reward
+            assert math.isclose(float(group.scores.reward[row]), reward, rel_tol=1e-3, abs_tol=1e-6), (step, row)
+            ratio = sum(reference[t] for t in window) / sum(full[t] for t in window)
+            assert math.isclose(float(group.scores.loss_ratio[row]), float(ratio), rel_tol=1e-5)
+        assert len(set(group.scores.reward.tolist())) > 1  # the rows drew different evictions
+        whole = loop_window_reward(backbone.tolist(), full, entropy, first, range(first, ids.numel() - 1), 1.5)
+        assert group.backbone_reward == pytest.approx(whole, rel=1e-4, abs=1e-9)  # the paper's R (η = 1.5), not the run's
+
+
+def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):
+    """Rows 2 and 3 of a group of 4 rolled out alone equal those rows of the whole group (how a group splits
+    across processes); the steps and layers branched at depend on (seed, round, trace) only."""
+    trace, scorer = random_trace(llama, 80, seed=5), scorer_for(llama)
+    settings = BranchSettings(rows=4, chunks=1, steps=2, layers=1)
+    whole = roll_out_branches(llama, scorer, trace, settings, rows=range(4), seed=3, round_index=2, threshold=0.0)
+    part = roll_out_branches(llama, scorer, trace, settings, rows=[2, 3], seed=3, round_index=2, threshold=0.0)
+    for mine, theirs in zip(whole, part, strict=True):
+        assert torch.equal(mine.actions.after, theirs.actions.after) and mine.actions.layers == theirs.actions.layers
+        assert torch.equal(mine.actions.order[:, :, 2:], theirs.actions.order)
+        torch.testing.assert_close(mine.scores.reward[2:], theirs.scores.reward, rtol=0, atol=1e-6)
+
+
+def test_branch_steps_are_drawn_among_the_steps_that_change_a_prediction():
+    # B + L = 20 tokens prefilled: step j runs after position 19 + 4j and must precede position T - 2.
+    assert [changing_steps(length, B, L_) for length in (21, 22, 25, 26, 27)] == [0, 1, 1, 2, 2]
+    points = [branch_points(10, 3, seed=0, round_index=r, trace_index=1) for r in range(20)]
+    assert all(p == sorted(set(p)) and len(p) == 3 and all(0 <= s < 10 for s in p) for p in points)
+    assert len({tuple(p) for p in points}) > 5 and branch_points(2, 5, 0, 0, 0) == [0, 1]
+    with pytest.raises(ValueError, match="need branch_rows >= 2, branch_chunks >= 1"):
+        BranchSettings(rows=1)
+
+
+def test_rl_with_branch_groups_trains_records_its_settings_and_resumes(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    """`model.rollout: branch` through `foresight rl`: the scorer moves, the branch settings and the estimator's
+    rules are in the checkpoint's hyper-parameters and on the card, the deterministic backbone's reward is
+    logged, and a run killed after step 2 and resumed from last.ckpt ends with the weights of one run through."""
+    branch = {"rollout": "branch", "branch_rows": 4, "branch_chunks": 2, "branch_steps": 2, "branch_layers": 1}
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3}, model=branch,
+                       checkpoint={"every_n_train_steps": 1})
+    whole = tmp_path / "whole"
+    assert cli.main(rl_args(config, start_scorer, whole)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "scorer refined by GRPO for 3 steps" in last and "train/backbone_reward " in last
+    hparams = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert {name: hparams[name] for name in branch} == branch
+    assert (hparams["reward_rule"], hparams["advantage_rule"], hparams["logprob_rule"]) == ("thresholded", "group_normalised", "order")
+    card = (whole / "scorer" / "README.md").read_text()
+    assert "step-level branch groups: K = 4 rows at 2 eviction steps per trace, sampled on 1 layers per group" in card
+    assert "reward rule thresholded, advantage rule group_normalised, log-probability rule order" in card
+    start = load_file(start_scorer / "model.safetensors")
+    final = load_file(whole / "scorer" / "model.safetensors")
+    assert any(not torch.equal(tensor, start[name]) for name, tensor in final.items())
+    split = tmp_path / "split"
+    args = rl_args(config, start_scorer, split)
+    killed = rl_cli_main(rl_lightning_args(cli.build_parser().parse_args(args))[1:], run=False)
+    killed.trainer.callbacks.append(KillAtStep(2))
+    with pytest.raises(Killed):
+        killed.trainer.fit(killed.model, datamodule=killed.datamodule)
+    assert cli.main([*args, "--ckpt-path", "last"]) == 0
+    for name, tensor in load_file(split / "scorer" / "model.safetensors").items():
+        torch.testing.assert_close(tensor, final[name], rtol=0, atol=1e-6)
+
+
+def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
+    cases = [
+        ("model.rollout=vine", "unknown rollout 'vine'; allowed: 'episode', 'branch'"),
+        ("model.branch_rows=1", "need branch_rows >= 2, branch_chunks >= 1, branch_steps >= 1 and branch_layers >= 1"),
+        ("model.reward_rule=dense9", "unknown reward_rule 'dense9'; allowed: 'thresholded'"),
+        ("model.advantage_rule=none", "unknown advantage_rule 'none'; allowed: 'group_normalised'"),
+        ("model.logprob_rule=sets", "unknown logprob_rule 'sets'; allowed: 'order'"),
+    ]
+    capsys.readouterr()
+    for override, message in cases:
+        assert cli.main(rl_args(config, start_scorer, tmp_path / "out", override)) == 2, message
+        error = capsys.readouterr().err.strip()
+        assert message in error and error.count("\n") == 0, error
