@@ -217,8 +217,9 @@ def _set_nodes(num_evict: int, dtype: torch.dtype, device: torch.device) -> tupl
     """Quadrature nodes of s and the log of their weights: the trapezoid rule on a uniform grid of v with
     s = v − TAIL_STRETCH·softplus(TAIL_START − v) (smooth, so the rule keeps its geometric convergence),
     step min(0.25, 0.9 / sqrt(L + 1)) (the integrand's log has curvature up to about 1.25 L + 1 at its mode),
-    from s ≈ SET_LEFT_END to 3 past the highest mode. Against a grid 10 times finer, the log-probability
-    differs by under 2e-7 for L = 1..128 and logits of any spread (about 80 nodes at L = 32)."""
+    from s ≈ SET_LEFT_END to 3 past the highest mode: about 80 nodes at L = 32. In float64 against a uniform
+    grid of step 0.01, the log-probability differed by under 2e-7 for L = 1..128 and logits spread from
+    0.02 to 10 (random, most and least probable sets)."""
     step = min(0.25, 0.9 / math.sqrt(num_evict + 1))
     start = (SET_LEFT_END + TAIL_STRETCH * TAIL_START) / (1 + TAIL_STRETCH)  # where s ≈ SET_LEFT_END
     v = torch.arange(start, math.log(num_evict + 1) + 3.0, step, dtype=dtype, device=device)
