@@ -125,6 +125,33 @@ def test_set_logprob_gradient_of_large_pools_equals_finite_differences():
     assert math.isclose(float(grad.sum()), 0.0, abs_tol=1e-9)  # a shift of every score changes no draw
 
 
+def test_set_logprob_stays_finite_and_exact_where_weights_differ_by_hundreds_of_nats():
+    """τ = 0.005 (docs/rl.md's third round) on scores a few tenths apart: logits hundreds apart, a set member
+    may outweigh the rest by e^100 and more (float32 overflows at e^88). Values against the sum over orders, gradients
+    against finite differences of the function itself (the enumeration's autograd loses digits here)."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        scores = torch.randn(8, generator=generator, dtype=torch.float64) * 0.3  # log P down to ~-600: float64 enumerates it
+        evicted = torch.randperm(8, generator=generator)[:4]
+        if trial % 2:
+            evicted = scores.topk(4, largest=False).indices  # the most probable set: members far outweigh the rest
+        expected = float(enumerated_set_logprob(scores, evicted.tolist(), [True] * 8, 0.005))
+        for dtype in (torch.float64, torch.float32):
+            leaf = scores.to(dtype).requires_grad_()
+            value = plackett_luce_set_logprob(leaf, torch.arange(8), evicted, temperature=0.005)
+            (grad,) = torch.autograd.grad(value, leaf)
+            assert torch.isfinite(grad).all() and math.isclose(float(value.detach()), expected, rel_tol=1e-6, abs_tol=1e-5)
+        leaf = scores.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(plackett_luce_set_logprob(leaf, torch.arange(8), evicted, temperature=0.005), leaf)
+        for index in range(8):
+            up, down = scores.clone(), scores.clone()
+            up[index] += 1e-7
+            down[index] -= 1e-7
+            difference = (float(plackett_luce_set_logprob(up, torch.arange(8), evicted, temperature=0.005))
+                          - float(plackett_luce_set_logprob(down, torch.arange(8), evicted, temperature=0.005))) / 2e-7
+            assert math.isclose(float(grad[index]), difference, rel_tol=1e-5, abs_tol=1e-3)
+
+
 def test_set_logprob_matches_the_frequency_of_sampled_sets():
     """Eq. 2's sampler and the set probability agree: the share of 20,000 draws that evict each set."""
     generator = torch.Generator().manual_seed(7)

@@ -244,7 +244,7 @@ def _set_integral(relative: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values, grads = [], []
     for chunk in flat.split(max(1, SET_CHUNK // (flat.shape[-1] * nodes.numel()))):
         exponent = chunk[..., None] + nodes  # [n, L, nodes]: log z_i(s)
-        z = exponent.exp()
+        z = exponent.clamp(max=60.0).exp()  # beyond, 1 − e^{−z} = 1 and h(z) = 0 to float precision (no inf · 0)
         arrived = -torch.expm1(-z)  # 1 − e^{−z}, exact for small z
         tiny = exponent < -20  # z below 2e-9: log(1 − e^{−z}) = log z and h(z) = 1, to float precision
         log_integrand = nodes - nodes.exp() + torch.where(tiny, exponent, arrived.log()).sum(-2)  # [n, nodes]
