@@ -14,6 +14,7 @@ import torch
 from transformers import AttentionInterface
 
 from foresight import cli
+from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
@@ -128,6 +129,34 @@ def test_report_files(evaluated):
     assert lines[-1].endswith(f"results written to {out} (results.json, results.csv, results.md, loss_ratio.png, "
                               "low_entropy_damage.png, low_entropy_dl2.png, attn_cosine.png, golden_overlap.png, "
                               "loss_ratio_by_memory.png, low_entropy_damage_by_memory.png, traces.json)")
+
+
+def test_every_registered_metric_is_in_every_row_the_table_and_the_plots(evaluated):
+    """The metric registry is the one list: each metric is a key of every row (in results.json and the CSV),
+    its label a column of results.md and of the printed table, its interval and plots where it declares them."""
+    rows, stdout, out = evaluated
+    with open(out / "results.csv") as handle:
+        header = next(csv.reader(handle))
+    markdown = (out / "results.md").read_text()
+    table_header = next(line for line in markdown.splitlines() if line.startswith("| policy |"))
+    for metric in METRICS:
+        assert all(metric.name in row for row in rows) and metric.name in header, metric.name
+        if metric.label is not None:
+            assert f"| {metric.label} |" in table_header and f"| {metric.label} |" in stdout, metric.name
+        assert (f"{metric.name}_low" in rows[0]) == metric.interval, metric.name
+        assert (out / f"{metric.name}.png").is_file() == metric.plotted, metric.name
+        assert (out / f"{metric.name}_by_memory.png").is_file() == metric.by_memory, metric.name
+
+
+def test_each_row_pools_the_per_trace_sums_it_reports(evaluated):
+    """A paired metric's row value is Σ numerator / Σ denominator of the per-trace sums in traces.json."""
+    rows, _, out = evaluated
+    scores = json.loads((out / "traces.json").read_text())
+    for row in rows:
+        mine = [s for s in scores if s["policy"] == row["policy"] and s["budget"] == row["budget"]]
+        for metric in (m for m in METRICS if m.paired):
+            top, bottom = (sum(s[key] for s in mine) for key in (metric.numerator, metric.denominator))
+            assert row[metric.name] == pytest.approx(top / bottom if bottom else metric.empty, rel=1e-12), row["policy"]
 
 
 def test_rows_state_the_kv_memory_each_policy_holds(evaluated, traces_dir, model):

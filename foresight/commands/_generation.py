@@ -17,11 +17,11 @@ from foresight.eval.generation import (
     columns,
     generate_completions,
     plan_jobs,
-    sorted_rows,
+    by_agreement,
     source_columns,
     summarize,
     summarize_sources,
-    write_report,
+    write_generation_report,
 )
 from foresight.eval.report import markdown_table
 from foresight.models import DEFAULT_MODEL, load_model
@@ -73,10 +73,10 @@ def run(args: argparse.Namespace, specs, notes: list[str]) -> int:
         "interval": args.interval,
         "intervals": "95% bootstrap over problems",
     }
-    paths = write_report(rows, source_rows, args.out, report_settings, notes, args.samples)
+    paths = write_generation_report(rows, source_rows, args.out, report_settings, notes, args.samples)
     for note in notes:
         print(f"note: {note}")
-    print(markdown_table(sorted_rows(rows), columns(args.samples)))
+    print(markdown_table(by_agreement(rows), columns(args.samples)))
     print()
     print(markdown_table(source_rows, source_columns(args.samples)))
     print(
