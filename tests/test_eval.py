@@ -27,7 +27,7 @@ from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.eval.stats import bootstrap_interval
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.data.trace_generation import generate_traces, token_losses
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
 
 B, L = 16, 4
 UNLABELLED_B = 24

@@ -9,7 +9,7 @@ import torch
 from foresight.runtime.capture import block_attention
 from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet, attention_features, feature_dim
 from foresight.scorer.standardised_features import standardise_candidates, standardised_features
-from tests.helpers import STANDARDISED_NAMES, loop_standardise, loop_standardised_features
+from tests.reference_features import loop_standardise, loop_standardised_features, STANDARDISED_NAMES
 
 WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
 

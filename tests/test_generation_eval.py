@@ -29,7 +29,7 @@ from foresight.eval.generation import (
 from foresight.models import tiny_model
 from foresight.eval.stats import pass_at_k
 from foresight.data.tasks import Problem, load_problems
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
 
 B, L = 16, 4
 ARITHMETIC = str(DATA / "arithmetic.jsonl")
@@ -236,7 +236,7 @@ def test_the_learned_policy_runs_at_its_budget_and_another_scorer_is_not_mixed_i
     the same name are refused, not counted as this one's."""
     from foresight.eval.specs import ScorerSpec
     from foresight.scorer.model import ForesightScorer, ScorerConfig
-    from tests.helpers import scorer_spec
+    from tests.scorers import scorer_spec
 
     def learned(seed: int) -> ScorerSpec:
         torch.manual_seed(seed)

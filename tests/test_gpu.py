@@ -18,10 +18,11 @@ from foresight.models import random_model, tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.cadence import top_k_mask
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.helpers import (
-    GROUP, SCORED, assert_batch_decodes_as_each_row_alone, assert_decodes_alike, keep_scores, make, prompts, random_context,
-    random_scorer,
-)
+from tests.decoding import assert_batch_decodes_as_each_row_alone, assert_decodes_alike
+from tests.eviction_steps import GROUP, keep_scores, random_context
+from tests.policy_lists import make, SCORED
+from tests.prompts import prompts
+from tests.scorers import random_scorer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

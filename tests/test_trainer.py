@@ -32,7 +32,8 @@ from foresight.models import load_model, tiny_model
 from trainers.preparation import FrozenModel, make_examples, make_labels, scorer_trajectory
 from foresight.scorer.model import load_scorer
 from foresight.data.trace_store import TraceStore
-from tests.helpers import DATA, scorer_spec, synthetic_traces
+from tests.prompts import DATA
+from tests.scorers import scorer_spec, synthetic_traces
 from trainers import data as data_module
 from trainers import supervised
 from trainers.cli import cli_main
