@@ -60,10 +60,11 @@ def patched_model(monkeypatch, model):
 
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory, traces_dir, model):
-    """`foresight eval --policies all` at a labelled and an unlabelled budget: (rows, stdout, out)."""
+    """`foresight eval --policies all` at a labelled and an unlabelled budget: (rows, the terminal's text, out);
+    the notes on stderr come before the table and the last line on stdout."""
     out = tmp_path_factory.mktemp("eval")
     stdout = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
         patch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
         code = cli.main(["eval", "--traces", str(traces_dir), "--policies", "all", "--budgets", f"{B},{UNLABELLED_B}",
                          "-L", str(L), "--out", str(out), "--batch-size", "3"])
@@ -458,7 +459,7 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     learned = [row for row in rows if row["policy"] == "foresight"]
     assert [row["budget"] for row in learned] == [B]
     assert 0 <= learned[0]["golden_overlap"] <= 1 and learned[0]["loss_ratio"] > 0
-    assert f"foresight skipped at B={UNLABELLED_B}, L={L}" in capsys.readouterr().out
+    assert f"foresight skipped at B={UNLABELLED_B}, L={L}" in capsys.readouterr().err
     loss_ratio, cosine, overlap, _ = reference_row(
         model, list(TraceStore(traces_dir)), lambda trace: make_policy("foresight", scorer=str(scorer_dir)),
         EvictionConfig(B, L, sinks=0, protect_prompt=False), LabelStore(traces_dir, B, L),

@@ -5,6 +5,7 @@ answers under every policy and budget, scored against their answers and the full
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 from foresight.commands._model import model_options
@@ -25,6 +26,8 @@ from foresight.eval.generation import (
 )
 from foresight.eval.report import markdown_table
 from foresight.models import DEFAULT_MODEL, load_model
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BATCH = 32
 
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace, specs, notes: list[str]) -> int:
     }
     paths = write_generation_report(rows, source_rows, args.out, report_settings, notes, args.samples)
     for note in notes:
-        print(f"note: {note}")
+        log.info("note: %s", note)
     print(markdown_table(by_agreement(rows), columns(args.samples)))
     print()
     print(markdown_table(source_rows, source_columns(args.samples)))

@@ -21,6 +21,7 @@ over traces or problems) and one PNG per figure (budget on the x axis).
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,8 @@ from foresight.eval.specs import (
 )
 from foresight.models import load_model
 from foresight.scorer.eviction_sampling import check_temperature
+
+log = logging.getLogger(__name__)
 
 TRACE_BATCH = 4
 LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
@@ -215,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     }
     paths = write_evaluation(result, args.out, settings)
     for note in result.notes:
-        print(f"note: {note}")
+        log.info("note: %s", note)
     print(evaluation_table(result.rows))
     print(
         f"evaluated {len(traces)} traces x {len(specs)} policies x {len(args.budgets)} budgets in "
