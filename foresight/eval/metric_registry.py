@@ -99,7 +99,8 @@ class Metric:
     golden: measured only at budgets with golden labels (None elsewhere);
     empty: its value when the denominator sums to 0;
     plotted / by_memory: drawn by budget / against the KV memory per sequence;
-    paired: compared paired over traces (`foresight.eval.headroom`; its sums are fields of `TraceScore`)."""
+    paired: compared paired over traces (`foresight.eval.headroom`; its sums are fields of `TraceScore`);
+    higher_is_better: the plots rank policies by it that way (most figures are damage: lower is better)."""
 
     name: str
     numerator: str
@@ -113,6 +114,7 @@ class Metric:
     plotted: bool = False
     by_memory: bool = False
     paired: bool = False
+    higher_is_better: bool = False
 
     def value(self, pooled: dict[str, float]) -> float | None:
         """The figure from the pooled sums."""
@@ -133,8 +135,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("low_entropy_penalty", "squared_sum", "low_entropy", "−R", "{:.4f}", interval=True),
     Metric("low_entropy_tokens", "low_entropy"),
     Metric("damaged_tokens", "damaged"),
-    Metric("attn_cosine", "cosine", "tokens", "attn cosine", "{:.4f}", interval=True, probe=True, plotted=True),
+    Metric("attn_cosine", "cosine", "tokens", "attn cosine", "{:.4f}", interval=True, probe=True, plotted=True,
+           higher_is_better=True),
     Metric("golden_overlap", "overlap_hits", "overlap_kept", "golden overlap", "{:.3f}", interval=True, probe=True,
-           golden=True, empty=None, plotted=True),
+           golden=True, empty=None, plotted=True, higher_is_better=True),
 )
 """In the order of the result rows' keys and the table's columns."""

@@ -62,7 +62,8 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
     paths = write_results(
         out_dir, "Teacher-forced evaluation", settings, result.notes, by_loss_ratio(result.rows), COLUMNS, PLOTTED,
-        reference=REFERENCE.name, after=sections, by_memory=BY_MEMORY,
+        reference=REFERENCE.name, after=sections, by_memory=BY_MEMORY, learned=result.learned,
+        higher_is_better=[m.name for m in METRICS if m.higher_is_better],
     )
     paths.append(Path(out_dir) / "traces.json")
     write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))
