@@ -9,10 +9,10 @@ import math
 import torch
 from torch import nn
 
-from foresight.scorer.attention_features import DECAY
+from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, WINDOWS, FeatureSet
 from foresight.scorer.model import ForesightScorer
 
-WINDOWS = (8, 16, 32)
+PAPER_WINDOWS = (8, 16, 32)  # the paper set's query windows
 
 def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequential:
     """The paper's per-(layer, head) MLP as plain modules, holding the stacked weights of that slice."""
@@ -88,7 +88,7 @@ def loop_features(attention: torch.Tensor, cumulative: torch.Tensor, decayed: to
         row = []
         for g in range(group):
             received = [float(attention[g, q, n]) for q in range(window)]
-            sums = [sum(received[max(0, window - size):]) for size in WINDOWS] + [sum(received)]
+            sums = [sum(received[max(0, window - size):]) for size in PAPER_WINDOWS] + [sum(received)]
             row += sums + [float(cumulative[n, g]) + sum(received), DECAY * float(decayed[n, g]) + sum(received)]
         rows.append(row)
     return torch.log1p(torch.tensor(rows))
@@ -99,3 +99,38 @@ def foresight(scorer: ForesightScorer, layer: int, head: int, keys, values, atte
     loop features, for the first `candidates` entries (keys, values [N, D]; attention [G, L, N]; states [N, G])."""
     inputs = torch.cat([keys, values, loop_features(attention, cumulative, decayed)], -1)[:candidates]
     return independent_mlp(scorer, layer, head)(inputs).squeeze(-1)
+
+
+def loop_attention_features(attention, cumulative, decayed, feature_set):
+    """A log1p feature set (paper, official-8, pooled) and the new cumulative and decayed states, one python
+    float at a time: the obvious reading of the feature definitions (attention [batch, Hkv, G, L, N])."""
+    names = FEATURE_NAMES[FeatureSet(feature_set)]
+    batch, kv_heads, group, rows, entries = attention.shape
+    features = torch.zeros(batch, kv_heads, entries, group * len(names), dtype=torch.float64)
+    new_cumulative = torch.zeros_like(cumulative)
+    new_decayed = torch.zeros_like(decayed)
+    for b in range(batch):
+        for h in range(kv_heads):
+            for n in range(entries):
+                for g in range(group):
+                    column = [float(attention[b, h, g, q, n]) for q in range(rows)]
+                    total = sum(column)
+                    new_cumulative[b, h, n, g] = float(cumulative[b, h, n, g]) + total
+                    new_decayed[b, h, n, g] = DECAY * float(decayed[b, h, n, g]) + total
+                    values = {
+                        "max": max(column),
+                        "min": min(column),
+                        "block": total,
+                        "last_L": total,
+                        "cumulative": float(new_cumulative[b, h, n, g]),
+                        "decayed": float(new_decayed[b, h, n, g]),
+                    }
+                    for name, size in WINDOWS.items():
+                        values[name] = sum(column[max(0, rows - size) :])
+                    neighbours = range(max(0, n - 3), min(entries, n + 4))  # 7 slots centred on n
+                    last_8 = [sum(float(attention[b, h, g, q, m]) for q in range(max(0, rows - 8), rows)) for m in neighbours]
+                    values["pooled_last_8"] = max(last_8)
+                    values["pooled_last_L"] = max(float(attention[b, h, g, :, m].sum()) for m in neighbours)
+                    for f, name in enumerate(names):
+                        features[b, h, n, g * len(names) + f] = math.log1p(values[name])
+    return features, new_cumulative, new_decayed
