@@ -14,6 +14,7 @@ from foresight.scorer.model import ForesightScorer
 
 PAPER_WINDOWS = (8, 16, 32)  # the paper set's query windows
 
+
 def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequential:
     """The paper's per-(layer, head) MLP as plain modules, holding the stacked weights of that slice."""
     config = scorer.config
