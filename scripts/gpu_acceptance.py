@@ -21,9 +21,11 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
@@ -41,6 +43,7 @@ PACKAGES = {  # module: distribution
     "importlinter": "import-linter", "gguf": "gguf", "pytest": "pytest", "huggingface_hub": "huggingface-hub",
     "numpy": "numpy",
 }
+LEAST_STEP_SECONDS = 5.0  # a step that would have less of the deadline left is skipped
 FIGURES = "FIGURES "  # the prefix of a figure step's last line: its figures as JSON
 
 
@@ -53,13 +56,14 @@ class Scale:
     tiny: dict = field(default_factory=dict)  # architecture overrides shrinking every model (dry run)
     sampler_rows: int = 256
     sampler_prompt: int = 64
-    sampler_tokens: int = 128
+    sampler_tokens: int = 256
     traces: int = 8
     trace_tokens: int = 1024
     budget: int = 128
     interval: int = 32
     group_size: int = 8
     fit_steps: int = 20
+    pipeline_fit_steps: int = 10
     capacity_lengths: str = "8192,16384,32768"
     capacity_budget: int = 1024
     capacity_interval: int = 256
@@ -72,7 +76,7 @@ DRY_SCALE = Scale(
     tiny=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16),
     sampler_rows=4, sampler_prompt=8, sampler_tokens=8, traces=2, trace_tokens=100, budget=32, interval=8,
-    group_size=2, fit_steps=3, capacity_lengths="64,128", capacity_budget=32, capacity_interval=8,
+    group_size=2, fit_steps=3, pipeline_fit_steps=3, capacity_lengths="64,128", capacity_budget=32, capacity_interval=8,
     capacity_time_limit=1.0,
 )
 SAMPLER_MODEL = "configs/models/qwen3-4b.json"
@@ -97,10 +101,13 @@ class Step:
 
 @dataclass(frozen=True)
 class Context:
+    """Where a run writes (`out`: the report; `work`: scratch) and at what `scale`; `command` reproduces it."""
+
     scale: Scale
     dry_run: bool
     out: Path
     work: Path
+    command: str = "scripts/gpu-acceptance.sh"
     python: str = sys.executable
 
     def figure_step(self, name: str) -> list[str]:
@@ -127,7 +134,7 @@ def _capacity(context: Context) -> list[str]:
 def _pipeline(context: Context) -> list[str]:
     s = context.scale
     return context.bench("pipeline", "--traces", str(context.work / "traces"), "--budget", str(s.budget), "--interval",
-                         str(s.interval), "--group-size", str(s.group_size), "--fit-steps", str(s.fit_steps),
+                         str(s.interval), "--group-size", str(s.group_size), "--fit-steps", str(s.pipeline_fit_steps),
                          "--batch-size", "2")
 
 
@@ -151,7 +158,7 @@ STEPS = (
          lambda c: c.figure_step("fit"), needs_work=True),
     Step("rl", "reinforcement rollouts/s (G sampled replays of every prepared trace)", 90,
          lambda c: c.figure_step("rl"), needs_work=True),
-    Step("capacity", f"`foresight bench capacity` of {CAPACITY_MODEL} ({CAPACITY_POLICIES})", 180, _capacity,
+    Step("capacity", f"`foresight bench capacity` of {CAPACITY_MODEL} ({CAPACITY_POLICIES})", 240, _capacity,
          gpu_only=True, dry_command=lambda c: c.figure_step("capacity-flags")),
     Step("pipeline", "`foresight bench pipeline` on the prepared traces", 150, _pipeline, needs_work=True),
 )
@@ -192,9 +199,13 @@ def step_imports(scale: Scale, work: Path) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
+    if cuda:
+        properties = torch.cuda.get_device_properties(0)
+        device = f"{properties.name}, {properties.total_memory / 2**30:.0f} GiB"
+    else:
+        device = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     return {
-        "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or platform.machine()}, "
-                                                              f"{os.cpu_count()} cores)",
+        "device": device,
         "cuda": torch.version.cuda if cuda else None,
         "python": platform.python_version(),
         "versions": versions,
@@ -397,7 +408,8 @@ def _junit_counts(path: Path) -> dict:
 
 
 def run_all(context: Context, total_seconds: float, only: list[str] | None = None) -> dict:
-    """Every step in order under its cap and what is left of `total_seconds`; the run's record (also written)."""
+    """Every step in order (`only` and the imports step, if given) under its cap and what is left of
+    `total_seconds`; the report is rewritten after each step, so a run cut short still leaves one."""
     context.out.mkdir(parents=True, exist_ok=True)
     if only is None or "prepare" in only:  # a fresh model folder, traces and example cache
         shutil.rmtree(context.work, ignore_errors=True)
@@ -407,32 +419,38 @@ def run_all(context: Context, total_seconds: float, only: list[str] | None = Non
     outcomes: list[Outcome] = []
     with open(context.out / "acceptance.log", "w") as log:
         for step in STEPS:
-            if only and step.name not in only:
+            if only and step.name not in (*only, "imports"):
                 continue
             left = total_seconds - (time.perf_counter() - started)
-            prepared = any(o.name == "prepare" and o.status == "passed" for o in outcomes) or (only and "prepare" not in only)
-            if left < 5:
+            prepare = next((o for o in outcomes if o.name == "prepare"), None)
+            prepared = prepare.status == "passed" if prepare else (context.work / "traces").is_dir()  # an earlier run's
+            if left < LEAST_STEP_SECONDS:
                 outcomes.append(Outcome(step.name, step.what, "skipped: out of time", 0.0, 0.0, ""))
             elif step.needs_work and not prepared:
                 outcomes.append(Outcome(step.name, step.what, "skipped: prepare did not pass", 0.0, 0.0, ""))
             else:
                 outcomes.append(run_step(step, context, min(step.cap_seconds, left), log))
             print(f"{step.name}: {outcomes[-1].status} ({outcomes[-1].seconds:.1f} s)", flush=True)
+            record = _record(context, outcomes, time.perf_counter() - started, total_seconds)
+            (context.out / "acceptance.json").write_text(json.dumps(record, indent=2) + "\n")
+            (context.out / "acceptance.md").write_text(markdown(record))
+    return record
+
+
+def _record(context: Context, outcomes: list[Outcome], seconds: float, total_seconds: float) -> dict:
     imports = next((o.figures for o in outcomes if o.name == "imports"), {})
-    record = {
+    return {
         "mode": "cpu-dry-run" if context.dry_run else "cuda",
+        "command": context.command,
         "device": imports.get("device", "unknown (the imports step did not pass)"),
         "cuda": imports.get("cuda"),
         "python": imports.get("python"),
         "versions": imports.get("versions", {}),
         "scale": asdict(context.scale),
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
         "total_seconds": total_seconds,
         "steps": [asdict(outcome) for outcome in outcomes],
     }
-    (context.out / "acceptance.json").write_text(json.dumps(record, indent=2) + "\n")
-    (context.out / "acceptance.md").write_text(markdown(record))
-    return record
 
 
 def markdown(record: dict) -> str:
@@ -442,8 +460,7 @@ def markdown(record: dict) -> str:
         f"# GPU acceptance run ({record['mode']})", "",
         f"Device: {record['device']}" + (f", CUDA {record['cuda']}" if record["cuda"] else "")
         + f"; Python {record['python']}.", "", f"Versions: {versions or 'unknown'}.", "",
-        f"Total: {record['seconds']:.1f} s of the {record['total_seconds']:.0f} s allowed. "
-        "Command: `scripts/gpu-acceptance.sh" + (" --cpu-dry-run" if record["mode"] == "cpu-dry-run" else "") + "`.", "",
+        f"Command: `{record['command']}`; {record['seconds']:.1f} s of the {record['total_seconds']:.0f} s allowed.", "",
         "| step | what it checks or measures | status | seconds | cap |", "|---|---|---|---:|---:|",
     ]
     for step in record["steps"]:
@@ -451,9 +468,9 @@ def markdown(record: dict) -> str:
     for step in record["steps"]:
         figures = {key: value for key, value in step["figures"].items() if key not in ("versions", "device", "python")}
         section = figures.pop("section", None)
-        if not figures and section is None and step["status"] in ("passed",) or step["status"].startswith("skipped: out"):
+        if not step["command"]:  # not run
             continue
-        lines += ["", f"## {step['name']}", "", f"Command: `{step['command']}`" if step["command"] else ""]
+        lines += ["", f"## {step['name']}", "", f"Command: `{step['command']}`"]
         if figures:
             lines += ["", "| figure | value |", "|---|---|",
                       *(f"| {key} | {_value(value)} |" for key, value in figures.items())]
@@ -479,23 +496,25 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--cuda", action="store_true", help="the CUDA machine's shapes (the default)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu-acceptance")),
                         help="folder of the report (default: $OUT, else runs/gpu-acceptance)")
-    parser.add_argument("--work", type=Path, default=None, help="scratch folder: model, traces, test XML (default: OUT/../work)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "foresight-gpu-acceptance",
+                        help="scratch folder: the prepared model, traces and example cache, the tests' XML; kept, so that "
+                        "`--only fit,rl` reruns on what `prepare` made (default: %(default)s)")
     parser.add_argument("--total-seconds", type=float, default=None,
-                        help="deadline of the whole run (default: 510 with CUDA, 240 for the dry run)")
+                        help="deadline of the whole run (default: 510 with CUDA, 600 for the dry run)")
     parser.add_argument("--only", default=None, help=f"comma-separated steps to run, of: {', '.join(s.name for s in STEPS)}")
     parser.add_argument("--step", choices=sorted(FIGURE_STEPS), help=argparse.SUPPRESS)  # one figure step, in this process
     args = parser.parse_args(argv)
     scale = DRY_SCALE if args.cpu_dry_run else CUDA_SCALE
-    work = args.work or args.out.resolve().parent / f"{args.out.name}-work"
     if args.step:
-        print(FIGURES + json.dumps(FIGURE_STEPS[args.step](scale, work)))
+        print(FIGURES + json.dumps(FIGURE_STEPS[args.step](scale, args.work)))
         return 0
     only = [name.strip() for name in args.only.split(",")] if args.only else None
     unknown = sorted(set(only or ()) - {s.name for s in STEPS})
     if unknown:
         parser.error(f"unknown step {unknown[0]!r}; choose from: {', '.join(s.name for s in STEPS)}")
-    total = args.total_seconds or (240.0 if args.cpu_dry_run else 510.0)
-    context = Context(scale, args.cpu_dry_run, args.out.resolve(), work.resolve())
+    total = args.total_seconds or (600.0 if args.cpu_dry_run else 510.0)
+    command = shlex.join(["scripts/gpu-acceptance.sh", *(sys.argv[1:] if argv is None else argv)])
+    context = Context(scale, args.cpu_dry_run, args.out.resolve(), args.work.resolve(), command)
     record = run_all(context, total, only)
     failed = [s["name"] for s in record["steps"] if not s["status"].startswith(("passed", "skipped: no CUDA"))]
     print(f"wrote {context.out / 'acceptance.md'}: {len(record['steps']) - len(failed)} of {len(record['steps'])} steps "
