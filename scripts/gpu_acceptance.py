@@ -114,8 +114,9 @@ class Context:
         mode = "--cpu-dry-run" if self.dry_run else "--cuda"
         return [self.python, str(Path(__file__).resolve()), mode, "--step", name, "--work", str(self.work)]
 
-    def pytest(self, *selection: str, junit: str, collect_only: bool = False) -> list[str]:
-        report = ["--collect-only"] if collect_only else [f"--junitxml={self.work / junit}"]
+    def pytest(self, *selection: str, junit: str | None = None) -> list[str]:
+        """pytest of `selection`, its results in the JUnit XML file `junit`; without one, collect the tests only."""
+        report = [f"--junitxml={self.work / junit}"] if junit else ["--collect-only"]
         return [self.python, "-m", "pytest", *selection, "-q", "-p", "no:cacheprovider", *report]
 
     def bench(self, verb: str, *flags: str) -> list[str]:
@@ -144,13 +145,13 @@ STEPS = (
     Step("gpu-tests", f"`pytest -m gpu {GPU_TESTS}` (every registered policy), less the two tests below", 200,
          lambda c: c.pytest("-m", "gpu", GPU_TESTS, "--deselect", SDPA_FLASH_TEST, "--deselect", SYNC_DEBUG_TEST,
                             junit="gpu-tests.xml"),
-         gpu_only=True, dry_command=lambda c: c.pytest("-m", "gpu", GPU_TESTS, junit="gpu-tests.xml", collect_only=True)),
+         gpu_only=True, dry_command=lambda c: c.pytest("-m", "gpu", GPU_TESTS)),
     Step("sdpa-flash", "an unpadded batch decodes and replays on SDPA's flash kernel alone", 60,
          lambda c: c.pytest(SDPA_FLASH_TEST, junit="sdpa-flash.xml"), gpu_only=True,
-         dry_command=lambda c: c.pytest(SDPA_FLASH_TEST, junit="sdpa-flash.xml", collect_only=True)),
+         dry_command=lambda c: c.pytest(SDPA_FLASH_TEST)),
     Step("sync-debug", "no host synchronisation in an eviction step, under set_sync_debug_mode('error')", 90,
          lambda c: c.pytest(SYNC_DEBUG_TEST, junit="sync-debug.xml"), gpu_only=True,
-         dry_command=lambda c: c.pytest(SYNC_DEBUG_TEST, junit="sync-debug.xml", collect_only=True)),
+         dry_command=lambda c: c.pytest(SYNC_DEBUG_TEST)),
     Step("sampler", f"the trace sampler's tokens/s, random-weight {SAMPLER_MODEL}", 60, lambda c: c.figure_step("sampler")),
     Step("prepare", f"random-weight {WORK_MODEL} folder, its sampled traces and their golden labels", 90,
          lambda c: c.figure_step("prepare")),
