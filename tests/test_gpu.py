@@ -35,6 +35,8 @@ NOT_IN_THE_ENGINE = {  # what the engine tests below leave out of SCORED (which 
 }
 EVICTING = tuple(name for name in SCORED if name not in NOT_IN_THE_ENGINE)
 """Every registered policy that evicts, less those two lists: foresight with a random scorer."""
+if unknown := set(NOT_IN_THE_ENGINE) - set(SCORED):  # fails the collection, on a CPU too
+    raise ValueError(f"NOT_IN_THE_ENGINE names policies SCORED does not hold: {', '.join(sorted(unknown))}")
 
 
 def paper_shaped(layers: int = 2) -> torch.nn.Module:
@@ -48,6 +50,8 @@ def tiny_on_cuda(arch: str = "qwen3") -> torch.nn.Module:
 
 
 # -- batches and transformers -------------------------------------------------------------------------
+# Batching, not the policies, is under test: two whose keep sets do not hinge on near-equal scores under bf16
+# rounding (tests/test_half_precision.py); the per-policy tests below take every registered policy.
 @pytest.mark.parametrize("build", [tiny_on_cuda, paper_shaped], ids=["tiny", "qwen3-4b-shaped"])
 @pytest.mark.parametrize("name", ["full", "streaming"])
 def test_bf16_batch_decodes_as_each_row_alone(build, name):
