@@ -82,7 +82,8 @@ DRY_SCALE = Scale(
 SAMPLER_MODEL = "configs/models/qwen3-4b.json"
 WORK_MODEL = "configs/models/qwen3-1.7b.json"
 CAPACITY_MODEL = "configs/models/qwen3-4b.json"
-CAPACITY_POLICIES = "full,snapkv"  # the full cache and a heuristic at the paper's B, L (the learned one needs a scorer of the model)
+# The full cache and a heuristic at the paper's B, L (the learned policy needs a scorer trained for the model).
+CAPACITY_POLICIES = "full,snapkv"
 
 
 @dataclass(frozen=True)
@@ -465,7 +466,9 @@ def markdown(record: dict) -> str:
         "| step | what it checks or measures | status | seconds | cap |", "|---|---|---|---:|---:|",
     ]
     for step in record["steps"]:
-        lines.append(f"| {step['name']} | {step['what']} | {step['status']} | {step['seconds']:.1f} | {step['cap_seconds']:.0f} |")
+        lines.append(
+            f"| {step['name']} | {step['what']} | {step['status']} | {step['seconds']:.1f} | {step['cap_seconds']:.0f} |"
+        )
     for step in record["steps"]:
         figures = {key: value for key, value in step["figures"].items() if key not in ("versions", "device", "python")}
         section = figures.pop("section", None)
@@ -493,7 +496,8 @@ def _value(value) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on the CPU; GPU-only steps check that their tests and flags resolve")
+    mode.add_argument("--cpu-dry-run", action="store_true",
+                      help="tiny shapes on the CPU; GPU-only steps check that their tests and flags resolve")
     mode.add_argument("--cuda", action="store_true", help="the CUDA machine's shapes (the default)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu-acceptance")),
                         help="folder of the report (default: $OUT, else runs/gpu-acceptance)")

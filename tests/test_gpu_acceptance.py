@@ -81,7 +81,8 @@ def test_a_failed_or_slow_step_ends_alone_and_the_deadline_skips_the_rest(tmp_pa
 def test_cpu_dry_run_reports_every_step(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-acceptance.sh"), "--cpu-dry-run", "--out", str(out), "--work", str(tmp_path / "work")],
+        ["bash", str(ROOT / "scripts" / "gpu-acceptance.sh"), "--cpu-dry-run", "--out", str(out),
+         "--work", str(tmp_path / "work")],
         env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
