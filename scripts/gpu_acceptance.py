@@ -251,7 +251,7 @@ def step_prepare(scale: Scale, work: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     from foresight.data.trace_generation import generate_traces
     from foresight.models import random_model
-    from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+    from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
     from trainers.preparation import FrozenModel, make_labels
 
     folder = _work_model_dir(work)
