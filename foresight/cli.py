@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import pkgutil
 import sys
@@ -66,9 +67,38 @@ def default_allocator_settings() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes each record to the `sys.stderr` of the moment, so a redirected stderr receives it."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it; the property always reads sys.stderr
+        pass
+
+
+LOGGERS = ("foresight", "trainers")
+"""The packages whose module loggers (`logging.getLogger(__name__)`) the command shows."""
+
+
+def configure_logging() -> None:
+    """Diagnostics (notes, progress of the steps before a run) on stderr, one line each; results go to stdout.
+    Once per process: a library user who never runs the CLI keeps logging's defaults."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(handler, _StderrHandler) for handler in logger.handlers):
+            handler = _StderrHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     default_allocator_settings()
+    configure_logging()
     try:
         return args.run(args)
     except ValueError as error:  # bad input: one line, no traceback

@@ -1,6 +1,7 @@
 """Shared test set-up: one torch thread (tiny models run faster without thread hand-offs) and the
 fixtures several test modules use: a tiny Llama, and a tiny model folder with traces sampled from it.
-Plain helpers live in tests/helpers.py."""
+Plain helpers live in modules named for their purpose (prompts, eviction_steps, policy_lists, scorers,
+decoding) and the slow twins in reference_*.py; test modules import from those, never from one another."""
 
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 
 from foresight.models import tiny_model
 from foresight.data.trace_generation import generate_traces
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
 
 torch.set_num_threads(1)
 

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import math
 
+from foresight.policies.epikv import Z_EPSILON
+from foresight.policies.lagkv import RANGE_EPSILON
+from tests.reference_features import foresight
+
 NAN = float("nan")
 MRI_EPSILON = 1e-5  # LazyEviction's H1 denominator (docs/algorithms.md section 3)
 
@@ -213,6 +217,14 @@ def uniform_hash(seed: int, layer: int, head: int, position: int, draw: int = 0)
     return mixed / 2**31
 
 
+def random(positions, layer, seed, candidates):
+    """Uniform random keep scores: one draw per (KV head, entry), fixed by (seed, layer, head, position)."""
+    return [
+        [[uniform_hash(seed, layer, h, p) if p >= 0 else NAN for p in head[:candidates]] for h, head in enumerate(row)]
+        for row in positions
+    ]
+
+
 def random_prompt(positions, layer, seed, candidates):
     """Random Attention: a fresh uniform draw per (KV head, entry) at each step, named by the row's newest position."""
     out = []
@@ -311,3 +323,134 @@ def triattention(keys, positions, q_mean, q_abs_mean, inv_freq, rope_scale, offs
             row.append([max(scores[n] for scores in per_head) if n in valid else NAN for n in range(candidates)])
         out.append(row)
     return out
+
+
+# -- LagKV, LazyEviction, RaaS and EpiKV ------------------------------------------------------------------------
+def lagkv(keys, values, positions, candidates: int, lag: int) -> list:
+    """Chunks of `lag` cut from the newest candidate back, each against the `lag` entries after it:
+    per-channel min-max normalisation, unbiased std over channels, softmax over the chunk's valid
+    entries, keys + values, then the rank within the chunk over its valid entries."""
+
+    def std(vector):
+        mean = sum(vector) / len(vector)
+        return math.sqrt(sum((x - mean) ** 2 for x in vector) / (len(vector) - 1))
+
+    def lag_std(states, slot, reference):
+        result = []
+        for d in range(len(states[slot])):
+            column = [states[r][d] for r in reference]
+            low, high = min(column), max(column)
+            result.append((states[slot][d] - low) / max(high - low, RANGE_EPSILON))
+        return std(result)
+
+    def softmax(scores):
+        top = max(scores.values())
+        exps = {slot: math.exp(v - top) for slot, v in scores.items()}
+        return {slot: e / sum(exps.values()) for slot, e in exps.items()}
+
+    out = [[[float("nan")] * candidates for _ in positions[0]] for _ in positions]
+    for b in range(len(positions)):
+        for h in range(len(positions[b])):
+            end = candidates
+            while end > 0:
+                chunk = [n for n in range(max(0, end - lag), end) if positions[b][h][n] >= 0]
+                reference = list(range(end, end + lag))
+                if chunk:
+                    key = softmax({n: lag_std(keys[b][h], n, reference) for n in chunk})
+                    value = softmax({n: lag_std(values[b][h], n, reference) for n in chunk})
+                    score = {n: key[n] + value[n] for n in chunk}
+                    for n in chunk:
+                        below = sum(1 for m in chunk if score[m] < score[n] or (score[m] == score[n] and m < n))
+                        out[b][h][n] = below / len(chunk)
+                end -= lag
+    return out
+
+
+def context_lists(context) -> dict:
+    """An `EvictionContext`'s queries, keys and positions as the nested lists these twins read."""
+    return dict(
+        queries=context.queries.tolist(),
+        query_positions=context.query_positions.tolist(),
+        keys=context.keys.tolist(),
+        positions=context.positions.tolist(),
+        scaling=context.scaling,
+    )
+
+
+def lazy(context, t_last, mri, threshold):
+    """The written rule on one step's entries: every query in order, then H1 + H2 at the newest token."""
+    t_last, mri = [[list(h) for h in b] for b in t_last], [[list(h) for h in b] for b in mri]
+    for b, h, t, weights in observed_attention(**context_lists(context)):
+        lazy_observe(t_last[b][h], mri[b][h], weights, t, threshold)
+    now = context.positions[:, 0, -1].tolist()
+    scores = [
+        [[lazy_score(tl, m, now[b]) for tl, m in zip(t_last[b][h], mri[b][h])] for h in range(len(t_last[b]))]
+        for b in range(len(t_last))
+    ]
+    return t_last, mri, scores
+
+
+def raas(context, last_hits, threshold):
+    """The written rule: each entry's timestamp is its own position until a query with attention
+    >= theta refreshes it to that query's position; every query in order."""
+    stamps = [
+        [[max(s, float(p)) for s, p in zip(hits, head)] for hits, head in zip(row_hits, row)]
+        for row_hits, row in zip(last_hits, context.positions.tolist())
+    ]
+    for b, h, t, weights in observed_attention(**context_lists(context)):
+        raas_observe(stamps[b][h], weights, t, threshold)
+    return stamps
+
+
+def epikv(hidden_a, hidden_b, positions, window: int) -> list:
+    """Per row, per token in order: g = ||h(t) - h(t-1)||, z against the last `window` g values
+    (population std), score z_a - z_b; tokens at position < 1 get no g and score 0."""
+    scores = []
+    for b in range(len(positions)):
+        history = {"a": [], "b": []}
+        row = []
+        for t, position in enumerate(positions[b]):
+            if position < 1:
+                row.append(0.0)
+                continue
+            z = {}
+            for band, hidden in (("a", hidden_a), ("b", hidden_b)):
+                g = math.sqrt(sum((x - y) ** 2 for x, y in zip(hidden[b][t], hidden[b][t - 1])))
+                history[band].append(g)
+                recent = history[band][-window:]
+                mean = sum(recent) / len(recent)
+                std = math.sqrt(sum((x - mean) ** 2 for x in recent) / len(recent))
+                z[band] = (g - mean) / (std + Z_EPSILON)
+            row.append(z["a"] - z["b"])
+        scores.append(row)
+    return scores
+
+
+# -- the golden schedule ---------------------------------------------------------------------------------------
+def golden(candidates, alpha, keep):
+    """One golden step of one (layer, KV head): of its candidates (positions) keep the `keep` with the largest
+    future score α, ties to the older; 1 for a kept candidate, 0 for an evicted one."""
+    order = sorted(range(len(candidates)), key=lambda n: (-alpha[n], candidates[n]))
+    kept = set(order[:keep])
+    return [1.0 if n in kept else 0.0 for n in range(len(candidates))]
+
+
+TWINS = {
+    "epikv": epikv,
+    "foresight": foresight,
+    "golden": golden,
+    "h2o": h2o_observe,
+    "knorm": knorm,
+    "lagkv": lagkv,
+    "lazy": lazy,
+    "raas": raas,
+    "random": random,
+    "random-prompt": random_prompt,
+    "rkv": rkv,
+    "snapkv": snapkv,
+    "streaming": streaming,
+    "tova": tova,
+    "triattention": triattention,
+    "vase": vase,
+}
+"""Each evicting policy's twin, which a test compares it with (`full` keeps every entry: no rule to twin)."""

@@ -19,7 +19,7 @@ from foresight.bench.memory import MemoryTrace, _Sampler
 from foresight.models import random_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.helpers import DATA
+from tests.prompts import DATA
 
 GIB = 2**30
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "models"

@@ -13,7 +13,7 @@ import pytest
 from foresight import cli
 from foresight.data.benchmarks import BENCHMARKS, CHOICE_INSTRUCTION, choice_letter
 from foresight.data.tasks import ANSWER_INSTRUCTION, check_answer, load_problems, parse_sources, recorded_source
-from tests.helpers import write_lines
+from tests.prompts import write_lines
 
 GSM8K_ROWS = [
     {"question": "Tom has 40 apples and buys 2 more. How many apples?", "answer": "40 + 2 = 42\n#### 42"},

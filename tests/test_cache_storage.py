@@ -12,7 +12,9 @@ from foresight.policies import make_policy
 from foresight.runtime.cache import EntryLayout, EntryStorage, StateField
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests.reference_cache import ConcatenatingCache
-from tests.helpers import constructible_policies, prompts, random_scorer
+from tests.policy_lists import constructible_policies
+from tests.prompts import prompts
+from tests.scorers import random_scorer
 
 B, L = 12, 4
 

@@ -26,7 +26,7 @@ from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, Policy
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 from foresight.data.trace_generation import generate_traces
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
 
 B, L = 16, 4
 

@@ -7,7 +7,7 @@ import torch
 
 from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import load_scorer
-from tests.test_scorer import make_scorer, random_inputs
+from tests.scorers import make_scorer, random_inputs
 
 
 @pytest.mark.parametrize("feature_set", ["official-8", "standardised"])

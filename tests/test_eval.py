@@ -14,6 +14,7 @@ import torch
 from transformers import AttentionInterface
 
 from foresight import cli
+from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
@@ -26,7 +27,7 @@ from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.eval.stats import bootstrap_interval
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.data.trace_generation import generate_traces, token_losses
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
 
 B, L = 16, 4
 UNLABELLED_B = 24
@@ -59,10 +60,11 @@ def patched_model(monkeypatch, model):
 
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory, traces_dir, model):
-    """`foresight eval --policies all` at a labelled and an unlabelled budget: (rows, stdout, out)."""
+    """`foresight eval --policies all` at a labelled and an unlabelled budget: (rows, the terminal's text, out);
+    the notes on stderr come before the table and the last line on stdout."""
     out = tmp_path_factory.mktemp("eval")
     stdout = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
         patch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
         code = cli.main(["eval", "--traces", str(traces_dir), "--policies", "all", "--budgets", f"{B},{UNLABELLED_B}",
                          "-L", str(L), "--out", str(out), "--batch-size", "3"])
@@ -125,9 +127,37 @@ def test_report_files(evaluated):
     lines = stdout.strip().splitlines()
     assert "| policy | B | L | KV MiB / sequence | loss ratio |" in stdout
     assert lines[-1].startswith(f"evaluated 4 traces x {len(RUNNABLE)} policies x 2 budgets in ")
-    assert lines[-1].endswith(f"results written to {out} (results.json, results.csv, results.md, loss_ratio.png, "
-                              "low_entropy_damage.png, low_entropy_dl2.png, attn_cosine.png, golden_overlap.png, "
-                              "loss_ratio_by_memory.png, low_entropy_damage_by_memory.png, traces.json)")
+    plots = [f"{m.name}.png" for m in METRICS if m.plotted] + [f"{m.name}_by_memory.png" for m in METRICS if m.by_memory]
+    assert lines[-1].endswith(f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json)")
+    assert plots[:2] == ["loss_ratio.png", "low_entropy_damage.png"]
+
+
+def test_every_registered_metric_is_in_every_row_the_table_and_the_plots(evaluated):
+    """The metric registry is the one list: each metric is a key of every row (in results.json and the CSV),
+    its label a column of results.md and of the printed table, its interval and plots where it declares them."""
+    rows, stdout, out = evaluated
+    with open(out / "results.csv") as handle:
+        header = next(csv.reader(handle))
+    markdown = (out / "results.md").read_text()
+    table_header = next(line for line in markdown.splitlines() if line.startswith("| policy |"))
+    for metric in METRICS:
+        assert all(metric.name in row for row in rows) and metric.name in header, metric.name
+        if metric.label is not None:
+            assert f"| {metric.label} |" in table_header and f"| {metric.label} |" in stdout, metric.name
+        assert (f"{metric.name}_low" in rows[0]) == metric.interval, metric.name
+        assert (out / f"{metric.name}.png").is_file() == metric.plotted, metric.name
+        assert (out / f"{metric.name}_by_memory.png").is_file() == metric.by_memory, metric.name
+
+
+def test_each_row_pools_the_per_trace_sums_it_reports(evaluated):
+    """A paired metric's row value is Σ numerator / Σ denominator of the per-trace sums in traces.json."""
+    rows, _, out = evaluated
+    scores = json.loads((out / "traces.json").read_text())
+    for row in rows:
+        mine = [s for s in scores if s["policy"] == row["policy"] and s["budget"] == row["budget"]]
+        for metric in (m for m in METRICS if m.paired):
+            top, bottom = (sum(s[key] for s in mine) for key in (metric.numerator, metric.denominator))
+            assert row[metric.name] == pytest.approx(top / bottom if bottom else metric.empty, rel=1e-12), row["policy"]
 
 
 def test_rows_state_the_kv_memory_each_policy_holds(evaluated, traces_dir, model):
@@ -429,7 +459,7 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     learned = [row for row in rows if row["policy"] == "foresight"]
     assert [row["budget"] for row in learned] == [B]
     assert 0 <= learned[0]["golden_overlap"] <= 1 and learned[0]["loss_ratio"] > 0
-    assert f"foresight skipped at B={UNLABELLED_B}, L={L}" in capsys.readouterr().out
+    assert f"foresight skipped at B={UNLABELLED_B}, L={L}" in capsys.readouterr().err
     loss_ratio, cosine, overlap, _ = reference_row(
         model, list(TraceStore(traces_dir)), lambda trace: make_policy("foresight", scorer=str(scorer_dir)),
         EvictionConfig(B, L, sinks=0, protect_prompt=False), LabelStore(traces_dir, B, L),

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from foresight import cli
 from foresight.export import SCORER_KEY, read_checkpoint
 from foresight.scorer.model import load_scorer
-from tests.helpers import scorer_spec, synthetic_traces
+from tests.scorers import scorer_spec, synthetic_traces
 from trainers.data import concat_steps
 from trainers.supervised import SupervisedScorer
 

@@ -9,7 +9,7 @@ import torch
 from foresight.runtime.capture import block_attention
 from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet, attention_features, feature_dim
 from foresight.scorer.standardised_features import standardise_candidates, standardised_features
-from tests.helpers import STANDARDISED_NAMES, loop_standardise, loop_standardised_features
+from tests.reference_features import loop_attention_features, loop_standardise, loop_standardised_features, STANDARDISED_NAMES
 
 WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
 
@@ -22,40 +22,6 @@ def random_block_attention(batch: int, kv_heads: int, group: int, rows: int, ent
     return logits.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
-def reference_features(attention, cumulative, decayed, feature_set):
-    """One python float at a time: the obvious reading of the feature definitions."""
-    names = FEATURE_NAMES[FeatureSet(feature_set)]
-    batch, kv_heads, group, rows, entries = attention.shape
-    features = torch.zeros(batch, kv_heads, entries, group * len(names), dtype=torch.float64)
-    new_cumulative = torch.zeros_like(cumulative)
-    new_decayed = torch.zeros_like(decayed)
-    for b in range(batch):
-        for h in range(kv_heads):
-            for n in range(entries):
-                for g in range(group):
-                    column = [float(attention[b, h, g, q, n]) for q in range(rows)]
-                    total = sum(column)
-                    new_cumulative[b, h, n, g] = float(cumulative[b, h, n, g]) + total
-                    new_decayed[b, h, n, g] = DECAY * float(decayed[b, h, n, g]) + total
-                    values = {
-                        "max": max(column),
-                        "min": min(column),
-                        "block": total,
-                        "last_L": total,
-                        "cumulative": float(new_cumulative[b, h, n, g]),
-                        "decayed": float(new_decayed[b, h, n, g]),
-                    }
-                    for name, size in WINDOWS.items():
-                        values[name] = sum(column[max(0, rows - size) :])
-                    neighbours = range(max(0, n - 3), min(entries, n + 4))  # 7 slots centred on n
-                    last_8 = [sum(float(attention[b, h, g, q, m]) for q in range(max(0, rows - 8), rows)) for m in neighbours]
-                    values["pooled_last_8"] = max(last_8)
-                    values["pooled_last_L"] = max(float(attention[b, h, g, :, m].sum()) for m in neighbours)
-                    for f, name in enumerate(names):
-                        features[b, h, n, g * len(names) + f] = math.log1p(values[name])
-    return features, new_cumulative, new_decayed
-
-
 @pytest.mark.parametrize("feature_set", ["paper", "official-8", "pooled"])
 @pytest.mark.parametrize("rows", [12, 40])  # 12: windows 16 and 32 clamp to L; 40: every window is distinct
 def test_features_match_loop_reference(feature_set, rows):
@@ -65,7 +31,7 @@ def test_features_match_loop_reference(feature_set, rows):
     cumulative = 5 * torch.rand(state_shape, generator=generator, dtype=torch.float64)
     decayed = 2 * torch.rand(state_shape, generator=generator, dtype=torch.float64)
     got = attention_features(attention, cumulative, decayed, feature_set)
-    want = reference_features(attention, cumulative, decayed, feature_set)
+    want = loop_attention_features(attention, cumulative, decayed, feature_set)
     assert got[0].shape == (2, 2, rows + 6, 3 * feature_dim(feature_set))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)

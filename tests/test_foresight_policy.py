@@ -17,33 +17,15 @@ from foresight.policies import foresight as foresight_policy
 from foresight.policies.foresight import CUMULATIVE, DECAYED, Foresight
 from foresight.runtime.cache import EvictionCache
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.helpers import (
-    independent_mlp,
-    loop_standardise,
-    loop_standardised_features,
-    random_prompts,
-    random_scorer,
-)
+from tests.prompts import random_prompts
+from tests import reference_policies as ref
+from tests.reference_features import independent_mlp, loop_standardise, loop_standardised_features
+from tests.scorers import random_scorer
 
 B, L = 12, 4
-WINDOWS = (8, 16, 32)
 
 
 # -- keep scores --------------------------------------------------------------------------------
-def loop_features(attention: torch.Tensor, cumulative: torch.Tensor, decayed: torch.Tensor) -> torch.Tensor:
-    """Paper features of one (row, KV head) by loops: attention [G, L, N], states [N, G] -> [N, 6G]."""
-    group, window, entries = attention.shape
-    rows = []
-    for n in range(entries):
-        row = []
-        for g in range(group):
-            received = [float(attention[g, q, n]) for q in range(window)]
-            sums = [sum(received[max(0, window - size):]) for size in WINDOWS] + [sum(received)]
-            row += sums + [float(cumulative[n, g]) + sum(received), DECAY * float(decayed[n, g]) + sum(received)]
-        rows.append(row)
-    return torch.log1p(torch.tensor(rows))
-
-
 def test_keep_scores_equal_independent_mlps_on_loop_features(llama):
     """A hand-built step of layer 1 (two rows, one with padding slots): the new state and the keep scores
     of the candidates equal the per-(layer, head) MLP of [k || v || a] with loop-computed features."""
@@ -71,10 +53,9 @@ def test_keep_scores_equal_independent_mlps_on_loop_features(llama):
     scores = policy.keep_scores(context)
     assert scores.shape == (rows, kv_heads, B)
     for row, head in itertools.product(range(rows), range(kv_heads)):
-        features = loop_features(context.attention[row, head], context.state[CUMULATIVE][row, head],
-                                 context.state[DECAYED][row, head])
-        inputs = torch.cat([context.keys[row, head], context.values[row, head], features], -1)[:B]
-        expected = independent_mlp(scorer, 1, head)(inputs).squeeze(-1)
+        expected = ref.foresight(scorer, 1, head, context.keys[row, head], context.values[row, head],
+                                 context.attention[row, head], context.state[CUMULATIVE][row, head],
+                                 context.state[DECAYED][row, head], B)
         torch.testing.assert_close(scores[row, head], expected, rtol=0, atol=1e-5)
 
 

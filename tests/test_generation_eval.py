@@ -29,7 +29,7 @@ from foresight.eval.generation import (
 from foresight.models import tiny_model
 from foresight.eval.stats import pass_at_k
 from foresight.data.tasks import Problem, load_problems
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
 
 B, L = 16, 4
 ARITHMETIC = str(DATA / "arithmetic.jsonl")
@@ -197,7 +197,8 @@ def test_eval_prompts_end_to_end(tmp_path, patched_load, capsys):
     argv = ["eval", "--prompts", ARITHMETIC, "--num", "2", "--samples", "2", "--max-new-tokens", "20",
             "--policies", "h2o,streaming,golden", "--budgets", f"{B},24", "-L", str(L), "--out", str(out)]
     assert cli.main(argv) == 0
-    stdout = capsys.readouterr().out
+    captured = capsys.readouterr()
+    stdout = captured.out
     rows = json.loads((out / "results.json").read_text())
     assert sorted((r["policy"], r["budget"]) for r in rows) == sorted(
         (name, budget) for name in ("full", "h2o", "streaming") for budget in (B, 24)
@@ -209,7 +210,7 @@ def test_eval_prompts_end_to_end(tmp_path, patched_load, capsys):
     assert "| source (full cache) | pass@1 flexible |" in markdown and f"| {ARITHMETIC} |" in markdown
     for figure in ("pass1_flexible", "agreement", "loops"):
         assert (out / f"{figure}.png").read_bytes()[:4] == b"\x89PNG"
-    assert "note: golden: skipped" in stdout
+    assert "note: golden: skipped" in captured.err and "note:" not in stdout  # diagnostics on stderr, results on stdout
     assert "generated 20 completions (2 problems x 2 samples x 5 runs" in stdout.splitlines()[-1]
     assert cli.main(argv) == 0  # everything found on disk
     assert "generated 0 completions" in capsys.readouterr().out
@@ -236,7 +237,7 @@ def test_the_learned_policy_runs_at_its_budget_and_another_scorer_is_not_mixed_i
     the same name are refused, not counted as this one's."""
     from foresight.eval.specs import ScorerSpec
     from foresight.scorer.model import ForesightScorer, ScorerConfig
-    from tests.helpers import scorer_spec
+    from tests.scorers import scorer_spec
 
     def learned(seed: int) -> ScorerSpec:
         torch.manual_seed(seed)

@@ -13,6 +13,7 @@ from foresight.runtime.policy import EvictionContext
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests import reference_policies as ref
 
 B, L = 16, 4
 LENGTHS = (70, 61)  # (T - B) % L != 0, so the forward after every step's p_t lies inside the trace
@@ -91,6 +92,8 @@ def test_keep_scores_hand_computed():
             positions=held[None], num_candidates=4, scaling=1.0,
         )
         assert policy.keep_scores(context).tolist() == [expected]
+        twin = [ref.golden(candidates[step - 1, 0, h].tolist(), alpha[step - 1, 0, h].tolist(), 2) for h in range(2)]
+        assert twin == expected
     context.positions = context.positions + 1  # newest position 8: no step evicts after it
     with pytest.raises(ValueError, match="off the golden cadence"):
         policy.keep_scores(context)

@@ -8,7 +8,10 @@ import torch
 
 from foresight.models import tiny_model
 from foresight.policies import EvictionContext
-from tests.helpers import GROUP, SCORED, assert_batch_decodes_as_each_row_alone, keep_scores, make, prompts, random_context
+from tests.decoding import assert_batch_decodes_as_each_row_alone
+from tests.eviction_steps import GROUP, keep_scores, random_context
+from tests.policy_lists import make, SCORED
+from tests.prompts import prompts
 
 HALF = (torch.bfloat16, torch.float16)
 

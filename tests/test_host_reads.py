@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import constructible_policies, prompts, random_scorer
+from tests.policy_lists import constructible_policies
+from tests.prompts import prompts
+from tests.scorers import random_scorer
 
 from foresight.device_checks import require
 from foresight.models import tiny_model

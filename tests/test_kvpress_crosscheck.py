@@ -121,7 +121,7 @@ def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(
 
     from foresight.bench.serving import EngineDecoder
     from foresight.bench.kvpress_worker import KvpressDecoder
-    from tests.helpers import char_tokenizer, random_prompts
+    from tests.prompts import char_tokenizer, random_prompts
 
     folder = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(folder)

@@ -24,7 +24,7 @@ from foresight.models import ModelShape, tiny_model
 from foresight.data.trace_store import TraceStore
 from foresight.data.trace_generation import generate_traces
 from foresight.runtime.capture import attention_logits
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
 
 BLOCK_MEAN_RTOL = 1e-6  # a product of several blocks sums each block's mean in another float32 order
 

@@ -11,13 +11,15 @@ import torch
 
 from foresight import cli
 from foresight.commands import calibrate as calibrate_command
-from foresight.models import ModelShape, describe, tiny_model
+from foresight.models import describe, tiny_model
 from foresight.policies import EvictionContext, make_policy
-from foresight.policies.triattention_stats import TriAttentionStats, calibrate, load_stats
+from foresight.policies.triattention_stats import calibrate, load_stats
 from foresight.policies.vase import sampling_weights
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.helpers import CANDIDATES, DIM, KV_HEADS, SCALING, prompts, random_context
+from tests.eviction_steps import CANDIDATES, KV_HEADS, random_context, SCALING
+from tests.policy_lists import random_stats
+from tests.prompts import prompts
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -130,15 +132,6 @@ def test_vase_samples_in_proportion_to_attention():
 
 
 # -- triattention: scores -----------------------------------------------------------------------------------
-def random_stats(group: int, rope_scale: float = 1.0, seed: int = 0) -> TriAttentionStats:
-    generator = torch.Generator().manual_seed(seed)
-    heads, bands = KV_HEADS * group, DIM // 2
-    q_mean = torch.complex(torch.randn(1, heads, bands, generator=generator), torch.randn(1, heads, bands, generator=generator))
-    q_abs_mean = q_mean.abs() + torch.rand(1, heads, bands, generator=generator)
-    inv_freq = 10000.0 ** (-torch.arange(bands, dtype=torch.float32) / bands)
-    return TriAttentionStats("random", ModelShape(1, heads, KV_HEADS, DIM), q_mean, q_abs_mean, inv_freq, rope_scale)
-
-
 @pytest.mark.parametrize("group, rope_scale", [(2, 1.0), (3, 1.3)])
 @pytest.mark.parametrize("normalize, max_offset", [(True, 65536), (False, 65536), (True, 5)])
 def test_triattention_matches_reference(group, rope_scale, normalize, max_offset):

@@ -21,7 +21,7 @@ from foresight.labels import LabelStore
 from foresight.models import load_model
 from trainers.preparation import FrozenModel, TraceRecipe, make_examples, make_labels
 from foresight.data.trace_store import TraceStore
-from tests.helpers import DATA
+from tests.prompts import DATA
 from trainers.data import GoldenDataModule
 
 B, L_ = 16, 4

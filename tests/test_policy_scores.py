@@ -9,7 +9,7 @@ from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.helpers import BATCH, CANDIDATES, DIM, INTERVAL, KV_HEADS, SCALING, candidate_positions, clustered_keys, random_context
+from tests.eviction_steps import BATCH, candidate_positions, CANDIDATES, clustered_keys, DIM, INTERVAL, KV_HEADS, random_context, SCALING
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 TENSOR_POLICIES = ("knorm", "streaming", "random", "h2o", "tova", "snapkv", "rkv")
@@ -54,6 +54,13 @@ def test_streaming_matches_reference():
     context = random_context(group=2)
     scores = make_policy("streaming").keep_scores(context)
     assert_close_on_valid(scores, ref.streaming(context.positions.tolist(), CANDIDATES), context)
+
+
+def test_random_matches_reference():
+    context = random_context(group=2)
+    context.layer_idx = 3
+    scores = make_policy("random", seed=5).keep_scores(context)
+    assert_close_on_valid(scores, ref.random(context.positions.tolist(), 3, 5, CANDIDATES), context)
 
 
 def test_random_is_reproducible_from_its_seed():

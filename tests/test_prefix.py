@@ -9,7 +9,8 @@ import torch
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
-from tests.helpers import constructible_policies, random_scorer
+from tests.policy_lists import constructible_policies
+from tests.scorers import random_scorer
 
 B, L = 12, 4
 PREFILL = [B + L, B + L]  # the golden cadence: every row evicts first right after B + L tokens

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -11,12 +10,12 @@ import foresight.runtime.policy as policy_base
 import foresight.runtime.capture as capture
 from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
-from foresight.policies.epikv import Z_EPSILON, band_layers, rolling_z_scores
-from foresight.policies.lagkv import RANGE_EPSILON
+from foresight.policies.epikv import band_layers, rolling_z_scores
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.helpers import KV_HEADS, candidate_positions, random_prompts
+from tests.eviction_steps import candidate_positions, KV_HEADS
+from tests.prompts import random_prompts
 
 GROUP, DIM = 2, 8
 NEW_POLICIES = ("lagkv", "lazy", "raas", "epikv")
@@ -72,53 +71,13 @@ def valid_close(actual: torch.Tensor, expected: list, context: EvictionContext, 
 
 
 # -- LagKV ---------------------------------------------------------------------------------------------
-def reference_lagkv(keys, values, positions, candidates: int, lag: int) -> list:
-    """Chunks of `lag` cut from the newest candidate back, each against the `lag` entries after it:
-    per-channel min-max normalisation, unbiased std over channels, softmax over the chunk's valid
-    entries, keys + values, then the rank within the chunk over its valid entries."""
-
-    def std(vector):
-        mean = sum(vector) / len(vector)
-        return math.sqrt(sum((x - mean) ** 2 for x in vector) / (len(vector) - 1))
-
-    def lag_std(states, slot, reference):
-        result = []
-        for d in range(len(states[slot])):
-            column = [states[r][d] for r in reference]
-            low, high = min(column), max(column)
-            result.append((states[slot][d] - low) / max(high - low, RANGE_EPSILON))
-        return std(result)
-
-    def softmax(scores):
-        top = max(scores.values())
-        exps = {slot: math.exp(v - top) for slot, v in scores.items()}
-        return {slot: e / sum(exps.values()) for slot, e in exps.items()}
-
-    out = [[[float("nan")] * candidates for _ in positions[0]] for _ in positions]
-    for b in range(len(positions)):
-        for h in range(len(positions[b])):
-            end = candidates
-            while end > 0:
-                chunk = [n for n in range(max(0, end - lag), end) if positions[b][h][n] >= 0]
-                reference = list(range(end, end + lag))
-                if chunk:
-                    key = softmax({n: lag_std(keys[b][h], n, reference) for n in chunk})
-                    value = softmax({n: lag_std(values[b][h], n, reference) for n in chunk})
-                    score = {n: key[n] + value[n] for n in chunk}
-                    for n in chunk:
-                        below = sum(1 for m in chunk if score[m] < score[n] or (score[m] == score[n] and m < n))
-                        out[b][h][n] = below / len(chunk)
-                end -= lag
-    return out
-
-
 @pytest.mark.parametrize("candidates, interval, lag", [(14, 4, None), (16, 4, None), (13, 5, 3), (9, 3, 1)])
 def test_lagkv_matches_reference(candidates, interval, lag):
     fill = {"lagkv_rank": torch.full((2, KV_HEADS, candidates + interval), float("nan"))}
     context = random_context(candidates, interval, seed=candidates + interval, state=fill)
     policy = make_policy("lagkv", lag_size=lag)
     context.state.update(policy.observe(context))
-    expected = reference_lagkv(
+    expected = ref.lagkv(
         context.keys.tolist(), context.values.tolist(), context.positions.tolist(), candidates, lag or interval
     )
     valid_close(policy.keep_scores(context), expected, context, atol=1e-6)
@@ -160,29 +119,6 @@ def test_lagkv_needs_no_attention_and_rejects_a_lag_beyond_the_interval():
 
 
 # -- LazyEviction and RaaS -----------------------------------------------------------------------------
-def context_lists(context: EvictionContext) -> dict:
-    return dict(
-        queries=context.queries.tolist(),
-        query_positions=context.query_positions.tolist(),
-        keys=context.keys.tolist(),
-        positions=context.positions.tolist(),
-        scaling=context.scaling,
-    )
-
-
-def reference_lazy(context: EvictionContext, t_last, mri, threshold):
-    """The written rule on one step's entries: every query in order, then H1 + H2 at the newest token."""
-    t_last, mri = [[list(h) for h in b] for b in t_last], [[list(h) for h in b] for b in mri]
-    for b, h, t, weights in ref.observed_attention(**context_lists(context)):
-        ref.lazy_observe(t_last[b][h], mri[b][h], weights, t, threshold)
-    now = context.positions[:, 0, -1].tolist()
-    scores = [
-        [[ref.lazy_score(tl, m, now[b]) for tl, m in zip(t_last[b][h], mri[b][h])] for h in range(len(t_last[b]))]
-        for b in range(len(t_last))
-    ]
-    return t_last, mri, scores
-
-
 def lazy_state(context: EvictionContext, seed: int) -> dict:
     """t_last between 0 and each entry's position - 1 (or its prompt value 0), MRI a few steps."""
     generator = torch.Generator().manual_seed(seed)
@@ -200,7 +136,7 @@ def test_lazy_matches_reference(threshold):
     policy = make_policy("lazy", threshold=threshold)
     before = {name: value.tolist() for name, value in context.state.items()}
     context.state.update(policy.observe(context))
-    t_last, mri, scores = reference_lazy(context, before["lazy_t_last"], before["lazy_mri"], threshold)
+    t_last, mri, scores = ref.lazy(context, before["lazy_t_last"], before["lazy_mri"], threshold)
     valid = context.positions >= 0
     for name, expected in (("lazy_t_last", t_last), ("lazy_mri", mri)):
         torch.testing.assert_close(context.state[name][valid], torch.tensor(expected)[valid], atol=0, rtol=0)
@@ -229,25 +165,13 @@ def test_lazy_hand_computed_score():
     torch.testing.assert_close(scores.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
-def reference_raas(context: EvictionContext, last_hits, threshold):
-    """The written rule: each entry's timestamp is its own position until a query with attention
-    >= theta refreshes it to that query's position; every query in order."""
-    stamps = [
-        [[max(s, float(p)) for s, p in zip(hits, head)] for hits, head in zip(row_hits, row)]
-        for row_hits, row in zip(last_hits, context.positions.tolist())
-    ]
-    for b, h, t, weights in ref.observed_attention(**context_lists(context)):
-        ref.raas_observe(stamps[b][h], weights, t, threshold)
-    return stamps
-
-
 @pytest.mark.parametrize("threshold", [1e-4, 0.05, 0.2])
 def test_raas_matches_reference(threshold):
     context = random_context(14, 6, seed=8)
     stored = torch.where(torch.rand(context.positions.shape) < 0.5, context.positions + 2.0, float("-inf"))
     context.state = {"raas_timestamp": stored}
     policy = make_policy("raas", threshold=threshold)
-    expected = reference_raas(context, stored.tolist(), threshold)
+    expected = ref.raas(context, stored.tolist(), threshold)
     context.state.update(policy.observe(context))
     valid_close(policy.keep_scores(context), [[h[:14] for h in b] for b in expected], context, atol=0)
     assert policy.default_protect_prompt and policy.needs_attention
@@ -284,30 +208,6 @@ def test_lazy_stamps_prompt_entries_zero_and_new_entries_their_position_minus_on
 
 
 # -- EpiKV ---------------------------------------------------------------------------------------------
-def reference_epikv(hidden_a, hidden_b, positions, window: int) -> list:
-    """Per row, per token in order: g = ||h(t) - h(t-1)||, z against the last `window` g values
-    (population std), score z_a - z_b; tokens at position < 1 get no g and score 0."""
-    scores = []
-    for b in range(len(positions)):
-        history = {"a": [], "b": []}
-        row = []
-        for t, position in enumerate(positions[b]):
-            if position < 1:
-                row.append(0.0)
-                continue
-            z = {}
-            for band, hidden in (("a", hidden_a), ("b", hidden_b)):
-                g = math.sqrt(sum((x - y) ** 2 for x, y in zip(hidden[b][t], hidden[b][t - 1])))
-                history[band].append(g)
-                recent = history[band][-window:]
-                mean = sum(recent) / len(recent)
-                std = math.sqrt(sum((x - mean) ** 2 for x in recent) / len(recent))
-                z[band] = (g - mean) / (std + Z_EPSILON)
-            row.append(z["a"] - z["b"])
-        scores.append(row)
-    return scores
-
-
 def run_epikv(policy, hidden: dict, positions: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     policy.reset()
     out, start = [], 0
@@ -326,7 +226,7 @@ def test_epikv_scores_match_reference_and_do_not_depend_on_chunking():
     policy = make_policy("epikv", window=window)
     assert policy.tapped_layers(4) == (0, 2)  # hidden states 1 and 3 = decoder layers 0 and 2
     whole = run_epikv(policy, hidden, positions, [length])
-    expected = reference_epikv(hidden[0].tolist(), hidden[2].tolist(), positions.tolist(), window)
+    expected = ref.epikv(hidden[0].tolist(), hidden[2].tolist(), positions.tolist(), window)
     torch.testing.assert_close(whole.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-4, rtol=0)
     for chunks in ([1] * length, [9, 1, 1, 7, 5], [4, 19]):
         torch.testing.assert_close(run_epikv(policy, hidden, positions, chunks), whole, atol=1e-5, rtol=0)

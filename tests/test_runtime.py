@@ -13,7 +13,8 @@ from foresight.policies import make_policy
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.sampling import SamplingConfig
-from tests.helpers import constructible_policies, prompts
+from tests.policy_lists import constructible_policies
+from tests.prompts import prompts
 
 ARCHS = ("llama", "qwen2", "qwen3")
 B, L = 12, 4

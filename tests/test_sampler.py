@@ -10,7 +10,8 @@ import torch
 from foresight.data.slot_cache import SlotLayer
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_gumbel, logits_processors
 from foresight.data.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
-from tests.helpers import eos_prone_model, random_prompts
+from tests.decoding import eos_prone_model
+from tests.prompts import random_prompts
 
 EOS = 2
 SAMPLING = SamplingConfig(temperature=0.8, top_k=20, top_p=0.95)

@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.scorer.model import ForesightScorer
 from foresight.scorer.eviction_sampling import (
     draw_eviction,
     evict_lowest,
@@ -17,28 +17,8 @@ from foresight.scorer.eviction_sampling import (
     plackett_luce_logprob,
     sample_eviction,
 )
-from tests.helpers import independent_mlp
-
-
-def make_config(**overrides) -> ScorerConfig:
-    options = dict(num_layers=3, num_query_heads=4, num_kv_heads=2, head_dim=8, budget=16, interval=4,
-                   base_model="tiny-llama", feature_set="official-8")
-    return ScorerConfig(**{**options, **overrides})
-
-
-def make_scorer(seed: int = 0, **overrides) -> ForesightScorer:
-    torch.manual_seed(seed)
-    return ForesightScorer(make_config(**overrides))
-
-
-def random_inputs(config: ScorerConfig, *leading: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    shape = (*leading, config.num_kv_heads, 5)
-    return (
-        torch.randn(*shape, config.head_dim, generator=generator),
-        torch.randn(*shape, config.head_dim, generator=generator),
-        torch.rand(*shape, config.feature_width, generator=generator),
-    )
+from tests.reference_features import independent_mlp
+from tests.scorers import make_config, make_scorer, random_inputs
 
 
 def test_stacked_scorer_equals_independent_mlps():

@@ -20,7 +20,7 @@ from foresight.bench.serving import (
     parse_memory_cap,
 )
 from foresight.data.tasks import chat_prompt_ids
-from tests.helpers import CHAT_TEMPLATE, char_tokenizer, random_prompts
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, random_prompts
 
 B, L = 16, 4
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16  # foresight.models.tiny_model

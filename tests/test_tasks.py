@@ -22,7 +22,7 @@ from foresight.data.tasks import (
     parse_sources,
     recorded_source,
 )
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA, write_lines
 
 
 def test_reasoning_gym_problems_are_the_packages_with_the_instruction():

@@ -14,7 +14,7 @@ from foresight.models import tiny_model
 from foresight.data.tasks import chat_prompt_ids
 from foresight.data.trace_import import EMPTY, NOT_A_ROW, NOT_ROUND_TRIP, import_traces
 from foresight.data.trace_store import TraceStore
-from tests.helpers import CHAT_TEMPLATE, char_tokenizer, write_lines
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, write_lines
 
 EOS = 2
 TOKENIZER = char_tokenizer(CHAT_TEMPLATE)

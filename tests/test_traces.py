@@ -21,7 +21,8 @@ from foresight.models import tiny_model
 from foresight.data.tasks import chat_prompt_ids, check_answer, load_problems
 from foresight.data.trace_store import Trace, TraceStore, describe_traces, folder_sources
 from foresight.data.trace_generation import generate_traces, token_losses
-from tests.helpers import CHAT_TEMPLATE, DATA, char_tokenizer, eos_prone_model, write_lines
+from tests.decoding import eos_prone_model
+from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA, write_lines
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2

@@ -32,7 +32,8 @@ from foresight.models import load_model, tiny_model
 from trainers.preparation import FrozenModel, make_examples, make_labels, scorer_trajectory
 from foresight.scorer.model import load_scorer
 from foresight.data.trace_store import TraceStore
-from tests.helpers import DATA, scorer_spec, synthetic_traces
+from tests.prompts import DATA
+from tests.scorers import scorer_spec, synthetic_traces
 from trainers import data as data_module
 from trainers import supervised
 from trainers.cli import cli_main
@@ -353,7 +354,7 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
     # One cache file per labelled trace, made once by the features step of the first run.
     labelled = len(list(LabelStore(traces_dir, B, L_).directory.iterdir()))
     assert len(list((split / "examples").glob("trace-*.safetensors"))) == labelled
-    assert f"examples: {split / 'examples'}: made the examples of 0 traces" in capsys.readouterr().out
+    assert f"examples: {split / 'examples'}: made the examples of 0 traces" in capsys.readouterr().err  # a step of the run: a diagnostic
 
 
 def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, traces_dir, capsys):
@@ -381,8 +382,10 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     out = tmp_path / "run"
     args = ["fit", "--config", str(config), "--out", str(out), "--set", "trainer.max_steps=2"]
     assert cli.main(args) == 0
-    lines = capsys.readouterr().out.splitlines()
-    steps = [line.split(":")[0] for line in lines if line.split(":")[0] in ("traces", "labels", "examples")]
+    captured = capsys.readouterr()  # the steps before the fit are diagnostics (stderr), its result is stdout
+    lines = captured.out.splitlines()
+    reports = [line.split(": ", 1) for line in captured.err.splitlines() if ": " in line]  # progress bars are there too
+    steps = [step for step, text in reports if step in ("traces", "labels", "examples") and text.startswith(str(out))]
     assert steps == ["traces", "labels", "examples"]
     assert len(TraceStore(out / "traces")) == 4 and "scorer trained for 2 steps" in lines[-1]
     labelled = len(list(LabelStore(out / "traces", B, L_).directory.iterdir()))
@@ -391,7 +394,7 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     # The scorer was configured before its traces existed; it still names their source.
     assert load_scorer(out / "scorer").config.training_sources == [str(DATA / "arithmetic.jsonl")]
     assert cli.main([*args, "--set", "trainer.max_steps=3", "--ckpt-path", "last"]) == 0
-    printed = capsys.readouterr().out
+    printed = "".join(capsys.readouterr())
     assert "0 shard(s) written, 1 already complete" in printed
     assert f"labelled 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already labelled" in printed
     assert f"made the examples of 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already made" in printed
@@ -402,7 +405,7 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     assert cli.main(["labels", "--traces", str(traces), "-B", str(B), "-L", str(L_)]) == 0
     assert cli.main(["examples", "--traces", str(traces), "-B", str(B), "-L", str(L_), "--out", str(verbs / "examples")]) == 0
     assert cli.main(fit_args(config, verbs, traces, "trainer.max_steps=1")) == 0
-    printed = capsys.readouterr().out
+    printed = "".join(capsys.readouterr())
     assert f"{labelled} already labelled" in printed and f"{labelled} already made" in printed
     assert "scorer trained for 1 steps" in printed
 

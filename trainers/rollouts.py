@@ -62,7 +62,7 @@ class LossReference(Choice):
     """What a rollout's token losses are compared with (ΔL of the reward, the loss ratio): the full-cache
     losses stored with the trace, or the frozen model's own full-cache losses in the dtype it runs in
     (`full_cache_losses`). The stored ones were made in the sampler's dtype; a rollout in another one (a
-    bfloat16 model on a CPU with bfloat16 matmuls, docs/benchmarks.md "Pipeline stages") would count the
+    bfloat16 model on a CPU with bfloat16 matmuls, docs/notes/pipeline.md) would count the
     rounding of its dtype as damage. Which tokens count (the bottom share by entropy) is read from the
     stored entropies either way."""
 

@@ -5,6 +5,7 @@ answers under every policy and budget, scored against their answers and the full
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 from foresight.commands._model import model_options
@@ -17,14 +18,16 @@ from foresight.eval.generation import (
     columns,
     generate_completions,
     plan_jobs,
-    sorted_rows,
+    by_agreement,
     source_columns,
     summarize,
     summarize_sources,
-    write_report,
+    write_generation_report,
 )
 from foresight.eval.report import markdown_table
 from foresight.models import DEFAULT_MODEL, load_model
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BATCH = 32
 
@@ -73,10 +76,10 @@ def run(args: argparse.Namespace, specs, notes: list[str]) -> int:
         "interval": args.interval,
         "intervals": "95% bootstrap over problems",
     }
-    paths = write_report(rows, source_rows, args.out, report_settings, notes, args.samples)
+    paths = write_generation_report(rows, source_rows, args.out, report_settings, notes, args.samples)
     for note in notes:
-        print(f"note: {note}")
-    print(markdown_table(sorted_rows(rows), columns(args.samples)))
+        log.info("note: %s", note)
+    print(markdown_table(by_agreement(rows), columns(args.samples)))
     print()
     print(markdown_table(source_rows, source_columns(args.samples)))
     print(

@@ -21,6 +21,7 @@ over traces or problems) and one PNG per figure (budget on the x axis).
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +40,7 @@ from foresight.commands._policy import (
 )
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
-from foresight.eval.results import markdown_table, write_report
+from foresight.eval.results import evaluation_table, write_evaluation
 from foresight.eval.specs import (
     RECOMMENDED_SEEDS,
     PolicySpec,
@@ -49,6 +50,8 @@ from foresight.eval.specs import (
 )
 from foresight.models import load_model
 from foresight.scorer.eviction_sampling import check_temperature
+
+log = logging.getLogger(__name__)
 
 TRACE_BATCH = 4
 LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
@@ -213,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
         **sampled_settings(args.sampled_seeds, args.sample_temperature),
         **trained_on(specs, {t.source for t in traces}),
     }
-    paths = write_report(result, args.out, settings)
+    paths = write_evaluation(result, args.out, settings)
     for note in result.notes:
-        print(f"note: {note}")
-    print(markdown_table(result.rows))
+        log.info("note: %s", note)
+    print(evaluation_table(result.rows))
     print(
         f"evaluated {len(traces)} traces x {len(specs)} policies x {len(args.budgets)} budgets in "
         f"{time.perf_counter() - started:.1f} s; results written to {args.out} ({', '.join(p.name for p in paths)})"

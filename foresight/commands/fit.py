@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -54,6 +55,8 @@ from trainers.preparation import (
     make_traces,
     scorer_trajectory,
 )
+
+log = logging.getLogger(__name__)
 
 
 TRAINING_RECORD = "training.json"
@@ -153,7 +156,7 @@ def record_sources(config: ScorerConfig, traces_dir: str | os.PathLike) -> None:
 
 def _report(step: str, summary, show: bool) -> None:
     if show:
-        print(f"{step}: {summary.describe()}", flush=True)
+        log.info("%s: %s", step, summary.describe())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from foresight.models import describe
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_draw, logits_processors
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
-CPU_BATCH = 16  # rows decoded together on a CPU when the caller does not say (docs/benchmarks.md)
+CPU_BATCH = 16  # rows decoded together on a CPU when the caller does not say (docs/notes/trace-generation.md)
 MAX_GPU_BATCH = 256
 GPU_MEMORY_SHARE = 0.8  # of the free accelerator memory that the KV cache and logits may take
 

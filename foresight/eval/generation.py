@@ -398,12 +398,12 @@ def _accuracy_columns(samples: int) -> tuple[Column, ...]:
     )
 
 
-def sorted_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def by_agreement(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """By budget, the full cache first, then by agreement with it (highest first)."""
     return sorted(rows, key=lambda r: (r["budget"], r["policy"] != REFERENCE.name, -(r["agreement"] or 0.0)))
 
 
-def write_report(
+def write_generation_report(
     rows: Sequence[dict[str, Any]],
     source_rows: Sequence[dict[str, Any]],
     out_dir: str | Path,
@@ -415,6 +415,6 @@ def write_report(
     table) and a plot per figure of PLOTTED (budget on the x axis, intervals as error bars)."""
     by_source = markdown_table(source_rows, source_columns(samples))
     return write_results(
-        out_dir, "Accuracy under eviction", settings, notes, sorted_rows(rows), columns(samples), PLOTTED,
+        out_dir, "Accuracy under eviction", settings, notes, by_agreement(rows), columns(samples), PLOTTED,
         after=[by_source],
     )

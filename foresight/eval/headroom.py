@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from foresight.eval.metric_registry import METRICS
 from foresight.eval.stats import CONFIDENCE, RESAMPLES, percentile_interval, resample_counts
 
 REFERENCE, ORACLE = "full", "golden"
@@ -118,10 +119,11 @@ def headroom(
     if learned not in comparable or not heuristics:
         return None
     weights = _resample_weights(len(traces), resamples, seed)  # [1 + resamples, traces]; row 0: the sample itself
-    ratios, damages = (
-        {p: _pooled(*_figure_sums(table, traces, figure), weights) for p, table in comparable.items()}
-        for figure in FIGURES
-    )
+    pooled = {
+        figure: {p: _pooled(*_figure_sums(table, traces, figure), weights) for p, table in comparable.items()}
+        for figure in ("loss_ratio", "low_entropy_damage")
+    }
+    ratios, damages = pooled["loss_ratio"], pooled["low_entropy_damage"]
     best = min(heuristics, key=lambda p: ratios[p][0])
     least_damaging = min(heuristics, key=lambda p: damages[p][0])
     gap = ratios[best] - ratios[ORACLE]
@@ -141,8 +143,9 @@ def headroom(
     )
 
 
-FIGURES = {"loss_ratio": ("nll_evicted", "nll_full"), "low_entropy_damage": ("damaged", "low_entropy")}
-"""The pooled figures a paired comparison reads: numerator and denominator sums of `TraceScore`."""
+FIGURES = {m.name: (m.numerator, m.denominator) for m in METRICS if m.paired}
+"""The pooled figures a paired comparison reads (the metrics marked `paired`): numerator and denominator
+sums of `TraceScore`."""
 
 
 def paired_gain(

@@ -38,8 +38,8 @@ that never evicts (full) is the reference itself: loss ratio 1, no damage, cosin
 golden cadence's tokens (j >= B + L). Traces shorter than B + L never evict and are skipped with a
 count, per budget.
 
-The probe lives in `foresight.eval.probe`, the per-trace sums in `foresight.eval.tally` and the report
-in `foresight.eval.results`.
+The probe lives in `foresight.eval.probe`, the metrics in `foresight.eval.metric_registry`, the per-trace
+sums in `foresight.eval.tally` and the report in `foresight.eval.results`.
 """
 
 from __future__ import annotations

@@ -70,11 +70,14 @@ def write_results(
     reference: str = "full",
     after: Sequence[str] = (),
     by_memory: Sequence[str] = (),
+    learned: Sequence[str] = (),
+    higher_is_better: Sequence[str] = (),
 ) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (title, settings, notes, table, then the
     markdown blocks of `after`) and one PNG per metric in `plotted` that has a value (budget against
     the metric, one line per policy, the `reference` policy dashed), and one more per metric of
-    `by_memory` against the rows' KV memory (`kv_mib`). Returns the paths written."""
+    `by_memory` against the rows' KV memory (`kv_mib`); `learned` and `higher_is_better` (metric names) as
+    `plot_metric` takes them. Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
@@ -90,10 +93,12 @@ def write_results(
     write_text(paths[2], text)
     for metric in plotted:
         if any(row.get(metric) is not None for row in rows):
-            paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png", reference))
+            paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png", reference, learned=learned,
+                                     higher_is_better=metric in higher_is_better))
     for metric in by_memory:
         if any(row.get(metric) is not None and row.get(MEMORY) is not None for row in rows):
-            paths.append(plot_metric(rows, metric, out_dir / f"{metric}_by_memory.png", reference, x=MEMORY))
+            paths.append(plot_metric(rows, metric, out_dir / f"{metric}_by_memory.png", reference, x=MEMORY,
+                                     learned=learned, higher_is_better=metric in higher_is_better))
     return paths
 
 
@@ -101,12 +106,29 @@ MEMORY = "kv_mib"
 """The rows' KV memory per sequence in MiB, the x axis of the memory plots."""
 
 
+STRONGEST = 3
+"""Heuristics drawn in colour beside the learned scorer and golden; the others are drawn thin and grey."""
+
+
 def plot_metric(
-    rows: Sequence[dict[str, Any]], metric: str, path: Path, reference: str = "full", x: str = "budget"
+    rows: Sequence[dict[str, Any]],
+    metric: str,
+    path: Path,
+    reference: str = "full",
+    x: str = "budget",
+    learned: Sequence[str] = (),
+    higher_is_better: bool = False,
+    oracle: str = "golden",
 ) -> Path:
     """Budget (or `x`: MEMORY) against `metric`, one line per policy (matplotlib, Agg backend), with the
-    confidence interval as error bars where rows have one; each policy gets its own colour and marker,
-    the `reference` a dashed black line (a point, against memory)."""
+    confidence interval as error bars where rows have one; the `reference` a dashed black line (a point,
+    against memory).
+
+    Without `learned` every policy gets its own colour and marker. With the learned rows named, the plot
+    is read at a glance: the learned scorers and the `oracle` bold in their own colours, the STRONGEST
+    other policies (best mean of the metric over their points) in colour, every other policy thin and
+    grey without error bars; a caption says at which budgets the learned scorer ran (a scorer runs at the
+    B it was trained for, so a curve over budgets is one scorer per budget, never one applied across)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,20 +138,28 @@ def plot_metric(
     tab20 = plt.get_cmap("tab20").colors
     colours, markers = tab20[0::2] + tab20[1::2], "osD^v<>pPhX*"  # the ten strong colours first
     low_key, high_key = interval_keys(metric)
-    for index, policy in enumerate(dict.fromkeys(row["policy"] for row in rows)):
+    curves = {}
+    for policy in dict.fromkeys(row["policy"] for row in rows):
         points = sorted(
             (r[x], r[metric], r.get(low_key), r.get(high_key))
             for r in rows if r["policy"] == policy and r[metric] is not None and r.get(x) is not None
         )
-        if not points:
-            continue
+        if points:
+            curves[policy] = points
+    styles = _emphasis(curves, reference, learned, oracle, higher_is_better) if learned else {}
+    if styles:  # the legend reads from the reference and the emphasised lines down to the muted ones
+        curves = {policy: curves[policy] for policy in styles}
+    for index, (policy, points) in enumerate(curves.items()):
         style = dict(color="black", linestyle="--") if policy == reference else dict(color=colours[index % 20])
+        style |= styles.get(policy, {})
+        muted = style["color"] == MUTED
         xs, values = [p[0] for p in points], [p[1] for p in points]
-        if all(p[2] is not None and p[3] is not None for p in points):
+        marker = markers[index % len(markers)]
+        if not muted and all(p[2] is not None and p[3] is not None for p in points):
             errors = [[v - p[2] for v, p in zip(values, points)], [p[3] - v for v, p in zip(values, points)]]
-            axes.errorbar(xs, values, yerr=errors, capsize=3, marker=markers[index % len(markers)], label=policy, **style)
+            axes.errorbar(xs, values, yerr=errors, capsize=3, marker=marker, label=policy, **style)
         else:
-            axes.plot(xs, values, marker=markers[index % len(markers)], label=policy, **style)
+            axes.plot(xs, values, marker=marker, label=policy, **style)
     name = metric.replace("_", " ")
     if x == MEMORY:
         axes.set_xscale("log", base=2)
@@ -139,11 +169,56 @@ def plot_metric(
         axes.set_xticks(sorted({row["budget"] for row in rows}))
         axes.set_xlabel("budget B (cache entries)")
         axes.set_title(f"{name} by budget (L={rows[0]['interval']})")
+    if learned:
+        figure.text(0.01, 0.01, _learned_caption(rows, learned), fontsize="small", color="dimgray")
     axes.set_ylabel(name)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-    figure.tight_layout()
+    handles = dict(zip(*reversed(axes.get_legend_handles_labels())))  # label -> handle, in the order drawn
+    axes.legend([handles[p] for p in curves], list(curves), fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    figure.tight_layout(rect=(0, 0.08 if learned else 0, 1, 1))
     with atomic_file(path) as temporary:
         figure.savefig(temporary, dpi=120, format="png")
     plt.close(figure)
     return path
+
+
+MUTED = "#b0b0b0"
+LEARNED_COLOURS = ("#d62728", "#ff7f0e", "#8c564b", "#e377c2")  # red first: the learned scorer
+ORACLE_COLOUR = "#2ca02c"
+STRONG_COLOURS = ("#1f77b4", "#9467bd", "#17becf")
+
+
+def _emphasis(
+    curves: dict[str, list[tuple]], reference: str, learned: Sequence[str], oracle: str, higher_is_better: bool
+) -> dict[str, dict[str, Any]]:
+    """Every policy's line style, in legend order: the reference, the oracle and the learned scorers bold,
+    the STRONGEST other policies (best mean of the metric over their points) in their own colours, then
+    the rest thin and grey."""
+    styles: dict[str, dict[str, Any]] = {}
+    if reference in curves:
+        styles[reference] = dict(color="black", linestyle="--")
+    if oracle in curves:
+        styles[oracle] = dict(color=ORACLE_COLOUR, linewidth=2.2, linestyle=":", zorder=4)
+    for index, policy in enumerate(p for p in learned if p in curves):
+        styles[policy] = dict(color=LEARNED_COLOURS[index % len(LEARNED_COLOURS)], linewidth=2.6, zorder=5, markersize=8)
+    others = [p for p in curves if p not in styles]
+    sign = -1 if higher_is_better else 1
+    ranked = sorted(others, key=lambda p: sign * sum(point[1] for point in curves[p]) / len(curves[p]))
+    for policy, colour in zip(ranked[:STRONGEST], STRONG_COLOURS):
+        styles[policy] = dict(color=colour, linewidth=1.4, zorder=3)
+    for policy in ranked[STRONGEST:]:
+        styles[policy] = dict(color=MUTED, linewidth=0.8, alpha=0.6, markersize=3, zorder=1)
+    return styles
+
+
+def _learned_caption(rows: Sequence[dict[str, Any]], learned: Sequence[str]) -> str:
+    """Where each learned scorer ran: at the B it was trained for (one scorer per budget)."""
+    parts = []
+    for policy in learned:
+        budgets = sorted({row["budget"] for row in rows if row["policy"] == policy})
+        if budgets:
+            parts.append(f"{policy} at B = {', '.join(map(str, budgets))}")
+    return (
+        f"bold: the learned scorer ({'; '.join(parts)}), run only at the budget it was trained for (one scorer per\n"
+        f"budget, none applied across budgets); colour: golden and the {STRONGEST} strongest heuristics; grey: the rest"
+    )

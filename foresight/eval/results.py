@@ -14,8 +14,8 @@ from typing import Any
 
 from foresight.artifacts import write_text
 from foresight.eval.headroom import Headroom, TraceScore, headroom, headroom_rows
-from foresight.eval.report import Column, write_results
-from foresight.eval.report import markdown_table as format_table
+from foresight.eval.metric_registry import METRICS
+from foresight.eval.report import Column, markdown_table, write_results
 from foresight.eval.specs import REFERENCE
 
 
@@ -27,39 +27,33 @@ class EvaluationResult:
     learned: tuple[str, ...] = ()  # the rows of learned scorers (`ScorerSpec`), whatever they are named
 
 
-METRICS = ("loss_ratio", "low_entropy_damage", "low_entropy_dl2", "attn_cosine", "golden_overlap")
-BY_MEMORY = ("loss_ratio", "low_entropy_damage")
+PLOTTED = tuple(m.name for m in METRICS if m.plotted)
+BY_MEMORY = tuple(m.name for m in METRICS if m.by_memory)
 """The figures also drawn against the KV memory each policy holds (the field's accuracy-against-memory curves)."""
-
 
 COLUMNS: tuple[Column, ...] = (
     ("policy", "policy", "{}"),
     ("budget", "B", "{}"),
     ("interval", "L", "{}"),
     ("kv_mib", "KV MiB / sequence", "{:.2f}"),
-    ("loss_ratio", "loss ratio", "{:.4f}"),
-    ("low_entropy_damage", "low-entropy damage", "{:.2%}"),
-    ("low_entropy_dl2", "mean ΔL² (damaged)", "{:.3f}"),
-    ("low_entropy_penalty", "−R", "{:.4f}"),
-    ("attn_cosine", "attn cosine", "{:.4f}"),
-    ("golden_overlap", "golden overlap", "{:.3f}"),
+    *((m.name, m.label, m.fmt) for m in METRICS if m.label is not None),
     ("traces", "traces", "{}"),
     ("tokens", "tokens", "{}"),
 )
 
 
-def sorted_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def by_loss_ratio(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """By budget, then loss ratio (best first; rows without one last)."""
     return sorted(rows, key=lambda r: (r["budget"], math.inf if r["loss_ratio"] is None else r["loss_ratio"]))
 
 
-def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+def evaluation_table(rows: Sequence[dict[str, Any]]) -> str:
     """The results as a markdown table, one line per (budget, policy), each metric with its 95%
     bootstrap interval over traces in brackets; '–' where a metric is undefined."""
-    return format_table(sorted_rows(rows), COLUMNS)
+    return markdown_table(by_loss_ratio(rows), COLUMNS)
 
 
-def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[Path]:
+def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (settings, notes, table) and one PNG
     per metric (budget against the metric, one line per policy, intervals as error bars), plus
     traces.json (every scored trace's sums) and, for each learned scorer, its share of the headroom
@@ -67,8 +61,9 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike, settings:
     comparisons = learned_headroom(result)
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
     paths = write_results(
-        out_dir, "Teacher-forced evaluation", settings, result.notes, sorted_rows(result.rows), COLUMNS, METRICS,
-        reference=REFERENCE.name, after=sections, by_memory=BY_MEMORY,
+        out_dir, "Teacher-forced evaluation", settings, result.notes, by_loss_ratio(result.rows), COLUMNS, PLOTTED,
+        reference=REFERENCE.name, after=sections, by_memory=BY_MEMORY, learned=result.learned,
+        higher_is_better=[m.name for m in METRICS if m.higher_is_better],
     )
     paths.append(Path(out_dir) / "traces.json")
     write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))

@@ -1,7 +1,7 @@
 """What one (policy, budget) accumulates over the replayed traces, and its result row.
 
-One entry per scored trace, the unit the confidence intervals resample; a new metric is added here
-(its per-trace sums and its row) and named in `foresight.eval.results`'s columns.
+One entry per scored trace, the unit the confidence intervals resample; the figures of a row are the
+metrics of `foresight.eval.metric_registry`, pooled over those entries.
 """
 
 from __future__ import annotations
@@ -13,32 +13,26 @@ from typing import Any
 import torch
 
 from foresight.eval.headroom import TraceScore
-from foresight.metrics import (
-    EntropyDamage,
-    loss_ratio,
-    low_entropy_damage,
-    scored_tokens,
-)
+from foresight.eval.metric_registry import METRICS, SUM, SUMS, Part, ScoredTrace
 from foresight.eval.report import set_interval
 from foresight.eval.stats import bootstrap_interval
+from foresight.metrics import scored_tokens
 from foresight.data.trace_store import Trace
+
+_TRACE_SCORE_SUMS = tuple(f.name for f in fields(TraceScore))[4:]
+"""The sums `TraceScore` keeps per trace (after policy, budget, index and source)."""
 
 
 # -- the replay loop -----------------------------------------------------------------------------
 @dataclass
 class TraceTally:
-    """Everything one (policy, budget) accumulates over the batches, one entry per scored trace (the
-    unit the confidence intervals resample)."""
+    """Everything one (policy, budget) accumulates over the batches: per scored trace, its part of every
+    sum of `SUMS` (for a sampled policy, the mean over its seeds)."""
 
-    evicted_nll: list[torch.Tensor] = field(default_factory=list)
-    full_nll: list[torch.Tensor] = field(default_factory=list)
-    cosine: list[torch.Tensor] = field(default_factory=list)
-    damages: list[EntropyDamage] = field(default_factory=list)
-    overlap_hits: list[float] = field(default_factory=list)  # a mean over seeds for a sampled policy
-    overlap_kept: list[int] = field(default_factory=list)
+    parts: list[dict[str, Part]] = field(default_factory=list)
+    traces: list[Trace] = field(default_factory=list)  # the scored traces, in the order of `parts`
     never_evicted: int = 0
     seconds: float = 0.0
-    traces: list[Trace] = field(default_factory=list)  # the scored traces, in the order of the lists above
 
     def add_trace(
         self,
@@ -54,101 +48,63 @@ class TraceTally:
         if not bool(scored.any()):
             self.never_evicted += 1
             return
-        self.evicted_nll.append(nll[scored])
-        self.full_nll.append(trace.token_nll[scored])
-        self.damages.append(low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored]))
+        tokens = ScoredTrace(
+            trace, nll[scored], trace.token_nll[scored], trace.token_entropy[scored],
+            torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored], *overlap,
+        )
+        self.parts.append({s.name: s.part(tokens) for s in SUMS})
         self.traces.append(trace)
-        self.cosine.append(torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored])
-        self.overlap_hits.append(overlap[0])
-        self.overlap_kept.append(overlap[1])
 
     def extend(self, other: TraceTally) -> None:
         """Add the traces of `other` (another batch of the same policy and budget)."""
-        for name in _PER_TRACE:
-            getattr(self, name).extend(getattr(other, name))
+        self.parts += other.parts
+        self.traces += other.traces
         self.never_evicted += other.never_evicted
         self.seconds += other.seconds
 
     @staticmethod
     def mean(replays: Sequence[TraceTally]) -> TraceTally:
-        """The per-trace means of replays of the same traces (a sampled policy under several seeds): the
-        NLL and cosine of every scored token, the damage counts and the overlap hits are averaged; the
-        seconds add up. One replay is returned as it is."""
+        """The per-trace means of replays of the same traces (a sampled policy under several seeds): every
+        sum that is not a property of the trace itself is averaged (`Sum.mean`); the seconds add up. One
+        replay is returned as it is."""
         first = replays[0]
         if len(replays) == 1:
             return first
         if any(replay._scored() != first._scored() for replay in replays):
             raise ValueError("replays to average must score the same tokens of the same traces")
-
-        def mean_tensors(name: str) -> list[torch.Tensor]:
-            return [torch.stack(parts).double().mean(0) for parts in zip(*(getattr(r, name) for r in replays))]
-
-        return TraceTally(
-            evicted_nll=mean_tensors("evicted_nll"),
-            full_nll=first.full_nll,
-            cosine=mean_tensors("cosine"),
-            damages=[EntropyDamage.mean(parts) for parts in zip(*(r.damages for r in replays))],
-            overlap_hits=[sum(parts) / len(replays) for parts in zip(*(r.overlap_hits for r in replays))],
-            overlap_kept=first.overlap_kept,
-            never_evicted=first.never_evicted,
-            seconds=sum(r.seconds for r in replays),
-            traces=first.traces,
-        )
+        parts = [
+            {s.name: s.mean([trace[s.name] for trace in seeds]) for s in SUMS}
+            for seeds in zip(*(r.parts for r in replays))
+        ]
+        seconds = sum(r.seconds for r in replays)
+        return TraceTally(parts, first.traces, first.never_evicted, seconds)
 
     def _scored(self) -> list[tuple[int, int]]:
         """(trace index, scored tokens) of every scored trace."""
-        return [(trace.index, nll.numel()) for trace, nll in zip(self.traces, self.evicted_nll)]
+        return [(trace.index, parts["tokens"]) for trace, parts in zip(self.traces, self.parts)]
+
+    def sums(self, name: str) -> list[float]:
+        """Each scored trace's sum `name` (a `Sum` of `SUMS`)."""
+        return [SUM[name].of_trace(parts[name]) for parts in self.parts]
 
     def trace_scores(self, policy: str, budget: int) -> list[TraceScore]:
         """Each scored trace's sums, for intervals over traces (`foresight.eval.headroom`)."""
-        return [
-            TraceScore(
-                policy, budget, trace.index, trace.source, evicted.numel(), float(evicted.double().sum()),
-                float(full.double().sum()), damage.low_entropy, damage.damaged,
-            )
-            for trace, damage, evicted, full in zip(self.traces, self.damages, self.evicted_nll, self.full_nll)
-        ]
+        sums = zip(*(self.sums(name) for name in _TRACE_SCORE_SUMS))
+        return [TraceScore(policy, budget, trace.index, trace.source, *values) for trace, values in zip(self.traces, sums)]
 
     def row(self, policy: str, budget: int, interval: int, overlap: bool) -> dict[str, Any]:
-        tokens = sum(t.numel() for t in self.evicted_nll)
-        evicted = torch.cat(self.evicted_nll) if tokens else torch.zeros(0)
-        full = torch.cat(self.full_nll) if tokens else torch.zeros(0)
-        damage = sum(self.damages, EntropyDamage())
-        overlap = overlap and sum(self.overlap_kept) > 0
-        row = {
-            "policy": policy,
-            "budget": budget,
-            "interval": interval,
-            "traces": len(self.evicted_nll),
-            "tokens": tokens,
-            "loss_ratio": loss_ratio(evicted, full) if tokens else None,
-            "nll_evicted": float(evicted.double().mean()) if tokens else None,
-            "nll_full": float(full.double().mean()) if tokens else None,
-            "low_entropy_damage": damage.share if tokens else None,
-            "low_entropy_dl2": damage.mean_squared if tokens else None,
-            "low_entropy_penalty": damage.penalty if tokens else None,
-            "low_entropy_tokens": damage.low_entropy,
-            "damaged_tokens": damage.damaged,
-            "attn_cosine": float(torch.cat(self.cosine).mean()) if tokens else None,
-            "golden_overlap": sum(self.overlap_hits) / sum(self.overlap_kept) if overlap else None,
-            "never_evicted": self.never_evicted,
-            "seconds": round(self.seconds, 3),
-        }
-        for metric, parts in self._per_trace().items():
-            set_interval(row, metric, None if row[metric] is None else bootstrap_interval(*parts))
+        """The result row: every metric of `METRICS` pooled over the scored traces (None where undefined:
+        no scored token; the golden overlap without `overlap`, i.e. no labels or a policy that keeps
+        everything), then each one's interval over traces."""
+        pooled = {s.name: s.pooled([parts[s.name] for parts in self.parts]) for s in SUMS}
+        tokens = pooled["tokens"]
+        row: dict[str, Any] = {"policy": policy, "budget": budget, "interval": interval, "traces": len(self.parts), "tokens": tokens}
+        for metric in METRICS:
+            undefined = (metric.denominator is not None and not tokens) or (metric.golden and not overlap)
+            row[metric.name] = None if undefined else metric.value(pooled)
+        row |= {"never_evicted": self.never_evicted, "seconds": round(self.seconds, 3)}
+        for metric in METRICS:
+            if metric.interval:
+                parts = (self.sums(metric.numerator), self.sums(metric.denominator))
+                set_interval(row, metric.name, None if row[metric.name] is None else bootstrap_interval(*parts))
         return row
-
-    def _per_trace(self) -> dict[str, tuple[list[float], list[float]]]:
-        """(numerator, denominator) per trace of every reported metric: the interval resamples traces."""
-        return {
-            "loss_ratio": ([float(t.double().sum()) for t in self.evicted_nll], [float(t.double().sum()) for t in self.full_nll]),
-            "low_entropy_damage": ([d.damaged for d in self.damages], [d.low_entropy for d in self.damages]),
-            "low_entropy_dl2": ([d.squared_sum for d in self.damages], [d.damaged for d in self.damages]),
-            "low_entropy_penalty": ([d.squared_sum for d in self.damages], [d.low_entropy for d in self.damages]),
-            "attn_cosine": ([float(c.sum()) for c in self.cosine], [c.numel() for c in self.cosine]),
-            "golden_overlap": (self.overlap_hits, self.overlap_kept),
-        }
-
-
-_PER_TRACE = tuple(f.name for f in fields(TraceTally) if f.name not in ("never_evicted", "seconds"))
-"""The lists of `TraceTally` that hold one entry per scored trace."""

@@ -1,0 +1,46 @@
+"""Prompts of the tests: the character tokenizer of the tiny models and its chat template, the prompt files
+under data/, and random prompts of given lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (id = code point) plus <pad> 0, <s> 1, </s> 2: the
+    special ids of foresight.models.tiny_model, whose 128-token vocabulary it fits."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 10, **{chr(code): code for code in range(32, 127)}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def write_lines(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths, of random ids in 3..127 (no special token of the tiny models)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
+
+
+def prompts(lengths, seed=0, vocab=128):
+    """Prompts of the given lengths, of random ids in 1..vocab - 1."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
