@@ -61,7 +61,7 @@ CHUNKS = 8
 """Independent parts the planted episodes are split into to estimate tr(Σ) from their means."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """The options of `foresight bench rl-signal`, each with its help text."""
 
@@ -100,9 +100,11 @@ class Settings:
         if not 0 < self.planted_share < 1:
             raise ValueError(f"planted_share must lie in (0, 1), got {self.planted_share}")
 
+    @property
     def command(self) -> str:
-        """The `foresight bench rl-signal` options that reproduce these settings."""
-        return " ".join(f"--{item.name.replace('_', '-')} {getattr(self, item.name)}" for item in dataclasses.fields(self))
+        """The `foresight bench rl-signal` command that reproduces these settings (the report's --out aside)."""
+        options = " ".join(f"--{item.name.replace('_', '-')} {getattr(self, item.name)}" for item in dataclasses.fields(self))
+        return f"foresight bench {NAME} {options}"
 
 
 def estimators(settings: Settings) -> list[Estimator]:
@@ -365,7 +367,7 @@ def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[No
     today, today_tokens = noise["episodes"][0], tokens["episodes"]
     lines = [
         f"### Policy-gradient signal of the reinforcement stage's estimators ({torch.device(settings.device).type})", "",
-        f"Command: `foresight bench rl-signal {settings.command()}` {threads_note()}", "",
+        f"Command: `{settings.command}` {threads_note()}", "",
         (
             f"Scorer `{settings.scorer}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
             f"({', '.join(sorted({trace.source for trace in traces}))}) cut to {settings.tokens} tokens; τ = "
