@@ -12,6 +12,7 @@ import torch
 from foresight.models import tiny_model
 from foresight.data.trace_generation import generate_traces
 from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
+from tests.rl_runs import scorer_for
 
 torch.set_num_threads(1)
 
@@ -54,3 +55,11 @@ def peaked_llama():
     at the default init attention is near uniform, so thresholds pass everything and H2O, summing every
     query, keeps the oldest entries on every head."""
     return tiny_model("llama", initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def start_scorer(tmp_path_factory, tiny_dir) -> Path:
+    """A random scorer of the tiny Llama saved as a folder: the reinforcement stage's starting point."""
+    folder = tmp_path_factory.mktemp("start") / "scorer"
+    scorer_for(tiny_model("llama"), base_model=str(tiny_dir)).save_pretrained(folder)
+    return folder

@@ -15,7 +15,7 @@ from foresight import cli
 from foresight.commands.rl import lightning_args as rl_lightning_args
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.test_rl import B, L_, Killed, KillAtStep, random_trace, rl_args, rl_config, scorer_for, start_scorer  # noqa: F401
+from tests.rl_runs import B, L_, Killed, KillAtStep, random_trace, rl_args, rl_config, scorer_for
 from trainers.cli import rl_cli_main
 from trainers.branches import BranchSettings, branch_points, changing_steps, roll_out_branches
 

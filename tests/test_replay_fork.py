@@ -8,7 +8,8 @@ import torch
 
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, ReplayOutput
-from tests.helpers import constructible_policies, random_scorer
+from tests.policy_lists import constructible_policies
+from tests.scorers import random_scorer
 
 B, L = 12, 4
 LENGTH, PROMPT = 50, 5

@@ -24,15 +24,25 @@ from transformers import AttentionInterface, Qwen2Config, Qwen3Config
 
 from foresight import cli
 from foresight.commands.rl import lightning_args as rl_lightning_args
-from foresight.models import ModelShape, describe, tiny_model
+from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.scorer.model import load_scorer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.scorer.model import ForesightScorer
 from foresight.data.trace_store import Trace
-from foresight.data.trace_generation import token_losses
 from trainers import grpo as grpo_module
 from trainers.cli import rl_cli_main
+from tests.rl_runs import (
+    B,
+    L_,
+    KillAtStep,
+    Killed,
+    enumerated_order_probabilities,
+    random_trace,
+    rl_args,
+    rl_config,
+    scorer_for,
+)
 from trainers.rollouts import (
     EvictionActions,
     full_cache_losses,
@@ -47,7 +57,7 @@ from trainers.rollouts import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-B, L_ = 16, 4  # the cadence of the tiny traces (tests.test_trainer)
+
 
 
 @pytest.fixture(scope="module")
@@ -55,40 +65,7 @@ def llama():
     return tiny_model("llama")
 
 
-def scorer_for(shape, budget: int = B, interval: int = L_, seed: int = 0, base_model: str = "tiny") -> ForesightScorer:
-    """A random scorer for a model (or model config, or `ModelShape`) with spread-out keep scores."""
-    shape = shape if isinstance(shape, ModelShape) else describe(shape)
-    torch.manual_seed(seed)
-    scorer = ForesightScorer(ScorerConfig(
-        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, budget=budget, interval=interval, base_model=base_model))
-    with torch.no_grad():  # keep scores a few units apart: the sampled evictions differ between rows
-        scorer.w1.mul_(4)
-    return scorer
-
-
-def random_trace(model, length: int, prompt: int = 5, seed: int = 0) -> Trace:
-    ids = torch.randint(3, 120, (length,), generator=torch.Generator().manual_seed(seed))
-    nll, entropy = token_losses(model, ids)
-    return Trace(index=seed, source="tiny", input_ids=ids, prompt_length=prompt, token_nll=nll, token_entropy=entropy,
-                 answer=None, correct=None, prompt="", completion="")
-
-
 # -- rollouts against slow references -------------------------------------------------------------
-def enumerated_order_probabilities(scores: list[float], eligible: list[bool], draws: int) -> dict[tuple, float]:
-    """P(order) of every ordered draw of `draws` eligible entries, by sequential softmax over the negated
-    scores of the entries still available (the definition of Eq. 2's sampling without replacement)."""
-    probabilities = {}
-    for order in itertools.permutations([i for i in range(len(scores)) if eligible[i]], draws):
-        available, probability = [i for i in range(len(scores)) if eligible[i]], 1.0
-        for pick in order:
-            weights = {i: math.exp(-scores[i]) for i in available}
-            probability *= weights[pick] / sum(weights.values())
-            available.remove(pick)
-        probabilities[order] = probability
-    return probabilities
-
-
 def test_logprob_of_recorded_orders_equals_brute_force_enumeration(llama):
     """B = 6, L = 2: pools of 4 entries, 12 possible orders per (step, layer, row, KV head)."""
     scorer = scorer_for(llama, budget=6, interval=2)
@@ -409,34 +386,6 @@ def test_zero_advantage_groups_by_hand():
 
 
 # -- the module, the CLI, DDP ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def start_scorer(tmp_path_factory, tiny_dir) -> Path:
-    folder = tmp_path_factory.mktemp("start") / "scorer"
-    scorer_for(tiny_model("llama"), base_model=str(tiny_dir)).save_pretrained(folder)
-    return folder
-
-
-def rl_config(path: Path, tiny_dir: Path, traces: Path, **sections) -> Path:
-    config = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "log_every_n_steps": 1,
-                    "enable_progress_bar": False, "enable_model_summary": False},
-        "model": {"group_size": 4, "lr": 0.01, "warm_up": 1, "beta": 0.05, "damage_threshold": 0.0},
-        "data": {"model": str(tiny_dir), "traces_dir": str(traces), "budget": B, "interval": L_,
-                 "holdout": 0.2, "batch_size": 2},
-        "checkpoint": {},
-    }
-    for section, values in sections.items():
-        config[section].update(values)
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def rl_args(config: Path, scorer: Path, out: Path, *overrides: str) -> list[str]:
-    return ["rl", "--config", str(config), "--scorer", str(scorer), "--out", str(out),
-            *itertools.chain.from_iterable(("--set", item) for item in overrides)]
-
-
 class GradientProbe(L.Callback):
     """Records which parameters hold a gradient when the optimiser steps."""
 
@@ -541,21 +490,6 @@ def test_groups_of_equal_rewards_teach_nothing(tmp_path, tiny_dir, traces_dir, s
     start = load_file(start_scorer / "model.safetensors")
     for name, tensor in load_file(run / "scorer" / "model.safetensors").items():
         assert torch.equal(tensor, start[name]), name
-
-
-class Killed(Exception):
-    pass
-
-
-class KillAtStep(L.Callback):
-    """Stops a run as a kill would: before the batch after `step`, whose checkpoint is written."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise Killed
 
 
 def without_stored_losses(traces: Path, out: Path) -> Path:

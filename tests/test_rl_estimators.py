@@ -18,14 +18,7 @@ from foresight import cli
 from foresight.bench.rl_signal import chunk_noise_scale, noise_scale
 from foresight.metrics import dense_terms, token_damage
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob, plackett_luce_set_logprob
-from tests.test_rl import (  # noqa: F401  (start_scorer is a fixture)
-    enumerated_order_probabilities,
-    random_trace,
-    rl_args,
-    rl_config,
-    scorer_for,
-    start_scorer,
-)
+from tests.rl_runs import enumerated_order_probabilities, random_trace, rl_args, rl_config, scorer_for
 from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, REWARD_RULES, Estimator, leave_one_out_advantages
 from trainers.rollouts import group_advantages, roll_out, rollout_seeds
 
@@ -254,7 +247,7 @@ def test_estimator_resolves_every_rule_and_rejects_unknown_ones():
 
 # -- the GRPO module with each option ------------------------------------------------------------------
 def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_path, tiny_dir, traces_dir,
-                                                                           start_scorer, capsys):  # noqa: F811
+                                                                           start_scorer, capsys):
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir,
                        model={"logprob_rule": "set", "advantage_rule": "leave_one_out", "reward_rule": "dense",
                               "damage_offset": 0.05})
@@ -273,7 +266,7 @@ def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_pa
 
 
 def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, tiny_dir, traces_dir,
-                                                                     start_scorer):  # noqa: F811
+                                                                     start_scorer):
     """(ΔL − 0)₊^p and ΔL^p·1[ΔL > 0] are the same numbers: the same rewards, so the same trained weights;
     with the set log-probability and RLOO the weights differ from the paper's estimator's."""
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
@@ -304,7 +297,7 @@ def test_noise_scale_of_samples_with_known_mean_and_covariance():
     assert math.isinf(noise_scale(np.zeros((40, 40)))[0])  # gradients of exactly 0: no signal, B_noise ∞
 
 
-def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):  # noqa: F811
+def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
     """No token is damaged past η = 10⁶, so the thresholded reward teaches nothing (every group's advantages
     are 0, no signal resolved) in episodes and branch groups alike, while the dense one does (resolved for
     episodes; the 8 branch groups are too few to promise it); the planted reward's true gradient is

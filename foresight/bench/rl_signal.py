@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from foresight.bench.common import machine, threads_note
 from foresight.data.trace_store import Trace, TraceStore
-from foresight.models import describe, load_model
+from foresight.models import describe, float_dtype, load_model
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer, load_scorer
 from trainers.branches import BranchSettings, roll_out_branches
@@ -85,6 +85,7 @@ class Settings:
     resamples: int = field(default=2000, metadata={"help": "bootstrap resamples of the groups"})
     seed: int = field(default=0, metadata={"help": "seeds the rollouts, the planted entries and the bootstrap"})
     device: str = field(default="cpu", metadata={"help": "device of the model and the scorer"})
+    dtype: str = field(default="float32", metadata={"help": "dtype of the frozen model (the traces' losses were made in float32)"})
 
     def __post_init__(self) -> None:
         counts = {"count": self.count, "groups": self.groups, "planted_episodes": self.planted_episodes,
@@ -117,7 +118,7 @@ def run(settings: Settings) -> str:
     """Roll out, measure every estimator, check the planted reward; the report's markdown section."""
     started = time.perf_counter()
     store = TraceStore(settings.traces)
-    model, _ = load_model(store.settings["model"], device=settings.device)
+    model, _ = load_model(store.settings["model"], device=settings.device, dtype=float_dtype("dtype", settings.dtype))
     scorer = load_scorer(settings.scorer).to(settings.device)
     scorer.check_compatible(describe(model))
     traces = measured_traces(store, settings, scorer.config.budget + scorer.config.interval)
