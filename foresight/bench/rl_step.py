@@ -14,31 +14,41 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from foresight.bench.common import threads_note
+from foresight.bench.common import PlacedSettings, threads_note, traces_field
+from foresight.models import dtype_name
 
 NAME = "rl-step"
+RL_CONFIG = Path("configs/default-rl.yaml")  # the default model, B = 128, L = 32, G = 8, on CPU
 
 
 @dataclass(frozen=True, kw_only=True)
-class RlStepSettings:
-    """`lightning_args(scratch)`: the reinforcement LightningCLI's arguments (no subcommand) of a
-    `foresight rl` run of `steps` optimisation steps, one trace each, with groups of `group_size`,
-    writing under the folder `scratch`; `device` names where it runs, for the report."""
+class Settings(PlacedSettings):
+    traces: Path = traces_field("traces of the default model (`foresight traces`)")
+    scorer: str = field(default="checkpoints/default", metadata={"help": "supervised scorer to start from"})
+    steps: int = field(default=2, metadata={"help": "optimisation steps, one trace each"})
+    group_size: int = field(default=8, metadata={"help": "rollouts per trace (G)"})
 
-    lightning_args: Callable[[Path], list[str]]
-    steps: int
-    group_size: int
-    device: str
-    command: str
+    def lightning_args(self, scratch: Path) -> list[str]:
+        """The reinforcement LightningCLI's arguments (no subcommand) of `foresight rl` on RL_CONFIG for
+        `steps` steps of one trace each, groups of `group_size`, on the device, writing under `scratch`."""
+        if not self.traces.is_dir():
+            raise ValueError(f"--traces {self.traces} is not a folder; make one with `foresight traces`")
+        kind, _, index = self.run_device.partition(":")  # Lightning calls CUDA "gpu"
+        return [
+            f"--config={RL_CONFIG}", f"--trainer.default_root_dir={scratch}", f"--checkpoint.dirpath={scratch / 'checkpoints'}",
+            f"--model.scorer={self.scorer}", f"--data.traces_dir={self.traces}", f"--trainer.max_steps={self.steps}",
+            "--data.batch_size=1", f"--model.group_size={self.group_size}", "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false", f"--trainer.accelerator={'gpu' if kind == 'cuda' else kind}",
+            f"--trainer.devices={f'[{index}]' if index else 1}", f"--model.dtype={dtype_name(self.run_dtype)}",
+        ]
 
 
-def run(settings: RlStepSettings) -> str:
+def run(settings: Settings) -> str:
     """Run the stage for a few steps, noting the module's figures at each; the report's markdown section."""
     from lightning.pytorch.callbacks import Callback  # Lightning is imported only when the stage runs
 
@@ -63,7 +73,7 @@ def run(settings: RlStepSettings) -> str:
     rates = [step["steps_per_second"] for step in figures.steps]
     shares = [step["forward_share"] for step in figures.steps]
     return "\n".join([
-        f"### Reinforcement stage throughput ({torch.device(settings.device).type})", "",
+        f"### Reinforcement stage throughput ({torch.device(settings.run_device).type})", "",
         f"Command: `{settings.command}` {threads_note()}", "",
         f"Default model, B = 128, L = 32, G = {settings.group_size} rollouts of one trace per optimisation step, from the "
         f"shipped supervised scorer; {settings.steps} steps in {seconds:.0f} s (model load included).", "",
