@@ -119,7 +119,7 @@ def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(
     under the same rule holds the same number of entries."""
     import sys
 
-    from foresight.bench.serving import EngineDecoder
+    from foresight.bench.serve import EngineDecoder
     from foresight.bench.kvpress_worker import KvpressDecoder
     from tests.prompts import char_tokenizer, random_prompts
 

@@ -70,9 +70,9 @@ class ReportSettings:
     """Where the report goes: its section of a markdown file under runs/ unless --out says otherwise."""
 
     out: Path | None = field(default=None, metadata={
-        "help": "markdown report whose section is rewritten (default: runs/bench/BENCHMARK.md)"})
+        "help": "markdown report whose section is rewritten (default: runs/bench/BENCHMARK.md)", "report": True})
     section: str | None = field(default=None, metadata={
-        "help": "name of the report section to rewrite (default: BENCHMARK-DEVICE)"})
+        "help": "name of the report section to rewrite (default: BENCHMARK-DEVICE)", "report": True})
 
     @property
     def command(self) -> str:
@@ -122,12 +122,14 @@ class RuntimeSettings(ModelSettings):
 
     device: str = device_field("auto")
     dtype: DtypeName = dtype_field("auto")
-    policies: str = policies_field("every policy that needs no labels, the learned one included; full is always included")
+    policies: str = policies_field("every policy that needs no labels or scorer, and the learned one with --scorer; full "
+                                   "is always included")
     budget: int = budget_field(256)
     interval: int = interval_field(64)
     scorer: str | None = field(default=None, metadata={
         "help": "a trained scorer folder (or Hub id) that the learned `foresight` policy runs, trained for this B and "
-        "L (default: a scorer of the model's shape with seeded random weights: the same cost)", "metavar": "DIR"})
+        "L; without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the "
+        "same cost)", "metavar": "DIR"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,7 +141,9 @@ class RuntimeSettings(ModelSettings):
 
     @property
     def policy_names(self) -> list[str]:
-        return selected_policies(self.policies, learned=True)
+        """The full cache first; the learned policy when named, or in 'all' when --scorer is given."""
+        names = selected_policies(self.policies, learned=True)
+        return [name for name in names if name != LEARNED or self.policies != "all" or self.scorer is not None]
 
     def learned_scorer(self, model) -> ForesightScorer | None:
         """The scorer of the learned policy on the model's device (None when it is not among the policies)."""

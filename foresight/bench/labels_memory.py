@@ -36,7 +36,7 @@ MIB = 2**20
 class Settings(ModelSettings):
     section: str | None = field(default=None, metadata={
         "help": "name of the report section to rewrite (default: labels-memory-DEVICE, or labels-memory-CONFIG-DEVICE "
-        "for an architecture config or folder)"})
+        "for an architecture config or folder)", "report": True})
     lengths: tuple[int, ...] = field(default=(2048, 4096), metadata={"help": "trace lengths T"})
     budget: int = budget_field(128)
     interval: int = interval_field(32)

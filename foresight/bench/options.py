@@ -3,8 +3,9 @@ options and the command that reproduces a report are both made from those fields
 are made from its own (`foresight.policies.options`).
 
 A field `name: T = field(default=..., metadata={"help": "..."})` is the option --name (underscores become
-dashes; metadata "flags" spells it otherwise, e.g. ("--budget", "-B"), and "metavar" names its value). A
-field without a default is a required option; a field without help is no option. Its type says how text
+dashes; metadata "flags" spells it otherwise, e.g. ("--budget", "-B"), "metavar" names its value, and
+"report": True puts it after the others, where a reader looks for where the report went). A field without a
+default is a required option; a field without help is no option. Its type says how text
 becomes a value:
 - bool: a switch (the option alone sets it);
 - tuple[int, ...]: integers, comma- or space-separated (--batch-sizes 1,8 or --lengths 64 96);
@@ -27,8 +28,8 @@ from foresight.policies.options import describe_type, parse_value
 
 
 def options(settings_class: type) -> list[Field]:
-    """The fields of a settings class that are command-line options (those with help)."""
-    return [f for f in fields(settings_class) if "help" in f.metadata]
+    """The fields of a settings class that are command-line options (those with help), the report's last."""
+    return sorted((f for f in fields(settings_class) if "help" in f.metadata), key=lambda f: f.metadata.get("report", False))
 
 
 def flags(option: Field) -> tuple[str, ...]:

@@ -85,7 +85,12 @@ class Settings(PlacedSettings):
 
     @property
     def plot_path(self) -> Path:
-        return self.plot or self.report.parent / f"{self.section or NAME}.png"
+        return self.plot or self.report.parent / f"{section(self)}.png"
+
+
+def section(settings: Settings) -> str:
+    """--section, or paged-reclaim: the name of the report's section and of its plot."""
+    return settings.section or NAME
 
 
 @dataclass(frozen=True)
