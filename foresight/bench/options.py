@@ -73,14 +73,14 @@ def settings_from(settings_class: type, namespace: argparse.Namespace) -> Any:
 
 
 def command_line(settings: Any) -> str:
-    """The `foresight bench NAME ...` command that parses back into `settings`: every option whose value is
-    not an unset None, False or empty."""
+    """The `foresight bench NAME ...` command that parses back into `settings`: every option but those left
+    at an empty default (None, off, nothing given)."""
     settings_class = type(settings)
     hints = typing.get_type_hints(settings_class)
     words = ["foresight", "bench", benchmark_name(settings)]
     for option in options(settings_class):
         value, flag = getattr(settings, option.name), flags(option)[0]
-        if value is None and option.default is None or value is False or value == ():
+        if value in (None, False, (), "") and option.default == value:
             continue
         if value is True:
             words.append(flag)
