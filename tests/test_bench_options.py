@@ -82,6 +82,23 @@ def run(settings: Settings) -> str:
     assert "<!-- count-words:start -->" in text and "1 2 3 4 go now" in text
     assert f"`foresight bench count-words --upto 4 --words go --words now --out {out}`" in text
     assert cli.build_parser().parse_args(["bench", "count-words"]).upto == 3
+    (tmp_path / "bare.py").write_text('''"""A benchmark whose settings extend nothing: no --out, its report under runs/bench."""
+from dataclasses import dataclass, field
+
+NAME = "bare"
+
+
+@dataclass(frozen=True)
+class Settings:
+    seed: int = field(default=0, metadata={"help": "a seed"})
+
+
+def run(settings: Settings) -> str:
+    return f"seed {settings.seed}"
+''')
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "bare", "--seed", "5"]) == 0
+    assert "<!-- bare:start -->\nseed 5\n" in (tmp_path / "runs" / "bench" / "bare.md").read_text()
 
 
 def varied(settings):

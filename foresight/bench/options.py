@@ -48,9 +48,8 @@ def add_options(parser: argparse.ArgumentParser, settings_class: type) -> None:
             keywords["metavar"] = option.metadata["metavar"]
         if kind is bool:
             keywords.update(action="store_true", default=False)
-            del keywords["required"]
         elif _element(kind) is int:
-            keywords.update(nargs="+", type=_integers, action=_Joined, default=_text(default))
+            keywords.update(nargs="+", type=_integers, action=_Joined, default=None if required else _text(default))
         elif _element(kind) is str:
             keywords.update(action="append", default=None)
         elif typing.get_origin(kind) is Literal:

@@ -4,8 +4,10 @@ every figure of a table from one run on one machine.
 
 Every module of foresight/bench that defines NAME, a frozen `Settings` dataclass and `run(settings) -> str`
 is a benchmark: its docstring is the help, the fields of its settings are the options
-(`foresight.bench.options`). `--model` also takes an architecture config (configs/models/*.json) where a
-benchmark's speed and memory depend on the model's shape alone (random weights).
+(`foresight.bench.options`); settings that extend `foresight.bench.common.ReportSettings` also take --out
+and --section and know the command that reproduces them. `--model` also takes an architecture config
+(configs/models/*.json) where a benchmark's speed and memory depend on the model's shape alone (random
+weights).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from types import ModuleType
 import torch
 
 import foresight.bench
+from foresight.bench.common import RUNS, ReportSettings
 from foresight.bench.options import add_options, settings_from
 from foresight.eval.report import write_section
 
@@ -43,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def section(module: ModuleType, settings) -> str:
     """The report section a run rewrites: --section, the benchmark's own `section(settings)`, or
     NAME-DEVICE (NAME for a benchmark that runs no model of its own)."""
-    if settings.section:
+    if getattr(settings, "section", None):
         return settings.section
     if hasattr(module, "section"):
         return module.section(settings)
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     module = args.benchmark
     settings = settings_from(module.Settings, args)
     report = module.run(settings)
-    write_section(settings.report, section(module, settings), report)
+    out = settings.report if isinstance(settings, ReportSettings) else RUNS / f"{module.NAME}.md"
+    write_section(out, section(module, settings), report)
     print(report)
-    print(f"wrote the {module.NAME} section of {settings.report}")
+    print(f"wrote the {module.NAME} section of {out}")
     return 0
