@@ -82,7 +82,7 @@ def run(settings: Settings) -> str:
     assert "<!-- count-words:start -->" in text and "1 2 3 4 go now" in text
     assert f"`foresight bench count-words --upto 4 --words go --words now --out {out}`" in text
     assert cli.build_parser().parse_args(["bench", "count-words"]).upto == 3
-    (tmp_path / "bare.py").write_text('''"""A benchmark whose settings extend nothing: no --out, its report under runs/bench."""
+    (tmp_path / "bare.py").write_text('''"""A benchmark whose settings extend nothing: the verb adds --out and --section."""
 from dataclasses import dataclass, field
 
 NAME = "bare"
@@ -99,6 +99,8 @@ def run(settings: Settings) -> str:
     monkeypatch.chdir(tmp_path)
     assert cli.main(["bench", "bare", "--seed", "5"]) == 0
     assert "<!-- bare:start -->\nseed 5\n" in (tmp_path / "runs" / "bench" / "bare.md").read_text()
+    assert cli.main(["bench", "bare", "--out", "elsewhere.md", "--section", "mine"]) == 0
+    assert "<!-- mine:start -->\nseed 0\n" in (tmp_path / "elsewhere.md").read_text()
 
 
 def varied(settings):

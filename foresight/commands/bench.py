@@ -4,8 +4,8 @@ every figure of a table from one run on one machine.
 
 Every module of foresight/bench that defines NAME, a frozen `Settings` dataclass and `run(settings) -> str`
 is a benchmark: its docstring is the help, the fields of its settings are the options
-(`foresight.bench.options`); settings that extend `foresight.bench.common.ReportSettings` also take --out
-and --section and know the command that reproduces them. `--model` also takes an architecture config
+(`foresight.bench.options`). Every benchmark takes --out and --section (`foresight.bench.common.ReportSettings`,
+whose subclasses also know the command that reproduces them). `--model` also takes an architecture config
 (configs/models/*.json) where a benchmark's speed and memory depend on the model's shape alone (random
 weights).
 """
@@ -40,14 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         doc = module.__doc__
         sub = subparsers.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=parser.formatter_class)
         add_options(sub, module.Settings)
+        if not issubclass(module.Settings, ReportSettings):  # the verb writes the report all the same
+            add_options(sub, ReportSettings)
         sub.set_defaults(benchmark=module)
 
 
-def section(module: ModuleType, settings) -> str:
+def section(module: ModuleType, settings, given: str | None) -> str:
     """The report section a run rewrites: --section, the benchmark's own `section(settings)`, or
     NAME-DEVICE (NAME for a benchmark that runs no model of its own)."""
-    if getattr(settings, "section", None):
-        return settings.section
+    if given:
+        return given
     if hasattr(module, "section"):
         return module.section(settings)
     device = getattr(settings, "run_device", None)
@@ -59,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     module = args.benchmark
     settings = settings_from(module.Settings, args)
     report = module.run(settings)
-    out = settings.report if isinstance(settings, ReportSettings) else RUNS / f"{module.NAME}.md"
-    write_section(out, section(module, settings), report)
+    out = args.out or RUNS / f"{module.NAME}.md"
+    write_section(out, section(module, settings, args.section), report)
     print(report)
     print(f"wrote the {module.NAME} section of {out}")
     return 0
