@@ -211,6 +211,8 @@ def test_a_bad_value_is_one_line_naming_it(words, message, capsys):
         (["bench", "decode", "--device", "cuda:7"], "device 'cuda:7' is not available"),
         (["bench", "rl-heldout", "--traces", "t", "--scorer", "a=x"], "give exactly two --scorer NAME=DIR"),
         (["bench", "ablation", "--set", "nofolders", "--learned", "a=b"], "--set 'nofolders' must look like NAME=DIR,DIR,..."),
+        (["bench", "paged-reclaim", "--traces", "t", "--page-sizes", "16,0"], "page size 0 must be a positive number"),
+        (["bench", "pipeline", "--traces", "t", "--policy", "full"], "--policy 'full' evicts nothing"),
     ],
 )
 def test_settings_refuse_bad_input_in_one_line(words, message, capsys):

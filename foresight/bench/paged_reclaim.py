@@ -83,6 +83,14 @@ class Settings(PlacedSettings):
     plot: Path | None = field(default=None, metadata={
         "help": "PNG of the reclaimed share against page size (default: SECTION.png beside the report)"})
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for size in self.page_sizes:
+            if size < 1:
+                raise ValueError(f"page size {size} must be a positive number of positions")
+        for budget in self.budgets:
+            check_budget(budget, self.interval)
+
     @property
     def plot_path(self) -> Path:
         return self.plot or self.report.parent / f"{section(self)}.png"

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import write_text

@@ -43,7 +43,6 @@ from foresight.eval.specs import (
     ScorerSpec,
     check_distinct_names,
     policy_specs,
-    resolve_policies,
 )
 from foresight.models import load_model
 from foresight.scorer.eviction_sampling import check_temperature
