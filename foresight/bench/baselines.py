@@ -1,4 +1,4 @@
-"""Where a learned scorer stands against every other policy on several trace sets and budgets, and each policy's loss ratio against its KV memory.
+"""A learned scorer against every other policy on several trace sets and budgets, and loss ratio against KV memory.
 
 Combines `foresight eval` folders, running no model: per set and budget, every policy's pooled loss ratio
 and low-entropy damage with 95% bootstrap intervals over traces, its KV memory, and the learned scorer's

@@ -52,7 +52,8 @@ def budgets_field(default: tuple[int, ...]) -> Any:
 
 
 def interval_field(default: int) -> Any:
-    return field(default=default, metadata={"help": "entries evicted per step, every L tokens", "flags": ("--interval", "-L")})
+    return field(default=default, metadata={
+        "help": "entries evicted per step, every L tokens", "flags": ("--interval", "-L")})
 
 
 def policies_field(all_means: str) -> Any:
@@ -122,8 +123,8 @@ class RuntimeSettings(ModelSettings):
 
     device: str = device_field("auto")
     dtype: DtypeName = dtype_field("auto")
-    policies: str = policies_field("every policy that needs no labels or scorer, and the learned one with --scorer; full "
-                                   "is always included")
+    policies: str = policies_field(
+        "every policy that needs no labels or scorer, and the learned one with --scorer; full is always included")
     budget: int = budget_field(256)
     interval: int = interval_field(64)
     scorer: str | None = field(default=None, metadata={

@@ -29,7 +29,8 @@ from foresight.policies.options import describe_type, parse_value
 
 def options(settings_class: type) -> list[Field]:
     """The fields of a settings class that are command-line options (those with help), the report's last."""
-    return sorted((f for f in fields(settings_class) if "help" in f.metadata), key=lambda f: f.metadata.get("report", False))
+    declared = [f for f in fields(settings_class) if "help" in f.metadata]
+    return sorted(declared, key=lambda f: f.metadata.get("report", False))
 
 
 def flags(option: Field) -> tuple[str, ...]:

@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     subparsers = parser.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
     for name, module in benchmarks().items():
         doc = module.__doc__
-        sub = subparsers.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=parser.formatter_class)
+        sub = subparsers.add_parser(
+            name, help=doc.splitlines()[0], description=doc, formatter_class=parser.formatter_class
+        )
         add_options(sub, module.Settings)
         if not issubclass(module.Settings, ReportSettings):  # the verb writes the report all the same
             add_options(sub, ReportSettings)
