@@ -54,13 +54,14 @@ def test_memory_trace_is_flat_from_the_first_eviction(shrunk_config, name):
 
 def test_memory_benchmark_writes_its_section(shrunk_config, tmp_path, capsys):
     out = tmp_path / "bench.md"
-    argv = ["bench", "memory", "--model", str(shrunk_config), "--policies", "knorm", "-B", "32", "-L", "8",
+    argv = ["bench", "memory", "--model", str(shrunk_config), "--policies", "knorm,foresight", "-B", "32", "-L", "8",
             "--max-new-tokens", "60", "--batch-size", "2", "--out", str(out)]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- memory-cpu:start -->" in text and f"--model {shrunk_config}" in text
-    rows = [line for line in text.splitlines() if line.startswith("| full ") or line.startswith("| knorm ")]
-    assert len(rows) == 2
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    assert list(rows)[1:] == ["| full", "| knorm", "| foresight"]
+    assert int(rows["| foresight"][8]) > int(rows["| knorm"][8])  # an entry's bytes: its feature state on top
 
 
 def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp_path):
