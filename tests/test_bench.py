@@ -181,3 +181,21 @@ def test_trace_generation_samples_the_same_completions_in_every_mode(tiny_dir, t
     assert "<!-- trace-generation-cpu:start -->" in text and "produced the same completions" in text
     modes = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "tokens/s" not in line]
     assert modes == ["| batch 1", "| static 2", "| continuous 2"]
+
+
+def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
+    """The reinforcement benchmark's LightningCLI arguments are those of `foresight rl` on the same config,
+    scorer, traces and overrides."""
+    import argparse
+
+    from foresight.bench.rl_step import RL_CONFIG, Settings
+    from foresight.commands import rl
+
+    settings = Settings(traces=tmp_path, scorer="checkpoints/default", steps=3, group_size=4)
+    parser = argparse.ArgumentParser()
+    rl.add_arguments(parser)
+    overrides = ["trainer.max_steps=3", "data.batch_size=1", "model.group_size=4", "trainer.enable_progress_bar=false",
+                 "trainer.logger=false", "trainer.accelerator=cpu", "trainer.devices=1", "model.dtype=float32"]
+    argv = ["--config", str(RL_CONFIG), "--scorer", "checkpoints/default", "--out", str(tmp_path / "s"), "--traces",
+            str(tmp_path), *(word for text in overrides for word in ("--set", text))]
+    assert settings.lightning_args(tmp_path / "s") == rl.lightning_args(parser.parse_args(argv))[1:]
