@@ -141,11 +141,12 @@ def test_the_reproduction_command_parses_back_into_the_same_settings(name):
 
 
 def documented_commands() -> list[str]:
-    """Every complete `foresight bench` command of the docs, README and model cards (no placeholders)."""
+    """Every complete `foresight bench` command of the docs, README and model cards (no placeholders; not
+    docs/extending.md, whose walk-through adds a benchmark)."""
     paths = [*ROOT.glob("docs/**/*.md"), ROOT / "README.md", *ROOT.glob("configs/**/*.md"), *ROOT.glob("checkpoints/**/*.md")]
     found = []
-    for path in paths:
-        for match in re.finditer(r"foresight bench [a-z-]+[^`\n|]*", path.read_text().replace("\\\n", " ")):
+    for path in (path for path in paths if path.name != "extending.md"):
+        for match in re.finditer(r"foresight bench [a-z][a-z-]*[^`\n|]*", path.read_text().replace("\\\n", " ")):
             command = match.group(0).split("#")[0].strip()
             if not any(mark in command for mark in ("[", "...", "NAME")):
                 found.append(command)
@@ -164,7 +165,7 @@ def test_documented_commands_parse_and_reproduce():
             continue
         assert parse(shlex.split(settings.command)) == settings, command
         parsed += 1
-    assert parsed >= 25
+    assert parsed >= 20
 
 
 def test_documented_commands_keep_their_meaning():
