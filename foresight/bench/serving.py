@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
+from foresight.cache_argument import passed_cache
+
 MiB = 2**20
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)")
@@ -134,7 +136,7 @@ class Decoder(Protocol):
 
 class CacheWatch:
     """A forward hook on the model that records the peak bytes and entries of the cache it is given
-    (past_key_values) and raises CapExceeded past the cap. It runs at the end of the model's forward,
+    (under either name, `passed_cache`) and raises CapExceeded past the cap. It runs at the end of the model's forward,
     which is before our engine evicts and after kvpress has compressed inside the layers."""
 
     def __init__(self, model: torch.nn.Module, cap_bytes: int | None):
@@ -144,7 +146,7 @@ class CacheWatch:
         self.peak_entries = 0
 
     def _hook(self, module, args, kwargs, output) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs)
         if cache is None:
             return
         held = held_bytes(cache)
