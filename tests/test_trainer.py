@@ -565,3 +565,27 @@ def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_p
     trained = [weights(runs[name] / "ckpt" / "last.ckpt") for name in ("one", "two")]
     for name, tensor in trained[0].items():
         torch.testing.assert_close(trained[1][name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def test_the_training_clis_silence_named_third_party_notices_only(monkeypatch, caplog):
+    """Lightning's litlogger tip and torch's LeafSpec deprecation (from Lightning's pytree helper) are dropped;
+    another notice of the same logger, and another FutureWarning, still show."""
+    import logging
+    import warnings
+
+    from lightning.pytorch.utilities import rank_zero
+    from lightning.pytorch.utilities._pytree import _tree_flatten
+    from trainers.cli import quiet_third_party_notices
+
+    monkeypatch.delenv("JSONARGPARSE_DEPRECATION_WARNINGS", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_third_party_notices()
+        _tree_flatten(torch.zeros(1))  # builds a LeafSpec
+        warnings.warn("a notice of our own", FutureWarning)
+    assert [str(w.message) for w in caught] == ["a notice of our own"]
+    assert os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] == "off"
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        rank_zero.rank_zero_info("💡 Tip: For seamless cloud logging, try installing litlogger")
+        rank_zero.rank_zero_info("GPU available: False")
+    assert [record.getMessage() for record in caplog.records] == ["GPU available: False"]
