@@ -133,3 +133,11 @@ def test_every_verb_answers_a_bad_scorer_folder_in_one_line(verb, case, good, ti
     error = printed.strip().splitlines()[-1]  # after any progress bar or log line of the run before the error
     assert error.startswith(f"foresight {verb.split()[0]}: error: ") and "Traceback" not in printed, printed
     assert MESSAGES[case] in error, error
+
+
+def test_a_config_with_a_bad_value_names_its_file(good, tmp_path):
+    folder = Path(shutil.copytree(good, tmp_path / "bad-cadence"))
+    config = folder / "config.json"
+    config.write_text(config.read_text().replace('"interval": 4', '"interval": 16'))
+    with pytest.raises(ValueError, match=r"bad-cadence/config.json: budget B=16 must be larger than the interval L=16"):
+        load_scorer(folder)

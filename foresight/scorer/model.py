@@ -311,7 +311,10 @@ def read_scorer_config(config_file: Path) -> ScorerConfig:
         kind = f"format {values['format']!r}" if "format" in values else f"fields {', '.join(sorted(values)) or 'none'}"
         expected = ", ".join(_required_fields()) + (f", not {', '.join(unknown)}" if unknown else "")
         raise ValueError(f"{config_file} is not a scorer's config ({kind}): a scorer's config holds {expected}; {_WRITERS}")
-    return ScorerConfig(**values)
+    try:
+        return ScorerConfig(**values)
+    except ValueError as error:
+        raise ValueError(f"{config_file}: {error}") from None
 
 
 def load_weights(scorer: ForesightScorer, weights: str | os.PathLike, device: str | torch.device = "cpu") -> None:
@@ -322,8 +325,8 @@ def load_weights(scorer: ForesightScorer, weights: str | os.PathLike, device: st
         safetensors.torch.load_model(scorer, weights, strict=True, device=device)
     except SafetensorError as error:
         raise ValueError(
-            f"{weights} is not a complete safetensors file ({error}); expected the scorer's weights as "
-            f"{_WRITERS} (a broken download? fetch it again)"
+            f"{weights} is not a complete safetensors file ({error}); expected the weights that `foresight fit` "
+            "or `foresight export` wrote beside config.json (a broken download? fetch it again)"
         ) from None
     except RuntimeError as error:
         reason = " ".join(str(error).split())
