@@ -15,42 +15,19 @@ the reinforcement stage.
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-import warnings
 from collections.abc import Sequence
 
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from foresight.host_memory import keep_freed_memory
+from foresight.third_party import quiet_third_party_notices
 from trainers.data import GoldenDataModule
 from trainers.grpo import GRPOScorer
 from trainers.preparation import OnPolicyRounds, SeedEnsemble, TraceRecipe
 from trainers.rl_data import RolloutDataModule
 from trainers.supervised import SupervisedScorer
-
-
-class _NoTips(logging.Filter):
-    """Drops Lightning's advertisement of its cloud logger (an INFO line at every Trainer's start)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("💡 Tip:")
-
-
-_NO_TIPS = _NoTips()
-
-
-def quiet_third_party_notices() -> None:
-    """Silence, by name, the notices of libraries under the training stages that say nothing about the run,
-    so a stage's log shows its progress and results: Lightning's litlogger tip, torch's `LeafSpec`
-    deprecation (raised by Lightning's own pytree helper, FutureWarning) and jsonargparse's deprecations
-    of LightningCLI's calls (off through its documented switch unless the user set it). Warnings of any
-    other message, and every warning of this project's own calls, still show."""
-    os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NO_TIPS)
 
 
 def add_checkpoint_section(parser) -> None:
