@@ -18,7 +18,7 @@ out=${1:-runs/main}
 [ -e "$out/traces" ] || { mkdir -p "$out"; cp -r data/corpus/gsm-main "$out/traces"; }
 foresight fit --config configs/default.yaml --out "$out" \
   --set traces.num=24 --set traces.max_new_tokens=512 --set traces.batch_size=24 \
-  --set data.holdout=0.25 --set trainer.max_steps=120
+  --set data.holdout=0.25 --set trainer.max_steps=120 --set trainer.log_every_n_steps=5  # an epoch is 6 batches here
 foresight rl --config configs/default-rl.yaml --scorer "$out/scorer" --out "$out/rl" --traces "$out/traces" \
   --set data.holdout=0.25 --set data.batch_size=2 --set model.group_size=4 --set trainer.max_steps=3
 foresight labels --traces "$out/traces" --budget 256 --interval 32  # fit labelled B = 128; golden needs both
