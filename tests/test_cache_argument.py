@@ -16,7 +16,7 @@ from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.policies.triattention_stats import calibrate
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.helpers import prompts
+from tests.prompts import prompts
 
 B, L = 16, 4
 
