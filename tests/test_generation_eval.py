@@ -120,7 +120,6 @@ def test_a_killed_run_resumes_to_the_same_records(model, tmp_path, monkeypatch):
     assert generate_completions(model, tokenizer, problems, plans, resumed, progress=False) == 0
 
 
-@pytest.mark.slow  # a subprocess and two more runs: ~30 s on 2 shared cores
 def test_eval_prompts_killed_with_sigkill_and_run_again_writes_the_results_of_an_uninterrupted_run(tiny_dir, tmp_path):
     """`foresight eval --prompts reasoning-gym:TASK` killed (SIGKILL: no handler runs) once its first completions
     are on disk, then run again, writes the results.json of a run never interrupted."""
