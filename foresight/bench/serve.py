@@ -38,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from foresight.artifacts import write_text
+from foresight.cache_argument import passed_cache
 from foresight.bench.common import PROMPT, RuntimeSettings, bench_policy, machine, model_field
 from foresight.bench.kvpress_worker import PRESSES, KvpressDecoder
 from foresight.data.tasks import chat_prompt_ids
@@ -149,8 +150,8 @@ class Decoder(Protocol):
 
 class CacheWatch:
     """A forward hook on the model that records the peak bytes and entries of the cache it is given
-    (past_key_values) and raises CapExceeded past the cap. It runs at the end of the model's forward,
-    which is before our engine evicts and after kvpress has compressed inside the layers."""
+    (under either keyword, `passed_cache`) and raises CapExceeded past the cap. It runs at the end of the
+    model's forward, which is before our engine evicts and after kvpress has compressed inside the layers."""
 
     def __init__(self, model: torch.nn.Module, cap_bytes: int | None):
         self.model = model
@@ -159,7 +160,7 @@ class CacheWatch:
         self.peak_entries = 0
 
     def _hook(self, module, args, kwargs, output) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs)
         if cache is None:
             return
         held = held_bytes(cache)
