@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from foresight import commands
+from foresight.third_party import quiet_third_party_notices
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -99,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     default_allocator_settings()
     configure_logging()
+    quiet_third_party_notices()
     try:
         return args.run(args)
     except ValueError as error:  # bad input: one line, no traceback

@@ -49,6 +49,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from foresight.artifacts import check_metadata, file_problem, read_tensors, save_tensors
+from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, eviction_steps, keep_top
 from foresight.models import ModelShape, describe
 from foresight.runtime.capture import attention_implementation, attention_logits, logits_budget, register_attention
@@ -237,7 +238,7 @@ def _capture_forward(model: PreTrainedModel, input_ids: torch.Tensor, chunk_size
         for chunk in input_ids.to(model.device).split(chunk_size):
             model(
                 input_ids=chunk[None],
-                past_key_values=cache,
+                **cache_argument(model, cache),
                 use_cache=True,
                 logits_to_keep=1,
                 golden_capture=capture,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -200,6 +201,37 @@ def float_dtype(name: str, value: str) -> torch.dtype:
 def dtype_name(dtype: torch.dtype) -> str:
     """'float16' for torch.float16: how a dtype is written in configs, keys and commands."""
     return str(dtype).removeprefix("torch.")
+
+
+AUTO = "auto"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE = re.compile(r"cpu|mps|cuda(?::(?P<index>\d+))?")
+
+
+def check_device(text: str) -> str:
+    """`text` when it names a device this machine has (cpu, cuda, cuda:N, mps) or is `auto`; else a one-line error."""
+    if text == AUTO:
+        return text
+    match = _DEVICE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"unknown device {text!r}; choose cpu, cuda, cuda:N, mps or auto")
+    if text.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(match["index"] or 0) >= count:
+            raise ValueError(f"device {text!r} is not available: this machine has {count} CUDA device(s)")
+    if text == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' is not available on this machine")
+    return text
+
+
+def placement(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """The device and dtype that a device name (or `auto`: cuda if available, else cpu) and a dtype name (or
+    `auto`: bfloat16 on cuda, float32 elsewhere) ask for."""
+    if device == AUTO:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == AUTO:
+        return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return device, DTYPES[dtype]
 
 
 def cache_dir() -> Path:

@@ -275,28 +275,25 @@ def step_prepare(scale: Scale, work: Path) -> dict:
 
 
 def _pipeline_settings(scale: Scale, work: Path):
-    from foresight.bench.pipeline import PipelineSettings
-    from foresight.eval.specs import resolve_policies
+    from foresight.bench.pipeline import Settings
 
-    (policy,), _ = resolve_policies("snapkv")
-    return PipelineSettings(traces=work / "traces", budget=scale.budget, interval=scale.interval, policy=policy,
-                            fit_steps=scale.fit_steps, batch_size=2, group_size=scale.group_size, device=scale.device,
-                            dtype=_model_dtype(scale), command="scripts/gpu_acceptance.py")
+    return Settings(traces=work / "traces", budget=scale.budget, interval=scale.interval, policy="snapkv",
+                    fit_steps=scale.fit_steps, batch_size=2, group_size=scale.group_size, device=scale.device,
+                    dtype=scale.dtype)
 
 
 def step_fit(scale: Scale, work: Path) -> dict:
     """The example cache of the prepared traces (`foresight examples`), then `fit_steps` steps of the supervised
     fit from it, as `foresight bench pipeline` times them (after the first)."""
-    from foresight.bench.pipeline import _data_module, _fit_steps
+    from foresight.bench.pipeline import _data_module, _fit
     from trainers.preparation import make_examples
-    from trainers.supervised import SupervisedScorer
 
     settings = _pipeline_settings(scale, work)
     data = _data_module(settings, str(_work_model_dir(work)), str(work / "examples"))
     started = time.perf_counter()
     make_examples(data.frozen, data.examples, progress=False)
     examples_seconds = time.perf_counter() - started
-    row = _fit_steps(data, settings, None, SupervisedScorer, "fit", "")
+    row = _fit(data, settings)
     return {"examples_seconds": examples_seconds, "steps": row.work, "seconds": row.seconds, "steps_per_second": row.rate,
             "traces_per_step": settings.batch_size}
 
@@ -304,13 +301,14 @@ def step_fit(scale: Scale, work: Path) -> dict:
 def step_rl(scale: Scale, work: Path) -> dict:
     """G sampled rollouts of every prepared trace under a fresh scorer (`foresight bench pipeline`'s rollouts
     row), after one warm-up group."""
-    from foresight.bench.pipeline import _bench_scorer, _rollout_row
+    from foresight.bench.common import random_scorer
+    from foresight.bench.pipeline import _rollout_row
     from foresight.data.trace_store import TraceStore
     from trainers.preparation import FrozenModel
 
     settings = _pipeline_settings(scale, work)
-    model = FrozenModel(str(_work_model_dir(work)), scale.device, settings.dtype).load()[0]
-    scorer = _bench_scorer(model, settings)
+    model = FrozenModel(str(_work_model_dir(work)), scale.device, settings.run_dtype).load()[0]
+    scorer = random_scorer(model, settings.budget, settings.interval)
     traces = list(TraceStore(settings.traces))
     _rollout_row(model, scorer, traces[:1], 2, "warm-up", "")
     row = _rollout_row(model, scorer, traces, scale.group_size, "rl rollouts", "")
@@ -322,12 +320,13 @@ def step_rl(scale: Scale, work: Path) -> dict:
 
 def step_capacity_flags(scale: Scale, work: Path) -> dict:
     """The capacity step's command parsed by the CLI and turned into the benchmark's settings, not run (it needs CUDA)."""
+    from foresight.bench.options import settings_from
     from foresight.cli import build_parser
 
     command = _capacity(Context(scale, True, work, work))
     args = build_parser().parse_args(command[command.index("foresight.cli") + 1 :])
-    settings = args.benchmark.settings(args)
-    return {"policies": list(settings.policies), "lengths": settings.lengths, "budget": settings.budget,
+    settings = settings_from(args.benchmark.Settings, args)
+    return {"policies": settings.policy_names, "lengths": list(settings.lengths), "budget": settings.budget,
             "interval": settings.interval}
 
 

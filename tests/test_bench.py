@@ -1,6 +1,7 @@
-"""`foresight bench`: the memory benchmark's trace of a real run, the capacity benchmark's batch search,
-and its refusal without a GPU, the labelling benchmark's worker processes, and the line between the
-command line and the benchmarks: every one is a sub-command, and none of foresight.bench reads argv."""
+"""`foresight bench`: the memory benchmark's trace of a real run, the decode benchmark's learned scorer, the
+capacity benchmark's batch search and its refusal without a GPU, the labelling benchmark's worker processes,
+and the line between the command line and the benchmarks: every one is a sub-command, and no benchmark
+module reads argv (foresight.bench.options alone turns their fields into options)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tqdm import tqdm
 import foresight.bench
 from foresight.cli import main
 from foresight.bench.capacity import largest_batch
+from foresight.bench.common import random_scorer
 from foresight.bench.memory import MemoryTrace, _Sampler
 from foresight.models import random_model
 from foresight.policies import make_policy
@@ -52,13 +54,37 @@ def test_memory_trace_is_flat_from_the_first_eviction(shrunk_config, name):
 
 def test_memory_benchmark_writes_its_section(shrunk_config, tmp_path, capsys):
     out = tmp_path / "bench.md"
-    argv = ["bench", "memory", "--model", str(shrunk_config), "--policies", "knorm", "-B", "32", "-L", "8",
+    argv = ["bench", "memory", "--model", str(shrunk_config), "--policies", "knorm,foresight", "-B", "32", "-L", "8",
             "--max-new-tokens", "60", "--batch-size", "2", "--out", str(out)]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- memory-cpu:start -->" in text and f"--model {shrunk_config}" in text
-    rows = [line for line in text.splitlines() if line.startswith("| full ") or line.startswith("| knorm ")]
-    assert len(rows) == 2
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    assert list(rows)[1:] == ["| full", "| knorm", "| foresight"]
+    assert int(rows["| foresight"][8]) > int(rows["| knorm"][8])  # an entry's bytes: its feature state on top
+
+
+def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp_path):
+    """Shape-only, the learned policy runs a random scorer of the model's shape; its evictions take time."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "decode", "--model", str(shrunk_config), "--policies", "snapkv,foresight", "-B", "32", "-L", "8",
+            "--max-new-tokens", "60", "--batch-sizes", "2", "--out", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert "random weights (seed 0)" in text and "<!-- decode-cpu:start -->" in text
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "%" in line}
+    assert list(rows) == ["| full", "| snapkv", "| foresight"]
+    assert float(rows["| full"][4].rstrip("%")) == 0 and float(rows["| foresight"][4].rstrip("%")) > 0
+
+
+def test_a_scorer_trained_for_another_cadence_is_refused_in_one_line(shrunk_config, tmp_path, capsys):
+    scorer = random_scorer(random_model(shrunk_config), 48, 16)
+    scorer.save_pretrained(tmp_path / "scorer")
+    argv = ["bench", "memory", "--model", str(shrunk_config), "--scorer", str(tmp_path / "scorer"), "-B", "32", "-L", "8",
+            "--out", str(tmp_path / "bench.md")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert "was trained for B = 48, L = 16; run with --budget 48 --interval 16" in error and "\n" not in error
 
 
 def test_capacity_refuses_to_run_without_a_gpu(capsys, monkeypatch):
@@ -113,8 +139,10 @@ def test_bench_help_lists_every_benchmark(capsys):
 
 
 def test_no_benchmark_module_reads_a_command_line():
-    """argparse objects stay in foresight.commands: the benchmarks take settings."""
+    """argparse objects stay in foresight.commands and foresight.bench.options: the benchmarks take settings."""
     for path in sorted(Path(foresight.bench.__file__).parent.glob("*.py")):
+        if path.name == "options.py":
+            continue
         tree = ast.parse(path.read_text(), filename=str(path))
         imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
         imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
@@ -129,7 +157,7 @@ def test_labels_memory_measures_each_length_in_a_worker(shrunk_config, tmp_path,
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- labels-memory-qwen3-shrunk-cpu:start -->" in text
-    assert f"foresight bench labels-memory --model {shrunk_config} --lengths 64 96 --budget 16 --interval 8" in text
+    assert f"--model {shrunk_config} --lengths 64,96 --budget 16 --interval 8" in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 64 ") or line.startswith("| 96 ")]
     assert [int(row[1]) for row in rows] == [(64 - 16) // 8, (96 - 16) // 8]  # eviction steps M of each length
 
@@ -141,7 +169,7 @@ def test_eval_prefix_times_both_evaluations_of_the_same_table(traces_dir, tmp_pa
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- eval-prefix-cpu:start -->" in text and "Both runs gave the same table" in text
-    assert "| ratio (plain / shared) |" in text and "foresight bench eval-prefix --traces" in text
+    assert "| ratio (plain / shared) |" in text and f"--traces {traces_dir} --holdout 1.0" in text
 
 
 def test_trace_generation_samples_the_same_completions_in_every_mode(tiny_dir, tmp_path):
@@ -153,3 +181,21 @@ def test_trace_generation_samples_the_same_completions_in_every_mode(tiny_dir, t
     assert "<!-- trace-generation-cpu:start -->" in text and "produced the same completions" in text
     modes = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "tokens/s" not in line]
     assert modes == ["| batch 1", "| static 2", "| continuous 2"]
+
+
+def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
+    """The reinforcement benchmark's LightningCLI arguments are those of `foresight rl` on the same config,
+    scorer, traces and overrides."""
+    import argparse
+
+    from foresight.bench.rl_step import RL_CONFIG, Settings
+    from foresight.commands import rl
+
+    settings = Settings(traces=tmp_path, scorer="checkpoints/default", steps=3, group_size=4)
+    parser = argparse.ArgumentParser()
+    rl.add_arguments(parser)
+    overrides = ["trainer.max_steps=3", "data.batch_size=1", "model.group_size=4", "trainer.enable_progress_bar=false",
+                 "trainer.logger=false", "trainer.accelerator=cpu", "trainer.devices=1", "model.dtype=float32"]
+    argv = ["--config", str(RL_CONFIG), "--scorer", "checkpoints/default", "--out", str(tmp_path / "s"), "--traces",
+            str(tmp_path), *(word for text in overrides for word in ("--set", text))]
+    assert settings.lightning_args(tmp_path / "s") == rl.lightning_args(parser.parse_args(argv))[1:]

@@ -12,7 +12,7 @@ from foresight.cli import main
 from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
-STAGES = ["labels", "examples", "eval replay", "fit before", "fit now", "rl rollouts before", "rl rollouts now",
+STAGES = ["labels", "examples", "eval replay", "fit", "rl rollouts before", "rl rollouts now",
           "rl rollouts now, 2 traces per replay", "rl rollouts now, bfloat16"]
 
 
@@ -52,7 +52,7 @@ def test_pipeline_times_every_stage_with_its_forward_share(traces_dir, tiny_dir,
             "--group-size", "2", "--out", str(out)]
     assert main(argv) == 0
     text = out.read_text()
-    assert "<!-- pipeline-cpu:start -->" in text and f"foresight bench pipeline --traces {traces_dir}" in text
+    assert "<!-- pipeline-cpu:start -->" in text and f"--traces {traces_dir} --budget 16" in text
     stages, steps = text.split("Per eviction step")
     rows = table_rows(stages)
     assert list(rows) == STAGES
@@ -63,7 +63,7 @@ def test_pipeline_times_every_stage_with_its_forward_share(traces_dir, tiny_dir,
             assert work == "2 steps" and share == "–"
         else:
             assert work.endswith("tokens") and 0 < float(share.rstrip("%")) / 100 <= 1, (stage, cells)
-    assert "2 worker processes" in rows["fit now"][0]
+    assert "2 worker processes" in rows["fit"][0]
     counts = table_rows(steps)
     assert list(counts) == ["snapkv", "foresight", "rl rollouts (G = 2)"]
     for replay, (reads, ops) in counts.items():
@@ -80,33 +80,3 @@ def test_pipeline_refuses_bad_options_in_one_line(traces_dir, tmp_path, capsys, 
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert message in error and "\n" not in error
-
-
-@pytest.mark.parametrize("feature_set, key_values", [("standardised", True), ("paper", True), ("standardised", False)])
-def test_the_fit_step_of_before_has_the_scores_loss_and_gradient_of_now(feature_set, key_values):
-    """The benchmark's row of before times the same arithmetic as now, up to float rounding: the scores
-    of the concatenated einsum forward, Eq. 6 over the whole batch and its gradient."""
-    from foresight.bench.fit_before import ranking_loss_before, scores_before
-    from foresight.scorer.model import ForesightScorer, ScorerConfig
-    from trainers.ranking import PairWeight, pairwise_ranking_loss
-
-    torch.manual_seed(0)
-    config = ScorerConfig(num_layers=3, num_query_heads=4, num_kv_heads=2, head_dim=8, budget=16, interval=4,
-                          base_model="tiny", feature_set=feature_set, key_values=key_values)
-    scorer = ForesightScorer(config)
-    shape = (3, 5, 2, 16)  # layers, batch, Hkv, N
-    keys, values = (torch.randn(*shape, 8).half() * 4 for _ in range(2))
-    features = torch.rand(*shape, config.feature_width).half()
-    alpha = torch.rand(*shape) ** 3
-    torch.testing.assert_close(scorer(keys, values, features), scores_before(scorer, keys, values, features),
-                               rtol=0, atol=2e-6)
-    for weight in PairWeight:
-        gap = weight is PairWeight.GAP
-        now = torch.randn(*shape).mul(0.01).requires_grad_()
-        before = now.detach().clone().requires_grad_()
-        loss_now = pairwise_ranking_loss(now, alpha, 0.01, weight=weight)[0]
-        loss_before = ranking_loss_before(before, alpha, 0.01, gap)
-        torch.testing.assert_close(loss_now, loss_before, rtol=1e-5, atol=1e-7)
-        loss_now.sum().backward()
-        loss_before.sum().backward()
-        torch.testing.assert_close(now.grad, before.grad, rtol=1e-5, atol=1e-7)

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from foresight.runtime.capture import block_attention
 from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet, attention_features, feature_dim
 from foresight.scorer.standardised_features import standardise_candidates, standardised_features
 from tests.reference_features import loop_attention_features, loop_standardise, loop_standardised_features, STANDARDISED_NAMES
@@ -127,22 +126,36 @@ def test_bad_shapes_raise_one_line_errors():
 # -- old sets pinned, and the "standardised" set ------------------------------------------------------
 @pytest.mark.parametrize(
     "feature_set, total, weighted",
-    [("paper", 5684.512062765131, -20.799491046867924), ("official-8", 5840.763229384863, -24.6321546292493),
-     ("pooled", 6538.911252256047, 16.44021426935311)],
+    [("paper", 5684.5120637204145, -20.799491847229593), ("official-8", 5840.76322542157, -24.63215224600562),
+     ("pooled", 6538.911239908564, 16.44021790267691)],
 )
 def test_older_sets_compute_what_they_computed_before_the_standardised_set(feature_set, total, weighted):
-    """Pinned sums of one step's features, computed before the standardised set was added (issue 21)."""
+    """Pinned sums of one step's features, computed before the standardised set was added (issue 21).
+
+    Float64 end to end, so the pin holds on any CPU: the runtime's block attention is float32, and a BLAS
+    that sums its 64-term dot products in another order moved the total by 1.5e-10 (relative) and the
+    weighted sum by ~1e-7, which a pin of the feature rules must not see. (With the runtime's float32
+    attention these inputs gave 5684.512062765131 / -20.799491046867924, 5840.763229384863 /
+    -24.6321546292493 and 6538.911252256047 / 16.44021426935311, the values first pinned.)
+    Tolerance from float64 arithmetic (eps = 1.1e-16): a logit's error is at most D * eps * max sum|q_i k_i|
+    * scaling = 64 * 1.1e-16 * 26.4 = 1.9e-13, so a weight's relative error is at most ~2 * 1.9e-13 + N * eps
+    (softmax over N = 160) = 4e-13; the total sums 4,320 non-negative terms (<= 4.8e-13 more), so one
+    implementation is within 9e-13 of exact and two within 1.8e-12: rel = 1e-11. The weighted sum cancels
+    (sum|terms| / |sum| = 150-254), so 254 * 1.8e-12 = 4.6e-10: rel = 2e-9. Both stay far below what any
+    change of a feature rule moves (the float32 attention alone moves the weighted sum by 4e-8 to 2e-7)."""
     generator = torch.Generator().manual_seed(21)
-    keys = torch.randn(1, 3, 160, 64, generator=generator)
+    keys = torch.randn(1, 3, 160, 64, generator=generator).double()
     torch.randn(1, 3, 160, 64, generator=generator)  # the values of the pinned step
     cumulative = torch.rand(1, 3, 160, 3, generator=generator) * 30
     decayed = torch.rand(1, 3, 160, 3, generator=generator) * 3
-    queries = torch.randn(1, 9, 32, 64, generator=generator) * 3
-    attention = block_attention(queries, torch.arange(128, 160)[None], keys, torch.arange(160).repeat(1, 3, 1), 0.125)
-    features, _, _ = attention_features(attention.double(), cumulative.double(), decayed.double(), feature_set)
-    assert features.sum().item() == pytest.approx(total, rel=1e-12)
+    queries = (torch.randn(1, 9, 32, 64, generator=generator) * 3).double().view(1, 3, 3, 32, 64)
+    logits = torch.einsum("bhgld,bhnd->bhgln", queries, keys) * 0.125  # block_attention's product, in float64
+    visible = torch.arange(160) <= torch.arange(128, 160)[:, None]  # queries at 128..159, causal
+    attention = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    features, _, _ = attention_features(attention, cumulative.double(), decayed.double(), feature_set)
+    assert features.sum().item() == pytest.approx(total, rel=1e-11)
     index = torch.arange(features.numel(), dtype=torch.float64).view_as(features).sin()
-    assert (features * index).sum().item() == pytest.approx(weighted, rel=1e-10)
+    assert (features * index).sum().item() == pytest.approx(weighted, rel=2e-9)
 
 
 def standardised_step(rows: int, seed: int, scale: float = 1.0):

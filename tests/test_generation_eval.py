@@ -8,6 +8,10 @@ import json
 from pathlib import Path
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -114,6 +118,34 @@ def test_a_killed_run_resumes_to_the_same_records(model, tmp_path, monkeypatch):
     assert generate_completions(model, tokenizer, problems, plans, resumed, batch_size=5, progress=False) == 18 - 8
     assert records_of(resumed, plans) == records_of(whole, plans)
     assert generate_completions(model, tokenizer, problems, plans, resumed, progress=False) == 0
+
+
+def test_eval_prompts_killed_with_sigkill_and_run_again_writes_the_results_of_an_uninterrupted_run(tiny_dir, tmp_path):
+    """`foresight eval --prompts reasoning-gym:TASK` killed (SIGKILL: no handler runs) once its first completions
+    are on disk, then run again, writes the results.json of a run never interrupted."""
+
+    def argv(out: Path) -> list[str]:
+        return ["eval", "--prompts", "reasoning-gym:basic_arithmetic", "--num", "2", "--samples", "2",
+                "--max-new-tokens", "32", "--policies", "h2o,streaming", "--budgets", str(B), "-L", str(L),
+                "--batch-size", "1", "--model", str(tiny_dir), "--out", str(out)]
+
+    killed = tmp_path / "killed"
+    run = subprocess.Popen([sys.executable, "-m", "foresight.cli", *argv(killed)], cwd=Path(__file__).parents[1],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        while run.poll() is None and not any(killed.rglob("batch-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        run.send_signal(signal.SIGKILL)
+    finally:
+        run.wait()
+    written = sum(len(json.loads(path.read_text())) for path in killed.rglob("batch-*.json"))
+    assert run.returncode == -signal.SIGKILL and 0 < written < 12  # 2 problems x 2 samples x (full, h2o, streaming)
+    assert not (killed / "results.json").exists()
+    assert cli.main(argv(killed)) == 0
+    assert cli.main(argv(tmp_path / "whole")) == 0
+    resumed, whole = (json.loads((folder / "results.json").read_text()) for folder in (killed, tmp_path / "whole"))
+    assert resumed == whole and len(whole) == 3
 
 
 def test_other_settings_are_refused_not_mixed_in(tmp_path):

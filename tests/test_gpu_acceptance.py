@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from foresight.bench.options import settings_from
 from foresight.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +49,8 @@ def test_every_step_names_tests_benchmarks_and_configs_that_exist(tmp_path):
                 if "foresight.cli" in command:  # a benchmark: its flags parse into its settings (on this machine's CPU)
                     argv = ["cpu" if word == "cuda" else word for word in command[command.index("foresight.cli") + 1 :]]
                     args = build_parser().parse_args(argv)
-                    assert args.benchmark.module.NAME == argv[1]
-                    args.benchmark.settings(args)
+                    assert args.benchmark.NAME == argv[1]
+                    settings_from(args.benchmark.Settings, args)
                 if "--step" in command:
                     assert command[command.index("--step") + 1] in acceptance.FIGURE_STEPS
     for path in (acceptance.SAMPLER_MODEL, acceptance.WORK_MODEL, acceptance.CAPACITY_MODEL):

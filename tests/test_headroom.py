@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from foresight.cli import main
+
 from foresight.eval.headroom import TraceScore, _resample_weights, headroom, paired_gain
 
 B = 128
@@ -95,7 +97,7 @@ def _eval_folder(path, entries) -> None:
 
 
 def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heuristic(tmp_path):
-    from foresight.bench.ablation import AblationSettings, merged_scores, run
+    from foresight.eval.ablation import ablation_report, merged_scores
 
     base = [s for s in RUN if s.policy != "foresight"]
     _eval_folder(tmp_path / "base", base)
@@ -104,8 +106,7 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
     folders = (tmp_path / "base", tmp_path / "first", tmp_path / "second")
     merged = merged_scores(folders)
     assert len(merged) == len(base) + 6  # golden, scored twice alike, counts once
-    report = run(AblationSettings(sets=(("set", folders),), learned=(("first", "a"), ("second", "b")), budget=B,
-                                  command="cmd"))
+    report = ablation_report((("set", folders),), (("first", "a"), ("second", "b")), B)
     assert "best heuristic h2o" in report
     rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| first") or line.startswith("| second")}
     assert "| 50.0% [" in rows["first"] and "| 0.0% [" in rows["second"]
@@ -123,12 +124,12 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
 
 def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):
     """Two sets with traces 0-2 each pool into one set of 6 traces, its figures the sums over both."""
-    from foresight.bench.ablation import SET_STRIDE, AblationSettings, pooled_scores, run
+    from foresight.eval.ablation import SET_STRIDE, ablation_report, pooled_scores
 
     _eval_folder(tmp_path / "a", RUN)
     _eval_folder(tmp_path / "b", RUN)
     sets = (("a", (tmp_path / "a",)), ("b", (tmp_path / "b",)), ("c", (tmp_path / "a",)))
-    report = run(AblationSettings(sets=sets, learned=(("foresight", "x"),), budget=B, command="cmd", pooled=("a", "b")))
+    report = ablation_report(sets, (("foresight", "x"),), B, pooled=("a", "b"))
     assert "**pooled over a + b**: 6 traces, B = 128; best heuristic h2o" in report
     pooled = pooled_scores([RUN, RUN])
     assert sorted({s.index for s in pooled}) == [0, 1, 2, SET_STRIDE, SET_STRIDE + 1, SET_STRIDE + 2]
@@ -136,9 +137,15 @@ def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):
     assert result.traces == 6 and result.share.value == pytest.approx(0.5)  # the same sums, twice
     assert result.share.high - result.share.low <= headroom(RUN, B, "foresight").share.high - headroom(RUN, B, "foresight").share.low
     with pytest.raises(ValueError, match="--pool names 'd', which is not a set; the sets are: a, b, c"):
-        run(AblationSettings(sets=sets, learned=(("foresight", "x"),), budget=B, command="cmd", pooled=("d",)))
+        ablation_report(sets, (("foresight", "x"),), B, pooled=("d",))
     with pytest.raises(ValueError, match="cannot be pooled across sets"):
         pooled_scores([[TraceScore("h2o", B, SET_STRIDE, "src", 1, 1.0, 1.0, 1, 0)]])
+    out = tmp_path / "report.md"  # the same tables through `foresight bench ablation`, its command above them
+    argv = ["bench", "ablation", "--set", f"a={tmp_path / 'a'}", "--set", f"b={tmp_path / 'b'}", "--learned", "foresight=x",
+            "--pool", "a,b", "--out", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert "<!-- ablation-B128:start -->" in text and "--pool a,b" in text and report.split("**b**")[0] in text
 
 
 def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
@@ -146,7 +153,7 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     h2o 1.3 − foresight 1.2 = 0.1; damage 8/240 − 2/240); a policy scored on other tokens has none."""
     import json
 
-    from foresight.bench.baselines import BaselinesSettings, memory_rows, plot_path, run
+    from foresight.eval.baselines import baselines_report, memory_rows, plot_path
 
     _eval_folder(tmp_path / "a", [s for s in RUN if s.policy != "foresight"])
     _eval_folder(tmp_path / "b", [s for s in RUN if s.policy in ("foresight", "golden")])
@@ -159,9 +166,8 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     }
     _eval_folder(tmp_path / "c", scores("h2o", (70.0, 25.0, 48.0), budget=256))
     (tmp_path / "c" / "results.json").write_text(json.dumps([{**rows[0], "budget": 256, "kv_mib": 4.5}]))
-    settings = BaselinesSettings(sets=(("Set A", (tmp_path / "a", tmp_path / "b", tmp_path / "c")),), learned=("other", "foresight"),
-                                 budgets=(B, 256), plot_dir=tmp_path, command="cmd")
-    report = run(settings)
+    report = baselines_report((("Set A", (tmp_path / "a", tmp_path / "b", tmp_path / "c")),), ("other", "foresight"),
+                              (B, 256), tmp_path)
     at_128, at_256 = report.split("B = 256")
     lines = {line.split(" | ")[0].strip("| "): line for line in at_128.splitlines() if line.startswith("| ")}
     gain = paired_gain(RUN, B, "h2o", "foresight")
@@ -177,13 +183,9 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     assert plot_path(tmp_path, "Set A").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="holds no results.json"):
         memory_rows((tmp_path / "missing",))
-    twice = BaselinesSettings(sets=(("Set A", (tmp_path / "a",)), ("set-a", (tmp_path / "a",))), learned=("foresight",),
-                              budgets=(B,), plot_dir=tmp_path, command="cmd")
     with pytest.raises(ValueError, match="give the same plot file"):
-        run(twice)
-    heuristics_only = BaselinesSettings(sets=(("a", (tmp_path / "a",)),), learned=("foresight",), budgets=(B,),
-                                        plot_dir=tmp_path, command="cmd")
+        baselines_report((("Set A", (tmp_path / "a",)), ("set-a", (tmp_path / "a",))), ("foresight",), (B,), tmp_path)
     with pytest.raises(ValueError, match=r"set a: none of the learned rows \['foresight'\] was evaluated"):
-        run(heuristics_only)
+        baselines_report((("a", (tmp_path / "a",)),), ("foresight",), (B,), tmp_path)
     with pytest.raises(ValueError, match="figure 'nope' is not one of: loss_ratio, low_entropy_damage"):
         paired_gain(RUN, B, "h2o", "foresight", "nope")

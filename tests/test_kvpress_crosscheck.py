@@ -18,6 +18,7 @@ kvpress = pytest.importorskip("kvpress")
 ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
 ALL_ATTENTION_FUNCTIONS._local_mapping.update(_overrides)
 
+from foresight.cache_argument import cache_argument  # noqa: E402
 from foresight.models import tiny_model  # noqa: E402
 from foresight.policies import make_policy  # noqa: E402
 from foresight.runtime.engine import EvictionConfig, EvictionEngine  # noqa: E402
@@ -47,9 +48,9 @@ def kvpress_kept(arch: str, press, ids: torch.Tensor) -> list[list[list[int]]]:
     model.set_attn_implementation("eager")  # TOVA reads the returned attention weights
     full, compressed = DynamicCache(), DynamicCache()
     with torch.no_grad():
-        model(ids, past_key_values=full, use_cache=True)
+        model(ids, **cache_argument(model, full), use_cache=True)
         with press(model):
-            model(ids, past_key_values=compressed, use_cache=True)
+            model(ids, **cache_argument(model, compressed), use_cache=True)
     kept = []
     for full_layer, layer in zip(full.layers, compressed.layers):
         matches = (layer.keys[0, :, :, None, :] == full_layer.keys[0, :, None, :, :]).all(-1)  # [Hkv, kept, T]
@@ -119,7 +120,7 @@ def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(
     under the same rule holds the same number of entries."""
     import sys
 
-    from foresight.bench.serving import EngineDecoder
+    from foresight.bench.serve import EngineDecoder
     from foresight.bench.kvpress_worker import KvpressDecoder
     from tests.prompts import char_tokenizer, random_prompts
 

@@ -104,7 +104,7 @@ def test_the_benchmark_reports_one_row_per_policy_page_size_and_budget(traces_di
             "--page-sizes", "4,8", "--out", str(out)]
     assert main(argv) == 0
     text = out.read_text()
-    assert "<!-- paged-reclaim:start -->" in text and "foresight bench paged-reclaim --traces" in text
+    assert "<!-- paged-reclaim:start -->" in text and f"--traces {traces_dir}" in text
     rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith(("| random ", "| streaming "))]
     assert sorted((row[0], int(row[1]), int(row[2])) for row in rows) == sorted(
         itertools.product(["random", "streaming"], [16, 24], [4, 8])

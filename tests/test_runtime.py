@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
+from foresight.cache_argument import cache_argument
 from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.capture import eviction_attention
@@ -189,7 +190,7 @@ def test_kept_entries_keep_their_positions_and_keys(llama):
     output = engine.generate([prompt], 25)
     tokens = prompt + output.tokens[0]
     reference = DynamicCache()
-    llama(torch.tensor([tokens]), past_key_values=reference, use_cache=True)
+    llama(torch.tensor([tokens]), **cache_argument(llama, reference), use_cache=True)
     layer = engine.last_cache.layers[0]
     full_keys = reference.layers[0].keys[0]  # [Hkv, T, D]
     positions = layer.positions[0]

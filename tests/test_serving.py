@@ -1,4 +1,4 @@
-"""The serving benchmark's parts (foresight.bench.serving) on a tiny model whose cache bytes are known by
+"""The serving benchmark's parts (foresight.bench.serve) on a tiny model whose cache bytes are known by
 arithmetic, a decoder whose true capacity is known, and `foresight bench serve` end to end."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from foresight import cli
 from foresight.bench import common as _bench_common
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.bench.serving import (
+from foresight.bench.serve import (
     CapTooSmall,
     EngineDecoder,
     RunResult,
@@ -127,7 +127,7 @@ def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):
     prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), _bench_common.PROMPT))
     assert prompt < 128 + 8  # the prefill does not evict
     cap = int(2.5 * (prompt + 119) * ENTRY)  # 2.5 full sequences at the longer length
-    argv = ["bench", "serve", "--policies", "streaming,knorm", "-B", "128", "-L", "8", "--lengths", "60,120",
+    argv = ["bench", "serve", "--policies", "streaming,knorm,foresight", "-B", "128", "-L", "8", "--lengths", "60,120",
             "--kv-memory", str(cap), "--device", "cpu", "--out", str(out), "--results", str(tmp_path / "runs.json")]
     assert cli.main(argv) == 0
     text = out.read_text()
@@ -138,7 +138,9 @@ def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):
     batch_at_120 = int(streaming_row.split("|")[3].split()[0])
     assert batch_at_120 == int(cap // (136 * ENTRY)) == 4  # B + L = 136 entries per sequence
     assert full_row.split("|")[3].split()[0] == "2"
-    assert "Load average" in text
+    assert "Load average" in text and "random weights (seed 0)" in text
+    learned = next(line for line in text.splitlines() if line.startswith("| foresight | 120 |")).split(" | ")
+    assert 1 <= int(learned[2]) <= batch_at_120 and float(learned[5].rstrip("%")) > 0  # its feature state costs memory
 
 
 def test_bench_serve_bad_input_is_one_line(tmp_path, patched_load, capsys):

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -325,8 +326,13 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
     two_epochs = ("trainer.max_epochs=2", "trainer.max_steps=-1")
     whole = tmp_path / "whole"
-    assert cli.main(fit_args(config, whole, traces_dir, *two_epochs)) == 0
-    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(fit_args(config, whole, traces_dir, *two_epochs)) == 0
+    assert not [str(w.message) for w in caught if "LeafSpec" in str(w.message)]  # third-party notices silenced
+    printed = capsys.readouterr()
+    assert "Tip:" not in printed.err + printed.out
+    last_line = printed.out.strip().splitlines()[-1]
     assert last_line.startswith(f"{whole / 'scorer'}: scorer trained for ")
     assert "train/loss" in last_line and "val/overlap" in last_line and "val/spearman" in last_line
     steps = int(last_line.split("trained for ")[1].split()[0])
@@ -565,3 +571,26 @@ def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_p
     trained = [weights(runs[name] / "ckpt" / "last.ckpt") for name in ("one", "two")]
     for name, tensor in trained[0].items():
         torch.testing.assert_close(trained[1][name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def test_named_third_party_notices_are_silenced_and_no_others(monkeypatch, caplog):
+    """Lightning's litlogger tip and torch's LeafSpec deprecation (from Lightning's pytree helper) are dropped;
+    another notice of the same logger, and another FutureWarning, still show."""
+    import logging
+
+    from lightning.pytorch.utilities import rank_zero
+    from lightning.pytorch.utilities._pytree import _tree_flatten
+    from foresight.third_party import quiet_third_party_notices
+
+    monkeypatch.delenv("JSONARGPARSE_DEPRECATION_WARNINGS", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_third_party_notices()
+        _tree_flatten(torch.zeros(1))  # builds a LeafSpec
+        warnings.warn("a notice of our own", FutureWarning)
+    assert [str(w.message) for w in caught] == ["a notice of our own"]
+    assert os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] == "off"
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        rank_zero.rank_zero_info("💡 Tip: For seamless cloud logging, try installing litlogger")
+        rank_zero.rank_zero_info("GPU available: False")
+    assert [record.getMessage() for record in caplog.records] == ["GPU available: False"]

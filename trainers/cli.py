@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from foresight.host_memory import keep_freed_memory
+from foresight.third_party import quiet_third_party_notices
 from trainers.data import GoldenDataModule
 from trainers.grpo import GRPOScorer
 from trainers.preparation import OnPolicyRounds, SeedEnsemble, TraceRecipe
@@ -74,6 +75,7 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedC
     """Run the supervised stage's CLI on `args` (default: the command line), freed host memory kept for
     the next step's tensors (`foresight.host_memory`)."""
     keep_freed_memory()
+    quiet_third_party_notices()
     return SupervisedCLI(
         SupervisedScorer,
         GoldenDataModule,
@@ -87,6 +89,7 @@ def rl_cli_main(args: Sequence[str] | None = None, run: bool = True) -> Reinforc
     """Run the reinforcement stage's CLI on `args` (default: the command line), freed host memory kept
     for the next step's tensors."""
     keep_freed_memory()
+    quiet_third_party_notices()
     return ReinforcementCLI(
         GRPOScorer,
         RolloutDataModule,

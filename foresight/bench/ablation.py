@@ -1,15 +1,9 @@
 """Several learned scorers against the same heuristics and golden, on several trace sets: an ablation table.
 
-Each set is one or more `foresight eval` output folders over the same traces and budget (each folder's
-traces.json holds every scored trace's sums), so a scorer evaluated later is compared with the
-heuristics and golden evaluated once. A (policy, budget, trace) scored in two folders must agree to
-the last digit (the replay is deterministic); otherwise the folders are not of the same traces and
-the merge is refused. Per set and learned scorer: its loss ratio and low-entropy damage, its share of
-the headroom between the best heuristic and golden, and its loss-ratio gain over the best heuristic,
-and its loss-ratio gain over the first scorer of the table (the reference recipe), all with paired 95%
-bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic is chosen among every
-non-learned policy of the set, the same for every scorer. `pooled` names sets whose traces one more
-table pools as one set (its best heuristic is the best over all of them).
+Combines `foresight eval` folders, running no model: per set and learned scorer, its loss ratio and
+low-entropy damage, its share of the headroom between the best heuristic and golden, and its gains over
+the best heuristic and over the table's first scorer, with paired 95% bootstrap intervals over traces
+(`foresight.eval.ablation` states the rules).
 
     foresight bench ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
         --learned std="standardised features" --budget 128
@@ -17,99 +11,37 @@ table pools as one set (its best heuristic is the best over all of them).
 
 from __future__ import annotations
 
-import json
-from dataclasses import astuple, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_gain, percent
+from foresight.bench.common import ReportSettings, budget_field, named, trace_sets
+from foresight.eval.ablation import ablation_report
 
 NAME = "ablation"
 
 
 @dataclass(frozen=True, kw_only=True)
-class AblationSettings:
-    """`sets`: (name, eval folders) per trace set; `learned`: (row name, what it is) per scorer, in table order;
-    `pooled`: the names of the sets pooled into one more table (none: no such table)."""
+class Settings(ReportSettings):
+    sets: tuple[str, ...] = field(metadata={
+        "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)", "flags": ("--set",),
+        "metavar": "NAME=DIR,..."})
+    learned: tuple[str, ...] = field(metadata={
+        "help": "a learned scorer's row name in those folders and what it is (repeat; table order)",
+        "metavar": "ROW=WHAT"})
+    budget: int = budget_field(128)
+    pool: str = field(default="", metadata={
+        "help": "one more table with these sets' traces pooled as one set (paired intervals over all of them)",
+        "metavar": "NAME,NAME,..."})
 
-    sets: tuple[tuple[str, tuple[Path, ...]], ...]
-    learned: tuple[tuple[str, str], ...]
-    budget: int
-    command: str
-    pooled: tuple[str, ...] = ()
-
-
-def merged_scores(folders: tuple[Path, ...]) -> list[TraceScore]:
-    """The trace scores of several evaluation folders of the same traces, each (policy, budget, trace) once."""
-    merged: dict[tuple[str, int, int], TraceScore] = {}
-    for folder in folders:
-        path = folder / "traces.json"
-        if not path.is_file():
-            raise ValueError(f"{folder} holds no traces.json; make it with `foresight eval --traces ... --out {folder}`")
-        for entry in json.loads(path.read_text()):
-            score = TraceScore(**entry)
-            key = (score.policy, score.budget, score.index)
-            if key in merged and astuple(merged[key]) != astuple(score):
-                raise ValueError(
-                    f"{score.policy} at B = {score.budget} on trace {score.index} differs between {folder} and an "
-                    "earlier folder: merge only evaluations of the same traces"
-                )
-            merged[key] = score
-    return list(merged.values())
+    def __post_init__(self) -> None:
+        trace_sets(self.sets), named(self.learned, "--learned", "ROW=WHAT")  # malformed texts: refused here
 
 
-def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str], ...], budget: int) -> str:
-    """One set's rows: golden, the best heuristic and every learned scorer it holds."""
-    names = [row for row, _ in learned]
-    results: list[tuple[str, Headroom]] = []
-    for row, what in learned:
-        found = headroom(scores, budget, row, other_learned=[n for n in names if n != row])
-        if found is not None:
-            results.append((what, found))
-    if not results:
-        raise ValueError(f"set {name}: no learned scorer of {names} with golden and a heuristic at B = {budget}")
-    first = results[0][1]
-    best = first.best_heuristic
-    lines = [
-        f"**{name}**: {first.traces} traces, B = {budget}; best heuristic {best} "
-        f"(loss ratio {first.loss_ratio[best]}, damage {percent(first.damage[best])}), golden "
-        f"{first.loss_ratio[ORACLE]}; least damaging heuristic {first.least_damaging_heuristic} "
-        f"({percent(first.damage[first.least_damaging_heuristic])}).",
-        "",
-        "| scorer | what | loss ratio | low-entropy damage | share of the headroom | loss ratio gain over "
-        f"{best} | damage gain over {first.least_damaging_heuristic} | loss ratio gain over {first.learned} |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for what, result in results:
-        over_first = paired_gain(scores, budget, first.learned, result.learned) if result is not first else None
-        lines.append(
-            f"| {result.learned} | {what} | {result.loss_ratio[result.learned]} | "
-            f"{percent(result.damage[result.learned])} | {percent(result.share, 1)} | {result.ratio_gain} | "
-            f"{percent(result.damage_gain)} | {over_first or '–'} |"
-        )
-    return "\n".join(lines)
+def section(settings: Settings) -> str:
+    return f"ablation-B{settings.budget}"
 
 
-SET_STRIDE = 1_000_000
-"""Index offset between the sets of a pooled table (trace indices are below it)."""
-
-
-def pooled_scores(sets: list[list[TraceScore]]) -> list[TraceScore]:
-    """The trace scores of several sets as one set: each trace keeps its own sums and gets an index no
-    other set's trace has (set number x SET_STRIDE + its index), so resamples draw traces of every set."""
-    for scores in sets:
-        if any(score.index >= SET_STRIDE for score in scores):
-            raise ValueError(f"a trace index of {SET_STRIDE} or more cannot be pooled across sets")
-    return [replace(score, index=number * SET_STRIDE + score.index) for number, scores in enumerate(sets) for score in scores]
-
-
-def run(settings: AblationSettings) -> str:
-    sets = [(name, merged_scores(folders)) for name, folders in settings.sets]
-    unknown = [name for name in settings.pooled if name not in dict(sets)]
-    if unknown:
-        raise ValueError(f"--pool names {unknown[0]!r}, which is not a set; the sets are: {', '.join(dict(sets))}")
-    if settings.pooled:
-        pooled = pooled_scores([dict(sets)[name] for name in settings.pooled])
-        sets.append((f"pooled over {' + '.join(settings.pooled)}", pooled))
-    tables = [set_table(name, scores, settings.learned, settings.budget) for name, scores in sets]
-    intervals = "95% paired bootstrap intervals over traces; every scorer against the same best heuristic."
-    return "\n\n".join([f"Command: `{settings.command}`", intervals, *tables])
+def run(settings: Settings) -> str:
+    pooled = [name.strip() for name in settings.pool.split(",") if name.strip()]
+    report = ablation_report(trace_sets(settings.sets), named(settings.learned, "--learned", "ROW=WHAT"),
+                             settings.budget, pooled)
+    return f"Command: `{settings.command}`\n\n{report}"

@@ -20,14 +20,22 @@ import gc
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from foresight.bench.common import BenchSettings, load_benchmark_model, machine, prompt_ids
+from foresight.bench.common import (
+    RuntimeSettings,
+    budget_field,
+    bench_policy,
+    interval_field,
+    load_benchmark_model,
+    machine,
+    prompt_ids,
+    random_scorer,
+)
 from foresight.models import describe
-from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 
 NAME = "capacity"
@@ -37,11 +45,14 @@ SYNC_CONFIG, SYNC_TOKENS = EvictionConfig(64, 16), 160
 
 
 @dataclass(frozen=True, kw_only=True)
-class CapacitySettings(BenchSettings):
-    lengths: list[int]  # generation lengths T
-    memory_fraction: float  # share of the GPU's memory a run may take
-    probe_tokens: int  # decode steps of a full-cache memory probe
-    time_limit: float | None  # seconds a throughput run may decode (None: all T)
+class Settings(RuntimeSettings):
+    budget: int = budget_field(1024)
+    interval: int = interval_field(256)
+    lengths: tuple[int, ...] = field(default=(8192, 16384, 32768), metadata={"help": "comma-separated generation lengths T"})
+    memory_fraction: float = field(default=0.9, metadata={"help": "share of the GPU's memory a run may take"})
+    probe_tokens: int = field(default=16, metadata={"help": "decode steps of a full-cache memory probe"})
+    time_limit: float | None = field(default=None, metadata={
+        "help": "seconds a throughput run may decode (None: all T)"})
 
 
 class _Stop(Exception):
@@ -83,7 +94,7 @@ def largest_batch(peak_at: Callable[[int], int | None], memory_budget: int) -> t
     return high, high_peak
 
 
-def run(settings: CapacitySettings) -> str:
+def run(settings: Settings) -> str:
     """Find each policy's largest batch at every T and time it there; the report's markdown section."""
     if not torch.cuda.is_available():
         raise ValueError("`foresight bench capacity` measures GPU memory and needs a CUDA device; none is available")
@@ -91,19 +102,21 @@ def run(settings: CapacitySettings) -> str:
     prompt = prompt_ids(tokenizer, model.config.vocab_size)
     budget = int(settings.memory_fraction * torch.cuda.get_device_properties(0).total_memory)
     results = []
-    for name in settings.policies:
-        syncs = _syncs_per_step(model, name, prompt)
+    scorer = settings.learned_scorer(model)  # and one at SYNC_CONFIG's B and L for the synchronisation count
+    sync_scorer = None if scorer is None else random_scorer(model, SYNC_CONFIG.budget, SYNC_CONFIG.interval)
+
+    def engine(name: str, config: EvictionConfig = settings.eviction, learned=scorer) -> EvictionEngine:
+        policy = bench_policy(name, learned)
+        return EvictionEngine(model, policy, config if policy.evicts else None)
+
+    for name in settings.policy_names:
+        syncs = _syncs_per_step(engine(name, SYNC_CONFIG, sync_scorer), prompt)
         fitted: tuple[int, int] | None = None  # an evicting policy's cache does not depend on T
         for length in settings.lengths:
             if fitted is None or name == "full":
-                fitted = largest_batch(lambda batch: _probe(model, name, settings, prompt, batch, length), budget)
-            results.append(_throughput(model, name, settings, prompt, fitted[0], length, syncs))
+                fitted = largest_batch(lambda batch: _probe(engine(name), settings, prompt, batch, length), budget)
+            results.append(_throughput(engine(name), settings, prompt, fitted[0], length, syncs))
     return _report(settings, results, describe(model), model.dtype, len(prompt), budget)
-
-
-def _engine(model, name: str, settings: CapacitySettings) -> EvictionEngine:
-    policy = make_policy(name)
-    return EvictionEngine(model, policy, settings.eviction if policy.evicts else None)
 
 
 def _release() -> None:
@@ -111,10 +124,9 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
-def _probe(model, name: str, settings: CapacitySettings, prompt: list[int], batch: int, length: int) -> int | None:
+def _probe(engine: EvictionEngine, settings: Settings, prompt: list[int], batch: int, length: int) -> int | None:
     """Peak memory of a run of `length` new tokens at `batch`, decoded until its memory is at its
     largest: one step past the first eviction, or `--probe-tokens` for the full cache."""
-    engine = _engine(model, name, settings)
     filled: list[int] = []
 
     def stop_when_steady(count: int) -> None:
@@ -138,9 +150,9 @@ def _probe(model, name: str, settings: CapacitySettings, prompt: list[int], batc
 
 
 def _throughput(
-    model, name: str, settings: CapacitySettings, prompt: list[int], batch: int, length: int, syncs: float
+    engine: EvictionEngine, settings: Settings, prompt: list[int], batch: int, length: int, syncs: float
 ) -> CapacityResult:
-    engine = _engine(model, name, settings)
+    name = engine.policy.name
     time_limit = settings.time_limit
     _release()
     torch.cuda.reset_peak_memory_stats()
@@ -173,11 +185,9 @@ def _throughput(
     )
 
 
-def _syncs_per_step(model, name: str, prompt: list[int]) -> float:
+def _syncs_per_step(engine: EvictionEngine, prompt: list[int]) -> float:
     """Host synchronisations per decode step at batch 1, over SYNC_TOKENS tokens with B, L = SYNC_CONFIG
     (several evictions; what synchronises depends on the code path, not on B and L)."""
-    policy = make_policy(name)
-    engine = EvictionEngine(model, policy, SYNC_CONFIG if policy.evicts else None)
     tokens = SYNC_TOKENS
     engine.generate([prompt], 4)  # warm-up
     torch.cuda.synchronize()
@@ -192,7 +202,7 @@ def _syncs_per_step(model, name: str, prompt: list[int]) -> float:
     return sum("synchronizing" in str(w.message) for w in caught) / (tokens - 1)
 
 
-def _report(settings: CapacitySettings, results: list[CapacityResult], shape, dtype, prompt_length: int, budget: int) -> str:
+def _report(settings: Settings, results: list[CapacityResult], shape, dtype, prompt_length: int, budget: int) -> str:
     full = {r.length: r.tokens_per_second for r in results if r.policy == "full"}
     lines = [
         "### Capacity: largest batch and throughput against the full cache (cuda)",
@@ -204,7 +214,8 @@ def _report(settings: CapacitySettings, results: list[CapacityResult], shape, dt
         f"({settings.memory_fraction:.0%} of the GPU). Largest batch: from probes (see `foresight bench capacity "
         "--help`). Tokens/s = batch x decode steps / decode time at that batch; ratio = tokens/s / the full "
         "cache's at the same T. Evict share = time in scoring and eviction / decode time. Syncs/step = host "
-        "synchronisations per decode step (batch 1, B = 64, L = 16, 160 tokens: evictions included).",
+        "synchronisations per decode step (batch 1, B = 64, L = 16, 160 tokens: evictions included)."
+        + settings.scorer_note(),
         "",
         "| T | policy | largest batch | tokens/s | ratio to full | evict share | peak GiB | syncs/step | steps |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -1,45 +1,221 @@
-"""What the benchmarks of the eviction runtime share: their settings (the model, its device and dtype,
-the policies, the cadence), the prompt, and a line naming the machine. Nothing here reads a command
-line: `foresight.commands.bench` turns one into these settings."""
+"""What the benchmarks share: their common options, declared once as settings to inherit or fields to
+reuse (the report, the device and dtype, the model, the policies and cadence of the runtime benchmarks,
+the learned scorer), the prompt, and a line naming the machine. `foresight.bench.options` turns the
+fields into the command line."""
 
 from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
-from foresight.models import load_for_benchmark
-from foresight.runtime.engine import EvictionConfig
+from foresight.bench.options import benchmark_name, command_line
 from foresight.data.tasks import chat_prompt_ids
+from foresight.models import DEFAULT_MODEL, check_device, describe, load_for_benchmark, placement
+from foresight.policies import POLICIES, Policy, constructible, make_policy
+from foresight.runtime.engine import EvictionConfig
+from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
 
 PROMPT = "Solve step by step: a train leaves at 9:40 and travels 3 hours 35 minutes. When does it arrive?"
+LEARNED = "foresight"
+RUNS = Path("runs/bench")
+DtypeName = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+def device_field(default: str = "cpu") -> Any:
+    return field(default=default, metadata={
+        "help": "where the model runs: cpu, cuda, cuda:N, mps, or auto (cuda if available, else cpu)"})
+
+
+def dtype_field(default: str = "float32") -> Any:
+    return field(default=default, metadata={
+        "help": "dtype of the model's weights and activations; auto: bfloat16 on cuda, float32 elsewhere"})
+
+
+def model_field(architecture_configs: bool = True) -> Any:
+    configs = ", or an architecture config (configs/models/*.json: random weights)" if architecture_configs else ""
+    return field(default=DEFAULT_MODEL, metadata={
+        "help": f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id{configs}"})
+
+
+def budget_field(default: int) -> Any:
+    return field(default=default, metadata={"help": "entries kept after an eviction (B)", "flags": ("--budget", "-B")})
+
+
+def budgets_field(default: tuple[int, ...]) -> Any:
+    return field(default=default, metadata={
+        "help": "budgets B to evaluate, comma-separated, e.g. 64,128", "flags": ("--budgets", "-B")})
+
+
+def interval_field(default: int) -> Any:
+    return field(default=default, metadata={
+        "help": "entries evicted per step, every L tokens", "flags": ("--interval", "-L")})
+
+
+def policies_field(all_means: str) -> Any:
+    return field(default="all", metadata={
+        "help": f"'all' ({all_means}) or a comma-separated list of: {', '.join(sorted(POLICIES))}",
+        "metavar": "all|NAME,..."})
+
+
+def traces_field(help_text: str = "traces folder (`foresight traces`)") -> Any:
+    return field(metadata={"help": help_text})
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchSettings:
-    """A benchmark run of the eviction runtime: `model` is a name, folder, Hub id or architecture config
-    (configs/models/*.json: random weights, since speed and memory depend on the shape alone), `device`
-    and `dtype` are resolved (no `auto`), `policies` starts with the full cache, and `command` is the
-    command that reproduces the report (written into it)."""
+class ReportSettings:
+    """Where the report goes: its section of a markdown file under runs/ unless --out says otherwise."""
 
-    model: str
-    device: str
-    dtype: torch.dtype
-    policies: list[str]
-    budget: int
-    interval: int
-    command: str
+    out: Path | None = field(default=None, metadata={
+        "help": "markdown report whose section is rewritten (default: runs/bench/BENCHMARK.md)", "report": True})
+    section: str | None = field(default=None, metadata={
+        "help": "name of the report section to rewrite (default: BENCHMARK-DEVICE)", "report": True})
+
+    @property
+    def command(self) -> str:
+        """The command that reproduces the report (written into it)."""
+        return command_line(self)
+
+    @property
+    def report(self) -> Path:
+        """The markdown file of the report: --out, or runs/bench/BENCHMARK.md."""
+        return self.out or RUNS / f"{benchmark_name(self)}.md"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacedSettings(ReportSettings):
+    """A report of a run on one device in one dtype, as given (`auto` included); `run_device` and
+    `run_dtype` are what they resolve to."""
+
+    device: str = device_field()
+    dtype: DtypeName = dtype_field()
+
+    def __post_init__(self) -> None:
+        check_device(self.device)
+
+    @property
+    def run_device(self) -> str:
+        return placement(self.device, self.dtype)[0]
+
+    @property
+    def run_dtype(self) -> torch.dtype:
+        return placement(self.device, self.dtype)[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings(PlacedSettings):
+    """A run of one model: a name, folder, Hub id or (where the benchmark builds it with `load_for_benchmark`)
+    an architecture config."""
+
+    model: str = model_field()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSettings(ModelSettings):
+    """A benchmark of the eviction runtime: the full cache and `policies` at (budget, interval) on the
+    model (an architecture config: random weights, since speed and memory depend on the shape alone). The
+    learned policy runs `scorer`, or without one a scorer of the model's shape with seeded random weights:
+    its cost does not depend on its weights."""
+
+    device: str = device_field("auto")
+    dtype: DtypeName = dtype_field("auto")
+    policies: str = policies_field(
+        "every policy that needs no labels or scorer, and the learned one with --scorer; full is always included")
+    budget: int = budget_field(256)
+    interval: int = interval_field(64)
+    scorer: str | None = field(default=None, metadata={
+        "help": "a trained scorer folder (or Hub id) that the learned `foresight` policy runs, trained for this B and "
+        "L; without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the "
+        "same cost)", "metavar": "DIR"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.policy_names  # unknown or unrunnable policies are refused before any model loads
 
     @property
     def eviction(self) -> EvictionConfig:
         return EvictionConfig(self.budget, self.interval)
 
+    @property
+    def policy_names(self) -> list[str]:
+        """The full cache first; the learned policy when named, or in 'all' when --scorer is given."""
+        names = selected_policies(self.policies, learned=True)
+        return [name for name in names if name != LEARNED or self.policies != "all" or self.scorer is not None]
 
-def load_benchmark_model(settings: BenchSettings):
+    def learned_scorer(self, model) -> ForesightScorer | None:
+        """The scorer of the learned policy on the model's device (None when it is not among the policies)."""
+        if LEARNED not in self.policy_names:
+            return None
+        if self.scorer is None:
+            return random_scorer(model, self.budget, self.interval)
+        scorer = load_scorer(self.scorer)
+        trained = (scorer.config.budget, scorer.config.interval)
+        if trained != (self.budget, self.interval):
+            raise ValueError(f"--scorer {self.scorer} was trained for B = {trained[0]}, L = {trained[1]}; run with "
+                             f"--budget {trained[0]} --interval {trained[1]}")
+        return scorer.to(model.device)
+
+    def scorer_note(self) -> str:
+        """What the learned policy ran, for the report ('' when it did not run)."""
+        if LEARNED not in self.policy_names:
+            return ""
+        what = self.scorer if self.scorer is not None else "a scorer of the model's shape with random weights (seed 0)"
+        return f" The learned policy `foresight` ran {what}."
+
+
+def named(texts: tuple[str, ...], option: str, kind: str) -> tuple[tuple[str, str], ...]:
+    """(NAME, VALUE) of each NAME=VALUE text given to `option`; `kind` says what VALUE is."""
+    pairs = []
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"{option} {text!r} must look like NAME={kind}")
+        pairs.append((name.strip(), value.strip()))
+    return tuple(pairs)
+
+
+def trace_sets(texts: tuple[str, ...]) -> tuple[tuple[str, tuple[Path, ...]], ...]:
+    """(name, `foresight eval` folders) of each --set NAME=DIR,DIR,... text."""
+    return tuple((name, tuple(Path(folder) for folder in folders.split(","))) for name, folders in
+                 named(texts, "--set", "DIR,DIR,..."))
+
+
+def selected_policies(text: str, learned: bool) -> list[str]:
+    """The full cache and the policies of --policies: 'all' is every policy that needs no labels or scorer,
+    and the learned one where `learned` (its scorer is provided)."""
+    def runnable(name: str) -> bool:
+        return constructible(POLICIES[name]) or (learned and name == LEARNED)
+
+    names = sorted(filter(runnable, POLICIES)) if text == "all" else text.split(",")
+    for name in names:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
+        if not runnable(name):
+            raise ValueError(f"policy {name!r} needs labels, which a benchmark of the runtime does not have")
+    return ["full"] + [n for n in names if n != "full"]
+
+
+def bench_policy(name: str, scorer: ForesightScorer | None) -> Policy:
+    """A fresh policy of a runtime benchmark; the learned one runs `scorer`."""
+    return make_policy(name, scorer=scorer) if name == LEARNED else make_policy(name)
+
+
+def random_scorer(model, budget: int, interval: int) -> ForesightScorer:
+    """A scorer of the model's shape at (B, L) with seeded random weights: what the learned policy costs
+    does not depend on its weights."""
+    config = ScorerConfig(**asdict(describe(model)), budget=budget, interval=interval, base_model="random")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ForesightScorer(config).to(model.device)
+
+
+def load_benchmark_model(settings: ModelSettings):
     """The model (an architecture config builds a seeded random one) and its tokenizer (None then)."""
-    return load_for_benchmark(settings.model, device=settings.device, dtype=settings.dtype)
+    return load_for_benchmark(settings.model, device=settings.run_device, dtype=settings.run_dtype)
 
 
 def prompt_ids(tokenizer, vocab_size: int) -> list[int]:
@@ -53,16 +229,11 @@ def prompt_ids(tokenizer, vocab_size: int) -> list[int]:
 
 def machine(device: str) -> str:
     """The device in words: the GPU's name, or the CPU threads torch uses."""
-    if device == "cuda":
-        return torch.cuda.get_device_name()
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
     return f"{torch.get_num_threads()} CPU threads ({platform.processor() or platform.machine()})"
 
 
 def threads_note() -> str:
     """The thread settings a CPU timing depends on, for the line after a report's command."""
     return f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, {torch.get_num_threads()} torch thread(s))"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> "bfloat16", as the --dtype option and worker processes spell it."""
-    return str(dtype).removeprefix("torch.")

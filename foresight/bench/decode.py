@@ -8,14 +8,13 @@ storage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from foresight.bench.common import BenchSettings, load_benchmark_model, machine, prompt_ids
+from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark_model, machine, prompt_ids
 from foresight.models import describe
-from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, RunStats
 
 NAME = "decode"
@@ -23,9 +22,9 @@ WINDOW = 512  # tokens per latency window
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecodeSettings(BenchSettings):
-    max_new_tokens: int
-    batch_sizes: list[int]
+class Settings(RuntimeSettings):
+    max_new_tokens: int = field(default=2048, metadata={"help": "tokens decoded per policy and batch size"})
+    batch_sizes: tuple[int, ...] = field(default=(1, 8), metadata={"help": "comma-separated batch sizes"})
 
 
 @dataclass
@@ -50,19 +49,21 @@ class DecodeResult:
         return self.window_ms(steps - WINDOW, steps) / self.window_ms(first_eviction, first_eviction + WINDOW)
 
 
-def run(settings: DecodeSettings) -> str:
+def run(settings: Settings) -> str:
     """Decode under every policy at every batch size; the report's markdown section."""
     model, tokenizer = load_benchmark_model(settings)
     prompt = prompt_ids(tokenizer, model.config.vocab_size)
+    scorer = settings.learned_scorer(model)
     results = []
     for batch in settings.batch_sizes:
-        for name in settings.policies:
-            results.append(_decode(model, name, settings.eviction, [prompt] * batch, settings.max_new_tokens, len(prompt)))
+        for name in settings.policy_names:
+            policy = bench_policy(name, scorer)
+            results.append(_decode(model, policy, settings.eviction, [prompt] * batch, settings.max_new_tokens, len(prompt)))
     return _report(settings, results, describe(model), model.dtype)
 
 
-def _decode(model, name: str, config: EvictionConfig, prompts, max_new_tokens: int, prompt_length: int) -> DecodeResult:
-    policy = make_policy(name)
+def _decode(model, policy, config: EvictionConfig, prompts, max_new_tokens: int, prompt_length: int) -> DecodeResult:
+    name = policy.name
     engine = EvictionEngine(model, policy, config if policy.evicts else None)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -73,8 +74,8 @@ def _decode(model, name: str, config: EvictionConfig, prompts, max_new_tokens: i
     return DecodeResult(name, len(prompts), output.stats, kv_bytes, first)
 
 
-def _report(settings: DecodeSettings, results: list[DecodeResult], shape, dtype) -> str:
-    device = settings.device
+def _report(settings: Settings, results: list[DecodeResult], shape, dtype) -> str:
+    device = settings.run_device
     steps = max(len(r.stats.step_seconds) for r in results)
     windows = [(start, min(start + WINDOW, steps)) for start in range(0, steps, WINDOW)]
     lines = [
@@ -87,7 +88,7 @@ def _report(settings: DecodeSettings, results: list[DecodeResult], shape, dtype)
         f"averaged over windows of generated tokens. Flatness = latency of the last {WINDOW} tokens / the "
         f"first {WINDOW} after the first eviction (target <= 1.10). Evict share = time in scoring and "
         "eviction / decode time (target <= 5% for snapkv and rkv). KV held = the cache's storage (K, V, "
-        "positions, policy state, query ring buffer), allocated once per run.",
+        "positions, policy state, query ring buffer), allocated once per run." + settings.scorer_note(),
         "",
     ]
     header = ["policy", "batch"] + [f"ms/step {a + 1}-{b}" for a, b in windows] + ["flatness", "evict share", "KV held MiB", "max entries", "tokens/s"]

@@ -20,27 +20,32 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from foresight.bench.common import dtype_name
+from foresight.bench.common import ModelSettings, budget_field, interval_field
+from foresight.models import DEFAULT_MODEL, dtype_name
 
 NAME = "labels-memory"
 MIB = 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
-class LabelsMemorySettings:
-    """`model`: a name, folder, Hub id or architecture config; `lengths`: the trace lengths T."""
+class Settings(ModelSettings):
+    section: str | None = field(default=None, metadata={
+        "help": "name of the report section to rewrite (default: labels-memory-DEVICE, or labels-memory-CONFIG-DEVICE "
+        "for an architecture config or folder)", "report": True})
+    lengths: tuple[int, ...] = field(default=(2048, 4096), metadata={"help": "trace lengths T"})
+    budget: int = budget_field(128)
+    interval: int = interval_field(32)
 
-    model: str
-    device: str
-    dtype: torch.dtype
-    lengths: list[int]
-    budget: int
-    interval: int
-    command: str
+
+def section(settings: Settings) -> str:
+    """labels-memory-DEVICE, with the config's or folder's name for another model than the default."""
+    name = "" if settings.model == DEFAULT_MODEL else "-" + Path(settings.model).stem
+    return f"labels-memory{name}-{torch.device(settings.run_device).type}"
 
 
 @dataclass(frozen=True)
@@ -55,21 +60,22 @@ class _Job:
     device: str
 
 
-def run(settings: LabelsMemorySettings) -> str:
+def run(settings: Settings) -> str:
     """Measure every length in its own process; the report's markdown section."""
     rows = []
     for length in settings.lengths:
-        job = _Job(settings.model, dtype_name(settings.dtype), length, settings.budget, settings.interval, settings.device)
+        job = _Job(settings.model, dtype_name(settings.run_dtype), length, settings.budget, settings.interval,
+                   settings.run_device)
         command = [sys.executable, "-m", __name__, json.dumps(asdict(job))]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(output.strip().splitlines()[-1]))
     first = rows[0]
     lines = [
-        f"### Golden labels: peak memory against trace length ({settings.device})",
+        f"### Golden labels: peak memory against trace length ({settings.run_device})",
         "",
         f"Command: `{settings.command}`",
         "",
-        f"Model {settings.model} ({dtype_name(settings.dtype)}), B = {settings.budget}, L = {settings.interval}. Target: the "
+        f"Model {settings.model} ({dtype_name(settings.run_dtype)}), B = {settings.budget}, L = {settings.interval}. Target: the "
         "memory above the model at the largest T is below 2.5x that at the smallest when T doubles (linear, not quadratic).",
         "",
         "| T | steps M | before (MiB) | peak (MiB) | above model (MiB) | ratio peak | ratio above model | time (s) |",

@@ -9,14 +9,13 @@ held then (CUDA: max_memory_allocated; CPU: the resident set's high-water mark).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from foresight.bench.common import BenchSettings, load_benchmark_model, machine, prompt_ids
+from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark_model, machine, prompt_ids
 from foresight.bench.process_memory import held_bytes, peak_bytes, reset_peak, resident_bytes
 from foresight.models import describe
-from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionEngine
 
 NAME = "memory"
@@ -24,9 +23,9 @@ MIB = 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemorySettings(BenchSettings):
-    max_new_tokens: int  # decoded per policy, EOS ignored
-    batch_size: int  # rows decoded together
+class Settings(RuntimeSettings):
+    max_new_tokens: int = field(default=1024, metadata={"help": "tokens decoded per policy (EOS ignored)"})
+    batch_size: int = field(default=4, metadata={"help": "rows decoded together"})
 
 
 @dataclass
@@ -77,14 +76,15 @@ class _Sampler:
         trace.entry_bytes = sum(layer.storage.nbytes // layer.storage.slots for layer in cache.layers)
 
 
-def run(settings: MemorySettings) -> str:
+def run(settings: Settings) -> str:
     """Trace the memory of a run of every policy; the report's markdown section."""
-    device = settings.device
+    device = settings.run_device
     model, tokenizer = load_benchmark_model(settings)
     prompts = [prompt_ids(tokenizer, model.config.vocab_size)] * settings.batch_size
+    scorer = settings.learned_scorer(model)
     traces = []
-    for name in settings.policies:
-        policy = make_policy(name)
+    for name in settings.policy_names:
+        policy = bench_policy(name, scorer)
         engine = EvictionEngine(model, policy, settings.eviction if policy.evicts else None)
         trace = MemoryTrace(name)
         with tqdm(total=settings.max_new_tokens, desc=name, unit="tok", leave=False) as progress:
@@ -96,8 +96,8 @@ def run(settings: MemorySettings) -> str:
     return _report(settings, traces, describe(model), model.dtype, len(prompts[0]))
 
 
-def _report(settings: MemorySettings, traces: list[MemoryTrace], shape, dtype, prompt_length: int) -> str:
-    device = settings.device
+def _report(settings: Settings, traces: list[MemoryTrace], shape, dtype, prompt_length: int) -> str:
+    device = settings.run_device
     held = "CUDA allocations" if device == "cuda" else "C heap in use (mallinfo2)"
     peak = "max_memory_allocated" if device == "cuda" else "resident-set high-water mark (VmHWM)"
     lines = [
@@ -112,7 +112,7 @@ def _report(settings: MemorySettings, traces: list[MemoryTrace], shape, dtype, p
         f"buffers (K, V, positions, policy state, query ring buffer); allocations = times a layer allocated them. "
         f"Held = {held}, sampled after every token; peak above held = {peak} after the reference step minus "
         "what was resident then. Entry = the bytes one more cache entry takes (K, V, position, state; every "
-        "layer and row): what a cache that grows by a token per step would add per token.",
+        "layer and row): what a cache that grows by a token per step would add per token." + settings.scorer_note(),
         "",
         "| policy | max entries | from token | storage MiB then | storage MiB at end | allocations | held growth KiB | "
         "held growth B/token | entry B | peak above held MiB |",

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -49,13 +49,13 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import atomic_file
-from foresight.bench.common import dtype_name
+from foresight.bench.common import PlacedSettings, budgets_field, interval_field, policies_field, traces_field
 from foresight.cadence import check_budget
 from foresight.data.trace_store import Trace, TraceStore, describe_traces, select_traces
 from foresight.eval.replay import prefill_lengths
-from foresight.eval.specs import PolicySpec
+from foresight.eval.specs import ROW_OPTIONS_HELP, PolicySpec, policy_specs
 from foresight.labels import GoldenLabels, LabelStore
-from foresight.models import load_model
+from foresight.models import dtype_name, load_model
 from foresight.runtime.engine import EvictionEngine
 from foresight.runtime.policy import EvictionContext, Policy
 
@@ -64,29 +64,41 @@ LAYOUTS = ("sequence pages", "layer pages", "(layer, head) pages")
 
 
 @dataclass(frozen=True, kw_only=True)
-class PagedReclaimSettings:
-    """`specs`: the policies replayed (those that do not evict are skipped); `notes`: what choosing them
-    left out; `holdout`: replay only the held-out split of this share (None: every trace); the model is
-    the one that made the traces, on `device` in `dtype`; `plot`: the PNG written beside the report."""
+class Settings(PlacedSettings):
+    """The model is the one that made the traces; the policies that do not evict are skipped."""
 
-    traces: Path
-    holdout: float | None
-    specs: Sequence[PolicySpec]
-    notes: Sequence[str]
-    budgets: Sequence[int]
-    interval: int
-    page_sizes: Sequence[int]
-    device: str
-    dtype: torch.dtype
-    plot: Path
-    command: str
+    traces: Path = traces_field("traces folder (`foresight traces`), labels where golden runs")
+    holdout: float | None = field(default=None, metadata={
+        "help": "replay only the held-out split of this share, as `foresight eval` (default: every trace)"})
+    policies: str = policies_field("every registered policy that evicts; golden where labels exist, foresight with --scorer")
+    scorer: tuple[str, ...] = field(default=(), metadata={
+        "help": "a trained scorer folder (or Hub id, or NAME=DIR) replayed as the learned `foresight` policy at the B "
+        "and L it was trained for; repeat for several", "metavar": "DIR"})
+    option: tuple[str, ...] = field(default=(), metadata={
+        "help": ROW_OPTIONS_HELP, "flags": ("--option", "-o"), "metavar": "ROW.KEY=VALUE"})
+    budgets: tuple[int, ...] = budgets_field((128, 256))
+    interval: int = interval_field(32)
+    page_sizes: tuple[int, ...] = field(default=(16, 32, 64), metadata={
+        "help": "page sizes P (positions per page), comma-separated"})
+    plot: Path | None = field(default=None, metadata={
+        "help": "PNG of the reclaimed share against page size (default: SECTION.png beside the report)"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for size in self.page_sizes:
             if size < 1:
                 raise ValueError(f"page size {size} must be a positive number of positions")
         for budget in self.budgets:
             check_budget(budget, self.interval)
+
+    @property
+    def plot_path(self) -> Path:
+        return self.plot or self.report.parent / f"{section(self)}.png"
+
+
+def section(settings: Settings) -> str:
+    """--section, or paged-reclaim: the name of the report's section and of its plot."""
+    return settings.section or NAME
 
 
 @dataclass(frozen=True)
@@ -163,13 +175,14 @@ def held_after_steps(
     return [held_mask(after)[..., : int(before.max()) + 1] for before, after in pairwise(readings)]
 
 
-def run(settings: PagedReclaimSettings) -> str:
+def run(settings: Settings) -> str:
     """Replay every trace under every policy and budget; the report's markdown section (and the plot)."""
+    chosen, notes = policy_specs(settings.policies, list(settings.scorer), settings.option)
     store = TraceStore(settings.traces)
     traces = list(select_traces(store, settings.holdout, 0, None))
-    model, _ = load_model(store.settings["model"], device=settings.device, dtype=settings.dtype)
-    notes = [*settings.notes, *(f"{spec.name}: never evicts, nothing to reclaim" for spec in settings.specs if not spec.evicts)]
-    specs = [spec for spec in settings.specs if spec.evicts]
+    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
+    notes += [f"{spec.name}: never evicts, nothing to reclaim" for spec in chosen if not spec.evicts]
+    specs = [spec for spec in chosen if spec.evicts]
     figures: dict[tuple[str, int, int], list[Reclaim]] = defaultdict(list)
     for budget in settings.budgets:
         eligible = [t for t in traces if t.input_ids.numel() >= budget + settings.interval]
@@ -196,7 +209,7 @@ def run(settings: PagedReclaimSettings) -> str:
     rows = [_row(key, figures[key]) for key in sorted(figures, key=lambda key: (order[key[0]], *key[1:]))]
     if not rows:
         raise ValueError(f"nothing evicted in {settings.traces} at B={list(settings.budgets)}: " + "; ".join(notes))
-    _plot(rows, settings.plot, settings.interval)
+    _plot(rows, settings.plot_path, settings.interval)
     described = (
         f"{describe_traces(traces)}; L = {settings.interval}. Mean over the time points right after every eviction "
         "step of every trace (foresight/bench/paged_reclaim.py states the definition): the share of the evicted "
@@ -205,9 +218,10 @@ def run(settings: PagedReclaimSettings) -> str:
         "pages) or of one (layer, KV head); and the memory it still holds per kept entry (1 = the budget's memory)."
     )
     return "\n".join([
-        f"### Paged-allocator reclaim of evicted entries ({torch.device(settings.device).type}, {dtype_name(settings.dtype)})",
+        f"### Paged-allocator reclaim of evicted entries ({torch.device(settings.run_device).type}, "
+        f"{dtype_name(settings.run_dtype)})",
         "", f"Command: `{settings.command}`", "", described, "", *_table(rows), "",
-        *(f"- {note}" for note in notes), *([""] if notes else []), f"Plot: `{settings.plot}`.",
+        *(f"- {note}" for note in notes), *([""] if notes else []), f"Plot: `{settings.plot_path}`.",
     ])
 
 

@@ -15,12 +15,10 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
 - step counts: the device values each eviction step reads back (`HostReads`) and the operations it
   runs (`DeviceOps`), in one replay of the first trace under the eval stage's policy, the learned
   scorer and G sampled rollout rows;
-- fit: optimisation steps from that example cache, first as the step ran before (one process,
-  batches cast to float32 in the collate, the scorer and the loss of `foresight.bench.fit_before`,
-  glibc's malloc as it comes), then as it runs now (the data module's worker processes, batches in the
-  storage dtype cast on the device, pinned memory on CUDA, freed host memory kept for reuse as the
-  training CLIs set it: `foresight.host_memory`, which stays set for the process, hence last); steady
-  state, after each run's first step.
+- fit: optimisation steps from that example cache as `foresight fit` runs them (the data module's
+  worker processes, batches in the storage dtype cast on the device, pinned memory on CUDA, freed host
+  memory kept for reuse as the training CLIs set it: `foresight.host_memory`, which stays set for the
+  process, hence last); steady state, after the run's first step.
 
 The forward share is the time inside the model's top-level forward (a pre-hook and a hook timing it,
 CUDA synchronised at both edges) over the stage's time: what is left is the stage's own work. The fit
@@ -39,26 +37,33 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import DataLoader
 
-from foresight.bench.common import dtype_name, machine, threads_note
+from foresight.bench.common import (
+    PlacedSettings,
+    budget_field,
+    interval_field,
+    machine,
+    random_scorer,
+    threads_note,
+    traces_field,
+)
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.trace_store import Trace, TraceStore, describe_traces
 from foresight.eval.replay import evaluate, prefill_lengths
-from foresight.eval.specs import PolicySpec
+from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
-from foresight.models import describe
+from foresight.models import dtype_name
 from foresight.policies import make_policy
 from foresight.runtime.device_ops import DeviceOps
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.host_reads import HostReads
-from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.scorer.model import ForesightScorer
 from trainers.example_cache import ExampleCache
 from trainers.preparation import FrozenModel, make_examples
 from trainers.ranking import PairWeight
@@ -71,21 +76,31 @@ NAME = "pipeline"
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipelineSettings:
-    """`traces`: a folder with its golden labels at (budget, interval), made by the model it names, which
-    runs on `device` in `dtype`; `policy`: the one replayed by the eval stage; `fit_steps` optimisation
-    steps of `batch_size` traces per loader; `group_size`: rollouts of a trace (G)."""
+class Settings(PlacedSettings):
+    """The model is the one that made the traces."""
 
-    traces: Path
-    budget: int
-    interval: int
-    policy: PolicySpec
-    fit_steps: int
-    batch_size: int
-    group_size: int
-    device: str
-    dtype: torch.dtype
-    command: str
+    traces: Path = traces_field("a traces folder with its golden labels at -B and -L (`foresight labels`)")
+    budget: int = budget_field(128)
+    interval: int = interval_field(32)
+    policy: str = field(default="snapkv", metadata={"help": "the policy the eval stage replays"})
+    fit_steps: int = field(default=20, metadata={"help": "optimisation steps of each fit run (at least 2)"})
+    batch_size: int = field(default=2, metadata={
+        "help": "traces per optimisation step of the fit, and per replay in the packed rl rollouts row"})
+    group_size: int = field(default=4, metadata={"help": "rollouts of each trace (G)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.eval_policy.evicts:
+            raise ValueError(f"--policy {self.policy!r} evicts nothing; the eval stage needs one that does, e.g. snapkv")
+        for name, value, least in (("--fit-steps", self.fit_steps, 2), ("--batch-size", self.batch_size, 1),
+                                   ("--group-size", self.group_size, 1)):
+            if value < least:
+                raise ValueError(f"{name} {value} must be at least {least}")
+
+    @property
+    def eval_policy(self) -> PolicySpec:
+        (policy,), _ = resolve_policies(self.policy)
+        return policy
 
 
 @dataclass(frozen=True)
@@ -148,7 +163,7 @@ def _timed(model: torch.nn.Module, work: Callable[[], object]) -> tuple[float, f
     return seconds, timer.seconds
 
 
-def run(settings: PipelineSettings) -> str:
+def run(settings: Settings) -> str:
     """Time every stage on the folder's traces; the report's markdown section."""
     store = TraceStore(settings.traces)
     traces = [trace for trace in store if _has_steps(trace, settings.budget, settings.interval)]
@@ -162,11 +177,11 @@ def run(settings: PipelineSettings) -> str:
             _examples(model, data.frozen, data.examples, traces),
             _eval(model, traces, settings),
         ]
-        scorer = _bench_scorer(model, settings)
+        scorer = random_scorer(model, settings.budget, settings.interval)  # a rollout's speed does not depend on its weights
         long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
         rollouts = _rollouts(model, scorer, long_enough, settings)  # before the fit, whose row of now changes malloc's settings
         counts = _step_counts(model, scorer, long_enough[0], settings)
-        stages += [*_fit(data, settings), *rollouts]
+        stages += [_fit(data, settings), *rollouts]
     return _report(settings, traces, store.settings["model"], stages, counts)
 
 
@@ -182,7 +197,7 @@ def _tokens(traces: list[Trace]) -> int:
     return sum(trace.input_ids.numel() for trace in traces)
 
 
-def _labels(model, traces: list[Trace], settings: PipelineSettings) -> StageFigures:
+def _labels(model, traces: list[Trace], settings: Settings) -> StageFigures:
     def work() -> None:
         for trace in traces:
             compute_golden_labels(model, trace.input_ids, settings.budget, settings.interval)
@@ -198,24 +213,16 @@ def _examples(model, frozen: FrozenModel, cache: ExampleCache, traces: list[Trac
                         seconds, forward)
 
 
-def _eval(model, traces: list[Trace], settings: PipelineSettings) -> StageFigures:
+def _eval(model, traces: list[Trace], settings: Settings) -> StageFigures:
     def work() -> None:
-        evaluate(model, traces, [settings.policy], [settings.budget], settings.interval, progress=False)
+        evaluate(model, traces, [settings.eval_policy], [settings.budget], settings.interval, progress=False)
 
     seconds, forward = _timed(model, work)
-    what = f"eval replay of {settings.policy.name}: the full-cache reference and the policy"
+    what = f"eval replay of {settings.eval_policy.name}: the full-cache reference and the policy"
     return StageFigures("eval replay", what, _tokens(traces), "tokens", seconds, forward)
 
 
-def _bench_scorer(model, settings: PipelineSettings) -> ForesightScorer:
-    """A freshly initialised scorer at the bench's (B, L): a rollout's speed does not depend on its weights."""
-    config = ScorerConfig(**asdict(describe(model)), budget=settings.budget, interval=settings.interval, base_model="bench")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return ForesightScorer(config).to(model.device)
-
-
-def _rollouts(model, scorer: ForesightScorer, traces: list[Trace], settings: PipelineSettings) -> list[StageFigures]:
+def _rollouts(model, scorer: ForesightScorer, traces: list[Trace], settings: Settings) -> list[StageFigures]:
     """The rollouts of every trace (each long enough for one) with each group's forwards before its first eviction
     run on every row (before), then once (now), then with the groups of `batch_size` traces in one replay,
     then once with the model in bfloat16 (a float32 model's only)."""
@@ -259,11 +266,11 @@ class StepCounts:
         return self.reads.total / max(steps, 1), self.ops.total / max(steps, 1)
 
 
-def _step_counts(model, scorer: ForesightScorer, trace: Trace, settings: PipelineSettings) -> dict[str, tuple[float, float]]:
+def _step_counts(model, scorer: ForesightScorer, trace: Trace, settings: Settings) -> dict[str, tuple[float, float]]:
     """Host reads and device operations per eviction step (`StepCounts`) in one replay of `trace`: the
     eval stage's policy and the learned scorer (deterministic), each on one row prefilled as `foresight
     eval` prefills it, and G sampled rollout rows of the scorer evicting together."""
-    seeds, spec = list(range(settings.group_size)), settings.policy
+    seeds, spec = list(range(settings.group_size)), settings.eval_policy
     counts = {}
     for name, policy, config in (
         (spec.name, spec.build(None), spec.config(settings.budget, settings.interval)),
@@ -300,7 +307,7 @@ def _rollout_row(
     return StageFigures(stage, what, group_size * _tokens(traces), "tokens", seconds, forward)
 
 
-def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str) -> GoldenDataModule:
+def _data_module(settings: Settings, model_name: str, examples_dir: str) -> GoldenDataModule:
     """The supervised stage's data module over every trace (no holdout), its example cache in `examples_dir`."""
     from trainers.data import (
         GoldenDataModule,  # Lightning is imported only when the benchmark runs
@@ -308,46 +315,17 @@ def _data_module(settings: PipelineSettings, model_name: str, examples_dir: str)
 
     return GoldenDataModule(
         str(settings.traces), settings.budget, settings.interval, model=model_name, examples_dir=examples_dir,
-        device=settings.device, dtype=dtype_name(settings.dtype), holdout=0.0, batch_size=settings.batch_size,
+        device=settings.run_device, dtype=dtype_name(settings.run_dtype), holdout=0.0, batch_size=settings.batch_size,
     )
 
 
-def _fit(data: GoldenDataModule, settings: PipelineSettings) -> list[StageFigures]:
-    """Steps per second of the fit as it ran before (`foresight.bench.fit_before`), then as it runs now."""
-    from foresight.bench.fit_before import SupervisedScorerBefore
-    from trainers.supervised import SupervisedScorer
-
-    data.setup("fit")
-    loader = data.train_dataloader()
-    before = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
-                        drop_last=loader.drop_last, collate_fn=_float32_steps)
-    first = _fit_steps(data, settings, before, SupervisedScorerBefore, "fit before",
-                       "one process, batches cast to float32 in the collate; x_n concatenated, einsums broadcast "
-                       "over the batch; the batch's pair matrices at once, built again in the backward")
-    kept = keep_freed_memory()  # as `foresight fit` runs: for the rest of this process
-    now = _fit_steps(data, settings, None, SupervisedScorer, "fit now",
-                     f"{loader.num_workers} worker processes, batches in the storage dtype cast in the scorer's "
-                     + "layout copy" + (", pinned memory" if settings.device.startswith("cuda") else "")
-                     + "; one matmul per (layer, head); pair blocks in cache, the gradient in the same pass"
-                     + ("; freed host memory kept for the next step" if kept else ""))
-    return [first, now]
-
-
-def _float32_steps(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The collate of before: steps concatenated and cast to float32 in the loader."""
-    from trainers.data import concat_steps
-
-    return {name: tensor.float() for name, tensor in concat_steps(examples).items()}
-
-
-def _fit_steps(
-    data: GoldenDataModule, settings: PipelineSettings, loader: DataLoader | None, module_class: type, stage: str,
-    what: str,
-) -> StageFigures:
-    """`fit_steps` optimisation steps of a fresh scorer (`module_class`, the shipped recipe's gap-weighted
-    pairs) from `loader` (None: the data module's); the seconds of the steps after the first, which
+def _fit(data: GoldenDataModule, settings: Settings) -> StageFigures:
+    """Steps per second of the fit as `foresight fit` runs it: `fit_steps` optimisation steps of a fresh
+    scorer (the shipped recipe's gap-weighted pairs), the seconds of the steps after the first, which
     also starts the loader."""
     import lightning as L
+
+    from trainers.supervised import SupervisedScorer
 
     class StepTimes(L.Callback):
         def __init__(self) -> None:
@@ -356,32 +334,34 @@ def _fit_steps(
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.times.append(clock(module.device))
 
+    data.setup("fit")
+    workers = data.train_dataloader().num_workers
+    kept = keep_freed_memory()  # as `foresight fit` runs: for the rest of this process
     times = StepTimes()
-    kind, _, index = settings.device.partition(":")
+    kind, _, index = settings.run_device.partition(":")
     trainer = L.Trainer(
         accelerator="gpu" if kind == "cuda" else kind, devices=[int(index)] if index else 1,
         max_steps=settings.fit_steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
     )
-    module = module_class(data.scorer_spec, pair_weight=PairWeight.GAP.value)
-    if loader is None:
-        trainer.fit(module, datamodule=data)
-    else:
-        trainer.fit(module, train_dataloaders=loader)
-    steps = len(times.times) - 1
-    return StageFigures(stage, what, steps, "steps", times.times[-1] - times.times[0], None)
+    trainer.fit(SupervisedScorer(data.scorer_spec, pair_weight=PairWeight.GAP.value), datamodule=data)
+    what = (f"{workers} worker processes, batches in the storage dtype cast in the scorer's layout copy"
+            + (", pinned memory" if kind == "cuda" else "")
+            + "; one matmul per (layer, head); pair blocks in cache, the gradient in the same pass"
+            + ("; freed host memory kept for the next step" if kept else ""))
+    return StageFigures("fit", what, len(times.times) - 1, "steps", times.times[-1] - times.times[0], None)
 
 
 def _report(
-    settings: PipelineSettings, traces: list[Trace], model_name: str, rows: list[StageFigures],
+    settings: Settings, traces: list[Trace], model_name: str, rows: list[StageFigures],
     counts: dict[str, tuple[float, float]],
 ) -> str:
-    kind = torch.device(settings.device).type
+    kind = torch.device(settings.run_device).type
     lines = [
         f"### Pipeline stages at the speed of the model forward ({kind})", "",
         f"Command: `{settings.command}` {threads_note()}", "",
         (
-            f"{describe_traces(traces)} of {model_name} ({dtype_name(settings.dtype)}) on {machine(kind)}; "
+            f"{describe_traces(traces)} of {model_name} ({dtype_name(settings.run_dtype)}) on {machine(settings.run_device)}; "
             f"B = {settings.budget}, L = {settings.interval}. Forward share: the time inside the frozen model's "
             f"forward over the stage's; the fit runs none ({settings.fit_steps} steps of {settings.batch_size} "
             "traces, timed after the first)."

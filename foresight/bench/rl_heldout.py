@@ -14,7 +14,7 @@ Figures pool tokens over traces, as `foresight eval` does: −R = Σ ΔL²·1[Δ
 bottom-80%-entropy tokens (minus the reward of docs/algorithms.md §7), loss ratio, damaged share. 95%
 intervals: paired bootstrap over traces (resample the traces with replacement; both scorers on the
 same resample), percentile intervals, also for the relative change of −R and the loss-ratio
-difference. The report goes to a section of docs/benchmarks.md; per-trace figures to --results (JSON:
+difference. The report goes to a section of runs/bench/rl-heldout.md; per-trace figures to --results (JSON:
 {mode: {scorer: [per-trace figures]}}).
 
     foresight bench rl-heldout --traces runs/rl-default/traces --holdout 0.4 \\
@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import write_text
+from foresight.bench.common import PlacedSettings, traces_field
 from foresight.data.trace_store import TraceStore, select_traces
 from foresight.eval.specs import trace_seed
 from foresight.metrics import loss_ratio, low_entropy_damage, scored_tokens
@@ -49,25 +49,48 @@ FIELDS = ("evicted_nll", "full_nll", "low_entropy", "damaged", "squared_sum")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RlHeldoutSettings:
-    """`scorers`: (name, folder or Hub id) of the supervised scorer, then of the reinforced one;
-    `holdout`/`holdout_seed`: the held-out split both stages left out (None: every trace);
-    `exclude`: trace indices a stage trained on; `results`: also write per-trace figures (JSON) there;
-    `sampled_seeds`: replays per trace of the sampled policy at `sample_temperature` (0: deterministic only)."""
+class Settings(PlacedSettings):
+    """The model is the one that made the traces."""
 
-    traces: Path
-    scorers: tuple[tuple[str, str], tuple[str, str]]
-    holdout: float | None
-    holdout_seed: int
-    exclude: set[int]
-    batch_size: int
-    resamples: int
-    device: str
-    dtype: torch.dtype
-    results: Path | None
-    command: str
-    sampled_seeds: int = 0
-    sample_temperature: float = 1.0
+    traces: Path = traces_field()
+    holdout: float | None = field(default=None, metadata={
+        "help": "evaluate the held-out split of this share (the one both training stages left out)"})
+    exclude: str | None = field(default=None, metadata={
+        "help": "comma-separated trace indices to leave out (traces a stage trained on)"})
+    holdout_seed: int = field(default=0, metadata={"help": "seed of the held-out split"})
+    scorer: tuple[str, ...] = field(metadata={
+        "help": "exactly two: the supervised scorer first, then the reinforced one", "metavar": "NAME=DIR"})
+    batch_size: int = field(default=4, metadata={"help": "traces replayed together"})
+    resamples: int = field(default=10000, metadata={"help": "bootstrap resamples"})
+    sampled_seeds: int = field(default=0, metadata={
+        "help": "also compare the sampled policies (Eq. 2), each trace's figures the mean of N seeded replays",
+        "metavar": "N"})
+    sample_temperature: float = field(default=1.0, metadata={
+        "help": "τ of the sampled policies (the rollouts' model.temperature)", "metavar": "T"})
+    results: Path | None = field(default=None, metadata={"help": "also write the per-trace figures as JSON to this file"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.scorer) != 2 or not all("=" in text for text in self.scorer):
+            raise ValueError("give exactly two --scorer NAME=DIR: the supervised one, then the reinforced one")
+        if self.sampled_seeds < 0 or not 0 < self.sample_temperature < float("inf"):
+            raise ValueError(
+                f"--sampled-seeds must be at least 0 and --sample-temperature a finite number > 0, got "
+                f"{self.sampled_seeds} and {self.sample_temperature}"
+            )
+        self.excluded  # a bad index list is refused before any model loads
+
+    @property
+    def scorers(self) -> tuple[tuple[str, str], ...]:
+        """(name, folder or Hub id) of the supervised scorer, then of the reinforced one."""
+        return tuple(tuple(text.split("=", 1)) for text in self.scorer)
+
+    @property
+    def excluded(self) -> set[int]:
+        try:
+            return {int(index) for index in (self.exclude or "").split(",") if index.strip()}
+        except ValueError:
+            raise ValueError(f"--exclude {self.exclude!r} must be comma-separated trace indices, e.g. 0,4,5") from None
 
 
 def per_trace(
@@ -112,7 +135,7 @@ def pooled(sums: np.ndarray) -> dict[str, np.ndarray]:
     return {"penalty": squared / low, "loss_ratio": evicted / full, "damage": damaged / low}
 
 
-def run(settings: RlHeldoutSettings) -> str:
+def run(settings: Settings) -> str:
     """Replay the held-out traces under both scorers and compare them; the report's markdown section."""
     names = [name for name, _ in settings.scorers]
     scorers = [load_scorer(folder) for _, folder in settings.scorers]
@@ -123,9 +146,9 @@ def run(settings: RlHeldoutSettings) -> str:
     minimum = config.budget + config.interval + 2
     traces = [
         t for t in select_traces(store, settings.holdout, settings.holdout_seed, None)
-        if t.input_ids.numel() >= minimum and t.index not in settings.exclude
+        if t.input_ids.numel() >= minimum and t.index not in settings.excluded
     ]
-    model, _ = load_model(store.settings["model"], device=settings.device, dtype=settings.dtype)
+    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
     started = time.perf_counter()
     prefixes: dict[int, ReplayPrefix] = {}  # every replay of a batch of traces shares its forwards before the first eviction
     modes = {"deterministic": {name: per_trace(model, scorer, traces, settings.batch_size, prefixes=prefixes)

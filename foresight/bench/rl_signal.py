@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from foresight.bench.common import machine, threads_note
+from foresight.bench.common import PlacedSettings, machine, threads_note
 from foresight.data.trace_store import Trace, TraceStore
-from foresight.models import describe, float_dtype, load_model
+from foresight.models import describe, load_model
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer, load_scorer
 from trainers.branches import BranchSettings, roll_out_branches
@@ -62,7 +62,7 @@ CHUNKS = 8
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings:
+class Settings(PlacedSettings):
     """The options of `foresight bench rl-signal`, each with its help text."""
 
     traces: str = field(default="data/corpus/train52", metadata={"help": "traces folder of the scorer's model"})
@@ -84,10 +84,9 @@ class Settings:
     reference_draws: int = field(default=512, metadata={"help": "draws per state for the planted reward's true gradient"})
     resamples: int = field(default=2000, metadata={"help": "bootstrap resamples of the groups"})
     seed: int = field(default=0, metadata={"help": "seeds the rollouts, the planted entries and the bootstrap"})
-    device: str = field(default="cpu", metadata={"help": "device of the model and the scorer"})
-    dtype: str = field(default="float32", metadata={"help": "dtype of the frozen model (the traces' losses were made in float32)"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         counts = {"count": self.count, "groups": self.groups, "planted_episodes": self.planted_episodes,
                   "reference_draws": self.reference_draws, "resamples": self.resamples}
         if min(counts.values()) < 1 or self.group_size < 2 or self.groups < 2 or self.branch_rounds < 0:
@@ -101,12 +100,6 @@ class Settings:
         if not 0 < self.planted_share < 1:
             raise ValueError(f"planted_share must lie in (0, 1), got {self.planted_share}")
 
-    @property
-    def command(self) -> str:
-        """The `foresight bench rl-signal` command that reproduces these settings (the report's --out aside)."""
-        options = " ".join(f"--{item.name.replace('_', '-')} {getattr(self, item.name)}" for item in dataclasses.fields(self))
-        return f"foresight bench {NAME} {options}"
-
 
 def estimators(settings: Settings) -> list[Estimator]:
     """Every combination of the rules, the paper's (order, group_normalised, thresholded) first."""
@@ -118,8 +111,8 @@ def run(settings: Settings) -> str:
     """Roll out, measure every estimator, check the planted reward; the report's markdown section."""
     started = time.perf_counter()
     store = TraceStore(settings.traces)
-    model, _ = load_model(store.settings["model"], device=settings.device, dtype=float_dtype("dtype", settings.dtype))
-    scorer = load_scorer(settings.scorer).to(settings.device)
+    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
+    scorer = load_scorer(settings.scorer).to(settings.run_device)
     scorer.check_compatible(describe(model))
     traces = measured_traces(store, settings, scorer.config.budget + scorer.config.interval)
     scoring = {"temperature": settings.temperature, "threshold": settings.damage_threshold,
@@ -367,7 +360,7 @@ def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[No
            planted: Planted, seconds: float) -> str:
     today, today_tokens = noise["episodes"][0], tokens["episodes"]
     lines = [
-        f"### Policy-gradient signal of the reinforcement stage's estimators ({torch.device(settings.device).type})", "",
+        f"### Policy-gradient signal of the reinforcement stage's estimators ({torch.device(settings.run_device).type})", "",
         f"Command: `{settings.command}` {threads_note()}", "",
         (
             f"Scorer `{settings.scorer}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
@@ -376,7 +369,7 @@ def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[No
             f"groups: {settings.branch_rounds} rounds × {settings.branch_steps} groups of K = {settings.branch_rows} "
             f"rows, W = {settings.branch_chunks} chunks, per trace; forward tokens per group: "
             + ", ".join(f"{kind} {count:,.0f}" for kind, count in tokens.items())
-            + f"; {machine(settings.device)}, {seconds:.0f} s."
+            + f"; {machine(settings.run_device)}, {seconds:.0f} s."
         ), "",
         (
             "B_noise = tr(Σ) / |G|² of one group's policy gradient over the trained weights, in forward tokens (the "

@@ -16,34 +16,49 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from foresight.bench.common import threads_note
+from foresight.bench.common import PlacedSettings, threads_note, traces_field
+from foresight.models import dtype_name
 
 NAME = "rl-step"
+RL_CONFIG = Path("configs/default-rl.yaml")  # the default model, B = 128, L = 32, G = 8, on CPU
 
 
 @dataclass(frozen=True, kw_only=True)
-class RlStepSettings:
-    """`lightning_args(scratch, rollout)`: the reinforcement LightningCLI's arguments (no subcommand) of a
-    `foresight rl` run of `steps` optimisation steps, one trace each, with episode groups of `group_size`
-    or the branch groups `branches` describes (for the report), rolled out as `rollout`, writing under the
-    folder `scratch`; `rollouts`: the kinds to time, one run each; `device` names where it runs."""
+class Settings(PlacedSettings):
+    traces: Path = traces_field("traces of the default model (`foresight traces`)")
+    scorer: str = field(default="checkpoints/default", metadata={"help": "supervised scorer to start from"})
+    steps: int = field(default=2, metadata={"help": "optimisation steps, one trace each"})
+    group_size: int = field(default=8, metadata={"help": "rollouts per trace (G) of episodes"})
+    rollouts: tuple[str, ...] = field(default=("episode",), metadata={
+        "help": "a rollout kind to time on the same traces, one run each: episode, branch (repeat for both)",
+        "flags": ("--rollout",)})
+    branch: tuple[str, ...] = field(default=(), metadata={
+        "help": "a branch-group setting of the branch run, NAME=VALUE (e.g. branch_rows=8; repeat; default: "
+        "configs/default-rl.yaml's)"})
 
-    lightning_args: Callable[[Path, str], list[str]]
-    steps: int
-    group_size: int
-    device: str
-    command: str
-    rollouts: tuple[str, ...] = ("episode",)
-    branches: str = ""
+    def lightning_args(self, scratch: Path, rollout: str = "episode") -> list[str]:
+        """The reinforcement LightningCLI's arguments (no subcommand) of `foresight rl` on RL_CONFIG for
+        `steps` steps of one trace each, groups of `group_size` (or the branch groups of `branch` when
+        `rollout` is "branch"), on the device, writing under `scratch`."""
+        if not self.traces.is_dir():
+            raise ValueError(f"--traces {self.traces} is not a folder; make one with `foresight traces`")
+        kind, _, index = self.run_device.partition(":")  # Lightning calls CUDA "gpu"
+        return [
+            f"--config={RL_CONFIG}", f"--trainer.default_root_dir={scratch}", f"--checkpoint.dirpath={scratch / 'checkpoints'}",
+            f"--model.scorer={self.scorer}", f"--data.traces_dir={self.traces}", f"--trainer.max_steps={self.steps}",
+            "--data.batch_size=1", f"--model.group_size={self.group_size}", "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false", f"--trainer.accelerator={'gpu' if kind == 'cuda' else kind}",
+            f"--trainer.devices={f'[{index}]' if index else 1}", f"--model.dtype={dtype_name(self.run_dtype)}",
+            *((f"--model.rollout={rollout}", *(f"--model.{setting}" for setting in self.branch)) if rollout == "branch" else ()),
+        ]
 
 
-def run(settings: RlStepSettings) -> str:
+def run(settings: Settings) -> str:
     """Run the stage for a few steps, noting the module's figures at each; the report's markdown section."""
     from lightning.pytorch.callbacks import Callback  # Lightning is imported only when the stage runs
 
@@ -61,10 +76,10 @@ def run(settings: RlStepSettings) -> str:
             self.steps[-1]["tokens"] = sum(trace.input_ids.numel() for trace in batch)
 
     lines = [
-        f"### Reinforcement stage throughput ({torch.device(settings.device).type})", "",
+        f"### Reinforcement stage throughput ({torch.device(settings.run_device).type})", "",
         f"Command: `{settings.command}` {threads_note()}", "",
         f"Default model, B = 128, L = 32, one trace per optimisation step, from the shipped supervised scorer; "
-        f"episodes: G = {settings.group_size} rollouts sampling every step; branch: {settings.branches or 'not run'}.", "",
+        f"episodes: G = {settings.group_size} rollouts sampling every step; branch: {', '.join(settings.branch) or 'configs/default-rl.yaml settings' if 'branch' in settings.rollouts else 'not run'}.", "",
         "| rollouts | step | trace tokens | tokens fed / s (rows × tokens) | eviction steps / s | forward share of the RL step |",
         "|---|---:|---:|---:|---:|---:|",
     ]

@@ -1,67 +1,328 @@
-"""`foresight bench serve`: under a KV-memory cap, the largest concurrent batch of the full cache and of
-each policy at growing generation lengths, found by running it (foresight.bench.serving), with the
-throughput at that batch as a ratio to the full cache's in the same run, the peak memory and the
-eviction time share; with --kvpress-python, kvpress's DecodingPress runs the same model, prompt, B and
-L beside ours, in its own environment, and is reported next to ours (batch-1 throughput as well).
-The table has the shape of ForesightKV Table 3.
+"""Serving under a KV-memory cap: the largest concurrent batch of the full cache and of each policy at growing generation lengths, found by running it.
+
+For each generation length, the throughput at that batch as a ratio to the full cache's in the same run,
+the peak memory and the eviction time share (the shape of ForesightKV Table 3); with --kvpress-python,
+kvpress's DecodingPress runs the same model, prompt, B and L beside ours, in its own environment
+(`foresight.bench.kvpress_worker`), and is reported next to ours (batch-1 throughput as well).
+
+A decoder (our engine under a policy, or kvpress in the environment that has it) decodes a batch of
+copies of one prompt for N new tokens, greedily and with EOS ignored. After every forward of the
+model, before the eviction that forward may trigger, a hook reads the bytes its KV cache holds: every
+tensor the cache's layers hold (keys, values, positions, policy state, query buffers), each storage
+counted once at its allocated size, so preallocated buffers count in full. A run stops as soon as
+they exceed the cap.
+
+The search (`max_batch`): a short batch-1 probe measures bytes per cache entry and the decoder says
+how many entries a sequence holds at its fullest (prompt + N for the full cache; for a policy that
+evicts, B + L or the prompt if the prefill holds more), which gives a first guess; then runs decide: the
+batch is lowered until a run fits, then raised until a run does not. The largest batch that ran to the
+end is the answer, reported with that run's throughput (tokens/s summed over the batch, prefill
+included), its peak cache bytes, its peak device memory (CUDA) and, for our engine, the share of decode
+time spent evicting.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import platform
-from dataclasses import dataclass
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
 
 from foresight.artifacts import write_text
-from foresight.bench.common import PROMPT, BenchSettings, dtype_name
-from foresight.models import describe, load_model
-from foresight.policies import make_policy
-from foresight.bench.serving import (
-    MiB,
-    RunResult,
-    Search,
-    EngineDecoder,
-    bytes_per_entry,
-    check_one_sequence_fits,
-    format_bytes,
-    max_batch,
-    parse_memory_cap,
-)
+from foresight.cache_argument import passed_cache
+from foresight.bench.common import PROMPT, RuntimeSettings, bench_policy, machine, model_field
 from foresight.bench.kvpress_worker import PRESSES, KvpressDecoder
 from foresight.data.tasks import chat_prompt_ids
+from foresight.models import describe, dtype_name, load_model
+
+NAME = "serve"
+MiB = 2**20
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)")
+PROBE_TOKENS = 16  # new tokens of the batch-1 probe past the decoder's fullest cache
+
+
+class CapExceeded(RuntimeError):
+    """Raised inside a run when its cache holds more bytes than the cap."""
+
+
+class CapTooSmall(ValueError):
+    """Not even one sequence fits under the cap."""
+
+
+def parse_memory_cap(text: str, device: str) -> int:
+    """Bytes of a KV-memory cap: a size (512MiB, 2GiB, 300MB, plain bytes), or a fraction in (0, 1) of
+    the memory free on `device` now (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable of /proc/meminfo)."""
+    cleaned = text.strip().lower()
+    try:
+        fraction = float(cleaned)
+    except ValueError:
+        fraction = None
+    if fraction is not None and "." in cleaned:
+        if not 0 < fraction < 1:
+            raise ValueError(f"KV memory cap {text!r}: a fraction of free memory must be in (0, 1)")
+        return int(fraction * free_memory(device))
+    match = _SIZE.fullmatch(cleaned)
+    if match is None or match["unit"] not in _UNITS or float(match["number"]) <= 0:
+        raise ValueError(
+            f"KV memory cap {text!r} is not a size such as 512MiB or 2GiB, nor a fraction of free memory such as 0.5"
+        )
+    return int(float(match["number"]) * _UNITS[match["unit"]])
+
+
+def free_memory(device: str) -> int:
+    """Bytes free on `device` now."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        raise ValueError("a fraction of free memory needs CUDA or /proc/meminfo; give the cap as a size such as 2GiB")
+    available = next(line for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:"))
+    return int(available.split()[1]) * 1024
+
+
+def format_bytes(count: int | float) -> str:
+    return f"{count / MiB:.1f} MiB"
+
+
+def held_bytes(cache: Any) -> int:
+    """Bytes of every tensor the cache's layers hold, each storage once at its allocated size."""
+    storages: dict[int, int] = {}
+    for layer in cache.layers:
+        for tensor in _tensors(vars(layer).values()):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _tensors(values) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, dict):
+            yield from _tensors(value.values())
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+
+
+@dataclass
+class RunResult:
+    """One run of a decoder at one batch size."""
+
+    decoder: str
+    batch: int
+    new_tokens: int
+    fits: bool  # ran to the end under the cap
+    peak_bytes: int  # most bytes the cache held after a forward
+    peak_entries: int  # most entries a layer held then (per sequence, padding included)
+    seconds: float | None = None  # wall time of the whole generation, prefill included (None: stopped)
+    eviction_share: float | None = None  # scoring and eviction over decode time (our engine)
+    peak_device_bytes: int | None = None  # CUDA: most memory allocated above what the model held before
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return None if self.seconds is None else self.batch * self.new_tokens / self.seconds
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Decoder(Protocol):
+    name: str
+    evicts: bool
+    prompt_length: int
+
+    def held_entries(self, new_tokens: int) -> int:
+        """Entries one sequence holds at its fullest in a run of `new_tokens` (the first guess)."""
+
+    def run(self, batch: int, new_tokens: int, cap_bytes: int | None) -> RunResult:
+        """Decode `batch` copies of the prompt for `new_tokens` tokens, stopping past `cap_bytes`."""
+
+
+class CacheWatch:
+    """A forward hook on the model that records the peak bytes and entries of the cache it is given
+    (under either keyword, `passed_cache`) and raises CapExceeded past the cap. It runs at the end of the
+    model's forward, which is before our engine evicts and after kvpress has compressed inside the layers."""
+
+    def __init__(self, model: torch.nn.Module, cap_bytes: int | None):
+        self.model = model
+        self.cap_bytes = cap_bytes
+        self.peak_bytes = 0
+        self.peak_entries = 0
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        cache = passed_cache(kwargs)
+        if cache is None:
+            return
+        held = held_bytes(cache)
+        self.peak_bytes = max(self.peak_bytes, held)
+        self.peak_entries = max(self.peak_entries, max(layer.keys.shape[2] for layer in cache.layers))
+        if self.cap_bytes is not None and held > self.cap_bytes:
+            raise CapExceeded(f"the cache held {format_bytes(held)}, over the cap of {format_bytes(self.cap_bytes)}")
+
+    @contextmanager
+    def watching(self) -> Iterator[CacheWatch]:
+        handle = self.model.register_forward_hook(self._hook, with_kwargs=True)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+
+def timed_run(
+    name: str, model: torch.nn.Module, batch: int, new_tokens: int, cap_bytes: int | None, generate: Callable[[], float | None]
+) -> RunResult:
+    """Run `generate` (which returns the eviction share, or None) under a CacheWatch, timing it."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    watch = CacheWatch(model, cap_bytes)
+    start = time.perf_counter()
+    try:
+        with watch.watching():
+            share = generate()
+    except CapExceeded:
+        return RunResult(name, batch, new_tokens, False, watch.peak_bytes, watch.peak_entries)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    peak_device = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
+    return RunResult(name, batch, new_tokens, True, watch.peak_bytes, watch.peak_entries, seconds, share, peak_device)
+
+
+class EngineDecoder:
+    """Our EvictionEngine under one policy (or the full cache)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, policy, config, prompt: Sequence[int]):
+        from foresight.runtime.engine import EvictionEngine
+
+        self.name = name
+        self.model = model
+        self.engine = EvictionEngine(model, policy, config if policy.evicts else None)
+        self.prompt = list(prompt)
+        self.prompt_length = len(self.prompt)
+        self.evicts = self.engine.evicts
+
+    def held_entries(self, new_tokens: int) -> int:
+        engine = self.engine
+        prompt = len(self.prompt)
+        full = prompt + new_tokens - 1  # the last token is sampled, never fed
+        if not engine.evicts:
+            return full
+        protected = prompt if engine.protect_prompt else 0
+        return min(full, max(prompt, protected + engine.config.budget + engine.config.interval))  # the prefill holds the prompt
+
+    def run(self, batch: int, new_tokens: int, cap_bytes: int | None) -> RunResult:
+        def generate() -> float:
+            return self.engine.generate([self.prompt] * batch, new_tokens).stats.eviction_share
+
+        return timed_run(self.name, self.model, batch, new_tokens, cap_bytes, generate)
+
+
+@dataclass
+class Search:
+    """The outcome of `max_batch`: the largest batch that fit (its run), and every run it took."""
+
+    best: RunResult
+    runs: list[RunResult]
+
+    @property
+    def batch(self) -> int:
+        return self.best.batch
+
+
+def bytes_per_entry(decoder: Decoder, new_tokens: int) -> float:
+    """Cache bytes per entry of one sequence, from a batch-1 run that reaches the decoder's fullest
+    cache (its first eviction; `PROBE_TOKENS` new tokens for a decoder that never evicts, whose bytes
+    per entry do not change with length)."""
+    if decoder.evicts:
+        fullest = decoder.held_entries(new_tokens) - decoder.prompt_length + 1
+        length = min(new_tokens, fullest + PROBE_TOKENS)
+    else:
+        length = min(new_tokens, PROBE_TOKENS)
+    probe = decoder.run(1, length, None)
+    return probe.peak_bytes / max(probe.peak_entries, 1)
+
+
+def max_batch(decoder: Decoder, new_tokens: int, cap_bytes: int, per_entry: float, on_run: Callable[[RunResult], None] | None = None) -> Search:
+    """The largest batch whose run of `new_tokens` keeps the cache under `cap_bytes`, by running it:
+    from the guess cap / (per_entry x entries held), down until a run fits, then up until one does not."""
+    batch = max(1, math.floor(cap_bytes / (per_entry * decoder.held_entries(new_tokens))))
+    runs: list[RunResult] = []
+
+    def attempt(size: int) -> RunResult:
+        result = decoder.run(size, new_tokens, cap_bytes)
+        runs.append(result)
+        if on_run is not None:
+            on_run(result)
+        return result
+
+    while not (best := attempt(batch)).fits:
+        if batch == 1:
+            raise CapTooSmall(
+                f"KV memory cap {format_bytes(cap_bytes)} is smaller than one sequence of {decoder.name} at "
+                f"{new_tokens} new tokens (its cache passed the cap at {format_bytes(best.peak_bytes)})"
+            )
+        batch -= 1
+    while (larger := attempt(batch + 1)).fits:
+        best, batch = larger, batch + 1
+    return Search(best, runs)
+
+
+def check_one_sequence_fits(decoder: Decoder, new_tokens: int, cap_bytes: int, per_entry: float) -> None:
+    """A one-line error, before any long run, when one sequence of `decoder` needs more than the cap."""
+    needed = per_entry * decoder.held_entries(new_tokens)
+    if needed > cap_bytes:
+        raise CapTooSmall(
+            f"KV memory cap {format_bytes(cap_bytes)} is smaller than one sequence of {decoder.name} at {new_tokens} "
+            f"new tokens ({format_bytes(needed)}: {decoder.held_entries(new_tokens)} entries x {per_entry:.0f} bytes)"
+        )
+
 
 BATCH_ONE_REPEATS = 2
-NAME = "serve"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeSettings(BenchSettings):
-    kv_memory: str  # the KV-memory cap: a size such as 512MiB, or a fraction of the free memory such as 0.5
-    lengths: list[int]  # generation lengths (new tokens)
-    kvpress_python: str | None  # the python of an environment with kvpress: also run its DecodingPress
-    results: Path | None  # also write every run as JSON to this file
+class Settings(RuntimeSettings):
+    model: str = model_field(architecture_configs=False)
+    kv_memory: str = field(metadata={
+        "help": "the KV-memory cap: a size such as 512MiB or 2GiB, or a fraction of the free memory such as 0.5",
+        "metavar": "SIZE|FRACTION"})
+    lengths: tuple[int, ...] = field(default=(1024, 2048, 4096), metadata={
+        "help": "generation lengths (new tokens), comma-separated"})
+    kvpress_python: str | None = field(default=None, metadata={
+        "help": "the python of an environment with kvpress (e.g. .venv-kvpress/bin/python, made by scripts/crosscheck.sh): "
+        f"also run kvpress's DecodingPress for the policies it has ({', '.join(PRESSES)})", "metavar": "PYTHON"})
+    results: Path | None = field(default=None, metadata={"help": "also write every run as JSON to this file"})
 
 
-def run(settings: ServeSettings) -> str:
+def run(settings: Settings) -> str:
     """Measure and report; every decoder decodes copies of bench's one prompt (`PROMPT`)."""
-    names = settings.policies
+    names = settings.policy_names
     if any(length < 1 for length in settings.lengths):
         raise ValueError(f"--lengths {','.join(map(str, settings.lengths))}: every length must be at least 1")
-    device = settings.device
+    device = settings.run_device
     cap = parse_memory_cap(settings.kv_memory, device)
     paired = [name for name in names if name in PRESSES] if settings.kvpress_python else []
     load_before = os.getloadavg()
-    model, tokenizer = load_model(settings.model, device=device, dtype=settings.dtype)
+    model, tokenizer = load_model(settings.model, device=device, dtype=settings.run_dtype)
     prompt = chat_prompt_ids(tokenizer, PROMPT)
-    decoders = [EngineDecoder(name, model, make_policy(name), settings.eviction, prompt) for name in names]
+    scorer = settings.learned_scorer(model)
+    decoders = [EngineDecoder(name, model, bench_policy(name, scorer), settings.eviction, prompt) for name in names]
     decoders += [
         KvpressDecoder(settings.kvpress_python, name, settings.budget, settings.interval, settings.model, device,
-                       dtype_name(settings.dtype), torch.get_num_threads(), prompt)
+                       dtype_name(settings.run_dtype), torch.get_num_threads(), prompt)
         for name in paired
     ]
     try:
@@ -109,22 +370,20 @@ def _ratio(value: float | None, reference: float | None) -> str:
     return "–" if value is None or not reference else f"{value / reference:.2f}x"
 
 
-def _report(settings: ServeSettings, cap, decoders, paired, searches, batch_one, shape, load, prompt_tokens: int) -> str:
-    device = settings.device
-    cpu = f"{torch.get_num_threads()} CPU threads ({platform.processor() or platform.machine()})"
-    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu
+def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shape, load, prompt_tokens: int) -> str:
+    device = settings.run_device
     lengths = sorted(settings.lengths)
     lines = [
         f"### Serving under a KV-memory cap ({torch.device(device).type})",
         "",
         f"Command: `{settings.command}`",
         "",
-        f"Model {settings.model} ({shape}), {settings.dtype}, on {where}; B = {settings.budget}, L = {settings.interval}; KV-memory "
+        f"Model {settings.model} ({shape}), {settings.run_dtype}, on {machine(device)}; B = {settings.budget}, L = {settings.interval}; KV-memory "
         f"cap {format_bytes(cap)}; one prompt of {prompt_tokens} tokens copied over the batch, greedy, EOS "
         f"ignored. Load average (1, 5, 15 min) {_load(load[0])} before and {_load(load[1])} after the run. Max batch: "
         "the largest batch whose run kept the cache's tensors under the cap, found by running it (the next batch "
         "passed the cap). Throughput: tokens/s summed over the batch at that batch, prefill included. Ratios are "
-        "to the full cache in the same run.",
+        "to the full cache in the same run." + settings.scorer_note(),
         "",
     ]
     header = ["decoder"] + [f"{length} tokens: max batch" for length in lengths] + [f"{length} tokens: tokens/s" for length in lengths]

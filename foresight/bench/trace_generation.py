@@ -23,12 +23,13 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
+from foresight.bench.common import ModelSettings, model_field
 from foresight.data.sampler import Request, sample_completions
 from foresight.data.tasks import chat_prompt_ids, load_problems
 from foresight.data.trace_generation import eos_token_ids, problem_seed
@@ -40,20 +41,14 @@ SOURCES = "reasoning-gym:gsm_symbolic,reasoning-gym:chain_sum,reasoning-gym:leg_
 
 
 @dataclass(frozen=True, kw_only=True)
-class TraceGenerationSettings:
-    """`prompts`: a prompt SOURCE (a mixture, so completion lengths vary); `num`: problems sampled by
-    every mode; `batch_sizes`: the b of the static and continuous modes; `hf`: also time transformers'
-    generate in static groups of b."""
-
-    model: str
-    device: str
-    dtype: torch.dtype
-    prompts: str
-    num: int
-    max_new_tokens: int
-    batch_sizes: list[int]
-    hf: bool
-    command: str
+class Settings(ModelSettings):
+    model: str = model_field(architecture_configs=False)
+    prompts: str = field(default=SOURCES, metadata={"help": "prompt SOURCE (a mixture, so completion lengths vary)"})
+    num: int = field(default=32, metadata={"help": "problems sampled by every mode"})
+    max_new_tokens: int = field(default=256, metadata={"help": "most new tokens of a completion"})
+    batch_sizes: tuple[int, ...] = field(default=(4, 8, 16), metadata={
+        "help": "comma-separated b of the static and continuous modes"})
+    hf: bool = field(default=False, metadata={"help": "also time transformers' generate in static groups of b"})
 
 
 def load_average() -> str:
@@ -95,9 +90,9 @@ def hf_generate(model, requests: list[Request], batch_size: int, max_new_tokens:
     return done
 
 
-def run(settings: TraceGenerationSettings) -> str:
+def run(settings: Settings) -> str:
     """Sample the same problems in every mode and time each; the report's markdown section."""
-    model, tokenizer = load_model(settings.model, device=settings.device, dtype=settings.dtype)
+    model, tokenizer = load_model(settings.model, device=settings.run_device, dtype=settings.run_dtype)
     eos = eos_token_ids(model, tokenizer, settings.model)
     problems = load_problems(settings.prompts, settings.num, seed=0)
     requests = [Request(p.index, chat_prompt_ids(tokenizer, p.prompt), problem_seed(0, p.index)) for p in problems]
@@ -127,7 +122,7 @@ def run(settings: TraceGenerationSettings) -> str:
     lengths = sorted(map(len, reference[2].values()))
     sampling = REASONING_SAMPLING
     lines = [
-        f"### Trace generation throughput ({settings.device})",
+        f"### Trace generation throughput ({settings.run_device})",
         "",
         f"Command: `{settings.command}`",
         "",

@@ -4,17 +4,10 @@ they give `foresight.models.load_model`."""
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from foresight.models import DEFAULT_MODEL
-
-AUTO = "auto"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEVICE = re.compile(r"cpu|mps|cuda(?::(?P<index>\d+))?")
+from foresight.models import AUTO, DEFAULT_MODEL, DTYPES, check_device, placement
 
 
 def add_model_arguments(
@@ -57,29 +50,15 @@ def add_placement_arguments(parser: argparse.ArgumentParser, *, device: str = "c
 
 def device_argument(text: str) -> str:
     """argparse type of --device: a device name this machine has."""
-    if text == AUTO:
-        return text
-    match = _DEVICE.fullmatch(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; choose cpu, cuda, cuda:N, mps or auto")
-    if text.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(match["index"] or 0) >= count:
-            raise argparse.ArgumentTypeError(f"device {text!r} is not available: this machine has {count} CUDA device(s)")
-    if text == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError("device 'mps' is not available on this machine")
-    return text
+    try:
+        return check_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The `device` and `dtype` keywords of `load_model` that --device and --dtype ask for, `auto` resolved."""
-    device = args.device
-    if device == AUTO:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.dtype == AUTO:
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    else:
-        dtype = DTYPES[args.dtype]
+    device, dtype = placement(args.device, args.dtype)
     return {"device": device, "dtype": dtype}
 
 

@@ -4,9 +4,9 @@ from its own dataclass fields (-o KEY=VALUE), and the eviction cadence (B, L, si
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from typing import Any
 
+from foresight.eval.specs import ROW_OPTIONS_HELP
 from foresight.policies import POLICIES, Policy, make_policy
 from foresight.policies.options import (
     describe_type,
@@ -69,44 +69,7 @@ def add_policies_argument(parser: argparse.ArgumentParser, all_means: str) -> No
 
 def add_row_options_argument(parser: argparse.ArgumentParser) -> None:
     """-o ROW.KEY=VALUE: options of the rows of --policies (`foresight.eval.specs.resolve_policies`)."""
-    parser.add_argument(
-        "--option", "-o", action="append", default=[], metavar="ROW.KEY=VALUE",
-        help="an option of one row of --policies, typed as its policy declares it (`foresight policies`), e.g. "
-        "-o triattention.stats=checkpoints/triattention-default; the keys protect_prompt and sinks override the "
-        "policy's own defaults. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
-        "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several",
-    )
-
-
-def options_by_row(texts: Sequence[str]) -> dict[str, dict[str, str]]:
-    """{row: {key: value}} of the -o ROW.KEY=VALUE texts."""
-    options: dict[str, dict[str, str]] = {}
-    for text in texts:
-        target, sep, value = text.partition("=")
-        row, dot, key = target.strip().rpartition(".")
-        if not (sep and dot and row and key):
-            raise ValueError(f"-o {text!r} must look like ROW.KEY=VALUE, e.g. triattention.stats=DIR")
-        options.setdefault(row, {})[key] = value.strip()
-    return options
-
-
-def selected_policies(text: str) -> list[str]:
-    """The full cache and the policies of --policies ('all': every one that needs no labels or scorer)."""
-    names = sorted(n for n, cls in POLICIES.items() if _constructible(cls)) if text == "all" else text.split(",")
-    for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose from: {', '.join(sorted(POLICIES))}")
-        if not _constructible(POLICIES[name]):
-            raise ValueError(f"policy {name!r} needs labels or a scorer, which bench does not provide")
-    return ["full"] + [n for n in names if n != "full"]
-
-
-def _constructible(cls) -> bool:
-    try:
-        cls()
-    except TypeError:  # needs labels or a scorer
-        return False
-    return True
+    parser.add_argument("--option", "-o", action="append", default=[], metavar="ROW.KEY=VALUE", help=ROW_OPTIONS_HELP)
 
 
 def policy_from_args(args: argparse.Namespace) -> tuple[Policy, EvictionConfig | None]:

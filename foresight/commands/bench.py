@@ -1,57 +1,70 @@
 """Benchmarks of the eviction runtime and of the pipeline's stages, each written to its own section of a
-markdown report with the command that made it, every figure of a table from one run on one machine.
+markdown report (runs/bench/BENCHMARK.md unless --out says otherwise) with the command that made it,
+every figure of a table from one run on one machine.
 
-- `foresight bench decode`: latency against generated length, KV memory and eviction time share
-  for each policy and batch size.
-- `foresight bench memory`: the cache's storage and the process's memory step by step, held flat
-  from the first eviction on (CPU or CUDA).
-- `foresight bench capacity` (CUDA): for generation lengths T, the largest batch each policy decodes
-  within the GPU's memory, its throughput against the full cache's, and its eviction time share.
-- `foresight bench serve`: under a KV-memory cap, the largest concurrent batch of the full cache and
-  of each policy at growing generation lengths, found by running it, with throughput, peak memory
-  and eviction share, and kvpress's DecodingPress beside them when given its environment.
-- `foresight bench eval-prefix`: teacher-forced evaluation with and without the shared prefix.
-- `foresight bench labels-memory`: time and peak memory of golden labelling against trace length.
-- `foresight bench paged-reclaim`: the share of evicted entries' memory a paged allocator would free.
-- `foresight bench pipeline`: each stage's throughput on the same traces (labels, examples, eval replay,
-  fit, rl rollouts) and its share of time in the frozen model's forward.
-- `foresight bench rl-heldout`: a reinforced scorer against its supervised start on held-out traces.
-- `foresight bench rl-step`: rollout eviction steps per second of the reinforcement stage.
-- `foresight bench trace-generation`: trace sampling at batch 1 against static and continuous batching.
-
-`--model` also takes an architecture config (configs/models/*.json): a paper-sized model with random
-weights, since speed and memory depend on the shape alone (decode, memory, capacity, labels-memory).
+Every module of foresight/bench that defines NAME, a frozen `Settings` dataclass and `run(settings) -> str`
+is a benchmark: its docstring is the help, the fields of its settings are the options
+(`foresight.bench.options`). Every benchmark takes --out and --section (`foresight.bench.common.ReportSettings`,
+whose subclasses also know the command that reproduces them). `--model` also takes an architecture config
+(configs/models/*.json) where a benchmark's speed and memory depend on the model's shape alone (random
+weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
+from types import ModuleType
 
-from foresight.commands._bench_args import RUNTIME_BENCHMARKS
-from foresight.commands._bench_pipeline_args import PIPELINE_BENCHMARKS
-from foresight.commands._bench_stage_args import STAGE_BENCHMARKS
+import torch
+
+import foresight.bench
+from foresight.bench.common import RUNS, ReportSettings
+from foresight.bench.options import add_options, settings_from
 from foresight.eval.report import write_section
 
-BENCHMARKS = (*RUNTIME_BENCHMARKS, *STAGE_BENCHMARKS, *PIPELINE_BENCHMARKS)
+def benchmarks() -> dict[str, ModuleType]:
+    """{NAME: module} of every benchmark module of foresight.bench, found as the verbs are."""
+    found = {}
+    for info in pkgutil.iter_modules(foresight.bench.__path__):
+        module = importlib.import_module(f"foresight.bench.{info.name}")
+        if all(hasattr(module, name) for name in ("NAME", "Settings", "run")):
+            found[module.NAME] = module
+    return dict(sorted(found.items()))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    benchmarks = parser.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
-    for benchmark in BENCHMARKS:
-        doc = benchmark.module.__doc__
-        sub = benchmarks.add_parser(
-            benchmark.module.NAME, help=doc.splitlines()[0], description=doc, formatter_class=parser.formatter_class
+    subparsers = parser.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
+    for name, module in benchmarks().items():
+        doc = module.__doc__
+        sub = subparsers.add_parser(
+            name, help=doc.splitlines()[0], description=doc, formatter_class=parser.formatter_class
         )
-        benchmark.add_arguments(sub)
-        sub.set_defaults(benchmark=benchmark)
+        add_options(sub, module.Settings)
+        if not issubclass(module.Settings, ReportSettings):  # the verb writes the report all the same
+            add_options(sub, ReportSettings)
+        sub.set_defaults(benchmark=module)
+
+
+def section(module: ModuleType, settings, given: str | None) -> str:
+    """The report section a run rewrites: --section, the benchmark's own `section(settings)`, or
+    NAME-DEVICE (NAME for a benchmark that runs no model of its own)."""
+    if given:
+        return given
+    if hasattr(module, "section"):
+        return module.section(settings)
+    device = getattr(settings, "run_device", None)
+    return module.NAME if device is None else f"{module.NAME}-{torch.device(device).type}"
 
 
 def run(args: argparse.Namespace) -> int:
-    """Translate the options, run the benchmark, and rewrite its section of the report."""
-    benchmark = args.benchmark
-    settings = benchmark.settings(args)
-    report = benchmark.module.run(settings)
-    write_section(args.out, args.section or benchmark.section(settings), report)
+    """Read the options into the benchmark's settings, run it, and rewrite its section of the report."""
+    module = args.benchmark
+    settings = settings_from(module.Settings, args)
+    report = module.run(settings)
+    out = args.out or RUNS / f"{module.NAME}.md"
+    write_section(out, section(module, settings, args.section), report)
     print(report)
-    print(f"wrote the {benchmark.module.NAME} section of {args.out}")
+    print(f"wrote the {module.NAME} section of {out}")
     return 0

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_policy_arguments, policy_from_args
-from foresight.commands._policy import selected_policies
+from foresight.bench.common import selected_policies
 from foresight.commands.replay import loss_ratio_after_first_eviction
 from foresight.models import load_model
 from foresight.policies import make_policy
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     comparison = EvictionConfig(args.replay_budget, args.replay_interval)
     full = EvictionEngine(model, make_policy("full")).replay([sequence], [len(prompt)])
     rows = []
-    for name in tqdm(selected_policies("all")[1:], desc="replay policies"):
+    for name in tqdm(selected_policies("all", learned=False)[1:], desc="replay policies"):
         evicted = EvictionEngine(model, make_policy(name), comparison).replay([sequence], [len(prompt)])
         ratio, scored = loss_ratio_after_first_eviction(full, evicted)
         rows.append((name, ratio, scored))

@@ -32,12 +32,7 @@ from foresight.commands._model import (
     model_of_traces,
     model_options,
 )
-from foresight.commands._policy import (
-    add_cadence_arguments,
-    add_policies_argument,
-    add_row_options_argument,
-    options_by_row,
-)
+from foresight.commands._policy import add_cadence_arguments, add_policies_argument, add_row_options_argument
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
 from foresight.eval.results import evaluation_table, write_evaluation
@@ -46,7 +41,8 @@ from foresight.eval.specs import (
     PolicySpec,
     SampledScorerSpec,
     ScorerSpec,
-    resolve_policies,
+    check_distinct_names,
+    policy_specs,
 )
 from foresight.models import load_model
 from foresight.scorer.eviction_sampling import check_temperature
@@ -54,7 +50,6 @@ from foresight.scorer.eviction_sampling import check_temperature
 log = logging.getLogger(__name__)
 
 TRACE_BATCH = 4
-LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,28 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _generation.add_arguments(parser)
 
 
-def policy_specs(
-    policies: str, scorers: list[str], options: Sequence[str] = ()
-) -> tuple[list[PolicySpec], list[str]]:
-    """Specs and notes of --policies and its -o ROW.KEY=VALUE options; the learned `foresight` policy
-    comes from the --scorer folders."""
-    names = [name.strip() for name in policies.split(",")]
-    row_options = options_by_row(options)
-    if not scorers:
-        if "foresight" in names:
-            raise ValueError("policy 'foresight' needs a trained scorer: give --scorer DIR")
-        specs, notes = resolve_policies(policies, row_options)
-        return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
-    others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
-    if row_options and not others.strip(","):
-        raise ValueError(f"-o {next(iter(row_options))}...: --policies names no heuristic to take options (a --scorer row takes none)")
-    specs, notes = resolve_policies(others, row_options) if others.strip(",") else ([], [])
-    notes = [note for note in notes if not note.startswith("foresight:")]
-    specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
-    check_distinct_names(specs)
-    return specs, notes
-
-
 def option_settings(specs: Sequence[PolicySpec]) -> dict[str, str]:
     """The report's line on the rows run with settings of their own or under another policy's name (none without)."""
     described = [
@@ -136,14 +109,6 @@ def option_settings(specs: Sequence[PolicySpec]) -> dict[str, str]:
         if spec.policy or spec.settings()
     ]
     return {"policy options": "; ".join(described)} if described else {}
-
-
-def check_distinct_names(specs: list[PolicySpec]) -> None:
-    """One-line error when two specs would write rows of one name."""
-    names = [spec.name for spec in specs]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
 
 
 def sampled_specs(specs: list[PolicySpec], seeds: int, temperature: float) -> list[SampledScorerSpec]:

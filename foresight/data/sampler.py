@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from foresight.cache_argument import cache_argument
 from foresight.data.slot_cache import SlotCache
 from foresight.models import describe
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_draw, logits_processors
@@ -168,7 +169,7 @@ class _Slots:
             raise ValueError(f"request {request.key} has an empty prompt")
         ids = torch.as_tensor(list(request.prompt), dtype=torch.long, device=self.device)[None]
         prefilled = DynamicCache()
-        hidden = self.model.base_model(input_ids=ids, past_key_values=prefilled, use_cache=True).last_hidden_state[0]
+        hidden = self.model.base_model(input_ids=ids, **cache_argument(self.model.base_model, prefilled), use_cache=True).last_hidden_state[0]
         nll, entropy = chunked_losses(self.model.get_output_embeddings(), hidden[:-1], ids[0, 1:])
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
         self.rows[slot] = _Row(request, generator, nll, entropy, order=self.admitted)
@@ -230,7 +231,7 @@ class _Slots:
             input_ids=self.tokens[:active, None],
             attention_mask=self._attention_mask(active, width),
             position_ids=self.cache.step.write_index[:active, None],
-            past_key_values=self.cache,
+            **cache_argument(self.model, self.cache),
             use_cache=True,
         )
         self.logits[:active] = output.logits[:, -1].float()

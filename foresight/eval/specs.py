@@ -265,3 +265,55 @@ def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec
     if typed and not spec.missing_artifacts and not spec.needs_labels:
         spec.build(None)
     return spec
+
+
+# -- from the command line ------------------------------------------------------------------------
+LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
+ROW_OPTIONS_HELP = (
+    "an option of one row of --policies, typed as its policy declares it (`foresight policies`), e.g. "
+    "-o triattention.stats=checkpoints/triattention-default; the keys protect_prompt and sinks override the "
+    "policy's own defaults. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
+    "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several"
+)
+
+
+def policy_specs(
+    policies: str, scorers: list[str], options: Sequence[str] = ()
+) -> tuple[list[PolicySpec], list[str]]:
+    """Specs and notes of --policies and its -o ROW.KEY=VALUE options; the learned `foresight` policy
+    comes from the --scorer folders."""
+    names = [name.strip() for name in policies.split(",")]
+    row_options = options_by_row(options)
+    if not scorers:
+        if "foresight" in names:
+            raise ValueError("policy 'foresight' needs a trained scorer: give --scorer DIR")
+        specs, notes = resolve_policies(policies, row_options)
+        return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
+    others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
+    if row_options and not others.strip(","):
+        raise ValueError(f"-o {next(iter(row_options))}...: --policies names no heuristic to take options (a --scorer row takes none)")
+    specs, notes = resolve_policies(others, row_options) if others.strip(",") else ([], [])
+    notes = [note for note in notes if not note.startswith("foresight:")]
+    specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
+    check_distinct_names(specs)
+    return specs, notes
+
+
+def check_distinct_names(specs: list[PolicySpec]) -> None:
+    """One-line error when two specs would write rows of one name."""
+    names = [spec.name for spec in specs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
+
+
+def options_by_row(texts: Sequence[str]) -> dict[str, dict[str, str]]:
+    """{row: {key: value}} of the -o ROW.KEY=VALUE texts."""
+    options: dict[str, dict[str, str]] = {}
+    for text in texts:
+        target, sep, value = text.partition("=")
+        row, dot, key = target.strip().rpartition(".")
+        if not (sep and dot and row and key):
+            raise ValueError(f"-o {text!r} must look like ROW.KEY=VALUE, e.g. triattention.stats=DIR")
+        options.setdefault(row, {})[key] = value.strip()
+    return options

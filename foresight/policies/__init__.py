@@ -32,6 +32,15 @@ def make_policy(name: str, **options: Any) -> Policy:
     return cls(**options)
 
 
+def constructible(cls: type[Policy]) -> bool:
+    """Whether a policy runs on its defaults alone (not one that needs labels or a scorer)."""
+    try:
+        cls()
+    except TypeError:  # a required field: labels or a scorer
+        return False
+    return True
+
+
 def _load_all() -> None:
     for module in pkgutil.iter_modules(__path__):
         if module.name != "base":
@@ -40,4 +49,4 @@ def _load_all() -> None:
 
 _load_all()
 
-__all__ = ["POLICIES", "EvictionContext", "Policy", "make_policy", "register"]
+__all__ = ["POLICIES", "EvictionContext", "Policy", "constructible", "make_policy", "register"]

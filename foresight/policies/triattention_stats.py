@@ -23,6 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from foresight.artifacts import check_metadata, read_tensors, save_tensors, write_text
+from foresight.cache_argument import cache_argument
 from foresight.models import ModelShape, describe
 from foresight.runtime.capture import attention_implementation, register_attention
 
@@ -162,6 +163,6 @@ def calibrate(model: PreTrainedModel, sequences: Iterable[torch.Tensor], *, mode
         for ids in sequences:
             cache = DynamicCache(config=model.config)
             for chunk in ids.to(model.device).split(chunk_size):
-                model(input_ids=chunk[None], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                model(input_ids=chunk[None], **cache_argument(model, cache), use_cache=True, logits_to_keep=1,
                       triattention_moments=moments)
     return moments.stats(model.config.name_or_path if model_name is None else model_name, source)

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.cache import EvictionCache, EvictionLayer
@@ -528,7 +529,7 @@ class EvictionEngine:
                 logits = self.model(
                     input_ids=input_ids,
                     position_ids=positions.clamp(min=0),
-                    past_key_values=run.cache,
+                    **cache_argument(self.model, run.cache),
                     use_cache=True,
                     eviction_cache=run.cache,
                 ).logits

@@ -18,13 +18,15 @@ Its eviction rules (lowest scores, Eq. 2 sampling, Plackett-Luce) are in
 """
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
 
 import safetensors.torch
+from safetensors import SafetensorError
 import torch
 from huggingface_hub import PyTorchModelHubMixin, constants, hf_hub_download
 from huggingface_hub.errors import HFValidationError
@@ -284,7 +286,7 @@ class ForesightScorer(
                 token=token,
                 local_files_only=local_files_only,
             )
-        safetensors.torch.load_model(model, weights, strict=True, device=map_location)
+        load_weights(model, weights, map_location)
         return model.eval()
 
 
@@ -313,23 +315,76 @@ def named_by_content(scorer: "ForesightScorer", source: str | os.PathLike) -> st
 SCORER_FILES = (constants.CONFIG_NAME, constants.SAFETENSORS_SINGLE_FILE)
 """What a scorer folder holds (`ForesightScorer.save_pretrained`)."""
 
+_WRITERS = "`foresight fit` and `foresight export` write one"
 
-def load_scorer(source: str | os.PathLike) -> ForesightScorer:
-    """A scorer from a Hub-format folder (config.json + model.safetensors) or, for a path that does not
-    exist locally, a Hub repo id."""
+
+def _required_fields() -> list[str]:
+    return [item.name for item in fields(ScorerConfig) if item.default is MISSING and item.default_factory is MISSING]
+
+
+def read_scorer_config(config_file: Path) -> ScorerConfig:
+    """The `ScorerConfig` of a scorer folder's config.json, or a one-line ValueError saying what the file is
+    instead (not JSON, another artifact's config such as TriAttention's statistics, unknown fields)."""
+    try:
+        values = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_file} is not JSON ({error}); a scorer's config.json is; {_WRITERS}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{config_file} holds a {type(values).__name__}, not a scorer's config (a JSON object)")
+    known = {item.name for item in fields(ScorerConfig)}
+    missing = [name for name in _required_fields() if name not in values]
+    unknown = sorted(set(values) - known)
+    if missing or unknown:
+        kind = f"format {values['format']!r}" if "format" in values else f"fields {', '.join(sorted(values)) or 'none'}"
+        expected = ", ".join(_required_fields()) + (f", not {', '.join(unknown)}" if unknown else "")
+        raise ValueError(f"{config_file} is not a scorer's config ({kind}): a scorer's config holds {expected}; {_WRITERS}")
+    try:
+        return ScorerConfig(**values)
+    except ValueError as error:
+        raise ValueError(f"{config_file}: {error}") from None
+
+
+def load_weights(scorer: ForesightScorer, weights: str | os.PathLike, device: str | torch.device = "cpu") -> None:
+    """Load model.safetensors into `scorer` strictly (every tensor present, no other, each of its config's
+    shape), or a one-line ValueError: a truncated or foreign file (a broken download) or weights of
+    another config."""
+    try:
+        safetensors.torch.load_model(scorer, weights, strict=True, device=device)
+    except SafetensorError as error:
+        raise ValueError(
+            f"{weights} is not a complete safetensors file ({error}); expected the weights that `foresight fit` "
+            "or `foresight export` wrote beside config.json (a broken download? fetch it again)"
+        ) from None
+    except RuntimeError as error:
+        reason = " ".join(str(error).split())
+        raise ValueError(
+            f"{weights} does not hold the weights of the scorer its config.json describes ({reason[:300]})"
+        ) from None
+
+
+def _scorer_folder(source: str | os.PathLike) -> Path:
+    """The local folder of a scorer: `source` itself, or the Hub snapshot holding its two files."""
     path = Path(source)
     if path.exists():
         missing = [name for name in SCORER_FILES if not (path / name).is_file()]
         if missing:
-            raise ValueError(
-                f"{path} is not a scorer folder (no {' or '.join(missing)}); `foresight fit` and "
-                "`foresight export` write one"
-            )
-        return ForesightScorer.from_pretrained(path)
+            raise ValueError(f"{path} is not a scorer folder (no {' or '.join(missing)}); {_WRITERS}")
+        return path
     try:
-        return ForesightScorer.from_pretrained(os.fspath(source))
+        files = [hf_hub_download(repo_id=os.fspath(source), filename=name) for name in SCORER_FILES]
     except (OSError, HFValidationError) as error:
         reason = " ".join(str(error).split()[:12])
         raise ValueError(
             f"cannot load a scorer from {os.fspath(source)!r}: no such folder, and not a reachable Hub repo ({reason})"
         ) from None
+    return Path(files[0]).parent
+
+
+def load_scorer(source: str | os.PathLike) -> ForesightScorer:
+    """A scorer from a Hub-format folder (config.json + model.safetensors) or, for a path that does not
+    exist locally, a Hub repo id. Every verb that takes a scorer loads it here, so a broken or foreign
+    folder is one line, whichever verb reads it."""
+    folder = _scorer_folder(source)
+    scorer = ForesightScorer(read_scorer_config(folder / constants.CONFIG_NAME))
+    load_weights(scorer, folder / constants.SAFETENSORS_SINGLE_FILE)
+    return scorer.eval()

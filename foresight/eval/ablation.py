@@ -1,0 +1,109 @@
+"""Several learned scorers against the same heuristics and golden, on several trace sets: an ablation table
+(`foresight bench ablation`).
+
+Each set is one or more `foresight eval` output folders over the same traces and budget (each folder's
+traces.json holds every scored trace's sums), so a scorer evaluated later is compared with the
+heuristics and golden evaluated once. A (policy, budget, trace) scored in two folders must agree to
+the last digit (the replay is deterministic); otherwise the folders are not of the same traces and
+the merge is refused. Per set and learned scorer: its loss ratio and low-entropy damage, its share of
+the headroom between the best heuristic and golden, and its loss-ratio gain over the best heuristic,
+and its loss-ratio gain over the first scorer of the table (the reference recipe), all with paired 95%
+bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic is chosen among every
+non-learned policy of the set, the same for every scorer. `pooled` names sets whose traces one more
+table pools as one set (its best heuristic is the best over all of them).
+
+    foresight bench ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
+        --learned std="standardised features" --budget 128
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import astuple, replace
+from pathlib import Path
+
+from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_gain, percent
+
+TraceSets = Sequence[tuple[str, Sequence[Path]]]
+"""(name, `foresight eval` folders of its traces) per trace set."""
+
+
+def merged_scores(folders: Sequence[Path]) -> list[TraceScore]:
+    """The trace scores of several evaluation folders of the same traces, each (policy, budget, trace) once."""
+    merged: dict[tuple[str, int, int], TraceScore] = {}
+    for folder in folders:
+        path = folder / "traces.json"
+        if not path.is_file():
+            raise ValueError(f"{folder} holds no traces.json; make it with `foresight eval --traces ... --out {folder}`")
+        for entry in json.loads(path.read_text()):
+            score = TraceScore(**entry)
+            key = (score.policy, score.budget, score.index)
+            if key in merged and astuple(merged[key]) != astuple(score):
+                raise ValueError(
+                    f"{score.policy} at B = {score.budget} on trace {score.index} differs between {folder} and an "
+                    "earlier folder: merge only evaluations of the same traces"
+                )
+            merged[key] = score
+    return list(merged.values())
+
+
+def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str], ...], budget: int) -> str:
+    """One set's rows: golden, the best heuristic and every learned scorer it holds."""
+    names = [row for row, _ in learned]
+    results: list[tuple[str, Headroom]] = []
+    for row, what in learned:
+        found = headroom(scores, budget, row, other_learned=[n for n in names if n != row])
+        if found is not None:
+            results.append((what, found))
+    if not results:
+        raise ValueError(f"set {name}: no learned scorer of {names} with golden and a heuristic at B = {budget}")
+    first = results[0][1]
+    best = first.best_heuristic
+    lines = [
+        f"**{name}**: {first.traces} traces, B = {budget}; best heuristic {best} "
+        f"(loss ratio {first.loss_ratio[best]}, damage {percent(first.damage[best])}), golden "
+        f"{first.loss_ratio[ORACLE]}; least damaging heuristic {first.least_damaging_heuristic} "
+        f"({percent(first.damage[first.least_damaging_heuristic])}).",
+        "",
+        "| scorer | what | loss ratio | low-entropy damage | share of the headroom | loss ratio gain over "
+        f"{best} | damage gain over {first.least_damaging_heuristic} | loss ratio gain over {first.learned} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for what, result in results:
+        over_first = paired_gain(scores, budget, first.learned, result.learned) if result is not first else None
+        lines.append(
+            f"| {result.learned} | {what} | {result.loss_ratio[result.learned]} | "
+            f"{percent(result.damage[result.learned])} | {percent(result.share, 1)} | {result.ratio_gain} | "
+            f"{percent(result.damage_gain)} | {over_first or '–'} |"
+        )
+    return "\n".join(lines)
+
+
+SET_STRIDE = 1_000_000
+"""Index offset between the sets of a pooled table (trace indices are below it)."""
+
+
+def pooled_scores(sets: list[list[TraceScore]]) -> list[TraceScore]:
+    """The trace scores of several sets as one set: each trace keeps its own sums and gets an index no
+    other set's trace has (set number x SET_STRIDE + its index), so resamples draw traces of every set."""
+    for scores in sets:
+        if any(score.index >= SET_STRIDE for score in scores):
+            raise ValueError(f"a trace index of {SET_STRIDE} or more cannot be pooled across sets")
+    return [replace(score, index=number * SET_STRIDE + score.index) for number, scores in enumerate(sets) for score in scores]
+
+
+def ablation_report(
+    trace_sets: TraceSets, learned: tuple[tuple[str, str], ...], budget: int, pooled: Sequence[str] = ()
+) -> str:
+    """The tables of every set (and of the `pooled` sets as one) in markdown: `learned` is (row name, what it
+    is) per scorer, in table order."""
+    sets = [(name, merged_scores(folders)) for name, folders in trace_sets]
+    unknown = [name for name in pooled if name not in dict(sets)]
+    if unknown:
+        raise ValueError(f"--pool names {unknown[0]!r}, which is not a set; the sets are: {', '.join(dict(sets))}")
+    if pooled:
+        sets.append((f"pooled over {' + '.join(pooled)}", pooled_scores([dict(sets)[name] for name in pooled])))
+    tables = [set_table(name, scores, learned, budget) for name, scores in sets]
+    intervals = "95% paired bootstrap intervals over traces; every scorer against the same best heuristic."
+    return "\n\n".join([intervals, *tables])
