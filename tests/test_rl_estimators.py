@@ -305,7 +305,7 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
     out = tmp_path / "bench.md"
     argv = ["bench", "rl-signal", "--traces", str(traces_dir), "--count", "2", "--tokens", "48", "--scorer",
             str(start_scorer), "--groups", "2", "--group-size", "4", "--temperature", "1.0", "--damage-threshold", "1e6",
-            "--damage-offset", "0.05", "--planted-episodes", "128", "--reference-draws", "512", "--resamples", "50",
+            "--damage-offset", "0.05", "--planted-groups", "32", "--reference-draws", "512", "--resamples", "50",
             "--out", str(out)]
     assert cli.main(argv) == 0
     text = out.read_text()
@@ -328,5 +328,5 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
 
 
 def test_rl_signal_rejects_bad_settings_in_one_line(capsys):
-    assert cli.main(["bench", "rl-signal", "--planted-episodes", "100", "--group-size", "8"]) == 2
-    assert "planted_episodes must be a multiple of group_size x 8 = 64, got 100" in capsys.readouterr().err
+    assert cli.main(["bench", "rl-signal", "--planted-groups", "5"]) == 2
+    assert "planted_groups must be at least 8 (its tr(Σ) comes from 8 parts), got 5" in capsys.readouterr().err

@@ -80,23 +80,22 @@ class Settings(PlacedSettings):
     damage_exponent: float = field(default=2.0, metadata={"help": "p of both rewards' damage term"})
     damage_offset: float = field(default=0.0, metadata={"help": "δ of the dense reward (ΔL − δ)₊^p"})
     planted_share: float = field(default=0.125, metadata={"help": "share of the pool entries that carry the planted penalty"})
-    planted_episodes: int = field(default=256, metadata={"help": "episodes per trace of the planted check"})
+    planted_groups: int = field(default=32, metadata={
+        "help": f"groups of G episodes per trace of the planted check (at least {CHUNKS})"})
     reference_draws: int = field(default=512, metadata={"help": "draws per state for the planted reward's true gradient"})
     resamples: int = field(default=2000, metadata={"help": "bootstrap resamples of the groups"})
     seed: int = field(default=0, metadata={"help": "seeds the rollouts, the planted entries and the bootstrap"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        counts = {"count": self.count, "groups": self.groups, "planted_episodes": self.planted_episodes,
+        counts = {"count": self.count, "groups": self.groups, "planted_groups": self.planted_groups,
                   "reference_draws": self.reference_draws, "resamples": self.resamples}
         if min(counts.values()) < 1 or self.group_size < 2 or self.groups < 2 or self.branch_rounds < 0:
             raise ValueError(f"need counts >= 1, groups >= 2, group_size >= 2 and branch_rounds >= 0, got {counts}, "
                              f"group_size={self.group_size}, branch_rounds={self.branch_rounds}")
-        if self.planted_episodes % (self.group_size * CHUNKS):
-            raise ValueError(
-                f"planted_episodes must be a multiple of group_size x {CHUNKS} = {self.group_size * CHUNKS}, "
-                f"got {self.planted_episodes}"
-            )
+        if self.planted_groups < CHUNKS:
+            raise ValueError(f"planted_groups must be at least {CHUNKS} (its tr(Σ) comes from {CHUNKS} parts), "
+                             f"got {self.planted_groups}")
         if not 0 < self.planted_share < 1:
             raise ValueError(f"planted_share must lie in (0, 1), got {self.planted_share}")
 
@@ -274,11 +273,12 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
     halves = reference_gradient(fixed, eligible, planted, num_evict, settings, generator)
     true_a, true_b = (weights_of(half) for half in halves)
     truth = (true_a + true_b) / 2
-    count, size = settings.planted_episodes, settings.group_size
+    size = settings.group_size
+    count = settings.planted_groups * size
     draw = draw_eviction(fixed.expand(count, *fixed.shape), num_evict, generator, eligible, settings.temperature)
     rewards = -planted.expand(count, *planted.shape).gather(-1, draw.order).sum((-1, -2, -4, -5)).double()  # [n, traces]
     actions = math.prod(fixed.shape[:2]) * fixed.shape[3]  # evictions per episode and trace
-    ladder = [size * 2**k for k in range(int(math.log2(count // size)) + 1)]
+    ladder = [size * 2**k for k in range(int(math.log2(settings.planted_groups)) + 1)]
     rows = []
     for logprob_name, rule in LOGPROB_RULES.items():
         leaf = fixed.expand(count, *fixed.shape).clone().requires_grad_()
@@ -300,10 +300,11 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
                 for n in ladder
             ]
             group_index = torch.arange(count) // size
-            parts = [mean_gradient(torch.nonzero(group_index % CHUNKS == part).squeeze(-1), weight, per_episode)
-                     for part in range(CHUNKS)]
+            used = settings.planted_groups // CHUNKS * CHUNKS  # equal parts: the groups past them are left out
+            parts = [mean_gradient(torch.nonzero((group_index % CHUNKS == part) & (group_index < used)).squeeze(-1),
+                                   weight, per_episode) for part in range(CHUNKS)]
             rows.append(PlantedFigures(logprob_name, advantage_name, cosines,
-                                       chunk_noise_scale(parts, count // size * rewards.shape[-1])))
+                                       chunk_noise_scale(parts, used * rewards.shape[-1])))
         del per_episode
     reference = float(torch.nn.functional.cosine_similarity(true_a, true_b, dim=0))
     return Planted(ladder, reference, actions, rows)
@@ -394,7 +395,7 @@ def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[No
         "",
         (
             f"Planted reward: a penalty of 1 on {settings.planted_share:.1%} of the pool entries at the {planted.states} "
-            f"states of each trace's first episode (held fixed), {settings.planted_episodes} episodes per trace; the "
+            f"states of each trace's first episode (held fixed), {settings.planted_groups * settings.group_size} episodes per trace; the "
             f"true gradient from {settings.reference_draws} draws per state (cosine of its two halves: "
             f"{planted.reference_cosine:.3f}). Cosine of each estimator's mean gradient to it, by episodes per trace "
             "(an episode stands for one rollout):"

@@ -9,7 +9,7 @@ fed per second of rollout (row by row), and forward seconds / step seconds: the 
 spent in the frozen model's forward passes (the rest is block attention, features, scoring and sampling
 at evictions, and the scorer's update).
 
-    foresight bench rl-step --traces runs/rl-default/traces --steps 2 --rollouts episode,branch
+    foresight bench rl-step --traces runs/rl-default/traces --steps 2 --rollout episode --rollout branch
 """
 
 from __future__ import annotations
