@@ -103,3 +103,16 @@ def test_one_row_copied_into_k_rows_equals_k_rows_run_through_up_to_rounding(lla
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     for a, b in zip(engine.last_cache.layers, plain_engine.last_cache.layers, strict=True):
         assert torch.equal(a.entry_positions(), b.entry_positions())
+
+
+def test_a_replay_run_to_its_end_runs_the_eviction_step_its_last_forward_made_due(llama):
+    """A sequence ending where the cache reaches B + L: the step that last forward makes due still runs
+    (only a pause asked for by `tokens` leaves it pending), so an observer of the step, such as the
+    example recorder, sees every step of the golden schedule."""
+    sequence = tokens(0)[: B + 2 * L]  # steps due after B + L and B + 2L entries
+    engine = engine_for(llama, "snapkv")
+    output = engine.replay([sequence], [PROMPT])
+    assert output.stats.evictions == 2
+    paused = engine.start_replay([sequence], [PROMPT])
+    engine.advance(paused, tokens=len(sequence) - PROMPT)
+    assert (paused.evictions, paused.pending_eviction) == (1, True)

@@ -402,7 +402,7 @@ class EvictionEngine:
             prefill = list(replay.prompt_lengths)
             replay.columns.append(self._replay_forward(run, input_ids, positions, valid, prefill, targets, replay.forwards))
             replay.prefill = None
-            if self._pause(replay, stop_before_step, stop=left == 0):
+            if self._pause(replay, stop_before_step, stop=tokens is not None and left == 0):
                 return
         device, rows = rest.device, rest.shape[0]
         ones = torch.ones(rows, dtype=torch.long, device=device)
@@ -419,7 +419,7 @@ class EvictionEngine:
             replay.done, left = done + size, left - size
             if on_tokens is not None:
                 on_tokens(size)
-            if self._pause(replay, stop_before_step, stop=left == 0):
+            if self._pause(replay, stop_before_step, stop=tokens is not None and left == 0):
                 return
 
     def _pause(self, replay: Replay, stop_before_step: int | None, stop: bool) -> bool:
