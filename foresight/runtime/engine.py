@@ -7,6 +7,11 @@ evict on their own schedule (left padding shifts it), so a batch decodes exactly
 A policy that observes every query (H2O, LazyEviction, RaaS) is handed each query once, in blocks of
 L after the forward that completes a block, and what is left before any row's eviction step.
 
+A replay can pause (before a given eviction step, or after a number of tokens) and go on later, under
+this engine or another on the same model and cadence, and a paused replay can be copied into other rows
+(`Replay.select_rows`): the copy continues exactly as those rows would have, which is how the
+reinforcement stage branches K rollouts off one replay's state without running its forwards again.
+
 Size: the one cadence loop (prefill, decode, replay, the observation of every query and the eviction
 step) kept in one place on purpose: it is the rule every policy runs under.
 """
