@@ -145,7 +145,9 @@ def read_tensors(
     return metadata, tensors
 
 
-def check_metadata(path: str | os.PathLike, stored: Mapping[str, str], expected: Mapping[str, object], remake: str) -> None:
+def check_metadata(
+    path: str | os.PathLike, stored: Mapping[str, str], expected: Mapping[str, object], remake: str
+) -> None:
     """One-line ArtifactError when the metadata stored with an artifact differs from what is expected."""
     differing = _differences(stored, expected)
     if differing:
@@ -153,4 +155,8 @@ def check_metadata(path: str | os.PathLike, stored: Mapping[str, str], expected:
 
 
 def _differences(stored: Mapping[str, str], expected: Mapping[str, object]) -> list[str]:
-    return [f"{key}={stored.get(key)!r}, not {str(value)!r}" for key, value in expected.items() if stored.get(key) != str(value)]
+    return [
+        f"{key}={stored.get(key)!r}, not {str(value)!r}"
+        for key, value in expected.items()
+        if stored.get(key) != str(value)
+    ]

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
 
-from foresight.scorer.attention_features import FEATURE_NAMES
 from foresight.models import DEFAULT_MODEL
+from foresight.scorer.attention_features import FEATURE_NAMES
 from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
 
 SCORER_KEY = "foresight_scorer"
@@ -64,8 +64,11 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ForesightScorer, dict[str,
 def ensemble_record(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The training record of a seed ensemble (`foresight.scorer.ensemble`) for its model card: what it
     averages, the entries every member's record shares, and each metric's mean over the members."""
-    shared = {key: value for key, value in records[0].items()
-              if key != "metrics" and all(record.get(key) == value for record in records)}
+    shared = {
+        key: value
+        for key, value in records[0].items()
+        if key != "metrics" and all(record.get(key) == value for record in records)
+    }
     metrics = [record.get("metrics") or {} for record in records]
     names = [name for name in metrics[0] if all(name in member for member in metrics)]
     mean = {name: round(sum(member[name] for member in metrics) / len(metrics), 6) for name in names}
@@ -93,7 +96,9 @@ def push_folder(folder: str | os.PathLike, repo_id: str, private: bool = False) 
     as it was, complete, to push later."""
     retry = f"the folder {folder} is complete; push it later with `hf upload {repo_id} {folder}`"
     if get_token() is None:
-        raise ValueError(f"cannot push to {repo_id}: no Hugging Face token (run `hf auth login` or set HF_TOKEN); {retry}")
+        raise ValueError(
+            f"cannot push to {repo_id}: no Hugging Face token (run `hf auth login` or set HF_TOKEN); {retry}"
+        )
     api = HfApi()
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True)
@@ -127,7 +132,11 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"| features | `{config.feature_set.value}`: {features} (per query head, {config.feature_set.transform}) |\n"
         f"| hidden width H | {config.hidden} |\n"
         f"| training stage | {config.stage}{_started_from(config)} |"
-        + (f"\n| training sources | {', '.join(f'`{s}`' for s in config.training_sources)} |" if config.training_sources else ""),
+        + (
+            f"\n| training sources | {', '.join(f'`{s}`' for s in config.training_sources)} |"
+            if config.training_sources
+            else ""
+        ),
         "## Training\n" + _training_text(config, training),
     ]
     if evaluation:
@@ -172,8 +181,10 @@ def _training_text(config: ScorerConfig, training: dict[str, Any]) -> str:
     metrics = reported_metrics(training)
     if metrics:
         lines.append(
-            "\n| metric | value |\n|---|---|\n" + "\n".join(f"| {name} | {_plain(value)} |" for name, value in metrics.items())
-            + "\n\n" + METRIC_NOTES[config.stage]
+            "\n| metric | value |\n|---|---|\n"
+            + "\n".join(f"| {name} | {_plain(value)} |" for name, value in metrics.items())
+            + "\n\n"
+            + METRIC_NOTES[config.stage]
         )
     return stage + "\n\n" + "\n".join(lines)
 

@@ -92,9 +92,7 @@ class GoldenLabels:
         return keep_top(self.candidates, self.alpha, self.budget - self.interval)
 
 
-def golden_schedule(
-    future: torch.Tensor, budget: int, interval: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def golden_schedule(future: torch.Tensor, budget: int, interval: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the greedy golden schedule for a batch of heads.
 
     future: [M, heads, N] future scores α_{i,t} of positions 0..N-1, N >= B + (M - 1)L.
@@ -392,8 +390,13 @@ class LabelStore:
     def problem(self, trace_index: int, *, num_tokens: int) -> str | None:
         """Why the labels file of a trace is not usable (missing, damaged, made for something else), or None;
         reads only its header."""
-        expected = {"format": FORMAT, "budget": str(self.budget), "interval": str(self.interval),
-                    "num_tokens": str(num_tokens), "trace_index": str(trace_index)}
+        expected = {
+            "format": FORMAT,
+            "budget": str(self.budget),
+            "interval": str(self.interval),
+            "num_tokens": str(num_tokens),
+            "trace_index": str(trace_index),
+        }
         return file_problem(self.path(trace_index), expected)
 
     def require(self, trace_index: int, *, num_tokens: int) -> None:
@@ -402,7 +405,9 @@ class LabelStore:
         if problem is not None:
             command = labels_command(self.traces_dir, self.budget, self.interval)
             path = self.path(trace_index)
-            raise ValueError(f"the golden labels of trace {trace_index} ({path}) are {problem}; make them with {command}")
+            raise ValueError(
+                f"the golden labels of trace {trace_index} ({path}) are {problem}; make them with {command}"
+            )
 
     def load(self, trace_index: int, *, num_tokens: int) -> GoldenLabels:
         """Labels of one trace, checked against its length and this store's (B, L)."""

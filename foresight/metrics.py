@@ -164,7 +164,9 @@ def attention_cosine(evicted_output: torch.Tensor, full_output: torch.Tensor) ->
 
     Compare one head's output for the same token in the evicted run and in the full-cache run."""
     if evicted_output.shape != full_output.shape:
-        raise ValueError(f"attention outputs differ in shape: {tuple(evicted_output.shape)} vs {tuple(full_output.shape)}")
+        raise ValueError(
+            f"attention outputs differ in shape: {tuple(evicted_output.shape)} vs {tuple(full_output.shape)}"
+        )
     return F.cosine_similarity(evicted_output.float(), full_output.float(), dim=-1)
 
 
@@ -182,6 +184,8 @@ def golden_overlap(kept: torch.Tensor, golden_kept: torch.Tensor) -> tuple[torch
 
 def _check_same_tokens(first: torch.Tensor, second: torch.Tensor) -> None:
     if first.shape != second.shape or first.dim() != 1:
-        raise ValueError(f"per-token metrics need two 1-D tensors of one length, got {tuple(first.shape)} and {tuple(second.shape)}")
+        raise ValueError(
+            f"per-token metrics need two 1-D tensors of one length, got {tuple(first.shape)} and {tuple(second.shape)}"
+        )
     if first.numel() == 0:
         raise ValueError("no scored tokens: the run never evicted (is every trace shorter than B + L?)")

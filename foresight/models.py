@@ -37,8 +37,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from foresight.artifacts import atomic_folder
 
@@ -111,9 +111,7 @@ def describe(model_or_config: PreTrainedModel | PreTrainedConfig) -> ModelShape:
     """Read layers, query heads, KV heads and head dim from a model's text config (Llama, Qwen2, Qwen3)."""
     config = getattr(model_or_config, "config", model_or_config)
     if not isinstance(config, PreTrainedConfig):
-        raise ValueError(
-            f"describe() takes a transformers model or config, got {type(model_or_config).__name__}"
-        )
+        raise ValueError(f"describe() takes a transformers model or config, got {type(model_or_config).__name__}")
     text = config.get_text_config()
     query_heads = text.num_attention_heads
     return ModelShape(

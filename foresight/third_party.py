@@ -32,5 +32,7 @@ def quiet_third_party_notices() -> None:
     Lightning's own pytree helper at every training step's first batch) and jsonargparse's deprecations
     of LightningCLI's calls (off through its documented switch, unless the user set it)."""
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NO_TIPS)

@@ -37,10 +37,21 @@ GPU_TESTS = "tests/test_gpu.py"
 SDPA_FLASH_TEST = f"{GPU_TESTS}::test_unpadded_batches_run_on_the_sdpa_flash_kernel_alone"
 SYNC_DEBUG_TEST = f"{GPU_TESTS}::test_eviction_step_of_rows_in_step_never_synchronises"
 PACKAGES = {  # module: distribution
-    "torch": "torch", "transformers": "transformers", "lightning": "lightning", "torchmetrics": "torchmetrics",
-    "tensorboard": "tensorboard", "safetensors": "safetensors", "pyarrow": "pyarrow", "datasets": "datasets",
-    "reasoning_gym": "reasoning-gym", "math_verify": "math-verify", "jsonargparse": "jsonargparse",
-    "importlinter": "import-linter", "gguf": "gguf", "pytest": "pytest", "huggingface_hub": "huggingface-hub",
+    "torch": "torch",
+    "transformers": "transformers",
+    "lightning": "lightning",
+    "torchmetrics": "torchmetrics",
+    "tensorboard": "tensorboard",
+    "safetensors": "safetensors",
+    "pyarrow": "pyarrow",
+    "datasets": "datasets",
+    "reasoning_gym": "reasoning-gym",
+    "math_verify": "math-verify",
+    "jsonargparse": "jsonargparse",
+    "importlinter": "import-linter",
+    "gguf": "gguf",
+    "pytest": "pytest",
+    "huggingface_hub": "huggingface-hub",
     "numpy": "numpy",
 }
 LEAST_STEP_SECONDS = 5.0  # a step that would have less of the deadline left is skipped
@@ -72,11 +83,29 @@ class Scale:
 
 CUDA_SCALE = Scale(device="cuda", dtype="bfloat16")
 DRY_SCALE = Scale(
-    device="cpu", dtype="float32",
-    tiny=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16),
-    sampler_rows=4, sampler_prompt=8, sampler_tokens=8, traces=2, trace_tokens=100, budget=32, interval=8,
-    group_size=2, fit_steps=3, pipeline_fit_steps=3, capacity_lengths="64,128", capacity_budget=32, capacity_interval=8,
+    device="cpu",
+    dtype="float32",
+    tiny=dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    sampler_rows=4,
+    sampler_prompt=8,
+    sampler_tokens=8,
+    traces=2,
+    trace_tokens=100,
+    budget=32,
+    interval=8,
+    group_size=2,
+    fit_steps=3,
+    pipeline_fit_steps=3,
+    capacity_lengths="64,128",
+    capacity_budget=32,
+    capacity_interval=8,
     capacity_time_limit=1.0,
 )
 SAMPLER_MODEL = "configs/models/qwen3-4b.json"
@@ -122,46 +151,123 @@ class Context:
 
     def bench(self, verb: str, *flags: str) -> list[str]:
         placement = ["--device", self.scale.device, "--dtype", self.scale.dtype]
-        return [self.python, "-m", "foresight.cli", "bench", verb, *flags, *placement, "--out", str(self.out / "bench.md"),
-                "--section", f"{verb}-acceptance"]
+        return [
+            self.python,
+            "-m",
+            "foresight.cli",
+            "bench",
+            verb,
+            *flags,
+            *placement,
+            "--out",
+            str(self.out / "bench.md"),
+            "--section",
+            f"{verb}-acceptance",
+        ]
 
 
 def _capacity(context: Context) -> list[str]:
     s = context.scale
-    return context.bench("capacity", "--model", CAPACITY_MODEL, "--policies", CAPACITY_POLICIES, "--budget",
-                         str(s.capacity_budget), "--interval", str(s.capacity_interval), "--lengths", s.capacity_lengths,
-                         "--time-limit", str(s.capacity_time_limit))
+    return context.bench(
+        "capacity",
+        "--model",
+        CAPACITY_MODEL,
+        "--policies",
+        CAPACITY_POLICIES,
+        "--budget",
+        str(s.capacity_budget),
+        "--interval",
+        str(s.capacity_interval),
+        "--lengths",
+        s.capacity_lengths,
+        "--time-limit",
+        str(s.capacity_time_limit),
+    )
 
 
 def _pipeline(context: Context) -> list[str]:
     s = context.scale
-    return context.bench("pipeline", "--traces", str(context.work / "traces"), "--budget", str(s.budget), "--interval",
-                         str(s.interval), "--group-size", str(s.group_size), "--fit-steps", str(s.pipeline_fit_steps),
-                         "--batch-size", "2")
+    return context.bench(
+        "pipeline",
+        "--traces",
+        str(context.work / "traces"),
+        "--budget",
+        str(s.budget),
+        "--interval",
+        str(s.interval),
+        "--group-size",
+        str(s.group_size),
+        "--fit-steps",
+        str(s.pipeline_fit_steps),
+        "--batch-size",
+        "2",
+    )
 
 
 STEPS = (
-    Step("imports", "every package the steps import, the device and the versions", 60,
-         lambda c: c.figure_step("imports")),
-    Step("gpu-tests", f"`pytest -m gpu {GPU_TESTS}` (every registered policy), less the two tests below", 200,
-         lambda c: c.pytest("-m", "gpu", GPU_TESTS, "--deselect", SDPA_FLASH_TEST, "--deselect", SYNC_DEBUG_TEST,
-                            junit="gpu-tests.xml"),
-         gpu_only=True, dry_command=lambda c: c.pytest("-m", "gpu", GPU_TESTS)),
-    Step("sdpa-flash", "an unpadded batch decodes and replays on SDPA's flash kernel alone", 60,
-         lambda c: c.pytest(SDPA_FLASH_TEST, junit="sdpa-flash.xml"), gpu_only=True,
-         dry_command=lambda c: c.pytest(SDPA_FLASH_TEST)),
-    Step("sync-debug", "no host synchronisation in an eviction step, under set_sync_debug_mode('error')", 90,
-         lambda c: c.pytest(SYNC_DEBUG_TEST, junit="sync-debug.xml"), gpu_only=True,
-         dry_command=lambda c: c.pytest(SYNC_DEBUG_TEST)),
-    Step("sampler", f"the trace sampler's tokens/s, random-weight {SAMPLER_MODEL}", 60, lambda c: c.figure_step("sampler")),
-    Step("prepare", f"random-weight {WORK_MODEL} folder, its sampled traces and their golden labels", 90,
-         lambda c: c.figure_step("prepare")),
-    Step("fit", "supervised fit steps/s from the example cache of the prepared traces", 90,
-         lambda c: c.figure_step("fit"), needs_work=True),
-    Step("rl", "reinforcement rollouts/s (G sampled replays of every prepared trace)", 90,
-         lambda c: c.figure_step("rl"), needs_work=True),
-    Step("capacity", f"`foresight bench capacity` of {CAPACITY_MODEL} ({CAPACITY_POLICIES})", 240, _capacity,
-         gpu_only=True, dry_command=lambda c: c.figure_step("capacity-flags")),
+    Step(
+        "imports", "every package the steps import, the device and the versions", 60, lambda c: c.figure_step("imports")
+    ),
+    Step(
+        "gpu-tests",
+        f"`pytest -m gpu {GPU_TESTS}` (every registered policy), less the two tests below",
+        200,
+        lambda c: c.pytest(
+            "-m", "gpu", GPU_TESTS, "--deselect", SDPA_FLASH_TEST, "--deselect", SYNC_DEBUG_TEST, junit="gpu-tests.xml"
+        ),
+        gpu_only=True,
+        dry_command=lambda c: c.pytest("-m", "gpu", GPU_TESTS),
+    ),
+    Step(
+        "sdpa-flash",
+        "an unpadded batch decodes and replays on SDPA's flash kernel alone",
+        60,
+        lambda c: c.pytest(SDPA_FLASH_TEST, junit="sdpa-flash.xml"),
+        gpu_only=True,
+        dry_command=lambda c: c.pytest(SDPA_FLASH_TEST),
+    ),
+    Step(
+        "sync-debug",
+        "no host synchronisation in an eviction step, under set_sync_debug_mode('error')",
+        90,
+        lambda c: c.pytest(SYNC_DEBUG_TEST, junit="sync-debug.xml"),
+        gpu_only=True,
+        dry_command=lambda c: c.pytest(SYNC_DEBUG_TEST),
+    ),
+    Step(
+        "sampler",
+        f"the trace sampler's tokens/s, random-weight {SAMPLER_MODEL}",
+        60,
+        lambda c: c.figure_step("sampler"),
+    ),
+    Step(
+        "prepare",
+        f"random-weight {WORK_MODEL} folder, its sampled traces and their golden labels",
+        90,
+        lambda c: c.figure_step("prepare"),
+    ),
+    Step(
+        "fit",
+        "supervised fit steps/s from the example cache of the prepared traces",
+        90,
+        lambda c: c.figure_step("fit"),
+        needs_work=True,
+    ),
+    Step(
+        "rl",
+        "reinforcement rollouts/s (G sampled replays of every prepared trace)",
+        90,
+        lambda c: c.figure_step("rl"),
+        needs_work=True,
+    ),
+    Step(
+        "capacity",
+        f"`foresight bench capacity` of {CAPACITY_MODEL} ({CAPACITY_POLICIES})",
+        240,
+        _capacity,
+        gpu_only=True,
+        dry_command=lambda c: c.figure_step("capacity-flags"),
+    ),
     Step("pipeline", "`foresight bench pipeline` on the prepared traces", 150, _pipeline, needs_work=True),
 )
 
@@ -225,20 +331,31 @@ def step_sampler(scale: Scale, work: Path) -> dict:
     model = random_model(ROOT / SAMPLER_MODEL, dtype=_model_dtype(scale), device=scale.device, **scale.tiny)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    requests = [Request(row, torch.randint(3, vocab, (scale.sampler_prompt,), generator=generator).tolist(), seed=row)
-                for row in range(scale.sampler_rows)]
+    requests = [
+        Request(row, torch.randint(3, vocab, (scale.sampler_prompt,), generator=generator).tolist(), seed=row)
+        for row in range(scale.sampler_rows)
+    ]
 
     def sample(batch: list[Request], tokens: int) -> int:
-        completions = sample_completions(model, batch, max_new_tokens=tokens, eos_token_ids=[],
-                                         sampling=REASONING_SAMPLING, batch_size=len(batch))
+        completions = sample_completions(
+            model, batch, max_new_tokens=tokens, eos_token_ids=[], sampling=REASONING_SAMPLING, batch_size=len(batch)
+        )
         return sum(len(completion.tokens) for completion in completions)
 
     sample(requests[:2], 2)  # warm-up: kernels and allocator
     started = _synchronise(scale)
     tokens = sample(requests, scale.sampler_tokens)
     seconds = _synchronise(scale) - started
-    return {"model": SAMPLER_MODEL, "dtype": scale.dtype, "rows": scale.sampler_rows, "prompt_tokens": scale.sampler_prompt,
-            "new_tokens": scale.sampler_tokens, "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+    return {
+        "model": SAMPLER_MODEL,
+        "dtype": scale.dtype,
+        "rows": scale.sampler_rows,
+        "prompt_tokens": scale.sampler_prompt,
+        "new_tokens": scale.sampler_tokens,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+    }
 
 
 def _work_model_dir(work: Path) -> Path:
@@ -256,30 +373,66 @@ def step_prepare(scale: Scale, work: Path) -> dict:
 
     folder = _work_model_dir(work)
     started = time.perf_counter()
-    model = random_model(ROOT / WORK_MODEL, dtype=_model_dtype(scale), device=scale.device, vocab_size=128,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **scale.tiny)
+    model = random_model(
+        ROOT / WORK_MODEL,
+        dtype=_model_dtype(scale),
+        device=scale.device,
+        vocab_size=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        **scale.tiny,
+    )
     tokenizer = char_tokenizer(CHAT_TEMPLATE)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     model.generation_config.eos_token_id = []  # random weights: no EOS, every trace runs to its length
-    summary = generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), num=scale.traces,
-                              max_new_tokens=scale.trace_tokens, out_dir=work / "traces", batch_size=scale.traces,
-                              progress=False, model_name=str(folder))
+    summary = generate_traces(
+        model,
+        tokenizer,
+        str(DATA / "arithmetic.jsonl"),
+        num=scale.traces,
+        max_new_tokens=scale.trace_tokens,
+        out_dir=work / "traces",
+        batch_size=scale.traces,
+        progress=False,
+        model_name=str(folder),
+    )
     traced = time.perf_counter()
     del model
-    make_labels(FrozenModel(str(folder), scale.device, _model_dtype(scale)), work / "traces", scale.budget,
-                scale.interval, progress=False)
+    make_labels(
+        FrozenModel(str(folder), scale.device, _model_dtype(scale)),
+        work / "traces",
+        scale.budget,
+        scale.interval,
+        progress=False,
+    )
     counts = summary.counts
-    return {"model": WORK_MODEL, "traces": counts.kept, "tokens": counts.tokens, "new_tokens": scale.trace_tokens,
-            "seconds_model_and_traces": traced - started, "seconds_labels": time.perf_counter() - traced}
+    return {
+        "model": WORK_MODEL,
+        "traces": counts.kept,
+        "tokens": counts.tokens,
+        "new_tokens": scale.trace_tokens,
+        "seconds_model_and_traces": traced - started,
+        "seconds_labels": time.perf_counter() - traced,
+    }
 
 
 def _pipeline_settings(scale: Scale, work: Path):
     from foresight.bench.pipeline import Settings
 
-    return Settings(traces=work / "traces", budget=scale.budget, interval=scale.interval, policy="snapkv",
-                    fit_steps=scale.fit_steps, batch_size=2, group_size=scale.group_size, device=scale.device,
-                    dtype=scale.dtype)
+    return Settings(
+        traces=work / "traces",
+        budget=scale.budget,
+        interval=scale.interval,
+        policy="snapkv",
+        fit_steps=scale.fit_steps,
+        batch_size=2,
+        group_size=scale.group_size,
+        device=scale.device,
+        dtype=scale.dtype,
+    )
 
 
 def step_fit(scale: Scale, work: Path) -> dict:
@@ -294,8 +447,13 @@ def step_fit(scale: Scale, work: Path) -> dict:
     make_examples(data.frozen, data.examples, progress=False)
     examples_seconds = time.perf_counter() - started
     row = _fit(data, settings)
-    return {"examples_seconds": examples_seconds, "steps": row.work, "seconds": row.seconds, "steps_per_second": row.rate,
-            "traces_per_step": settings.batch_size}
+    return {
+        "examples_seconds": examples_seconds,
+        "steps": row.work,
+        "seconds": row.seconds,
+        "steps_per_second": row.rate,
+        "traces_per_step": settings.batch_size,
+    }
 
 
 def step_rl(scale: Scale, work: Path) -> dict:
@@ -313,9 +471,16 @@ def step_rl(scale: Scale, work: Path) -> dict:
     _rollout_row(model, scorer, traces[:1], 2, "warm-up", "")
     row = _rollout_row(model, scorer, traces, scale.group_size, "rl rollouts", "")
     rollouts = scale.group_size * len(traces)
-    return {"group_size": scale.group_size, "traces": len(traces), "trace_tokens": row.work / rollouts,
-            "rollouts": rollouts, "seconds": row.seconds, "rollouts_per_second": rollouts / row.seconds,
-            "tokens_per_second": row.rate, "forward_share": row.forward_share}
+    return {
+        "group_size": scale.group_size,
+        "traces": len(traces),
+        "trace_tokens": row.work / rollouts,
+        "rollouts": rollouts,
+        "seconds": row.seconds,
+        "rollouts_per_second": rollouts / row.seconds,
+        "tokens_per_second": row.rate,
+        "forward_share": row.forward_share,
+    }
 
 
 def step_capacity_flags(scale: Scale, work: Path) -> dict:
@@ -326,12 +491,22 @@ def step_capacity_flags(scale: Scale, work: Path) -> dict:
     command = _capacity(Context(scale, True, work, work))
     args = build_parser().parse_args(command[command.index("foresight.cli") + 1 :])
     settings = settings_from(args.benchmark.Settings, args)
-    return {"policies": settings.policy_names, "lengths": list(settings.lengths), "budget": settings.budget,
-            "interval": settings.interval}
+    return {
+        "policies": settings.policy_names,
+        "lengths": list(settings.lengths),
+        "budget": settings.budget,
+        "interval": settings.interval,
+    }
 
 
-FIGURE_STEPS = {"imports": step_imports, "capacity-flags": step_capacity_flags, "sampler": step_sampler,
-                "prepare": step_prepare, "fit": step_fit, "rl": step_rl}
+FIGURE_STEPS = {
+    "imports": step_imports,
+    "capacity-flags": step_capacity_flags,
+    "sampler": step_sampler,
+    "prepare": step_prepare,
+    "fit": step_fit,
+    "rl": step_rl,
+}
 
 
 # -- the driver ------------------------------------------------------------------------------------------------------
@@ -351,7 +526,11 @@ def run_step(step: Step, context: Context, cap: float, log) -> Outcome:
     """Run one step's process under `cap` seconds; its status, seconds, figures and the tail of its output."""
     cuda_missing = step.gpu_only and context.dry_run
     command = (step.dry_command if cuda_missing else step.command)(context)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     started = time.perf_counter()
     log.write(f"\n===== {step.name}: {' '.join(command)}\n")
     log.flush()
@@ -385,7 +564,7 @@ def _figures(step: Step, context: Context, output: str) -> dict:
     """A figure step's JSON line, a test step's counts (JUnit XML), a benchmark's report section."""
     lines = [line for line in output.splitlines() if line.startswith(FIGURES)]
     if lines:
-        return json.loads(lines[-1][len(FIGURES):])
+        return json.loads(lines[-1][len(FIGURES) :])
     collected = re.search(r"^(\d+)(?:/\d+)? tests? collected", output, re.MULTILINE)
     if collected:  # a dry run's --collect-only
         return {"collected": int(collected[1])}
@@ -402,8 +581,11 @@ def _figures(step: Step, context: Context, output: str) -> dict:
 def _junit_counts(path: Path) -> dict:
     root = ElementTree.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
-    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
-              if case.find("failure") is not None or case.find("error") is not None]
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
     counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
     return {**counts, "failed_tests": failed}
 
@@ -458,11 +640,18 @@ def markdown(record: dict) -> str:
     """The report: the device and versions, one row per step, then each step's figures."""
     versions = ", ".join(f"{name} {version}" for name, version in record["versions"].items())
     lines = [
-        f"# GPU acceptance run ({record['mode']})", "",
-        f"Device: {record['device']}" + (f", CUDA {record['cuda']}" if record["cuda"] else "")
-        + f"; Python {record['python']}.", "", f"Versions: {versions or 'unknown'}.", "",
-        f"Command: `{record['command']}`; {record['seconds']:.1f} s of the {record['total_seconds']:.0f} s allowed.", "",
-        "| step | what it checks or measures | status | seconds | cap |", "|---|---|---|---:|---:|",
+        f"# GPU acceptance run ({record['mode']})",
+        "",
+        f"Device: {record['device']}"
+        + (f", CUDA {record['cuda']}" if record["cuda"] else "")
+        + f"; Python {record['python']}.",
+        "",
+        f"Versions: {versions or 'unknown'}.",
+        "",
+        f"Command: `{record['command']}`; {record['seconds']:.1f} s of the {record['total_seconds']:.0f} s allowed.",
+        "",
+        "| step | what it checks or measures | status | seconds | cap |",
+        "|---|---|---|---:|---:|",
     ]
     for step in record["steps"]:
         lines.append(
@@ -475,8 +664,12 @@ def markdown(record: dict) -> str:
             continue
         lines += ["", f"## {step['name']}", "", f"Command: `{step['command']}`"]
         if figures:
-            lines += ["", "| figure | value |", "|---|---|",
-                      *(f"| {key} | {_value(value)} |" for key, value in figures.items())]
+            lines += [
+                "",
+                "| figure | value |",
+                "|---|---|",
+                *(f"| {key} | {_value(value)} |" for key, value in figures.items()),
+            ]
         if section:
             lines += ["", section]
         if not step["status"].startswith(("passed", "skipped")):
@@ -495,18 +688,37 @@ def _value(value) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--cpu-dry-run", action="store_true",
-                      help="tiny shapes on the CPU; GPU-only steps check that their tests and flags resolve")
+    mode.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="tiny shapes on the CPU; GPU-only steps check that their tests and flags resolve",
+    )
     mode.add_argument("--cuda", action="store_true", help="the CUDA machine's shapes (the default)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu-acceptance")),
-                        help="folder of the report (default: $OUT, else runs/gpu-acceptance)")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "foresight-gpu-acceptance",
-                        help="scratch folder: the prepared model, traces and example cache, the tests' XML; kept, so that "
-                        "`--only fit,rl` reruns on what `prepare` made (default: %(default)s)")
-    parser.add_argument("--total-seconds", type=float, default=None,
-                        help="deadline of the whole run (default: 510 with CUDA, 600 for the dry run)")
-    parser.add_argument("--only", default=None, help=f"comma-separated steps to run, of: {', '.join(s.name for s in STEPS)}")
-    parser.add_argument("--step", choices=sorted(FIGURE_STEPS), help=argparse.SUPPRESS)  # one figure step, in this process
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", "runs/gpu-acceptance")),
+        help="folder of the report (default: $OUT, else runs/gpu-acceptance)",
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "foresight-gpu-acceptance",
+        help="scratch folder: the prepared model, traces and example cache, the tests' XML; kept, so that "
+        "`--only fit,rl` reruns on what `prepare` made (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--total-seconds",
+        type=float,
+        default=None,
+        help="deadline of the whole run (default: 510 with CUDA, 600 for the dry run)",
+    )
+    parser.add_argument(
+        "--only", default=None, help=f"comma-separated steps to run, of: {', '.join(s.name for s in STEPS)}"
+    )
+    parser.add_argument(
+        "--step", choices=sorted(FIGURE_STEPS), help=argparse.SUPPRESS
+    )  # one figure step, in this process
     args = parser.parse_args(argv)
     scale = DRY_SCALE if args.cpu_dry_run else CUDA_SCALE
     if args.step:
@@ -521,8 +733,10 @@ def main(argv: list[str] | None = None) -> int:
     context = Context(scale, args.cpu_dry_run, args.out.resolve(), args.work.resolve(), command)
     record = run_all(context, total, only)
     failed = [s["name"] for s in record["steps"] if not s["status"].startswith(("passed", "skipped: no CUDA"))]
-    print(f"wrote {context.out / 'acceptance.md'}: {len(record['steps']) - len(failed)} of {len(record['steps'])} steps "
-          f"passed or skipped for want of CUDA" + (f"; not passed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"wrote {context.out / 'acceptance.md'}: {len(record['steps']) - len(failed)} of {len(record['steps'])} steps "
+        f"passed or skipped for want of CUDA" + (f"; not passed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from foresight.models import tiny_model
 from foresight.data.trace_generation import generate_traces
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
+from foresight.models import tiny_model
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
 from tests.rl_runs import scorer_for
 
 torch.set_num_threads(1)
@@ -46,9 +46,19 @@ def traces_dir(tmp_path_factory, tiny_dir) -> Path:
     """Ten sampled traces of the tiny model (about 60-120 tokens each), without labels. Tests that label
     them do so for B=16, L=4 only; a test that needs the folder as it was copies it first."""
     out = tmp_path_factory.mktemp("traces")
-    generate_traces(tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE), str(DATA / "arithmetic.jsonl"), out_dir=out,
-                    num=10, max_new_tokens=40, temperature=1.0, top_k=0, top_p=1.0, progress=False,
-                    model_name=str(tiny_dir))
+    generate_traces(
+        tiny_model("llama"),
+        char_tokenizer(CHAT_TEMPLATE),
+        str(DATA / "arithmetic.jsonl"),
+        out_dir=out,
+        num=10,
+        max_new_tokens=40,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        progress=False,
+        model_name=str(tiny_dir),
+    )
     return out
 
 

@@ -46,7 +46,9 @@ def random_context(group: int, seed: int = 0, query_start: int | None = None) ->
     generator = torch.Generator().manual_seed(seed)
     window_start = 40
     recent = torch.arange(window_start, window_start + INTERVAL)
-    positions = torch.cat([candidate_positions(generator, window_start, CANDIDATES), recent.expand(BATCH, KV_HEADS, -1)], dim=-1)
+    positions = torch.cat(
+        [candidate_positions(generator, window_start, CANDIDATES), recent.expand(BATCH, KV_HEADS, -1)], dim=-1
+    )
     keys = clustered_keys(generator, CANDIDATES + INTERVAL)
     first_query = window_start if query_start is None else query_start
     return EvictionContext(

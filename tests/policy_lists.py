@@ -49,7 +49,9 @@ def random_stats(group: int, rope_scale: float = 1.0, seed: int = 0) -> TriAtten
     """TriAttention statistics of random query means for the random step's shape (one layer, KV_HEADS x group heads)."""
     generator = torch.Generator().manual_seed(seed)
     heads, bands = KV_HEADS * group, DIM // 2
-    q_mean = torch.complex(torch.randn(1, heads, bands, generator=generator), torch.randn(1, heads, bands, generator=generator))
+    q_mean = torch.complex(
+        torch.randn(1, heads, bands, generator=generator), torch.randn(1, heads, bands, generator=generator)
+    )
     q_abs_mean = q_mean.abs() + torch.rand(1, heads, bands, generator=generator)
     inv_freq = 10000.0 ** (-torch.arange(bands, dtype=torch.float32) / bands)
     return TriAttentionStats("random", ModelShape(1, heads, KV_HEADS, DIM), q_mean, q_abs_mean, inv_freq, rope_scale)

@@ -22,9 +22,7 @@ def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 10, **{chr(code): code for code in range(32, 127)}}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tokenizer.chat_template = chat_template
     return tokenizer
 

@@ -69,8 +69,13 @@ class ConcatenatingCache(EvictionCache):
     """`EvictionCache` with `ConcatenatingLayer`s; takes (and ignores) the capacity of the real one."""
 
     def __init__(
-        self, num_layers: int, state_fields=(), group_size: int = 1, query_window: int = 0,
-        keep_every_query: bool = False, capacity=None,
+        self,
+        num_layers: int,
+        state_fields=(),
+        group_size: int = 1,
+        query_window: int = 0,
+        keep_every_query: bool = False,
+        capacity=None,
     ):
         super().__init__(num_layers, state_fields, group_size, query_window, keep_every_query)
         self.layers = [

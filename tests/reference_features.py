@@ -89,13 +89,15 @@ def loop_features(attention: torch.Tensor, cumulative: torch.Tensor, decayed: to
         row = []
         for g in range(group):
             received = [float(attention[g, q, n]) for q in range(window)]
-            sums = [sum(received[max(0, window - size):]) for size in PAPER_WINDOWS] + [sum(received)]
+            sums = [sum(received[max(0, window - size) :]) for size in PAPER_WINDOWS] + [sum(received)]
             row += sums + [float(cumulative[n, g]) + sum(received), DECAY * float(decayed[n, g]) + sum(received)]
         rows.append(row)
     return torch.log1p(torch.tensor(rows))
 
 
-def foresight(scorer: ForesightScorer, layer: int, head: int, keys, values, attention, cumulative, decayed, candidates: int):
+def foresight(
+    scorer: ForesightScorer, layer: int, head: int, keys, values, attention, cumulative, decayed, candidates: int
+):
     """The learned policy's keep scores of one (row, KV head): its independent MLP of [k || v || a] on the
     loop features, for the first `candidates` entries (keys, values [N, D]; attention [G, L, N]; states [N, G])."""
     inputs = torch.cat([keys, values, loop_features(attention, cumulative, decayed)], -1)[:candidates]
@@ -129,7 +131,9 @@ def loop_attention_features(attention, cumulative, decayed, feature_set):
                     for name, size in WINDOWS.items():
                         values[name] = sum(column[max(0, rows - size) :])
                     neighbours = range(max(0, n - 3), min(entries, n + 4))  # 7 slots centred on n
-                    last_8 = [sum(float(attention[b, h, g, q, m]) for q in range(max(0, rows - 8), rows)) for m in neighbours]
+                    last_8 = [
+                        sum(float(attention[b, h, g, q, m]) for q in range(max(0, rows - 8), rows)) for m in neighbours
+                    ]
                     values["pooled_last_8"] = max(last_8)
                     values["pooled_last_L"] = max(float(attention[b, h, g, :, m].sum()) for m in neighbours)
                     for f, name in enumerate(names):

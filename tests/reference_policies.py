@@ -40,9 +40,7 @@ def attention_row(query, keys, positions, query_position, scaling, upto=None) ->
     only the first `upto` slots take part (softmax over them alone)."""
     count = len(keys) if upto is None else upto
     logits = {
-        n: dot(query, keys[n]) * scaling
-        for n in range(count)
-        if positions[n] >= 0 and positions[n] <= query_position
+        n: dot(query, keys[n]) * scaling for n in range(count) if positions[n] >= 0 and positions[n] <= query_position
     }
     return softmax(logits)
 
@@ -228,12 +226,14 @@ def random(positions, layer, seed, candidates):
 def random_prompt(positions, layer, seed, candidates):
     """Random Attention: a fresh uniform draw per (KV head, entry) at each step, named by the row's newest position."""
     out = []
-    for b, row in enumerate(positions):
+    for _b, row in enumerate(positions):
         newest = row[0][-1]
-        out.append([
-            [uniform_hash(seed, layer, h, p, newest + 1) if p >= 0 else NAN for p in head[:candidates]]
-            for h, head in enumerate(row)
-        ])
+        out.append(
+            [
+                [uniform_hash(seed, layer, h, p, newest + 1) if p >= 0 else NAN for p in head[:candidates]]
+                for h, head in enumerate(row)
+            ]
+        )
     return out
 
 
@@ -264,7 +264,9 @@ def vase(queries, query_positions, keys, values, positions, scaling, candidates,
                 heads = queries[b][h * group + g]
                 mean = [0.0] * candidates
                 for l, query in enumerate(heads):
-                    row_weights = attention_row(query, keys[b][h], positions[b][h], query_positions[b][l], scaling, candidates)
+                    row_weights = attention_row(
+                        query, keys[b][h], positions[b][h], query_positions[b][l], scaling, candidates
+                    )
                     for n, w in row_weights.items():
                         mean[n] += w / len(heads)
                 for n in range(candidates):
@@ -305,15 +307,21 @@ def triattention(keys, positions, q_mean, q_abs_mean, inv_freq, rope_scale, offs
                 scores = {}
                 for n in valid:
                     p, k = positions[b][h][n], keys[b][h][n]
-                    pre = [complex(k[f], k[f + bands]) * complex(math.cos(-p * inv_freq[f]), math.sin(-p * inv_freq[f])) / s
-                           for f in range(bands)]
+                    pre = [
+                        complex(k[f], k[f + bands])
+                        * complex(math.cos(-p * inv_freq[f]), math.sin(-p * inv_freq[f]))
+                        / s
+                        for f in range(bands)
+                    ]
                     extra = sum(s * s * (modulus[f] - abs(centre[f])) * abs(pre[f]) for f in range(bands))
                     total = 0.0
                     for o in offsets:
                         for f in range(bands):
                             relative = centre[f] * pre[f].conjugate()
                             phi = math.atan2(relative.imag, relative.real)
-                            total += s * s * abs(centre[f]) * abs(pre[f]) * math.cos(inv_freq[f] * (start - p + o) + phi)
+                            total += (
+                                s * s * abs(centre[f]) * abs(pre[f]) * math.cos(inv_freq[f] * (start - p + o) + phi)
+                            )
                     scores[n] = total / len(offsets) + extra
                 if normalize and valid:
                     mean = sum(scores.values()) / len(valid)

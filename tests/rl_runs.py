@@ -24,9 +24,17 @@ def scorer_for(shape, budget: int = B, interval: int = L_, seed: int = 0, base_m
     """A random scorer for a model (or model config, or `ModelShape`) with spread-out keep scores."""
     shape = shape if isinstance(shape, ModelShape) else describe(shape)
     torch.manual_seed(seed)
-    scorer = ForesightScorer(ScorerConfig(
-        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, budget=budget, interval=interval, base_model=base_model))
+    scorer = ForesightScorer(
+        ScorerConfig(
+            num_layers=shape.num_layers,
+            num_query_heads=shape.num_query_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            budget=budget,
+            interval=interval,
+            base_model=base_model,
+        )
+    )
     with torch.no_grad():  # keep scores a few units apart: the sampled evictions differ between rows
         scorer.w1.mul_(4)
     return scorer
@@ -35,8 +43,18 @@ def scorer_for(shape, budget: int = B, interval: int = L_, seed: int = 0, base_m
 def random_trace(model, length: int, prompt: int = 5, seed: int = 0) -> Trace:
     ids = torch.randint(3, 120, (length,), generator=torch.Generator().manual_seed(seed))
     nll, entropy = token_losses(model, ids)
-    return Trace(index=seed, source="tiny", input_ids=ids, prompt_length=prompt, token_nll=nll, token_entropy=entropy,
-                 answer=None, correct=None, prompt="", completion="")
+    return Trace(
+        index=seed,
+        source="tiny",
+        input_ids=ids,
+        prompt_length=prompt,
+        token_nll=nll,
+        token_entropy=entropy,
+        answer=None,
+        correct=None,
+        prompt="",
+        completion="",
+    )
 
 
 def enumerated_order_probabilities(scores: list[float], eligible: list[bool], draws: int) -> dict[tuple, float]:
@@ -56,11 +74,23 @@ def enumerated_order_probabilities(scores: list[float], eligible: list[bool], dr
 def rl_config(path: Path, tiny_dir: Path, traces: Path, **sections) -> Path:
     config = {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "log_every_n_steps": 1,
-                    "enable_progress_bar": False, "enable_model_summary": False},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 2,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+        },
         "model": {"group_size": 4, "lr": 0.01, "warm_up": 1, "beta": 0.05, "damage_threshold": 0.0},
-        "data": {"model": str(tiny_dir), "traces_dir": str(traces), "budget": B, "interval": L_,
-                 "holdout": 0.2, "batch_size": 2},
+        "data": {
+            "model": str(tiny_dir),
+            "traces_dir": str(traces),
+            "budget": B,
+            "interval": L_,
+            "holdout": 0.2,
+            "batch_size": 2,
+        },
         "checkpoint": {},
     }
     for section, values in sections.items():
@@ -70,8 +100,16 @@ def rl_config(path: Path, tiny_dir: Path, traces: Path, **sections) -> Path:
 
 
 def rl_args(config: Path, scorer: Path, out: Path, *overrides: str) -> list[str]:
-    return ["rl", "--config", str(config), "--scorer", str(scorer), "--out", str(out),
-            *itertools.chain.from_iterable(("--set", item) for item in overrides)]
+    return [
+        "rl",
+        "--config",
+        str(config),
+        "--scorer",
+        str(scorer),
+        "--out",
+        str(out),
+        *itertools.chain.from_iterable(("--set", item) for item in overrides),
+    ]
 
 
 class Killed(Exception):

@@ -14,9 +14,16 @@ SUPERVISED_B, SUPERVISED_L = 16, 4
 def scorer_spec(model=None) -> dict:
     """The scorer fields the data module fixes, for a tiny Llama (or `model`) at B=16, L=4."""
     shape = describe(model or tiny_model("llama"))
-    return dict(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-                head_dim=shape.head_dim, budget=SUPERVISED_B, interval=SUPERVISED_L, base_model="tiny",
-                feature_set="paper")
+    return dict(
+        num_layers=shape.num_layers,
+        num_query_heads=shape.num_query_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        budget=SUPERVISED_B,
+        interval=SUPERVISED_L,
+        base_model="tiny",
+        feature_set="paper",
+    )
 
 
 def synthetic_traces(count: int, steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -30,8 +37,14 @@ def synthetic_traces(count: int, steps: int, seed: int = 0) -> list[dict[str, to
         keys = torch.randn(*shape, spec["head_dim"], generator=generator)
         features = torch.rand(*shape, 6 * spec["num_query_heads"] // spec["num_kv_heads"], generator=generator)
         alpha = torch.sigmoid(keys @ direction + 2 * features[..., 4])
-        traces.append({"keys": keys, "values": torch.randn(*shape, spec["head_dim"], generator=generator),
-                       "features": features, "alpha": alpha})
+        traces.append(
+            {
+                "keys": keys,
+                "values": torch.randn(*shape, spec["head_dim"], generator=generator),
+                "features": features,
+                "alpha": alpha,
+            }
+        )
     return traces
 
 
@@ -39,8 +52,15 @@ def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
     """A scorer for `model` (B = 12, L = 4 unless overridden) with weights large enough that its keep
     scores are far apart."""
     shape = describe(model)
-    options = dict(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-                   head_dim=shape.head_dim, budget=12, interval=4, base_model="tiny-llama")
+    options = dict(
+        num_layers=shape.num_layers,
+        num_query_heads=shape.num_query_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        budget=12,
+        interval=4,
+        base_model="tiny-llama",
+    )
     torch.manual_seed(seed)
     scorer = ForesightScorer(ScorerConfig(**{**options, **overrides}))
     with torch.no_grad():  # larger weights than nn.Linear's init: keep scores far apart, evictions decisive
@@ -50,8 +70,16 @@ def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
 
 def make_config(**overrides) -> ScorerConfig:
     """A small scorer configuration (3 layers, 4 query / 2 KV heads, head dim 8, B = 16, L = 4, official-8)."""
-    options = dict(num_layers=3, num_query_heads=4, num_kv_heads=2, head_dim=8, budget=16, interval=4,
-                   base_model="tiny-llama", feature_set="official-8")
+    options = dict(
+        num_layers=3,
+        num_query_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        budget=16,
+        interval=4,
+        base_model="tiny-llama",
+        feature_set="official-8",
+    )
     return ScorerConfig(**{**options, **overrides})
 
 

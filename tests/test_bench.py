@@ -14,10 +14,10 @@ import torch
 from tqdm import tqdm
 
 import foresight.bench
-from foresight.cli import main
 from foresight.bench.capacity import largest_batch
 from foresight.bench.common import random_scorer
 from foresight.bench.memory import MemoryTrace, _Sampler
+from foresight.cli import main
 from foresight.models import random_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
@@ -27,8 +27,15 @@ GIB = 2**30
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "models"
 # Qwen3-4B's config, shrunk; KV heads and head dim large enough that one cache entry outweighs the
 # few hundred bytes each generated token id takes on the heap.
-SHRUNK = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-              num_key_value_heads=4, head_dim=64, vocab_size=128)
+SHRUNK = dict(
+    num_hidden_layers=3,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +61,32 @@ def test_memory_trace_is_flat_from_the_first_eviction(shrunk_config, name):
 
 def test_memory_benchmark_writes_its_section(shrunk_config, tmp_path, capsys):
     out = tmp_path / "bench.md"
-    argv = ["bench", "memory", "--model", str(shrunk_config), "--policies", "knorm,foresight", "-B", "32", "-L", "8",
-            "--max-new-tokens", "60", "--batch-size", "2", "--out", str(out)]
+    argv = [
+        "bench",
+        "memory",
+        "--model",
+        str(shrunk_config),
+        "--policies",
+        "knorm,foresight",
+        "-B",
+        "32",
+        "-L",
+        "8",
+        "--max-new-tokens",
+        "60",
+        "--batch-size",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- memory-cpu:start -->" in text and f"--model {shrunk_config}" in text
-    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    rows = {
+        line.split(" | ")[0]: line.split(" | ")
+        for line in text.splitlines()
+        if line.startswith("| ") and "---" not in line
+    }
     assert list(rows)[1:] == ["| full", "| knorm", "| foresight"]
     assert int(rows["| foresight"][8]) > int(rows["| knorm"][8])  # an entry's bytes: its feature state on top
 
@@ -67,12 +94,30 @@ def test_memory_benchmark_writes_its_section(shrunk_config, tmp_path, capsys):
 def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp_path):
     """Shape-only, the learned policy runs a random scorer of the model's shape; its evictions take time."""
     out = tmp_path / "bench.md"
-    argv = ["bench", "decode", "--model", str(shrunk_config), "--policies", "snapkv,foresight", "-B", "32", "-L", "8",
-            "--max-new-tokens", "60", "--batch-sizes", "2", "--out", str(out)]
+    argv = [
+        "bench",
+        "decode",
+        "--model",
+        str(shrunk_config),
+        "--policies",
+        "snapkv,foresight",
+        "-B",
+        "32",
+        "-L",
+        "8",
+        "--max-new-tokens",
+        "60",
+        "--batch-sizes",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "random weights (seed 0)" in text and "<!-- decode-cpu:start -->" in text
-    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "%" in line}
+    rows = {
+        line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "%" in line
+    }
     assert list(rows) == ["| full", "| snapkv", "| foresight"]
     assert float(rows["| full"][4].rstrip("%")) == 0 and float(rows["| foresight"][4].rstrip("%")) > 0
 
@@ -80,8 +125,20 @@ def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp
 def test_a_scorer_trained_for_another_cadence_is_refused_in_one_line(shrunk_config, tmp_path, capsys):
     scorer = random_scorer(random_model(shrunk_config), 48, 16)
     scorer.save_pretrained(tmp_path / "scorer")
-    argv = ["bench", "memory", "--model", str(shrunk_config), "--scorer", str(tmp_path / "scorer"), "-B", "32", "-L", "8",
-            "--out", str(tmp_path / "bench.md")]
+    argv = [
+        "bench",
+        "memory",
+        "--model",
+        str(shrunk_config),
+        "--scorer",
+        str(tmp_path / "scorer"),
+        "-B",
+        "32",
+        "-L",
+        "8",
+        "--out",
+        str(tmp_path / "bench.md"),
+    ]
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert "was trained for B = 48, L = 16; run with --budget 48 --interval 16" in error and "\n" not in error
@@ -126,8 +183,18 @@ def test_largest_batch_says_when_even_a_small_batch_does_not_fit():
         largest_batch(FakeGpu(limit=7), 11 * GIB)
 
 
-BENCHMARKS = ("decode", "memory", "capacity", "serve", "eval-prefix", "labels-memory", "rl-heldout", "rl-signal", "rl-step",
-              "trace-generation")
+BENCHMARKS = (
+    "decode",
+    "memory",
+    "capacity",
+    "serve",
+    "eval-prefix",
+    "labels-memory",
+    "rl-heldout",
+    "rl-signal",
+    "rl-step",
+    "trace-generation",
+)
 
 
 def test_bench_help_lists_every_benchmark(capsys):
@@ -152,8 +219,21 @@ def test_no_benchmark_module_reads_a_command_line():
 
 def test_labels_memory_measures_each_length_in_a_worker(shrunk_config, tmp_path, capsys):
     out = tmp_path / "bench.md"
-    argv = ["bench", "labels-memory", "--model", str(shrunk_config), "--lengths", "64", "96", "-B", "16", "-L", "8",
-            "--out", str(out)]
+    argv = [
+        "bench",
+        "labels-memory",
+        "--model",
+        str(shrunk_config),
+        "--lengths",
+        "64",
+        "96",
+        "-B",
+        "16",
+        "-L",
+        "8",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- labels-memory-qwen3-shrunk-cpu:start -->" in text
@@ -164,8 +244,22 @@ def test_labels_memory_measures_each_length_in_a_worker(shrunk_config, tmp_path,
 
 def test_eval_prefix_times_both_evaluations_of_the_same_table(traces_dir, tmp_path):
     out = tmp_path / "bench.md"
-    argv = ["bench", "eval-prefix", "--traces", str(traces_dir), "--holdout", "1.0", "--policies", "h2o,streaming",
-            "-B", "16", "-L", "4", "--out", str(out)]
+    argv = [
+        "bench",
+        "eval-prefix",
+        "--traces",
+        str(traces_dir),
+        "--holdout",
+        "1.0",
+        "--policies",
+        "h2o,streaming",
+        "-B",
+        "16",
+        "-L",
+        "4",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- eval-prefix-cpu:start -->" in text and "Both runs gave the same table" in text
@@ -174,8 +268,22 @@ def test_eval_prefix_times_both_evaluations_of_the_same_table(traces_dir, tmp_pa
 
 def test_trace_generation_samples_the_same_completions_in_every_mode(tiny_dir, tmp_path):
     out = tmp_path / "bench.md"
-    argv = ["bench", "trace-generation", "--model", str(tiny_dir), "--prompts", str(DATA / "arithmetic.jsonl"),
-            "--num", "3", "--max-new-tokens", "6", "--batch-sizes", "2", "--out", str(out)]
+    argv = [
+        "bench",
+        "trace-generation",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(DATA / "arithmetic.jsonl"),
+        "--num",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--batch-sizes",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- trace-generation-cpu:start -->" in text and "produced the same completions" in text
@@ -194,8 +302,25 @@ def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
     settings = Settings(traces=tmp_path, scorer="checkpoints/default", steps=3, group_size=4)
     parser = argparse.ArgumentParser()
     rl.add_arguments(parser)
-    overrides = ["trainer.max_steps=3", "data.batch_size=1", "model.group_size=4", "trainer.enable_progress_bar=false",
-                 "trainer.logger=false", "trainer.accelerator=cpu", "trainer.devices=1", "model.dtype=float32"]
-    argv = ["--config", str(RL_CONFIG), "--scorer", "checkpoints/default", "--out", str(tmp_path / "s"), "--traces",
-            str(tmp_path), *(word for text in overrides for word in ("--set", text))]
+    overrides = [
+        "trainer.max_steps=3",
+        "data.batch_size=1",
+        "model.group_size=4",
+        "trainer.enable_progress_bar=false",
+        "trainer.logger=false",
+        "trainer.accelerator=cpu",
+        "trainer.devices=1",
+        "model.dtype=float32",
+    ]
+    argv = [
+        "--config",
+        str(RL_CONFIG),
+        "--scorer",
+        "checkpoints/default",
+        "--out",
+        str(tmp_path / "s"),
+        "--traces",
+        str(tmp_path),
+        *(word for text in overrides for word in ("--set", text)),
+    ]
     assert settings.lightning_args(tmp_path / "s") == rl.lightning_args(parser.parse_args(argv))[1:]

@@ -22,8 +22,11 @@ from foresight.commands.bench import benchmarks
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {  # values of the options without a default, by field name
-    "traces": Path("runs/traces dir"), "kv_memory": "512MiB", "sets": ("a b=runs/x,runs/y", "c=runs/z"),
-    "learned": ("shipped=paper features", "std=standardised"), "scorer": ("sl=checkpoints/default", "rl=runs/rl"),
+    "traces": Path("runs/traces dir"),
+    "kv_memory": "512MiB",
+    "sets": ("a b=runs/x,runs/y", "c=runs/z"),
+    "learned": ("shipped=paper features", "std=standardised"),
+    "scorer": ("sl=checkpoints/default", "rl=runs/rl"),
 }
 
 
@@ -82,7 +85,9 @@ def run(settings: Settings) -> str:
     assert "<!-- count-words:start -->" in text and "1 2 3 4 go now" in text
     assert f"`foresight bench count-words --upto 4 --words go --words now --out {out}`" in text
     assert cli.build_parser().parse_args(["bench", "count-words"]).upto == 3
-    (tmp_path / "bare.py").write_text('''"""A benchmark whose settings extend nothing: the verb adds --out and --section."""
+    (
+        tmp_path / "bare.py"
+    ).write_text('''"""A benchmark whose settings extend nothing: the verb adds --out and --section."""
 from dataclasses import dataclass, field
 
 NAME = "bare"
@@ -143,7 +148,12 @@ def test_the_reproduction_command_parses_back_into_the_same_settings(name):
 def documented_commands() -> list[str]:
     """Every complete `foresight bench` command of the docs, README and model cards (no placeholders; not
     docs/extending.md, whose walk-through adds a benchmark)."""
-    paths = [*ROOT.glob("docs/**/*.md"), ROOT / "README.md", *ROOT.glob("configs/**/*.md"), *ROOT.glob("checkpoints/**/*.md")]
+    paths = [
+        *ROOT.glob("docs/**/*.md"),
+        ROOT / "README.md",
+        *ROOT.glob("configs/**/*.md"),
+        *ROOT.glob("checkpoints/**/*.md"),
+    ]
     found = []
     for path in (path for path in paths if path.name != "extending.md"):
         for match in re.finditer(r"foresight bench [a-z][a-z-]*[^`\n|]*", path.read_text().replace("\\\n", " ")):
@@ -170,24 +180,37 @@ def test_documented_commands_parse_and_reproduce():
 
 def test_documented_commands_keep_their_meaning():
     """Commands as the docs give them read into what the flags always meant."""
-    decode = parse(shlex.split(
-        "foresight bench decode --model default --policies snapkv,rkv --budget 256 --interval 64 --max-new-tokens 1536 "
-        "--batch-sizes 1,4 --dtype auto --out docs/benchmarks.md"))
+    decode = parse(
+        shlex.split(
+            "foresight bench decode --model default --policies snapkv,rkv --budget 256 --interval 64 --max-new-tokens 1536 "
+            "--batch-sizes 1,4 --dtype auto --out docs/benchmarks.md"
+        )
+    )
     assert (decode.policy_names, decode.batch_sizes, decode.max_new_tokens) == (["full", "snapkv", "rkv"], (1, 4), 1536)
     assert decode.run_device == "cpu" and decode.out == Path("docs/benchmarks.md") and decode.scorer is None
     assert "foresight" not in parse(["bench", "decode"]).policy_names  # 'all' is what it was: no scorer given
     assert "foresight" in parse(["bench", "decode", "--scorer", "checkpoints/default"]).policy_names
-    labels = parse(shlex.split("foresight bench labels-memory --lengths 2048 4096 --budget 128 --interval 32 --device cpu"))
+    labels = parse(
+        shlex.split("foresight bench labels-memory --lengths 2048 4096 --budget 128 --interval 32 --device cpu")
+    )
     assert labels.lengths == (2048, 4096) and str(labels.run_dtype) == "torch.float32"
-    heldout = parse(shlex.split(
-        "foresight bench rl-heldout --traces runs/rl/traces --holdout 0.4 --exclude 0,4 --scorer supervised=checkpoints/default "
-        "--scorer reinforced=runs/rl/t01/scorer"))
+    heldout = parse(
+        shlex.split(
+            "foresight bench rl-heldout --traces runs/rl/traces --holdout 0.4 --exclude 0,4 --scorer supervised=checkpoints/default "
+            "--scorer reinforced=runs/rl/t01/scorer"
+        )
+    )
     assert heldout.scorers == (("supervised", "checkpoints/default"), ("reinforced", "runs/rl/t01/scorer"))
     assert (heldout.holdout, heldout.excluded, heldout.resamples) == (0.4, {0, 4}, 10000)
     ablation = parse(["bench", "ablation", "--set", "unseen A=runs/a,runs/b", "--learned", "x=what it is", "-B", "256"])
     assert trace_sets(ablation.sets) == (("unseen A", (Path("runs/a"), Path("runs/b"))),) and ablation.budget == 256
     capacity = parse(["bench", "capacity", "--model", "configs/models/qwen3-4b.json"])
-    assert (capacity.budget, capacity.interval, capacity.lengths, capacity.time_limit) == (1024, 256, (8192, 16384, 32768), None)
+    assert (capacity.budget, capacity.interval, capacity.lengths, capacity.time_limit) == (
+        1024,
+        256,
+        (8192, 16384, 32768),
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,7 +234,10 @@ def test_a_bad_value_is_one_line_naming_it(words, message, capsys):
         (["bench", "decode", "--policies", "golden"], "policy 'golden' needs labels"),
         (["bench", "decode", "--device", "cuda:7"], "device 'cuda:7' is not available"),
         (["bench", "rl-heldout", "--traces", "t", "--scorer", "a=x"], "give exactly two --scorer NAME=DIR"),
-        (["bench", "ablation", "--set", "nofolders", "--learned", "a=b"], "--set 'nofolders' must look like NAME=DIR,DIR,..."),
+        (
+            ["bench", "ablation", "--set", "nofolders", "--learned", "a=b"],
+            "--set 'nofolders' must look like NAME=DIR,DIR,...",
+        ),
         (["bench", "paged-reclaim", "--traces", "t", "--page-sizes", "16,0"], "page size 0 must be a positive number"),
         (["bench", "pipeline", "--traces", "t", "--policy", "full"], "--policy 'full' evicts nothing"),
     ],

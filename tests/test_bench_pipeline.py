@@ -12,8 +12,16 @@ from foresight.cli import main
 from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
-STAGES = ["labels", "examples", "eval replay", "fit", "rl rollouts before", "rl rollouts now",
-          "rl rollouts now, 2 traces per replay", "rl rollouts now, bfloat16"]
+STAGES = [
+    "labels",
+    "examples",
+    "eval replay",
+    "fit",
+    "rl rollouts before",
+    "rl rollouts now",
+    "rl rollouts now, 2 traces per replay",
+    "rl rollouts now, bfloat16",
+]
 
 
 class Sleeper(torch.nn.Module):
@@ -48,8 +56,22 @@ def table_rows(text: str) -> dict[str, list[str]]:
 def test_pipeline_times_every_stage_with_its_forward_share(traces_dir, tiny_dir, tmp_path, capsys):
     make_labels(FrozenModel(str(tiny_dir)), traces_dir, B, L_, progress=False)
     out = tmp_path / "bench.md"
-    argv = ["bench", "pipeline", "--traces", str(traces_dir), "-B", str(B), "-L", str(L_), "--fit-steps", "3",
-            "--group-size", "2", "--out", str(out)]
+    argv = [
+        "bench",
+        "pipeline",
+        "--traces",
+        str(traces_dir),
+        "-B",
+        str(B),
+        "-L",
+        str(L_),
+        "--fit-steps",
+        "3",
+        "--group-size",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- pipeline-cpu:start -->" in text and f"--traces {traces_dir} --budget 16" in text
@@ -67,13 +89,20 @@ def test_pipeline_times_every_stage_with_its_forward_share(traces_dir, tiny_dir,
     counts = table_rows(steps)
     assert list(counts) == ["snapkv", "foresight", "rl rollouts (G = 2)"]
     for replay, (reads, ops) in counts.items():
-        assert reads == "0.0" and float(ops.replace(",", "")) > 10, (replay, reads, ops)  # rows in step read nothing back
+        assert reads == "0.0" and float(ops.replace(",", "")) > 10, (
+            replay,
+            reads,
+            ops,
+        )  # rows in step read nothing back
     assert capsys.readouterr().out.strip().endswith(f"wrote the pipeline section of {out}")
 
 
 @pytest.mark.parametrize(
     "options, message",
-    [(["--fit-steps", "1"], "--fit-steps 1 must be at least 2"), (["--policy", "full"], "--policy 'full' evicts nothing")],
+    [
+        (["--fit-steps", "1"], "--fit-steps 1 must be at least 2"),
+        (["--policy", "full"], "--policy 'full' evicts nothing"),
+    ],
 )
 def test_pipeline_refuses_bad_options_in_one_line(traces_dir, tmp_path, capsys, options, message):
     argv = ["bench", "pipeline", "--traces", str(traces_dir), "--out", str(tmp_path / "bench.md"), *options]

@@ -21,8 +21,13 @@ GSM8K_ROWS = [
     {"question": "What is 5 - 5?", "answer": "5 - 5 = 0\n#### 0"},
 ]
 GPQA_ROWS = [
-    {"Question": f"Which particle is number {i}?", "Correct Answer": "the right one", "Incorrect Answer 1": "wrong one",
-     "Incorrect Answer 2": "wrong two", "Incorrect Answer 3": "wrong three"}
+    {
+        "Question": f"Which particle is number {i}?",
+        "Correct Answer": "the right one",
+        "Incorrect Answer 1": "wrong one",
+        "Incorrect Answer 2": "wrong two",
+        "Incorrect Answer 3": "wrong three",
+    }
     for i in range(8)
 ]
 # A few rows with each set's fields (their other columns left out).
@@ -117,7 +122,11 @@ def test_gpqa_lists_the_choices_in_a_shuffled_order_seeded_per_problem(tmp_path)
 def test_gpqa_is_graded_by_letter(tmp_path):
     problem = gpqa_problems(tmp_path)[0]
     wrong = next(letter for letter in "ABCD" if letter != problem.answer)
-    for completion in (f"\\boxed{{{problem.answer}}}", f"Answer: ({problem.answer})", f"the answer is {problem.answer}."):
+    for completion in (
+        f"\\boxed{{{problem.answer}}}",
+        f"Answer: ({problem.answer})",
+        f"the answer is {problem.answer}.",
+    ):
         assert check_answer(problem, completion) is True, completion
     assert check_answer(problem, f"\\boxed{{{wrong}}}") is False
     assert check_answer(problem, "\\boxed{the right one}") is False  # the text is not the letter
@@ -125,8 +134,20 @@ def test_gpqa_is_graded_by_letter(tmp_path):
 
 @pytest.mark.parametrize(
     ("answer", "letter"),
-    [("B", "B"), ("(C)", "C"), ("\\text{D}", "D"), ("**A**", "A"), ("B) 42 kg", "B"), ("C.", "C"), ("D: x", "D"),
-     ("\\textbf{(A)}", "A"), ("A detailed look", None), ("E", None), ("42", None), ("", None)],
+    [
+        ("B", "B"),
+        ("(C)", "C"),
+        ("\\text{D}", "D"),
+        ("**A**", "A"),
+        ("B) 42 kg", "B"),
+        ("C.", "C"),
+        ("D: x", "D"),
+        ("\\textbf{(A)}", "A"),
+        ("A detailed look", None),
+        ("E", None),
+        ("42", None),
+        ("", None),
+    ],
 )
 def test_choice_letter(answer, letter):
     assert choice_letter(answer) == letter
@@ -178,7 +199,9 @@ def test_an_unreachable_hub_names_the_local_copy(monkeypatch):
 def test_named_sets_mix_with_other_sources(gsm8k_jsonl):
     spec = f"reasoning-gym:chain_sum:max_terms=2,gsm8k:{gsm8k_jsonl}=2,aime24"
     assert [(s.source, s.weight) for s in parse_sources(spec)] == [
-        ("reasoning-gym:chain_sum:max_terms=2", 1.0), (f"gsm8k:{gsm8k_jsonl}", 2.0), ("aime24", 1.0),
+        ("reasoning-gym:chain_sum:max_terms=2", 1.0),
+        (f"gsm8k:{gsm8k_jsonl}", 2.0),
+        ("aime24", 1.0),
     ]
     problems = load_problems(f"reasoning-gym:chain_sum=1,gsm8k:{gsm8k_jsonl}=2", 3)
     assert [p.source for p in problems] == ["gsm8k", "reasoning-gym:chain_sum", "gsm8k"]
@@ -186,8 +209,27 @@ def test_named_sets_mix_with_other_sources(gsm8k_jsonl):
 
 def test_eval_prompts_runs_on_a_local_gsm8k_copy(tmp_path, tiny_dir, gsm8k_jsonl, capsys):
     out = tmp_path / "gen"
-    argv = ["eval", "--prompts", f"gsm8k:{gsm8k_jsonl}", "--model", str(tiny_dir), "--num", "2", "-k", "1",
-            "--policies", "full", "--budgets", "128", "-L", "32", "--max-new-tokens", "8", "--out", str(out)]
+    argv = [
+        "eval",
+        "--prompts",
+        f"gsm8k:{gsm8k_jsonl}",
+        "--model",
+        str(tiny_dir),
+        "--num",
+        "2",
+        "-k",
+        "1",
+        "--policies",
+        "full",
+        "--budgets",
+        "128",
+        "-L",
+        "32",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     rows = json.loads((out / "results.json").read_text())
     assert [(r["policy"], r["budget"], r["problems"], r["samples"]) for r in rows] == [("full", 128, 2, 1)]

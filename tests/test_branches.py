@@ -8,16 +8,15 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
 from safetensors.torch import load_file
 
 from foresight import cli
 from foresight.commands.rl import lightning_args as rl_lightning_args
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.rl_runs import B, L_, Killed, KillAtStep, random_trace, rl_args, rl_config, scorer_for
-from trainers.cli import rl_cli_main
+from tests.rl_runs import L_, B, KillAtStep, Killed, random_trace, rl_args, rl_config, scorer_for
 from trainers.branches import BranchSettings, branch_points, changing_steps, roll_out_branches
+from trainers.cli import rl_cli_main
 
 
 @dataclass
@@ -34,7 +33,9 @@ class ScriptedStep(Foresight):
             return scores
         for index, context in enumerate(contexts):
             if context.layer_idx in self.evicted:
-                gone = (context.candidate_positions[..., None] == self.evicted[context.layer_idx][:, :, None, :]).any(-1)
+                gone = (context.candidate_positions[..., None] == self.evicted[context.layer_idx][:, :, None, :]).any(
+                    -1
+                )
                 scores[index] = (~gone).to(scores.dtype)
         return scores
 
@@ -87,7 +88,9 @@ def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama,
             assert math.isclose(float(group.scores.loss_ratio[row]), float(ratio), rel_tol=1e-5)
         assert len(set(group.scores.reward.tolist())) > 1  # the rows drew different evictions
         whole = loop_window_reward(backbone.tolist(), full, entropy, first, range(first, ids.numel() - 1), 1.5)
-        assert group.backbone_reward == pytest.approx(whole, rel=1e-4, abs=1e-9)  # the paper's R (η = 1.5), not the run's
+        assert group.backbone_reward == pytest.approx(
+            whole, rel=1e-4, abs=1e-9
+        )  # the paper's R (η = 1.5), not the run's
 
 
 def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):
@@ -113,20 +116,32 @@ def test_branch_steps_are_drawn_among_the_steps_that_change_a_prediction():
         BranchSettings(rows=1)
 
 
-def test_rl_with_branch_groups_trains_records_its_settings_and_resumes(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+def test_rl_with_branch_groups_trains_records_its_settings_and_resumes(
+    tmp_path, tiny_dir, traces_dir, start_scorer, capsys
+):
     """`model.rollout: branch` through `foresight rl`: the scorer moves, the branch settings and the estimator's
     rules are in the checkpoint's hyper-parameters and on the card, the deterministic backbone's reward is
     logged, and a run killed after step 2 and resumed from last.ckpt ends with the weights of one run through."""
     branch = {"rollout": "branch", "branch_rows": 4, "branch_chunks": 2, "branch_steps": 2, "branch_layers": 1}
-    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3}, model=branch,
-                       checkpoint={"every_n_train_steps": 1})
+    config = rl_config(
+        tmp_path / "rl.yaml",
+        tiny_dir,
+        traces_dir,
+        trainer={"max_steps": 3},
+        model=branch,
+        checkpoint={"every_n_train_steps": 1},
+    )
     whole = tmp_path / "whole"
     assert cli.main(rl_args(config, start_scorer, whole)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "scorer refined by GRPO for 3 steps" in last and "train/backbone_reward " in last
     hparams = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
     assert {name: hparams[name] for name in branch} == branch
-    assert (hparams["reward_rule"], hparams["advantage_rule"], hparams["logprob_rule"]) == ("thresholded", "group_normalised", "order")
+    assert (hparams["reward_rule"], hparams["advantage_rule"], hparams["logprob_rule"]) == (
+        "thresholded",
+        "group_normalised",
+        "order",
+    )
     card = (whole / "scorer" / "README.md").read_text()
     assert "step-level branch groups: K = 4 rows at 2 eviction steps per trace, sampled on 1 layers per group" in card
     assert "reward rule thresholded, advantage rule group_normalised, log-probability rule order" in card

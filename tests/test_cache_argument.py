@@ -29,8 +29,9 @@ def _engine(model, name: str) -> list[object]:
 CALLS = {
     "engine (generate and replay)": lambda model: _engine(model, "h2o"),
     "golden labels": lambda model: compute_golden_labels(model, torch.tensor(prompts([40])[0]), B, L),
-    "trace sampler": lambda model: list(sample_completions(
-        model, [Request(key=0, prompt=prompts([6])[0], seed=0)], max_new_tokens=8, eos_token_ids=[])),
+    "trace sampler": lambda model: list(
+        sample_completions(model, [Request(key=0, prompt=prompts([6])[0], seed=0)], max_new_tokens=8, eos_token_ids=[])
+    ),
     "TriAttention calibration": lambda model: calibrate(model, [torch.tensor(prompts([30])[0])], chunk_size=16),
 }
 

@@ -11,9 +11,9 @@ from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.cache import EntryLayout, EntryStorage, StateField
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.reference_cache import ConcatenatingCache
 from tests.policy_lists import constructible_policies
 from tests.prompts import prompts
+from tests.reference_cache import ConcatenatingCache
 from tests.scorers import random_scorer
 
 B, L = 12, 4
@@ -64,7 +64,9 @@ class StorageLog:
 
     def __call__(self, count: int) -> None:
         cache = self.engine.last_cache
-        buffers = [b for layer in cache.layers for b in (*layer.storage.buffers.values(), layer.queries) if b is not None]
+        buffers = [
+            b for layer in cache.layers for b in (*layer.storage.buffers.values(), layer.queries) if b is not None
+        ]
         self.pointers.append(tuple(b.data_ptr() for b in buffers))
         self.held.append(cache.storage_bytes())
 

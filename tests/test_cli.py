@@ -20,13 +20,13 @@ from foresight.choices import Choice
 from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main
 from foresight.commands._model import model_options
 from foresight.commands._policy import policy_options
-from foresight.policies.options import settable_options
 from foresight.commands.eval import policy_specs
+from foresight.data.trace_generation import generate_traces
 from foresight.models import describe, tiny_model
 from foresight.policies import POLICIES, Policy
+from foresight.policies.options import settable_options
 from foresight.scorer.model import ForesightScorer, ScorerConfig
-from foresight.data.trace_generation import generate_traces
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
 
@@ -100,11 +100,27 @@ class Knobs(Policy):
 
 
 def test_options_take_the_types_of_the_dataclass_fields():
-    texts = {"count": "3", "ratio": "0.25", "flag": "yes", "label": "none", "speed": "slow", "side": "right",
-             "size": "none", "folder": "runs/x"}
+    texts = {
+        "count": "3",
+        "ratio": "0.25",
+        "flag": "yes",
+        "label": "none",
+        "speed": "slow",
+        "side": "right",
+        "size": "none",
+        "folder": "runs/x",
+    }
     options = policy_options(Knobs, texts)
-    assert options == {"count": 3, "ratio": 0.25, "flag": True, "label": "none", "speed": Speed.SLOW,
-                       "side": "right", "size": None, "folder": Path("runs/x")}
+    assert options == {
+        "count": 3,
+        "ratio": 0.25,
+        "flag": True,
+        "label": "none",
+        "speed": Speed.SLOW,
+        "side": "right",
+        "size": None,
+        "folder": Path("runs/x"),
+    }
     assert type(options["count"]) is int and type(options["ratio"]) is float and type(options["flag"]) is bool
     assert policy_options(Knobs, {"size": "8", "flag": "False"}) == {"size": 8, "flag": False}
     assert "tensor" not in settable_options(Knobs)
@@ -120,8 +136,11 @@ def test_options_take_the_types_of_the_dataclass_fields():
         ({"speed": "warp"}, "policy 'knobs' option speed expects one of 'fast', 'slow', got 'warp'"),
         ({"side": "up"}, "policy 'knobs' option side expects one of 'left', 'right', got 'up'"),
         ({"size": "big"}, "policy 'knobs' option size expects an int or none, got 'big'"),
-        ({"colour": "red"}, "policy 'knobs' has no option 'colour'; its options are: count, ratio, flag, label, "
-                            "speed, side, size, folder"),
+        (
+            {"colour": "red"},
+            "policy 'knobs' has no option 'colour'; its options are: count, ratio, flag, label, "
+            "speed, side, size, folder",
+        ),
         ({"tensor": "1"}, "policy 'knobs' has no option 'tensor'"),
     ],
 )
@@ -160,9 +179,15 @@ def build_args(argv: list[str]) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["-o", "lag_size=abc", "--policy", "lagkv"], "policy 'lagkv' option lag_size expects an int or none, got 'abc'"),
+        (
+            ["-o", "lag_size=abc", "--policy", "lagkv"],
+            "policy 'lagkv' option lag_size expects an int or none, got 'abc'",
+        ),
         (["-o", "mix_lambda=high", "--policy", "rkv"], "policy 'rkv' option mix_lambda expects a float, got 'high'"),
-        (["-o", "windw=4", "--policy", "snapkv"], "policy 'snapkv' has no option 'windw'; its options are: window, kernel_size"),
+        (
+            ["-o", "windw=4", "--policy", "snapkv"],
+            "policy 'snapkv' has no option 'windw'; its options are: window, kernel_size",
+        ),
         (["--policy", "foresight"], "policy 'foresight' needs -o scorer=VALUE"),
         (["--policy", "golden"], "policy 'golden' needs labels, which cannot be given on the command line"),
         (["--device", "gpu"], "argument --device: unknown device 'gpu'; choose cpu, cuda, cuda:N, mps or auto"),
@@ -188,8 +213,16 @@ def model():
 @pytest.fixture(scope="module")
 def traces_dir(tmp_path_factory, model) -> Path:
     out = tmp_path_factory.mktemp("traces")
-    generate_traces(model, char_tokenizer(CHAT_TEMPLATE), str(DATA / "arithmetic.jsonl"), out_dir=out, num=2,
-                    max_new_tokens=16, progress=False, model_name="tiny")
+    generate_traces(
+        model,
+        char_tokenizer(CHAT_TEMPLATE),
+        str(DATA / "arithmetic.jsonl"),
+        out_dir=out,
+        num=2,
+        max_new_tokens=16,
+        progress=False,
+        model_name="tiny",
+    )
     return out
 
 
@@ -197,8 +230,13 @@ def traces_dir(tmp_path_factory, model) -> Path:
 def scorer_dir(tmp_path_factory, model) -> Path:
     shape = describe(model)
     config = ScorerConfig(
-        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny",
+        num_layers=shape.num_layers,
+        num_query_heads=shape.num_query_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        budget=B,
+        interval=L,
+        base_model="tiny",
     )
     folder = tmp_path_factory.mktemp("scorer")
     torch.manual_seed(0)
@@ -220,13 +258,42 @@ def model_verb_args(traces_dir: Path, tmp_path: Path) -> dict[str, list[str]]:
         "replay": ["replay", str(text)],
         "demo": ["demo"],
         "bench": ["bench", "decode", "--out", str(tmp_path / "bench.md")],
-        "traces": ["traces", "--prompts", str(DATA / "arithmetic.jsonl"), "--num", "1", "--max-new-tokens", "4",
-                   "--out", str(tmp_path / "traces")],
+        "traces": [
+            "traces",
+            "--prompts",
+            str(DATA / "arithmetic.jsonl"),
+            "--num",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(tmp_path / "traces"),
+        ],
         "labels": ["labels", "--traces", str(traces_dir), "-B", "8", "-L", "4"],
-        "examples": ["examples", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4", "--out",
-                     str(tmp_path / "examples")],
-        "eval": ["eval", "--traces", str(traces_dir), "--policies", "h2o", "-B", "8", "-L", "4", "--out",
-                 str(tmp_path / "eval")],
+        "examples": [
+            "examples",
+            "--traces",
+            str(tmp_path / "labelled"),
+            "-B",
+            "8",
+            "-L",
+            "4",
+            "--out",
+            str(tmp_path / "examples"),
+        ],
+        "eval": [
+            "eval",
+            "--traces",
+            str(traces_dir),
+            "--policies",
+            "h2o",
+            "-B",
+            "8",
+            "-L",
+            "4",
+            "--out",
+            str(tmp_path / "eval"),
+        ],
         "calibrate": ["calibrate", "--traces", str(traces_dir), "--out", str(tmp_path / "stats")],
     }
 
@@ -277,7 +344,9 @@ def test_model_verbs_are_the_verbs_with_device_and_dtype():
     with_placement = set()
     for verb in _verbs():
         parsers = [p for p in verb_parsers(verb) if not p.prog.endswith((" ablation", " baselines"))]
-        options = [{option for action in p._actions for option in action.option_strings} for p in parsers[len(parsers) > 1:]]
+        options = [
+            {option for action in p._actions for option in action.option_strings} for p in parsers[len(parsers) > 1 :]
+        ]
         if all({"--device", "--dtype"} <= found for found in options):
             with_placement.add(verb)
     assert with_placement == set(MODEL_VERBS)
@@ -289,7 +358,10 @@ def test_auto_picks_cuda_and_bfloat16_when_cuda_is_there(monkeypatch):
     assert model_options(auto) == {"device": "cpu", "dtype": torch.float32}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert model_options(auto) == {"device": "cuda", "dtype": torch.bfloat16}
-    assert model_options(argparse.Namespace(device="cuda:1", dtype="float32")) == {"device": "cuda:1", "dtype": torch.float32}
+    assert model_options(argparse.Namespace(device="cuda:1", dtype="float32")) == {
+        "device": "cuda:1",
+        "dtype": torch.float32,
+    }
 
 
 def test_a_device_this_machine_lacks_is_refused(monkeypatch, capsys):
@@ -321,8 +393,21 @@ def test_policies_with_foresight_take_the_learned_policy_from_scorer(scorer_dir)
 def test_eval_runs_foresight_and_a_heuristic_from_a_scorer_folder(traces_dir, scorer_dir, model, tmp_path, monkeypatch):
     monkeypatch.setattr("foresight.commands.eval.load_model", lambda name, **options: (model, None))
     out = tmp_path / "eval"
-    argv = ["eval", "--traces", str(traces_dir), "--policies", "foresight,h2o", "--scorer", str(scorer_dir),
-            "-B", str(B), "-L", str(L), "--out", str(out)]
+    argv = [
+        "eval",
+        "--traces",
+        str(traces_dir),
+        "--policies",
+        "foresight,h2o",
+        "--scorer",
+        str(scorer_dir),
+        "-B",
+        str(B),
+        "-L",
+        str(L),
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     rows = json.loads((out / "results.json").read_text())
     assert sorted(row["policy"] for row in rows) == ["foresight", "h2o"]
@@ -348,16 +433,49 @@ def test_generate_samples_the_learned_policy_through_its_options(scorer_dir, mod
     monkeypatch.setattr("foresight.commands.generate.load_model", lambda name, **kw: (model, char_tokenizer()))
     monkeypatch.setattr("foresight.commands.generate.EvictionEngine", Kept)
     for seed in (3, 3, 4):
-        argv = ["generate", "--policy", "foresight", *options, "-o", f"seed={seed}", "-B", str(B), "-L", str(L),
-                "--max-new-tokens", "40", "--no-chat-template", "12+34="]
+        argv = [
+            "generate",
+            "--policy",
+            "foresight",
+            *options,
+            "-o",
+            f"seed={seed}",
+            "-B",
+            str(B),
+            "-L",
+            str(L),
+            "--max-new-tokens",
+            "40",
+            "--no-chat-template",
+            "12+34=",
+        ]
         assert main(argv) == 0
         assert " 0 eviction steps" not in capsys.readouterr().out.strip().splitlines()[-1]
     draws = [[record.order for record in engine.policy.records] for engine in engines]
     assert draws[0] and all(record.temperature == 0.5 for record in engines[0].policy.records)
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[1], strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(draws[0], draws[2]))
-    assert main(["generate", "--policy", "foresight", *options, "-o", "record=false", "-B", str(B), "-L", str(L),
-                 "--max-new-tokens", "40", "--no-chat-template", "12+34="]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--policy",
+                "foresight",
+                *options,
+                "-o",
+                "record=false",
+                "-B",
+                str(B),
+                "-L",
+                str(L),
+                "--max-new-tokens",
+                "40",
+                "--no-chat-template",
+                "12+34=",
+            ]
+        )
+        == 0
+    )
     assert engines[-1].policy.records == []  # sampled, but nothing kept
 
 
@@ -372,7 +490,9 @@ def test_help_states_each_default_once(verb):
         for entry in entries:
             text = " ".join(entry.split())
             assert text.count("(default") <= 1, text
-            assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text, text
+            assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text, (
+                text
+            )
 
 
 def test_help_adds_a_default_only_where_the_text_has_none():
@@ -386,7 +506,10 @@ def test_help_adds_a_default_only_where_the_text_has_none():
 
 @pytest.mark.slow
 def test_generate_on_the_default_model_holds_the_budget(capsys):
-    assert main(["generate", "--policy", "snapkv", "-B", "32", "-L", "8", "--max-new-tokens", "48", "What is 17 * 23?"]) == 0
+    assert (
+        main(["generate", "--policy", "snapkv", "-B", "32", "-L", "8", "--max-new-tokens", "48", "What is 17 * 23?"])
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     held = int(last.split("largest cache held ")[1].split()[0])
     assert held <= 32 + 8 and "tokens/s" in last
@@ -401,7 +524,9 @@ def test_short_generation_says_it_did_not_evict(capsys):
 @pytest.mark.slow
 def test_replay_reports_a_loss_ratio_against_the_full_cache(tmp_path, capsys):
     text = tmp_path / "doc.txt"
-    text.write_text(" ".join(f"Step {i}: add {i} to the running total and write the new total down." for i in range(12)))
+    text.write_text(
+        " ".join(f"Step {i}: add {i} to the running total and write the new total down." for i in range(12))
+    )
     assert main(["replay", "--policy", "streaming", "-B", "32", "-L", "8", str(text)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     ratio = float(last.split("loss ratio ")[1].split()[0])

@@ -12,8 +12,10 @@ from tests.scorers import make_scorer, random_inputs
 
 @pytest.mark.parametrize("feature_set", ["official-8", "standardised"])
 def test_the_ensemble_scores_the_mean_of_its_members_and_round_trips(tmp_path, feature_set):
-    members = [make_scorer(seed, feature_set=feature_set, hidden=hidden, training_sources=[source])
-               for seed, hidden, source in ((0, 16, "a"), (1, 8, "b"), (2, 16, "a"))]
+    members = [
+        make_scorer(seed, feature_set=feature_set, hidden=hidden, training_sources=[source])
+        for seed, hidden, source in ((0, 16, "a"), (1, 8, "b"), (2, 16, "a"))
+    ]
     merged = ensemble(members)
     assert merged.config.hidden == 40 and merged.config.training_sources == ["a", "b"]
     keys, values, features = random_inputs(merged.config, 3, 2)
@@ -24,7 +26,9 @@ def test_the_ensemble_scores_the_mean_of_its_members_and_round_trips(tmp_path, f
         torch.testing.assert_close(merged.score_layer(1, *layer), mean[1], rtol=0, atol=1e-6)
     merged.save_pretrained(tmp_path)
     with torch.no_grad():
-        torch.testing.assert_close(load_scorer(tmp_path)(keys, values, features), merged(keys, values, features), rtol=0, atol=0)
+        torch.testing.assert_close(
+            load_scorer(tmp_path)(keys, values, features), merged(keys, values, features), rtol=0, atol=0
+        )
 
 
 def test_members_that_read_other_inputs_are_refused():

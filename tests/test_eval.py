@@ -14,9 +14,12 @@ import torch
 from transformers import AttentionInterface
 
 from foresight import cli
+from foresight.data.trace_generation import generate_traces, token_losses
+from foresight.data.trace_store import Trace, TraceStore
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
+from foresight.eval.stats import bootstrap_interval
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.metrics import attention_cosine
 from foresight.models import describe, tiny_model
@@ -24,10 +27,7 @@ from foresight.policies import POLICIES, make_policy
 from foresight.policies.triattention_stats import calibrate
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.eval.stats import bootstrap_interval
-from foresight.data.trace_store import Trace, TraceStore
-from foresight.data.trace_generation import generate_traces, token_losses
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
 UNLABELLED_B = 24
@@ -42,8 +42,16 @@ def model():
 def traces_dir(tmp_path_factory, model) -> Path:
     """Four traces of the tiny model, with golden labels at (B, L) but not at (UNLABELLED_B, L)."""
     out = tmp_path_factory.mktemp("traces")
-    generate_traces(model, char_tokenizer(CHAT_TEMPLATE), str(DATA / "arithmetic.jsonl"), out_dir=out, num=4,
-                    max_new_tokens=32, progress=False, model_name="tiny")
+    generate_traces(
+        model,
+        char_tokenizer(CHAT_TEMPLATE),
+        str(DATA / "arithmetic.jsonl"),
+        out_dir=out,
+        num=4,
+        max_new_tokens=32,
+        progress=False,
+        model_name="tiny",
+    )
     store = LabelStore(out, B, L)
     for trace in TraceStore(out):
         labels = compute_golden_labels(model, trace.input_ids, B, L, trace_index=trace.index, model_name="tiny")
@@ -66,8 +74,23 @@ def evaluated(tmp_path_factory, traces_dir, model):
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
         patch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
-        code = cli.main(["eval", "--traces", str(traces_dir), "--policies", "all", "--budgets", f"{B},{UNLABELLED_B}",
-                         "-L", str(L), "--out", str(out), "--batch-size", "3"])
+        code = cli.main(
+            [
+                "eval",
+                "--traces",
+                str(traces_dir),
+                "--policies",
+                "all",
+                "--budgets",
+                f"{B},{UNLABELLED_B}",
+                "-L",
+                str(L),
+                "--out",
+                str(out),
+                "--batch-size",
+                "3",
+            ]
+        )
     assert code == 0
     return json.loads((out / "results.json").read_text()), stdout.getvalue(), out
 
@@ -127,8 +150,12 @@ def test_report_files(evaluated):
     lines = stdout.strip().splitlines()
     assert "| policy | B | L | KV MiB / sequence | loss ratio |" in stdout
     assert lines[-1].startswith(f"evaluated 4 traces x {len(RUNNABLE)} policies x 2 budgets in ")
-    plots = [f"{m.name}.png" for m in METRICS if m.plotted] + [f"{m.name}_by_memory.png" for m in METRICS if m.by_memory]
-    assert lines[-1].endswith(f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json)")
+    plots = [f"{m.name}.png" for m in METRICS if m.plotted] + [
+        f"{m.name}_by_memory.png" for m in METRICS if m.by_memory
+    ]
+    assert lines[-1].endswith(
+        f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json)"
+    )
     assert plots[:2] == ["loss_ratio.png", "low_entropy_damage.png"]
 
 
@@ -198,7 +225,9 @@ class _OutputRecorder:
         def hook(index):
             return lambda module, args: self.outputs.setdefault(index, []).append(args[0][0])
 
-        return [layer.self_attn.o_proj.register_forward_pre_hook(hook(i)) for i, layer in enumerate(self.model.model.layers)]
+        return [
+            layer.self_attn.o_proj.register_forward_pre_hook(hook(i)) for i, layer in enumerate(self.model.model.layers)
+        ]
 
     def per_layer(self) -> torch.Tensor:
         """[layers, T, Hq, D] attention outputs, every forward's tokens concatenated."""
@@ -252,11 +281,13 @@ def test_rows_equal_a_per_trace_reference(evaluated, traces_dir, model, name):
     row = rows_of(rows, B)[name]
     store = LabelStore(traces_dir, B, L)
     if name == "golden":
+
         def build(trace):
             return make_policy(name, labels=[store.load(trace.index, num_tokens=trace.input_ids.numel())])
 
         config = EvictionConfig(B, L, sinks=0, protect_prompt=False)
     else:
+
         def build(trace):
             return make_policy(name)
 
@@ -286,12 +317,33 @@ def test_policy_options_run_one_policy_under_two_settings(traces_dir, stats_dir,
     monkeypatch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
     out = tmp_path / "eval"
     with contextlib.redirect_stdout(io.StringIO()):
-        code = cli.main([
-            "eval", "--traces", str(traces_dir), "--policies", "full,triattention,tri-open=triattention,tri-sink=triattention",
-            "--budgets", str(B), "-L", str(L), "--out", str(out), "-o", f"triattention.stats={stats_dir}",
-            "-o", f"tri-open.stats={stats_dir}", "-o", "tri-open.protect_prompt=false", "-o", f"tri-sink.stats={stats_dir}",
-            "-o", "tri-sink.protect_prompt=false", "-o", "tri-sink.sinks=2",
-        ])
+        code = cli.main(
+            [
+                "eval",
+                "--traces",
+                str(traces_dir),
+                "--policies",
+                "full,triattention,tri-open=triattention,tri-sink=triattention",
+                "--budgets",
+                str(B),
+                "-L",
+                str(L),
+                "--out",
+                str(out),
+                "-o",
+                f"triattention.stats={stats_dir}",
+                "-o",
+                f"tri-open.stats={stats_dir}",
+                "-o",
+                "tri-open.protect_prompt=false",
+                "-o",
+                f"tri-sink.stats={stats_dir}",
+                "-o",
+                "tri-sink.protect_prompt=false",
+                "-o",
+                "tri-sink.sinks=2",
+            ]
+        )
     assert code == 0
     rows = rows_of(json.loads((out / "results.json").read_text()), B)
     assert rows["tri-open"]["tokens"] == rows["full"]["tokens"] > rows["triattention"]["tokens"]
@@ -301,8 +353,11 @@ def test_policy_options_run_one_policy_under_two_settings(traces_dir, stats_dir,
     assert rows["tri-sink"]["loss_ratio"] != rows["tri-open"]["loss_ratio"]  # two entries never evicted change it
     for row, protect, sinks in (("triattention", None, None), ("tri-open", False, None), ("tri-sink", False, 2)):
         ratio, *_ = reference_row(
-            model, traces, lambda trace: make_policy("triattention", stats=str(stats_dir)),
-            EvictionConfig(B, L, sinks=sinks, protect_prompt=protect), store,
+            model,
+            traces,
+            lambda trace: make_policy("triattention", stats=str(stats_dir)),
+            EvictionConfig(B, L, sinks=sinks, protect_prompt=protect),
+            store,
         )
         assert rows[row]["loss_ratio"] == pytest.approx(ratio, abs=1e-5), row
 
@@ -310,7 +365,10 @@ def test_policy_options_run_one_policy_under_two_settings(traces_dir, stats_dir,
 def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
     spec = resolve_policies("tri=triattention", {"tri": {"stats": str(stats_dir), "protect_prompt": "no"}})[0][0]
     assert (spec.name, spec.policy_class.name, spec.protects_prompt, spec.config(B, L).protect_prompt) == (
-        "tri", "triattention", False, False
+        "tri",
+        "triattention",
+        False,
+        False,
     )
     assert resolve_policies("triattention", {"triattention": {"stats": str(stats_dir)}})[0][0].protects_prompt
     with pytest.raises(ValueError, match=r"policy 'triattention': it needs stats: give -o triattention.stats=VALUE"):
@@ -347,7 +405,9 @@ def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
 
 def test_stored_full_cache_losses_match_a_full_cache_replay(traces_dir, model):
     traces = list(TraceStore(traces_dir))
-    output = EvictionEngine(model, make_policy("full")).replay([t.input_ids for t in traces], [t.prompt_length for t in traces])
+    output = EvictionEngine(model, make_policy("full")).replay(
+        [t.input_ids for t in traces], [t.prompt_length for t in traces]
+    )
     for trace, nll in zip(traces, output.nll):
         torch.testing.assert_close(nll, trace.token_nll, atol=1e-5, rtol=0)
         torch.testing.assert_close(token_losses(model, trace.input_ids)[1], trace.token_entropy, atol=1e-5, rtol=0)
@@ -402,8 +462,24 @@ def test_the_shared_prefix_changes_no_figure(evaluated, traces_dir, tmp_path, mo
     default) and with the model run on every token (`--no-shared-prefix`)."""
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
         patch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
-        code = cli.main(["eval", "--traces", str(traces_dir), "--policies", "all", "--budgets", f"{B},{UNLABELLED_B}",
-                         "-L", str(L), "--out", str(tmp_path), "--batch-size", "3", "--no-shared-prefix"])
+        code = cli.main(
+            [
+                "eval",
+                "--traces",
+                str(traces_dir),
+                "--policies",
+                "all",
+                "--budgets",
+                f"{B},{UNLABELLED_B}",
+                "-L",
+                str(L),
+                "--out",
+                str(tmp_path),
+                "--batch-size",
+                "3",
+                "--no-shared-prefix",
+            ]
+        )
     assert code == 0
     unshared = json.loads((tmp_path / "results.json").read_text())
     shared = evaluated[0]
@@ -446,14 +522,32 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     torch.manual_seed(0)
     shape = describe(model)
     config = ScorerConfig(
-        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny",
+        num_layers=shape.num_layers,
+        num_query_heads=shape.num_query_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        budget=B,
+        interval=L,
+        base_model="tiny",
     )
     scorer_dir = tmp_path / "scorer"
     ForesightScorer(config).save_pretrained(scorer_dir)
     out = tmp_path / "eval"
-    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o,golden", "--scorer", str(scorer_dir),
-            "--budgets", f"{B},{UNLABELLED_B}", "-L", str(L), "--out", str(out)]
+    argv = [
+        "eval",
+        "--traces",
+        str(traces_dir),
+        "--policies",
+        "h2o,golden",
+        "--scorer",
+        str(scorer_dir),
+        "--budgets",
+        f"{B},{UNLABELLED_B}",
+        "-L",
+        str(L),
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     rows = json.loads((out / "results.json").read_text())
     learned = [row for row in rows if row["policy"] == "foresight"]
@@ -461,24 +555,30 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     assert 0 <= learned[0]["golden_overlap"] <= 1 and learned[0]["loss_ratio"] > 0
     assert f"foresight skipped at B={UNLABELLED_B}, L={L}" in capsys.readouterr().err
     loss_ratio, cosine, overlap, _ = reference_row(
-        model, list(TraceStore(traces_dir)), lambda trace: make_policy("foresight", scorer=str(scorer_dir)),
-        EvictionConfig(B, L, sinks=0, protect_prompt=False), LabelStore(traces_dir, B, L),
+        model,
+        list(TraceStore(traces_dir)),
+        lambda trace: make_policy("foresight", scorer=str(scorer_dir)),
+        EvictionConfig(B, L, sinks=0, protect_prompt=False),
+        LabelStore(traces_dir, B, L),
     )
     assert learned[0]["loss_ratio"] == pytest.approx(loss_ratio, abs=1e-5)
     assert learned[0]["golden_overlap"] == pytest.approx(overlap, abs=1e-9)
     report = (out / "results.md").read_text()
     assert "- foresight trained on: not recorded in its config" in report
     assert "## The learned scorer against the best heuristic" in report and "best heuristic: h2o" in report
-    headroom = {row["statistic"]: row for row in json.loads((out / "headroom.json").read_text()) if row["policy"] == "foresight"}
+    headroom = {
+        row["statistic"]: row for row in json.loads((out / "headroom.json").read_text()) if row["policy"] == "foresight"
+    }
     ratios = rows_of(rows, B)
     golden = ratios["golden"]["loss_ratio"]
     expected = (ratios["h2o"]["loss_ratio"] - learned[0]["loss_ratio"]) / (ratios["h2o"]["loss_ratio"] - golden)
     assert headroom["headroom_share"]["value"] == pytest.approx(expected, rel=1e-9)
-    assert headroom["headroom_share"]["low"] <= headroom["headroom_share"]["value"] <= headroom["headroom_share"]["high"]
+    assert (
+        headroom["headroom_share"]["low"] <= headroom["headroom_share"]["value"] <= headroom["headroom_share"]["high"]
+    )
     per_trace = json.loads((out / "traces.json").read_text())
     assert {(s["policy"], s["budget"]) for s in per_trace} >= {("foresight", B), ("h2o", B), ("golden", B)}
     assert sum(s["tokens"] for s in per_trace if s["policy"] == "foresight") == learned[0]["tokens"]
-
 
 
 def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):
@@ -491,14 +591,36 @@ def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patch
     folders = []
     for seed, stage in enumerate(("supervised", "reinforcement")):
         torch.manual_seed(seed)
-        config = ScorerConfig(num_layers=shape.num_layers, num_query_heads=shape.num_query_heads,
-                              num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, budget=B, interval=L,
-                              base_model="tiny", stage=stage)
+        config = ScorerConfig(
+            num_layers=shape.num_layers,
+            num_query_heads=shape.num_query_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            budget=B,
+            interval=L,
+            base_model="tiny",
+            stage=stage,
+        )
         folders.append(tmp_path / stage)
         ForesightScorer(config).save_pretrained(folders[-1])
     out = tmp_path / "eval"
-    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o", "--scorer", f"foresight-sl={folders[0]}",
-            "--scorer", f"foresight-rl={folders[1]}", "-B", str(B), "-L", str(L), "--out", str(out)]
+    argv = [
+        "eval",
+        "--traces",
+        str(traces_dir),
+        "--policies",
+        "h2o",
+        "--scorer",
+        f"foresight-sl={folders[0]}",
+        "--scorer",
+        f"foresight-rl={folders[1]}",
+        "-B",
+        str(B),
+        "-L",
+        str(L),
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
     assert set(rows) == {"h2o", "foresight-sl", "foresight-rl"}
@@ -513,7 +635,10 @@ def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patch
     error = capsys.readouterr().err.strip()
     assert "two result rows would be named 'h2o'" in error and "\n" not in error
 
-def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never_saw(traces_dir, tmp_path, patched_model, model):
+
+def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never_saw(
+    traces_dir, tmp_path, patched_model, model
+):
     from foresight.models import describe
     from foresight.scorer.model import ForesightScorer, ScorerConfig
 
@@ -521,12 +646,33 @@ def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never
     evaluated = sorted(TraceStore(traces_dir).sources())
     for trained, unseen in [(["reasoning-gym:lcm"], ", ".join(evaluated)), (evaluated, "none (in distribution)")]:
         config = ScorerConfig(
-            num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny", training_sources=trained,
+            num_layers=shape.num_layers,
+            num_query_heads=shape.num_query_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            budget=B,
+            interval=L,
+            base_model="tiny",
+            training_sources=trained,
         )
         ForesightScorer(config).save_pretrained(tmp_path / "scorer")
-        argv = ["eval", "--traces", str(traces_dir), "--policies", "knorm", "--scorer", str(tmp_path / "scorer"),
-                "--budgets", str(UNLABELLED_B), "-L", str(L), "--out", str(tmp_path / "eval"), "--max-traces", "1"]
+        argv = [
+            "eval",
+            "--traces",
+            str(traces_dir),
+            "--policies",
+            "knorm",
+            "--scorer",
+            str(tmp_path / "scorer"),
+            "--budgets",
+            str(UNLABELLED_B),
+            "-L",
+            str(L),
+            "--out",
+            str(tmp_path / "eval"),
+            "--max-traces",
+            "1",
+        ]
         assert cli.main(argv) == 0
         report = (tmp_path / "eval" / "results.md").read_text()
         assert f"- foresight trained on: {', '.join(trained)}" in report
@@ -542,9 +688,17 @@ def spread_scorer(model, folder: Path) -> Path:
 
     torch.manual_seed(0)
     shape = describe(model)
-    scorer = ForesightScorer(ScorerConfig(
-        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, budget=B, interval=L, base_model="tiny"))
+    scorer = ForesightScorer(
+        ScorerConfig(
+            num_layers=shape.num_layers,
+            num_query_heads=shape.num_query_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            budget=B,
+            interval=L,
+            base_model="tiny",
+        )
+    )
     with torch.no_grad():
         scorer.w1.mul_(4)
     scorer.save_pretrained(folder)
@@ -559,17 +713,40 @@ def test_sampled_row_is_the_mean_of_single_seed_replays(traces_dir, tmp_path, pa
 
     scorer_dir = spread_scorer(model, tmp_path / "scorer")
     out = tmp_path / "eval"
-    argv = ["eval", "--traces", str(traces_dir), "--policies", "h2o,golden", "--scorer", f"learned={scorer_dir}",
-            "--sampled-seeds", "3", "--sample-temperature", "0.5", "-B", str(B), "-L", str(L), "--out", str(out),
-            "--batch-size", "3"]
+    argv = [
+        "eval",
+        "--traces",
+        str(traces_dir),
+        "--policies",
+        "h2o,golden",
+        "--scorer",
+        f"learned={scorer_dir}",
+        "--sampled-seeds",
+        "3",
+        "--sample-temperature",
+        "0.5",
+        "-B",
+        str(B),
+        "-L",
+        str(L),
+        "--out",
+        str(out),
+        "--batch-size",
+        "3",
+    ]
     assert cli.main(argv) == 0
     rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
     assert set(rows) == {"h2o", "golden", "learned", "learned-sampled"}
     traces = list(TraceStore(traces_dir))
 
     def sampled_with(seed: int):
-        return lambda trace: make_policy("foresight", scorer=str(scorer_dir), mode="sampled", temperature=0.5,
-                                         row_seeds=(trace_seed(seed, trace.index),))
+        return lambda trace: make_policy(
+            "foresight",
+            scorer=str(scorer_dir),
+            mode="sampled",
+            temperature=0.5,
+            row_seeds=(trace_seed(seed, trace.index),),
+        )
 
     config, store = EvictionConfig(B, L, sinks=0, protect_prompt=False), LabelStore(traces_dir, B, L)
     seeds = [reference_row(model, traces, sampled_with(seed), config, store) for seed in range(3)]
@@ -581,7 +758,9 @@ def test_sampled_row_is_the_mean_of_single_seed_replays(traces_dir, tmp_path, pa
     assert (row["loss_ratio_low"], row["loss_ratio_high"]) == pytest.approx(bootstrap_interval(evicted, full), abs=1e-5)
     assert row["attn_cosine"] == pytest.approx(sum(cosine for _, cosine, _, _ in seeds) / 3, abs=1e-4)
     assert row["golden_overlap"] == pytest.approx(sum(overlap for _, _, overlap, _ in seeds) / 3, abs=1e-9)
-    per_trace = {s["index"]: s for s in json.loads((out / "traces.json").read_text()) if s["policy"] == "learned-sampled"}
+    per_trace = {
+        s["index"]: s for s in json.loads((out / "traces.json").read_text()) if s["policy"] == "learned-sampled"
+    }
     for trace, expected in zip(traces, evicted):
         assert per_trace[trace.index]["nll_evicted"] == pytest.approx(expected, rel=1e-5)
     headroom = {(r["policy"], r["statistic"]): r for r in json.loads((out / "headroom.json").read_text())}
@@ -592,22 +771,65 @@ def test_sampled_row_is_the_mean_of_single_seed_replays(traces_dir, tmp_path, pa
     assert "- learned trained on: " in report and "learned-sampled trained on" not in report
 
 
-
-def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(traces_dir, tmp_path, patched_model, model, monkeypatch,
-                                                                  capsys):
+def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(
+    traces_dir, tmp_path, patched_model, model, monkeypatch, capsys
+):
     """`foresight bench rl-heldout --sampled-seeds 2` replays the sampled policy as `foresight eval` does:
     each trace's sampled sums equal eval's NAME-sampled row's, in both modes a scorer against itself
     changes nothing, and the report has a table per mode."""
     scorer_dir = spread_scorer(model, tmp_path / "scorer")
     out = tmp_path / "eval"
-    assert cli.main(["eval", "--traces", str(traces_dir), "--policies", "h2o", "--scorer", f"learned={scorer_dir}",
-                     "--sampled-seeds", "2", "--sample-temperature", "0.5", "-B", str(B), "-L", str(L),
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--traces",
+                str(traces_dir),
+                "--policies",
+                "h2o",
+                "--scorer",
+                f"learned={scorer_dir}",
+                "--sampled-seeds",
+                "2",
+                "--sample-temperature",
+                "0.5",
+                "-B",
+                str(B),
+                "-L",
+                str(L),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report, results = tmp_path / "bench.md", tmp_path / "heldout.json"
     monkeypatch.setattr("foresight.bench.rl_heldout.load_model", lambda name, **kw: (model, None))
-    assert cli.main(["bench", "rl-heldout", "--traces", str(traces_dir), "--scorer", f"a={scorer_dir}",
-                     "--scorer", f"b={scorer_dir}", "--sampled-seeds", "2", "--sample-temperature", "0.5",
-                     "--resamples", "200", "--out", str(report), "--results", str(results)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "rl-heldout",
+                "--traces",
+                str(traces_dir),
+                "--scorer",
+                f"a={scorer_dir}",
+                "--scorer",
+                f"b={scorer_dir}",
+                "--sampled-seeds",
+                "2",
+                "--sample-temperature",
+                "0.5",
+                "--resamples",
+                "200",
+                "--out",
+                str(report),
+                "--results",
+                str(results),
+            ]
+        )
+        == 0
+    )
     modes = json.loads(results.read_text())
     assert list(modes) == ["deterministic", "sampled (τ = 0.5, mean of 2 seeds)"]
     evaluated = {(s["policy"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
@@ -619,9 +841,27 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(traces_dir, tmp
     assert "**deterministic policy**" in text and "**sampled (τ = 0.5, mean of 2 seeds) policy**" in text
     assert text.count("Change of −R, b against a: +0.0% [+0.0%, +0.0%]") == 2
     capsys.readouterr()
-    assert cli.main(["bench", "rl-heldout", "--traces", str(traces_dir), "--scorer", f"a={scorer_dir}",
-                     "--scorer", f"b={scorer_dir}", "--sampled-seeds", "2", "--sample-temperature", "0"]) == 2
+    assert (
+        cli.main(
+            [
+                "bench",
+                "rl-heldout",
+                "--traces",
+                str(traces_dir),
+                "--scorer",
+                f"a={scorer_dir}",
+                "--scorer",
+                f"b={scorer_dir}",
+                "--sampled-seeds",
+                "2",
+                "--sample-temperature",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "--sample-temperature a finite number > 0, got 2 and 0.0" in capsys.readouterr().err
+
 
 def test_rl_heldout_replays_share_the_forwards_before_the_first_eviction(traces_dir, tmp_path, model):
     """Every replay of a batch after the first reuses its recorded prefix: the same figures, fewer forwards."""
@@ -646,9 +886,32 @@ def test_rl_heldout_replays_share_the_forwards_before_the_first_eviction(traces_
 def test_sampled_rows_at_a_vanishing_temperature_are_the_deterministic_ones(traces_dir, tmp_path, patched_model, model):
     scorer_dir = spread_scorer(model, tmp_path / "scorer")
     out = tmp_path / "eval"
-    assert cli.main(["eval", "--traces", str(traces_dir), "--policies", "knorm", "--scorer", str(scorer_dir),
-                     "--sampled-seeds", "2", "--sample-temperature", "1e-6", "-B", str(B), "-L", str(L),
-                     "--out", str(out), "--max-traces", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--traces",
+                str(traces_dir),
+                "--policies",
+                "knorm",
+                "--scorer",
+                str(scorer_dir),
+                "--sampled-seeds",
+                "2",
+                "--sample-temperature",
+                "1e-6",
+                "-B",
+                str(B),
+                "-L",
+                str(L),
+                "--out",
+                str(out),
+                "--max-traces",
+                "2",
+            ]
+        )
+        == 0
+    )
     rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
     for metric in ("loss_ratio", "low_entropy_damage", "attn_cosine", "golden_overlap"):
         assert rows["foresight-sampled"][metric] == pytest.approx(rows["foresight"][metric], abs=1e-6), metric
@@ -660,17 +923,45 @@ def test_sampled_seeds_options_and_errors(traces_dir, tmp_path, patched_model, m
     parsed = cli.build_parser().parse_args([*base, "--scorer", str(scorer_dir), "--sampled-seeds"])
     assert (parsed.sampled_seeds, parsed.sample_temperature) == (8, 1.0)  # the flag alone: the recommended 8 seeds
     assert cli.build_parser().parse_args(base).sampled_seeds == 0
-    prompts = ["eval", "--prompts", str(DATA / "arithmetic.jsonl"), "-B", str(B), "-L", str(L), "--out", str(tmp_path / "eval")]
+    prompts = [
+        "eval",
+        "--prompts",
+        str(DATA / "arithmetic.jsonl"),
+        "-B",
+        str(B),
+        "-L",
+        str(L),
+        "--out",
+        str(tmp_path / "eval"),
+    ]
     for argv, message in [
-        ([*base, "--policies", "knorm", "--sampled-seeds", "2"],
-         "--sampled-seeds samples the learned policy's evictions: give --scorer DIR"),
-        ([*base, "--scorer", str(scorer_dir), "--sampled-seeds", "-1"], "--sampled-seeds must be 0 (off) or at least 1, got -1"),
-        ([*base, "--scorer", str(scorer_dir), "--sampled-seeds", "--sample-temperature", "0"],
-         "--sample-temperature: temperature must be a finite number > 0, got 0.0"),
-        ([*prompts, "--scorer", str(scorer_dir), "--sampled-seeds"],
-         "--sampled-seeds averages teacher-forced replays: use it with --traces, not --prompts"),
-        ([*base, "--scorer", f"foresight-sampled={scorer_dir}", "--scorer", f"foresight={scorer_dir}", "--sampled-seeds"],
-         "two result rows would be named 'foresight-sampled'"),
+        (
+            [*base, "--policies", "knorm", "--sampled-seeds", "2"],
+            "--sampled-seeds samples the learned policy's evictions: give --scorer DIR",
+        ),
+        (
+            [*base, "--scorer", str(scorer_dir), "--sampled-seeds", "-1"],
+            "--sampled-seeds must be 0 (off) or at least 1, got -1",
+        ),
+        (
+            [*base, "--scorer", str(scorer_dir), "--sampled-seeds", "--sample-temperature", "0"],
+            "--sample-temperature: temperature must be a finite number > 0, got 0.0",
+        ),
+        (
+            [*prompts, "--scorer", str(scorer_dir), "--sampled-seeds"],
+            "--sampled-seeds averages teacher-forced replays: use it with --traces, not --prompts",
+        ),
+        (
+            [
+                *base,
+                "--scorer",
+                f"foresight-sampled={scorer_dir}",
+                "--scorer",
+                f"foresight={scorer_dir}",
+                "--sampled-seeds",
+            ],
+            "two result rows would be named 'foresight-sampled'",
+        ),
     ]:
         assert cli.main(argv) == 2, message
         error = capsys.readouterr().err.strip()

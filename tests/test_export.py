@@ -25,10 +25,20 @@ def checkpoint(tmp_path_factory):
     """A real supervised-stage checkpoint after a few steps on synthetic traces."""
     folder = tmp_path_factory.mktemp("run")
     module = SupervisedScorer(scorer_spec())
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=folder, enable_checkpointing=False)
-    trainer.fit(module, DataLoader(synthetic_traces(4, 2), batch_size=2, collate_fn=concat_steps),
-                DataLoader(synthetic_traces(2, 2, seed=1), batch_size=2, collate_fn=concat_steps))
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=folder,
+        enable_checkpointing=False,
+    )
+    trainer.fit(
+        module,
+        DataLoader(synthetic_traces(4, 2), batch_size=2, collate_fn=concat_steps),
+        DataLoader(synthetic_traces(2, 2, seed=1), batch_size=2, collate_fn=concat_steps),
+    )
     path = folder / "last.ckpt"
     trainer.save_checkpoint(path)
     return path, module
@@ -49,10 +59,17 @@ def test_export_writes_a_complete_folder_from_a_checkpoint(checkpoint, tmp_path,
     card = (out / "README.md").read_text()
     front_matter = yaml.safe_load(card.split("---")[1])
     assert front_matter["library_name"] == "foresightkv" and "kv-cache-eviction" in front_matter["tags"]
-    for text in ("| budget B | 16 |", "| interval L | 4 |", "last_8, last_16, last_32, last_L, cumulative, decayed",
-                 "(2 layers, 4 query heads, 2 KV heads, head dim 16)", "optimisation steps: 3", "| val/overlap |",
-                 "| foresight | 1.0123 |", 'make_policy("foresight", scorer="PATH_OR_REPO_ID")',
-                 "EvictionConfig(budget=16, interval=4)"):
+    for text in (
+        "| budget B | 16 |",
+        "| interval L | 4 |",
+        "last_8, last_16, last_32, last_L, cumulative, decayed",
+        "(2 layers, 4 query heads, 2 KV heads, head dim 16)",
+        "optimisation steps: 3",
+        "| val/overlap |",
+        "| foresight | 1.0123 |",
+        'make_policy("foresight", scorer="PATH_OR_REPO_ID")',
+        "EvictionConfig(budget=16, interval=4)",
+    ):
         assert text in card, text
     assert "train/lr" not in card  # the learning rate is not a result
 
@@ -71,11 +88,16 @@ def test_several_checkpoints_export_the_mean_of_their_keep_scores_with_a_shared_
     assert "ensemble: the mean keep score of 2 fits of one recipe" in card and "optimisation steps: 3" in card
     assert "| val/overlap |" in card
     assert load_scorer(out).config.hidden == 2 * module.scorer.config.hidden
-    assert cli.main(["export", "--checkpoint", str(path), "--checkpoint", str(other), "--out", str(tmp_path / "zero")]) == 0
+    assert (
+        cli.main(["export", "--checkpoint", str(path), "--checkpoint", str(other), "--out", str(tmp_path / "zero")])
+        == 0
+    )
     generator = torch.Generator().manual_seed(0)
     config = module.scorer.config
-    inputs = [torch.randn(config.num_layers, 1, config.num_kv_heads, 6, width, generator=generator)
-              for width in (config.head_dim, config.head_dim, config.feature_width)]
+    inputs = [
+        torch.randn(config.num_layers, 1, config.num_kv_heads, 6, width, generator=generator)
+        for width in (config.head_dim, config.head_dim, config.feature_width)
+    ]
     with torch.no_grad():  # w2 and -w2: the hidden layers cancel, b2 is left
         scores = load_scorer(tmp_path / "zero")(*inputs)
         torch.testing.assert_close(scores, module.scorer.b2[:, None, :, None].expand_as(scores), rtol=0, atol=1e-6)
@@ -105,7 +127,10 @@ def test_push_offline_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_pat
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr("foresight.export.get_token", lambda: "hf_not_a_real_token")
     out = tmp_path / "export"
-    assert cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"]) == 2
+    assert (
+        cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"])
+        == 2
+    )
     error = capsys.readouterr().err.strip()
     assert error.startswith("foresight export: error: cannot push to someone/scorer: ")
     assert "\n" not in error and FILES <= {p.name for p in out.iterdir()}
@@ -115,7 +140,9 @@ def test_checkpoints_that_are_not_the_scorers_are_refused(tmp_path, capsys):
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {}}, other)
     assert cli.main(["export", "--checkpoint", str(other), "--out", str(tmp_path / "x")]) == 2
-    assert f"{other} is not a checkpoint of a scorer training stage (no {SCORER_KEY!r} entry)" in capsys.readouterr().err
+    assert (
+        f"{other} is not a checkpoint of a scorer training stage (no {SCORER_KEY!r} entry)" in capsys.readouterr().err
+    )
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="garbage.ckpt is not a readable checkpoint"):

@@ -8,7 +8,12 @@ import torch
 
 from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet, attention_features, feature_dim
 from foresight.scorer.standardised_features import standardise_candidates, standardised_features
-from tests.reference_features import loop_attention_features, loop_standardise, loop_standardised_features, STANDARDISED_NAMES
+from tests.reference_features import (
+    STANDARDISED_NAMES,
+    loop_attention_features,
+    loop_standardise,
+    loop_standardised_features,
+)
 
 WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
 
@@ -42,7 +47,9 @@ def test_feature_dims_and_names():
     assert feature_dim("pooled") == 8
     assert feature_dim("standardised") == 7
     assert feature_dim("standardised-heuristic") == 9
-    with pytest.raises(ValueError, match="'bogus'.*'paper', 'official-8', 'pooled', 'standardised', 'standardised-heuristic'"):
+    with pytest.raises(
+        ValueError, match="'bogus'.*'paper', 'official-8', 'pooled', 'standardised', 'standardised-heuristic'"
+    ):
         feature_dim("bogus")
     with pytest.raises(ValueError, match="'standardised' features need entry positions"):
         attention_features(torch.zeros(1, 1, 1, 2, 3), torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 3, 1), "standardised")
@@ -92,12 +99,18 @@ def test_decayed_and_cumulative_across_steps_with_eviction_and_gather():
         # Each (row, head) keeps its own B - L candidates and the recent window, in order.
         kept = torch.stack(
             [
-                torch.cat([torch.randperm(budget, generator=generator)[: budget - rows].sort().values,
-                           torch.arange(budget, entries)])
+                torch.cat(
+                    [
+                        torch.randperm(budget, generator=generator)[: budget - rows].sort().values,
+                        torch.arange(budget, entries),
+                    ]
+                )
                 for _ in range(batch * kv_heads)
             ]
         ).view(batch, kv_heads, budget)
-        identity = torch.cat([identity.gather(2, kept), torch.arange(next_id, next_id + rows).expand(batch, kv_heads, rows)], 2)
+        identity = torch.cat(
+            [identity.gather(2, kept), torch.arange(next_id, next_id + rows).expand(batch, kv_heads, rows)], 2
+        )
         next_id += rows
         fresh = torch.zeros(batch, kv_heads, rows, group, dtype=torch.float64)
         index = kept[..., None].expand(-1, -1, -1, group)
@@ -126,8 +139,11 @@ def test_bad_shapes_raise_one_line_errors():
 # -- old sets pinned, and the "standardised" set ------------------------------------------------------
 @pytest.mark.parametrize(
     "feature_set, total, weighted",
-    [("paper", 5684.5120637204145, -20.799491847229593), ("official-8", 5840.76322542157, -24.63215224600562),
-     ("pooled", 6538.911239908564, 16.44021790267691)],
+    [
+        ("paper", 5684.5120637204145, -20.799491847229593),
+        ("official-8", 5840.76322542157, -24.63215224600562),
+        ("pooled", 6538.911239908564, 16.44021790267691),
+    ],
 )
 def test_older_sets_compute_what_they_computed_before_the_standardised_set(feature_set, total, weighted):
     """Pinned sums of one step's features, computed before the standardised set was added (issue 21).
@@ -166,18 +182,25 @@ def standardised_step(rows: int, seed: int, scale: float = 1.0):
     generator = torch.Generator().manual_seed(seed)
     attention = random_block_attention(batch, kv_heads, group, rows, entries, seed=seed)
     first_query = 100
-    positions = torch.cat([torch.randperm(first_query, generator=generator)[:6].sort().values.repeat(batch, kv_heads, 1),
-                           torch.arange(first_query, first_query + rows).repeat(batch, kv_heads, 1)], -1)
+    positions = torch.cat(
+        [
+            torch.randperm(first_query, generator=generator)[:6].sort().values.repeat(batch, kv_heads, 1),
+            torch.arange(first_query, first_query + rows).repeat(batch, kv_heads, 1),
+        ],
+        -1,
+    )
     positions[1, :, :3] = -1
     query_positions = torch.arange(first_query, first_query + rows).repeat(batch, 1)
     query_positions[1, 0] = -1
     attention[1, :, :, 0] = 0.0  # a padding query sees nothing
     attention[1, ..., :3] = 0.0  # nor does anything see an invalid slot
     sums = (batch, kv_heads, entries, group)
-    state = {"cumulative": 5 * torch.rand(sums, generator=generator, dtype=torch.float64),
-             "decayed": 2 * torch.rand(sums, generator=generator, dtype=torch.float64),
-             "recent": torch.rand(sums, generator=generator, dtype=torch.float64),
-             "observed": torch.randint(0, 300, sums[:3], generator=generator).double()}
+    state = {
+        "cumulative": 5 * torch.rand(sums, generator=generator, dtype=torch.float64),
+        "decayed": 2 * torch.rand(sums, generator=generator, dtype=torch.float64),
+        "recent": torch.rand(sums, generator=generator, dtype=torch.float64),
+        "observed": torch.randint(0, 300, sums[:3], generator=generator).double(),
+    }
     state = {name: value if name == "observed" else scale * value for name, value in state.items()}
     return scale * attention, state, positions, query_positions
 
@@ -204,12 +227,15 @@ def test_standardised_features_ignore_a_constant_factor_on_every_attention_sum()
     """x -> 10 x shifts log(x + 1e-6) by ln 10 up to the eps, which the standardisation removes."""
     attention, state, positions, query_positions = standardised_step(40, seed=7)
     valid = positions[..., :6] >= 0
-    once = standardise_candidates(standardised_features(attention, state, positions, query_positions)[0][..., :6, :], valid)
+    once = standardise_candidates(
+        standardised_features(attention, state, positions, query_positions)[0][..., :6, :], valid
+    )
     scaled = standardised_step(40, seed=7, scale=10.0)
     tenfold = standardise_candidates(standardised_features(*scaled)[0][..., :6, :], valid)
     torch.testing.assert_close(tenfold, once, rtol=0, atol=1e-3)
-    assert not torch.allclose(standardised_features(*scaled)[0], standardised_features(attention, state, positions,
-                                                                                         query_positions)[0])
+    assert not torch.allclose(
+        standardised_features(*scaled)[0], standardised_features(attention, state, positions, query_positions)[0]
+    )
 
 
 def test_standardised_decay_is_per_token_whatever_L():
@@ -220,15 +246,23 @@ def test_standardised_decay_is_per_token_whatever_L():
     positions, query_positions = torch.arange(entries)[None, None], torch.arange(entries - queries, entries)[None]
     finals = []
     for interval in (32, 64):
-        state = {name: torch.zeros(1, 1, entries, 2, dtype=torch.float64) for name in ("cumulative", "decayed", "recent")}
+        state = {
+            name: torch.zeros(1, 1, entries, 2, dtype=torch.float64) for name in ("cumulative", "decayed", "recent")
+        }
         state["observed"] = torch.zeros(1, 1, entries, dtype=torch.float64)
         for start in range(0, queries, interval):
             block = slice(start, start + interval)
-            features, state = standardised_features(attention[..., block, :], state, positions, query_positions[:, block])
+            features, state = standardised_features(
+                attention[..., block, :], state, positions, query_positions[:, block]
+            )
         quiet = state
-        for start in range(0, queries, interval):
-            _, quiet = standardised_features(torch.zeros_like(attention[..., :interval, :]), quiet, positions,
-                                             query_positions[:, :interval] + queries)
+        for _ in range(0, queries, interval):
+            _, quiet = standardised_features(
+                torch.zeros_like(attention[..., :interval, :]),
+                quiet,
+                positions,
+                query_positions[:, :interval] + queries,
+            )
         torch.testing.assert_close(quiet["decayed"], 0.9 * state["decayed"], rtol=1e-12, atol=0)
         torch.testing.assert_close(quiet["recent"], 0.25 * state["recent"], rtol=1e-12, atol=0)
         finals.append((features, state))
@@ -245,7 +279,9 @@ def test_no_standardised_feature_grows_with_the_trace():
     state = {name: torch.zeros(1, 1, 4, 1, dtype=torch.float64) for name in ("cumulative", "decayed", "recent")}
     state["observed"] = torch.zeros(1, 1, 4, dtype=torch.float64)
     for step in range(20):
-        features, state = standardised_features(attention, state, torch.arange(4)[None, None], torch.arange(4, 12)[None] + 8 * step)
+        features, state = standardised_features(
+            attention, state, torch.arange(4)[None, None], torch.arange(4, 12)[None] + 8 * step
+        )
         rate = features[0, 0, :, STANDARDISED_NAMES.index("cumulative_rate")]
         torch.testing.assert_close(rate, torch.full_like(rate, math.log(0.25 + 1e-6)))
     assert float(state["cumulative"][0, 0, 0, 0]) == pytest.approx(40.0)

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
 from foresight.models import describe, tiny_model
-from foresight.policies import make_policy
-from foresight.runtime.policy import EvictionContext
 from foresight.policies import foresight as foresight_policy
+from foresight.policies import make_policy
 from foresight.policies.foresight import CUMULATIVE, DECAYED, Foresight
 from foresight.runtime.cache import EvictionCache
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from tests.prompts import random_prompts
+from foresight.runtime.policy import EvictionContext
+from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
 from tests import reference_policies as ref
+from tests.prompts import random_prompts
 from tests.reference_features import independent_mlp, loop_standardise, loop_standardised_features
 from tests.scorers import random_scorer
 
@@ -36,12 +36,17 @@ def test_keep_scores_equal_independent_mlps_on_loop_features(llama):
     positions = torch.arange(entries).repeat(rows, kv_heads, 1)
     positions[1, :, :3] = -1  # padding in front of row 1
     context = EvictionContext(
-        layer_idx=1, num_layers=shape.num_layers,
+        layer_idx=1,
+        num_layers=shape.num_layers,
         keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
         values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
-        positions=positions, num_candidates=B, scaling=dim**-0.5,
-        state={CUMULATIVE: torch.rand(rows, kv_heads, entries, group, generator=generator) * 3,
-               DECAYED: torch.rand(rows, kv_heads, entries, group, generator=generator)},
+        positions=positions,
+        num_candidates=B,
+        scaling=dim**-0.5,
+        state={
+            CUMULATIVE: torch.rand(rows, kv_heads, entries, group, generator=generator) * 3,
+            DECAYED: torch.rand(rows, kv_heads, entries, group, generator=generator),
+        },
         queries=torch.randn(rows, shape.num_query_heads, L, dim, generator=generator),
         query_positions=torch.arange(B, B + L).repeat(rows, 1),
     )
@@ -53,9 +58,17 @@ def test_keep_scores_equal_independent_mlps_on_loop_features(llama):
     scores = policy.keep_scores(context)
     assert scores.shape == (rows, kv_heads, B)
     for row, head in itertools.product(range(rows), range(kv_heads)):
-        expected = ref.foresight(scorer, 1, head, context.keys[row, head], context.values[row, head],
-                                 context.attention[row, head], context.state[CUMULATIVE][row, head],
-                                 context.state[DECAYED][row, head], B)
+        expected = ref.foresight(
+            scorer,
+            1,
+            head,
+            context.keys[row, head],
+            context.values[row, head],
+            context.attention[row, head],
+            context.state[CUMULATIVE][row, head],
+            context.state[DECAYED][row, head],
+            B,
+        )
         torch.testing.assert_close(scores[row, head], expected, rtol=0, atol=1e-5)
 
 
@@ -65,12 +78,17 @@ def default_checkpoint_step() -> EvictionContext:
     rows, kv_heads, group, dim, budget, interval = 1, 3, 3, 64, 128, 32
     entries = budget + interval
     return EvictionContext(
-        layer_idx=5, num_layers=30,
+        layer_idx=5,
+        num_layers=30,
         keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
         values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
-        positions=torch.arange(entries).repeat(rows, kv_heads, 1), num_candidates=budget, scaling=dim**-0.5,
-        state={CUMULATIVE: torch.rand(rows, kv_heads, entries, group, generator=generator) * 30,
-               DECAYED: torch.rand(rows, kv_heads, entries, group, generator=generator) * 3},
+        positions=torch.arange(entries).repeat(rows, kv_heads, 1),
+        num_candidates=budget,
+        scaling=dim**-0.5,
+        state={
+            CUMULATIVE: torch.rand(rows, kv_heads, entries, group, generator=generator) * 30,
+            DECAYED: torch.rand(rows, kv_heads, entries, group, generator=generator) * 3,
+        },
         queries=torch.randn(rows, kv_heads * group, interval, dim, generator=generator) * 3,
         query_positions=torch.arange(budget, entries).repeat(rows, 1),
     )
@@ -85,9 +103,11 @@ def test_an_existing_scorer_loads_and_scores_as_before_the_standardised_set():
     context = default_checkpoint_step()
     policy.observe(context)
     scores = policy.keep_scores(context)
-    pinned = [[-0.18144123256206512, -0.1775178760290146, -0.1807316243648529, -0.1914985626935959],
-              [0.020522043108940125, -0.030811762437224388, -0.05059858784079552, 0.019973136484622955],
-              [0.16529583930969238, 0.12302331626415253, 0.1444603055715561, 0.1160782128572464]]
+    pinned = [
+        [-0.18144123256206512, -0.1775178760290146, -0.1807316243648529, -0.1914985626935959],
+        [0.020522043108940125, -0.030811762437224388, -0.05059858784079552, 0.019973136484622955],
+        [0.16529583930969238, 0.12302331626415253, 0.1444603055715561, 0.1160782128572464],
+    ]
     # Float32 scores pinned on one CPU, checked on any: tolerance from float32 rounding (u = 6e-8) in another
     # summation order. With errors growing as sqrt(n) * u (Higham & Mary's probabilistic bound), a logit of 64
     # products (sum|q k| * scaling <= 26) moves a weight by <= 2.6e-5 relative, and the MLP's 146-input and
@@ -109,14 +129,19 @@ def standardised_step(scorer, scale: float = 1.0) -> EvictionContext:
     positions[1, :, :3] = -1
     sums = (rows, kv_heads, entries, group)
     context = EvictionContext(
-        layer_idx=1, num_layers=shape.num_layers,
+        layer_idx=1,
+        num_layers=shape.num_layers,
         keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
         values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
-        positions=positions, num_candidates=B, scaling=dim**-0.5,
-        state={"cumulative": torch.rand(sums, generator=generator) * 3 * scale,
-               "decayed": torch.rand(sums, generator=generator) * scale,
-               "recent": torch.rand(sums, generator=generator) * 0.5 * scale,
-               "observed": torch.randint(1, 40, sums[:3], generator=generator).float()},
+        positions=positions,
+        num_candidates=B,
+        scaling=dim**-0.5,
+        state={
+            "cumulative": torch.rand(sums, generator=generator) * 3 * scale,
+            "decayed": torch.rand(sums, generator=generator) * scale,
+            "recent": torch.rand(sums, generator=generator) * 0.5 * scale,
+            "observed": torch.randint(1, 40, sums[:3], generator=generator).float(),
+        },
         queries=torch.randn(rows, shape.num_query_heads, L, dim, generator=generator),
         query_positions=torch.arange(40, 40 + L).repeat(rows, 1),
     )
@@ -134,8 +159,13 @@ def test_standardised_keep_scores_equal_independent_mlps_on_loop_features(llama,
     context = standardised_step(scorer)
     state = policy.observe(context)
     scores = policy.keep_scores(context)
-    features, expected_state = loop_standardised_features(context.attention, context.state, context.positions,
-                                                          context.query_positions, FEATURE_NAMES[FeatureSet.parse(feature_set)])
+    features, expected_state = loop_standardised_features(
+        context.attention,
+        context.state,
+        context.positions,
+        context.query_positions,
+        FEATURE_NAMES[FeatureSet.parse(feature_set)],
+    )
     for name, value in expected_state.items():
         torch.testing.assert_close(state[name].double(), value, rtol=1e-5, atol=1e-6)
     valid = context.candidate_positions >= 0
@@ -249,8 +279,9 @@ def test_sampled_mode_evicts_exactly_the_sampled_entries_and_records_them(llama,
         torch.testing.assert_close(recomputed, record.logprob, rtol=0, atol=1e-5)
         for row, head in itertools.product(range(2), range(scorer.config.num_kv_heads)):
             assert evicted[row][head] == set(sampled[row, head].tolist())
-            expected = loop_plackett_luce(scores[row, head], record.order[row, head].tolist(),
-                                          record.eligible[row, head].tolist())
+            expected = loop_plackett_luce(
+                scores[row, head], record.order[row, head].tolist(), record.eligible[row, head].tolist()
+            )
             assert abs(float(record.logprob[row, head]) - expected) < 1e-4
     # Reproducible from the seed, and another seed samples other evictions.
     again = make_policy("foresight", scorer=scorer, mode="sampled", seed=3)
@@ -289,8 +320,11 @@ def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(monkey
     monkeypatch.setattr(foresight_policy, "logits_budget", lambda device: layers_per_pass * logits_per_layer)
     passes = []  # the rows (layers × batch rows) of each pass of several layers
     block_attention = foresight_policy.block_attention
-    monkeypatch.setattr(foresight_policy, "block_attention", lambda queries, *args: passes.append(queries.shape[0])
-                        or block_attention(queries, *args))
+    monkeypatch.setattr(
+        foresight_policy,
+        "block_attention",
+        lambda queries, *args: passes.append(queries.shape[0]) or block_attention(queries, *args),
+    )
     scorer = random_scorer(llama, feature_set="standardised")
     sequences = [torch.tensor(prompt) for prompt in random_prompts([40, 40], seed=6)]
     runs = []
@@ -316,11 +350,22 @@ def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(monkey
 @pytest.mark.parametrize(
     "scorer_overrides, config, message",
     [
-        (dict(num_layers=3), EvictionConfig(B, L),
-         "scorer trained for tiny-llama (layers=3, query heads=4, KV heads=2, head dim=16) does not fit the model "
-         "(layers=2, query heads=4, KV heads=2, head dim=16)"),
-        (dict(), EvictionConfig(B + 4, L), "scorer trained for tiny-llama with B=12, L=4 does not fit this cache (B=16, L=4)"),
-        (dict(), EvictionConfig(B - 4, L), "scorer trained for tiny-llama with B=12, L=4 does not fit this cache (B=8, L=4)"),
+        (
+            dict(num_layers=3),
+            EvictionConfig(B, L),
+            "scorer trained for tiny-llama (layers=3, query heads=4, KV heads=2, head dim=16) does not fit the model "
+            "(layers=2, query heads=4, KV heads=2, head dim=16)",
+        ),
+        (
+            dict(),
+            EvictionConfig(B + 4, L),
+            "scorer trained for tiny-llama with B=12, L=4 does not fit this cache (B=16, L=4)",
+        ),
+        (
+            dict(),
+            EvictionConfig(B - 4, L),
+            "scorer trained for tiny-llama with B=12, L=4 does not fit this cache (B=8, L=4)",
+        ),
         (dict(), EvictionConfig(B, L - 1), "with B=12, L=4 does not fit this cache (B=12, L=3)"),
         (dict(), EvictionConfig(B, L, protect_prompt=True), "with B=12, L=4 does not fit this cache (B=17, L=4)"),
     ],
@@ -334,8 +379,11 @@ def test_another_model_or_cadence_is_a_one_line_error(llama, scorer_overrides, c
 
 def test_sampled_mode_refuses_a_prefill_beyond_the_budget(llama):
     policy = make_policy("foresight", scorer=random_scorer(llama), mode="sampled")
-    with pytest.raises(ValueError, match=r"sampled eviction removes exactly L=4 of B=12 candidates per step, but a row "
-                                         r"holds 16 candidates"):
+    with pytest.raises(
+        ValueError,
+        match=r"sampled eviction removes exactly L=4 of B=12 candidates per step, but a row "
+        r"holds 16 candidates",
+    ):
         EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([20]), 4)
 
 

@@ -5,20 +5,20 @@ resuming after a kill, and the command's report and errors."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from foresight import cli
 from foresight.artifacts import ArtifactError
-from foresight.eval.specs import PolicySpec
+from foresight.data.tasks import Problem, load_problems
 from foresight.eval.generation import (
     CompletionStore,
     GenerationSettings,
@@ -30,10 +30,10 @@ from foresight.eval.generation import (
     summarize,
     summarize_sources,
 )
-from foresight.models import tiny_model
+from foresight.eval.specs import PolicySpec
 from foresight.eval.stats import pass_at_k
-from foresight.data.tasks import Problem, load_problems
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
+from foresight.models import tiny_model
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
 ARITHMETIC = str(DATA / "arithmetic.jsonl")
@@ -111,7 +111,9 @@ def test_a_killed_run_resumes_to_the_same_records(model, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         generate_completions(model, tokenizer, problems, plans, killed, batch_size=4, progress=False)
     monkeypatch.setattr(CompletionStore, "save", save)
-    written = sum(len(records) for records in records_of(CompletionStore(tmp_path / "killed", settings()), plans).values())
+    written = sum(
+        len(records) for records in records_of(CompletionStore(tmp_path / "killed", settings()), plans).values()
+    )
     assert written == 8  # two batches of four
     resumed = CompletionStore(tmp_path / "killed", settings())
     # Another batch size: each completion draws from its own seed, so the batch layout does not matter.
@@ -125,13 +127,38 @@ def test_eval_prompts_killed_with_sigkill_and_run_again_writes_the_results_of_an
     are on disk, then run again, writes the results.json of a run never interrupted."""
 
     def argv(out: Path) -> list[str]:
-        return ["eval", "--prompts", "reasoning-gym:basic_arithmetic", "--num", "2", "--samples", "2",
-                "--max-new-tokens", "32", "--policies", "h2o,streaming", "--budgets", str(B), "-L", str(L),
-                "--batch-size", "1", "--model", str(tiny_dir), "--out", str(out)]
+        return [
+            "eval",
+            "--prompts",
+            "reasoning-gym:basic_arithmetic",
+            "--num",
+            "2",
+            "--samples",
+            "2",
+            "--max-new-tokens",
+            "32",
+            "--policies",
+            "h2o,streaming",
+            "--budgets",
+            str(B),
+            "-L",
+            str(L),
+            "--batch-size",
+            "1",
+            "--model",
+            str(tiny_dir),
+            "--out",
+            str(out),
+        ]
 
     killed = tmp_path / "killed"
-    run = subprocess.Popen([sys.executable, "-m", "foresight.cli", *argv(killed)], cwd=Path(__file__).parents[1],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.Popen(
+        [sys.executable, "-m", "foresight.cli", *argv(killed)],
+        cwd=Path(__file__).parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         deadline = time.monotonic() + 180
         while run.poll() is None and not any(killed.rglob("batch-*.json")) and time.monotonic() < deadline:
@@ -171,11 +198,21 @@ def test_a_policy_that_never_evicts_samples_exactly_the_full_cache(model, tmp_pa
 
 
 def write_records(store, job, texts: dict[tuple[int, int], str], hit_limit=False, tokens=None):
-    store.save(job, [
-        {"source": "p.jsonl", "problem": i, "sample": s, "seed": 0, "tokens": tokens or [1, 2, 3],
-         "text": text, "hit_limit": hit_limit}
-        for (i, s), text in texts.items()
-    ])
+    store.save(
+        job,
+        [
+            {
+                "source": "p.jsonl",
+                "problem": i,
+                "sample": s,
+                "seed": 0,
+                "tokens": tokens or [1, 2, 3],
+                "text": text,
+                "hit_limit": hit_limit,
+            }
+            for (i, s), text in texts.items()
+        ],
+    )
 
 
 def test_figures_from_hand_made_completions(tmp_path):
@@ -185,11 +222,23 @@ def test_figures_from_hand_made_completions(tmp_path):
     store = CompletionStore(tmp_path, settings(sources=("p.jsonl",), problems=2, samples=3))
     plans, _ = plan_jobs([PolicySpec("knorm")], [B], L)
     full, knorm = plans[0].jobs
-    write_records(store, full, {(0, 0): "\\boxed{3}", (0, 1): "so the answer is 3.", (0, 2): "4",
-                                (1, 0): "\\boxed{8}", (1, 1): "\\boxed{8}", (1, 2): "Answer: 8"})
+    write_records(
+        store,
+        full,
+        {
+            (0, 0): "\\boxed{3}",
+            (0, 1): "so the answer is 3.",
+            (0, 2): "4",
+            (1, 0): "\\boxed{8}",
+            (1, 1): "\\boxed{8}",
+            (1, 2): "Answer: 8",
+        },
+    )
     write_records(store, knorm, {(0, 0): "the answer is 3", (0, 1): "the answer is 5", (0, 2): "4"})
     loop = [9, 1, 2, 3] + [4, 5] * 40
-    write_records(store, knorm, {(1, 0): "\\boxed{7}", (1, 1): "7 then 8", (1, 2): "Answer: 8"}, hit_limit=True, tokens=loop)
+    write_records(
+        store, knorm, {(1, 0): "\\boxed{7}", (1, 1): "7 then 8", (1, 2): "Answer: 8"}, hit_limit=True, tokens=loop
+    )
     rows = {row["policy"]: row for row in summarize(problems, plans, store)}
     assert rows["full"]["pass1_strict"] == pytest.approx((1 / 3 + 1) / 2)
     assert rows["full"]["pass1_flexible"] == pytest.approx((2 / 3 + 1) / 2)
@@ -226,8 +275,25 @@ def patched_load(monkeypatch, model):
 
 def test_eval_prompts_end_to_end(tmp_path, patched_load, capsys):
     out = tmp_path / "gen"
-    argv = ["eval", "--prompts", ARITHMETIC, "--num", "2", "--samples", "2", "--max-new-tokens", "20",
-            "--policies", "h2o,streaming,golden", "--budgets", f"{B},24", "-L", str(L), "--out", str(out)]
+    argv = [
+        "eval",
+        "--prompts",
+        ARITHMETIC,
+        "--num",
+        "2",
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "20",
+        "--policies",
+        "h2o,streaming,golden",
+        "--budgets",
+        f"{B},24",
+        "-L",
+        str(L),
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     stdout = captured.out
@@ -258,7 +324,20 @@ def test_eval_prompts_end_to_end(tmp_path, patched_load, capsys):
     ],
 )
 def test_eval_prompts_bad_input_is_one_line(tmp_path, patched_load, capsys, extra, message):
-    argv = ["eval", "--prompts", ARITHMETIC, "--num", "2", "--budgets", str(B), "-L", str(L), "--out", str(tmp_path / "o"), *extra]
+    argv = [
+        "eval",
+        "--prompts",
+        ARITHMETIC,
+        "--num",
+        "2",
+        "--budgets",
+        str(B),
+        "-L",
+        str(L),
+        "--out",
+        str(tmp_path / "o"),
+        *extra,
+    ]
     assert cli.main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error
@@ -294,8 +373,11 @@ def test_a_row_under_other_options_is_not_mixed_in(tmp_path):
     plain = PolicySpec("random-prompt")
     assert Job(plain, B, L).label and store.job_folder(Job(plain, B, L)).is_dir()
     assert json.loads((store.job_folder(Job(plain, B, L)) / "policy.json").read_text()) == {"policy": "random-prompt"}
-    for other in (PolicySpec("random-prompt", protect_prompt=False), PolicySpec("random-prompt", options=(("seed", 3),)),
-                  PolicySpec("random-prompt", policy="random")):
+    for other in (
+        PolicySpec("random-prompt", protect_prompt=False),
+        PolicySpec("random-prompt", options=(("seed", 3),)),
+        PolicySpec("random-prompt", policy="random"),
+    ):
         with pytest.raises(ArtifactError, match="were made by another random-prompt"):
             store.job_folder(Job(other, B, L))
     # A resumed run names the same row alike: its default protect_prompt spelled out, or a folder by a

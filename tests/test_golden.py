@@ -9,10 +9,10 @@ from transformers import AttentionInterface
 from foresight.labels import GoldenLabels, compute_golden_labels
 from foresight.models import tiny_model
 from foresight.policies import POLICIES, make_policy
-from foresight.runtime.policy import EvictionContext
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.policy import EvictionContext
 from tests import reference_policies as ref
 
 B, L = 16, 4
@@ -50,7 +50,9 @@ def labels(model, traces):
 
 
 def golden_engine(model, labels, attention="foresight", **config):
-    return EvictionEngine(model, make_policy("golden", labels=labels), EvictionConfig(B, L, **config), attention=attention)
+    return EvictionEngine(
+        model, make_policy("golden", labels=labels), EvictionConfig(B, L, **config), attention=attention
+    )
 
 
 def test_replay_reproduces_the_stored_kept_sets(model, traces, labels):
@@ -59,7 +61,7 @@ def test_replay_reproduces_the_stored_kept_sets(model, traces, labels):
     golden_engine(model, labels, attention="golden-recording").replay(traces, [PROMPT] * len(traces))
     seen = set()
     for layer, positions, entries in recorder.entries:
-        for row, (ids, label) in enumerate(zip(traces, labels)):
+        for row, (_ids, label) in enumerate(zip(traces, labels)):
             for step in range(1, label.num_steps + 1):
                 start = B + step * L  # the forward that processes p_t + 1 holds step t's kept set
                 if start not in positions[row].tolist():
@@ -69,27 +71,38 @@ def test_replay_reproduces_the_stored_kept_sets(model, traces, labels):
                     kept = sorted(p for p in held[head].tolist() if 0 <= p <= start - 1 - L)
                     assert kept == label.kept(step)[layer, head].tolist(), (row, step, layer, head)
                 seen.add((row, step, layer))
-    expected = {(row, step, layer) for row, label in enumerate(labels)
-                for step in range(1, label.num_steps + 1) for layer in range(model.config.num_hidden_layers)}
+    expected = {
+        (row, step, layer)
+        for row, label in enumerate(labels)
+        for step in range(1, label.num_steps + 1)
+        for layer in range(model.config.num_hidden_layers)
+    }
     assert seen == expected
     kept = labels[0].kept_positions()
     assert not torch.equal(kept[:, :, 0], kept[:, :, 1]) and not torch.equal(kept[:, 0], kept[:, 1])
-    assert not torch.equal(kept[-1, 0, 0], torch.arange(B - L, B + (labels[0].num_steps - 1) * L)[-(B - L):])
+    assert not torch.equal(kept[-1, 0, 0], torch.arange(B - L, B + (labels[0].num_steps - 1) * L)[-(B - L) :])
 
 
 def test_keep_scores_hand_computed():
     # One layer, two KV heads, B = 4, L = 2, two steps. Step 1's candidates are 0..3.
     # Step 2's candidates are step 1's kept set plus the window it left behind (positions 4, 5).
     candidates = torch.tensor([[[[0, 1, 2, 3], [0, 1, 2, 3]]], [[[1, 2, 4, 5], [0, 1, 4, 5]]]], dtype=torch.int32)
-    alpha = torch.tensor([[[[0.1, 0.4, 0.3, 0.2], [0.5, 0.5, 0.1, 0.0]]], [[[0.0, 0.9, 0.8, 0.1], [0.2, 0.1, 0.3, 0.4]]]])
+    alpha = torch.tensor(
+        [[[[0.1, 0.4, 0.3, 0.2], [0.5, 0.5, 0.1, 0.0]]], [[[0.0, 0.9, 0.8, 0.1], [0.2, 0.1, 0.3, 0.4]]]]
+    )
     labels = GoldenLabels(candidates=candidates, alpha=alpha, budget=4, interval=2, num_tokens=9)
     policy = make_policy("golden", labels=[labels])
     for step, expected in ((1, [[0, 1, 1, 0], [1, 1, 0, 0]]), (2, [[0, 1, 1, 0], [0, 0, 1, 1]])):  # ties: lower
         window = torch.tensor([[4, 5], [4, 5]]) + 2 * (step - 1)  # newest position p_t = B + tL - 1
         held = torch.cat([candidates[step - 1, 0].long(), window], dim=-1)
         context = EvictionContext(
-            layer_idx=0, num_layers=1, keys=torch.zeros(1, 2, 6, 8), values=torch.zeros(1, 2, 6, 8),
-            positions=held[None], num_candidates=4, scaling=1.0,
+            layer_idx=0,
+            num_layers=1,
+            keys=torch.zeros(1, 2, 6, 8),
+            values=torch.zeros(1, 2, 6, 8),
+            positions=held[None],
+            num_candidates=4,
+            scaling=1.0,
         )
         assert policy.keep_scores(context).tolist() == [expected]
         twin = [ref.golden(candidates[step - 1, 0, h].tolist(), alpha[step - 1, 0, h].tolist(), 2) for h in range(2)]
@@ -101,8 +114,11 @@ def test_keep_scores_hand_computed():
 
 def test_step_of_reads_the_cadence():
     labels = GoldenLabels(
-        candidates=torch.zeros(3, 1, 1, 16, dtype=torch.int32), alpha=torch.zeros(3, 1, 1, 16),
-        budget=16, interval=4, num_tokens=30,
+        candidates=torch.zeros(3, 1, 1, 16, dtype=torch.int32),
+        alpha=torch.zeros(3, 1, 1, 16),
+        budget=16,
+        interval=4,
+        num_tokens=30,
     )
     schedule = GoldenSchedule.stack([labels])
     newest = torch.tensor([19, 23, 27, 31, 18, 20, 15])
@@ -147,14 +163,20 @@ def test_bad_settings_are_one_line_errors(model, traces, labels):
         assert "\n" not in str(caught.value)
         return str(caught.value)
 
-    assert "made for B=16, L=4" in error(EvictionEngine(model, make_policy("golden", labels=labels[:1]), EvictionConfig(20, 4)))
-    assert "made for B=16, L=4" in error(EvictionEngine(model, make_policy("golden", labels=labels[:1]), EvictionConfig(16, 2)))
+    assert "made for B=16, L=4" in error(
+        EvictionEngine(model, make_policy("golden", labels=labels[:1]), EvictionConfig(20, 4))
+    )
+    assert "made for B=16, L=4" in error(
+        EvictionEngine(model, make_policy("golden", labels=labels[:1]), EvictionConfig(16, 2))
+    )
     assert "protected prompt" in error(golden_engine(model, labels[:1], protect_prompt=True))
     assert "sinks=0" in error(golden_engine(model, labels[:1], sinks=12))
     assert "labels for 1 trace(s) but 2 row(s)" in error(golden_engine(model, labels[:1]), rows=(0, 1))
     assert "a prefill longer than B + L" in error(golden_engine(model, labels[:1]), prompt=B + L + 2)
     other = tiny_model("llama", num_hidden_layers=3)
-    assert "2 layers and 2 KV heads, not 3 and 2" in error(EvictionEngine(other, make_policy("golden", labels=labels[:1]), EvictionConfig(B, L)))
+    assert "2 layers and 2 KV heads, not 3 and 2" in error(
+        EvictionEngine(other, make_policy("golden", labels=labels[:1]), EvictionConfig(B, L))
+    )
     with pytest.raises(ValueError, match=r"share one \(B, L\)"):
         make_policy("golden", labels=[labels[0], compute_golden_labels(model, traces[0], 20, 4)])
     with pytest.raises(TypeError):

@@ -8,11 +8,11 @@ import itertools
 import torch
 from transformers import AttentionInterface
 
-from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
-from trainers.examples import golden_steps
+from foresight.data.trace_store import TraceStore
 from foresight.labels import compute_golden_labels
 from foresight.models import describe, tiny_model
-from foresight.data.trace_store import TraceStore
+from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
+from trainers.examples import golden_steps
 
 B, L_ = 16, 4
 WINDOWS = {"last_8": 8, "last_16": 16, "last_32": 32}
@@ -52,15 +52,18 @@ def masked_reference(model, input_ids: torch.Tensor, labels) -> dict[int, tuple[
     return captured
 
 
-def reference_features(weights: torch.Tensor, candidates: torch.Tensor, step: int, budget: int, interval: int,
-                       group: int) -> torch.Tensor:
+def reference_features(
+    weights: torch.Tensor, candidates: torch.Tensor, step: int, budget: int, interval: int, group: int
+) -> torch.Tensor:
     """The paper's features of `candidates` [B] for one KV head at `step`, by loops over query heads and
     blocks: window sums of this step's block, cumulative and decayed sums over the blocks so far."""
     per_head = []
     for g in range(group):
-        received = [weights[g, budget + j * interval - interval : budget + j * interval, candidates] for j in range(1, step + 1)]
+        received = [
+            weights[g, budget + j * interval - interval : budget + j * interval, candidates] for j in range(1, step + 1)
+        ]
         block = received[-1]  # [L queries, B]
-        values = {name: block[-min(size, interval):].sum(0) for name, size in WINDOWS.items()}
+        values = {name: block[-min(size, interval) :].sum(0) for name, size in WINDOWS.items()}
         values["last_L"] = block.sum(0)
         values["cumulative"] = sum(r.sum(0) for r in received)
         values["decayed"] = sum(DECAY ** (step - j) * r.sum(0) for j, r in enumerate(received, start=1))
@@ -82,8 +85,9 @@ def test_examples_equal_a_dense_masked_reference(traces_dir):
         reference = masked_reference(model, trace.input_ids, label)
         assert example["alpha"].shape == (label.num_steps, shape.num_layers, shape.num_kv_heads, B)
         torch.testing.assert_close(example["alpha"], label.alpha, rtol=0, atol=0)
-        for step, layer, head in itertools.product(range(1, label.num_steps + 1), range(shape.num_layers),
-                                                   range(shape.num_kv_heads)):
+        for step, layer, head in itertools.product(
+            range(1, label.num_steps + 1), range(shape.num_layers), range(shape.num_kv_heads)
+        ):
             keys, values, weights = reference[layer]
             candidates = label.candidates[step - 1, layer, head].long()
             group = shape.group_size
@@ -94,8 +98,9 @@ def test_examples_equal_a_dense_masked_reference(traces_dir):
             torch.testing.assert_close(recorded["features"], expected, rtol=0, atol=1e-5)
 
 
-def reference_standardised(weights: torch.Tensor, candidates: torch.Tensor, step: int, budget: int, interval: int,
-                           group: int) -> torch.Tensor:
+def reference_standardised(
+    weights: torch.Tensor, candidates: torch.Tensor, step: int, budget: int, interval: int, group: int
+) -> torch.Tensor:
     """The standardised set's features of `candidates` [B] for one KV head at `step`, from the dense attention
     weights [G, T, T]: every query from position B (the first block's) up to the step's newest, each weighted
     per token of its age; then (x - mean) / (std + 0.01) over the B candidates."""
@@ -106,7 +111,7 @@ def reference_standardised(weights: torch.Tensor, candidates: torch.Tensor, step
     per_head = []
     for g in range(group):
         received = weights[g, budget : newest + 1][:, candidates].double()  # [queries, B]
-        values = {name: received[-min(size, interval):].sum(0) for name, size in WINDOWS.items()}
+        values = {name: received[-min(size, interval) :].sum(0) for name, size in WINDOWS.items()}
         values["recent_128"] = (0.5 ** ((newest - queries) / 128)).double() @ received
         values["decayed"] = (0.9 ** ((newest - queries) / 256)).double() @ received
         values["cumulative_rate"] = received.sum(0) / observed
@@ -125,8 +130,9 @@ def test_standardised_examples_equal_a_dense_masked_reference(traces_dir):
     shape, reference = describe(model), masked_reference(model, trace.input_ids, label)
     group = shape.group_size
     assert example["features"].shape == (label.num_steps, shape.num_layers, shape.num_kv_heads, B, 7 * group)
-    for step, layer, head in itertools.product(range(1, label.num_steps + 1), range(shape.num_layers),
-                                               range(shape.num_kv_heads)):
+    for step, layer, head in itertools.product(
+        range(1, label.num_steps + 1), range(shape.num_layers), range(shape.num_kv_heads)
+    ):
         weights = reference[layer][2][head * group : (head + 1) * group]
         candidates = label.candidates[step - 1, layer, head].long()
         expected = reference_standardised(weights, candidates, step, B, L_, group).float()

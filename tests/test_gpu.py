@@ -13,12 +13,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import foresight.runtime.capture as capture
+from foresight.cadence import top_k_mask
 from foresight.data.sampler import Request, _Slots
-from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from foresight.models import random_model, tiny_model
 from foresight.policies import EvictionContext, make_policy
-from foresight.cadence import top_k_mask
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from tests.decoding import assert_batch_decodes_as_each_row_alone, assert_decodes_alike
 from tests.eviction_steps import GROUP, keep_scores, random_context
 from tests.policy_lists import SCORED, make
@@ -71,8 +71,13 @@ def test_full_cache_logits_equal_transformers_own_in_bf16(build):
         forward = model(torch.tensor([prompt + tokens], device=CUDA)).logits[0, len(prompt) - 1 : -1]
     assert_decodes_alike(tokens, output.logits[0], tokens, forward, torch.bfloat16)
     reference = model.generate(
-        torch.tensor([prompt], device=CUDA), max_new_tokens=48, do_sample=False, output_logits=True,
-        return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+        torch.tensor([prompt], device=CUDA),
+        max_new_tokens=48,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
     )
     expected_tokens = reference.sequences[0, len(prompt) :].tolist()
     assert_decodes_alike(tokens, output.logits[0], expected_tokens, torch.stack(reference.logits, 1)[0], torch.bfloat16)
@@ -112,7 +117,9 @@ def test_unpadded_batches_run_on_the_sdpa_flash_kernel_alone(monkeypatch, name):
         flash, flash_replay = run()
     assert not policy.evicts or flash.stats.evictions > 0
     for row in range(len(batch)):
-        assert_decodes_alike(flash.tokens[row], flash.logits[row], expected.tokens[row], expected.logits[row], torch.bfloat16)
+        assert_decodes_alike(
+            flash.tokens[row], flash.logits[row], expected.tokens[row], expected.logits[row], torch.bfloat16
+        )
     if flash.tokens == expected.tokens:  # the same sequences replayed: the same losses up to rounding
         for got, want in zip(flash_replay.nll, expected_replay.nll):
             torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.05)
@@ -163,7 +170,9 @@ def test_cache_memory_is_flat_after_the_first_eviction():
     first = budget + interval - prompt_length  # the decode step whose forward evicts first
     assert len(set(pointers)) == 1  # allocated once, at the prefill
     layer = engine.last_cache.layers[0]
-    entry_bytes = len(engine.last_cache.layers) * layer.storage.nbytes // layer.storage.slots  # one entry, all rows and layers
+    entry_bytes = (
+        len(engine.last_cache.layers) * layer.storage.nbytes // layer.storage.slots
+    )  # one entry, all rows and layers
     steps = len(peaks) - (first + 1)
     # The generated token ids (one small tensor per step) are all that may still grow.
     assert (peaks[-1] - peaks[first + 1]) / steps < entry_bytes / 16
@@ -171,7 +180,9 @@ def test_cache_memory_is_flat_after_the_first_eviction():
 
 def count_syncs(model, name: str, new_tokens: int) -> tuple[int, int]:
     """Host synchronisations during a decode of `new_tokens`, and its eviction steps."""
-    policy = make_policy(name, **({"scorer": random_scorer(model, budget=32, interval=8)} if name == "foresight" else {}))
+    policy = make_policy(
+        name, **({"scorer": random_scorer(model, budget=32, interval=8)} if name == "foresight" else {})
+    )
     engine = EvictionEngine(model, policy, EvictionConfig(32, 8) if policy.evicts else None)
     engine.generate(prompts([6, 6]), 2)  # warm-up: kernels and allocator
     torch.cuda.synchronize()

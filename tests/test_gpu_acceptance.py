@@ -21,13 +21,21 @@ acceptance = importlib.util.module_from_spec(spec)
 sys.modules["gpu_acceptance"] = acceptance  # dataclasses resolve their module's annotations by name
 spec.loader.exec_module(acceptance)
 
-STATUSES = ("passed", "failed (rc ", "timed out after ", "skipped: no CUDA", "skipped: out of time",
-            "skipped: prepare did not pass")
+STATUSES = (
+    "passed",
+    "failed (rc ",
+    "timed out after ",
+    "skipped: no CUDA",
+    "skipped: out of time",
+    "skipped: prepare did not pass",
+)
 
 
 def contexts(tmp_path: Path) -> list:
-    return [acceptance.Context(acceptance.CUDA_SCALE, False, tmp_path / "out", tmp_path / "work"),
-            acceptance.Context(acceptance.DRY_SCALE, True, tmp_path / "out", tmp_path / "work")]
+    return [
+        acceptance.Context(acceptance.CUDA_SCALE, False, tmp_path / "out", tmp_path / "work"),
+        acceptance.Context(acceptance.DRY_SCALE, True, tmp_path / "out", tmp_path / "work"),
+    ]
 
 
 def commands(step, context) -> list[list[str]]:
@@ -82,9 +90,19 @@ def test_a_failed_or_slow_step_ends_alone_and_the_deadline_skips_the_rest(tmp_pa
 def test_cpu_dry_run_reports_every_step(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-acceptance.sh"), "--cpu-dry-run", "--out", str(out),
-         "--work", str(tmp_path / "work")],
-        env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900,
+        [
+            "bash",
+            str(ROOT / "scripts" / "gpu-acceptance.sh"),
+            "--cpu-dry-run",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((out / "acceptance.json").read_text())
@@ -97,7 +115,9 @@ def test_cpu_dry_run_reports_every_step(tmp_path):
         assert outcome["status"].startswith(expected), (step.name, outcome["status"], outcome["output_tail"])
         assert outcome["seconds"] > 0
     assert steps["gpu-tests"]["figures"]["collected"] > 50
-    assert steps["sampler"]["figures"]["tokens"] == acceptance.DRY_SCALE.sampler_rows * acceptance.DRY_SCALE.sampler_tokens
+    assert (
+        steps["sampler"]["figures"]["tokens"] == acceptance.DRY_SCALE.sampler_rows * acceptance.DRY_SCALE.sampler_tokens
+    )
     assert steps["fit"]["figures"]["steps_per_second"] > 0 and steps["rl"]["figures"]["rollouts_per_second"] > 0
     assert "| rl rollouts now |" in steps["pipeline"]["figures"]["section"]
     report = (out / "acceptance.md").read_text()

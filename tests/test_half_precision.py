@@ -10,7 +10,7 @@ from foresight.models import tiny_model
 from foresight.policies import EvictionContext
 from tests.decoding import assert_batch_decodes_as_each_row_alone
 from tests.eviction_steps import GROUP, keep_scores, random_context
-from tests.policy_lists import make, SCORED
+from tests.policy_lists import SCORED, make
 from tests.prompts import prompts
 
 HALF = (torch.bfloat16, torch.float16)
@@ -49,6 +49,7 @@ def test_policies_score_half_precision_caches_in_float32(name, dtype):
 
 
 # -- a padded batch in half precision -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", ["full", "streaming", "h2o"])

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from foresight.cli import main
-
 from foresight.eval.headroom import TraceScore, _resample_weights, headroom, paired_gain
 
 B = 128
@@ -108,7 +107,11 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
     assert len(merged) == len(base) + 6  # golden, scored twice alike, counts once
     report = ablation_report((("set", folders),), (("first", "a"), ("second", "b")), B)
     assert "best heuristic h2o" in report
-    rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| first") or line.startswith("| second")}
+    rows = {
+        line.split(" | ")[0].strip("| "): line
+        for line in report.splitlines()
+        if line.startswith("| first") or line.startswith("| second")
+    }
     assert "| 50.0% [" in rows["first"] and "| 0.0% [" in rows["second"]
     assert headroom(merged, B, "first", ["second"]).share.value == pytest.approx(0.5)
     assert "| -0.1000 [" in rows["second"]  # first − second: 1.2 − 1.3 on the same traces, paired
@@ -135,14 +138,29 @@ def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):
     assert sorted({s.index for s in pooled}) == [0, 1, 2, SET_STRIDE, SET_STRIDE + 1, SET_STRIDE + 2]
     result = headroom(pooled, B, "foresight")
     assert result.traces == 6 and result.share.value == pytest.approx(0.5)  # the same sums, twice
-    assert result.share.high - result.share.low <= headroom(RUN, B, "foresight").share.high - headroom(RUN, B, "foresight").share.low
+    assert (
+        result.share.high - result.share.low
+        <= headroom(RUN, B, "foresight").share.high - headroom(RUN, B, "foresight").share.low
+    )
     with pytest.raises(ValueError, match="--pool names 'd', which is not a set; the sets are: a, b, c"):
         ablation_report(sets, (("foresight", "x"),), B, pooled=("d",))
     with pytest.raises(ValueError, match="cannot be pooled across sets"):
         pooled_scores([[TraceScore("h2o", B, SET_STRIDE, "src", 1, 1.0, 1.0, 1, 0)]])
     out = tmp_path / "report.md"  # the same tables through `foresight bench ablation`, its command above them
-    argv = ["bench", "ablation", "--set", f"a={tmp_path / 'a'}", "--set", f"b={tmp_path / 'b'}", "--learned", "foresight=x",
-            "--pool", "a,b", "--out", str(out)]
+    argv = [
+        "bench",
+        "ablation",
+        "--set",
+        f"a={tmp_path / 'a'}",
+        "--set",
+        f"b={tmp_path / 'b'}",
+        "--learned",
+        "foresight=x",
+        "--pool",
+        "a,b",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- ablation-B128:start -->" in text and "--pool a,b" in text and report.split("**b**")[0] in text
@@ -157,24 +175,31 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
 
     _eval_folder(tmp_path / "a", [s for s in RUN if s.policy != "foresight"])
     _eval_folder(tmp_path / "b", [s for s in RUN if s.policy in ("foresight", "golden")])
-    rows = [{"policy": p, "budget": B, "interval": 32, "loss_ratio": 1.0, "kv_mib": mib} for p, mib in
-            (("h2o", 2.5), ("raas", 4.0), ("foresight", 2.5))]
+    rows = [
+        {"policy": p, "budget": B, "interval": 32, "loss_ratio": 1.0, "kv_mib": mib}
+        for p, mib in (("h2o", 2.5), ("raas", 4.0), ("foresight", 2.5))
+    ]
     (tmp_path / "a" / "results.json").write_text(json.dumps([{**rows[0], "kv_mib": None}, rows[1]]))
     (tmp_path / "b" / "results.json").write_text(json.dumps([rows[0], rows[2]]))
     assert {(r["policy"], r["kv_mib"]) for r in memory_rows((tmp_path / "a", tmp_path / "b"))} == {
-        ("h2o", 2.5), ("raas", 4.0), ("foresight", 2.5)  # the row that states its memory wins
+        ("h2o", 2.5),
+        ("raas", 4.0),
+        ("foresight", 2.5),  # the row that states its memory wins
     }
     _eval_folder(tmp_path / "c", scores("h2o", (70.0, 25.0, 48.0), budget=256))
     (tmp_path / "c" / "results.json").write_text(json.dumps([{**rows[0], "budget": 256, "kv_mib": 4.5}]))
-    report = baselines_report((("Set A", (tmp_path / "a", tmp_path / "b", tmp_path / "c")),), ("other", "foresight"),
-                              (B, 256), tmp_path)
+    report = baselines_report(
+        (("Set A", (tmp_path / "a", tmp_path / "b", tmp_path / "c")),), ("other", "foresight"), (B, 256), tmp_path
+    )
     at_128, at_256 = report.split("B = 256")
     lines = {line.split(" | ")[0].strip("| "): line for line in at_128.splitlines() if line.startswith("| ")}
     gain = paired_gain(RUN, B, "h2o", "foresight")
     assert lines["h2o"].startswith("| h2o | 2.50 | 1.3000 [") and f"| {gain} |" in lines["h2o"]
     assert gain.value == pytest.approx(0.1)
     damage = paired_gain(RUN, B, "h2o", "foresight", "low_entropy_damage")
-    assert damage.value == pytest.approx(8 / 240 - 2 / 240) and lines["h2o"].endswith(f"| {damage.value:.2%} [{damage.low:.2%}, {damage.high:.2%}] |")
+    assert damage.value == pytest.approx(8 / 240 - 2 / 240) and lines["h2o"].endswith(
+        f"| {damage.value:.2%} [{damage.low:.2%}, {damage.high:.2%}] |"
+    )
     assert lines["raas"].endswith("| other tokens | other tokens |") and lines["golden"].startswith("| golden | – |")
     assert lines["foresight"].endswith("| – | – |")
     assert "Learned row: foresight." in report

@@ -33,7 +33,9 @@ print(json.dumps({"kept": kept, "released_mib": held - resident_mib()}))
 
 def free_a_tensor(mode: str, **environment: str) -> dict:
     env = {**os.environ, **environment}
-    done = subprocess.run([sys.executable, "-c", FREE_A_TENSOR, mode], capture_output=True, text=True, env=env, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", FREE_A_TENSOR, mode], capture_output=True, text=True, env=env, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -46,7 +48,9 @@ def test_glibc_gives_a_freed_tensor_back_by_default():
     assert not figures["kept"] and figures["released_mib"] > 56
 
 
-@pytest.mark.parametrize("variable, value", [("MALLOC_MMAP_MAX_", "65536"), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")])
+@pytest.mark.parametrize(
+    "variable, value", [("MALLOC_MMAP_MAX_", "65536"), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")]
+)
 def test_a_user_setting_of_malloc_is_left_alone(variable, value):
     figures = free_a_tensor("keep", **{variable: value})
     assert not figures["kept"] and figures["released_mib"] > 56

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.policy_lists import constructible_policies
-from tests.prompts import prompts
-from tests.scorers import random_scorer
 
 from foresight.device_checks import require
 from foresight.models import tiny_model
 from foresight.policies import foresight as foresight_policy
 from foresight.policies import make_policy
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.device_ops import DeviceOps
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.host_reads import HostReads
+from tests.policy_lists import constructible_policies
+from tests.prompts import prompts
+from tests.scorers import random_scorer
 
 B, L = 12, 4
 
@@ -150,8 +150,12 @@ def test_the_learned_step_runs_as_many_operations_whatever_the_layer_count(monke
         ops = DeviceOps()
         for method in ("step_observe", "step_keep_scores"):
             original = getattr(policy, method)
-            monkeypatch.setattr(policy, method, lambda contexts, original=original, ops=ops: _counted(ops, original, contexts))
-        output = EvictionEngine(model, policy, EvictionConfig(B, L)).replay([torch.tensor(p) for p in prompts([40, 40])], [8, 8])
+            monkeypatch.setattr(
+                policy, method, lambda contexts, original=original, ops=ops: _counted(ops, original, contexts)
+            )
+        output = EvictionEngine(model, policy, EvictionConfig(B, L)).replay(
+            [torch.tensor(p) for p in prompts([40, 40])], [8, 8]
+        )
         counted.append(ops.total / output.stats.evictions)
     assert counted[0] == counted[1] > 0
 

@@ -120,8 +120,8 @@ def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(
     under the same rule holds the same number of entries."""
     import sys
 
-    from foresight.bench.serve import EngineDecoder
     from foresight.bench.kvpress_worker import KvpressDecoder
+    from foresight.bench.serve import EngineDecoder
     from tests.prompts import char_tokenizer, random_prompts
 
     folder = tmp_path / "tiny"
@@ -135,7 +135,9 @@ def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(
         stopped = worker.run(4, new_tokens, theirs.peak_bytes)
     finally:
         worker.close()
-    ours = EngineDecoder("knorm", tiny_model("llama"), make_policy("knorm"), EvictionConfig(budget, interval), ids).run(2, new_tokens, None)
+    ours = EngineDecoder("knorm", tiny_model("llama"), make_policy("knorm"), EvictionConfig(budget, interval), ids).run(
+        2, new_tokens, None
+    )
     assert theirs.fits and theirs.tokens_per_second > 0 and not stopped.fits
     assert theirs.peak_entries == budget + interval - 1  # DecodingPress compresses inside the step that reaches B + L
     assert ours.peak_entries == budget + interval == worker.held_entries(new_tokens)

@@ -8,6 +8,8 @@ import torch
 
 from foresight import cli
 from foresight.cadence import TraceTooShort, eviction_steps, keep_top
+from foresight.data.trace_generation import generate_traces
+from foresight.data.trace_store import TraceStore
 from foresight.labels import (
     GoldenLabels,
     LabelStore,
@@ -21,13 +23,10 @@ from foresight.labels import (
     save_labels,
 )
 from foresight.models import ModelShape, tiny_model
-from foresight.data.trace_store import TraceStore
-from foresight.data.trace_generation import generate_traces
 from foresight.runtime.capture import attention_logits
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
 
 BLOCK_MEAN_RTOL = 1e-6  # a product of several blocks sums each block's mean in another float32 order
-
 
 
 def sharp_model(arch: str) -> torch.nn.Module:
@@ -58,18 +57,22 @@ def reference_labels(model, ids: torch.Tensor, budget: int, interval: int) -> tu
         group = attention.shape[0] // model.config.num_key_value_heads
         layer_candidates, layer_alpha = [], []
         for head in range(model.config.num_key_value_heads):
-            heads = attention[head * group:(head + 1) * group]
+            heads = attention[head * group : (head + 1) * group]
             block = {}
             for j in range(1, steps + 1):
                 rows = [q for q in range(budget + j * interval, budget + (j + 1) * interval) if q < length]
                 block[j] = [
-                    sum(heads[g, q, i].item() for g in range(group) for q in rows) / (group * len(rows)) if rows else 0.0
+                    sum(heads[g, q, i].item() for g in range(group) for q in rows) / (group * len(rows))
+                    if rows
+                    else 0.0
                     for i in range(length)
                 ]
             kept, head_candidates, head_alpha = [], [], []
             for t in range(1, steps + 1):
                 alpha = [max(block[j][i] for j in range(t, steps + 1)) for i in range(length)]
-                window_left = range(0, budget) if t == 1 else range(budget + (t - 2) * interval, budget + (t - 1) * interval)
+                window_left = (
+                    range(0, budget) if t == 1 else range(budget + (t - 2) * interval, budget + (t - 1) * interval)
+                )
                 candidates = sorted(kept + list(window_left))
                 head_candidates.append(candidates)
                 head_alpha.append([alpha[i] for i in candidates])
@@ -116,7 +119,9 @@ def loop_block_scores(queries: torch.Tensor, keys: torch.Tensor, start: int, sca
     return weights.mean(dim=(1, 2))
 
 
-def loop_future_scores(queries: torch.Tensor, keys: torch.Tensor, budget: int, interval: int, scaling: float) -> torch.Tensor:
+def loop_future_scores(
+    queries: torch.Tensor, keys: torch.Tensor, budget: int, interval: int, scaling: float
+) -> torch.Tensor:
     """Slow twin of `future_scores`: one block at a time from the last, the suffix max built in place."""
     num_tokens = keys.shape[1]
     num_steps = eviction_steps(num_tokens, budget, interval)
@@ -133,13 +138,17 @@ def loop_future_scores(queries: torch.Tensor, keys: torch.Tensor, budget: int, i
     return future
 
 
-def loop_labels(model, ids: torch.Tensor, budget: int, interval: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def loop_labels(
+    model, ids: torch.Tensor, budget: int, interval: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slow twin of `compute_golden_labels` and `future_score_table`: the loop future scores and the greedy
     schedule of one layer at a time. Returns candidates, alpha [M, layers, Hkv, B] and the table [M, layers, Hkv, N]."""
     capture = _capture_forward(model, ids, chunk_size=256)
     tables, candidates, alpha = [], [], []
     for layer in range(len(capture.queries)):
-        future = loop_future_scores(capture.queries[layer], capture.keys[layer], budget, interval, capture.scaling[layer])
+        future = loop_future_scores(
+            capture.queries[layer], capture.keys[layer], budget, interval, capture.scaling[layer]
+        )
         layer_candidates, layer_alpha = golden_schedule(future, budget, interval)
         tables.append(future)
         candidates.append(layer_candidates.int())
@@ -169,7 +178,11 @@ def test_future_scores_match_the_per_block_loop(length, budget, interval, query_
         assert torch.equal(batched, expected)
     else:
         torch.testing.assert_close(batched, expected, rtol=BLOCK_MEAN_RTOL, atol=1e-12)
-    assert batched.shape == (eviction_steps(length, budget, interval), kv_heads, budget + (batched.shape[0] - 1) * interval)
+    assert batched.shape == (
+        eviction_steps(length, budget, interval),
+        kv_heads,
+        budget + (batched.shape[0] - 1) * interval,
+    )
 
 
 def test_golden_schedule_batched_over_layers_equals_one_layer_at_a_time():
@@ -310,15 +323,24 @@ def test_labels_dir_layout(tmp_path):
 
 def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
-    generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), out_dir=tmp_path, num=6, max_new_tokens=12,
-                    progress=False, model_name="tiny")
+    generate_traces(
+        model,
+        tokenizer,
+        str(DATA / "arithmetic.jsonl"),
+        out_dir=tmp_path,
+        num=6,
+        max_new_tokens=12,
+        progress=False,
+        model_name="tiny",
+    )
     lengths = {trace.index: trace.input_ids.numel() for trace in TraceStore(tmp_path)}
     interval = 4
     budget = sorted(set(lengths.values()))[1] - interval  # the shortest traces have no eviction step
     short = sum(length < budget + interval for length in lengths.values())
     loads = []
-    monkeypatch.setattr("trainers.preparation.load_model",
-                        lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1])
+    monkeypatch.setattr(
+        "trainers.preparation.load_model", lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1]
+    )
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -342,7 +364,10 @@ def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
 
     assert cli.main([*args, "--model", "other"]) == 2
     error = capsys.readouterr().err.strip()
-    assert error == f"foresight labels: error: --model 'other' is not the model that made the traces in {tmp_path} ('tiny')"
+    assert (
+        error
+        == f"foresight labels: error: --model 'other' is not the model that made the traces in {tmp_path} ('tiny')"
+    )
     assert cli.main(["labels", "--traces", str(tmp_path), "-B", "6", "-L", "6"]) == 2
     assert "budget B=6 must be larger than the interval L=6" in capsys.readouterr().err
 
@@ -363,8 +388,16 @@ def test_sliding_window_layers_are_refused_and_attention_is_restored():
 
 def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path, monkeypatch, capsys):
     model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
-    generate_traces(model, tokenizer, str(DATA / "arithmetic.jsonl"), out_dir=tmp_path, num=2, max_new_tokens=12,
-                    progress=False, model_name="tiny")
+    generate_traces(
+        model,
+        tokenizer,
+        str(DATA / "arithmetic.jsonl"),
+        out_dir=tmp_path,
+        num=2,
+        max_new_tokens=12,
+        progress=False,
+        model_name="tiny",
+    )
     monkeypatch.setattr("trainers.preparation.load_model", lambda name, **kwargs: (model, tokenizer))
     budget, interval = 8, 4
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]

@@ -28,15 +28,20 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
     """Run import-linter on the packages under `root` (a separate process, so nothing is cached)."""
     script = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"
     return subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env={"PYTHONPATH": str(root), "PATH": ""},
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", script],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 def test_every_module_of_the_library_has_a_layer():
     named = {name for layer in layers() for name in layer}
     modules = {
-        f"foresight.{path.stem}" for path in (REPO / "foresight").iterdir()
+        f"foresight.{path.stem}"
+        for path in (REPO / "foresight").iterdir()
         if path.name != "__init__.py" and (path.suffix == ".py" or (path / "__init__.py").is_file())
     }
     assert modules - named == set(), "add these modules to a layer in pyproject.toml"
@@ -62,7 +67,8 @@ def test_attention_is_hooked_in_one_place():
     """Labels, the evaluation probe and the engine all register attention through `runtime.capture`."""
     hooks = {
         path.relative_to(REPO).as_posix()
-        for package in PACKAGES for path in (REPO / package).rglob("*.py")
+        for package in PACKAGES
+        for path in (REPO / package).rglob("*.py")
         if "AttentionInterface.register" in path.read_text() or "set_attn_implementation" in path.read_text()
     }
     assert hooks <= {"foresight/runtime/capture.py", "foresight/bench/kvpress_worker.py"}, hooks

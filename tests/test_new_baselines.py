@@ -17,7 +17,7 @@ from foresight.policies.triattention_stats import calibrate, load_stats
 from foresight.policies.vase import sampling_weights
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.eviction_steps import CANDIDATES, KV_HEADS, random_context, SCALING
+from tests.eviction_steps import CANDIDATES, KV_HEADS, SCALING, random_context
 from tests.policy_lists import random_stats
 from tests.prompts import prompts
 
@@ -34,14 +34,21 @@ def assert_close_on_valid(actual: torch.Tensor, expected: list, context: Evictio
 def moved(context: EvictionContext) -> EvictionContext:
     """The same entries with the batch rows swapped and one more invalid slot in front: a row's scores must not
     depend on its batch neighbours or on padding."""
+
     def shift(tensor, fill):
         pad = torch.full_like(tensor[:, :, :1], fill)
         return torch.cat([pad, tensor], dim=2).flip(0)
 
     return EvictionContext(
-        layer_idx=context.layer_idx, num_layers=context.num_layers, keys=shift(context.keys, 0.0),
-        values=shift(context.values, 0.0), positions=shift(context.positions, -1), num_candidates=CANDIDATES + 1,
-        scaling=SCALING, queries=context.queries.flip(0), query_positions=context.query_positions.flip(0),
+        layer_idx=context.layer_idx,
+        num_layers=context.num_layers,
+        keys=shift(context.keys, 0.0),
+        values=shift(context.values, 0.0),
+        positions=shift(context.positions, -1),
+        num_candidates=CANDIDATES + 1,
+        scaling=SCALING,
+        queries=context.queries.flip(0),
+        query_positions=context.query_positions.flip(0),
     )
 
 
@@ -64,9 +71,15 @@ def test_random_prompt_matches_reference_and_protects_the_prompt_by_default():
 def test_random_prompt_redraws_at_every_step_unlike_random():
     """The same entries at a later step (newest position moved) get a fresh draw; `random` keeps its draw."""
     context = random_context(group=2)
-    later = EvictionContext(layer_idx=0, num_layers=1, keys=context.keys, values=context.values,
-                            positions=torch.cat([context.positions, context.positions[..., -1:] + 1], dim=-1),
-                            num_candidates=CANDIDATES, scaling=SCALING)
+    later = EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=context.keys,
+        values=context.values,
+        positions=torch.cat([context.positions, context.positions[..., -1:] + 1], dim=-1),
+        num_candidates=CANDIDATES,
+        scaling=SCALING,
+    )
     valid = context.candidate_positions >= 0
     for name, redraws in (("random-prompt", True), ("random", False)):
         now, then = make_policy(name).keep_scores(context)[valid], make_policy(name).keep_scores(later)[valid]
@@ -82,8 +95,15 @@ def test_random_prompt_is_reproducible_uniform_and_batch_equals_single():
     assert not torch.equal(make_policy("random-prompt", seed=6).keep_scores(context), first)
     assert_batch_equals_single(make_policy("random-prompt", seed=5), context)
     positions = torch.arange(20000).expand(1, KV_HEADS, -1)
-    big = EvictionContext(layer_idx=1, num_layers=2, keys=torch.zeros(1, KV_HEADS, 20000, 1),
-                          values=torch.zeros(1, KV_HEADS, 20000, 1), positions=positions, num_candidates=19990, scaling=1.0)
+    big = EvictionContext(
+        layer_idx=1,
+        num_layers=2,
+        keys=torch.zeros(1, KV_HEADS, 20000, 1),
+        values=torch.zeros(1, KV_HEADS, 20000, 1),
+        positions=positions,
+        num_candidates=19990,
+        scaling=1.0,
+    )
     scores = make_policy("random-prompt").keep_scores(big)
     shares = torch.histc(scores, bins=10, min=0.0, max=1.0) / scores.numel()
     assert (shares - 0.1).abs().max() < 0.01
@@ -95,10 +115,24 @@ def test_random_prompt_is_reproducible_uniform_and_batch_equals_single():
 def test_vase_matches_reference(group, query_start, share, magnitude):
     context = random_context(group, seed=2, query_start=query_start)
     scores = make_policy("vase", large_share=share, magnitude=magnitude, seed=1).keep_scores(context)
-    expected = ref.vase(context.queries.tolist(), context.query_positions.tolist(), context.keys.tolist(),
-                        context.values.tolist(), context.positions.tolist(), SCALING, CANDIDATES, 0, 1, share, magnitude)
-    assert_close_on_valid(scores.nan_to_num(neginf=-1e30), [[[-1e30 if x == -math.inf else x for x in h] for h in b]
-                                                              for b in expected], context)
+    expected = ref.vase(
+        context.queries.tolist(),
+        context.query_positions.tolist(),
+        context.keys.tolist(),
+        context.values.tolist(),
+        context.positions.tolist(),
+        SCALING,
+        CANDIDATES,
+        0,
+        1,
+        share,
+        magnitude,
+    )
+    assert_close_on_valid(
+        scores.nan_to_num(neginf=-1e30),
+        [[[-1e30 if x == -math.inf else x for x in h] for h in b] for b in expected],
+        context,
+    )
 
 
 def test_vase_keeps_the_largest_values_first_and_batch_equals_single():
@@ -120,15 +154,26 @@ def test_vase_samples_in_proportion_to_attention():
     """Efraimidis-Spirakis keys: over many seeds, the sampled candidate ranked first is candidate n with
     probability w_n / sum(w) (protection off, one row, one head)."""
     context = random_context(group=2, seed=5)
-    context = EvictionContext(layer_idx=0, num_layers=1, keys=context.keys[:1, :1], values=context.values[:1, :1],
-                              positions=context.positions[:1, :1], num_candidates=CANDIDATES, scaling=SCALING,
-                              queries=context.queries[:1, :2], query_positions=context.query_positions[:1])
+    context = EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=context.keys[:1, :1],
+        values=context.values[:1, :1],
+        positions=context.positions[:1, :1],
+        num_candidates=CANDIDATES,
+        scaling=SCALING,
+        queries=context.queries[:1, :2],
+        query_positions=context.query_positions[:1],
+    )
     weights = sampling_weights(context)[0, 0]
-    firsts = torch.stack([make_policy("vase", large_share=0.0, seed=seed).keep_scores(context)[0, 0].argmax()
-                          for seed in range(4000)])
+    firsts = torch.stack(
+        [make_policy("vase", large_share=0.0, seed=seed).keep_scores(context)[0, 0].argmax() for seed in range(4000)]
+    )
     frequency = torch.bincount(firsts, minlength=CANDIDATES).float() / len(firsts)
     assert (frequency - weights / weights.sum()).abs().max() < 0.03
-    assert not torch.equal(make_policy("vase", seed=1).keep_scores(context), make_policy("vase", seed=2).keep_scores(context))
+    assert not torch.equal(
+        make_policy("vase", seed=1).keep_scores(context), make_policy("vase", seed=2).keep_scores(context)
+    )
 
 
 # -- triattention: scores -----------------------------------------------------------------------------------
@@ -140,9 +185,17 @@ def test_triattention_matches_reference(group, rope_scale, normalize, max_offset
     stats = random_stats(group, rope_scale)
     scores = make_policy("triattention", stats=stats, normalize=normalize, max_offset=max_offset).keep_scores(context)
     offsets = [2**j for j in range(max_offset.bit_length())]
-    expected = ref.triattention(context.keys.tolist(), context.positions.tolist(), stats.q_mean[0].tolist(),
-                                stats.q_abs_mean[0].tolist(), stats.inv_freq.tolist(), rope_scale, offsets, CANDIDATES,
-                                normalize)
+    expected = ref.triattention(
+        context.keys.tolist(),
+        context.positions.tolist(),
+        stats.q_mean[0].tolist(),
+        stats.q_abs_mean[0].tolist(),
+        stats.inv_freq.tolist(),
+        rope_scale,
+        offsets,
+        CANDIDATES,
+        normalize,
+    )
     assert_close_on_valid(scores, expected, context, atol=2e-4 if normalize else 2e-3, rtol=1e-4)
     assert_batch_equals_single(make_policy("triattention", stats=stats), context)
 
@@ -150,10 +203,20 @@ def test_triattention_matches_reference(group, rope_scale, normalize, max_offset
 def test_triattention_refuses_stats_of_another_model_shape():
     stats = random_stats(group=2)
     context = random_context(group=2)
-    other = EvictionContext(layer_idx=0, num_layers=1, keys=context.keys[:, :1], values=context.values[:, :1],
-                            positions=context.positions[:, :1], num_candidates=CANDIDATES, scaling=SCALING)
-    with pytest.raises(ValueError, match=r"made for 'random' \(1 layers x 4 query / 2 KV heads x 8 dims\) do not fit "
-                                         r"this model \(1 layers x 4 query / 1 KV heads x 8 dims\)") as error:
+    other = EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=context.keys[:, :1],
+        values=context.values[:, :1],
+        positions=context.positions[:, :1],
+        num_candidates=CANDIDATES,
+        scaling=SCALING,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"made for 'random' \(1 layers x 4 query / 2 KV heads x 8 dims\) do not fit "
+        r"this model \(1 layers x 4 query / 1 KV heads x 8 dims\)",
+    ) as error:
         make_policy("triattention", stats=stats).keep_scores(other)
     assert "\n" not in str(error.value) and "foresight calibrate" in str(error.value)
     with pytest.raises(ValueError, match="do not fit"):
@@ -164,8 +227,12 @@ def test_triattention_refuses_stats_of_another_model_shape():
 def pre_rope_query_means(model, sequences):
     """The q_proj outputs (Llama's pre-RoPE queries) of whole-sequence forwards, averaged per band."""
     shape, outputs = describe(model), {}
-    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o, layer=l: outputs.setdefault(layer, []).append(o[0]))
-             for l, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(
+            lambda m, i, o, layer=l: outputs.setdefault(layer, []).append(o[0])
+        )
+        for l, layer in enumerate(model.model.layers)
+    ]
     with torch.no_grad():
         for ids in sequences:
             model(input_ids=ids[None])
@@ -194,7 +261,12 @@ def test_calibrate_command_writes_stats_the_policy_loads(tmp_path, traces_dir, t
     parser = argparse.ArgumentParser()
     calibrate_command.add_arguments(parser)
     out = tmp_path / "stats"
-    assert calibrate_command.run(parser.parse_args(["--traces", str(traces_dir), "--out", str(out), "--max-tokens", "150"])) == 0
+    assert (
+        calibrate_command.run(
+            parser.parse_args(["--traces", str(traces_dir), "--out", str(out), "--max-tokens", "150"])
+        )
+        == 0
+    )
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     stats = load_stats(out)
     assert stats.model == str(tiny_dir) and stats.tokens >= 150 and stats.source == str(traces_dir)
@@ -225,12 +297,28 @@ def test_stats_folder_refuses_missing_and_torn_files(tmp_path):
 def test_half_precision_caches_score_in_float32(name, dtype):
     """Scores of a half-precision cache equal, bit for bit, those of the same values in float32."""
     base = random_context(group=2, seed=4)
-    rounded = EvictionContext(layer_idx=0, num_layers=1, keys=base.keys.to(dtype), values=base.values.to(dtype),
-                              positions=base.positions, num_candidates=CANDIDATES, scaling=SCALING,
-                              queries=base.queries.to(dtype), query_positions=base.query_positions)
-    upcast = EvictionContext(layer_idx=0, num_layers=1, keys=rounded.keys.float(), values=rounded.values.float(),
-                             positions=base.positions, num_candidates=CANDIDATES, scaling=SCALING,
-                             queries=rounded.queries.float(), query_positions=base.query_positions)
+    rounded = EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=base.keys.to(dtype),
+        values=base.values.to(dtype),
+        positions=base.positions,
+        num_candidates=CANDIDATES,
+        scaling=SCALING,
+        queries=base.queries.to(dtype),
+        query_positions=base.query_positions,
+    )
+    upcast = EvictionContext(
+        layer_idx=0,
+        num_layers=1,
+        keys=rounded.keys.float(),
+        values=rounded.values.float(),
+        positions=base.positions,
+        num_candidates=CANDIDATES,
+        scaling=SCALING,
+        queries=rounded.queries.float(),
+        query_positions=base.query_positions,
+    )
     options = {"stats": random_stats(group=2)} if name == "triattention" else {}
     half = make_policy(name, **options).keep_scores(rounded)
     assert half.dtype == torch.float32
@@ -249,7 +337,9 @@ def tiny_stats():
 
 def generate(policy, prompts=PROMPTS, protect_prompt=None):
     config = EvictionConfig(budget=BUDGET, interval=INTERVAL, protect_prompt=protect_prompt)
-    return EvictionEngine(tiny_model("llama"), policy, config).generate([list(p) for p in prompts], max_new_tokens=NEW_TOKENS)
+    return EvictionEngine(tiny_model("llama"), policy, config).generate(
+        [list(p) for p in prompts], max_new_tokens=NEW_TOKENS
+    )
 
 
 @pytest.mark.parametrize("name", ["random-prompt", "vase", "triattention"])

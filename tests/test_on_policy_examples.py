@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from foresight.data.trace_store import TraceStore
 from foresight.labels import compute_golden_labels, future_score_table
 from foresight.models import describe, tiny_model
 from foresight.policies import make_policy
-from foresight.data.trace_store import TraceStore
 from foresight.runtime.policy import EvictionContext, Policy
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 from trainers.example_cache import GOLDEN_TRAJECTORY, ExampleCache, ExampleKey

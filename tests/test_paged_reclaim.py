@@ -26,7 +26,9 @@ def loop_reclaim(held: torch.Tensor, page_size: int) -> tuple[int, int, tuple[in
     sequence = layer_pages = per_head = 0
     for page in range(length // page_size):
         slots = range(page * page_size, (page + 1) * page_size)
-        empty = [[all(not held[layer, head, slot] for slot in slots) for head in range(heads)] for layer in range(layers)]
+        empty = [
+            [all(not held[layer, head, slot] for slot in slots) for head in range(heads)] for layer in range(layers)
+        ]
         per_head += page_size * sum(map(sum, empty))
         layer_pages += page_size * heads * sum(map(all, empty))
         sequence += page_size * heads * layers if all(map(all, empty)) else 0
@@ -86,7 +88,11 @@ def test_a_replay_yields_the_state_after_every_eviction_step(traces_dir, name):
     length = trace.input_ids.numel()
     assert len(states) == eviction_steps(length, budget, interval)
     for step, held in enumerate(states, start=1):  # step t runs after position B + tL - 1 and keeps B entries
-        assert held.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads, budget + step * interval)
+        assert held.shape == (
+            model.config.num_hidden_layers,
+            model.config.num_key_value_heads,
+            budget + step * interval,
+        )
         assert bool((held.sum(-1) == budget).all()) and bool(held[..., -interval:].all())
     for before, after in itertools.pairwise(states):  # an evicted entry never comes back
         assert not bool((after[..., : before.shape[-1]] & ~before).any())
@@ -100,12 +106,28 @@ def test_the_recorder_passes_every_call_through():
 
 def test_the_benchmark_reports_one_row_per_policy_page_size_and_budget(traces_dir, tmp_path):
     out = tmp_path / "bench.md"
-    argv = ["bench", "paged-reclaim", "--traces", str(traces_dir), "--policies", "random,streaming", "-B", "16,24", "-L", "4",
-            "--page-sizes", "4,8", "--out", str(out)]
+    argv = [
+        "bench",
+        "paged-reclaim",
+        "--traces",
+        str(traces_dir),
+        "--policies",
+        "random,streaming",
+        "-B",
+        "16,24",
+        "-L",
+        "4",
+        "--page-sizes",
+        "4,8",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     text = out.read_text()
     assert "<!-- paged-reclaim:start -->" in text and f"--traces {traces_dir}" in text
-    rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith(("| random ", "| streaming "))]
+    rows = [
+        line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith(("| random ", "| streaming "))
+    ]
     assert sorted((row[0], int(row[1]), int(row[2])) for row in rows) == sorted(
         itertools.product(["random", "streaming"], [16, 24], [4, 8])
     )

@@ -14,15 +14,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from foresight import cli
-from trainers import preparation
-from trainers.example_cache import ExampleCache, ExampleKey
-from trainers.examples import golden_steps
+from foresight.data.trace_store import TraceStore
 from foresight.labels import LabelStore
 from foresight.models import load_model
-from trainers.preparation import FrozenModel, TraceRecipe, make_examples, make_labels
-from foresight.data.trace_store import TraceStore
 from tests.prompts import DATA
+from trainers import preparation
 from trainers.data import GoldenDataModule
+from trainers.example_cache import ExampleCache, ExampleKey
+from trainers.examples import golden_steps
+from trainers.preparation import FrozenModel, TraceRecipe, make_examples, make_labels
 
 B, L_ = 16, 4
 
@@ -41,8 +41,17 @@ def loads(monkeypatch) -> list[str]:
 
 
 def key(tiny_dir: Path, **changes) -> ExampleKey:
-    settings = dict(model=str(tiny_dir), model_dtype="float32", budget=B, interval=L_, feature_set="paper",
-                    storage_dtype="float16") | changes
+    settings = (
+        dict(
+            model=str(tiny_dir),
+            model_dtype="float32",
+            budget=B,
+            interval=L_,
+            feature_set="paper",
+            storage_dtype="float16",
+        )
+        | changes
+    )
     return ExampleKey(**settings)
 
 
@@ -89,14 +98,19 @@ def test_verbs_resume_and_replace_damaged_files(fresh_traces, tiny_dir, loads, c
     damaged = store.path(trace.index)
     original = truncate(damaged)
     error = one_line_error(lambda: store.load(trace.index, num_tokens=trace.input_ids.numel()))
-    assert f"{damaged} is damaged" in error and f"`foresight labels --traces {fresh_traces} --budget 16 --interval 4`" in error
+    assert (
+        f"{damaged} is damaged" in error
+        and f"`foresight labels --traces {fresh_traces} --budget 16 --interval 4`" in error
+    )
     assert cli.main(labels_args) == 0
     assert "labelled 1 traces (1 replacing damaged files)" in capsys.readouterr().out
     assert_same(damaged, original, rtol=0, atol=0)  # labelling is deterministic: the same file again
 
     features = fresh_traces.parent / "examples"
     cache = ExampleCache(features, fresh_traces, key(tiny_dir))
-    assert cli.main(["examples", "--traces", str(fresh_traces), "-B", str(B), "-L", str(L_), "--out", str(features)]) == 0
+    assert (
+        cli.main(["examples", "--traces", str(fresh_traces), "-B", str(B), "-L", str(L_), "--out", str(features)]) == 0
+    )
     assert f"made the examples of {len(TraceStore(fresh_traces))} traces" in capsys.readouterr().out
     trace = TraceStore(fresh_traces)[5]
     original = truncate(cache.path(trace.index))
@@ -114,8 +128,11 @@ def test_verbs_resume_and_replace_damaged_files(fresh_traces, tiny_dir, loads, c
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, traces_dir, tiny_dir) -> tuple[Path, ExampleCache]:
     """A labelled copy of the traces and its example cache (read-only for the tests that use it)."""
-    traces = Path(shutil.copytree(traces_dir, tmp_path_factory.mktemp("made") / "traces",
-                                  ignore=shutil.ignore_patterns("labels-*")))
+    traces = Path(
+        shutil.copytree(
+            traces_dir, tmp_path_factory.mktemp("made") / "traces", ignore=shutil.ignore_patterns("labels-*")
+        )
+    )
     frozen = FrozenModel(str(tiny_dir))
     make_labels(frozen, traces, B, L_, progress=False)
     cache = ExampleCache(traces.parent / "examples", traces, key(tiny_dir))
@@ -160,7 +177,10 @@ def test_a_feature_cache_of_another_key_is_refused(made, tiny_dir, change, store
 def test_features_need_labels_and_the_model_that_made_the_traces(fresh_traces, tiny_dir, loads):
     cache = ExampleCache(fresh_traces.parent / "examples", fresh_traces, key(tiny_dir))
     error = one_line_error(lambda: make_examples(FrozenModel(str(tiny_dir)), cache, progress=False))
-    assert "golden labels of trace" in error and f"`foresight labels --traces {fresh_traces} --budget 16 --interval 4`" in error
+    assert (
+        "golden labels of trace" in error
+        and f"`foresight labels --traces {fresh_traces} --budget 16 --interval 4`" in error
+    )
     other = ExampleCache(cache.directory, fresh_traces, key(tiny_dir, model="another"))
     error = one_line_error(lambda: make_examples(FrozenModel("another"), other, progress=False))
     assert error == f"the traces in {fresh_traces} were made by {str(tiny_dir)!r}, not by the model 'another'"
@@ -170,8 +190,21 @@ def test_features_need_labels_and_the_model_that_made_the_traces(fresh_traces, t
 
 
 def test_a_complete_traces_folder_loads_no_model(tmp_path, tiny_dir, loads, capsys):
-    args = ["traces", "--model", str(tiny_dir), "--prompts", str(DATA / "arithmetic.jsonl"), "--num", "3",
-            "--max-new-tokens", "8", "--shard-size", "2", "--out", str(tmp_path / "traces")]
+    args = [
+        "traces",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(DATA / "arithmetic.jsonl"),
+        "--num",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--shard-size",
+        "2",
+        "--out",
+        str(tmp_path / "traces"),
+    ]
     assert cli.main(args) == 0
     assert "2 shard(s) written, 0 already complete" in capsys.readouterr().out
     assert cli.main(args) == 0

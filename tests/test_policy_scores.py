@@ -9,7 +9,17 @@ from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.eviction_steps import BATCH, candidate_positions, CANDIDATES, clustered_keys, DIM, INTERVAL, KV_HEADS, random_context, SCALING
+from tests.eviction_steps import (
+    BATCH,
+    CANDIDATES,
+    DIM,
+    INTERVAL,
+    KV_HEADS,
+    SCALING,
+    candidate_positions,
+    clustered_keys,
+    random_context,
+)
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 TENSOR_POLICIES = ("knorm", "streaming", "random", "h2o", "tova", "snapkv", "rkv")
@@ -72,8 +82,13 @@ def test_random_is_reproducible_from_its_seed():
     assert not torch.equal(make_policy("random", seed=6).keep_scores(context), first)
     assert ((first >= 0) & (first < 1)).all()
     shifted = EvictionContext(
-        layer_idx=0, num_layers=1, keys=context.keys.flip(0), values=context.values.flip(0),
-        positions=context.positions.flip(0).roll(1, dims=-1), num_candidates=CANDIDATES + 1, scaling=SCALING,
+        layer_idx=0,
+        num_layers=1,
+        keys=context.keys.flip(0),
+        values=context.values.flip(0),
+        positions=context.positions.flip(0).roll(1, dims=-1),
+        num_candidates=CANDIDATES + 1,
+        scaling=SCALING,
     )
     moved = make_policy("random", seed=5).keep_scores(shifted).flip(0)[..., 1:]
     valid = context.candidate_positions >= 0
@@ -83,8 +98,13 @@ def test_random_is_reproducible_from_its_seed():
 def test_random_scores_are_uniform():
     positions = torch.arange(20000).expand(1, KV_HEADS, -1)
     context = EvictionContext(
-        layer_idx=3, num_layers=4, keys=torch.zeros(1, KV_HEADS, 20000, 1), values=torch.zeros(1, KV_HEADS, 20000, 1),
-        positions=positions, num_candidates=20000, scaling=1.0,
+        layer_idx=3,
+        num_layers=4,
+        keys=torch.zeros(1, KV_HEADS, 20000, 1),
+        values=torch.zeros(1, KV_HEADS, 20000, 1),
+        positions=positions,
+        num_candidates=20000,
+        scaling=1.0,
     )
     scores = make_policy("random").keep_scores(context)
     shares = torch.histc(scores, bins=10, min=0.0, max=1.0) / scores.numel()
@@ -125,8 +145,13 @@ def test_rkv_redundancy_prefers_the_latest_duplicate():
     latest similar copy, so the latest copy keeps the least similarity and the lowest R."""
     keys = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])[None, None]
     context = EvictionContext(
-        layer_idx=0, num_layers=1, keys=keys, values=keys, positions=torch.arange(4)[None, None],
-        num_candidates=4, scaling=1.0,
+        layer_idx=0,
+        num_layers=1,
+        keys=keys,
+        values=keys,
+        positions=torch.arange(4)[None, None],
+        num_candidates=4,
+        scaling=1.0,
     )
     # Copies sit in slots 0, 1 and 3: rows 0 and 1 drop slot 3, row 3 drops slot 1.
     column_means = torch.tensor([2.0, 1.0, 0.0, 0.0]) / 4
@@ -157,8 +182,15 @@ def test_h2o_accumulates_like_reference_over_steps(group):
         start = window_start + step * INTERVAL
         keys = key_bank.gather(2, positions.clamp(min=0)[..., None].expand(-1, -1, -1, DIM))
         context = EvictionContext(
-            layer_idx=0, num_layers=1, keys=keys, values=keys, positions=positions, num_candidates=CANDIDATES,
-            scaling=SCALING, state={"cumulative": state}, queries=query_bank[:, :, start : start + INTERVAL],
+            layer_idx=0,
+            num_layers=1,
+            keys=keys,
+            values=keys,
+            positions=positions,
+            num_candidates=CANDIDATES,
+            scaling=SCALING,
+            state={"cumulative": state},
+            queries=query_bank[:, :, start : start + INTERVAL],
             query_positions=torch.arange(start, start + INTERVAL).expand(BATCH, -1),
         )
         state = policy.observe(context)["cumulative"]

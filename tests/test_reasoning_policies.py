@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-import foresight.runtime.policy as policy_base
 import foresight.runtime.capture as capture
+import foresight.runtime.policy as policy_base
 from foresight.models import tiny_model
 from foresight.policies import EvictionContext, make_policy
 from foresight.policies.epikv import band_layers, rolling_z_scores
 from foresight.runtime.cache import EvictionLayer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.eviction_steps import candidate_positions, KV_HEADS
+from tests.eviction_steps import KV_HEADS, candidate_positions
 from tests.prompts import random_prompts
 
 GROUP, DIM = 2, 8
@@ -184,9 +183,11 @@ def test_block_replay_equals_one_decode_step_at_a_time(name, threshold):
     interval = 6
     context = random_context(14, interval, seed=11)
     policy = make_policy(name, threshold=threshold)
-    start = lazy_state(context, seed=2) if name == "lazy" else {
-        "raas_timestamp": torch.full(context.positions.shape, float("-inf"))
-    }
+    start = (
+        lazy_state(context, seed=2)
+        if name == "lazy"
+        else {"raas_timestamp": torch.full(context.positions.shape, float("-inf"))}
+    )
     block = policy.observe(with_queries(context, slice(None), dict(start)))
     state = dict(start)
     for q in range(interval):

@@ -24,17 +24,14 @@ from transformers import AttentionInterface, Qwen2Config, Qwen3Config
 
 from foresight import cli
 from foresight.commands.rl import lightning_args as rl_lightning_args
+from foresight.data.trace_store import Trace
 from foresight.models import tiny_model
 from foresight.policies import make_policy
-from foresight.scorer.model import load_scorer
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.scorer.model import ForesightScorer
-from foresight.data.trace_store import Trace
-from trainers import grpo as grpo_module
-from trainers.cli import rl_cli_main
+from foresight.scorer.model import ForesightScorer, load_scorer
 from tests.rl_runs import (
-    B,
     L_,
+    B,
     KillAtStep,
     Killed,
     enumerated_order_probabilities,
@@ -43,10 +40,12 @@ from tests.rl_runs import (
     rl_config,
     scorer_for,
 )
+from trainers import grpo as grpo_module
+from trainers.cli import rl_cli_main
 from trainers.rollouts import (
     EvictionActions,
-    full_cache_losses,
     equal_reward_groups,
+    full_cache_losses,
     group_advantages,
     grpo_objective,
     k3_kl,
@@ -57,7 +56,6 @@ from trainers.rollouts import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +74,9 @@ def test_logprob_of_recorded_orders_equals_brute_force_enumeration(llama):
     layers, steps, rows, heads = actions.order.shape[:4]
     assert steps >= 5 and actions.order.shape[-1] == 2 and scores.shape[-1] == 4
     for layer, step, row, head in itertools.product(range(layers), range(steps), range(rows), range(heads)):
-        table = enumerated_order_probabilities(scores[layer, step, row, head].tolist(),
-                                               actions.eligible[layer, step, row, head].tolist(), draws=2)
+        table = enumerated_order_probabilities(
+            scores[layer, step, row, head].tolist(), actions.eligible[layer, step, row, head].tolist(), draws=2
+        )
         assert len(table) == 12 and math.isclose(sum(table.values()), 1.0, rel_tol=1e-9)
         order = tuple(actions.order[layer, step, row, head].tolist())
         assert math.isclose(float(logprob[row, layer, step, head]), math.log(table[order]), abs_tol=1e-5)
@@ -137,8 +136,9 @@ def test_reward_equals_a_masked_full_attention_recomputation(llama):
         rewards.append(slow_reward(evicted.tolist(), full.tolist(), entropy.tolist(), share=0.8, threshold=0.05))
         ratio = float(evicted.double().sum() / full.double().sum())
         assert math.isclose(float(rollout.scores.loss_ratio[row]), ratio, rel_tol=1e-5)
-    torch.testing.assert_close(rollout.scores.reward, torch.tensor(rewards, dtype=rollout.scores.reward.dtype),
-                               rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        rollout.scores.reward, torch.tensor(rewards, dtype=rollout.scores.reward.dtype), rtol=1e-4, atol=1e-6
+    )
     assert all(reward < 0 for reward in rewards) and len(set(rewards)) == 3  # rows sampled different evictions
 
 
@@ -223,12 +223,17 @@ def test_rollouts_in_another_dtype_are_scored_against_the_models_own_full_cache_
     stored = roll_out(low, scorer, trace, seeds, threshold=0.0)
     assert torch.equal(replayed.actions.order, stored.actions.order)
     assert not torch.allclose(replayed.scores.reward, stored.scores.reward)
-    rows = [trace.token_nll + 0.5 * torch.rand(trace.token_nll.shape, generator=torch.Generator().manual_seed(row))
-            for row in range(2)]
-    scores = score_rollouts(rows, [20, 20], trace, torch.tensor([19]), share=0.8, threshold=0.0, reference_nll=reference)
+    rows = [
+        trace.token_nll + 0.5 * torch.rand(trace.token_nll.shape, generator=torch.Generator().manual_seed(row))
+        for row in range(2)
+    ]
+    scores = score_rollouts(
+        rows, [20, 20], trace, torch.tensor([19]), share=0.8, threshold=0.0, reference_nll=reference
+    )
     for row, nll in enumerate(rows):
-        want = slow_reward(nll[20:].tolist(), reference[20:].tolist(), trace.token_entropy[20:].tolist(), share=0.8,
-                           threshold=0.0)
+        want = slow_reward(
+            nll[20:].tolist(), reference[20:].tolist(), trace.token_entropy[20:].tolist(), share=0.8, threshold=0.0
+        )
         assert math.isclose(float(scores.reward[row]), want, rel_tol=1e-5)
 
 
@@ -253,7 +258,9 @@ def test_sampling_temperature_divides_the_scores(llama):
     assert torch.equal(tempered.actions.order, divided.actions.order)
     with torch.no_grad():
         expected = divided.actions.logprob(divided.actions.scores(scaled(scorer, 1 / tau)))
-        torch.testing.assert_close(tempered.actions.logprob(tempered.actions.scores(scorer)), expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            tempered.actions.logprob(tempered.actions.scores(scorer)), expected, rtol=1e-5, atol=1e-4
+        )
     at_one = roll_out(llama, scorer, trace, seeds)
     assert not torch.equal(at_one.actions.order, tempered.actions.order)
     with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):
@@ -308,7 +315,7 @@ def test_clipped_objective_and_kl_by_hand():
     # Clipped actions pass no gradient through the surrogate, only the KL's: d/dlogp [exp(r - l) - (r - l)] = 1 - exp(r - l).
     kl_gradient = 0.5 / 6 * (1 - math.exp(-0.1 - math.log(1.5)))
     assert math.isclose(float(logprob.grad[0, 0]), kl_gradient, rel_tol=1e-5)
-    unclipped = -(-3.0) / 6 + 0.5 / 6 * (1 - math.exp(-0.1 - math.log(1.5)))  # d(-r·A)/dlogp = -r·A
+    unclipped = 3.0 / 6 + 0.5 / 6 * (1 - math.exp(-0.1 - math.log(1.5)))  # d(-r·A)/dlogp = -r·A
     assert math.isclose(float(logprob.grad[1, 0]), unclipped, rel_tol=1e-5)
     assert float(k3_kl(torch.tensor(0.3), torch.tensor(0.3))) == 0.0
 
@@ -322,8 +329,16 @@ def low_entropy_cut(entropy: list[float], share: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def slow_rewards_to_go(nll: list[float], full: list[float], entropy: list[float], first: int, after: list[int],
-                       share: float, threshold: float, exponent: float) -> list[float]:
+def slow_rewards_to_go(
+    nll: list[float],
+    full: list[float],
+    entropy: list[float],
+    first: int,
+    after: list[int],
+    share: float,
+    threshold: float,
+    exponent: float,
+) -> list[float]:
     """R_s = −(1/|S|) Σ_{t∈S, t > after_s} ΔL_t^p·1[ΔL_t > η] of every step s, by loops over positions t of
     the predictions (S: the low-entropy ones among those from `first` on)."""
     scored = range(first, len(nll))
@@ -335,7 +350,7 @@ def slow_rewards_to_go(nll: list[float], full: list[float], entropy: list[float]
         for t in chosen:
             delta = nll[t] - full[t]
             if t > step_position and delta > threshold:
-                total += delta ** exponent
+                total += delta**exponent
         rewards.append(-total / len(chosen))
     return rewards
 
@@ -344,16 +359,31 @@ def test_reward_to_go_equals_a_loop_over_steps_and_tokens():
     """12 predictions, evicted from position 4 on, steps after positions 3, 6 and 9; η = 0.5, p = 3."""
     full = [0.5, 0.25, 1.0, 0.5, 0.25, 0.5, 1.0, 0.25, 0.5, 0.75, 0.25, 0.5]
     entropy = [0.1, 0.2, 0.3, 0.4, 0.9, 0.1, 0.5, 0.2, 3.0, 0.3, 0.6, 0.2]
-    rows = [[0.5, 0.25, 1.0, 0.5, 2.25, 0.5, 1.0, 3.25, 0.5, 1.75, 0.25, 1.5],
-            [0.5, 0.25, 1.0, 0.5, 0.25, 2.5, 1.0, 0.25, 4.5, 0.75, 2.25, 0.5]]
-    trace = Trace(index=0, source="hand", input_ids=torch.arange(13), prompt_length=2, token_nll=torch.tensor(full),
-                  token_entropy=torch.tensor(entropy), answer=None, correct=None, prompt="", completion="")
+    rows = [
+        [0.5, 0.25, 1.0, 0.5, 2.25, 0.5, 1.0, 3.25, 0.5, 1.75, 0.25, 1.5],
+        [0.5, 0.25, 1.0, 0.5, 0.25, 2.5, 1.0, 0.25, 4.5, 0.75, 2.25, 0.5],
+    ]
+    trace = Trace(
+        index=0,
+        source="hand",
+        input_ids=torch.arange(13),
+        prompt_length=2,
+        token_nll=torch.tensor(full),
+        token_entropy=torch.tensor(entropy),
+        answer=None,
+        correct=None,
+        prompt="",
+        completion="",
+    )
     after = [3, 6, 9]
-    scores = score_rollouts([torch.tensor(row) for row in rows], [4, 4], trace, torch.tensor(after), share=0.8,
-                            threshold=0.5, exponent=3.0)
+    scores = score_rollouts(
+        [torch.tensor(row) for row in rows], [4, 4], trace, torch.tensor(after), share=0.8, threshold=0.5, exponent=3.0
+    )
     expected = [slow_rewards_to_go(row, full, entropy, 4, after, 0.8, 0.5, 3.0) for row in rows]
     torch.testing.assert_close(scores.reward_to_go, torch.tensor(expected), rtol=1e-6, atol=0)
-    torch.testing.assert_close(scores.reward, scores.reward_to_go[:, 0], rtol=1e-6, atol=0)  # the first step sees it all
+    torch.testing.assert_close(
+        scores.reward, scores.reward_to_go[:, 0], rtol=1e-6, atol=0
+    )  # the first step sees it all
     # Of the 8 scored tokens, 6 are low-entropy (positions 4 and 8 lie above the 80% cut, 0.78). Row 0 damages
     # positions 4 (ΔL 2, not low-entropy), 7 (ΔL 3), 9 and 11 (ΔL 1 each): 27 + 1 + 1 for the steps after
     # positions 3 and 6, only position 11's 1 for the step after position 9.
@@ -370,7 +400,9 @@ def test_step_advantages_normalise_each_step_across_the_group():
     logprob = torch.randn(3, 2, 4, 5, generator=torch.Generator().manual_seed(0))  # [rows, steps, layers, Hkv]
     old, ref = logprob - 0.1, logprob + 0.05
     per_step = grpo_objective(logprob, old, ref, advantages, beta=0.1)
-    per_action = grpo_objective(logprob, old, ref, advantages[:, :, None, None].expand_as(logprob).contiguous(), beta=0.1)
+    per_action = grpo_objective(
+        logprob, old, ref, advantages[:, :, None, None].expand_as(logprob).contiguous(), beta=0.1
+    )
     torch.testing.assert_close(per_step.loss, per_action.loss, rtol=0, atol=0)
     torch.testing.assert_close(per_step.clip_fraction, per_action.clip_fraction, rtol=0, atol=0)
 
@@ -394,26 +426,37 @@ class GradientProbe(L.Callback):
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         frozen = module.frozen_model
-        self.seen.append({
-            "scorer": all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in module.trained_parameters())
-            and module.scorer.b2.grad is None,
-            "reference": any(p.grad is not None or p.requires_grad for p in module.reference.parameters()),
-            "frozen": any(p.grad is not None or p.requires_grad for p in frozen.parameters()),
-            "optimised": {id(p) for group in optimizer.param_groups for p in group["params"]}
-            == {id(p) for p in module.scorer.parameters() if p is not module.scorer.b2},
-        })
+        self.seen.append(
+            {
+                "scorer": all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in module.trained_parameters())
+                and module.scorer.b2.grad is None,
+                "reference": any(p.grad is not None or p.requires_grad for p in module.reference.parameters()),
+                "frozen": any(p.grad is not None or p.requires_grad for p in frozen.parameters()),
+                "optimised": {id(p) for group in optimizer.param_groups for p in group["params"]}
+                == {id(p) for p in module.scorer.parameters() if p is not module.scorer.b2},
+            }
+        )
 
 
 def test_gradients_reach_the_scorer_and_nothing_else(tmp_path, tiny_dir, traces_dir, start_scorer):
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
-    built = rl_cli_main(["--config", str(config), f"--model.scorer={start_scorer}",
-                         f"--trainer.default_root_dir={tmp_path}", f"--checkpoint.dirpath={tmp_path / 'ckpt'}"], run=False)
+    built = rl_cli_main(
+        [
+            "--config",
+            str(config),
+            f"--model.scorer={start_scorer}",
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
+        ],
+        run=False,
+    )
     probe = GradientProbe()
     built.trainer.callbacks.append(probe)
     start = load_scorer(start_scorer).state_dict()
     built.trainer.fit(built.model, datamodule=built.datamodule)
-    assert probe.seen and all(step == {"scorer": True, "reference": False, "frozen": False, "optimised": True}
-                              for step in probe.seen)
+    assert probe.seen and all(
+        step == {"scorer": True, "reference": False, "frozen": False, "optimised": True} for step in probe.seen
+    )
     module = built.model
     for name, tensor in start.items():
         torch.testing.assert_close(module.reference.state_dict()[name], tensor, rtol=0, atol=0)
@@ -432,14 +475,22 @@ def safetensors_digest(path: Path) -> str:
 
 
 def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
-    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3},
-                       checkpoint={"every_n_train_steps": 1})
+    config = rl_config(
+        tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3}, checkpoint={"every_n_train_steps": 1}
+    )
     whole = tmp_path / "whole"
     assert cli.main(rl_args(config, start_scorer, whole)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"{whole / 'scorer'}: scorer refined by GRPO for 3 steps from {start_scorer}; ")
-    for metric in ("train/reward", "train/reward_std", "train/kl", "train/clip_fraction", "train/entropy",
-                   "train/loss_ratio", "train/damage"):
+    for metric in (
+        "train/reward",
+        "train/reward_std",
+        "train/kl",
+        "train/clip_fraction",
+        "train/entropy",
+        "train/loss_ratio",
+        "train/damage",
+    ):
         assert f"{metric} " in last
     exported = load_scorer(whole / "scorer")
     started_from = f"sha256:{safetensors_digest(start_scorer / 'model.safetensors')} ({start_scorer})"
@@ -464,9 +515,15 @@ def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir,
         torch.testing.assert_close(resumed["state_dict"][name], tensor, rtol=0, atol=1e-6)
 
 
-def test_reward_to_go_credit_and_a_replayed_reference_train_and_record_their_settings(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
-    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir,
-                       model={"credit": "reward_to_go", "damage_exponent": 3.0, "loss_reference": "replay"})
+def test_reward_to_go_credit_and_a_replayed_reference_train_and_record_their_settings(
+    tmp_path, tiny_dir, traces_dir, start_scorer, capsys
+):
+    config = rl_config(
+        tmp_path / "rl.yaml",
+        tiny_dir,
+        traces_dir,
+        model={"credit": "reward_to_go", "damage_exponent": 3.0, "loss_reference": "replay"},
+    )
     run = tmp_path / "run"
     assert cli.main(rl_args(config, start_scorer, run)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -476,7 +533,9 @@ def test_reward_to_go_credit_and_a_replayed_reference_train_and_record_their_set
     assert (hparams["storage_dtype"], hparams["loss_reference"]) == ("float32", "replay")
     assert "reward ΔL^3.0·1[ΔL > 0.0], credit: reward_to_go" in (run / "scorer" / "README.md").read_text()
     start = load_file(start_scorer / "model.safetensors")
-    assert any(not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items())
+    assert any(
+        not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items()
+    )
 
 
 def test_groups_of_equal_rewards_teach_nothing(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
@@ -512,21 +571,36 @@ def test_bad_input_is_a_one_line_error(tmp_path, tiny_dir, traces_dir, start_sco
     no_losses = without_stored_losses(traces_dir, tmp_path / "no-losses")
     capsys.readouterr()
     cases = [
-        (rl_args(config, other_shape, tmp_path / "a"), "scorer trained for other (layers=3, query heads=4, KV heads=2, "
-         "head dim=16) does not fit the model (layers=2, query heads=4, KV heads=2, head dim=16)"),
-        (rl_args(config, start_scorer, tmp_path / "b", "data.budget=20"),
-         f"scorer {start_scorer} was trained for B=16, L=4, but the rollouts use B=20, L=4"),
-        (rl_args(config, start_scorer, tmp_path / "c", f"data.traces_dir={no_losses}"),
-         f"of {no_losses} has no stored full-cache loss and entropy (0 of "),
+        (
+            rl_args(config, other_shape, tmp_path / "a"),
+            "scorer trained for other (layers=3, query heads=4, KV heads=2, "
+            "head dim=16) does not fit the model (layers=2, query heads=4, KV heads=2, head dim=16)",
+        ),
+        (
+            rl_args(config, start_scorer, tmp_path / "b", "data.budget=20"),
+            f"scorer {start_scorer} was trained for B=16, L=4, but the rollouts use B=20, L=4",
+        ),
+        (
+            rl_args(config, start_scorer, tmp_path / "c", f"data.traces_dir={no_losses}"),
+            f"of {no_losses} has no stored full-cache loss and entropy (0 of ",
+        ),
         (rl_args(config, start_scorer, tmp_path / "d", "model.group_size=1"), "group_size G must be at least 2"),
-        (rl_args(config, start_scorer, tmp_path / "f", "model.credit=steps"),
-         "unknown credit 'steps'; allowed: 'rollout', 'reward_to_go'"),
-        (rl_args(config, start_scorer, tmp_path / "h", "model.loss_reference=full"),
-         "unknown loss reference 'full'; allowed: 'stored', 'replay'"),
-        (rl_args(config, start_scorer, tmp_path / "i", "model.traces_per_replay=0"),
-         "traces_per_replay must be at least 1, got 0"),
-        (rl_args(config, start_scorer, tmp_path / "g", "model.damage_exponent=0"),
-         "need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold=0.0, damage_exponent=0.0"),
+        (
+            rl_args(config, start_scorer, tmp_path / "f", "model.credit=steps"),
+            "unknown credit 'steps'; allowed: 'rollout', 'reward_to_go'",
+        ),
+        (
+            rl_args(config, start_scorer, tmp_path / "h", "model.loss_reference=full"),
+            "unknown loss reference 'full'; allowed: 'stored', 'replay'",
+        ),
+        (
+            rl_args(config, start_scorer, tmp_path / "i", "model.traces_per_replay=0"),
+            "traces_per_replay must be at least 1, got 0",
+        ),
+        (
+            rl_args(config, start_scorer, tmp_path / "g", "model.damage_exponent=0"),
+            "need a finite damage_threshold >= 0 and damage_exponent > 0, got damage_threshold=0.0, damage_exponent=0.0",
+        ),
         (rl_args(tmp_path / "missing.yaml", start_scorer, tmp_path / "e"), "missing.yaml does not exist"),
     ]
     for args, message in cases:
@@ -536,13 +610,25 @@ def test_bad_input_is_a_one_line_error(tmp_path, tiny_dir, traces_dir, start_sco
 
 
 PAPER_RL = {
-    "qwen3-4b-rl.yaml": ("Qwen/Qwen3-4B", 0.01, Qwen3Config(num_hidden_layers=36, num_attention_heads=32,
-                                                             num_key_value_heads=8, head_dim=128, hidden_size=2560)),
-    "qwen3-1.7b-rl.yaml": ("Qwen/Qwen3-1.7B", 0.03, Qwen3Config(num_hidden_layers=28, num_attention_heads=16,
-                                                                num_key_value_heads=8, head_dim=128, hidden_size=2048)),
-    "r1-distill-qwen-7b-rl.yaml": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 0.1,
-                                   Qwen2Config(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                               hidden_size=3584)),
+    "qwen3-4b-rl.yaml": (
+        "Qwen/Qwen3-4B",
+        0.01,
+        Qwen3Config(
+            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=2560
+        ),
+    ),
+    "qwen3-1.7b-rl.yaml": (
+        "Qwen/Qwen3-1.7B",
+        0.03,
+        Qwen3Config(
+            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=2048
+        ),
+    ),
+    "r1-distill-qwen-7b-rl.yaml": (
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+        0.1,
+        Qwen2Config(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584),
+    ),
 }
 
 
@@ -554,25 +640,47 @@ def test_paper_rl_configs_hold_the_papers_settings_and_build(name, tmp_path, mon
     assert config["data"]["model"] == model_id and (config["data"]["budget"], config["data"]["interval"]) == (1024, 256)
     assert config["data"]["batch_size"] == 32  # groups span ranks: every rank sees the whole batch
     model = config["model"]
-    assert (model["group_size"], model["lr"], model["warm_up"], model["beta"], model["clip"]) == (8, 3e-4, 10, beta, 0.2)
+    assert (model["group_size"], model["lr"], model["warm_up"], model["beta"], model["clip"]) == (
+        8,
+        3e-4,
+        10,
+        beta,
+        0.2,
+    )
     assert config["trainer"]["max_steps"] == 200
     scorer = tmp_path / "scorer"
     scorer_for(model_config, budget=1024, interval=256, base_model=model_id).save_pretrained(scorer)
-    built = rl_cli_main(["--config", str(REPO / "configs" / name), f"--model.scorer={scorer}",
-                         "--trainer.accelerator=cpu"], run=False)  # no GPU here
+    built = rl_cli_main(
+        ["--config", str(REPO / "configs" / name), f"--model.scorer={scorer}", "--trainer.accelerator=cpu"], run=False
+    )  # no GPU here
     assert built.model.hparams.beta == beta and built.model.scorer.config.stage == "reinforcement"
 
 
 def test_default_rl_config_builds_for_the_shipped_scorer(monkeypatch):
-    monkeypatch.setattr(grpo_module, "load_config",
-                        lambda requested: tiny_model("llama", num_hidden_layers=30, num_attention_heads=9,
-                                                     num_key_value_heads=3, head_dim=64, hidden_size=576).config)
+    monkeypatch.setattr(
+        grpo_module,
+        "load_config",
+        lambda requested: (
+            tiny_model(
+                "llama",
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                head_dim=64,
+                hidden_size=576,
+            ).config
+        ),
+    )
     shipped = REPO / "checkpoints" / "default"
     built = rl_cli_main(["--config", str(REPO / "configs" / "default-rl.yaml"), f"--model.scorer={shipped}"], run=False)
     module = built.model
     started_from = f"sha256:{safetensors_digest(shipped / 'model.safetensors')} ({shipped})"
     assert module.hparams.group_size == 8 and module.scorer.config.started_from == started_from
-    assert (module.hparams.credit, module.hparams.damage_threshold, module.hparams.damage_exponent) == ("rollout", 1.5, 2.0)
+    assert (module.hparams.credit, module.hparams.damage_threshold, module.hparams.damage_exponent) == (
+        "rollout",
+        1.5,
+        2.0,
+    )
     assert module.storage_dtype == torch.float32  # recorded scorer inputs are not rounded by default
     assert (built.datamodule.budget, built.datamodule.interval) == (128, 32)
 
@@ -588,8 +696,9 @@ def tensorboard_scalars(run: Path, tag: str) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("credit", ["rollout", "reward_to_go"])
-def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_path, tiny_dir, traces_dir,
-                                                                            start_scorer, credit):
+def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(
+    tmp_path, tiny_dir, traces_dir, start_scorer, credit
+):
     """Two gloo processes replaying 2 of each trace's 4 rollouts against one process replaying all 4:
     the same all-gathered rewards (and rewards-to-go), the same logged figures, the same trained weights."""
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3}, model={"credit": credit})
@@ -598,8 +707,12 @@ def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_
     for name, devices in (("one", 1), ("two", 2)):
         out = tmp_path / name
         strategy = "ddp" if devices > 1 else "auto"
-        command = [sys.executable, "-m", "foresight.cli", *rl_args(config, start_scorer, out, f"trainer.devices={devices}",
-                                                                   f"trainer.strategy={strategy}")]
+        command = [
+            sys.executable,
+            "-m",
+            "foresight.cli",
+            *rl_args(config, start_scorer, out, f"trainer.devices={devices}", f"trainer.strategy={strategy}"),
+        ]
         subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
         runs[name] = out
     for tag in ("train/reward", "train/reward_std", "train/zero_advantage_share"):
@@ -613,8 +726,10 @@ def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(tmp_
     for name, tensor in weights[0].items():
         if name != "b2":
             torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
-    assert any(not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
-               for name, tensor in weights[0].items())
+    assert any(
+        not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
+        for name, tensor in weights[0].items()
+    )
 
 
 def test_traces_replayed_together_train_as_one_trace_per_replay(
@@ -625,8 +740,13 @@ def test_traces_replayed_together_train_as_one_trace_per_replay(
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
     weights, replays = [], []  # replays: the traces of each `roll_out_together` call
     rolled_out = grpo_module.roll_out_together
-    monkeypatch.setattr(grpo_module, "roll_out_together", lambda model, scorer, traces, *args, **kwargs: replays.append(
-        len(traces)) or rolled_out(model, scorer, traces, *args, **kwargs))
+    monkeypatch.setattr(
+        grpo_module,
+        "roll_out_together",
+        lambda model, scorer, traces, *args, **kwargs: (
+            replays.append(len(traces)) or rolled_out(model, scorer, traces, *args, **kwargs)
+        ),
+    )
     for pack in (1, 2):
         out = tmp_path / f"pack{pack}"
         replays.clear()
@@ -636,16 +756,23 @@ def test_traces_replayed_together_train_as_one_trace_per_replay(
     for name, tensor in weights[0].items():
         if name != "b2":
             torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
-    assert any(not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
-               for name, tensor in weights[0].items())
+    assert any(
+        not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
+        for name, tensor in weights[0].items()
+    )
     capsys.readouterr()
 
 
 def test_further_epochs_on_one_batch_clip_the_ratio(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
     """Three updates on one batch of rollouts (max_steps counts updates): after the first the ratio leaves
     1 and, with a large learning rate, some evictions are clipped; the rollouts are drawn once."""
-    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir, trainer={"max_steps": 3},
-                       model={"epochs": 3, "lr": 0.5, "warm_up": 0, "max_grad_norm": None})
+    config = rl_config(
+        tmp_path / "rl.yaml",
+        tiny_dir,
+        traces_dir,
+        trainer={"max_steps": 3},
+        model={"epochs": 3, "lr": 0.5, "warm_up": 0, "max_grad_norm": None},
+    )
     assert cli.main(rl_args(config, start_scorer, tmp_path / "run")) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "scorer refined by GRPO for 3 steps" in last

@@ -24,7 +24,9 @@ from trainers.rollouts import group_advantages, roll_out, rollout_seeds
 
 
 # -- the evicted set's log-probability --------------------------------------------------------------
-def enumerated_set_logprob(scores: torch.Tensor, evicted: list[int], eligible: list[bool], temperature: float) -> torch.Tensor:
+def enumerated_set_logprob(
+    scores: torch.Tensor, evicted: list[int], eligible: list[bool], temperature: float
+) -> torch.Tensor:
     """log of the sum over every order of `evicted` of the product of sequential softmax ratios over the
     eligible entries still available (Eq. 2's draws, one by one), by loops; differentiable w.r.t. `scores`."""
     logits = -scores / temperature
@@ -39,9 +41,17 @@ def enumerated_set_logprob(scores: torch.Tensor, evicted: list[int], eligible: l
     return total.log()
 
 
-@pytest.mark.parametrize("pool_size,num_evict,spread,temperature", [
-    (4, 2, 1.0, 1.0), (6, 3, 0.1, 1.0), (6, 3, 3.0, 0.5), (7, 3, 1.0, 1.0), (8, 4, 5.0, 1.0), (8, 4, 1.0, 0.05),
-])
+@pytest.mark.parametrize(
+    "pool_size,num_evict,spread,temperature",
+    [
+        (4, 2, 1.0, 1.0),
+        (6, 3, 0.1, 1.0),
+        (6, 3, 3.0, 0.5),
+        (7, 3, 1.0, 1.0),
+        (8, 4, 5.0, 1.0),
+        (8, 4, 1.0, 0.05),
+    ],
+)
 def test_set_logprob_equals_the_sum_over_every_order(pool_size, num_evict, spread, temperature):
     generator = torch.Generator().manual_seed(pool_size * 10 + num_evict)
     for trial in range(3):
@@ -69,8 +79,10 @@ def test_set_logprob_sums_to_one_over_every_set_and_ignores_the_order():
     assert math.isclose(float(values.exp().sum()), 1.0, rel_tol=1e-9)
     shuffled = sets[:, torch.randperm(5, generator=generator)]
     torch.testing.assert_close(
-        plackett_luce_set_logprob(scores.expand(len(sets), 10), torch.arange(10).expand(len(sets), 10), shuffled), values,
-        rtol=1e-14, atol=1e-14,  # the set's factors summed in another order
+        plackett_luce_set_logprob(scores.expand(len(sets), 10), torch.arange(10).expand(len(sets), 10), shuffled),
+        values,
+        rtol=1e-14,
+        atol=1e-14,  # the set's factors summed in another order
     )
     orders = plackett_luce_logprob(scores.expand(len(sets), 10), torch.arange(10).expand(len(sets), 10), sets)
     assert bool((values > orders).all())  # a set is at least as likely as any one of its orders
@@ -124,7 +136,9 @@ def test_set_logprob_stays_finite_and_exact_where_weights_differ_by_hundreds_of_
     against finite differences of the function itself (the enumeration's autograd loses digits here)."""
     generator = torch.Generator().manual_seed(0)
     for trial in range(6):
-        scores = torch.randn(8, generator=generator, dtype=torch.float64) * 0.3  # log P down to ~-600: float64 enumerates it
+        scores = (
+            torch.randn(8, generator=generator, dtype=torch.float64) * 0.3
+        )  # log P down to ~-600: float64 enumerates it
         evicted = torch.randperm(8, generator=generator)[:4]
         if trial % 2:
             evicted = scores.topk(4, largest=False).indices  # the most probable set: members far outweigh the rest
@@ -133,15 +147,21 @@ def test_set_logprob_stays_finite_and_exact_where_weights_differ_by_hundreds_of_
             leaf = scores.to(dtype).requires_grad_()
             value = plackett_luce_set_logprob(leaf, torch.arange(8), evicted, temperature=0.005)
             (grad,) = torch.autograd.grad(value, leaf)
-            assert torch.isfinite(grad).all() and math.isclose(float(value.detach()), expected, rel_tol=1e-6, abs_tol=1e-5)
+            assert torch.isfinite(grad).all() and math.isclose(
+                float(value.detach()), expected, rel_tol=1e-6, abs_tol=1e-5
+            )
         leaf = scores.clone().requires_grad_()
-        (grad,) = torch.autograd.grad(plackett_luce_set_logprob(leaf, torch.arange(8), evicted, temperature=0.005), leaf)
+        (grad,) = torch.autograd.grad(
+            plackett_luce_set_logprob(leaf, torch.arange(8), evicted, temperature=0.005), leaf
+        )
         for index in range(8):
             up, down = scores.clone(), scores.clone()
             up[index] += 1e-7
             down[index] -= 1e-7
-            difference = (float(plackett_luce_set_logprob(up, torch.arange(8), evicted, temperature=0.005))
-                          - float(plackett_luce_set_logprob(down, torch.arange(8), evicted, temperature=0.005))) / 2e-7
+            difference = (
+                float(plackett_luce_set_logprob(up, torch.arange(8), evicted, temperature=0.005))
+                - float(plackett_luce_set_logprob(down, torch.arange(8), evicted, temperature=0.005))
+            ) / 2e-7
             assert math.isclose(float(grad[index]), difference, rel_tol=1e-5, abs_tol=1e-3)
 
 
@@ -154,7 +174,9 @@ def test_set_logprob_matches_the_frequency_of_sampled_sets():
     for row in draws.order.sort(-1).values.tolist():
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     for evicted, count in counts.items():
-        probability = float(plackett_luce_set_logprob(scores, torch.arange(6), torch.tensor(evicted), temperature=0.8).exp())
+        probability = float(
+            plackett_luce_set_logprob(scores, torch.arange(6), torch.tensor(evicted), temperature=0.8).exp()
+        )
         assert abs(count / 20_000 - probability) < 4 * math.sqrt(probability * (1 - probability) / 20_000) + 1e-4
 
 
@@ -176,8 +198,9 @@ def test_set_logprob_of_recorded_evictions_sums_their_enumerated_orders(llama):
     logprob = actions.logprob(scores, plackett_luce_set_logprob)  # [rows, layers, steps, Hkv]
     layers, steps, rows, heads = actions.order.shape[:4]
     for layer, step, row, head in itertools.product(range(layers), range(steps), range(rows), range(heads)):
-        table = enumerated_order_probabilities(scores[layer, step, row, head].tolist(),
-                                               actions.eligible[layer, step, row, head].tolist(), draws=2)
+        table = enumerated_order_probabilities(
+            scores[layer, step, row, head].tolist(), actions.eligible[layer, step, row, head].tolist(), draws=2
+        )
         first, second = actions.order[layer, step, row, head].tolist()
         expected = math.log(table[(first, second)] + table[(second, first)])
         assert math.isclose(float(logprob[row, layer, step, head]), expected, abs_tol=1e-5)
@@ -191,7 +214,7 @@ def test_leave_one_out_advantages_by_loops():
     advantages = leave_one_out_advantages(rewards, dim=-1)
     for group, row in enumerate(rewards.tolist()):
         for k, reward in enumerate(row):
-            others = row[:k] + row[k + 1:]
+            others = row[:k] + row[k + 1 :]
             assert math.isclose(float(advantages[group, k]), reward - sum(others) / len(others), abs_tol=1e-15)
     assert torch.equal(advantages[3], torch.zeros(8, dtype=torch.float64))
     assert float(advantages.abs().max()) < 0.1  # in the reward's units: no std scaling to ±1
@@ -200,8 +223,9 @@ def test_leave_one_out_advantages_by_loops():
         leave_one_out_advantages(torch.zeros(3, 1))
 
 
-def slow_dense_terms(evicted: list[float], full: list[float], entropy: list[float], share: float, offset: float,
-                     exponent: float) -> list[float]:
+def slow_dense_terms(
+    evicted: list[float], full: list[float], entropy: list[float], share: float, offset: float, exponent: float
+) -> list[float]:
     """(ΔL − δ)₊^p on the tokens whose entropy is at most the `share` quantile (linear interpolation), 0 elsewhere."""
     ordered = sorted(entropy)
     position = share * (len(ordered) - 1)
@@ -226,7 +250,10 @@ def test_dense_damage_by_loops(offset, exponent):
 
 
 def test_estimator_resolves_every_rule_and_rejects_unknown_ones():
-    assert set(REWARD_RULES) == {"thresholded", "dense"} and set(ADVANTAGE_RULES) == {"group_normalised", "leave_one_out"}
+    assert set(REWARD_RULES) == {"thresholded", "dense"} and set(ADVANTAGE_RULES) == {
+        "group_normalised",
+        "leave_one_out",
+    }
     assert set(LOGPROB_RULES) == {"order", "set"}
     estimator = Estimator("dense", "leave_one_out", "set", offset=0.2)
     assert estimator.name == "set / leave_one_out / dense" and estimator.action_logprob is plackett_luce_set_logprob
@@ -246,11 +273,15 @@ def test_estimator_resolves_every_rule_and_rejects_unknown_ones():
 
 
 # -- the GRPO module with each option ------------------------------------------------------------------
-def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_path, tiny_dir, traces_dir,
-                                                                           start_scorer, capsys):
-    config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir,
-                       model={"logprob_rule": "set", "advantage_rule": "leave_one_out", "reward_rule": "dense",
-                              "damage_offset": 0.05})
+def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(
+    tmp_path, tiny_dir, traces_dir, start_scorer, capsys
+):
+    config = rl_config(
+        tmp_path / "rl.yaml",
+        tiny_dir,
+        traces_dir,
+        model={"logprob_rule": "set", "advantage_rule": "leave_one_out", "reward_rule": "dense", "damage_offset": 0.05},
+    )
     run = tmp_path / "run"
     assert cli.main(rl_args(config, start_scorer, run)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -262,22 +293,30 @@ def test_rl_trains_with_the_set_log_probability_rloo_and_the_dense_reward(tmp_pa
     card = (run / "scorer" / "README.md").read_text()
     assert "reward rule dense (δ = 0.05), advantage rule leave_one_out, log-probability rule set" in card
     start = load_file(start_scorer / "model.safetensors")
-    assert any(not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items())
+    assert any(
+        not torch.equal(tensor, start[name]) for name, tensor in load_file(run / "scorer" / "model.safetensors").items()
+    )
 
 
-def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, tiny_dir, traces_dir,
-                                                                     start_scorer):
+def test_dense_reward_without_offset_trains_as_the_threshold_at_zero(tmp_path, tiny_dir, traces_dir, start_scorer):
     """(ΔL − 0)₊^p and ΔL^p·1[ΔL > 0] are the same numbers: the same rewards, so the same trained weights;
     with the set log-probability and RLOO the weights differ from the paper's estimator's."""
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
     weights = {}
-    for name, overrides in (("thresholded", []), ("dense", ["model.reward_rule=dense"]),
-                            ("set-rloo", ["model.logprob_rule=set", "model.advantage_rule=leave_one_out"])):
+    for name, overrides in (
+        ("thresholded", []),
+        ("dense", ["model.reward_rule=dense"]),
+        ("set-rloo", ["model.logprob_rule=set", "model.advantage_rule=leave_one_out"]),
+    ):
         assert cli.main(rl_args(config, start_scorer, tmp_path / name, *overrides)) == 0
         weights[name] = load_file(tmp_path / name / "scorer" / "model.safetensors")
     for name, tensor in weights["thresholded"].items():
         assert torch.equal(weights["dense"][name], tensor), name
-    assert any(not torch.equal(weights["set-rloo"][name], tensor) for name, tensor in weights["thresholded"].items() if name != "b2")
+    assert any(
+        not torch.equal(weights["set-rloo"][name], tensor)
+        for name, tensor in weights["thresholded"].items()
+        if name != "b2"
+    )
 
 
 # -- foresight bench rl-signal ------------------------------------------------------------------------------
@@ -303,10 +342,36 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
     episodes; the 8 branch groups are too few to promise it); the planted reward's true gradient is
     recovered, more closely with more episodes."""
     out = tmp_path / "bench.md"
-    argv = ["bench", "rl-signal", "--traces", str(traces_dir), "--count", "2", "--tokens", "48", "--scorer",
-            str(start_scorer), "--groups", "2", "--group-size", "4", "--temperature", "1.0", "--damage-threshold", "1e6",
-            "--damage-offset", "0.05", "--planted-groups", "32", "--reference-draws", "512", "--resamples", "50",
-            "--out", str(out)]
+    argv = [
+        "bench",
+        "rl-signal",
+        "--traces",
+        str(traces_dir),
+        "--count",
+        "2",
+        "--tokens",
+        "48",
+        "--scorer",
+        str(start_scorer),
+        "--groups",
+        "2",
+        "--group-size",
+        "4",
+        "--temperature",
+        "1.0",
+        "--damage-threshold",
+        "1e6",
+        "--damage-offset",
+        "0.05",
+        "--planted-groups",
+        "32",
+        "--reference-draws",
+        "512",
+        "--resamples",
+        "50",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     text = out.read_text()
     lines = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| ")]

@@ -26,8 +26,12 @@ def test_keep_everything_matches_hf_generate(arch):
     model = tiny_model(arch)
     prompt = prompts([9])[0]
     reference = model.generate(
-        torch.tensor([prompt]), max_new_tokens=24, do_sample=False, output_logits=True,
-        return_dict_in_generate=True, pad_token_id=0,
+        torch.tensor([prompt]),
+        max_new_tokens=24,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
     )
     output = EvictionEngine(model, make_policy("full")).generate([prompt], 24, return_logits=True)
     assert output.tokens[0] == reference.sequences[0, len(prompt) :].tolist()
@@ -168,7 +172,7 @@ def test_cadence_invariants(llama, sinks, protect_prompt):
     output, entries = engine.generate([prompt], 40), recorder.entries
     limit = B + L + (len(prompt) if protect_prompt else 0)
     assert output.stats.max_entries == limit
-    for layer, query_positions, entry_positions in entries:
+    for _layer, query_positions, entry_positions in entries:
         held = entry_positions[0]  # [Hkv, N] at attention time
         newest = int(query_positions.max())
         assert held.shape[-1] <= limit

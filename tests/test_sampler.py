@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from foresight.data.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
 from foresight.data.slot_cache import SlotLayer
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_gumbel, logits_processors
-from foresight.data.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
 from tests.decoding import eos_prone_model
 from tests.prompts import random_prompts
 
@@ -28,8 +28,9 @@ def requests(count: int = 9) -> list[Request]:
     return [Request(key=i, prompt=p, seed=1000 + 17 * i) for i, p in enumerate(prompts)]
 
 
-def reference_sample(model, request: Request, max_new_tokens: int, sampling: SamplingConfig,
-                     draws: Draws = Draws.GENERATOR) -> list[int]:
+def reference_sample(
+    model, request: Request, max_new_tokens: int, sampling: SamplingConfig, draws: Draws = Draws.GENERATOR
+) -> list[int]:
     """The rule written plainly: the request alone, the whole sequence re-run at every step, its own
     generator (or, with counter draws, the argmax of the filtered logits plus its (seed, step) noise)."""
     generator = torch.Generator().manual_seed(request.seed)
@@ -67,8 +68,17 @@ def test_every_batch_size_samples_what_each_request_samples_alone(model, samplin
     assert len({len(tokens) for tokens in expected.values()}) > 3  # rows leave the batch at many steps
     assert any(len(tokens) == 24 and tokens[-1] != EOS for tokens in expected.values())  # and some run out
     for batch_size in (1, 2, 4, len(work) + 3):
-        done = list(sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=sampling,
-                                       batch_size=batch_size, draws=draws))
+        done = list(
+            sample_completions(
+                model,
+                work,
+                max_new_tokens=24,
+                eos_token_ids=[EOS],
+                sampling=sampling,
+                batch_size=batch_size,
+                draws=draws,
+            )
+        )
         assert sorted(c.key for c in done) == [r.key for r in work]
         for completion in done:
             assert completion.tokens == expected[completion.key], (batch_size, completion.key)
@@ -96,13 +106,20 @@ def test_rows_leave_as_they_end_and_the_next_request_takes_their_place(model):
     (static batching, waiting for the longest row, would give another order)."""
     work = requests()
     lengths = [len(reference_sample(model, r, 24, SAMPLING)) for r in work]
-    order = [c.key for c in sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=3)]
+    order = [
+        c.key
+        for c in sample_completions(
+            model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=3
+        )
+    ]
     assert order == expected_end_order(lengths, 3)
     assert order != sorted(order)
 
 
 def test_losses_are_the_full_cache_losses_of_the_whole_sequence(model):
-    for completion in sample_completions(model, requests(5), max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=3):
+    for completion in sample_completions(
+        model, requests(5), max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=3
+    ):
         ids = completion.prompt + completion.tokens
         nll, entropy = full_cache_losses(model, ids)
         assert completion.token_nll.shape == (len(ids) - 1,) and completion.token_nll.dtype == torch.float32
@@ -121,14 +138,27 @@ def test_rows_joining_and_leaving_copy_no_cache_and_each_step_reads_back_once(mo
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: read_backs.append(self.shape) or tolist(self))
     steps = []
-    done = list(sample_completions(model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING,
-                                   batch_size=3, draws="counter", on_token=steps.append))
+    done = list(
+        sample_completions(
+            model,
+            work,
+            max_new_tokens=24,
+            eos_token_ids=[EOS],
+            sampling=SAMPLING,
+            batch_size=3,
+            draws="counter",
+            on_token=steps.append,
+        )
+    )
     assert len(done) == len(work)
     assert len(set(grown)) == 1  # every layer grew once, to the first (longest) request's room
     assert len(read_backs) == len(steps) and all(shape[0] <= 3 and shape[1] == 3 for shape in read_backs)
     read_backs.clear()
-    done = list(sample_completions(model, work[:2], max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING,
-                                   batch_size=8, draws="counter"))
+    done = list(
+        sample_completions(
+            model, work[:2], max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=8, draws="counter"
+        )
+    )
     assert len(done) == 2 and read_backs and all(shape[0] <= 2 for shape in read_backs)  # idle slots above run nothing
 
 
@@ -153,7 +183,9 @@ def test_auto_batch_size_on_a_gpu_counts_a_slot_at_max_length(model, monkeypatch
     more row would not."""
     text = model.config
     on_gpu = SimpleNamespace(device=torch.device("cuda"), config=text, dtype=torch.float32)
-    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
+    per_token = (
+        2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
+    )
     row = per_token * 1000 + 16 * text.vocab_size
     free = 10 * row
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 4 * free))

@@ -9,7 +9,6 @@ import pytest
 import safetensors.torch
 import torch
 
-from foresight.scorer.model import ForesightScorer
 from foresight.scorer.eviction_sampling import (
     draw_eviction,
     evict_lowest,
@@ -17,6 +16,7 @@ from foresight.scorer.eviction_sampling import (
     plackett_luce_logprob,
     sample_eviction,
 )
+from foresight.scorer.model import ForesightScorer
 from tests.reference_features import independent_mlp
 from tests.scorers import make_config, make_scorer, random_inputs
 
@@ -78,7 +78,9 @@ def test_matmul_calls_do_not_grow_with_layers_or_heads(monkeypatch, layers, kv_h
     calls = []
     for name in ("bmm", "baddbmm"):
         original = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
+        monkeypatch.setattr(
+            torch, name, lambda *args, name=name, original=original: calls.append(name) or original(*args)
+        )
     scorer = make_scorer(num_layers=layers, num_kv_heads=kv_heads, num_query_heads=2 * kv_heads)
     keys, values, features = random_inputs(scorer.config, layers, 2)
     scorer(keys, values, features)
@@ -103,9 +105,21 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     scorer.save_pretrained(tmp_path)
     assert {"config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved == {"num_layers": 3, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8, "budget": 64,
-                     "interval": 16, "base_model": "tiny-llama", "hidden": 7, "feature_set": "official-8",
-                     "stage": "supervised", "started_from": None, "training_sources": [], "key_values": True}
+    assert saved == {
+        "num_layers": 3,
+        "num_query_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "budget": 64,
+        "interval": 16,
+        "base_model": "tiny-llama",
+        "hidden": 7,
+        "feature_set": "official-8",
+        "stage": "supervised",
+        "started_from": None,
+        "training_sources": [],
+        "key_values": True,
+    }
     loaded = ForesightScorer.from_pretrained(tmp_path)
     assert loaded.config == scorer.config
     assert loaded.state_dict().keys() == scorer.state_dict().keys()
@@ -113,8 +127,9 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
     keys, values, features = random_inputs(scorer.config, 3, 2)
     assert torch.equal(loaded(keys, values, features), scorer(keys, values, features))
-    assert torch.equal(loaded.score_layer(1, keys[1], values[1], features[1]),
-                       scorer.score_layer(1, keys[1], values[1], features[1]))
+    assert torch.equal(
+        loaded.score_layer(1, keys[1], values[1], features[1]), scorer.score_layer(1, keys[1], values[1], features[1])
+    )
 
 
 def test_a_config_without_a_stage_is_a_supervised_scorer(tmp_path):
@@ -307,8 +322,9 @@ def test_temperature_divides_the_scores_of_the_draw_and_its_logprob():
     expected = sequential_logprob(scores / tau, eviction_pool(scores, 2), order)
     torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(divided_logprob, expected, rtol=0, atol=1e-10)
-    torch.testing.assert_close(plackett_luce_logprob(scores, eviction_pool(scores, 2), order, temperature=tau), expected,
-                               rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        plackett_luce_logprob(scores, eviction_pool(scores, 2), order, temperature=tau), expected, rtol=0, atol=1e-10
+    )
 
 
 def test_sampling_is_reproducible_with_a_generator():

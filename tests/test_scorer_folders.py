@@ -7,9 +7,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import lightning  # noqa: F401  (its log handler binds stderr at import: before any test captures it)
 import pytest
 import torch
-import lightning  # noqa: F401  (its log handler binds stderr at import: before any test captures it)
 import yaml
 
 from foresight import cli
@@ -23,10 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 def _save_scorer(folder: Path, model, budget: int = B, interval: int = L, base_model: str = "tiny") -> Path:
     shape = describe(model)
     torch.manual_seed(0)
-    ForesightScorer(ScorerConfig(
-        num_layers=shape.num_layers, num_query_heads=shape.num_query_heads, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, budget=budget, interval=interval, base_model=base_model,
-    )).save_pretrained(folder)
+    ForesightScorer(
+        ScorerConfig(
+            num_layers=shape.num_layers,
+            num_query_heads=shape.num_query_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            budget=budget,
+            interval=interval,
+            base_model=base_model,
+        )
+    ).save_pretrained(folder)
     return folder
 
 
@@ -80,8 +87,11 @@ def test_a_config_edited_away_from_its_weights_is_one_line(good, tmp_path):
     folder = Path(shutil.copytree(good, tmp_path / "edited"))
     config = folder / "config.json"
     config.write_text(config.read_text().replace('"hidden": 16', '"hidden": 8'))
-    with pytest.raises(ValueError, match="model.safetensors does not hold the weights of the scorer its config.json "
-                                         r"describes \(.*size mismatch for w1"):
+    with pytest.raises(
+        ValueError,
+        match="model.safetensors does not hold the weights of the scorer its config.json "
+        r"describes \(.*size mismatch for w1",
+    ):
         load_scorer(folder)
 
 
@@ -90,27 +100,72 @@ def _verb_args(verb: str, scorer: Path, good: Path, tiny_dir: Path, traces: Path
     cadence = ["-B", str(B), "-L", str(L)]
     if verb == "rl":
         config = out / "rl.yaml"
-        config.write_text(yaml.safe_dump({
-            "seed_everything": 0,
-            "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "enable_progress_bar": False},
-            "model": {"group_size": 2},
-            "data": {"model": str(tiny_dir), "traces_dir": str(traces), "budget": B, "interval": L, "batch_size": 1},
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "seed_everything": 0,
+                    "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "enable_progress_bar": False},
+                    "model": {"group_size": 2},
+                    "data": {
+                        "model": str(tiny_dir),
+                        "traces_dir": str(traces),
+                        "budget": B,
+                        "interval": L,
+                        "batch_size": 1,
+                    },
+                }
+            )
+        )
         return ["rl", "--config", str(config), "--scorer", str(scorer), "--out", str(out / "rl")]
     text = out / "doc.txt"
     text.write_text("Some text to replay past a few evictions of the tiny cache.")
     learned = ["--model", str(tiny_dir), "--policy", "foresight", "-o", f"scorer={scorer}", *cadence]
     return {
-        "eval": ["eval", "--traces", str(traces), "--policies", "h2o", "--scorer", str(scorer), *cadence,
-                 "--out", str(out / "eval")],
+        "eval": [
+            "eval",
+            "--traces",
+            str(traces),
+            "--policies",
+            "h2o",
+            "--scorer",
+            str(scorer),
+            *cadence,
+            "--out",
+            str(out / "eval"),
+        ],
         "export": ["export", "--checkpoint", str(scorer), "--out", str(out / "export")],
         "generate": ["generate", *learned, "--max-new-tokens", "30", "hi"],
         "replay": ["replay", *learned, str(text)],
-        "bench paged-reclaim": ["bench", "paged-reclaim", "--traces", str(traces), "--policies", "h2o",
-                                "--scorer", str(scorer), "--budgets", str(B), "--interval", str(L),
-                                "--out", str(out / "paged.md")],
-        "bench rl-heldout": ["bench", "rl-heldout", "--traces", str(traces), "--scorer", f"supervised={good}",
-                             "--scorer", f"reinforced={scorer}", "--resamples", "10", "--out", str(out / "rl.md")],
+        "bench paged-reclaim": [
+            "bench",
+            "paged-reclaim",
+            "--traces",
+            str(traces),
+            "--policies",
+            "h2o",
+            "--scorer",
+            str(scorer),
+            "--budgets",
+            str(B),
+            "--interval",
+            str(L),
+            "--out",
+            str(out / "paged.md"),
+        ],
+        "bench rl-heldout": [
+            "bench",
+            "rl-heldout",
+            "--traces",
+            str(traces),
+            "--scorer",
+            f"supervised={good}",
+            "--scorer",
+            f"reinforced={scorer}",
+            "--resamples",
+            "10",
+            "--out",
+            str(out / "rl.md"),
+        ],
     }[verb]
 
 

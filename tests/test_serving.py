@@ -7,8 +7,6 @@ import pytest
 
 from foresight import cli
 from foresight.bench import common as _bench_common
-from foresight.policies import make_policy
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.bench.serve import (
     CapTooSmall,
     EngineDecoder,
@@ -20,7 +18,9 @@ from foresight.bench.serve import (
     parse_memory_cap,
 )
 from foresight.data.tasks import chat_prompt_ids
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, random_prompts
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.prompts import CHAT_TEMPLATE, char_tokenizer, random_prompts
 
 B, L = 16, 4
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16  # foresight.models.tiny_model
@@ -103,7 +103,9 @@ class CountingDecoder:
         return RunResult(self.name, batch, new_tokens, fits, batch * 100, 10, 1.0 if fits else None)
 
 
-@pytest.mark.parametrize(("per_entry", "tried"), [(1.0, [9, 8, 7, 6, 5, 6]), (4.5, [2, 3, 4, 5, 6]), (10.0, [1, 2, 3, 4, 5, 6])])
+@pytest.mark.parametrize(
+    ("per_entry", "tried"), [(1.0, [9, 8, 7, 6, 5, 6]), (4.5, [2, 3, 4, 5, 6]), (10.0, [1, 2, 3, 4, 5, 6])]
+)
 def test_the_search_runs_down_then_up_whatever_the_guess(per_entry, tried):
     decoder = CountingDecoder(capacity=5)
     search = max_batch(decoder, 8, cap_bytes=90, per_entry=per_entry)  # guess = floor(90 / (per_entry x 10))
@@ -111,9 +113,14 @@ def test_the_search_runs_down_then_up_whatever_the_guess(per_entry, tried):
 
 
 def test_a_cap_smaller_than_one_sequence_is_one_line():
-    with pytest.raises(CapTooSmall, match=r"KV memory cap 0.0 MiB is smaller than one sequence of counting at 8 new tokens"):
+    with pytest.raises(
+        CapTooSmall, match=r"KV memory cap 0.0 MiB is smaller than one sequence of counting at 8 new tokens"
+    ):
         max_batch(CountingDecoder(capacity=0), 8, cap_bytes=90, per_entry=1.0)
-    with pytest.raises(CapTooSmall, match=r"is smaller than one sequence of counting at 8 new tokens \(0.0 MiB: 10 entries x 100 bytes\)"):
+    with pytest.raises(
+        CapTooSmall,
+        match=r"is smaller than one sequence of counting at 8 new tokens \(0.0 MiB: 10 entries x 100 bytes\)",
+    ):
         check_one_sequence_fits(CountingDecoder(capacity=1), 8, cap_bytes=900, per_entry=100.0)
 
 
@@ -127,8 +134,26 @@ def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):
     prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), _bench_common.PROMPT))
     assert prompt < 128 + 8  # the prefill does not evict
     cap = int(2.5 * (prompt + 119) * ENTRY)  # 2.5 full sequences at the longer length
-    argv = ["bench", "serve", "--policies", "streaming,knorm,foresight", "-B", "128", "-L", "8", "--lengths", "60,120",
-            "--kv-memory", str(cap), "--device", "cpu", "--out", str(out), "--results", str(tmp_path / "runs.json")]
+    argv = [
+        "bench",
+        "serve",
+        "--policies",
+        "streaming,knorm,foresight",
+        "-B",
+        "128",
+        "-L",
+        "8",
+        "--lengths",
+        "60,120",
+        "--kv-memory",
+        str(cap),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--results",
+        str(tmp_path / "runs.json"),
+    ]
     assert cli.main(argv) == 0
     text = out.read_text()
     assert "### Serving under a KV-memory cap (cpu)" in text and "--kv-memory" in text
@@ -144,8 +169,22 @@ def test_bench_serve_end_to_end(tmp_path, patched_load, capsys):
 
 
 def test_bench_serve_bad_input_is_one_line(tmp_path, patched_load, capsys):
-    base = ["bench", "serve", "--policies", "knorm", "-B", "32", "-L", "8", "--lengths", "60,120", "--device", "cpu",
-            "--out", str(tmp_path / "b.md")]
+    base = [
+        "bench",
+        "serve",
+        "--policies",
+        "knorm",
+        "-B",
+        "32",
+        "-L",
+        "8",
+        "--lengths",
+        "60,120",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path / "b.md"),
+    ]
     for extra, message in [
         (["--kv-memory", "4KiB"], "KV memory cap 0.0 MiB is smaller than one sequence of full at 120 new tokens"),
         (["--kv-memory", "2XB"], "KV memory cap '2XB' is not a size"),

@@ -22,7 +22,7 @@ from foresight.data.tasks import (
     parse_sources,
     recorded_source,
 )
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA, write_lines
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
 
 
 def test_reasoning_gym_problems_are_the_packages_with_the_instruction():
@@ -92,15 +92,24 @@ def test_reasoning_gym_options_set_the_task_config_and_its_scorer_still_checks()
     assert all(p.metadata["metadata"]["num_terms"] == 2 for p in problems)
     assert all(check_answer(p, f"\\boxed{{{p.answer}}}") for p in problems)
     assert not any(check_answer(p, f"\\boxed{{{p.answer}1}}") for p in problems)
-    assert load_problems("reasoning-gym:syllogism:allow_all=false", 2)[0].source == "reasoning-gym:syllogism:allow_all=false"
+    assert (
+        load_problems("reasoning-gym:syllogism:allow_all=false", 2)[0].source
+        == "reasoning-gym:syllogism:allow_all=false"
+    )
 
 
 @pytest.mark.parametrize(
     ("source", "message"),
     [
         ("reasoning-gym:no_such_task", "unknown reasoning-gym task 'no_such_task'; known tasks: ab, acre,"),
-        ("reasoning-gym:chain_sum:max_term=2", "reasoning-gym task 'chain_sum' has no option 'max_term'; its options are: min_terms,"),
-        ("reasoning-gym:chain_sum:max_terms", "reasoning-gym option 'max_terms' in 'reasoning-gym:chain_sum:max_terms' must look like KEY=VALUE"),
+        (
+            "reasoning-gym:chain_sum:max_term=2",
+            "reasoning-gym task 'chain_sum' has no option 'max_term'; its options are: min_terms,",
+        ),
+        (
+            "reasoning-gym:chain_sum:max_terms",
+            "reasoning-gym option 'max_terms' in 'reasoning-gym:chain_sum:max_terms' must look like KEY=VALUE",
+        ),
         ("reasoning-gym:chain_sum:min_terms=5,max_terms=2", "reasoning-gym task 'chain_sum' refused the options"),
     ],
 )
@@ -216,7 +225,14 @@ def test_mixed_sources_take_each_sources_first_problems(tmp_path):
     gym = "reasoning-gym:basic_arithmetic"
     problems = load_problems(f"{gym}=2,{other}", 6, seed=3)
     assert [p.index for p in problems] == list(range(6))
-    assert [p.source for p in problems] == [gym, str((tmp_path / "p.jsonl").resolve()), gym, gym, recorded_source(other), gym]
+    assert [p.source for p in problems] == [
+        gym,
+        str((tmp_path / "p.jsonl").resolve()),
+        gym,
+        gym,
+        recorded_source(other),
+        gym,
+    ]
     assert [p.prompt for p in problems if p.source == gym] == [p.prompt for p in load_problems(gym, 4, seed=3)]
     assert [p.prompt for p in problems if p.source != gym] == ["p0", "p1"]
     assert check_answer(problems[1], "\\boxed{0}") is True  # each problem is checked by its own source's rule
@@ -225,7 +241,10 @@ def test_mixed_sources_take_each_sources_first_problems(tmp_path):
 def test_source_specs_and_their_recorded_form(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert parse_sources("reasoning-gym:lcm") == [WeightedSource("reasoning-gym:lcm", 1.0)]
-    assert parse_sources(" a.jsonl=2 , reasoning-gym:gcd=0.5") == [WeightedSource("a.jsonl", 2.0), WeightedSource("reasoning-gym:gcd", 0.5)]
+    assert parse_sources(" a.jsonl=2 , reasoning-gym:gcd=0.5") == [
+        WeightedSource("a.jsonl", 2.0),
+        WeightedSource("reasoning-gym:gcd", 0.5),
+    ]
     assert parse_sources("run=3/p.jsonl") == [WeightedSource("run=3/p.jsonl", 1.0)]  # "=" not before a number
     assert recorded_source("reasoning-gym:lcm") == "reasoning-gym:lcm"
     assert recorded_source("a.jsonl") == str(tmp_path / "a.jsonl")

@@ -18,9 +18,13 @@ def test_every_evicting_policy_has_a_twin_that_a_test_calls():
     evicting = {name for name, cls in POLICIES.items() if cls.evicts}
     assert set(TWINS) == evicting
     called = {
-        node.func.attr for tree in MODULES.values() for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "ref"
+        node.func.attr
+        for tree in MODULES.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "ref"
     }
     uncalled = {name: twin.__name__ for name, twin in TWINS.items() if twin.__name__ not in called}
     assert not uncalled, f"twins no test calls as ref.NAME(...): {uncalled}"

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from foresight import cli
-from foresight.models import tiny_model
 from foresight.data.tasks import chat_prompt_ids
 from foresight.data.trace_import import EMPTY, NOT_A_ROW, NOT_ROUND_TRIP, import_traces
 from foresight.data.trace_store import TraceStore
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, write_lines
+from foresight.models import tiny_model
+from tests.prompts import CHAT_TEMPLATE, char_tokenizer, write_lines
 
 EOS = 2
 TOKENIZER = char_tokenizer(CHAT_TEMPLATE)
@@ -32,8 +32,14 @@ BAD = [
     (json.dumps({"prompt": "x", "completion": ""}), EMPTY),
     (json.dumps({"prompt": "x", "completion": " \n "}), EMPTY),
     (json.dumps({"prompt": "x", "completion": "caf\u00e9 au lait"}), NOT_ROUND_TRIP),  # é is not in the vocabulary
-    (json.dumps({"prompt": "x", "completion": "y" * CONTEXT}), f"prompt + completion longer than the model's context of {CONTEXT} tokens"),
-    (json.dumps({"prompt": "x", "completion": "y", "finish_reason": "abort"}), "finish_reason is not one of stop, length"),
+    (
+        json.dumps({"prompt": "x", "completion": "y" * CONTEXT}),
+        f"prompt + completion longer than the model's context of {CONTEXT} tokens",
+    ),
+    (
+        json.dumps({"prompt": "x", "completion": "y", "finish_reason": "abort"}),
+        "finish_reason is not one of stop, length",
+    ),
 ]
 
 
@@ -72,7 +78,14 @@ def test_pairs_become_traces_with_full_cache_losses(model, tmp_path):
         torch.testing.assert_close(trace.token_entropy, entropy, atol=1e-5, rtol=1e-5)
     assert [t.correct for t in store] == [True, False, None, None]
     counts = summary.counts
-    assert (counts.generated, counts.kept, counts.rejected, counts.truncated, counts.checked, counts.correct) == (4, 4, 0, 1, 2, 1)
+    assert (counts.generated, counts.kept, counts.rejected, counts.truncated, counts.checked, counts.correct) == (
+        4,
+        4,
+        0,
+        1,
+        2,
+        1,
+    )
     settings = json.loads((tmp_path / "out" / "manifest.json").read_text())["settings"]
     assert settings["source"] == str(Path(source).resolve()) and len(settings["sha256"]) == 64
 
@@ -92,14 +105,20 @@ def test_every_refused_row_is_counted_with_its_reason(model, tmp_path):
     assert f"kept 4 of {rows} traces" in line and f"{len(BAD)} rejected" in line
     assert f"2 {NOT_A_ROW} (row 1, 3)" in line and f"2 {EMPTY} (row 5, 6)" in line and "\n" not in line
     shards = json.loads((tmp_path / "out" / "manifest.json").read_text())["shards"]
-    assert shards[1]["rejected_rows"] == [{"row": 5, "reason": EMPTY}, {"row": 6, "reason": EMPTY}, {"row": 7, "reason": NOT_ROUND_TRIP}]
+    assert shards[1]["rejected_rows"] == [
+        {"row": 5, "reason": EMPTY},
+        {"row": 6, "reason": EMPTY},
+        {"row": 7, "reason": NOT_ROUND_TRIP},
+    ]
 
 
 def test_filters_apply_as_in_generation(model, tmp_path):
     source = write_pairs(tmp_path / "pairs.jsonl", bad=False)
     lengths = [len(t.input_ids) for t in TraceStore(_imported(model, source, tmp_path / "all"))]
     min_tokens = sorted(lengths)[2]
-    summary = import_traces(model, TOKENIZER, source, out_dir=tmp_path / "f", min_tokens=min_tokens, only_correct=True, progress=False)
+    summary = import_traces(
+        model, TOKENIZER, source, out_dir=tmp_path / "f", min_tokens=min_tokens, only_correct=True, progress=False
+    )
     counts = summary.counts
     assert (counts.kept, counts.too_short, counts.incorrect) == (
         sum(n >= min_tokens and i == 0 for i, n in enumerate(lengths)),

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from foresight import cli
-from foresight.models import tiny_model
 from foresight.data.tasks import chat_prompt_ids, check_answer, load_problems
-from foresight.data.trace_store import Trace, TraceStore, describe_traces, folder_sources
 from foresight.data.trace_generation import generate_traces, token_losses
+from foresight.data.trace_store import Trace, TraceStore, describe_traces, folder_sources
+from foresight.models import tiny_model
 from tests.decoding import eos_prone_model
-from tests.prompts import char_tokenizer, CHAT_TEMPLATE, DATA, write_lines
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer, write_lines
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2
@@ -153,7 +153,9 @@ def test_sampled_traces_do_not_depend_on_batch_size_or_shard_size(reference, tmp
 
 
 def test_a_mixture_of_sources_is_interleaved_and_recorded_per_source(tmp_path):
-    other = write_lines(tmp_path / "other.jsonl", [json.dumps({"prompt": f"{n} + {n} =", "answer": 2 * n}) for n in range(5)])
+    other = write_lines(
+        tmp_path / "other.jsonl", [json.dumps({"prompt": f"{n} + {n} =", "answer": 2 * n}) for n in range(5)]
+    )
     spec = f"{PROMPTS}=1,{other}=2"
     summary = generate_traces(
         eos_prone_model(), TOKENIZER, spec, out_dir=tmp_path / "mix", **{**RUN, "num": 6, "shard_size": 4}
@@ -252,7 +254,9 @@ def test_rerun_skips_complete_shards_and_refuses_other_settings(reference, tmp_p
     out_dir = tmp_path / "copy"
     shutil.copytree(reference, out_dir)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    leftover = out_dir / f".shard-00002.tmp-{int(dead.stdout)}"  # a writer whose process is gone (no fixed pid: it may be alive)
+    leftover = (
+        out_dir / f".shard-00002.tmp-{int(dead.stdout)}"
+    )  # a writer whose process is gone (no fixed pid: it may be alive)
     leftover.mkdir()
     (leftover / "data-00000-of-00001.arrow").write_bytes(b"partial")
     before = {path: path.stat().st_mtime_ns for path in out_dir.glob("shard-*/*")}
@@ -303,7 +307,9 @@ def test_filters_count_what_they_drop(reference, tmp_path, monkeypatch):
     assert (counts.kept, counts.too_short, counts.incorrect) == (len(long_enough), 7 - len(long_enough), 0)
     assert {t.index: t.input_ids.tolist() for t in TraceStore(tmp_path / "min")} == {i: full[i] for i in long_enough}
 
-    monkeypatch.setattr("foresight.data.trace_generation.check_answer", lambda problem, completion: problem.index % 3 == 0)
+    monkeypatch.setattr(
+        "foresight.data.trace_generation.check_answer", lambda problem, completion: problem.index % 3 == 0
+    )
     summary = generate(tmp_path / "both", min_tokens=min_tokens, only_correct=True)
     kept = {i for i in long_enough if i % 3 == 0}
     counts = summary.counts
@@ -364,7 +370,9 @@ def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, m
     for bad in ("0", "many"):
         with pytest.raises(SystemExit) as exit_info:
             cli.main([*args, "--batch-size", bad])
-        assert exit_info.value.code == 2 and f"a positive number of rows or 'auto', got '{bad}'" in capsys.readouterr().err
+        assert (
+            exit_info.value.code == 2 and f"a positive number of rows or 'auto', got '{bad}'" in capsys.readouterr().err
+        )
 
 
 @pytest.mark.slow

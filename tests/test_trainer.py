@@ -24,21 +24,20 @@ from torchmetrics.functional import spearman_corrcoef
 from transformers import Qwen2Config, Qwen3Config
 
 from foresight import cli
-from trainers import preparation
 from foresight.commands import fit
 from foresight.commands.fit import lightning_args
-from trainers.example_cache import ExampleCache, ExampleKey
+from foresight.data.trace_store import TraceStore
 from foresight.labels import LabelStore
 from foresight.models import load_model, tiny_model
-from trainers.preparation import FrozenModel, make_examples, make_labels, scorer_trajectory
 from foresight.scorer.model import load_scorer
-from foresight.data.trace_store import TraceStore
 from tests.prompts import DATA
 from tests.scorers import scorer_spec, synthetic_traces
 from trainers import data as data_module
-from trainers import supervised
+from trainers import preparation, supervised
 from trainers.cli import cli_main
 from trainers.data import GoldenDataModule, concat_steps
+from trainers.example_cache import ExampleCache, ExampleKey
+from trainers.preparation import FrozenModel, make_examples, make_labels, scorer_trajectory
 from trainers.ranking import PairWeight, average_ranks, kept_overlap, pairwise_ranking_loss, spearman
 from trainers.supervised import SupervisedScorer
 
@@ -78,13 +77,17 @@ def test_pairwise_loss_and_gradient_equal_a_double_loop(chunk_size, lowest, weig
     )
     reference_scores = scores.detach().clone().requires_grad_()
     gap = weight is PairWeight.GAP
-    expected = torch.stack([
-        torch.stack([loop_pairwise_loss(reference_scores[b, h], alpha[b, h], 0.01, lowest, gap) for h in range(3)])
-        for b in range(2)
-    ])
+    expected = torch.stack(
+        [
+            torch.stack([loop_pairwise_loss(reference_scores[b, h], alpha[b, h], 0.01, lowest, gap) for h in range(3)])
+            for b in range(2)
+        ]
+    )
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-7)
     if lowest in (None, 9) and gap:  # the total weight: Σ over pairs of α_j − α_i
-        sums = [[sum(float(c - a) for a in alpha[b, h] for c in alpha[b, h] if a < c) for h in range(3)] for b in range(2)]
+        sums = [
+            [sum(float(c - a) for a in alpha[b, h] for c in alpha[b, h] if a < c) for h in range(3)] for b in range(2)
+        ]
         torch.testing.assert_close(pairs, torch.tensor(sums), rtol=1e-6, atol=0)
     elif lowest in (None, 9):  # every entry is some pair's lower member
         counts = [[sum(int(a < c) for a in alpha[b, h] for c in alpha[b, h]) for h in range(3)] for b in range(2)]
@@ -113,7 +116,9 @@ def test_pairwise_loss_hand_computed():
     loss, pairs = pairwise_ranking_loss(scores, alpha, margin=0.01, lowest=1)
     assert pairs == 2 and math.isclose(float(loss), 0.005 / 2, rel_tol=1e-6)
     # On a tie the golden step evicts the newer entry: α = (1, 1, 2) evicts entry 1, pair (1,2) only.
-    loss, pairs = pairwise_ranking_loss(torch.tensor([0.0, 0.1, 0.105]), torch.tensor([1.0, 1.0, 2.0]), margin=0.01, lowest=1)
+    loss, pairs = pairwise_ranking_loss(
+        torch.tensor([0.0, 0.1, 0.105]), torch.tensor([1.0, 1.0, 2.0]), margin=0.01, lowest=1
+    )
     assert pairs == 1 and math.isclose(float(loss), 0.005, rel_tol=1e-6)
     with pytest.raises(ValueError, match="lowest must be in 1..3"):
         pairwise_ranking_loss(scores, alpha, lowest=0)
@@ -149,8 +154,15 @@ def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_pat
     assert {id(p) for p in module.parameters()} == {id(p) for p in module.scorer.parameters()}
     train = DataLoader(synthetic_traces(8, 4), batch_size=2, shuffle=True, collate_fn=concat_steps)
     val = DataLoader(synthetic_traces(2, 4, seed=1), batch_size=2, collate_fn=concat_steps)
-    trainer = L.Trainer(max_steps=80, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=80,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     before = trainer.validate(module, val, verbose=False)[0]
     trainer.fit(module, train, val)
     after = trainer.validate(module, val, verbose=False)[0]
@@ -202,7 +214,9 @@ def test_the_data_module_makes_no_labels_and_no_features(fresh_traces, tiny_dir)
     message = str(error.value)
     assert "golden labels of trace" in message and "\n" not in message
     assert f"make them with `foresight labels --traces {fresh_traces} --budget {B} --interval {L_}`" in message
-    cached = GoldenDataModule(str(fresh_traces), B, L_, model=str(tiny_dir), examples_dir=str(fresh_traces.parent / "f"))
+    cached = GoldenDataModule(
+        str(fresh_traces), B, L_, model=str(tiny_dir), examples_dir=str(fresh_traces.parent / "f")
+    )
     with pytest.raises(ValueError, match="holds no features") as error:
         cached.setup()
     assert cached.examples.remake_command in str(error.value)
@@ -216,8 +230,18 @@ def test_cached_batches_come_from_workers_in_the_samplers_order_and_the_storage_
     make_labels(frozen, traces_dir, B, L_, progress=False)
     key = ExampleKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
     make_examples(frozen, ExampleCache(tmp_path / "examples", traces_dir, key), progress=False)
-    modules = [GoldenDataModule(str(traces_dir), B, L_, model=str(tiny_dir), examples_dir=str(tmp_path / "examples"),
-                                batch_size=2, num_workers=workers) for workers in (None, 0)]
+    modules = [
+        GoldenDataModule(
+            str(traces_dir),
+            B,
+            L_,
+            model=str(tiny_dir),
+            examples_dir=str(tmp_path / "examples"),
+            batch_size=2,
+            num_workers=workers,
+        )
+        for workers in (None, 0)
+    ]
     loaders = []
     for module in modules:
         module.setup("fit")
@@ -249,11 +273,25 @@ def tiny_config(path: Path, tiny_dir: Path, traces: dict | None = None, **data) 
     """A config of the tiny model; its example cache is redirected into --out by `foresight fit`."""
     config = {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 4, "log_every_n_steps": 1,
-                    "enable_progress_bar": False, "enable_model_summary": False},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 4,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+        },
         "model": {"lr": 0.01},
-        "data": {"model": str(tiny_dir), "traces_dir": str(path.parent / "unused"), "budget": B, "interval": L_,
-                 "examples_dir": str(path.parent / "unused-features"), "batch_size": 2, "holdout": 0.2, **data},
+        "data": {
+            "model": str(tiny_dir),
+            "traces_dir": str(path.parent / "unused"),
+            "budget": B,
+            "interval": L_,
+            "examples_dir": str(path.parent / "unused-features"),
+            "batch_size": 2,
+            "holdout": 0.2,
+            **data,
+        },
         "traces": traces,
     }
     path.write_text(yaml.safe_dump(config))
@@ -261,13 +299,22 @@ def tiny_config(path: Path, tiny_dir: Path, traces: dict | None = None, **data) 
 
 
 PAPER_MODELS = {
-    "qwen3-4b.yaml": ("Qwen/Qwen3-4B", Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                                                   head_dim=128, hidden_size=2560)),
-    "qwen3-1.7b.yaml": ("Qwen/Qwen3-1.7B", Qwen3Config(num_hidden_layers=28, num_attention_heads=16,
-                                                       num_key_value_heads=8, head_dim=128, hidden_size=2048)),
-    "r1-distill-qwen-7b.yaml": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-                                Qwen2Config(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                            hidden_size=3584)),
+    "qwen3-4b.yaml": (
+        "Qwen/Qwen3-4B",
+        Qwen3Config(
+            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=2560
+        ),
+    ),
+    "qwen3-1.7b.yaml": (
+        "Qwen/Qwen3-1.7B",
+        Qwen3Config(
+            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=2048
+        ),
+    ),
+    "r1-distill-qwen-7b.yaml": (
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+        Qwen2Config(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584),
+    ),
 }
 
 
@@ -286,7 +333,10 @@ def test_paper_configs_hold_the_papers_settings_and_build(name, monkeypatch, tmp
     built = cli_main(["--config", str(path), "--trainer.accelerator=cpu"], run=False)  # no GPU here
     scorer = built.model.scorer.config
     assert (scorer.budget, scorer.interval, scorer.base_model) == (1024, 256, model_id)
-    assert (scorer.num_layers, scorer.num_kv_heads) == (model_config.num_hidden_layers, model_config.num_key_value_heads)
+    assert (scorer.num_layers, scorer.num_kv_heads) == (
+        model_config.num_hidden_layers,
+        model_config.num_key_value_heads,
+    )
     assert built.datamodule.examples is None and built.datamodule.frozen.dtype == torch.bfloat16
     # `foresight fit` keeps a replaying config replaying (at B = 1024 a cache would take terabytes).
     args = cli.build_parser().parse_args(["fit", "--config", str(path), "--out", str(tmp_path)])
@@ -294,16 +344,28 @@ def test_paper_configs_hold_the_papers_settings_and_build(name, monkeypatch, tmp
 
 
 def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
-    monkeypatch.setattr(data_module, "load_config",
-                        lambda requested: tiny_model("llama", num_hidden_layers=30, num_attention_heads=9,
-                                                     num_key_value_heads=3, head_dim=64, hidden_size=576).config)
+    monkeypatch.setattr(
+        data_module,
+        "load_config",
+        lambda requested: (
+            tiny_model(
+                "llama",
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                head_dim=64,
+                hidden_size=576,
+            ).config
+        ),
+    )
     built = cli_main(["--config", str(REPO / "configs" / "default.yaml")], run=False)
     assert built.datamodule.model_name == "default" and built.model.scorer.config.num_layers == 30
     assert built.datamodule.examples.key == ExampleKey("default", "float32", 128, 32, "standardised", "float16")
     assert built.model.hparams.pair_weight == "gap" and built.trainer.max_steps == 600
     assert built.config_init.traces.prompts == "reasoning-gym:gsm_symbolic" and built.config_init.ensemble.members == 5
-    args = cli.build_parser().parse_args(["fit", "--config", str(REPO / "configs" / "default.yaml"), "--out", str(tmp_path),
-                                          "--set", "traces.num=24"])
+    args = cli.build_parser().parse_args(
+        ["fit", "--config", str(REPO / "configs" / "default.yaml"), "--out", str(tmp_path), "--set", "traces.num=24"]
+    )
     assert f"--data.examples_dir={tmp_path / 'examples'}" in lightning_args(args)
     assert "--traces.num=24" in lightning_args(args)  # scripts/main.sh's overrides
 
@@ -313,8 +375,16 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def fit_args(config: Path, out: Path, traces: Path, *overrides: str) -> list[str]:
-    return ["fit", "--config", str(config), "--out", str(out), "--traces", str(traces),
-            *itertools.chain.from_iterable(("--set", item) for item in overrides)]
+    return [
+        "fit",
+        "--config",
+        str(config),
+        "--out",
+        str(out),
+        "--traces",
+        str(traces),
+        *itertools.chain.from_iterable(("--set", item) for item in overrides),
+    ]
 
 
 class StopAfterFirstEpoch(L.Callback):
@@ -360,7 +430,9 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
     # One cache file per labelled trace, made once by the features step of the first run.
     labelled = len(list(LabelStore(traces_dir, B, L_).directory.iterdir()))
     assert len(list((split / "examples").glob("trace-*.safetensors"))) == labelled
-    assert f"examples: {split / 'examples'}: made the examples of 0 traces" in capsys.readouterr().err  # a step of the run: a diagnostic
+    assert (
+        f"examples: {split / 'examples'}: made the examples of 0 traces" in capsys.readouterr().err
+    )  # a step of the run: a diagnostic
 
 
 def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, traces_dir, capsys):
@@ -381,9 +453,18 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     """Traces from the recipe, labels, features and training, each step printed; a rerun finds every step
     done (loading no model) and resumes the training; data the verbs made is data fit finds made."""
     loads = []
-    monkeypatch.setattr(preparation, "load_model", lambda name, **options: (loads.append(name), load_model(name, **options))[1])
-    recipe = {"prompts": str(DATA / "arithmetic.jsonl"), "num": 4, "max_new_tokens": 30, "temperature": 1.0,
-              "top_k": 0, "top_p": 1.0, "batch_size": 4}
+    monkeypatch.setattr(
+        preparation, "load_model", lambda name, **options: (loads.append(name), load_model(name, **options))[1]
+    )
+    recipe = {
+        "prompts": str(DATA / "arithmetic.jsonl"),
+        "num": 4,
+        "max_new_tokens": 30,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "batch_size": 4,
+    }
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, traces=recipe, holdout=0.0)
     out = tmp_path / "run"
     args = ["fit", "--config", str(config), "--out", str(out), "--set", "trainer.max_steps=2"]
@@ -403,13 +484,19 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     printed = "".join(capsys.readouterr())
     assert "0 shard(s) written, 1 already complete" in printed
     assert f"labelled 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already labelled" in printed
-    assert f"made the examples of 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already made" in printed
+    assert (
+        f"made the examples of 0 traces, skipped 0 too short (< B + L = {B + L_} tokens), {labelled} already made"
+        in printed
+    )
     assert "scorer trained for 3 steps" in printed and loads == [str(tiny_dir)]
     # Labels and examples made by the verbs are the ones fit's steps make: found complete.
     verbs = tmp_path / "verbs"
     traces = Path(shutil.copytree(out / "traces", verbs / "traces", ignore=shutil.ignore_patterns("labels-*")))
     assert cli.main(["labels", "--traces", str(traces), "-B", str(B), "-L", str(L_)]) == 0
-    assert cli.main(["examples", "--traces", str(traces), "-B", str(B), "-L", str(L_), "--out", str(verbs / "examples")]) == 0
+    assert (
+        cli.main(["examples", "--traces", str(traces), "-B", str(B), "-L", str(L_), "--out", str(verbs / "examples")])
+        == 0
+    )
     assert cli.main(fit_args(config, verbs, traces, "trainer.max_steps=1")) == 0
     printed = "".join(capsys.readouterr())
     assert f"{labelled} already labelled" in printed and f"{labelled} already made" in printed
@@ -427,8 +514,10 @@ def test_fit_on_policy_rounds_add_the_scorers_own_states_and_resume(tmp_path, ti
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     golden = sorted(path.name for path in (out / "examples").glob("trace-*.safetensors"))
-    data = cli_main(["--config", str(config), f"--data.traces_dir={traces_dir}", f"--data.examples_dir={out / 'examples'}"],
-                    run=False).datamodule
+    data = cli_main(
+        ["--config", str(config), f"--data.traces_dir={traces_dir}", f"--data.examples_dir={out / 'examples'}"],
+        run=False,
+    ).datamodule
     data.setup("fit")
     training = sorted(f"trace-{index:06d}.safetensors" for index in data.train_indices)
     assert set(training) < set(golden)  # the held-out traces get no on-policy examples
@@ -443,14 +532,18 @@ def test_fit_on_policy_rounds_add_the_scorers_own_states_and_resume(tmp_path, ti
     final = load_scorer(out / "scorer").state_dict()
     for name, tensor in load_scorer(out / "round-2" / "scorer").state_dict().items():
         torch.testing.assert_close(final[name], tensor, rtol=0, atol=0)
-    assert any((load_scorer(out / "round-1" / "scorer").state_dict()[name] != tensor).any() for name, tensor in final.items())
+    assert any(
+        (load_scorer(out / "round-1" / "scorer").state_dict()[name] != tensor).any() for name, tensor in final.items()
+    )
     # A finished run reruns as a no-op; a lost round 2 is made again from round 1's scorer.
     assert cli.main(args) == 0
     assert "scorer trained" not in capsys.readouterr().out.replace(f"{out / 'scorer'}: the scorer", "")
     shutil.rmtree(out / "round-2")
     assert cli.main(args) == 0
     again = capsys.readouterr().out
-    assert f"{out / 'round-2' / 'scorer'}: scorer trained for 3 steps" in again and "round-1/scorer: scorer" not in again
+    assert (
+        f"{out / 'round-2' / 'scorer'}: scorer trained for 3 steps" in again and "round-1/scorer: scorer" not in again
+    )
     # --on-policy-rounds 0 overrides the config: the golden fit alone, exported to --out/scorer.
     plain = tmp_path / "plain"
     assert cli.main([*fit_args(config, plain, traces_dir, "trainer.max_steps=2"), "--on-policy-rounds", "0"]) == 0
@@ -474,8 +567,10 @@ def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path,
     assert merged.config.hidden == 2 * members[0].config.hidden
     generator = torch.Generator().manual_seed(0)
     shape = (merged.config.num_layers, 1, merged.config.num_kv_heads, 5)
-    inputs = [torch.randn(*shape, width, generator=generator)
-              for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)]
+    inputs = [
+        torch.randn(*shape, width, generator=generator)
+        for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)
+    ]
     with torch.no_grad():
         torch.testing.assert_close(merged(*inputs), (members[0](*inputs) + members[1](*inputs)) / 2, rtol=0, atol=1e-6)
     assert "ensemble: the mean keep score of 2 fits of one recipe" in (out / "scorer" / "README.md").read_text()
@@ -485,11 +580,19 @@ def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path,
     shutil.rmtree(out / "member-1")  # a lost member is fitted again; the ensemble is written again
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
-    assert f"{out / 'member-1' / 'scorer'}: scorer trained for 2 steps" in printed and "member-0/scorer: scorer" not in printed
+    assert (
+        f"{out / 'member-1' / 'scorer'}: scorer trained for 2 steps" in printed
+        and "member-0/scorer: scorer" not in printed
+    )
     assert "seeds: 0 and 1" in (out / "scorer" / "README.md").read_text()
-    refused = [(["--on-policy-rounds", "1"], "on-policy rounds (1) and a seed ensemble (2 members) do not combine"),
-               (["--ckpt-path", "x.ckpt"], "resumes each member from its own last checkpoint: --ckpt-path last, not 'x.ckpt'"),
-               (["--set", "seed_everything=true"], "needs an integer seed_everything to count its members' seeds from, got True")]
+    refused = [
+        (["--on-policy-rounds", "1"], "on-policy rounds (1) and a seed ensemble (2 members) do not combine"),
+        (["--ckpt-path", "x.ckpt"], "resumes each member from its own last checkpoint: --ckpt-path last, not 'x.ckpt'"),
+        (
+            ["--set", "seed_everything=true"],
+            "needs an integer seed_everything to count its members' seeds from, got True",
+        ),
+    ]
     for extra, message in refused:
         assert cli.main([*args, *extra]) == 2
         assert message in capsys.readouterr().err
@@ -501,9 +604,11 @@ def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):
     assert "config" in capsys.readouterr().err
     assert cli.main(fit_args(config, tmp_path / "x", traces_dir, "trainer.max_steps")) == 2
     assert "--set 'trainer.max_steps' must look like KEY=VALUE" in capsys.readouterr().err
-    for flag, value, message in (("--on-policy-rounds", "11", "on-policy rounds must be between 0 and 10, got 11"),
-                                 ("--round-steps", "0", "round steps must be a positive integer, got 0"),
-                                 ("--ensemble", "0", "ensemble members must be between 1 and 16, got 0")):
+    for flag, value, message in (
+        ("--on-policy-rounds", "11", "on-policy rounds must be between 0 and 10, got 11"),
+        ("--round-steps", "0", "round steps must be a positive integer, got 0"),
+        ("--ensemble", "0", "ensemble members must be between 1 and 16, got 0"),
+    ):
         with pytest.raises(SystemExit) as stopped:  # refused by the parser, before any trace is sampled
             cli.main([*fit_args(config, tmp_path / "x", traces_dir), flag, value])
         assert stopped.value.code == 2 and message in capsys.readouterr().err
@@ -530,8 +635,11 @@ def test_b2_is_frozen_and_a_run_saved_while_it_was_optimised_resumes():
     it was frozen) loads into the optimiser of today, with the other parameters' moments kept."""
     module = supervised.SupervisedScorer(scorer_spec())
     assert not module.scorer.b2.requires_grad
-    assert [p.shape for p in module.trained_parameters()] == [module.scorer.w1.shape, module.scorer.b1.shape,
-                                                               module.scorer.w2.shape]
+    assert [p.shape for p in module.trained_parameters()] == [
+        module.scorer.w1.shape,
+        module.scorer.b1.shape,
+        module.scorer.w2.shape,
+    ]
     old = torch.optim.AdamW(module.scorer.parameters(), lr=0.01)  # the optimiser of before: b2 last
     for parameter in module.scorer.parameters():
         parameter.grad = torch.ones_like(parameter)
@@ -549,8 +657,13 @@ def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_p
     """Two gloo processes with 2 traces each per step against one process with 4: the logged losses
     and the trained weights agree (the same shuffled global batches; the loss is normalised by the
     global problem count)."""
-    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0, examples_dir=str(tmp_path / "features"),
-                         traces_dir=str(traces_dir))
+    config = tiny_config(
+        tmp_path / "tiny.yaml",
+        tiny_dir,
+        holdout=0.0,
+        examples_dir=str(tmp_path / "features"),
+        traces_dir=str(traces_dir),
+    )
     frozen = FrozenModel(str(tiny_dir))  # `trainers.cli fit` reads only: make its labels and features first
     make_labels(frozen, traces_dir, B, L_, progress=False)
     key = ExampleKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
@@ -559,9 +672,19 @@ def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_p
     runs = {}
     for name, devices, batch in (("one", 1, 4), ("two", 2, 2)):
         out = tmp_path / name
-        command = [sys.executable, "-m", "trainers.cli", "fit", f"--config={config}", "--trainer.max_steps=3",
-                   f"--trainer.devices={devices}", "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
-                   f"--data.batch_size={batch}", f"--trainer.default_root_dir={out}", f"--checkpoint.dirpath={out}/ckpt"]
+        command = [
+            sys.executable,
+            "-m",
+            "trainers.cli",
+            "fit",
+            f"--config={config}",
+            "--trainer.max_steps=3",
+            f"--trainer.devices={devices}",
+            "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
+            f"--data.batch_size={batch}",
+            f"--trainer.default_root_dir={out}",
+            f"--checkpoint.dirpath={out}/ckpt",
+        ]
         subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
         runs[name] = out
     one, two = (tensorboard_scalars(runs[name], "train/loss") for name in ("one", "two"))
@@ -580,6 +703,7 @@ def test_named_third_party_notices_are_silenced_and_no_others(monkeypatch, caplo
 
     from lightning.pytorch.utilities import rank_zero
     from lightning.pytorch.utilities._pytree import _tree_flatten
+
     from foresight.third_party import quiet_third_party_notices
 
     monkeypatch.delenv("JSONARGPARSE_DEPRECATION_WARNINGS", raising=False)
@@ -587,7 +711,7 @@ def test_named_third_party_notices_are_silenced_and_no_others(monkeypatch, caplo
         warnings.simplefilter("always")
         quiet_third_party_notices()
         _tree_flatten(torch.zeros(1))  # builds a LeafSpec
-        warnings.warn("a notice of our own", FutureWarning)
+        warnings.warn("a notice of our own", FutureWarning, stacklevel=2)
     assert [str(w.message) for w in caught] == ["a notice of our own"]
     assert os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] == "off"
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from foresight.data.trace_store import Trace
 from foresight.metrics import (
     DAMAGE_EXPONENT,
     DAMAGE_THRESHOLD,
@@ -44,7 +45,6 @@ from foresight.metrics import (
     thresholded_terms,
     token_damage,
 )
-from foresight.data.trace_store import Trace
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, Replay
 from foresight.scorer.model import ForesightScorer
@@ -87,7 +87,9 @@ def branch_points(steps: int, count: int, seed: int, round_index: int, trace_ind
     return sorted(int(step) for step in picked)
 
 
-def branch_layers(num_layers: int, count: int | None, seed: int, round_index: int, trace_index: int, step: int) -> tuple[int, ...] | None:
+def branch_layers(
+    num_layers: int, count: int | None, seed: int, round_index: int, trace_index: int, step: int
+) -> tuple[int, ...] | None:
     """The layers that sample a group's step: `count` of them uniformly without replacement (None: all)."""
     if count is None or count >= num_layers:
         return None
@@ -138,7 +140,11 @@ def roll_out_branches(
         engine.advance(backbone, stop_before_step=step)
         layers = branch_layers(engine.num_layers, settings.layers, seed, round_index, trace.index, step)
         policy = make_policy(
-            "foresight", scorer=scorer, mode="sampled", temperature=temperature, sampled_layers=layers,
+            "foresight",
+            scorer=scorer,
+            mode="sampled",
+            temperature=temperature,
+            sampled_layers=layers,
             row_seeds=branch_seeds(seed, round_index, trace.index, step, rows),
         )
         branch = backbone.select_rows([0] * len(rows))
@@ -175,10 +181,24 @@ def roll_out_branches(
 class _WindowScores:
     """The rewards of branch rows over a window of predictions against the backbone's (module docstring)."""
 
-    def __init__(self, backbone: Replay, trace: Trace, reference: torch.Tensor, share: float, threshold: float,
-                 exponent: float, terms: DamageTerms) -> None:
+    def __init__(
+        self,
+        backbone: Replay,
+        trace: Trace,
+        reference: torch.Tensor,
+        share: float,
+        threshold: float,
+        exponent: float,
+        terms: DamageTerms,
+    ) -> None:
         output = backbone.output()
-        self.nll, self.reference, self.threshold, self.exponent, self.terms = output.nll[0], reference, threshold, exponent, terms
+        self.nll, self.reference, self.threshold, self.exponent, self.terms = (
+            output.nll[0],
+            reference,
+            threshold,
+            exponent,
+            terms,
+        )
         scored = scored_tokens(self.nll.numel(), output.first_eviction[0])
         paper = token_damage(self.nll[scored], reference[scored], trace.token_entropy[scored])  # η = 1.5, p = 2
         self.backbone_reward = -paper.counts().penalty  # the reported R, whatever the training reward
@@ -203,11 +223,16 @@ class _WindowScores:
         low = self.low[window]
         rewards = torch.tensor([self.reward(row, window) - backbone for row in rows])
         ratios = torch.tensor([loss_ratio(row[window], self.reference[window]) for row in rows])
-        damaged = torch.tensor([
-            float(((row[window] - self.reference[window] > self.threshold) & low).sum()) / max(int(low.sum()), 1)
-            for row in rows
-        ])
-        paper = torch.tensor([
-            self.reward(row, window, thresholded_terms) - self.reward(self.nll, window, thresholded_terms) for row in rows
-        ])
+        damaged = torch.tensor(
+            [
+                float(((row[window] - self.reference[window] > self.threshold) & low).sum()) / max(int(low.sum()), 1)
+                for row in rows
+            ]
+        )
+        paper = torch.tensor(
+            [
+                self.reward(row, window, thresholded_terms) - self.reward(self.nll, window, thresholded_terms)
+                for row in rows
+            ]
+        )
         return RolloutScores(rewards, ratios, damaged, rewards[:, None].float(), paper)

@@ -47,15 +47,21 @@ class SupervisedCLI(LightningCLI):
         add_checkpoint_section(parser)
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_argument(
-            "--traces", type=TraceRecipe | None, default=None,
+            "--traces",
+            type=TraceRecipe | None,
+            default=None,
             help="how `foresight fit` samples data.traces_dir when it is incomplete (null: the folder must exist)",
         )
         parser.add_argument(
-            "--on_policy", type=OnPolicyRounds | None, default=None,
+            "--on_policy",
+            type=OnPolicyRounds | None,
+            default=None,
             help="on-policy rounds `foresight fit` runs after the golden fit (null: none; --on-policy-rounds overrides)",
         )
         parser.add_argument(
-            "--ensemble", type=SeedEnsemble | None, default=None,
+            "--ensemble",
+            type=SeedEnsemble | None,
+            default=None,
             help="fits under several seeds that `foresight fit` averages into one scorer (null: one fit; --ensemble overrides)",
         )
         parser.set_defaults({"lr_monitor.logging_interval": "step"})

@@ -227,8 +227,13 @@ class GoldenDataModule(TraceSplitDataModule):
                 self.labels.require(trace.index, num_tokens=trace.input_ids.numel())
             self.train, self.val = (
                 ReplayedTraces(
-                    splits[name], self.labels, self.frozen, self.feature_set, self.replay_batch_size,
-                    shuffle=self.shuffle and name == "train", seed=self.split_seed,
+                    splits[name],
+                    self.labels,
+                    self.frozen,
+                    self.feature_set,
+                    self.replay_batch_size,
+                    shuffle=self.shuffle and name == "train",
+                    seed=self.split_seed,
                 )
                 for name in ("train", "val")
             )
@@ -259,8 +264,12 @@ class GoldenDataModule(TraceSplitDataModule):
         sampler.set_epoch(self._resumed_epoch)
         self._resumed_epoch = 0  # once: a later fit of this module starts from epoch 0 unless it resumes too
         return DataLoader(
-            self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=concat_steps,
-            drop_last=len(sampler) >= self.batch_size, **self._loading(),
+            self.train,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=concat_steps,
+            drop_last=len(sampler) >= self.batch_size,
+            **self._loading(),
         )
 
     def state_dict(self) -> dict[str, int]:

@@ -35,7 +35,6 @@ LogprobRule = Callable[..., torch.Tensor]
 """(scores [..., C], pool [..., P], order [..., L], eligible, temperature) -> log-probability [...]."""
 
 
-
 def leave_one_out_advantages(rewards: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """RLOO advantages along `dim` (the rollouts of a group; Kool, van Hoof and Welling 2019): Â_k = R_k −
     mean_{j≠k} R_j = G / (G − 1)·(R_k − mean R), unscaled, so a group whose rewards differ by 0.01 moves the
@@ -50,8 +49,10 @@ def leave_one_out_advantages(rewards: torch.Tensor, dim: int = -1) -> torch.Tens
 
 REWARD_RULES: dict[str, DamageTerms] = {"thresholded": thresholded_terms, "dense": dense_terms}
 """thresholded: ΔL^p·1[ΔL > η] (ForesightKV §3.3); dense: (ΔL − δ)₊^p, every loss increase past δ."""
-ADVANTAGE_RULES: dict[str, AdvantageRule] = {"group_normalised": group_advantages,
-                                             "leave_one_out": leave_one_out_advantages}
+ADVANTAGE_RULES: dict[str, AdvantageRule] = {
+    "group_normalised": group_advantages,
+    "leave_one_out": leave_one_out_advantages,
+}
 """group_normalised: (R − mean R) / (std R + ε) (ForesightKV Eq. 9); leave_one_out: R − the mean of the
 group's other rewards, in the reward's units (RLOO)."""
 LOGPROB_RULES: dict[str, LogprobRule] = {"order": plackett_luce_logprob, "set": plackett_luce_set_logprob}
@@ -82,7 +83,7 @@ class Estimator:
 
     @property
     def name(self) -> str:
-        """"logprob / advantage / reward", e.g. "order / group_normalised / thresholded" (the paper's)."""
+        """ "logprob / advantage / reward", e.g. "order / group_normalised / thresholded" (the paper's)."""
         return f"{self.logprob} / {self.advantage} / {self.reward}"
 
     @property

@@ -81,7 +81,9 @@ class ExampleCache:
         return self.directory / f"trace-{trace_index:06d}.safetensors"
 
     @classmethod
-    def of_trajectory(cls, directory: str | os.PathLike, traces_dir: str | os.PathLike, key: ExampleKey) -> ExampleCache:
+    def of_trajectory(
+        cls, directory: str | os.PathLike, traces_dir: str | os.PathLike, key: ExampleKey
+    ) -> ExampleCache:
         """The cache in `directory` with `key` but the trajectory its folder records (an on-policy round's
         examples are read by a data module that knows only the golden key)."""
         file = Path(directory) / KEY_FILE
@@ -98,7 +100,9 @@ class ExampleCache:
         stored = {"trajectory": GOLDEN_TRAJECTORY, **json.loads(file.read_text())}  # caches before on-policy rounds
         wanted = self.key.metadata()
         differing = [
-            f"{name} {stored.get(name)!r} (asked: {value!r})" for name, value in wanted.items() if stored.get(name) != value
+            f"{name} {stored.get(name)!r} (asked: {value!r})"
+            for name, value in wanted.items()
+            if stored.get(name) != value
         ]
         if differing:
             raise ValueError(
@@ -137,4 +141,3 @@ class ExampleCache:
 
     def _metadata(self, trace: Trace) -> dict[str, str]:
         return {**self.key.metadata(), "trace_index": str(trace.index), "num_tokens": str(trace.input_ids.numel())}
-

@@ -82,7 +82,9 @@ class FutureTargets:
     def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         positions = positions.cpu().long()
         pairs = zip(rows.tolist(), steps.tolist())
-        return torch.stack([self.tables[row][step - 1, layer].gather(-1, positions[i]) for i, (row, step) in enumerate(pairs)])
+        return torch.stack(
+            [self.tables[row][step - 1, layer].gather(-1, positions[i]) for i, (row, step) in enumerate(pairs)]
+        )
 
 
 @dataclass
@@ -104,7 +106,9 @@ class StepRecorder(Policy):
     feature_set: str = FeatureSet.PAPER.value
     storage_dtype: torch.dtype = torch.float16
     buffers: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    _features: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)  # by layer, observe to score
+    _features: dict[int, torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False
+    )  # by layer, observe to score
 
     def __post_init__(self) -> None:
         learned = isinstance(self.driver, Foresight)
@@ -114,7 +118,9 @@ class StepRecorder(Policy):
                 f"the scorer reads {scored.value} features; it cannot drive a recording of {self.feature_set} features"
             )
         if not learned and self.driver.state_fields:
-            raise ValueError(f"the {self.driver.name} policy keeps per-entry state of its own and cannot drive this recording")
+            raise ValueError(
+                f"the {self.driver.name} policy keeps per-entry state of its own and cannot drive this recording"
+            )
         self.num_steps = self.targets.num_steps
 
     @property

@@ -38,6 +38,7 @@ from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer, named_by_content
 from trainers.branches import BranchSettings, roll_out_branches
 from trainers.estimators import Estimator, LogprobRule
+from trainers.preparation import FrozenModel
 from trainers.rollouts import (
     CLIP_EPSILON,
     LOG_RATIO_CLAMP,
@@ -53,7 +54,6 @@ from trainers.rollouts import (
     roll_out_together,
     rollout_seeds,
 )
-from trainers.preparation import FrozenModel
 from trainers.scorer_module import ScorerModule
 
 
@@ -141,7 +141,9 @@ class GRPOScorer(ScorerModule):
         self.branches = BranchSettings(branch_rows, branch_chunks, branch_steps, branch_layers)
         self.estimator = Estimator(reward_rule, advantage_rule, logprob_rule, damage_offset)
         if group_size < 2:
-            raise ValueError(f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}")
+            raise ValueError(
+                f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}"
+            )
         if lr <= 0 or beta < 0 or not 0 < clip < 1 or epochs < 1 or warm_up < 0:
             raise ValueError(
                 f"need lr > 0, beta >= 0, 0 < clip < 1, epochs >= 1 and warm_up >= 0, got lr={lr}, beta={beta}, "
@@ -177,8 +179,16 @@ class GRPOScorer(ScorerModule):
         self._frozen: FrozenModel | None = None
         self._full_cache_nll: dict[int, torch.Tensor] = {}  # by trace index, with loss_reference "replay"
         names = (
-            "reward", "loss_ratio", "damage", "kl", "clip_fraction", "entropy", "steps_per_second", "forward_share",
-            "zero_advantage_share", "tokens_per_second",
+            "reward",
+            "loss_ratio",
+            "damage",
+            "kl",
+            "clip_fraction",
+            "entropy",
+            "steps_per_second",
+            "forward_share",
+            "zero_advantage_share",
+            "tokens_per_second",
             *(("backbone_reward",) if self.rollout is Rollout.BRANCH else ("paper_reward",)),
         )
         self.figures = torch.nn.ModuleDict({name: MeanMetric() for name in names})
@@ -212,22 +222,38 @@ class GRPOScorer(ScorerModule):
         groups at a time, so only their recorded evictions are held while they are used."""
         round_index = self.global_step // self.hparams.epochs
         scoring = dict(
-            share=self.hparams.low_entropy_share, threshold=self.hparams.damage_threshold,
-            exponent=self.hparams.damage_exponent, terms=self.estimator.damage_terms,
-            storage_dtype=self.storage_dtype, temperature=self.hparams.temperature,
+            share=self.hparams.low_entropy_share,
+            threshold=self.hparams.damage_threshold,
+            exponent=self.hparams.damage_exponent,
+            terms=self.estimator.damage_terms,
+            storage_dtype=self.storage_dtype,
+            temperature=self.hparams.temperature,
         )
         if self.rollout is Rollout.BRANCH:
             for trace in traces:
                 yield from roll_out_branches(
-                    self.frozen_model, self.scorer, trace, self.branches, self.rollout_rows(), seed=self.hparams.seed,
-                    round_index=round_index, reference_nll=self._reference_nll(trace), **scoring,
+                    self.frozen_model,
+                    self.scorer,
+                    trace,
+                    self.branches,
+                    self.rollout_rows(),
+                    seed=self.hparams.seed,
+                    round_index=round_index,
+                    reference_nll=self._reference_nll(trace),
+                    **scoring,
                 )
             return
         for packed in packs(traces, self.hparams.traces_per_replay):
-            seeds = [rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows()) for trace in packed]
+            seeds = [
+                rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows()) for trace in packed
+            ]
             yield from roll_out_together(
-                self.frozen_model, self.scorer, packed, seeds,
-                reference_nll=[self._reference_nll(trace) for trace in packed], **scoring,
+                self.frozen_model,
+                self.scorer,
+                packed,
+                seeds,
+                reference_nll=[self._reference_nll(trace) for trace in packed],
+                **scoring,
             )
 
     def _reference_nll(self, trace: Trace) -> torch.Tensor | None:
@@ -281,7 +307,11 @@ class GRPOScorer(ScorerModule):
             logprob = actions.logprob(scores, self.estimator.action_logprob)
             by_step = [lp.transpose(1, 2) for lp in (logprob, update.old_logprob, update.ref_logprob)]
             objective = grpo_objective(  # [rows, steps, layers, Hkv]: a row's or a step's advantage broadcasts
-                *by_step, update.advantages.to(scores.device), beta, clip=self.hparams.clip, clamp=LOG_RATIO_CLAMP,
+                *by_step,
+                update.advantages.to(scores.device),
+                beta,
+                clip=self.hparams.clip,
+                clamp=LOG_RATIO_CLAMP,
             )
             self.manual_backward(objective.loss / traces)
         self.figures["kl"].update(objective.kl)
@@ -343,7 +373,9 @@ class GRPOScorer(ScorerModule):
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.trained_parameters(), lr=self.hparams.lr)
         warm_up = self.hparams.warm_up
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warm_up) if warm_up else 1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warm_up) if warm_up else 1.0
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def stage_settings(self) -> dict[str, str]:
@@ -358,10 +390,13 @@ class GRPOScorer(ScorerModule):
         if self.rollout is Rollout.BRANCH:
             branches = self.branches
             layers = "every layer" if branches.layers is None else f"{branches.layers} layers per group"
-            return {"GRPO": settings, "rollouts": (
-                f"step-level branch groups: K = {branches.rows} rows at {branches.steps} eviction steps per trace, "
-                f"sampled on {layers}, continued deterministically for W = {branches.chunks} chunks"
-            )}
+            return {
+                "GRPO": settings,
+                "rollouts": (
+                    f"step-level branch groups: K = {branches.rows} rows at {branches.steps} eviction steps per trace, "
+                    f"sampled on {layers}, continued deterministically for W = {branches.chunks} chunks"
+                ),
+            }
         return {"GRPO": settings, "rollouts": f"episodes: G = {hparams.group_size} per trace, every step sampled"}
 
 
@@ -369,8 +404,14 @@ class _Update:
     """What one trace's update needs: its recorded evictions, the advantage of each of this rank's rows,
     and the log-probability of every eviction under the scorer that sampled it (π_old) and under π_ref."""
 
-    def __init__(self, actions: EvictionActions, advantages: torch.Tensor, scorer: ForesightScorer,
-                 reference: ForesightScorer, rule: LogprobRule) -> None:
+    def __init__(
+        self,
+        actions: EvictionActions,
+        advantages: torch.Tensor,
+        scorer: ForesightScorer,
+        reference: ForesightScorer,
+        rule: LogprobRule,
+    ) -> None:
         self.actions, self.advantages = actions, advantages
         with torch.no_grad():
             self.old_logprob = actions.logprob(actions.scores(scorer), rule)

@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 from foresight.artifacts import MISSING
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.tasks import recorded_source
-from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from foresight.data.trace_generation import generate_traces
 from foresight.data.trace_store import (
     Trace,
@@ -35,6 +34,7 @@ from foresight.data.trace_store import (
 )
 from foresight.labels import LabelStore, compute_golden_labels, future_score_table, save_labels
 from foresight.models import DEFAULT_MODEL, dtype_name, float_dtype, load_model
+from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from foresight.scorer.model import ForesightScorer
 from trainers.example_cache import ExampleCache
 from trainers.examples import golden_steps, scorer_steps
@@ -76,7 +76,9 @@ class TraceRecipe:
 
     def settings(self, model: str, device: str = "cpu") -> TraceSettings:
         """The settings a traces folder made by `model` on `device` from this recipe records."""
-        options = {name: value for name, value in asdict(self).items() if name not in ("prompts", "batch_size", "draws")}
+        options = {
+            name: value for name, value in asdict(self).items() if name not in ("prompts", "batch_size", "draws")
+        }
         draws = Draws.resolve(self.draws, device, self.temperature)
         return TraceSettings(model=model, source=recorded_source(self.prompts), draws=draws.value, **options)
 
@@ -139,7 +141,11 @@ class StepSummary:
 
 
 def make_traces(
-    frozen: FrozenModel, recipe: TraceRecipe, out_dir: str | os.PathLike, *, shard: tuple[int, int] = (0, 1),
+    frozen: FrozenModel,
+    recipe: TraceRecipe,
+    out_dir: str | os.PathLike,
+    *,
+    shard: tuple[int, int] = (0, 1),
     progress: bool = True,
 ) -> TraceRunSummary:
     """`foresight traces`: sample the recipe's traces into `out_dir`, resuming; a complete folder loads no model."""
@@ -149,13 +155,24 @@ def make_traces(
     model, tokenizer = frozen.load()
     options = asdict(recipe)
     return generate_traces(
-        model, tokenizer, options.pop("prompts"), out_dir=out_dir, shard=shard, progress=progress,
-        model_name=frozen.name, **options,
+        model,
+        tokenizer,
+        options.pop("prompts"),
+        out_dir=out_dir,
+        shard=shard,
+        progress=progress,
+        model_name=frozen.name,
+        **options,
     )
 
 
 def make_labels(
-    frozen: FrozenModel, traces_dir: str | os.PathLike, budget: int, interval: int, *, chunk_size: int = 256,
+    frozen: FrozenModel,
+    traces_dir: str | os.PathLike,
+    budget: int,
+    interval: int,
+    *,
+    chunk_size: int = 256,
     progress: bool = True,
 ) -> StepSummary:
     """`foresight labels`: the golden labels of every trace of `traces_dir` long enough to have an eviction step."""
@@ -170,8 +187,13 @@ def make_labels(
     plan = _Plan.of(traces, budget, interval, problem)
     for trace in tqdm(plan.todo, desc="labels", unit="trace", disable=not progress):
         labels = compute_golden_labels(
-            frozen.load()[0], trace.input_ids, budget, interval,
-            trace_index=trace.index, model_name=frozen.name, chunk_size=chunk_size,
+            frozen.load()[0],
+            trace.input_ids,
+            budget,
+            interval,
+            trace_index=trace.index,
+            model_name=frozen.name,
+            chunk_size=chunk_size,
         )
         save_labels(labels, store.path(trace.index))
     return plan.summary(store.directory, "labelled", "already labelled", time.perf_counter() - started)
@@ -190,7 +212,9 @@ def make_examples(
     for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay
         labels.require(trace.index, num_tokens=trace.input_ids.numel())
     storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
-    for group in tqdm(_length_groups(plan.todo, replay_batch_size), desc="examples", unit="batch", disable=not progress):
+    for group in tqdm(
+        _length_groups(plan.todo, replay_batch_size), desc="examples", unit="batch", disable=not progress
+    ):
         group_labels = [labels.load(trace.index, num_tokens=trace.input_ids.numel()) for trace in group]
         examples = golden_steps(frozen.load()[0], group, group_labels, key.feature_set, storage_dtype)
         for trace, tensors in zip(group, examples):
@@ -199,8 +223,14 @@ def make_examples(
 
 
 def make_on_policy_examples(
-    frozen: FrozenModel, cache: ExampleCache, scorer: ForesightScorer, trace_indices: Sequence[int], *,
-    replay_batch_size: int = 4, chunk_size: int = 256, progress: bool = True,
+    frozen: FrozenModel,
+    cache: ExampleCache,
+    scorer: ForesightScorer,
+    trace_indices: Sequence[int],
+    *,
+    replay_batch_size: int = 4,
+    chunk_size: int = 256,
+    progress: bool = True,
 ) -> StepSummary:
     """One on-policy round's data: the traces `trace_indices` replayed under `scorer`'s own evictions,
     each step's candidates labelled with their future scores (`trainers.examples.scorer_steps`).
@@ -218,10 +248,13 @@ def make_on_policy_examples(
     traces = [trace for trace in _opened_traces(frozen, cache, replay_batch_size) if trace.index in wanted]
     plan = _Plan.of(traces, key.budget, key.interval, cache.problem)
     storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
-    for group in tqdm(_length_groups(plan.todo, replay_batch_size), desc="on-policy", unit="batch", disable=not progress):
+    for group in tqdm(
+        _length_groups(plan.todo, replay_batch_size), desc="on-policy", unit="batch", disable=not progress
+    ):
         model = frozen.load()[0]
         tables = [
-            future_score_table(model, trace.input_ids, key.budget, key.interval, chunk_size=chunk_size) for trace in group
+            future_score_table(model, trace.input_ids, key.budget, key.interval, chunk_size=chunk_size)
+            for trace in group
         ]
         for trace, tensors in zip(group, scorer_steps(model, group, tables, scorer, storage_dtype)):
             cache.write(trace, tensors)
@@ -290,5 +323,13 @@ class _Plan:
 
     def summary(self, directory: Path, action: str, already: str, seconds: float) -> StepSummary:
         return StepSummary(
-            directory, action, already, len(self.todo), self.damaged, self.done, self.too_short, self.min_tokens, seconds
+            directory,
+            action,
+            already,
+            len(self.todo),
+            self.damaged,
+            self.done,
+            self.too_short,
+            self.min_tokens,
+            seconds,
         )

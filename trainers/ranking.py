@@ -187,4 +187,3 @@ def spearman(scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     covariance = (centred[0] * centred[1]).sum(-1)
     norms = centred[0].square().sum(-1).sqrt() * centred[1].square().sum(-1).sqrt()
     return (covariance / norms.masked_fill(norms == 0, float("nan"))).float()
-

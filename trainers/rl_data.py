@@ -89,7 +89,10 @@ class RolloutDataModule(TraceSplitDataModule):
     def train_dataloader(self) -> DataLoader:
         sampler = ResumingSampler(self.train, self.shuffle, self.seed, self.batch_size, self._batches_taken)
         return DataLoader(
-            self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=list,
+            self.train,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=list,
             drop_last=len(self.train) >= self.batch_size,
         )
 

@@ -132,7 +132,9 @@ class EvictionActions:
             raise ValueError(f"records must hold the layers {recorded} of every step, in order")
         temperatures = {record.temperature for record in records}
         if len(temperatures) != 1:
-            raise ValueError(f"the records were sampled at several temperatures {sorted(temperatures)}; stack one run's")
+            raise ValueError(
+                f"the records were sampled at several temperatures {sorted(temperatures)}; stack one run's"
+            )
         newest = torch.stack([step[0].query_positions[rows, -1] for step in steps])  # [steps, rows]
         if not torch.equal(newest, newest[:, :1].expand_as(newest)):
             raise ValueError("the rows of a rollout group must evict together (replay one trace per group)")
@@ -154,7 +156,9 @@ class EvictionActions:
             features=stacked("features", dtype),
             eligible=stacked("eligible"),
             order=stacked("order"),
-            evicted=torch.stack([torch.stack([r.positions[rows].gather(-1, r.order[rows]) for r in step]) for step in steps], 1),
+            evicted=torch.stack(
+                [torch.stack([r.positions[rows].gather(-1, r.order[rows]) for r in step]) for step in steps], 1
+            ),
             after=newest[kept, 0],
             temperature=temperatures.pop(),
             layers=None if layers is None else tuple(recorded),
@@ -183,7 +187,9 @@ class EvictionActions:
         """Entropy [rows, layers, steps, Hkv] of the first draw of Eq. 2 (softmax of the negated scores
         over the pool's eligible entries, at the sampling temperature): how spread the policy is, in nats
         (at most log 2L)."""
-        logits = (-scores.float() / self.temperature).masked_fill(~self.eligible.to(scores.device), torch.finfo(torch.float32).min)
+        logits = (-scores.float() / self.temperature).masked_fill(
+            ~self.eligible.to(scores.device), torch.finfo(torch.float32).min
+        )
         return torch.distributions.Categorical(logits=logits).entropy().movedim(2, 0)
 
 
@@ -232,8 +238,11 @@ def score_rollouts(
         damage = token_damage(evicted, full, entropy, share=share, threshold=threshold, exponent=exponent, terms=terms)
         counts = damage.counts()
         rewards.append(-counts.penalty)
-        paper.append(-counts.penalty if terms is thresholded_terms else
-                     -token_damage(evicted, full, entropy, share, threshold, exponent).counts().penalty)
+        paper.append(
+            -counts.penalty
+            if terms is thresholded_terms
+            else -token_damage(evicted, full, entropy, share, threshold, exponent).counts().penalty
+        )
         ratios.append(loss_ratio(evicted, full))
         shares.append(counts.share)
         to_go.append(rewards_to_go(damage, scored, after))
@@ -274,7 +283,9 @@ class GroupRollout:
 
 def rollout_seeds(seed: int, round_index: int, trace_index: int, rows: Sequence[int]) -> tuple[int, ...]:
     """The sampling seed of each rollout row: a function of (seed, round, trace, row) only."""
-    return tuple(int(np.random.SeedSequence([seed, round_index, trace_index, row]).generate_state(1)[0]) for row in rows)
+    return tuple(
+        int(np.random.SeedSequence([seed, round_index, trace_index, row]).generate_state(1)[0]) for row in rows
+    )
 
 
 def roll_out(
@@ -356,7 +367,14 @@ def roll_out_together(
             policy.records, engine.num_layers, before=length - 2, rows=rows, dtype=storage_dtype
         )
         scores = score_rollouts(
-            output.nll[rows], output.first_eviction[rows], trace, actions.after, share, threshold, exponent, reference,
+            output.nll[rows],
+            output.first_eviction[rows],
+            trace,
+            actions.after,
+            share,
+            threshold,
+            exponent,
+            reference,
             terms,
         )
         scored.append((trace, actions, scores))
@@ -459,4 +477,6 @@ def grpo_objective(
     kl = k3_kl(logprob, ref_logprob)
     loss = -surrogate.mean() + beta * kl.mean()
     clip_fraction = (clipped < unclipped).float().mean()
-    return GRPOObjective(loss=loss, surrogate=surrogate.mean().detach(), kl=kl.mean().detach(), clip_fraction=clip_fraction)
+    return GRPOObjective(
+        loss=loss, surrogate=surrogate.mean().detach(), kl=kl.mean().detach(), clip_fraction=clip_fraction
+    )

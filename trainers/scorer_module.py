@@ -15,7 +15,6 @@ import torch
 from foresight.export import checkpoint_entries
 from foresight.scorer.model import ForesightScorer
 
-
 UNTRAINED = "b2"
 """The scorer parameter neither stage trains (`ScorerModule.freeze_untrained`)."""
 

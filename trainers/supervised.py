@@ -69,7 +69,9 @@ class SupervisedScorer(ScorerModule):
         pairs, pair_weight = RankingPairs.parse(pairs).value, PairWeight.parse(pair_weight).value
         for name, value in (("pair_chunk", pair_chunk), ("pair_block", pair_block)):
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be a positive number of pairs{' or null' if name == 'pair_block' else ''}, got {value}")
+                raise ValueError(
+                    f"{name} must be a positive number of pairs{' or null' if name == 'pair_block' else ''}, got {value}"
+                )
         if lr <= 0 or margin < 0 or weight_decay < 0:
             raise ValueError(
                 f"need lr > 0, margin >= 0 and weight_decay >= 0, got lr={lr}, margin={margin}, weight_decay={weight_decay}"
@@ -106,7 +108,12 @@ class SupervisedScorer(ScorerModule):
         """This rank's share of the global-batch mean of Eq. 6 (see the module docstring)."""
         lowest = self.scorer.config.interval if self.hparams.pairs == RankingPairs.EVICTED.value else None
         per_problem, _ = pairwise_ranking_loss(
-            scores, alpha, self.hparams.margin, self.hparams.pair_chunk, lowest, PairWeight.parse(self.hparams.pair_weight),
+            scores,
+            alpha,
+            self.hparams.margin,
+            self.hparams.pair_chunk,
+            lowest,
+            PairWeight.parse(self.hparams.pair_weight),
             self.hparams.pair_block,
         )
         count = torch.tensor(float(per_problem.numel()), device=per_problem.device)

@@ -21,16 +21,27 @@ NAME = "ablation"
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(ReportSettings):
-    sets: tuple[str, ...] = field(metadata={
-        "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)", "flags": ("--set",),
-        "metavar": "NAME=DIR,..."})
-    learned: tuple[str, ...] = field(metadata={
-        "help": "a learned scorer's row name in those folders and what it is (repeat; table order)",
-        "metavar": "ROW=WHAT"})
+    sets: tuple[str, ...] = field(
+        metadata={
+            "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)",
+            "flags": ("--set",),
+            "metavar": "NAME=DIR,...",
+        }
+    )
+    learned: tuple[str, ...] = field(
+        metadata={
+            "help": "a learned scorer's row name in those folders and what it is (repeat; table order)",
+            "metavar": "ROW=WHAT",
+        }
+    )
     budget: int = budget_field(128)
-    pool: str = field(default="", metadata={
-        "help": "one more table with these sets' traces pooled as one set (paired intervals over all of them)",
-        "metavar": "NAME,NAME,..."})
+    pool: str = field(
+        default="",
+        metadata={
+            "help": "one more table with these sets' traces pooled as one set (paired intervals over all of them)",
+            "metavar": "NAME,NAME,...",
+        },
+    )
 
     def __post_init__(self) -> None:
         trace_sets(self.sets), named(self.learned, "--learned", "ROW=WHAT")  # malformed texts: refused here
@@ -42,6 +53,7 @@ def section(settings: Settings) -> str:
 
 def run(settings: Settings) -> str:
     pooled = [name.strip() for name in settings.pool.split(",") if name.strip()]
-    report = ablation_report(trace_sets(settings.sets), named(settings.learned, "--learned", "ROW=WHAT"),
-                             settings.budget, pooled)
+    report = ablation_report(
+        trace_sets(settings.sets), named(settings.learned, "--learned", "ROW=WHAT"), settings.budget, pooled
+    )
     return f"Command: `{settings.command}`\n\n{report}"

@@ -20,14 +20,23 @@ NAME = "baselines"
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(ReportSettings):
-    sets: tuple[str, ...] = field(metadata={
-        "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)", "flags": ("--set",),
-        "metavar": "NAME=DIR,..."})
-    learned: tuple[str, ...] = field(metadata={
-        "help": "the learned scorer's row name in those folders; repeat for sets that name it otherwise (a set's "
-        "learned row is the first of these it holds)", "metavar": "ROW"})
-    budgets: tuple[int, ...] = field(default=(128, 256), metadata={
-        "help": "budgets B tabled, comma-separated", "flags": ("--budgets", "-B")})
+    sets: tuple[str, ...] = field(
+        metadata={
+            "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)",
+            "flags": ("--set",),
+            "metavar": "NAME=DIR,...",
+        }
+    )
+    learned: tuple[str, ...] = field(
+        metadata={
+            "help": "the learned scorer's row name in those folders; repeat for sets that name it otherwise (a set's "
+            "learned row is the first of these it holds)",
+            "metavar": "ROW",
+        }
+    )
+    budgets: tuple[int, ...] = field(
+        default=(128, 256), metadata={"help": "budgets B tabled, comma-separated", "flags": ("--budgets", "-B")}
+    )
     plot_dir: Path = field(default=RUNS, metadata={"help": "folder of the PNGs, one per set"})
 
     def __post_init__(self) -> None:

@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from foresight.bench.common import (
     RuntimeSettings,
-    budget_field,
     bench_policy,
+    budget_field,
     interval_field,
     load_benchmark_model,
     machine,
@@ -48,11 +48,14 @@ SYNC_CONFIG, SYNC_TOKENS = EvictionConfig(64, 16), 160
 class Settings(RuntimeSettings):
     budget: int = budget_field(1024)
     interval: int = interval_field(256)
-    lengths: tuple[int, ...] = field(default=(8192, 16384, 32768), metadata={"help": "comma-separated generation lengths T"})
+    lengths: tuple[int, ...] = field(
+        default=(8192, 16384, 32768), metadata={"help": "comma-separated generation lengths T"}
+    )
     memory_fraction: float = field(default=0.9, metadata={"help": "share of the GPU's memory a run may take"})
     probe_tokens: int = field(default=16, metadata={"help": "decode steps of a full-cache memory probe"})
-    time_limit: float | None = field(default=None, metadata={
-        "help": "seconds a throughput run may decode (None: all T)"})
+    time_limit: float | None = field(
+        default=None, metadata={"help": "seconds a throughput run may decode (None: all T)"}
+    )
 
 
 class _Stop(Exception):

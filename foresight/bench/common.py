@@ -27,19 +27,27 @@ DtypeName = Literal["float32", "bfloat16", "float16", "auto"]
 
 
 def device_field(default: str = "cpu") -> Any:
-    return field(default=default, metadata={
-        "help": "where the model runs: cpu, cuda, cuda:N, mps, or auto (cuda if available, else cpu)"})
+    return field(
+        default=default,
+        metadata={"help": "where the model runs: cpu, cuda, cuda:N, mps, or auto (cuda if available, else cpu)"},
+    )
 
 
 def dtype_field(default: str = "float32") -> Any:
-    return field(default=default, metadata={
-        "help": "dtype of the model's weights and activations; auto: bfloat16 on cuda, float32 elsewhere"})
+    return field(
+        default=default,
+        metadata={"help": "dtype of the model's weights and activations; auto: bfloat16 on cuda, float32 elsewhere"},
+    )
 
 
 def model_field(architecture_configs: bool = True) -> Any:
     configs = ", or an architecture config (configs/models/*.json: random weights)" if architecture_configs else ""
-    return field(default=DEFAULT_MODEL, metadata={
-        "help": f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id{configs}"})
+    return field(
+        default=DEFAULT_MODEL,
+        metadata={
+            "help": f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id{configs}"
+        },
+    )
 
 
 def budget_field(default: int) -> Any:
@@ -47,19 +55,26 @@ def budget_field(default: int) -> Any:
 
 
 def budgets_field(default: tuple[int, ...]) -> Any:
-    return field(default=default, metadata={
-        "help": "budgets B to evaluate, comma-separated, e.g. 64,128", "flags": ("--budgets", "-B")})
+    return field(
+        default=default,
+        metadata={"help": "budgets B to evaluate, comma-separated, e.g. 64,128", "flags": ("--budgets", "-B")},
+    )
 
 
 def interval_field(default: int) -> Any:
-    return field(default=default, metadata={
-        "help": "entries evicted per step, every L tokens", "flags": ("--interval", "-L")})
+    return field(
+        default=default, metadata={"help": "entries evicted per step, every L tokens", "flags": ("--interval", "-L")}
+    )
 
 
 def policies_field(all_means: str) -> Any:
-    return field(default="all", metadata={
-        "help": f"'all' ({all_means}) or a comma-separated list of: {', '.join(sorted(POLICIES))}",
-        "metavar": "all|NAME,..."})
+    return field(
+        default="all",
+        metadata={
+            "help": f"'all' ({all_means}) or a comma-separated list of: {', '.join(sorted(POLICIES))}",
+            "metavar": "all|NAME,...",
+        },
+    )
 
 
 def traces_field(help_text: str = "traces folder (`foresight traces`)") -> Any:
@@ -70,10 +85,17 @@ def traces_field(help_text: str = "traces folder (`foresight traces`)") -> Any:
 class ReportSettings:
     """Where the report goes: its section of a markdown file under runs/ unless --out says otherwise."""
 
-    out: Path | None = field(default=None, metadata={
-        "help": "markdown report whose section is rewritten (default: runs/bench/BENCHMARK.md)", "report": True})
-    section: str | None = field(default=None, metadata={
-        "help": "name of the report section to rewrite (default: BENCHMARK-DEVICE)", "report": True})
+    out: Path | None = field(
+        default=None,
+        metadata={
+            "help": "markdown report whose section is rewritten (default: runs/bench/BENCHMARK.md)",
+            "report": True,
+        },
+    )
+    section: str | None = field(
+        default=None,
+        metadata={"help": "name of the report section to rewrite (default: BENCHMARK-DEVICE)", "report": True},
+    )
 
     @property
     def command(self) -> str:
@@ -124,13 +146,19 @@ class RuntimeSettings(ModelSettings):
     device: str = device_field("auto")
     dtype: DtypeName = dtype_field("auto")
     policies: str = policies_field(
-        "every policy that needs no labels or scorer, and the learned one with --scorer; full is always included")
+        "every policy that needs no labels or scorer, and the learned one with --scorer; full is always included"
+    )
     budget: int = budget_field(256)
     interval: int = interval_field(64)
-    scorer: str | None = field(default=None, metadata={
-        "help": "a trained scorer folder (or Hub id) that the learned `foresight` policy runs, trained for this B and "
-        "L; without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the "
-        "same cost)", "metavar": "DIR"})
+    scorer: str | None = field(
+        default=None,
+        metadata={
+            "help": "a trained scorer folder (or Hub id) that the learned `foresight` policy runs, trained for this B and "
+            "L; without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the "
+            "same cost)",
+            "metavar": "DIR",
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,8 +183,10 @@ class RuntimeSettings(ModelSettings):
         scorer = load_scorer(self.scorer)
         trained = (scorer.config.budget, scorer.config.interval)
         if trained != (self.budget, self.interval):
-            raise ValueError(f"--scorer {self.scorer} was trained for B = {trained[0]}, L = {trained[1]}; run with "
-                             f"--budget {trained[0]} --interval {trained[1]}")
+            raise ValueError(
+                f"--scorer {self.scorer} was trained for B = {trained[0]}, L = {trained[1]}; run with "
+                f"--budget {trained[0]} --interval {trained[1]}"
+            )
         return scorer.to(model.device)
 
     def scorer_note(self) -> str:
@@ -180,13 +210,16 @@ def named(texts: tuple[str, ...], option: str, kind: str) -> tuple[tuple[str, st
 
 def trace_sets(texts: tuple[str, ...]) -> tuple[tuple[str, tuple[Path, ...]], ...]:
     """(name, `foresight eval` folders) of each --set NAME=DIR,DIR,... text."""
-    return tuple((name, tuple(Path(folder) for folder in folders.split(","))) for name, folders in
-                 named(texts, "--set", "DIR,DIR,..."))
+    return tuple(
+        (name, tuple(Path(folder) for folder in folders.split(",")))
+        for name, folders in named(texts, "--set", "DIR,DIR,...")
+    )
 
 
 def selected_policies(text: str, learned: bool) -> list[str]:
     """The full cache and the policies of --policies: 'all' is every policy that needs no labels or scorer,
     and the learned one where `learned` (its scorer is provided)."""
+
     def runnable(name: str) -> bool:
         return constructible(POLICIES[name]) or (learned and name == LEARNED)
 

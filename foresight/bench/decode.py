@@ -58,7 +58,9 @@ def run(settings: Settings) -> str:
     for batch in settings.batch_sizes:
         for name in settings.policy_names:
             policy = bench_policy(name, scorer)
-            results.append(_decode(model, policy, settings.eviction, [prompt] * batch, settings.max_new_tokens, len(prompt)))
+            results.append(
+                _decode(model, policy, settings.eviction, [prompt] * batch, settings.max_new_tokens, len(prompt))
+            )
     return _report(settings, results, describe(model), model.dtype)
 
 
@@ -91,17 +93,25 @@ def _report(settings: Settings, results: list[DecodeResult], shape, dtype) -> st
         "positions, policy state, query ring buffer), allocated once per run." + settings.scorer_note(),
         "",
     ]
-    header = ["policy", "batch"] + [f"ms/step {a + 1}-{b}" for a, b in windows] + ["flatness", "evict share", "KV held MiB", "max entries", "tokens/s"]
+    header = (
+        ["policy", "batch"]
+        + [f"ms/step {a + 1}-{b}" for a, b in windows]
+        + ["flatness", "evict share", "KV held MiB", "max entries", "tokens/s"]
+    )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         flat = "n/a" if r.flatness is None else f"{r.flatness:.3f}"
         decode_seconds = sum(r.stats.step_seconds)
-        row = [r.policy, str(r.batch)] + [f"{r.window_ms(a, b):.2f}" for a, b in windows] + [
-            flat,
-            f"{100 * r.stats.eviction_share:.2f}%",
-            f"{r.kv_bytes / 2**20:.1f}",
-            str(r.stats.max_entries),
-            f"{r.batch * len(r.stats.step_seconds) / max(decode_seconds, 1e-9):.1f}",
-        ]
+        row = (
+            [r.policy, str(r.batch)]
+            + [f"{r.window_ms(a, b):.2f}" for a, b in windows]
+            + [
+                flat,
+                f"{100 * r.stats.eviction_share:.2f}%",
+                f"{r.kv_bytes / 2**20:.1f}",
+                str(r.stats.max_entries),
+                f"{r.batch * len(r.stats.step_seconds) / max(decode_seconds, 1e-9):.1f}",
+            ]
+        )
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from foresight.bench.common import PlacedSettings, budgets_field, interval_field, policies_field, threads_note, traces_field
+from foresight.bench.common import (
+    PlacedSettings,
+    budgets_field,
+    interval_field,
+    policies_field,
+    threads_note,
+    traces_field,
+)
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import resolve_policies
@@ -45,20 +52,34 @@ def run(settings: Settings) -> str:
     timings, tables = {}, {}
     for shared in (False, True):
         wall, cpu = time.perf_counter(), time.process_time()
-        result = evaluate(model, traces, specs, list(settings.budgets), settings.interval, labels_root=settings.traces,
-                          progress=False, share_prefix=shared)
+        result = evaluate(
+            model,
+            traces,
+            specs,
+            list(settings.budgets),
+            settings.interval,
+            labels_root=settings.traces,
+            progress=False,
+            share_prefix=shared,
+        )
         timings[shared] = (time.perf_counter() - wall, time.process_time() - cpu)
         tables[shared] = [{k: v for k, v in row.items() if k != "seconds"} for row in result.rows]
     if tables[True] != tables[False]:
         raise ValueError("the shared-prefix evaluation differs from the plain one")
     (plain_wall, plain_cpu), (shared_wall, shared_cpu) = timings[False], timings[True]
-    return "\n".join([
-        f"### Evaluation with the shared prefix ({torch.device(settings.run_device).type})", "",
-        f"Command: `{settings.command}` {threads_note()}", "",
-        f"{describe_traces(traces)}; {len(specs)} policies; B = {', '.join(map(str, settings.budgets))}, "
-        f"L = {settings.interval}. Both runs gave the same table (every figure and interval).", "",
-        "| evaluation | wall s | CPU s |", "|---|---:|---:|",
-        f"| every replay runs the model on every token | {plain_wall:.1f} | {plain_cpu:.1f} |",
-        f"| replays share the forwards before the first eviction | {shared_wall:.1f} | {shared_cpu:.1f} |",
-        f"| ratio (plain / shared) | {plain_wall / shared_wall:.2f}x | {plain_cpu / shared_cpu:.2f}x |",
-    ])
+    return "\n".join(
+        [
+            f"### Evaluation with the shared prefix ({torch.device(settings.run_device).type})",
+            "",
+            f"Command: `{settings.command}` {threads_note()}",
+            "",
+            f"{describe_traces(traces)}; {len(specs)} policies; B = {', '.join(map(str, settings.budgets))}, "
+            f"L = {settings.interval}. Both runs gave the same table (every figure and interval).",
+            "",
+            "| evaluation | wall s | CPU s |",
+            "|---|---:|---:|",
+            f"| every replay runs the model on every token | {plain_wall:.1f} | {plain_cpu:.1f} |",
+            f"| replays share the forwards before the first eviction | {shared_wall:.1f} | {shared_cpu:.1f} |",
+            f"| ratio (plain / shared) | {plain_wall / shared_wall:.2f}x | {plain_cpu / shared_cpu:.2f}x |",
+        ]
+    )

@@ -37,7 +37,18 @@ PRESSES: dict[str, tuple[str, dict[str, Any]]] = {
 class KvpressDecoder:
     """The main process's handle on a kvpress worker running in another Python environment."""
 
-    def __init__(self, python: str, policy: str, budget: int, interval: int, model: str, device: str, dtype: str, threads: int, prompt: Sequence[int]):
+    def __init__(
+        self,
+        python: str,
+        policy: str,
+        budget: int,
+        interval: int,
+        model: str,
+        device: str,
+        dtype: str,
+        threads: int,
+        prompt: Sequence[int],
+    ):
         if policy not in PRESSES:
             raise ValueError(f"no kvpress counterpart for policy {policy!r}; choose from: {', '.join(PRESSES)}")
         if not Path(python).is_file():
@@ -47,8 +58,16 @@ class KvpressDecoder:
         self.evicts = True
         self.prompt_length = len(prompt)
         self.budget, self.interval = budget, interval
-        config = dict(policy=policy, budget=budget, interval=interval, model=model, device=device, dtype=dtype,
-                      threads=threads, prompt=list(prompt))
+        config = dict(
+            policy=policy,
+            budget=budget,
+            interval=interval,
+            model=model,
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            prompt=list(prompt),
+        )
         self.process = subprocess.Popen(
             [python, "-m", __name__, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -114,9 +133,13 @@ def _serve(config: dict[str, Any]) -> None:
 
             with press(model):
                 model.generate(
-                    prompt.expand(batch, -1), attention_mask=torch.ones_like(prompt).expand(batch, -1),
-                    past_key_values=DynamicCache(), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    do_sample=False, pad_token_id=0,
+                    prompt.expand(batch, -1),
+                    attention_mask=torch.ones_like(prompt).expand(batch, -1),
+                    past_key_values=DynamicCache(),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
                 )
 
         result = timed_run(name, model, batch, new_tokens, request["cap_bytes"], generate)

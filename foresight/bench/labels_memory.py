@@ -34,9 +34,14 @@ MIB = 2**20
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(ModelSettings):
-    section: str | None = field(default=None, metadata={
-        "help": "name of the report section to rewrite (default: labels-memory-DEVICE, or labels-memory-CONFIG-DEVICE "
-        "for an architecture config or folder)", "report": True})
+    section: str | None = field(
+        default=None,
+        metadata={
+            "help": "name of the report section to rewrite (default: labels-memory-DEVICE, or labels-memory-CONFIG-DEVICE "
+            "for an architecture config or folder)",
+            "report": True,
+        },
+    )
     lengths: tuple[int, ...] = field(default=(2048, 4096), metadata={"help": "trace lengths T"})
     budget: int = budget_field(128)
     interval: int = interval_field(32)
@@ -64,8 +69,14 @@ def run(settings: Settings) -> str:
     """Measure every length in its own process; the report's markdown section."""
     rows = []
     for length in settings.lengths:
-        job = _Job(settings.model, dtype_name(settings.run_dtype), length, settings.budget, settings.interval,
-                   settings.run_device)
+        job = _Job(
+            settings.model,
+            dtype_name(settings.run_dtype),
+            length,
+            settings.budget,
+            settings.interval,
+            settings.run_device,
+        )
         command = [sys.executable, "-m", __name__, json.dumps(asdict(job))]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(output.strip().splitlines()[-1]))
@@ -107,8 +118,14 @@ def measure(job: _Job) -> dict[str, float]:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     peak = peak_bytes(device)
-    return {"tokens": job.length, "steps": labels.num_steps, "before": before / MIB, "peak": peak / MIB,
-            "above_model": (peak - before) / MIB, "seconds": seconds}
+    return {
+        "tokens": job.length,
+        "steps": labels.num_steps,
+        "before": before / MIB,
+        "peak": peak / MIB,
+        "above_model": (peak - before) / MIB,
+        "seconds": seconds,
+    }
 
 
 if __name__ == "__main__":  # a worker of `run`: one length, its figures as the last line of stdout

@@ -88,10 +88,14 @@ def run(settings: Settings) -> str:
         engine = EvictionEngine(model, policy, settings.eviction if policy.evicts else None)
         trace = MemoryTrace(name)
         with tqdm(total=settings.max_new_tokens, desc=name, unit="tok", leave=False) as progress:
-            output = engine.generate(prompts, settings.max_new_tokens, on_token=_Sampler(engine, trace, device, progress))
+            output = engine.generate(
+                prompts, settings.max_new_tokens, on_token=_Sampler(engine, trace, device, progress)
+            )
         trace.peak, trace.max_entries = peak_bytes(device), output.stats.max_entries
         if trace.start is None:
-            raise ValueError(f"{name} never evicted in {settings.max_new_tokens} tokens; raise --max-new-tokens above B + L")
+            raise ValueError(
+                f"{name} never evicted in {settings.max_new_tokens} tokens; raise --max-new-tokens above B + L"
+            )
         traces.append(trace)
     return _report(settings, traces, describe(model), model.dtype, len(prompts[0]))
 

@@ -68,20 +68,33 @@ class Settings(PlacedSettings):
     """The model is the one that made the traces; the policies that do not evict are skipped."""
 
     traces: Path = traces_field("traces folder (`foresight traces`), labels where golden runs")
-    holdout: float | None = field(default=None, metadata={
-        "help": "replay only the held-out split of this share, as `foresight eval` (default: every trace)"})
-    policies: str = policies_field("every registered policy that evicts; golden where labels exist, foresight with --scorer")
-    scorer: tuple[str, ...] = field(default=(), metadata={
-        "help": "a trained scorer folder (or Hub id, or NAME=DIR) replayed as the learned `foresight` policy at the B "
-        "and L it was trained for; repeat for several", "metavar": "DIR"})
-    option: tuple[str, ...] = field(default=(), metadata={
-        "help": ROW_OPTIONS_HELP, "flags": ("--option", "-o"), "metavar": "ROW.KEY=VALUE"})
+    holdout: float | None = field(
+        default=None,
+        metadata={"help": "replay only the held-out split of this share, as `foresight eval` (default: every trace)"},
+    )
+    policies: str = policies_field(
+        "every registered policy that evicts; golden where labels exist, foresight with --scorer"
+    )
+    scorer: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a trained scorer folder (or Hub id, or NAME=DIR) replayed as the learned `foresight` policy at the B "
+            "and L it was trained for; repeat for several",
+            "metavar": "DIR",
+        },
+    )
+    option: tuple[str, ...] = field(
+        default=(), metadata={"help": ROW_OPTIONS_HELP, "flags": ("--option", "-o"), "metavar": "ROW.KEY=VALUE"}
+    )
     budgets: tuple[int, ...] = budgets_field((128, 256))
     interval: int = interval_field(32)
-    page_sizes: tuple[int, ...] = field(default=(16, 32, 64), metadata={
-        "help": "page sizes P (positions per page), comma-separated"})
-    plot: Path | None = field(default=None, metadata={
-        "help": "PNG of the reclaimed share against page size (default: SECTION.png beside the report)"})
+    page_sizes: tuple[int, ...] = field(
+        default=(16, 32, 64), metadata={"help": "page sizes P (positions per page), comma-separated"}
+    )
+    plot: Path | None = field(
+        default=None,
+        metadata={"help": "PNG of the reclaimed share against page size (default: SECTION.png beside the report)"},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -203,8 +216,10 @@ def run(settings: Settings) -> str:
                     for size in settings.page_sizes:
                         figures[spec.name, budget, size].append(page_reclaim(held, size))
             if never:
-                notes.append(f"B={budget}: {spec.name} never evicted on {never} trace(s) (too short for its cadence, "
-                             "e.g. after a protected prompt); left out")
+                notes.append(
+                    f"B={budget}: {spec.name} never evicted on {never} trace(s) (too short for its cadence, "
+                    "e.g. after a protected prompt); left out"
+                )
     order = {spec.name: index for index, spec in enumerate(specs)}
     rows = [_row(key, figures[key]) for key in sorted(figures, key=lambda key: (order[key[0]], *key[1:]))]
     if not rows:
@@ -217,22 +232,44 @@ def run(settings: Settings) -> str:
         "(sequence pages: vLLM's and TensorRT-LLM's block tables today), of one layer for all its KV heads (layer "
         "pages) or of one (layer, KV head); and the memory it still holds per kept entry (1 = the budget's memory)."
     )
-    return "\n".join([
-        f"### Paged-allocator reclaim of evicted entries ({torch.device(settings.run_device).type}, "
-        f"{dtype_name(settings.run_dtype)})",
-        "", f"Command: `{settings.command}`", "", described, "", *_table(rows), "",
-        *(f"- {note}" for note in notes), *([""] if notes else []), f"Plot: `{settings.plot_path}`.",
-    ])
+    return "\n".join(
+        [
+            f"### Paged-allocator reclaim of evicted entries ({torch.device(settings.run_device).type}, "
+            f"{dtype_name(settings.run_dtype)})",
+            "",
+            f"Command: `{settings.command}`",
+            "",
+            described,
+            "",
+            *_table(rows),
+            "",
+            *(f"- {note}" for note in notes),
+            *([""] if notes else []),
+            f"Plot: `{settings.plot_path}`.",
+        ]
+    )
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The markdown table: per row its reclaimed shares, then its held / kept, in LAYOUTS order."""
-    header = ["policy", "B", "page size P", "time points", *(f"reclaimed, {layout}" for layout in LAYOUTS),
-              *(f"held / kept, {layout}" for layout in LAYOUTS)]
+    header = [
+        "policy",
+        "B",
+        "page size P",
+        "time points",
+        *(f"reclaimed, {layout}" for layout in LAYOUTS),
+        *(f"held / kept, {layout}" for layout in LAYOUTS),
+    ]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for row in rows:
-        cells = [row["policy"], row["budget"], row["page_size"], row["time_points"],
-                 *(f"{share:.1%}" for share in row["shares"]), *(f"{held:.2f}" for held in row["held"])]
+        cells = [
+            row["policy"],
+            row["budget"],
+            row["page_size"],
+            row["time_points"],
+            *(f"{share:.1%}" for share in row["shares"]),
+            *(f"{held:.2f}" for held in row["held"]),
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
@@ -257,7 +294,10 @@ def _row(key: tuple[str, int, int], points: Sequence[Reclaim]) -> dict[str, Any]
     """One table row: the means over time points of both figures in every layout."""
     policy, budget, size = key
     return {
-        "policy": policy, "budget": budget, "page_size": size, "time_points": len(points),
+        "policy": policy,
+        "budget": budget,
+        "page_size": size,
+        "time_points": len(points),
         "shares": [sum(values) / len(points) for values in zip(*(p.shares for p in points))],
         "held": [sum(values) / len(points) for values in zip(*(p.held_per_kept for p in points))],
     }
@@ -272,16 +312,25 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path, interval: int) -> None:
 
     budgets = sorted({row["budget"] for row in rows})
     policies = list(dict.fromkeys(row["policy"] for row in rows))
-    figure, axes = plt.subplots(len(budgets), len(LAYOUTS), figsize=(15, 3.5 * len(budgets)), squeeze=False, sharey=True)
+    figure, axes = plt.subplots(
+        len(budgets), len(LAYOUTS), figsize=(15, 3.5 * len(budgets)), squeeze=False, sharey=True
+    )
     tab20 = plt.get_cmap("tab20").colors
     colours, markers = tab20[0::2] + tab20[1::2], "osD^v<>pPhX*"  # the ten strong colours first, as eval's plots
     sizes = sorted({row["page_size"] for row in rows})
     for (b, budget), (i, layout) in ((b, i) for b in enumerate(budgets) for i in enumerate(LAYOUTS)):
         panel = axes[b][i]
         for index, policy in enumerate(policies):
-            points = sorted((r["page_size"], r["shares"][i]) for r in rows if r["policy"] == policy and r["budget"] == budget)
-            panel.plot([p[0] for p in points], [p[1] for p in points], marker=markers[index % len(markers)],
-                       color=colours[index % len(colours)], label=policy)
+            points = sorted(
+                (r["page_size"], r["shares"][i]) for r in rows if r["policy"] == policy and r["budget"] == budget
+            )
+            panel.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker=markers[index % len(markers)],
+                color=colours[index % len(colours)],
+                label=policy,
+            )
         panel.set_xscale("log", base=2)
         panel.set_xticks(sizes, labels=[str(size) for size in sizes])
         panel.set_ylim(-0.02, 1.02)

@@ -84,16 +84,23 @@ class Settings(PlacedSettings):
     interval: int = interval_field(32)
     policy: str = field(default="snapkv", metadata={"help": "the policy the eval stage replays"})
     fit_steps: int = field(default=20, metadata={"help": "optimisation steps of each fit run (at least 2)"})
-    batch_size: int = field(default=2, metadata={
-        "help": "traces per optimisation step of the fit, and per replay in the packed rl rollouts row"})
+    batch_size: int = field(
+        default=2,
+        metadata={"help": "traces per optimisation step of the fit, and per replay in the packed rl rollouts row"},
+    )
     group_size: int = field(default=4, metadata={"help": "rollouts of each trace (G)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.eval_policy.evicts:
-            raise ValueError(f"--policy {self.policy!r} evicts nothing; the eval stage needs one that does, e.g. snapkv")
-        for name, value, least in (("--fit-steps", self.fit_steps, 2), ("--batch-size", self.batch_size, 1),
-                                   ("--group-size", self.group_size, 1)):
+            raise ValueError(
+                f"--policy {self.policy!r} evicts nothing; the eval stage needs one that does, e.g. snapkv"
+            )
+        for name, value, least in (
+            ("--fit-steps", self.fit_steps, 2),
+            ("--batch-size", self.batch_size, 1),
+            ("--group-size", self.group_size, 1),
+        ):
             if value < least:
                 raise ValueError(f"{name} {value} must be at least {least}")
 
@@ -177,9 +184,15 @@ def run(settings: Settings) -> str:
             _examples(model, data.frozen, data.examples, traces),
             _eval(model, traces, settings),
         ]
-        scorer = random_scorer(model, settings.budget, settings.interval)  # a rollout's speed does not depend on its weights
-        long_enough = [t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2]  # roll_out's
-        rollouts = _rollouts(model, scorer, long_enough, settings)  # before the fit, whose row of now changes malloc's settings
+        scorer = random_scorer(
+            model, settings.budget, settings.interval
+        )  # a rollout's speed does not depend on its weights
+        long_enough = [
+            t for t in traces if t.input_ids.numel() >= settings.budget + settings.interval + 2
+        ]  # roll_out's
+        rollouts = _rollouts(
+            model, scorer, long_enough, settings
+        )  # before the fit, whose row of now changes malloc's settings
         counts = _step_counts(model, scorer, long_enough[0], settings)
         stages += [_fit(data, settings), *rollouts]
     return _report(settings, traces, store.settings["model"], stages, counts)
@@ -203,14 +216,16 @@ def _labels(model, traces: list[Trace], settings: Settings) -> StageFigures:
             compute_golden_labels(model, trace.input_ids, settings.budget, settings.interval)
 
     seconds, forward = _timed(model, work)
-    return StageFigures("labels", "capture forward, block attention, golden schedule", _tokens(traces), "tokens",
-                        seconds, forward)
+    return StageFigures(
+        "labels", "capture forward, block attention, golden schedule", _tokens(traces), "tokens", seconds, forward
+    )
 
 
 def _examples(model, frozen: FrozenModel, cache: ExampleCache, traces: list[Trace]) -> StageFigures:
     seconds, forward = _timed(model, lambda: make_examples(frozen, cache, progress=False))
-    return StageFigures("examples", "golden replay, recorded scorer inputs, cache files", _tokens(traces), "tokens",
-                        seconds, forward)
+    return StageFigures(
+        "examples", "golden replay, recorded scorer inputs, cache files", _tokens(traces), "tokens", seconds, forward
+    )
 
 
 def _eval(model, traces: list[Trace], settings: Settings) -> StageFigures:
@@ -228,20 +243,46 @@ def _rollouts(model, scorer: ForesightScorer, traces: list[Trace], settings: Set
     then once with the model in bfloat16 (a float32 model's only)."""
     group = f"G = {settings.group_size} sampled replays of each trace, scored; "
     rows = [
-        _rollout_row(model, scorer, traces, settings.group_size, "rl rollouts before",
-                     group + "every row runs the group's first B + L tokens", share_prefix=False),
-        _rollout_row(model, scorer, traces, settings.group_size, "rl rollouts now",
-                     group + "the group's first B + L tokens run on one row"),
-        _rollout_row(model, scorer, traces, settings.group_size, f"rl rollouts now, {settings.batch_size} traces per replay",
-                     group + f"as now, the groups of {settings.batch_size} traces of similar length in one replay",
-                     traces_per_replay=settings.batch_size),
+        _rollout_row(
+            model,
+            scorer,
+            traces,
+            settings.group_size,
+            "rl rollouts before",
+            group + "every row runs the group's first B + L tokens",
+            share_prefix=False,
+        ),
+        _rollout_row(
+            model,
+            scorer,
+            traces,
+            settings.group_size,
+            "rl rollouts now",
+            group + "the group's first B + L tokens run on one row",
+        ),
+        _rollout_row(
+            model,
+            scorer,
+            traces,
+            settings.group_size,
+            f"rl rollouts now, {settings.batch_size} traces per replay",
+            group + f"as now, the groups of {settings.batch_size} traces of similar length in one replay",
+            traces_per_replay=settings.batch_size,
+        ),
     ]
     if model.dtype == torch.float32:  # a bfloat16 copy, each group scored against its own full-cache losses
-        rows.append(_rollout_row(
-            copy.deepcopy(model).to(torch.bfloat16), scorer, traces, settings.group_size, "rl rollouts now, bfloat16",
-            "as now with the model in bfloat16, each group scored against the model's own full-cache losses "
-            "(one more one-row replay per trace, counted)", replayed_reference=True,
-        ))
+        rows.append(
+            _rollout_row(
+                copy.deepcopy(model).to(torch.bfloat16),
+                scorer,
+                traces,
+                settings.group_size,
+                "rl rollouts now, bfloat16",
+                "as now with the model in bfloat16, each group scored against the model's own full-cache losses "
+                "(one more one-row replay per trace, counted)",
+                replayed_reference=True,
+            )
+        )
     return rows
 
 
@@ -288,8 +329,15 @@ def _step_counts(model, scorer: ForesightScorer, trace: Trace, settings: Setting
 
 
 def _rollout_row(
-    model: torch.nn.Module, scorer: ForesightScorer, traces: list[Trace], group_size: int, stage: str, what: str,
-    share_prefix: bool = True, replayed_reference: bool = False, traces_per_replay: int = 1,
+    model: torch.nn.Module,
+    scorer: ForesightScorer,
+    traces: list[Trace],
+    group_size: int,
+    stage: str,
+    what: str,
+    share_prefix: bool = True,
+    replayed_reference: bool = False,
+    traces_per_replay: int = 1,
 ) -> StageFigures:
     """One timed pass of G rollouts of every trace (`roll_out_together`, `traces_per_replay` traces per replay),
     each group scored against the stored losses or, with `replayed_reference`, the model's own (its replay
@@ -314,8 +362,15 @@ def _data_module(settings: Settings, model_name: str, examples_dir: str) -> Gold
     )
 
     return GoldenDataModule(
-        str(settings.traces), settings.budget, settings.interval, model=model_name, examples_dir=examples_dir,
-        device=settings.run_device, dtype=dtype_name(settings.run_dtype), holdout=0.0, batch_size=settings.batch_size,
+        str(settings.traces),
+        settings.budget,
+        settings.interval,
+        model=model_name,
+        examples_dir=examples_dir,
+        device=settings.run_device,
+        dtype=dtype_name(settings.run_dtype),
+        holdout=0.0,
+        batch_size=settings.batch_size,
     )
 
 
@@ -340,32 +395,46 @@ def _fit(data: GoldenDataModule, settings: Settings) -> StageFigures:
     times = StepTimes()
     kind, _, index = settings.run_device.partition(":")
     trainer = L.Trainer(
-        accelerator="gpu" if kind == "cuda" else kind, devices=[int(index)] if index else 1,
-        max_steps=settings.fit_steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
+        accelerator="gpu" if kind == "cuda" else kind,
+        devices=[int(index)] if index else 1,
+        max_steps=settings.fit_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[times],
     )
     trainer.fit(SupervisedScorer(data.scorer_spec, pair_weight=PairWeight.GAP.value), datamodule=data)
-    what = (f"{workers} worker processes, batches in the storage dtype cast in the scorer's layout copy"
-            + (", pinned memory" if kind == "cuda" else "")
-            + "; one matmul per (layer, head); pair blocks in cache, the gradient in the same pass"
-            + ("; freed host memory kept for the next step" if kept else ""))
+    what = (
+        f"{workers} worker processes, batches in the storage dtype cast in the scorer's layout copy"
+        + (", pinned memory" if kind == "cuda" else "")
+        + "; one matmul per (layer, head); pair blocks in cache, the gradient in the same pass"
+        + ("; freed host memory kept for the next step" if kept else "")
+    )
     return StageFigures("fit", what, len(times.times) - 1, "steps", times.times[-1] - times.times[0], None)
 
 
 def _report(
-    settings: Settings, traces: list[Trace], model_name: str, rows: list[StageFigures],
+    settings: Settings,
+    traces: list[Trace],
+    model_name: str,
+    rows: list[StageFigures],
     counts: dict[str, tuple[float, float]],
 ) -> str:
     kind = torch.device(settings.run_device).type
     lines = [
-        f"### Pipeline stages at the speed of the model forward ({kind})", "",
-        f"Command: `{settings.command}` {threads_note()}", "",
+        f"### Pipeline stages at the speed of the model forward ({kind})",
+        "",
+        f"Command: `{settings.command}` {threads_note()}",
+        "",
         (
             f"{describe_traces(traces)} of {model_name} ({dtype_name(settings.run_dtype)}) on {machine(settings.run_device)}; "
             f"B = {settings.budget}, L = {settings.interval}. Forward share: the time inside the frozen model's "
             f"forward over the stage's; the fit runs none ({settings.fit_steps} steps of {settings.batch_size} "
             "traces, timed after the first)."
-        ), "",
+        ),
+        "",
         "| stage | what it runs | work | seconds | throughput | forward share |",
         "|---|---|---:|---:|---:|---:|",
     ]
@@ -384,7 +453,8 @@ def _report(
             "least one kernel)."
         ),
         "",
-        "| replay | host reads per step | device operations per step |", "|---|---:|---:|",
+        "| replay | host reads per step | device operations per step |",
+        "|---|---:|---:|",
         *(f"| {name} | {reads:.1f} | {ops:,.0f} |" for name, (reads, ops) in counts.items()),
     ]
     return "\n".join(lines) + "\n"

@@ -53,21 +53,32 @@ class Settings(PlacedSettings):
     """The model is the one that made the traces."""
 
     traces: Path = traces_field()
-    holdout: float | None = field(default=None, metadata={
-        "help": "evaluate the held-out split of this share (the one both training stages left out)"})
-    exclude: str | None = field(default=None, metadata={
-        "help": "comma-separated trace indices to leave out (traces a stage trained on)"})
+    holdout: float | None = field(
+        default=None,
+        metadata={"help": "evaluate the held-out split of this share (the one both training stages left out)"},
+    )
+    exclude: str | None = field(
+        default=None, metadata={"help": "comma-separated trace indices to leave out (traces a stage trained on)"}
+    )
     holdout_seed: int = field(default=0, metadata={"help": "seed of the held-out split"})
-    scorer: tuple[str, ...] = field(metadata={
-        "help": "exactly two: the supervised scorer first, then the reinforced one", "metavar": "NAME=DIR"})
+    scorer: tuple[str, ...] = field(
+        metadata={"help": "exactly two: the supervised scorer first, then the reinforced one", "metavar": "NAME=DIR"}
+    )
     batch_size: int = field(default=4, metadata={"help": "traces replayed together"})
     resamples: int = field(default=10000, metadata={"help": "bootstrap resamples"})
-    sampled_seeds: int = field(default=0, metadata={
-        "help": "also compare the sampled policies (Eq. 2), each trace's figures the mean of N seeded replays",
-        "metavar": "N"})
-    sample_temperature: float = field(default=1.0, metadata={
-        "help": "τ of the sampled policies (the rollouts' model.temperature)", "metavar": "T"})
-    results: Path | None = field(default=None, metadata={"help": "also write the per-trace figures as JSON to this file"})
+    sampled_seeds: int = field(
+        default=0,
+        metadata={
+            "help": "also compare the sampled policies (Eq. 2), each trace's figures the mean of N seeded replays",
+            "metavar": "N",
+        },
+    )
+    sample_temperature: float = field(
+        default=1.0, metadata={"help": "τ of the sampled policies (the rollouts' model.temperature)", "metavar": "T"}
+    )
+    results: Path | None = field(
+        default=None, metadata={"help": "also write the per-trace figures as JSON to this file"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,7 +105,12 @@ class Settings(PlacedSettings):
 
 
 def per_trace(
-    model, scorer, traces, batch_size: int, seed: int | None = None, temperature: float = 1.0,
+    model,
+    scorer,
+    traces,
+    batch_size: int,
+    seed: int | None = None,
+    temperature: float = 1.0,
     prefixes: dict[int, ReplayPrefix] | None = None,
 ) -> list[dict[str, float]]:
     """Σ NLL with eviction and with the full cache, and the damage counts, of every trace: under the
@@ -120,12 +136,17 @@ def per_trace(
         for trace, nll, first in zip(batch, output.nll, output.first_eviction):
             scored = scored_tokens(nll.numel(), first)
             damage = low_entropy_damage(nll[scored], trace.token_nll[scored], trace.token_entropy[scored])
-            rows.append({
-                "trace": trace.index, "evicted_nll": float(nll[scored].double().sum()),
-                "full_nll": float(trace.token_nll[scored].double().sum()), "low_entropy": damage.low_entropy,
-                "damaged": damage.damaged, "squared_sum": damage.squared_sum,
-                "loss_ratio": loss_ratio(nll[scored], trace.token_nll[scored]),
-            })
+            rows.append(
+                {
+                    "trace": trace.index,
+                    "evicted_nll": float(nll[scored].double().sum()),
+                    "full_nll": float(trace.token_nll[scored].double().sum()),
+                    "low_entropy": damage.low_entropy,
+                    "damaged": damage.damaged,
+                    "squared_sum": damage.squared_sum,
+                    "loss_ratio": loss_ratio(nll[scored], trace.token_nll[scored]),
+                }
+            )
     return rows
 
 
@@ -145,28 +166,39 @@ def run(settings: Settings) -> str:
     store = TraceStore(settings.traces)
     minimum = config.budget + config.interval + 2
     traces = [
-        t for t in select_traces(store, settings.holdout, settings.holdout_seed, None)
+        t
+        for t in select_traces(store, settings.holdout, settings.holdout_seed, None)
         if t.input_ids.numel() >= minimum and t.index not in settings.excluded
     ]
     model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
     started = time.perf_counter()
-    prefixes: dict[int, ReplayPrefix] = {}  # every replay of a batch of traces shares its forwards before the first eviction
-    modes = {"deterministic": {name: per_trace(model, scorer, traces, settings.batch_size, prefixes=prefixes)
-                               for name, scorer in zip(names, scorers)}}
+    prefixes: dict[
+        int, ReplayPrefix
+    ] = {}  # every replay of a batch of traces shares its forwards before the first eviction
+    modes = {
+        "deterministic": {
+            name: per_trace(model, scorer, traces, settings.batch_size, prefixes=prefixes)
+            for name, scorer in zip(names, scorers)
+        }
+    }
     if settings.sampled_seeds:
         sampled = f"sampled (τ = {settings.sample_temperature}, mean of {settings.sampled_seeds} seeds)"
         modes[sampled] = {
-            name: _mean_rows([
-                per_trace(model, scorer, traces, settings.batch_size, seed, settings.sample_temperature, prefixes)
-                for seed in range(settings.sampled_seeds)
-            ])
+            name: _mean_rows(
+                [
+                    per_trace(model, scorer, traces, settings.batch_size, seed, settings.sample_temperature, prefixes)
+                    for seed in range(settings.sampled_seeds)
+                ]
+            )
             for name, scorer in zip(names, scorers)
         }
     seconds = time.perf_counter() - started
     low_entropy = int(sum(row["low_entropy"] for row in modes["deterministic"][names[0]]))
     lines = [
-        f"### Reinforced against supervised scorer on held-out traces ({model.device.type})", "",
-        f"Command: `{settings.command}`", "",
+        f"### Reinforced against supervised scorer on held-out traces ({model.device.type})",
+        "",
+        f"Command: `{settings.command}`",
+        "",
         f"{len(traces)} held-out traces of {store.settings['source']} ({low_entropy} "
         f"low-entropy tokens after the first eviction), never used by either stage (held out, or outside what the stages read); B = {config.budget}, "
         f"L = {config.interval}; 95% paired bootstrap intervals over traces "
@@ -181,7 +213,10 @@ def run(settings: Settings) -> str:
 
 def _mean_rows(replays: list[list[dict[str, float]]]) -> list[dict[str, float]]:
     """Per trace, the mean of each figure over several replays of the same traces."""
-    return [{name: float(np.mean([rows[i][name] for rows in replays])) for name in replays[0][i]} for i in range(len(replays[0]))]
+    return [
+        {name: float(np.mean([rows[i][name] for rows in replays])) for name in replays[0][i]}
+        for i in range(len(replays[0]))
+    ]
 
 
 def _comparison(mode: str, names: list[str], rows: dict[str, list[dict[str, float]]], resamples: int) -> list[str]:
@@ -193,7 +228,8 @@ def _comparison(mode: str, names: list[str], rows: dict[str, list[dict[str, floa
     change = samples["penalty"][1] / samples["penalty"][0] - 1
     difference = samples["loss_ratio"][1] - samples["loss_ratio"][0]
     lines = [
-        f"**{mode} policy**", "",
+        f"**{mode} policy**",
+        "",
         "| scorer | −R (ΔL²·1[ΔL > 1.5], mean over low-entropy tokens) | loss ratio | damaged share |",
         "|---|---:|---:|---:|",
     ]

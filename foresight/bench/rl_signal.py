@@ -68,42 +68,62 @@ class Settings(PlacedSettings):
     traces: str = field(default="data/corpus/train52", metadata={"help": "traces folder of the scorer's model"})
     count: int = field(default=2, metadata={"help": "traces measured: the first COUNT with at least TOKENS tokens"})
     tokens: int = field(default=320, metadata={"help": "each trace is cut to its first TOKENS tokens (rollout cost)"})
-    scorer: str = field(default="checkpoints/default", metadata={"help": "the scorer whose policy gradient is measured"})
+    scorer: str = field(
+        default="checkpoints/default", metadata={"help": "the scorer whose policy gradient is measured"}
+    )
     groups: int = field(default=4, metadata={"help": "groups of episodes per trace (the samples of B_noise)"})
     group_size: int = field(default=8, metadata={"help": "episodes per group, G"})
     branch_rounds: int = field(default=2, metadata={"help": "rounds of branch groups per trace (0: none)"})
     branch_steps: int = field(default=2, metadata={"help": "branch groups per trace and round"})
     branch_rows: int = field(default=8, metadata={"help": "rows per branch group, K"})
     branch_chunks: int = field(default=2, metadata={"help": "chunks of L tokens a branch continues for, W"})
-    temperature: float = field(default=0.005, metadata={"help": "τ of Eq. 2 in the rollouts (docs/rl.md's third round)"})
+    temperature: float = field(
+        default=0.005, metadata={"help": "τ of Eq. 2 in the rollouts (docs/rl.md's third round)"}
+    )
     damage_threshold: float = field(default=1.5, metadata={"help": "η of the thresholded reward"})
     damage_exponent: float = field(default=2.0, metadata={"help": "p of both rewards' damage term"})
     damage_offset: float = field(default=0.0, metadata={"help": "δ of the dense reward (ΔL − δ)₊^p"})
-    planted_share: float = field(default=0.125, metadata={"help": "share of the pool entries that carry the planted penalty"})
-    planted_groups: int = field(default=32, metadata={
-        "help": f"groups of G episodes per trace of the planted check (at least {CHUNKS})"})
-    reference_draws: int = field(default=512, metadata={"help": "draws per state for the planted reward's true gradient"})
+    planted_share: float = field(
+        default=0.125, metadata={"help": "share of the pool entries that carry the planted penalty"}
+    )
+    planted_groups: int = field(
+        default=32, metadata={"help": f"groups of G episodes per trace of the planted check (at least {CHUNKS})"}
+    )
+    reference_draws: int = field(
+        default=512, metadata={"help": "draws per state for the planted reward's true gradient"}
+    )
     resamples: int = field(default=2000, metadata={"help": "bootstrap resamples of the groups"})
     seed: int = field(default=0, metadata={"help": "seeds the rollouts, the planted entries and the bootstrap"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        counts = {"count": self.count, "groups": self.groups, "planted_groups": self.planted_groups,
-                  "reference_draws": self.reference_draws, "resamples": self.resamples}
+        counts = {
+            "count": self.count,
+            "groups": self.groups,
+            "planted_groups": self.planted_groups,
+            "reference_draws": self.reference_draws,
+            "resamples": self.resamples,
+        }
         if min(counts.values()) < 1 or self.group_size < 2 or self.groups < 2 or self.branch_rounds < 0:
-            raise ValueError(f"need counts >= 1, groups >= 2, group_size >= 2 and branch_rounds >= 0, got {counts}, "
-                             f"group_size={self.group_size}, branch_rounds={self.branch_rounds}")
+            raise ValueError(
+                f"need counts >= 1, groups >= 2, group_size >= 2 and branch_rounds >= 0, got {counts}, "
+                f"group_size={self.group_size}, branch_rounds={self.branch_rounds}"
+            )
         if self.planted_groups < CHUNKS:
-            raise ValueError(f"planted_groups must be at least {CHUNKS} (its tr(Σ) comes from {CHUNKS} parts), "
-                             f"got {self.planted_groups}")
+            raise ValueError(
+                f"planted_groups must be at least {CHUNKS} (its tr(Σ) comes from {CHUNKS} parts), "
+                f"got {self.planted_groups}"
+            )
         if not 0 < self.planted_share < 1:
             raise ValueError(f"planted_share must lie in (0, 1), got {self.planted_share}")
 
 
 def estimators(settings: Settings) -> list[Estimator]:
     """Every combination of the rules, the paper's (order, group_normalised, thresholded) first."""
-    return [Estimator(reward, advantage, logprob, settings.damage_offset)
-            for logprob, advantage, reward in itertools.product(LOGPROB_RULES, ADVANTAGE_RULES, REWARD_RULES)]
+    return [
+        Estimator(reward, advantage, logprob, settings.damage_offset)
+        for logprob, advantage, reward in itertools.product(LOGPROB_RULES, ADVANTAGE_RULES, REWARD_RULES)
+    ]
 
 
 def run(settings: Settings) -> str:
@@ -114,24 +134,52 @@ def run(settings: Settings) -> str:
     scorer = load_scorer(settings.scorer).to(settings.run_device)
     scorer.check_compatible(describe(model))
     traces = measured_traces(store, settings, scorer.config.budget + scorer.config.interval)
-    scoring = {"temperature": settings.temperature, "threshold": settings.damage_threshold,
-               "exponent": settings.damage_exponent, "terms": Estimator("dense", offset=settings.damage_offset).damage_terms}
+    scoring = {
+        "temperature": settings.temperature,
+        "threshold": settings.damage_threshold,
+        "exponent": settings.damage_exponent,
+        "terms": Estimator("dense", offset=settings.damage_offset).damage_terms,
+    }
     episodes = [
-        [roll_out(model, scorer, trace, rollout_seeds(settings.seed, index, trace.index, range(settings.group_size)),
-                  **scoring) for index in range(settings.groups)]
+        [
+            roll_out(
+                model,
+                scorer,
+                trace,
+                rollout_seeds(settings.seed, index, trace.index, range(settings.group_size)),
+                **scoring,
+            )
+            for index in range(settings.groups)
+        ]
         for trace in tqdm(traces, desc="episodes", leave=False)
     ]  # reward: the dense rule's; paper_reward: the thresholded one's
     branches = BranchSettings(settings.branch_rows, settings.branch_chunks, settings.branch_steps)
     branch_groups = [
-        [group for index in range(settings.branch_rounds) for group in roll_out_branches(
-            model, scorer, trace, branches, range(settings.branch_rows), seed=settings.seed, round_index=index, **scoring)]
+        [
+            group
+            for index in range(settings.branch_rounds)
+            for group in roll_out_branches(
+                model,
+                scorer,
+                trace,
+                branches,
+                range(settings.branch_rows),
+                seed=settings.seed,
+                round_index=index,
+                **scoring,
+            )
+        ]
         for trace in tqdm(traces if settings.branch_rounds else [], desc="branch groups", leave=False)
     ]
     kinds = [("episodes", episodes), *((("branch groups", branch_groups),) if settings.branch_rounds else ())]
-    noise = {kind: noise_scales(scorer, groups, estimators(settings), settings.resamples, settings.seed)
-             for kind, groups in kinds}
-    tokens = {kind: float(np.mean([group.forward_tokens for trace_groups in groups for group in trace_groups]))
-              for kind, groups in kinds}
+    noise = {
+        kind: noise_scales(scorer, groups, estimators(settings), settings.resamples, settings.seed)
+        for kind, groups in kinds
+    }
+    tokens = {
+        kind: float(np.mean([group.forward_tokens for trace_groups in groups for group in trace_groups]))
+        for kind, groups in kinds
+    }
     planted = planted_check(scorer, [trace_groups[0].actions for trace_groups in episodes], settings)
     seconds = time.perf_counter() - started
     return report(settings, traces, noise, tokens, planted, seconds)
@@ -141,15 +189,26 @@ def measured_traces(store: TraceStore, settings: Settings, prefill: int) -> list
     """The first `count` traces with at least `tokens` tokens, cut to `tokens` (equal lengths: the planted
     check stacks their states)."""
     if settings.tokens < prefill + 2:
-        raise ValueError(f"tokens must be at least B + L + 2 = {prefill + 2} for an eviction to change a prediction, "
-                         f"got {settings.tokens}")
+        raise ValueError(
+            f"tokens must be at least B + L + 2 = {prefill + 2} for an eviction to change a prediction, "
+            f"got {settings.tokens}"
+        )
     long = [trace for trace in store if trace.input_ids.numel() >= settings.tokens][: settings.count]
     if len(long) < settings.count:
-        raise ValueError(f"{settings.traces} holds {len(long)} traces of {settings.tokens} tokens or more, fewer than "
-                         f"count={settings.count}")
+        raise ValueError(
+            f"{settings.traces} holds {len(long)} traces of {settings.tokens} tokens or more, fewer than "
+            f"count={settings.count}"
+        )
     end = settings.tokens
-    return [dataclasses.replace(trace, input_ids=trace.input_ids[:end], token_nll=trace.token_nll[: end - 1],
-                                token_entropy=trace.token_entropy[: end - 1]) for trace in long]
+    return [
+        dataclasses.replace(
+            trace,
+            input_ids=trace.input_ids[:end],
+            token_nll=trace.token_nll[: end - 1],
+            token_entropy=trace.token_entropy[: end - 1],
+        )
+        for trace in long
+    ]
 
 
 # -- the noise scale on the rollouts' own rewards ---------------------------------------------------------
@@ -188,8 +247,13 @@ class NoiseScale:
     resampled: np.ndarray
 
 
-def noise_scales(scorer: ForesightScorer, groups: Sequence[Sequence[GroupRollout]], rules: Sequence[Estimator],
-                 resamples: int, seed: int) -> list[NoiseScale]:
+def noise_scales(
+    scorer: ForesightScorer,
+    groups: Sequence[Sequence[GroupRollout]],
+    rules: Sequence[Estimator],
+    resamples: int,
+    seed: int,
+) -> list[NoiseScale]:
     """B_noise of each estimator over the groups (`groups[trace][group]`), from the Gram matrices of the
     rollouts' score vectors (each sample's gradient is a combination of its rows' vectors)."""
     flat = [group for trace_groups in groups for group in trace_groups]
@@ -203,12 +267,15 @@ def noise_scales(scorer: ForesightScorer, groups: Sequence[Sequence[GroupRollout
     counts = [len(trace_groups) for trace_groups in groups]
     offsets = np.cumsum([0, *counts])[:-1]
     generator = np.random.default_rng(seed)
-    picks = [np.concatenate([offset + generator.integers(0, n, n) for offset, n in zip(offsets, counts)])
-             for _ in range(resamples)]  # each trace's groups resampled on their own
+    picks = [
+        np.concatenate([offset + generator.integers(0, n, n) for offset, n in zip(offsets, counts)])
+        for _ in range(resamples)
+    ]  # each trace's groups resampled on their own
     figures = []
     for rule in rules:  # the rewards: paper_reward is the thresholded one, reward the dense one (`run`)
-        rewards = torch.stack([group.scores.reward if rule.reward == "dense" else group.scores.paper_reward
-                               for group in flat]).double()
+        rewards = torch.stack(
+            [group.scores.reward if rule.reward == "dense" else group.scores.paper_reward for group in flat]
+        ).double()
         advantages = rule.advantages(rewards, dim=1)  # [M, G]
         combine = torch.zeros(len(flat), len(flat) * size, dtype=torch.float64)
         for index in range(len(flat)):
@@ -217,7 +284,9 @@ def noise_scales(scorer: ForesightScorer, groups: Sequence[Sequence[GroupRollout
         point = noise_scale(gram)
         zero = float((advantages == 0).all(1).double().mean())
         signal = max(point[1], 0.0) / point[2] if point[2] > 0 else 0.0
-        figures.append(NoiseScale(rule, zero, signal, point[0], np.array([noise_scale(gram[np.ix_(p, p)])[0] for p in picks])))
+        figures.append(
+            NoiseScale(rule, zero, signal, point[0], np.array([noise_scale(gram[np.ix_(p, p)])[0] for p in picks]))
+        )
     return figures
 
 
@@ -257,9 +326,10 @@ class Planted:
 def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], settings: Settings) -> Planted:
     """The planted reward's true gradient and each estimator's approach to it (module docstring), on the
     states of the first rollout row of each trace's `recorded` evictions, held fixed."""
-    states = dataclasses.replace(recorded[0], **{
-        name: torch.cat([getattr(row(actions, 0), name) for actions in recorded], dim=2) for name in PER_ROW
-    })
+    states = dataclasses.replace(
+        recorded[0],
+        **{name: torch.cat([getattr(row(actions, 0), name) for actions in recorded], dim=2) for name in PER_ROW},
+    )
     scores = states.scores(scorer)  # [layers, steps, traces, Hkv, P], a graph to the trained weights
     fixed, eligible = scores.detach(), states.eligible.to(scores.device)
     generator = torch.Generator(device=fixed.device).manual_seed(settings.seed)
@@ -276,7 +346,9 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
     size = settings.group_size
     count = settings.planted_groups * size
     draw = draw_eviction(fixed.expand(count, *fixed.shape), num_evict, generator, eligible, settings.temperature)
-    rewards = -planted.expand(count, *planted.shape).gather(-1, draw.order).sum((-1, -2, -4, -5)).double()  # [n, traces]
+    rewards = (
+        -planted.expand(count, *planted.shape).gather(-1, draw.order).sum((-1, -2, -4, -5)).double()
+    )  # [n, traces]
     actions = math.prod(fixed.shape[:2]) * fixed.shape[3]  # evictions per episode and trace
     ladder = [size * 2**k for k in range(int(math.log2(settings.planted_groups)) + 1)]
     rows = []
@@ -292,26 +364,47 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
 
             def mean_gradient(episodes: torch.Tensor, weight: torch.Tensor, per_episode: torch.Tensor) -> torch.Tensor:
                 """The mean over the groups of `episodes` (whole groups, every trace) of one group's gradient."""
-                combined = torch.einsum("nt,nlsthp->lsthp", weight[episodes].to(per_episode.dtype), per_episode[episodes])
+                combined = torch.einsum(
+                    "nt,nlsthp->lsthp", weight[episodes].to(per_episode.dtype), per_episode[episodes]
+                )
                 return weights_of(combined / (len(episodes) // size * rewards.shape[-1]))
 
             cosines = [
-                float(torch.nn.functional.cosine_similarity(mean_gradient(torch.arange(n), weight, per_episode), truth, dim=0))
+                float(
+                    torch.nn.functional.cosine_similarity(
+                        mean_gradient(torch.arange(n), weight, per_episode), truth, dim=0
+                    )
+                )
                 for n in ladder
             ]
             group_index = torch.arange(count) // size
             used = settings.planted_groups // CHUNKS * CHUNKS  # equal parts: the groups past them are left out
-            parts = [mean_gradient(torch.nonzero((group_index % CHUNKS == part) & (group_index < used)).squeeze(-1),
-                                   weight, per_episode) for part in range(CHUNKS)]
-            rows.append(PlantedFigures(logprob_name, advantage_name, cosines,
-                                       chunk_noise_scale(parts, used * rewards.shape[-1])))
+            parts = [
+                mean_gradient(
+                    torch.nonzero((group_index % CHUNKS == part) & (group_index < used)).squeeze(-1),
+                    weight,
+                    per_episode,
+                )
+                for part in range(CHUNKS)
+            ]
+            rows.append(
+                PlantedFigures(
+                    logprob_name, advantage_name, cosines, chunk_noise_scale(parts, used * rewards.shape[-1])
+                )
+            )
         del per_episode
     reference = float(torch.nn.functional.cosine_similarity(true_a, true_b, dim=0))
     return Planted(ladder, reference, actions, rows)
 
 
-def reference_gradient(fixed: torch.Tensor, eligible: torch.Tensor, planted: torch.Tensor, num_evict: int,
-                       settings: Settings, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_gradient(
+    fixed: torch.Tensor,
+    eligible: torch.Tensor,
+    planted: torch.Tensor,
+    num_evict: int,
+    settings: Settings,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent estimates (halves of the draws) of the planted reward's true gradient w.r.t. the keep
     scores: every state's own penalty −(planted entries evicted), its leave-one-out baseline over the draws
     at that state, and the order's log-probability (unbiased: the penalty reads the set only)."""
@@ -357,12 +450,20 @@ def interval(values: np.ndarray, form: str = ",.0f") -> str:
     return f"[{number(low, form)}, {number(high, form)}]"
 
 
-def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[NoiseScale]], tokens: dict[str, float],
-           planted: Planted, seconds: float) -> str:
+def report(
+    settings: Settings,
+    traces: Sequence[Trace],
+    noise: dict[str, list[NoiseScale]],
+    tokens: dict[str, float],
+    planted: Planted,
+    seconds: float,
+) -> str:
     today, today_tokens = noise["episodes"][0], tokens["episodes"]
     lines = [
-        f"### Policy-gradient signal of the reinforcement stage's estimators ({torch.device(settings.run_device).type})", "",
-        f"Command: `{settings.command}` {threads_note()}", "",
+        f"### Policy-gradient signal of the reinforcement stage's estimators ({torch.device(settings.run_device).type})",
+        "",
+        f"Command: `{settings.command}` {threads_note()}",
+        "",
         (
             f"Scorer `{settings.scorer}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
             f"({', '.join(sorted({trace.source for trace in traces}))}) cut to {settings.tokens} tokens; τ = "
@@ -371,13 +472,15 @@ def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[No
             f"rows, W = {settings.branch_chunks} chunks, per trace; forward tokens per group: "
             + ", ".join(f"{kind} {count:,.0f}" for kind, count in tokens.items())
             + f"; {machine(settings.run_device)}, {seconds:.0f} s."
-        ), "",
+        ),
+        "",
         (
             "B_noise = tr(Σ) / |G|² of one group's policy gradient over the trained weights, in forward tokens (the "
             "rollout tokens at which the mean gradient's noise equals its signal: lower is better); signal share "
             "= |G|² / |ḡ|² of the measured mean; 95% bootstrap over each trace's groups (paired within a kind); "
             "ratio = the first row's B_noise / this row's."
-        ), "",
+        ),
+        "",
         "| rollouts | log-prob / advantage / reward | groups with Â = 0 | signal share | B_noise (forward tokens) | ratio |",
         "|---|---|---:|---:|---|---|",
     ]
@@ -399,15 +502,28 @@ def report(settings: Settings, traces: Sequence[Trace], noise: dict[str, list[No
             f"true gradient from {settings.reference_draws} draws per state (cosine of its two halves: "
             f"{planted.reference_cosine:.3f}). Cosine of each estimator's mean gradient to it, by episodes per trace "
             "(an episode stands for one rollout):"
-        ), "",
-        "| log-prob / advantage | " + " | ".join(f"n = {n}" for n in planted.episodes)
-        + " | " + " | ".join(f"episodes to {c}" for c in COSINES) + " | B_noise (forward tokens) |",
+        ),
+        "",
+        "| log-prob / advantage | "
+        + " | ".join(f"n = {n}" for n in planted.episodes)
+        + " | "
+        + " | ".join(f"episodes to {c}" for c in COSINES)
+        + " | B_noise (forward tokens) |",
         "|---|" + "---:|" * (len(planted.episodes) + len(COSINES) + 1),
     ]
     for figures in planted.rows:
-        reached = [next((f"{n}" for n, value in zip(planted.episodes, figures.cosines) if value >= c), f"> {planted.episodes[-1]}")
-                   for c in COSINES]
-        lines.append(f"| {figures.logprob} / {figures.advantage} | "
-                     + " | ".join(f"{value:.3f}" for value in figures.cosines) + " | " + " | ".join(reached)
-                     + f" | {tokens_text(figures.groups, today_tokens)} |")
+        reached = [
+            next(
+                (f"{n}" for n, value in zip(planted.episodes, figures.cosines) if value >= c),
+                f"> {planted.episodes[-1]}",
+            )
+            for c in COSINES
+        ]
+        lines.append(
+            f"| {figures.logprob} / {figures.advantage} | "
+            + " | ".join(f"{value:.3f}" for value in figures.cosines)
+            + " | "
+            + " | ".join(reached)
+            + f" | {tokens_text(figures.groups, today_tokens)} |"
+        )
     return "\n".join(lines)

@@ -34,12 +34,20 @@ class Settings(PlacedSettings):
     scorer: str = field(default="checkpoints/default", metadata={"help": "supervised scorer to start from"})
     steps: int = field(default=2, metadata={"help": "optimisation steps, one trace each"})
     group_size: int = field(default=8, metadata={"help": "rollouts per trace (G) of episodes"})
-    rollouts: tuple[str, ...] = field(default=("episode",), metadata={
-        "help": "a rollout kind to time on the same traces, one run each: episode, branch (repeat for both)",
-        "flags": ("--rollout",)})
-    branch: tuple[str, ...] = field(default=(), metadata={
-        "help": "a branch-group setting of the branch run, NAME=VALUE (e.g. branch_rows=8; repeat; default: "
-        "configs/default-rl.yaml's)"})
+    rollouts: tuple[str, ...] = field(
+        default=("episode",),
+        metadata={
+            "help": "a rollout kind to time on the same traces, one run each: episode, branch (repeat for both)",
+            "flags": ("--rollout",),
+        },
+    )
+    branch: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a branch-group setting of the branch run, NAME=VALUE (e.g. branch_rows=8; repeat; default: "
+            "configs/default-rl.yaml's)"
+        },
+    )
 
     def lightning_args(self, scratch: Path, rollout: str = "episode") -> list[str]:
         """The reinforcement LightningCLI's arguments (no subcommand) of `foresight rl` on RL_CONFIG for
@@ -49,12 +57,24 @@ class Settings(PlacedSettings):
             raise ValueError(f"--traces {self.traces} is not a folder; make one with `foresight traces`")
         kind, _, index = self.run_device.partition(":")  # Lightning calls CUDA "gpu"
         return [
-            f"--config={RL_CONFIG}", f"--trainer.default_root_dir={scratch}", f"--checkpoint.dirpath={scratch / 'checkpoints'}",
-            f"--model.scorer={self.scorer}", f"--data.traces_dir={self.traces}", f"--trainer.max_steps={self.steps}",
-            "--data.batch_size=1", f"--model.group_size={self.group_size}", "--trainer.enable_progress_bar=false",
-            "--trainer.logger=false", f"--trainer.accelerator={'gpu' if kind == 'cuda' else kind}",
-            f"--trainer.devices={f'[{index}]' if index else 1}", f"--model.dtype={dtype_name(self.run_dtype)}",
-            *((f"--model.rollout={rollout}", *(f"--model.{setting}" for setting in self.branch)) if rollout == "branch" else ()),
+            f"--config={RL_CONFIG}",
+            f"--trainer.default_root_dir={scratch}",
+            f"--checkpoint.dirpath={scratch / 'checkpoints'}",
+            f"--model.scorer={self.scorer}",
+            f"--data.traces_dir={self.traces}",
+            f"--trainer.max_steps={self.steps}",
+            "--data.batch_size=1",
+            f"--model.group_size={self.group_size}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false",
+            f"--trainer.accelerator={'gpu' if kind == 'cuda' else kind}",
+            f"--trainer.devices={f'[{index}]' if index else 1}",
+            f"--model.dtype={dtype_name(self.run_dtype)}",
+            *(
+                (f"--model.rollout={rollout}", *(f"--model.{setting}" for setting in self.branch))
+                if rollout == "branch"
+                else ()
+            ),
         ]
 
 
@@ -76,10 +96,13 @@ def run(settings: Settings) -> str:
             self.steps[-1]["tokens"] = sum(trace.input_ids.numel() for trace in batch)
 
     lines = [
-        f"### Reinforcement stage throughput ({torch.device(settings.run_device).type})", "",
-        f"Command: `{settings.command}` {threads_note()}", "",
+        f"### Reinforcement stage throughput ({torch.device(settings.run_device).type})",
+        "",
+        f"Command: `{settings.command}` {threads_note()}",
+        "",
         f"Default model, B = 128, L = 32, one trace per optimisation step, from the shipped supervised scorer; "
-        f"episodes: G = {settings.group_size} rollouts sampling every step; branch: {', '.join(settings.branch) or 'configs/default-rl.yaml settings' if 'branch' in settings.rollouts else 'not run'}.", "",
+        f"episodes: G = {settings.group_size} rollouts sampling every step; branch: {', '.join(settings.branch) or 'configs/default-rl.yaml settings' if 'branch' in settings.rollouts else 'not run'}.",
+        "",
         "| rollouts | step | trace tokens | tokens fed / s (rows × tokens) | eviction steps / s | forward share of the RL step |",
         "|---|---:|---:|---:|---:|---:|",
     ]

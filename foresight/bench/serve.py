@@ -38,9 +38,9 @@ import torch
 from tqdm import tqdm
 
 from foresight.artifacts import write_text
-from foresight.cache_argument import passed_cache
 from foresight.bench.common import PROMPT, RuntimeSettings, bench_policy, machine, model_field
 from foresight.bench.kvpress_worker import PRESSES, KvpressDecoder
+from foresight.cache_argument import passed_cache
 from foresight.data.tasks import chat_prompt_ids
 from foresight.models import describe, dtype_name, load_model
 
@@ -179,7 +179,12 @@ class CacheWatch:
 
 
 def timed_run(
-    name: str, model: torch.nn.Module, batch: int, new_tokens: int, cap_bytes: int | None, generate: Callable[[], float | None]
+    name: str,
+    model: torch.nn.Module,
+    batch: int,
+    new_tokens: int,
+    cap_bytes: int | None,
+    generate: Callable[[], float | None],
 ) -> RunResult:
     """Run `generate` (which returns the eviction share, or None) under a CacheWatch, timing it."""
     device = next(model.parameters()).device
@@ -221,7 +226,9 @@ class EngineDecoder:
         if not engine.evicts:
             return full
         protected = prompt if engine.protect_prompt else 0
-        return min(full, max(prompt, protected + engine.config.budget + engine.config.interval))  # the prefill holds the prompt
+        return min(
+            full, max(prompt, protected + engine.config.budget + engine.config.interval)
+        )  # the prefill holds the prompt
 
     def run(self, batch: int, new_tokens: int, cap_bytes: int | None) -> RunResult:
         def generate() -> float:
@@ -255,7 +262,13 @@ def bytes_per_entry(decoder: Decoder, new_tokens: int) -> float:
     return probe.peak_bytes / max(probe.peak_entries, 1)
 
 
-def max_batch(decoder: Decoder, new_tokens: int, cap_bytes: int, per_entry: float, on_run: Callable[[RunResult], None] | None = None) -> Search:
+def max_batch(
+    decoder: Decoder,
+    new_tokens: int,
+    cap_bytes: int,
+    per_entry: float,
+    on_run: Callable[[RunResult], None] | None = None,
+) -> Search:
     """The largest batch whose run of `new_tokens` keeps the cache under `cap_bytes`, by running it:
     from the guess cap / (per_entry x entries held), down until a run fits, then up until one does not."""
     batch = max(1, math.floor(cap_bytes / (per_entry * decoder.held_entries(new_tokens))))
@@ -296,14 +309,23 @@ BATCH_ONE_REPEATS = 2
 @dataclass(frozen=True, kw_only=True)
 class Settings(RuntimeSettings):
     model: str = model_field(architecture_configs=False)
-    kv_memory: str = field(metadata={
-        "help": "the KV-memory cap: a size such as 512MiB or 2GiB, or a fraction of the free memory such as 0.5",
-        "metavar": "SIZE|FRACTION"})
-    lengths: tuple[int, ...] = field(default=(1024, 2048, 4096), metadata={
-        "help": "generation lengths (new tokens), comma-separated"})
-    kvpress_python: str | None = field(default=None, metadata={
-        "help": "the python of an environment with kvpress (e.g. .venv-kvpress/bin/python, made by scripts/crosscheck.sh): "
-        f"also run kvpress's DecodingPress for the policies it has ({', '.join(PRESSES)})", "metavar": "PYTHON"})
+    kv_memory: str = field(
+        metadata={
+            "help": "the KV-memory cap: a size such as 512MiB or 2GiB, or a fraction of the free memory such as 0.5",
+            "metavar": "SIZE|FRACTION",
+        }
+    )
+    lengths: tuple[int, ...] = field(
+        default=(1024, 2048, 4096), metadata={"help": "generation lengths (new tokens), comma-separated"}
+    )
+    kvpress_python: str | None = field(
+        default=None,
+        metadata={
+            "help": "the python of an environment with kvpress (e.g. .venv-kvpress/bin/python, made by scripts/crosscheck.sh): "
+            f"also run kvpress's DecodingPress for the policies it has ({', '.join(PRESSES)})",
+            "metavar": "PYTHON",
+        },
+    )
     results: Path | None = field(default=None, metadata={"help": "also write every run as JSON to this file"})
 
 
@@ -321,8 +343,17 @@ def run(settings: Settings) -> str:
     scorer = settings.learned_scorer(model)
     decoders = [EngineDecoder(name, model, bench_policy(name, scorer), settings.eviction, prompt) for name in names]
     decoders += [
-        KvpressDecoder(settings.kvpress_python, name, settings.budget, settings.interval, settings.model, device,
-                       dtype_name(settings.run_dtype), torch.get_num_threads(), prompt)
+        KvpressDecoder(
+            settings.kvpress_python,
+            name,
+            settings.budget,
+            settings.interval,
+            settings.model,
+            device,
+            dtype_name(settings.run_dtype),
+            torch.get_num_threads(),
+            prompt,
+        )
         for name in paired
     ]
     try:
@@ -332,14 +363,20 @@ def run(settings: Settings) -> str:
             if isinstance(decoder, KvpressDecoder):
                 decoder.close()
     load_after = os.getloadavg()
-    report = _report(settings, cap, decoders, paired, searches, batch_one, describe(model), (load_before, load_after), len(prompt))
+    report = _report(
+        settings, cap, decoders, paired, searches, batch_one, describe(model), (load_before, load_after), len(prompt)
+    )
     if settings.results is not None:
-        runs = [run.as_json() for search in searches.values() for run in search.runs] + [r.as_json() for r in batch_one.values()]
+        runs = [run.as_json() for search in searches.values() for run in search.runs] + [
+            r.as_json() for r in batch_one.values()
+        ]
         write_text(settings.results, json.dumps(runs, indent=1))
     return report
 
 
-def _measure(decoders, paired: list[str], lengths: list[int], cap: int) -> tuple[dict[tuple[str, int], Search], dict[str, RunResult]]:
+def _measure(
+    decoders, paired: list[str], lengths: list[int], cap: int
+) -> tuple[dict[tuple[str, int], Search], dict[str, RunResult]]:
     """Probe every decoder (refusing a cap below one sequence before any long run), then search each
     one's max batch at every length, shortest first, all decoders at a length in turn; then the batch-1
     runs of our policies that have a kvpress counterpart, and of kvpress, at the shortest length (the
@@ -353,7 +390,9 @@ def _measure(decoders, paired: list[str], lengths: list[int], cap: int) -> tuple
         for length in lengths:
             for decoder in decoders:
                 bar.set_postfix_str(f"{decoder.name} at {length}")
-                searches[decoder.name, length] = max_batch(decoder, length, cap, per_entry[decoder.name], on_run=lambda _: bar.update())
+                searches[decoder.name, length] = max_batch(
+                    decoder, length, cap, per_entry[decoder.name], on_run=lambda _: bar.update()
+                )
         timed = [decoder for decoder in decoders if isinstance(decoder, KvpressDecoder) or decoder.name in paired]
         for _ in range(BATCH_ONE_REPEATS):  # alternating, so a change of machine load hits both sides
             for decoder in timed:
@@ -386,7 +425,11 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
         "to the full cache in the same run." + settings.scorer_note(),
         "",
     ]
-    header = ["decoder"] + [f"{length} tokens: max batch" for length in lengths] + [f"{length} tokens: tokens/s" for length in lengths]
+    header = (
+        ["decoder"]
+        + [f"{length} tokens: max batch" for length in lengths]
+        + [f"{length} tokens: tokens/s" for length in lengths]
+    )
     lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for decoder in decoders:
         batches, speeds = [], []
@@ -395,9 +438,13 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
             batches.append(f"{best.batch} ({_ratio(best.batch, full.batch)})")
             speeds.append(f"{best.tokens_per_second:.1f} ({_ratio(best.tokens_per_second, full.tokens_per_second)})")
         lines.append("| " + " | ".join([decoder.name, *batches, *speeds]) + " |")
-    lines += ["", "Per run at the max batch: peak KV (the cache's tensors, MiB), peak device memory above the model "
-              "(CUDA), eviction time share (scoring and eviction / decode time, our engine), and the runs the search took "
-              "(batch: fit, or the MiB held when the run passed the cap).", ""]
+    lines += [
+        "",
+        "Per run at the max batch: peak KV (the cache's tensors, MiB), peak device memory above the model "
+        "(CUDA), eviction time share (scoring and eviction / decode time, our engine), and the runs the search took "
+        "(batch: fit, or the MiB held when the run passed the cap).",
+        "",
+    ]
     header = ["decoder", "tokens", "max batch", "peak KV MiB", "peak device MiB", "evict share", "runs"]
     lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * 5 + "---|"]
     for decoder in decoders:
@@ -406,13 +453,21 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
             best = search.best
             device_peak = "–" if best.peak_device_bytes is None else f"{best.peak_device_bytes / MiB:.0f}"
             share = "–" if best.eviction_share is None else f"{100 * best.eviction_share:.2f}%"
-            runs = ", ".join(f"{r.batch}: {'fit' if r.fits else f'over at {r.peak_bytes / MiB:.1f}'}" for r in search.runs)
-            lines.append(f"| {decoder.name} | {length} | {best.batch} | {best.peak_bytes / MiB:.1f} | {device_peak} | {share} | {runs} |")
+            runs = ", ".join(
+                f"{r.batch}: {'fit' if r.fits else f'over at {r.peak_bytes / MiB:.1f}'}" for r in search.runs
+            )
+            lines.append(
+                f"| {decoder.name} | {length} | {best.batch} | {best.peak_bytes / MiB:.1f} | {device_peak} | {share} | {runs} |"
+            )
     if paired:
         shortest = lengths[0]
-        lines += ["", f"Ours against kvpress (DecodingPress around the press of the same rule, compression every L steps to "
-                  f"B entries): batch-1 tokens/s at {shortest} new tokens (best of {BATCH_ONE_REPEATS} alternating runs each), and "
-                  "tokens/s at each one's max batch.", ""]
+        lines += [
+            "",
+            f"Ours against kvpress (DecodingPress around the press of the same rule, compression every L steps to "
+            f"B entries): batch-1 tokens/s at {shortest} new tokens (best of {BATCH_ONE_REPEATS} alternating runs each), and "
+            "tokens/s at each one's max batch.",
+            "",
+        ]
         header = ["policy", "kvpress press", "batch-1 ours", "batch-1 kvpress", "ours / kvpress"]
         for length in lengths:
             header += [f"{length}: max batch ours / kvpress", f"{length}: tokens/s ours / kvpress"]
@@ -423,7 +478,10 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
             cells = [name, PRESSES[name][0], f"{ours:.1f}", f"{theirs:.1f}", _ratio(ours, theirs)]
             for length in lengths:
                 a, b = searches[name, length].best, searches[press, length].best
-                cells += [f"{a.batch} / {b.batch}", f"{a.tokens_per_second:.1f} / {b.tokens_per_second:.1f} ({_ratio(a.tokens_per_second, b.tokens_per_second)})"]
+                cells += [
+                    f"{a.batch} / {b.batch}",
+                    f"{a.tokens_per_second:.1f} / {b.tokens_per_second:.1f} ({_ratio(a.tokens_per_second, b.tokens_per_second)})",
+                ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -46,8 +46,9 @@ class Settings(ModelSettings):
     prompts: str = field(default=SOURCES, metadata={"help": "prompt SOURCE (a mixture, so completion lengths vary)"})
     num: int = field(default=32, metadata={"help": "problems sampled by every mode"})
     max_new_tokens: int = field(default=256, metadata={"help": "most new tokens of a completion"})
-    batch_sizes: tuple[int, ...] = field(default=(4, 8, 16), metadata={
-        "help": "comma-separated b of the static and continuous modes"})
+    batch_sizes: tuple[int, ...] = field(
+        default=(4, 8, 16), metadata={"help": "comma-separated b of the static and continuous modes"}
+    )
     hf: bool = field(default=False, metadata={"help": "also time transformers' generate in static groups of b"})
 
 
@@ -55,23 +56,37 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def ours(model, requests: list[Request], batch_size: int, static: bool, max_new_tokens: int, eos: list[int]) -> dict[int, list[int]]:
+def ours(
+    model, requests: list[Request], batch_size: int, static: bool, max_new_tokens: int, eos: list[int]
+) -> dict[int, list[int]]:
     """Completions by key, sampled continuously (or in static groups of `batch_size`)."""
     groups = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)] if static else [requests]
     done = {}
     for group in groups:
         for completion in sample_completions(
-            model, group, max_new_tokens=max_new_tokens, eos_token_ids=eos, sampling=REASONING_SAMPLING, batch_size=batch_size
+            model,
+            group,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos,
+            sampling=REASONING_SAMPLING,
+            batch_size=batch_size,
         ):
             done[completion.key] = completion.tokens
     return done
 
 
-def hf_generate(model, requests: list[Request], batch_size: int, max_new_tokens: int, eos: list[int], pad: int) -> dict[int, list[int]]:
+def hf_generate(
+    model, requests: list[Request], batch_size: int, max_new_tokens: int, eos: list[int], pad: int
+) -> dict[int, list[int]]:
     """Completions by `model.generate` on left-padded groups (its sampling, so other completions)."""
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=True, temperature=REASONING_SAMPLING.temperature,
-        top_k=REASONING_SAMPLING.top_k, top_p=REASONING_SAMPLING.top_p, eos_token_id=eos, pad_token_id=pad,
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        temperature=REASONING_SAMPLING.temperature,
+        top_k=REASONING_SAMPLING.top_k,
+        top_p=REASONING_SAMPLING.top_p,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
     done = {}
     torch.manual_seed(0)
@@ -83,7 +98,9 @@ def hf_generate(model, requests: list[Request], batch_size: int, max_new_tokens:
         for row, request in enumerate(group):
             ids[row, width - len(request.prompt) :] = torch.tensor(request.prompt)
             mask[row, width - len(request.prompt) :] = 1
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config)
+        out = model.generate(
+            input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config
+        )
         for request, row in zip(group, out[:, width:].tolist()):
             stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
             done[request.key] = row[:stop]
@@ -106,8 +123,10 @@ def run(settings: Settings) -> str:
         runs.append((f"continuous {b}", b, lambda b=b: ours(model, requests, b, False, tokens_max, eos)))
     if settings.hf:
         pad = tokenizer.pad_token_id or eos[0]
-        runs += [(f"transformers generate, static {b}", b, lambda b=b: hf_generate(model, requests, b, tokens_max, eos, pad))
-                 for b in settings.batch_sizes]
+        runs += [
+            (f"transformers generate, static {b}", b, lambda b=b: hf_generate(model, requests, b, tokens_max, eos, pad))
+            for b in settings.batch_sizes
+        ]
     results = []
     for name, batch, sample in runs:
         started = time.perf_counter()
@@ -115,7 +134,9 @@ def run(settings: Settings) -> str:
         seconds = time.perf_counter() - started
         tokens = sum(map(len, completions.values()))
         results.append((name, batch, completions, tokens, seconds))
-        print(f"{name}: {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tokens/s", file=sys.stderr, flush=True)
+        print(
+            f"{name}: {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tokens/s", file=sys.stderr, flush=True
+        )
     after = load_average()
     reference = results[0]
     same = all(r[2] == reference[2] for r in results if not r[0].startswith("transformers"))

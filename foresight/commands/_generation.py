@@ -15,10 +15,10 @@ from foresight.data.tasks import load_problems
 from foresight.eval.generation import (
     CompletionStore,
     GenerationSettings,
+    by_agreement,
     columns,
     generate_completions,
     plan_jobs,
-    by_agreement,
     source_columns,
     summarize,
     summarize_sources,
@@ -34,7 +34,10 @@ DEFAULT_BATCH = 32
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--prompts", action="append", default=[], metavar="SOURCE",
+        "--prompts",
+        action="append",
+        default=[],
+        metavar="SOURCE",
         help=f"generate instead of replaying traces: problems from a named set ({', '.join(BENCHMARKS)}; NAME:PATH "
         "reads a local copy), reasoning-gym:TASK, a JSONL file or a saved dataset folder "
         "(foresight.data.tasks); repeat to pool several sources. --model then defaults to the embedded one",
@@ -44,16 +47,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", "-k", type=int, default=4, help="completions sampled per problem (k)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="most tokens generated per completion")
     add_sampling_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (each completion's own is derived from it)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the sampling (each completion's own is derived from it)"
+    )
 
 
 def run(args: argparse.Namespace, specs, notes: list[str]) -> int:
     started = time.perf_counter()
     model_name = args.model or DEFAULT_MODEL
     settings = GenerationSettings(
-        model=model_name, sources=tuple(args.prompts), problems=args.num, problem_seed=args.problem_seed,
-        samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed,
+        model=model_name,
+        sources=tuple(args.prompts),
+        problems=args.num,
+        problem_seed=args.problem_seed,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
     )
     problems = [p for source in args.prompts for p in load_problems(source, args.num, args.problem_seed)]
     unanswered = next((p for p in problems if p.answer is None), None)

@@ -23,12 +23,14 @@ def add_model_arguments(
     (benchmarks, where only the shape matters) it also takes a configs/models/*.json file."""
     if made_traces:
         parser.add_argument(
-            "--model", default=None,
+            "--model",
+            default=None,
             help="the model that made the traces (default: the one named in the traces manifest; another is refused)",
         )
     else:
         parser.add_argument(
-            "--model", default=DEFAULT_MODEL,
+            "--model",
+            default=DEFAULT_MODEL,
             help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a local model folder or a Hub id"
             + (", or an architecture config (configs/models/*.json: random weights)" if architecture_configs else ""),
         )
@@ -39,11 +41,15 @@ def add_placement_arguments(parser: argparse.ArgumentParser, *, device: str = "c
     """Add --device and --dtype alone, for a verb whose model is named elsewhere (a traces manifest, a
     training config)."""
     parser.add_argument(
-        "--device", type=device_argument, default=device,
+        "--device",
+        type=device_argument,
+        default=device,
         help="where the model runs: cpu, cuda, cuda:N, mps, or auto (cuda if available, else cpu)",
     )
     parser.add_argument(
-        "--dtype", choices=[*DTYPES, AUTO], default=dtype,
+        "--dtype",
+        choices=[*DTYPES, AUTO],
+        default=dtype,
         help="dtype of the model's weights and activations; auto: bfloat16 on cuda, float32 elsewhere",
     )
 
@@ -65,5 +71,7 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
 def model_of_traces(args: argparse.Namespace, traces_dir: Path, made_with: str) -> str:
     """The model that made the traces in `traces_dir`; --model, when given, must name that one."""
     if args.model is not None and args.model != made_with:
-        raise ValueError(f"--model {args.model!r} is not the model that made the traces in {traces_dir} ({made_with!r})")
+        raise ValueError(
+            f"--model {args.model!r} is not the model that made the traces in {traces_dir} ({made_with!r})"
+        )
     return made_with

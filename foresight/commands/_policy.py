@@ -27,15 +27,28 @@ def add_cadence_arguments(
     -B/--budgets takes a comma-separated list."""
     if several_budgets:
         parser.add_argument(
-            "--budgets", "-B", type=int_list, default=budget, required=budget is None,
+            "--budgets",
+            "-B",
+            type=int_list,
+            default=budget,
+            required=budget is None,
             help="budgets B to evaluate, comma-separated, e.g. 64,128",
         )
     else:
         parser.add_argument(
-            "--budget", "-B", type=int, default=budget, required=budget is None, help="entries kept after an eviction (B)"
+            "--budget",
+            "-B",
+            type=int,
+            default=budget,
+            required=budget is None,
+            help="entries kept after an eviction (B)",
         )
     parser.add_argument(
-        "--interval", "-L", type=int, default=interval, required=interval is None,
+        "--interval",
+        "-L",
+        type=int,
+        default=interval,
+        required=interval is None,
         help="entries evicted per step, every L tokens",
     )
 
@@ -44,17 +57,25 @@ def add_policy_arguments(parser: argparse.ArgumentParser, default_policy: str) -
     """--policy, its -o options, the cadence, --sinks and --protect-prompt (see `policy_from_args`)."""
     parser.add_argument("--policy", default=default_policy, help=f"one of: {', '.join(sorted(POLICIES))}")
     parser.add_argument(
-        "--option", "-o", action="append", default=[], metavar="KEY=VALUE",
+        "--option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="a policy option, typed as the policy declares it, e.g. -o seed=3 or -o lag_size=none; repeat for "
         "several (options and defaults: `foresight policies`)",
     )
     add_cadence_arguments(parser)
     parser.add_argument(
-        "--sinks", type=int, default=None,
+        "--sinks",
+        type=int,
+        default=None,
         help="first S entries never evicted (default: the policy's own, see `foresight policies`)",
     )
     parser.add_argument(
-        "--protect-prompt", action=argparse.BooleanOptionalAction, default=None,
+        "--protect-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="never evict prompt entries; the budget applies to the rest (default: the policy's own)",
     )
 
@@ -62,7 +83,9 @@ def add_policy_arguments(parser: argparse.ArgumentParser, default_policy: str) -
 def add_policies_argument(parser: argparse.ArgumentParser, all_means: str) -> None:
     """--policies: 'all' (whose meaning the verb states in `all_means`) or a comma-separated list."""
     parser.add_argument(
-        "--policies", default="all", metavar="all|NAME,...",
+        "--policies",
+        default="all",
+        metavar="all|NAME,...",
         help=f"'all' ({all_means}) or a comma-separated list of: {', '.join(sorted(POLICIES))}",
     )
 

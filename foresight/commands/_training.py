@@ -10,9 +10,15 @@ from pathlib import Path
 def add_training_arguments(parser: argparse.ArgumentParser, example_config: str, example_overrides: str) -> None:
     """--config, --ckpt-path and --set."""
     parser.add_argument("--config", type=Path, required=True, help=f"LightningCLI YAML config, e.g. {example_config}")
-    parser.add_argument("--ckpt-path", default=None, help="checkpoint to resume from, or 'last' for OUT/checkpoints/last.ckpt")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--ckpt-path", default=None, help="checkpoint to resume from, or 'last' for OUT/checkpoints/last.ckpt"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help=f"override a config value, e.g. {example_overrides}",
     )
 

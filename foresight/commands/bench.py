@@ -24,6 +24,7 @@ from foresight.bench.common import RUNS, ReportSettings
 from foresight.bench.options import add_options, settings_from
 from foresight.eval.report import write_section
 
+
 def benchmarks() -> dict[str, ModuleType]:
     """{NAME: module} of every benchmark module of foresight.bench, found as the verbs are."""
     found = {}

@@ -25,7 +25,9 @@ from foresight.policies.triattention_stats import calibrate
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", type=Path, required=True, help="traces folder written by `foresight traces`")
-    parser.add_argument("--out", type=Path, required=True, help="stats folder to write (config.json, model.safetensors)")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="stats folder to write (config.json, model.safetensors)"
+    )
     parser.add_argument(
         "--max-tokens", type=int, default=100_000, help="stop after the trace that brings the count to this many tokens"
     )
@@ -51,8 +53,13 @@ def run(args: argparse.Namespace) -> int:
     name = model_of_traces(args, args.traces, store.settings["model"])
     model, _ = load_model(name, **model_options(args))
     with tqdm(total=args.max_tokens, unit="tok", desc="calibrate") as bar:
-        stats = calibrate(model, _sequences(store, args.max_tokens, bar), model_name=name, source=str(args.traces),
-                          chunk_size=args.chunk_size)
+        stats = calibrate(
+            model,
+            _sequences(store, args.max_tokens, bar),
+            model_name=name,
+            source=str(args.traces),
+            chunk_size=args.chunk_size,
+        )
     stats.save(args.out)
     print(f"{args.out}: TriAttention stats of {name} ({stats.shape}) from {stats.tokens} tokens of {args.traces}")
     return 0

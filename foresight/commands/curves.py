@@ -22,7 +22,9 @@ EVENTS = "events.out.tfevents.*"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", type=Path, metavar="RUN", help="a run folder (`foresight fit` or `foresight rl` --out)")
+    parser.add_argument(
+        "folder", type=Path, metavar="RUN", help="a run folder (`foresight fit` or `foresight rl` --out)"
+    )
     parser.add_argument("--tags", default=",".join(RL_TAGS), help="comma-separated logged scalars to draw")
     parser.add_argument("--window", type=int, default=10, help="steps of the rolling mean drawn over the values")
     parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
@@ -34,7 +36,9 @@ def read_scalars(run: Path) -> dict[str, dict[int, float]]:
 
     files = sorted(run.rglob(EVENTS), key=lambda path: path.stat().st_mtime)
     if not files:
-        raise ValueError(f"{run} holds no TensorBoard logs ({EVENTS} under it); give the --out folder of a training run")
+        raise ValueError(
+            f"{run} holds no TensorBoard logs ({EVENTS} under it); give the --out folder of a training run"
+        )
     scalars: dict[str, dict[int, float]] = {}
     for path in files:
         accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
@@ -58,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     scalars = read_scalars(args.folder)
     missing = [tag for tag in tags if tag not in scalars]
     if not tags or missing:
-        raise ValueError(f"{args.folder} logged no {', '.join(missing) or 'tag'}; it logged {', '.join(sorted(scalars))}")
+        raise ValueError(
+            f"{args.folder} logged no {', '.join(missing) or 'tag'}; it logged {', '.join(sorted(scalars))}"
+        )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from foresight.bench.common import selected_policies
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_policy_arguments, policy_from_args
-from foresight.bench.common import selected_policies
 from foresight.commands.replay import loss_ratio_after_first_eviction
+from foresight.data.tasks import chat_prompt_ids
 from foresight.models import load_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.data.tasks import chat_prompt_ids
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic.jsonl"
 
@@ -42,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
         )
     print(tokenizer.decode(output.tokens[0], skip_special_tokens=True))
     stats = output.stats
-    print(f"\n{len(output.tokens[0])} tokens, largest cache held {stats.max_entries} entries "
-          f"(B + L = {args.budget + args.interval}), {stats.evictions} eviction steps\n")
+    print(
+        f"\n{len(output.tokens[0])} tokens, largest cache held {stats.max_entries} entries "
+        f"(B + L = {args.budget + args.interval}), {stats.evictions} eviction steps\n"
+    )
 
     sequence = torch.tensor(prompt + output.tokens[0])
     comparison = EvictionConfig(args.replay_budget, args.replay_interval)
@@ -53,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
         evicted = EvictionEngine(model, make_policy(name), comparison).replay([sequence], [len(prompt)])
         ratio, scored = loss_ratio_after_first_eviction(full, evicted)
         rows.append((name, ratio, scored))
-    print(f"Teacher-forced loss ratio on that generation, B = {comparison.budget}, L = {comparison.interval} (1.0 = full cache):")
+    print(
+        f"Teacher-forced loss ratio on that generation, B = {comparison.budget}, L = {comparison.interval} (1.0 = full cache):"
+    )
     for name, ratio, scored in sorted(rows, key=lambda row: row[1]):
         print(f"  {name:<10} {ratio:.4f}  ({scored} tokens)")
     best = min(rows, key=lambda row: row[1])

@@ -64,38 +64,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-traces", type=int, default=None, help="evaluate at most this many traces, in order (default: all)"
     )
     parser.add_argument(
-        "--holdout", type=float, default=None, metavar="FRACTION",
+        "--holdout",
+        type=float,
+        default=None,
+        metavar="FRACTION",
         help="evaluate only the held-out split of this fraction (TraceView.split) (default: every trace)",
     )
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
     parser.add_argument(
-        "--batch-size", type=int, default=None,
+        "--batch-size",
+        type=int,
+        default=None,
         help="traces replayed together, or completions generated together with --prompts "
         f"(default: {TRACE_BATCH} traces, {_generation.DEFAULT_BATCH} completions)",
     )
     parser.add_argument(
-        "--no-shared-prefix", dest="share_prefix", action="store_false",
+        "--no-shared-prefix",
+        dest="share_prefix",
+        action="store_false",
         help="run the model on every token of every replay instead of reusing, across the policies of a batch, "
         "the forwards before the first eviction (the same results; saves the memory of the recorded queries, "
         "keys and values of B + L tokens per trace)",
     )
     add_row_options_argument(parser)
     parser.add_argument(
-        "--scorer", action="append", default=[], metavar="DIR",
+        "--scorer",
+        action="append",
+        default=[],
+        metavar="DIR",
         help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
         "it was trained for; repeat to compare several, as NAME=DIR to name each one's rows (e.g. "
         "foresight-sl=runs/main/scorer --scorer foresight-rl=runs/main/rl/scorer). Adds foresight to "
         "--policies (naming it there is optional)",
     )
     parser.add_argument(
-        "--sampled-seeds", type=int, nargs="?", const=RECOMMENDED_SEEDS, default=0, metavar="N",
+        "--sampled-seeds",
+        type=int,
+        nargs="?",
+        const=RECOMMENDED_SEEDS,
+        default=0,
+        metavar="N",
         help="also evaluate every --scorer in sampled mode (Eq. 2: the L evictions drawn without replacement from "
         "the 2L lowest keep scores), as a row NAME-sampled whose per-trace figures are the mean of N replays seeded "
         f"0..N-1; the flag alone means N={RECOMMENDED_SEEDS}, the recommended number (default: 0, deterministic "
         "only). Teacher-forced (--traces) only",
     )
     parser.add_argument(
-        "--sample-temperature", type=float, default=1.0, metavar="T",
+        "--sample-temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
         help="τ of the sampled rows: Eq. 2's softmax reads the negated keep scores divided by T (default: 1.0, the paper's)",
     )
     _generation.add_arguments(parser)
@@ -129,7 +147,9 @@ def sampled_settings(seeds: int, temperature: float) -> dict[str, str]:
     """The report's line on the sampled rows (none without them)."""
     if not seeds:
         return {}
-    return {"sampled rows": f"mean of {seeds} replays per trace (seeds 0..{seeds - 1}) at temperature τ = {temperature}"}
+    return {
+        "sampled rows": f"mean of {seeds} replays per trace (seeds 0..{seeds - 1}) at temperature τ = {temperature}"
+    }
 
 
 def trained_on(specs: list[PolicySpec], evaluated: set[str]) -> dict[str, str]:
@@ -163,10 +183,18 @@ def run(args: argparse.Namespace) -> int:
     made_with = model_of_traces(args, args.traces, store.settings["model"])
     traces = list(select_traces(store, args.holdout, args.holdout_seed, args.max_traces))
     if not traces:
-        raise ValueError(f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})")
+        raise ValueError(
+            f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})"
+        )
     model, _ = load_model(made_with, **model_options(args))
     result = evaluate(
-        model, traces, specs, args.budgets, args.interval, labels_root=args.traces, batch_size=args.batch_size or TRACE_BATCH,
+        model,
+        traces,
+        specs,
+        args.budgets,
+        args.interval,
+        labels_root=args.traces,
+        batch_size=args.batch_size or TRACE_BATCH,
         share_prefix=args.share_prefix,
     )
     result.notes[:0] = notes

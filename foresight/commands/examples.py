@@ -15,19 +15,23 @@ from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import add_cadence_arguments
-from trainers.example_cache import ExampleCache, ExampleKey
+from foresight.data.trace_store import TraceStore
 from foresight.models import dtype_name
 from foresight.scorer.attention_features import FeatureSet
+from trainers.example_cache import ExampleCache, ExampleKey
 from trainers.preparation import FrozenModel, make_examples
-from foresight.data.trace_store import TraceStore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", type=Path, required=True, help="labelled traces folder (`foresight labels`)")
     add_cadence_arguments(parser, budget=None, interval=None)
-    parser.add_argument("--out", type=Path, required=True, help="the cache folder (examples.json and one file per trace)")
     parser.add_argument(
-        "--feature-set", default=FeatureSet.PAPER.value, choices=[member.value for member in FeatureSet],
+        "--out", type=Path, required=True, help="the cache folder (examples.json and one file per trace)"
+    )
+    parser.add_argument(
+        "--feature-set",
+        default=FeatureSet.PAPER.value,
+        choices=[member.value for member in FeatureSet],
         help="the scorer's attention features",
     )
     parser.add_argument("--storage-dtype", default="float16", help="dtype of the stored keys, values and features")

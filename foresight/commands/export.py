@@ -18,11 +18,16 @@ from foresight.scorer.ensemble import ensemble
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--checkpoint", type=Path, action="append", required=True,
+        "--checkpoint",
+        type=Path,
+        action="append",
+        required=True,
         help="a supervised-stage .ckpt file or a scorer folder; repeated: export the mean of their keep scores",
     )
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
-    parser.add_argument("--evaluation", type=Path, default=None, help="markdown file with an evaluation table for the card")
+    parser.add_argument(
+        "--evaluation", type=Path, default=None, help="markdown file with an evaluation table for the card"
+    )
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the folder to this Hub repo")
     parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
 
@@ -34,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     if len(members) == 1:
         scorer, training = members[0]
     else:
-        scorer, training = ensemble([member for member, _ in members]), ensemble_record([record for _, record in members])
+        scorer, training = (
+            ensemble([member for member, _ in members]),
+            ensemble_record([record for _, record in members]),
+        )
     evaluation = args.evaluation.read_text() if args.evaluation is not None else None
     folder = export_scorer(scorer, args.out, training=training, evaluation=evaluation)
     config = scorer.config

@@ -41,8 +41,8 @@ import yaml
 from filelock import FileLock
 
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
-from foresight.export import ensemble_record, export_scorer, reported_metrics
 from foresight.data.trace_store import folder_sources
+from foresight.export import ensemble_record, export_scorer, reported_metrics
 from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import ScorerConfig, load_scorer
 from trainers.example_cache import ExampleCache
@@ -67,22 +67,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_arguments(
         parser, "configs/default.yaml", "--set trainer.max_steps=50 --set data.device=cuda --set data.dtype=bfloat16"
     )
-    parser.add_argument("--out", type=Path, required=True, help="run folder (traces, examples, checkpoints, logs, scorer)")
     parser.add_argument(
-        "--traces", type=Path, default=None,
+        "--out", type=Path, required=True, help="run folder (traces, examples, checkpoints, logs, scorer)"
+    )
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
     parser.add_argument(
-        "--on-policy-rounds", type=_checked_by(OnPolicyRounds, "rounds"), default=None, metavar="R",
+        "--on-policy-rounds",
+        type=_checked_by(OnPolicyRounds, "rounds"),
+        default=None,
+        metavar="R",
         help="after the golden fit, R rounds that add the scorer's own states to its training examples "
         "(default: the config's on_policy.rounds, else 0)",
     )
     parser.add_argument(
-        "--round-steps", type=_checked_by(OnPolicyRounds, "steps"), default=None, metavar="N",
+        "--round-steps",
+        type=_checked_by(OnPolicyRounds, "steps"),
+        default=None,
+        metavar="N",
         help="optimisation steps of each on-policy round (default: the config's on_policy.steps, else trainer.max_steps)",
     )
     parser.add_argument(
-        "--ensemble", type=_checked_by(SeedEnsemble, "members"), default=None, metavar="N",
+        "--ensemble",
+        type=_checked_by(SeedEnsemble, "members"),
+        default=None,
+        metavar="N",
         help="fit N times under seeds seed_everything, +1, ... and average the fits' keep scores into one scorer "
         "(default: the config's ensemble.members, else 1)",
     )
@@ -142,7 +155,9 @@ def prepare(args: argparse.Namespace, cli=None):
             record_sources(cli.model.scorer.config, data.traces_dir)
         _report("labels", make_labels(data.frozen, data.traces_dir, data.budget, data.interval, progress=show), show)
         if data.examples is not None:
-            examples = make_examples(data.frozen, data.examples, replay_batch_size=data.replay_batch_size, progress=show)
+            examples = make_examples(
+                data.frozen, data.examples, replay_batch_size=data.replay_batch_size, progress=show
+            )
             _report("examples", examples, show)
     return cli
 
@@ -195,14 +210,18 @@ def _ensemble_seed(args: argparse.Namespace, rounds: OnPolicyRounds, members: in
             "set --on-policy-rounds 0 or --ensemble 1"
         )
     if args.ckpt_path not in (None, "last"):
-        raise ValueError(f"a seed ensemble resumes each member from its own last checkpoint: --ckpt-path last, not {args.ckpt_path!r}")
+        raise ValueError(
+            f"a seed ensemble resumes each member from its own last checkpoint: --ckpt-path last, not {args.ckpt_path!r}"
+        )
     seed = (yaml.safe_load(args.config.read_text()) or {}).get("seed_everything")
     for text in args.overrides:
         key, _, value = text.partition("=")
         if key.strip() == "seed_everything":
             seed = yaml.safe_load(value)
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"a seed ensemble needs an integer seed_everything to count its members' seeds from, got {seed!r}")
+        raise ValueError(
+            f"a seed ensemble needs an integer seed_everything to count its members' seeds from, got {seed!r}"
+        )
     return seed
 
 
@@ -214,20 +233,27 @@ def _fit_ensemble(args: argparse.Namespace, cli, members: int, seed: int) -> Non
     for member, folder in enumerate(folders):
         if (folder / "scorer" / "config.json").is_file():
             continue
-        member_cli = _built_cli(args, [
-            f"--seed_everything={seed + member}",
-            f"--trainer.default_root_dir={folder}",
-            f"--checkpoint.dirpath={folder / 'checkpoints'}",
-        ])
+        member_cli = _built_cli(
+            args,
+            [
+                f"--seed_everything={seed + member}",
+                f"--trainer.default_root_dir={folder}",
+                f"--checkpoint.dirpath={folder / 'checkpoints'}",
+            ],
+        )
         record = _fit_and_export(member_cli, _resume_from(args, folder), folder / "scorer")
         if record is not None:
             (folder / TRAINING_RECORD).write_text(json.dumps(record, indent=1))
     if not cli.trainer.is_global_zero:
         return
     seeds = f"{seed}..{seed + members - 1}" if members > 2 else f"{seed} and {seed + 1}"
-    records = [json.loads(path.read_text()) if path.is_file() else {} for path in (f / TRAINING_RECORD for f in folders)]
+    records = [
+        json.loads(path.read_text()) if path.is_file() else {} for path in (f / TRAINING_RECORD for f in folders)
+    ]
     record = {**ensemble_record(records), "seeds": seeds}
-    export_scorer(ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record)
+    export_scorer(
+        ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record
+    )
     print(f"{args.out / 'scorer'}: the mean of {members} fits (seed_everything {seeds})", flush=True)
 
 
@@ -276,7 +302,7 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | N
 
 
 def _resume_from(args: argparse.Namespace, folder: Path) -> str | None:
-    """"last" when --ckpt-path last asks to resume and `folder` holds a last checkpoint, else None (a fresh fit)."""
+    """ "last" when --ckpt-path last asks to resume and `folder` holds a last checkpoint, else None (a fresh fit)."""
     return "last" if args.ckpt_path == "last" and (folder / "checkpoints" / "last.ckpt").is_file() else None
 
 

@@ -8,10 +8,10 @@ from tqdm import tqdm
 
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_policy_arguments, policy_from_args
+from foresight.data.tasks import chat_prompt_ids
 from foresight.models import load_model
 from foresight.runtime.engine import EvictionEngine
 from foresight.runtime.sampling import SamplingConfig
-from foresight.data.tasks import chat_prompt_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
     stats = output.stats
     decoded = sum(len(t) for t in output.tokens)
     seconds = sum(stats.step_seconds)
-    note = "" if stats.evictions or config is None else f" (no eviction: the sequence never reached B + L = {config.budget + config.interval})"
+    note = (
+        ""
+        if stats.evictions or config is None
+        else f" (no eviction: the sequence never reached B + L = {config.budget + config.interval})"
+    )
     print(
         f"{decoded} tokens at {len(stats.step_seconds) * len(prompts) / max(seconds, 1e-9):.1f} tokens/s, "
         f"largest cache held {stats.max_entries} entries, {stats.evictions} eviction steps{note}"

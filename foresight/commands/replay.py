@@ -18,7 +18,9 @@ from foresight.runtime.engine import EvictionEngine, ReplayOutput
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, help="a text file (one document) or a JSONL file of {'text'} or {'prompt', 'completion'}")
+    parser.add_argument(
+        "file", type=Path, help="a text file (one document) or a JSONL file of {'text'} or {'prompt', 'completion'}"
+    )
     add_model_arguments(parser)
     add_policy_arguments(parser, default_policy="snapkv")
     parser.add_argument("--max-tokens", type=int, default=2048, help="truncate each document to this many tokens")
@@ -72,12 +74,17 @@ def run(args: argparse.Namespace) -> int:
     sequences, prompt_lengths = [d[0] for d in documents], [d[1] for d in documents]
     total = sum(len(s) - p for s, p in documents)
     results = {}
-    for name, engine in (("full", EvictionEngine(model, make_policy("full"))), (policy.name, EvictionEngine(model, policy, config))):
+    for name, engine in (
+        ("full", EvictionEngine(model, make_policy("full"))),
+        (policy.name, EvictionEngine(model, policy, config)),
+    ):
         with tqdm(total=total, desc=f"{name} replay", unit="tok") as bar:
             results[name] = engine.replay(sequences, prompt_lengths, on_tokens=bar.update)
     ratio, scored = loss_ratio_after_first_eviction(results["full"], results[policy.name])
     if scored == 0:
         print(f"no eviction: every document is shorter than B + L = {config.budget + config.interval} tokens")
         return 0
-    print(f"{policy.name} B={config.budget} L={config.interval}: loss ratio {ratio:.4f} over {scored} tokens after the first eviction")
+    print(
+        f"{policy.name} B={config.budget} L={config.interval}: loss ratio {ratio:.4f} over {scored} tokens after the first eviction"
+    )
     return 0

@@ -23,9 +23,15 @@ from foresight.export import export_scorer, reported_metrics
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_arguments(parser, "configs/default-rl.yaml", "--set trainer.max_steps=20 --set model.group_size=4")
-    parser.add_argument("--scorer", required=True, help="the supervised scorer to start from: a folder (`foresight fit` OUT/scorer) or a Hub id")
+    parser.add_argument(
+        "--scorer",
+        required=True,
+        help="the supervised scorer to start from: a folder (`foresight fit` OUT/scorer) or a Hub id",
+    )
     parser.add_argument("--out", type=Path, required=True, help="run folder (checkpoints, logs, scorer)")
-    parser.add_argument("--traces", type=Path, default=None, help="traces folder to roll out (default: the config's data.traces_dir)")
+    parser.add_argument(
+        "--traces", type=Path, default=None, help="traces folder to roll out (default: the config's data.traces_dir)"
+    )
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:

@@ -57,18 +57,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
-        "--prompts", metavar="SOURCE",
+        "--prompts",
+        metavar="SOURCE",
         help="reasoning-gym:TASK, a JSONL file, a dataset folder, or a mixture SOURCE=WEIGHT,SOURCE=WEIGHT,...",
     )
     what.add_argument(
-        "--import", dest="import_file", type=Path, metavar="FILE",
+        "--import",
+        dest="import_file",
+        type=Path,
+        metavar="FILE",
         help="prompt/completion pairs made by another engine (JSONL or a dataset folder) to score with --model",
     )
     parser.add_argument(
-        "--num", type=int, default=None,
+        "--num",
+        type=int,
+        default=None,
         help="number of problems (one trace each); with --import, rows to take (default: all)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="most tokens generated per trace (with --prompts)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="most tokens generated per trace (with --prompts)"
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder (shards and manifest.json)")
     parser.add_argument(
         "--min-tokens", type=int, default=0, help="keep traces of at least this many tokens, prompt included"
@@ -76,12 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only-correct", action="store_true", help="keep only traces whose answer checks as correct")
     add_sampling_arguments(parser)
     parser.add_argument(
-        "--batch-size", type=_batch_size, default=AUTO,
+        "--batch-size",
+        type=_batch_size,
+        default=AUTO,
         help="problems decoded together (continuous batching); auto: as many as GPU memory holds (at most 256), "
         "16 on a CPU",
     )
     parser.add_argument(
-        "--draws", choices=[*(member.value for member in Draws), AUTO], default=AUTO,
+        "--draws",
+        choices=[*(member.value for member in Draws), AUTO],
+        default=AUTO,
         help="each problem's random numbers: its own torch generator (one draw per row and step; the traces "
         "sampled before counter existed), or a counter-based hash batched over the rows; auto: generator on "
         "a CPU, counter on an accelerator; greedy decoding (temperature 0) draws nothing",
@@ -91,7 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shard", type=_shard_spec, default="0/1", metavar="i/n", help="write only shards k with k %% n == i"
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="picks reasoning-gym problems and, with each problem's index, seeds its sampling"
+        "--seed",
+        type=int,
+        default=0,
+        help="picks reasoning-gym problems and, with each problem's index, seeds its sampling",
     )
 
 
@@ -101,8 +116,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--max-new-tokens applies to sampling (--prompts), not to imported completions")
         model, tokenizer = load_model(args.model, **model_options(args))
         summary = import_traces(
-            model, tokenizer, args.import_file, num=args.num, out_dir=args.out, min_tokens=args.min_tokens,
-            only_correct=args.only_correct, shard_size=args.shard_size, shard=args.shard, model_name=args.model,
+            model,
+            tokenizer,
+            args.import_file,
+            num=args.num,
+            out_dir=args.out,
+            min_tokens=args.min_tokens,
+            only_correct=args.only_correct,
+            shard_size=args.shard_size,
+            shard=args.shard,
+            model_name=args.model,
         )
         print(summary.describe())
         return 0

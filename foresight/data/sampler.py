@@ -141,7 +141,13 @@ class _Slots:
     and sends nothing: what the step needs per slot lives on the device, set when a row is admitted or freed."""
 
     def __init__(
-        self, model: torch.nn.Module, sampling: SamplingConfig, draws: Draws, slots: int, max_new_tokens: int, eos: set[int]
+        self,
+        model: torch.nn.Module,
+        sampling: SamplingConfig,
+        draws: Draws,
+        slots: int,
+        max_new_tokens: int,
+        eos: set[int],
     ) -> None:
         self.model = model.eval()
         self.sampling, self.draws = sampling, draws
@@ -169,7 +175,9 @@ class _Slots:
             raise ValueError(f"request {request.key} has an empty prompt")
         ids = torch.as_tensor(list(request.prompt), dtype=torch.long, device=self.device)[None]
         prefilled = DynamicCache()
-        hidden = self.model.base_model(input_ids=ids, **cache_argument(self.model.base_model, prefilled), use_cache=True).last_hidden_state[0]
+        hidden = self.model.base_model(
+            input_ids=ids, **cache_argument(self.model.base_model, prefilled), use_cache=True
+        ).last_hidden_state[0]
         nll, entropy = chunked_losses(self.model.get_output_embeddings(), hidden[:-1], ids[0, 1:])
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
         self.rows[slot] = _Row(request, generator, nll, entropy, order=self.admitted)
@@ -213,8 +221,11 @@ class _Slots:
     def release_ended(self, sampled: dict[int, tuple[int, float, float]]) -> Iterator[Completion]:
         """Yield the completions of the rows that sampled an EOS or their last token, in the order they
         were admitted, and free their slots."""
-        ended = [slot for slot, (token, _, _) in sampled.items()
-                 if token in self.eos or len(self.rows[slot].tokens) == self.max_new_tokens]
+        ended = [
+            slot
+            for slot, (token, _, _) in sampled.items()
+            if token in self.eos or len(self.rows[slot].tokens) == self.max_new_tokens
+        ]
         for slot in sorted(ended, key=lambda slot: self.rows[slot].order):
             row = self.rows.pop(slot)
             self.busy[slot] = False
@@ -247,7 +258,9 @@ class _Slots:
         lengths = self.lengths[:active].clamp_min(1)
         shown = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         hidden = torch.finfo(self.model.dtype).min
-        return torch.zeros(shown.shape, dtype=self.model.dtype, device=self.device).masked_fill(~shown, hidden)[:, None, None]
+        return torch.zeros(shown.shape, dtype=self.model.dtype, device=self.device).masked_fill(~shown, hidden)[
+            :, None, None
+        ]
 
 
 def chunked_losses(

@@ -51,11 +51,15 @@ class SlotLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("a slot layer is made with its buffers")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each active slot's one new token [active, heads, 1, head_dim] at its own length."""
         active = self.step.active
         if key_states.shape[-2] != 1 or key_states.shape[0] != active:
-            raise ValueError(f"a slot cache decodes one token per active slot ({active}), got key states {tuple(key_states.shape)}")
+            raise ValueError(
+                f"a slot cache decodes one token per active slot ({active}), got key states {tuple(key_states.shape)}"
+            )
         rows, index = self.rows[:active], self.step.write_index[:active]
         self.key_buffer[rows, :, index] = key_states[:, :, 0]
         self.value_buffer[rows, :, index] = value_states[:, :, 0]

@@ -226,10 +226,14 @@ def _reasoning_gym_problems(source: str, num: int, seed: int) -> list[Problem]:
     if task not in reasoning_gym.factory.DATASETS:
         known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
         raise ValueError(f"unknown reasoning-gym task {task!r}; known tasks: {known}")
-    fields = [f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[task][1]) if f.name not in ("seed", "size")]
+    fields = [
+        f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[task][1]) if f.name not in ("seed", "size")
+    ]
     unknown = [key for key in options if key not in fields]
     if unknown:
-        raise ValueError(f"reasoning-gym task {task!r} has no option {unknown[0]!r}; its options are: {', '.join(fields)}")
+        raise ValueError(
+            f"reasoning-gym task {task!r} has no option {unknown[0]!r}; its options are: {', '.join(fields)}"
+        )
     try:
         dataset = reasoning_gym.create_dataset(task, size=num, seed=seed, **options)
     except (AssertionError, TypeError, ValueError) as error:
@@ -293,7 +297,9 @@ def parse_record(line: str, *text_fields: str) -> dict[str, Any] | None:
         record = json.loads(line)
     except json.JSONDecodeError:
         return None
-    if not isinstance(record, dict) or not all(isinstance(record.get(name), str) for name in text_fields or ("prompt",)):
+    if not isinstance(record, dict) or not all(
+        isinstance(record.get(name), str) for name in text_fields or ("prompt",)
+    ):
         return None
     return record
 

@@ -18,11 +18,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from foresight.runtime.sampling import REASONING_SAMPLING, Draws, SamplingConfig
 from foresight.data.sampler import Completion, Request, auto_batch_size, chunked_losses, sample_completions
-from foresight.data.trace_store import ShardRows, ShardWriter, TraceCounts, TraceRunSummary, TraceSettings
 from foresight.data.tasks import Problem, chat_prompt_ids, check_answer, load_problems, recorded_source
-
+from foresight.data.trace_store import ShardRows, ShardWriter, TraceCounts, TraceRunSummary, TraceSettings
+from foresight.runtime.sampling import REASONING_SAMPLING, Draws, SamplingConfig
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
 
@@ -120,8 +119,14 @@ def generate_traces(
             bar.set_postfix_str(f"{tokens['sampled']} tokens, {n} rows", refresh=False)
 
         completions = sample_completions(
-            model, requests, max_new_tokens=max_new_tokens, eos_token_ids=eos_ids, sampling=sampling,
-            batch_size=batch_size, draws=settings.draws, on_token=count,
+            model,
+            requests,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_ids,
+            sampling=sampling,
+            batch_size=batch_size,
+            draws=settings.draws,
+            on_token=count,
         )
         for completion in completions:
             k = shard_of[completion.key]
@@ -153,8 +158,14 @@ def sampled_trace(
 ) -> tuple[int, str, dict[str, Any] | None, TraceCounts]:
     """A sampled completion checked and filtered: (index, source, trace row or None, counts)."""
     return build_trace(
-        problem, completion.prompt, completion.tokens, completion.truncated, tokenizer,
-        settings.min_tokens, settings.only_correct, lambda: (completion.token_nll, completion.token_entropy),
+        problem,
+        completion.prompt,
+        completion.tokens,
+        completion.truncated,
+        tokenizer,
+        settings.min_tokens,
+        settings.only_correct,
+        lambda: (completion.token_nll, completion.token_entropy),
     )
 
 
@@ -172,9 +183,7 @@ def build_trace(
     correct); ``losses`` is called only for a kept trace. Returns (index, source, row or None, counts)."""
     text = tokenizer.decode(completion, skip_special_tokens=True)
     correct = check_answer(problem, text)
-    counts = dict(
-        generated=1, checked=int(correct is not None), correct=int(bool(correct)), truncated=int(truncated)
-    )
+    counts = dict(generated=1, checked=int(correct is not None), correct=int(bool(correct)), truncated=int(truncated))
     input_ids = prompt + completion
     if len(input_ids) < min_tokens:
         return problem.index, problem.source, None, TraceCounts(too_short=1, **counts)

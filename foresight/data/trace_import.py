@@ -33,8 +33,8 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.data.tasks import Problem, chat_prompt_ids, load_saved_dataset, parse_record
-from foresight.data.trace_store import Sharded, ShardRows, ShardWriter, TraceRunSummary
 from foresight.data.trace_generation import build_trace, check_plain_logits, eos_token_ids, token_losses
+from foresight.data.trace_store import Sharded, ShardRows, ShardWriter, TraceRunSummary
 
 NOT_A_ROW = 'not a JSON object with string "prompt" and "completion"'
 EMPTY = "empty completion"
@@ -99,7 +99,9 @@ def import_traces(
     scorer = _RowScorer(model, tokenizer, settings)
     writer = ShardWriter(Path(out_dir), settings)
     owned, todo = writer.claim(index, count)
-    with tqdm(total=sum(len(settings.shard_range(k)) for k in todo), disable=not progress, unit="row", desc="import") as bar:
+    with tqdm(
+        total=sum(len(settings.shard_range(k)) for k in todo), disable=not progress, unit="row", desc="import"
+    ) as bar:
         for k in todo:
             shard_rows = ShardRows(settings.shard_range(k))
             for i in settings.shard_range(k):
@@ -122,7 +124,9 @@ def read_rows(path: Path) -> list[dict[str, Any] | None]:
         raise ValueError(f"import file {path} is not JSONL (not UTF-8 text)") from None
     rows = [parse_record(line, "prompt", "completion") for line in lines if line.strip()]
     if not any(rows):
-        raise ValueError(f'import file {path} is not JSONL of prompt/completion pairs: no line is an object with string "prompt" and "completion"')
+        raise ValueError(
+            f'import file {path} is not JSONL of prompt/completion pairs: no line is an object with string "prompt" and "completion"'
+        )
     return rows
 
 
@@ -167,10 +171,18 @@ class _RowScorer:
         answer = row.get("answer")
         problem = Problem(index, row["prompt"], None if answer is None else str(answer), source)
         ids = prompt + completion
-        shard.add(*build_trace(
-            problem, prompt, completion, row.get("finish_reason") == "length", self.tokenizer,
-            self.settings.min_tokens, self.settings.only_correct, lambda: token_losses(self.model, torch.tensor(ids)),
-        ))
+        shard.add(
+            *build_trace(
+                problem,
+                prompt,
+                completion,
+                row.get("finish_reason") == "length",
+                self.tokenizer,
+                self.settings.min_tokens,
+                self.settings.only_correct,
+                lambda: token_losses(self.model, torch.tensor(ids)),
+            )
+        )
 
     def _tokens(self, row: dict[str, Any]) -> tuple[str | None, list[int], list[int]]:
         """(reason to reject or None, prompt ids, completion ids)."""

@@ -217,7 +217,12 @@ def finished_run(
         return None
     done = [records[k] for k in owned]
     return TraceRunSummary(
-        out_dir, 0, len(owned), sum(map(TraceCounts.from_record, done), TraceCounts()), _by_source(done), _rejected(done)
+        out_dir,
+        0,
+        len(owned),
+        sum(map(TraceCounts.from_record, done), TraceCounts()),
+        _by_source(done),
+        _rejected(done),
     )
 
 
@@ -307,8 +312,12 @@ class ShardWriter:
         """What the owned shards hold, `written` of them by this call."""
         records = [self.record(k) for k in owned]
         return TraceRunSummary(
-            self.out_dir, written, len(owned) - written, sum(map(TraceCounts.from_record, records), TraceCounts()),
-            _by_source(records), _rejected(records),
+            self.out_dir,
+            written,
+            len(owned) - written,
+            sum(map(TraceCounts.from_record, records), TraceCounts()),
+            _by_source(records),
+            _rejected(records),
         )
 
     def _write_manifest(self) -> None:
@@ -354,7 +363,8 @@ def _with_defaults(stored: dict[str, Any], settings: Sharded) -> dict[str, Any]:
 def _check_same_settings(out_dir: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
     differing = [
         f"{name} {stored.get(name)!r} -> {wanted.get(name)!r}"
-        for name in dict.fromkeys([*wanted, *stored]) if stored.get(name) != wanted.get(name)
+        for name in dict.fromkeys([*wanted, *stored])
+        if stored.get(name) != wanted.get(name)
     ]
     if differing:
         draws = f" (--draws {stored['draws']} keeps its draws)" if stored.get("draws") != wanted.get("draws") else ""

@@ -35,7 +35,9 @@ def merged_scores(folders: Sequence[Path]) -> list[TraceScore]:
     for folder in folders:
         path = folder / "traces.json"
         if not path.is_file():
-            raise ValueError(f"{folder} holds no traces.json; make it with `foresight eval --traces ... --out {folder}`")
+            raise ValueError(
+                f"{folder} holds no traces.json; make it with `foresight eval --traces ... --out {folder}`"
+            )
         for entry in json.loads(path.read_text()):
             score = TraceScore(**entry)
             key = (score.policy, score.budget, score.index)
@@ -90,7 +92,11 @@ def pooled_scores(sets: list[list[TraceScore]]) -> list[TraceScore]:
     for scores in sets:
         if any(score.index >= SET_STRIDE for score in scores):
             raise ValueError(f"a trace index of {SET_STRIDE} or more cannot be pooled across sets")
-    return [replace(score, index=number * SET_STRIDE + score.index) for number, scores in enumerate(sets) for score in scores]
+    return [
+        replace(score, index=number * SET_STRIDE + score.index)
+        for number, scores in enumerate(sets)
+        for score in scores
+    ]
 
 
 def ablation_report(

@@ -34,7 +34,9 @@ def memory_rows(folders: Sequence[Path]) -> list[dict[str, Any]]:
     for folder in folders:
         path = folder / "results.json"
         if not path.is_file():
-            raise ValueError(f"{folder} holds no results.json; make it with `foresight eval --traces ... --out {folder}`")
+            raise ValueError(
+                f"{folder} holds no results.json; make it with `foresight eval --traces ... --out {folder}`"
+            )
         for row in json.loads(path.read_text()):
             key = (row["policy"], row["budget"])
             if key not in rows or (rows[key].get(MEMORY) is None and row.get(MEMORY) is not None):
@@ -49,7 +51,9 @@ def budget_table(scores: list[TraceScore], rows: list[dict[str, Any]], learned: 
     if not policies:
         return [f"B = {budget}: not evaluated."]
     memory = {row["policy"]: row.get(MEMORY) for row in rows if row["budget"] == budget}
-    figures = {p: (pooled_figure(scores, budget, p), pooled_figure(scores, budget, p, "low_entropy_damage")) for p in policies}
+    figures = {
+        p: (pooled_figure(scores, budget, p), pooled_figure(scores, budget, p, "low_entropy_damage")) for p in policies
+    }
     here = learned in policies
     lines = [
         f"B = {budget}, {len({s.index for s in scores if s.budget == budget})} traces"
@@ -60,7 +64,11 @@ def budget_table(scores: list[TraceScore], rows: list[dict[str, Any]], learned: 
     ]
     for policy in sorted(policies, key=lambda p: (math.isnan(figures[p][0].value), figures[p][0].value)):
         ratio, damage = figures[policy]
-        gains = [_gain(scores, budget, policy, learned, figure) for figure in FIGURES] if here and policy != learned else ["–", "–"]
+        gains = (
+            [_gain(scores, budget, policy, learned, figure) for figure in FIGURES]
+            if here and policy != learned
+            else ["–", "–"]
+        )
         kv = "–" if memory.get(policy) is None else f"{memory[policy]:.2f}"
         lines.append(f"| {policy} | {kv} | {ratio} | {percent(damage)} | {gains[0]} | {gains[1]} |")
     return lines
@@ -95,7 +103,9 @@ def baselines_report(trace_sets: TraceSets, learned_rows: Sequence[str], budgets
         scores, rows = merged_scores(folders), memory_rows(folders)
         learned = next((row for row in learned_rows if row in {s.policy for s in scores}), None)
         if learned is None:
-            raise ValueError(f"set {name}: none of the learned rows {list(learned_rows)} was evaluated in {list(map(str, folders))}")
+            raise ValueError(
+                f"set {name}: none of the learned rows {list(learned_rows)} was evaluated in {list(map(str, folders))}"
+            )
         if any(row.get(MEMORY) is not None for row in rows):
             plot_metric(rows, "loss_ratio", path, x=MEMORY)
             parts.append(f"**{name}** (loss ratio against KV memory: `{path}`)")

@@ -41,12 +41,12 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import ArtifactError, write_text
-from foresight.eval.specs import REFERENCE, PolicySpec
+from foresight.data.tasks import AnswerRule, Problem, chat_prompt_ids, check_answer, extract_answer, stop_token_ids
 from foresight.eval.report import Column, markdown_table, set_interval, write_results
+from foresight.eval.specs import REFERENCE, PolicySpec
+from foresight.eval.stats import bootstrap_interval, pass_at_k
 from foresight.runtime.engine import EvictionEngine
 from foresight.runtime.sampling import REASONING_SAMPLING, SamplingConfig
-from foresight.eval.stats import bootstrap_interval, pass_at_k
-from foresight.data.tasks import AnswerRule, Problem, chat_prompt_ids, check_answer, extract_answer, stop_token_ids
 
 LOOP_MAX_PERIOD = 256  # longest repeated block looked for, in tokens
 LOOP_REPEATS = 3  # times the block must follow itself
@@ -143,7 +143,9 @@ class CompletionStore:
         wanted = settings.as_json()
         if settings_file.is_file():
             stored = json.loads(settings_file.read_text())
-            differing = [f"{key}={stored.get(key)!r}, not {value!r}" for key, value in wanted.items() if stored.get(key) != value]
+            differing = [
+                f"{key}={stored.get(key)!r}, not {value!r}" for key, value in wanted.items() if stored.get(key) != value
+            ]
             if differing:
                 raise ArtifactError(
                     f"the completions in {self.folder} were made with other settings ({'; '.join(differing)}); "
@@ -221,7 +223,11 @@ class BudgetPlan:
 def plan_jobs(specs: Sequence[PolicySpec], budgets: Sequence[int], interval: int) -> tuple[list[BudgetPlan], list[str]]:
     """A plan per budget, and notes on the policies left out (those that replay golden labels, a
     learned scorer at a budget it was not trained for)."""
-    notes = [f"{s.name}: skipped, it replays stored golden labels, which generation has none of" for s in specs if s.needs_labels]
+    notes = [
+        f"{s.name}: skipped, it replays stored golden labels, which generation has none of"
+        for s in specs
+        if s.needs_labels
+    ]
     evicting = [s for s in specs if s.evicts and not s.needs_labels]
     plans = []
     for budget in sorted(set(budgets)):
@@ -262,12 +268,20 @@ def generate_completions(
                     bar.set_postfix_str(job.label)
                     seeds = [row_seed(settings.seed, p.source, p.index, s) for p, s in todo]
                     output = job.engine(model).generate(
-                        [prompts[(p.source, p.index)] for p, _ in todo], settings.max_new_tokens, settings.sampling,
-                        eos_token_id=stops, pad_token_id=pad, row_seeds=seeds,
+                        [prompts[(p.source, p.index)] for p, _ in todo],
+                        settings.max_new_tokens,
+                        settings.sampling,
+                        eos_token_id=stops,
+                        pad_token_id=pad,
+                        row_seeds=seeds,
                     )
                     records = [
                         {
-                            "source": p.source, "problem": p.index, "sample": s, "seed": seed, "tokens": tokens,
+                            "source": p.source,
+                            "problem": p.index,
+                            "sample": s,
+                            "seed": seed,
+                            "tokens": tokens,
                             "text": tokenizer.decode(tokens, skip_special_tokens=True),
                             "hit_limit": len(tokens) == settings.max_new_tokens and tokens[-1] not in stops,
                         }
@@ -328,9 +342,7 @@ def summarize(problems: Sequence[Problem], plans: Sequence[BudgetPlan], store: C
 
 
 def _outcomes(store: CompletionStore, job: Job, problems: dict[tuple[str, int], Problem]) -> dict[RowKey, _Outcome]:
-    return {
-        key: _outcome(problems[key[:2]], record) for key, record in store.load(job).items() if key[:2] in problems
-    }
+    return {key: _outcome(problems[key[:2]], record) for key, record in store.load(job).items() if key[:2] in problems}
 
 
 def _row(policy: str, plan: BudgetPlan, per_problem: list[list[tuple[_Outcome, _Outcome]]], k: int) -> dict[str, Any]:
@@ -415,6 +427,12 @@ def write_generation_report(
     table) and a plot per figure of PLOTTED (budget on the x axis, intervals as error bars)."""
     by_source = markdown_table(source_rows, source_columns(samples))
     return write_results(
-        out_dir, "Accuracy under eviction", settings, notes, by_agreement(rows), columns(samples), PLOTTED,
+        out_dir,
+        "Accuracy under eviction",
+        settings,
+        notes,
+        by_agreement(rows),
+        columns(samples),
+        PLOTTED,
         after=[by_source],
     )

@@ -112,7 +112,8 @@ def headroom(
     traces = sorted(tables[ORACLE])
     tokens = [tables[ORACLE][i].tokens for i in traces]
     comparable = {  # every evicting policy scored on golden's tokens
-        policy: table for policy, table in tables.items()
+        policy: table
+        for policy, table in tables.items()
         if policy != REFERENCE and sorted(table) == traces and [table[i].tokens for i in traces] == tokens
     }
     heuristics = [p for p in comparable if p not in (ORACLE, learned, *other_learned)]
@@ -170,7 +171,11 @@ def paired_gain(
 
 
 def pooled_figure(
-    scores: Sequence[TraceScore], budget: int, policy: str, figure: str = "loss_ratio", seed: int = 0,
+    scores: Sequence[TraceScore],
+    budget: int,
+    policy: str,
+    figure: str = "loss_ratio",
+    seed: int = 0,
     resamples: int = RESAMPLES,
 ) -> Estimate | None:
     """`figure` of one policy at `budget`, pooled over its traces with a bootstrap interval (None: not scored)."""
@@ -221,7 +226,13 @@ def headroom_rows(result: Headroom) -> list[dict[str, Any]]:
         for p, estimate in table.items()
     ]
     rows += [
-        {"budget": result.budget, "policy": result.learned, "statistic": statistic, "against": against, **vars(estimate)}
+        {
+            "budget": result.budget,
+            "policy": result.learned,
+            "statistic": statistic,
+            "against": against,
+            **vars(estimate),
+        }
         for statistic, against, estimate in (
             ("headroom_share", result.best_heuristic, result.share),
             ("loss_ratio_gain", result.best_heuristic, result.ratio_gain),

@@ -21,7 +21,6 @@ from foresight.metrics import (
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.capture import eviction_attention, register_attention
 
-
 PROBE_ATTENTION = "foresight_eval_probe"
 
 
@@ -108,7 +107,9 @@ class AttentionProbe:
 
 def _probe_attention(module, query, key, value, attention_mask, eviction_cache=None, **kwargs):
     """The runtime's attention function, plus a report to the active probe (if any)."""
-    output, weights = eviction_attention(module, query, key, value, attention_mask, eviction_cache=eviction_cache, **kwargs)
+    output, weights = eviction_attention(
+        module, query, key, value, attention_mask, eviction_cache=eviction_cache, **kwargs
+    )
     probe = _ACTIVE_PROBE.get()
     if probe is not None:
         layer = eviction_cache.layers[module.layer_idx]

@@ -51,20 +51,18 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.cadence import check_budget, golden_prefill
+from foresight.data.trace_store import Trace
+from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
+from foresight.eval.results import EvaluationResult
+from foresight.eval.specs import REFERENCE, PolicySpec, ScorerSpec
+from foresight.eval.tally import TraceTally
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.models import describe
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.engine import EvictionEngine, ReplayOutput
 from foresight.runtime.prefix import ReplayPrefix
-from foresight.data.trace_store import Trace
-from foresight.eval.results import EvaluationResult
-from foresight.eval.specs import PolicySpec, ScorerSpec, REFERENCE
-from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
-from foresight.eval.tally import TraceTally
 
 REFERENCE_CHUNK = 256  # tokens per forward of the full-cache replay (bounds the [batch, chunk, vocab] logits)
-
-
 
 
 def evaluate(
@@ -94,10 +92,14 @@ def evaluate(
     notes: list[str] = []
     plans = []
     for budget in sorted(set(budgets)):
-        eligible = sorted((t for t in traces if t.input_ids.numel() >= budget + interval), key=lambda t: -t.input_ids.numel())
+        eligible = sorted(
+            (t for t in traces if t.input_ids.numel() >= budget + interval), key=lambda t: -t.input_ids.numel()
+        )
         short = len(traces) - len(eligible)
         if short:
-            notes.append(f"B={budget}: skipped {short} of {len(traces)} traces shorter than B + L = {budget + interval} tokens")
+            notes.append(
+                f"B={budget}: skipped {short} of {len(traces)} traces shorter than B + L = {budget + interval} tokens"
+            )
         store = None if labels_root is None else LabelStore(labels_root, budget, interval)
         batch_labels = _labels_for(store, eligible, budget, interval, notes)
         budget_specs = [s for s in specs if not (s.needs_labels and batch_labels is None)]
@@ -108,8 +110,10 @@ def evaluate(
         batches = [eligible[i : i + batch_size] for i in range(0, len(eligible), batch_size)]
         plans.append((budget, budget_specs, batches, batch_labels))
     total = sum(
-        _work(batch, budget, interval, spec) for budget, budget_specs, batches, _ in plans
-        for batch in batches for spec in _replayed(budget_specs)
+        _work(batch, budget, interval, spec)
+        for budget, budget_specs, batches, _ in plans
+        for batch in batches
+        for spec in _replayed(budget_specs)
     )
     rows, scores = [], []
     entry_bytes = describe(model).entry_bytes(next(model.parameters()).dtype)
@@ -118,7 +122,9 @@ def evaluate(
             tallies = {spec.name: TraceTally() for spec in budget_specs}
             for batch in batches:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
-                _evaluate_batch(model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix)
+                _evaluate_batch(
+                    model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix
+                )
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
                 | kv_memory(spec, budget, interval, tallies[spec.name].traces, entry_bytes)
@@ -127,7 +133,8 @@ def evaluate(
             notes += [
                 f"B={budget}: {row['policy']} never evicted on {row['never_evicted']} trace(s) (too short for its "
                 "cadence, e.g. after a protected prompt); its row leaves them out"
-                for spec, row in zip(budget_specs, budget_rows) if spec.evicts and row["never_evicted"]
+                for spec, row in zip(budget_specs, budget_rows)
+                if spec.evicts and row["never_evicted"]
             ]
             rows += budget_rows
             scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
@@ -144,7 +151,8 @@ def kv_memory(
     if not traces:
         return {"kv_entries": None, "kv_mib": None}
     peaks = [
-        t.input_ids.numel() if not spec.evicts
+        t.input_ids.numel()
+        if not spec.evicts
         else min(t.input_ids.numel(), budget + interval + (t.prompt_length if spec.protects_prompt else 0))
         for t in traces
     ]
@@ -235,7 +243,9 @@ def _tally_replay(
 ) -> TraceTally:
     """One replay of the batch under an evicting policy, scored against the full-cache `reference`."""
     num_layers = model.config.get_text_config().num_hidden_layers
-    probe = AttentionProbe([t.input_ids.numel() for t in batch], num_layers, reference=reference.outputs, schedule=schedule)
+    probe = AttentionProbe(
+        [t.input_ids.numel() for t in batch], num_layers, reference=reference.outputs, schedule=schedule
+    )
     output = _replay(model, spec, batch, budget, interval, labels, probe, bar, prefixes)
     tally = TraceTally(seconds=output.stats.forward_seconds + output.stats.eviction_seconds)
     for row, trace in enumerate(batch):
@@ -268,13 +278,16 @@ def _replay(
     prefix = None if prefixes is None else prefixes.setdefault(tuple(prefill), ReplayPrefix())
     with probe.active():
         return engine.replay(
-            [t.input_ids for t in batch], prefill, max_chunk=chunk, on_tokens=lambda n: bar.update(n * len(batch)),
+            [t.input_ids for t in batch],
+            prefill,
+            max_chunk=chunk,
+            on_tokens=lambda n: bar.update(n * len(batch)),
             prefix=prefix,
         )
 
 
 def _check_all_layers(counts: torch.Tensor, num_layers: int, policy: str) -> None:
     if bool((counts != num_layers).any()):
-        raise RuntimeError(f"{policy}: the attention probe missed layers of some tokens (model not routed through AttentionInterface?)")
-
-
+        raise RuntimeError(
+            f"{policy}: the attention probe missed layers of some tokens (model not routed through AttentionInterface?)"
+        )

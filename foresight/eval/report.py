@@ -48,7 +48,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) ->
     interval after it in brackets where the row has one."""
     header = "| " + " | ".join(title for _, title, _ in columns) + " |"
     rule = "|" + "|".join("---" if index == 0 else "---:" for index in range(len(columns))) + "|"
-    return "\n".join([header, rule, *("| " + " | ".join(_cell(row, key, fmt) for key, _, fmt in columns) + " |" for row in rows)])
+    return "\n".join(
+        [header, rule, *("| " + " | ".join(_cell(row, key, fmt) for key, _, fmt in columns) + " |" for row in rows)]
+    )
 
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
@@ -93,12 +95,29 @@ def write_results(
     write_text(paths[2], text)
     for metric in plotted:
         if any(row.get(metric) is not None for row in rows):
-            paths.append(plot_metric(rows, metric, out_dir / f"{metric}.png", reference, learned=learned,
-                                     higher_is_better=metric in higher_is_better))
+            paths.append(
+                plot_metric(
+                    rows,
+                    metric,
+                    out_dir / f"{metric}.png",
+                    reference,
+                    learned=learned,
+                    higher_is_better=metric in higher_is_better,
+                )
+            )
     for metric in by_memory:
         if any(row.get(metric) is not None and row.get(MEMORY) is not None for row in rows):
-            paths.append(plot_metric(rows, metric, out_dir / f"{metric}_by_memory.png", reference, x=MEMORY,
-                                     learned=learned, higher_is_better=metric in higher_is_better))
+            paths.append(
+                plot_metric(
+                    rows,
+                    metric,
+                    out_dir / f"{metric}_by_memory.png",
+                    reference,
+                    x=MEMORY,
+                    learned=learned,
+                    higher_is_better=metric in higher_is_better,
+                )
+            )
     return paths
 
 
@@ -142,7 +161,8 @@ def plot_metric(
     for policy in dict.fromkeys(row["policy"] for row in rows):
         points = sorted(
             (r[x], r[metric], r.get(low_key), r.get(high_key))
-            for r in rows if r["policy"] == policy and r[metric] is not None and r.get(x) is not None
+            for r in rows
+            if r["policy"] == policy and r[metric] is not None and r.get(x) is not None
         )
         if points:
             curves[policy] = points
@@ -174,7 +194,9 @@ def plot_metric(
     axes.set_ylabel(name)
     axes.grid(alpha=0.3)
     handles = dict(zip(*reversed(axes.get_legend_handles_labels())))  # label -> handle, in the order drawn
-    axes.legend([handles[p] for p in curves], list(curves), fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    axes.legend(
+        [handles[p] for p in curves], list(curves), fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5)
+    )
     figure.tight_layout(rect=(0, 0.08 if learned else 0, 1, 1))
     with atomic_file(path) as temporary:
         figure.savefig(temporary, dpi=120, format="png")
@@ -200,7 +222,9 @@ def _emphasis(
     if oracle in curves:
         styles[oracle] = dict(color=ORACLE_COLOUR, linewidth=2.2, linestyle=":", zorder=4)
     for index, policy in enumerate(p for p in learned if p in curves):
-        styles[policy] = dict(color=LEARNED_COLOURS[index % len(LEARNED_COLOURS)], linewidth=2.6, zorder=5, markersize=8)
+        styles[policy] = dict(
+            color=LEARNED_COLOURS[index % len(LEARNED_COLOURS)], linewidth=2.6, zorder=5, markersize=8
+        )
     others = [p for p in curves if p not in styles]
     sign = -1 if higher_is_better else 1
     ranked = sorted(others, key=lambda p: sign * sum(point[1] for point in curves[p]) / len(curves[p]))

@@ -1,5 +1,4 @@
-"""The teacher-forced evaluation's report: its columns, table, files and the learned scorers' headroom.
-"""
+"""The teacher-forced evaluation's report: its columns, table, files and the learned scorers' headroom."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
 
 from foresight.artifacts import write_text
 from foresight.eval.headroom import Headroom, TraceScore, headroom, headroom_rows
@@ -61,8 +59,17 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
     comparisons = learned_headroom(result)
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
     paths = write_results(
-        out_dir, "Teacher-forced evaluation", settings, result.notes, by_loss_ratio(result.rows), COLUMNS, PLOTTED,
-        reference=REFERENCE.name, after=sections, by_memory=BY_MEMORY, learned=result.learned,
+        out_dir,
+        "Teacher-forced evaluation",
+        settings,
+        result.notes,
+        by_loss_ratio(result.rows),
+        COLUMNS,
+        PLOTTED,
+        reference=REFERENCE.name,
+        after=sections,
+        by_memory=BY_MEMORY,
+        learned=result.learned,
         higher_is_better=[m.name for m in METRICS if m.higher_is_better],
     )
     paths.append(Path(out_dir) / "traces.json")

@@ -52,7 +52,8 @@ class PolicySpec:
         """Required constructor arguments that neither eval (golden's labels) nor the options give."""
         given = {key for key, _ in self.options}
         return [
-            f.name for f in fields(self.policy_class)
+            f.name
+            for f in fields(self.policy_class)
             if f.init and f.default is f.default_factory is MISSING and f.name != "labels" and f.name not in given
         ]
 
@@ -167,7 +168,11 @@ class SampledScorerSpec(ScorerSpec):
             raise ValueError(f"{self.name}: build one seed's replay (`replays`) of a batch of known traces")
         row_seeds = tuple(trace_seed(self.seeds[0], index) for index in trace_indices)
         return make_policy(
-            "foresight", scorer=self.scorer, mode="sampled", temperature=self.temperature, row_seeds=row_seeds,
+            "foresight",
+            scorer=self.scorer,
+            mode="sampled",
+            temperature=self.temperature,
+            row_seeds=row_seeds,
             record=False,
         )
 
@@ -277,9 +282,7 @@ ROW_OPTIONS_HELP = (
 )
 
 
-def policy_specs(
-    policies: str, scorers: list[str], options: Sequence[str] = ()
-) -> tuple[list[PolicySpec], list[str]]:
+def policy_specs(policies: str, scorers: list[str], options: Sequence[str] = ()) -> tuple[list[PolicySpec], list[str]]:
     """Specs and notes of --policies and its -o ROW.KEY=VALUE options; the learned `foresight` policy
     comes from the --scorer folders."""
     names = [name.strip() for name in policies.split(",")]
@@ -291,7 +294,9 @@ def policy_specs(
         return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
     others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
     if row_options and not others.strip(","):
-        raise ValueError(f"-o {next(iter(row_options))}...: --policies names no heuristic to take options (a --scorer row takes none)")
+        raise ValueError(
+            f"-o {next(iter(row_options))}...: --policies names no heuristic to take options (a --scorer row takes none)"
+        )
     specs, notes = resolve_policies(others, row_options) if others.strip(",") else ([], [])
     notes = [note for note in notes if not note.startswith("foresight:")]
     specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]

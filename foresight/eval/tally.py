@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from foresight.data.trace_store import Trace
 from foresight.eval.headroom import TraceScore
 from foresight.eval.metric_registry import METRICS, SUM, SUMS, Part, ScoredTrace
 from foresight.eval.report import set_interval
 from foresight.eval.stats import bootstrap_interval
 from foresight.metrics import scored_tokens
-from foresight.data.trace_store import Trace
 
 _TRACE_SCORE_SUMS = tuple(f.name for f in fields(TraceScore))[4:]
 """The sums `TraceScore` keeps per trace (after policy, budget, index and source)."""
@@ -49,8 +49,12 @@ class TraceTally:
             self.never_evicted += 1
             return
         tokens = ScoredTrace(
-            trace, nll[scored], trace.token_nll[scored], trace.token_entropy[scored],
-            torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored], *overlap,
+            trace,
+            nll[scored],
+            trace.token_nll[scored],
+            trace.token_entropy[scored],
+            torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored],
+            *overlap,
         )
         self.parts.append({s.name: s.part(tokens) for s in SUMS})
         self.traces.append(trace)
@@ -90,7 +94,9 @@ class TraceTally:
     def trace_scores(self, policy: str, budget: int) -> list[TraceScore]:
         """Each scored trace's sums, for intervals over traces (`foresight.eval.headroom`)."""
         sums = zip(*(self.sums(name) for name in _TRACE_SCORE_SUMS))
-        return [TraceScore(policy, budget, trace.index, trace.source, *values) for trace, values in zip(self.traces, sums)]
+        return [
+            TraceScore(policy, budget, trace.index, trace.source, *values) for trace, values in zip(self.traces, sums)
+        ]
 
     def row(self, policy: str, budget: int, interval: int, overlap: bool) -> dict[str, Any]:
         """The result row: every metric of `METRICS` pooled over the scored traces (None where undefined:
@@ -98,7 +104,13 @@ class TraceTally:
         everything), then each one's interval over traces."""
         pooled = {s.name: s.pooled([parts[s.name] for parts in self.parts]) for s in SUMS}
         tokens = pooled["tokens"]
-        row: dict[str, Any] = {"policy": policy, "budget": budget, "interval": interval, "traces": len(self.parts), "tokens": tokens}
+        row: dict[str, Any] = {
+            "policy": policy,
+            "budget": budget,
+            "interval": interval,
+            "traces": len(self.parts),
+            "tokens": tokens,
+        }
         for metric in METRICS:
             undefined = (metric.denominator is not None and not tokens) or (metric.golden and not overlap)
             row[metric.name] = None if undefined else metric.value(pooled)

@@ -21,8 +21,8 @@ import torch
 
 from foresight.masked import masked_moments
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
+from foresight.runtime.policy import EvictionContext, Policy
 
 Z_EPSILON = 1e-6
 

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.choices import Choice
-from foresight.scorer.attention_features import FeatureSet, attention_features
 from foresight.models import ModelShape
 from foresight.policies import register
+from foresight.runtime.cache import StateField
 from foresight.runtime.capture import block_attention, logits_budget
 from foresight.runtime.policy import EvictionContext, Policy
-from foresight.runtime.cache import StateField
-from foresight.scorer.model import ForesightScorer, load_scorer
-from foresight.scorer.eviction_sampling import EvictionDraw, check_temperature, draw_eviction, plackett_luce_logprob
 from foresight.scorer import standardised_features as standardised
+from foresight.scorer.attention_features import FeatureSet, attention_features
+from foresight.scorer.eviction_sampling import EvictionDraw, check_temperature, draw_eviction, plackett_luce_logprob
+from foresight.scorer.model import ForesightScorer, load_scorer
 
 CUMULATIVE = "cumulative"
 DECAYED = "decayed"
@@ -44,7 +44,12 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
     compute features from the same block attention and state in the same way, the standardised set's
     standardisation over the valid candidates included."""
     return _features(
-        context.attention, context.state, context.positions, context.query_positions, context.num_candidates, feature_set
+        context.attention,
+        context.state,
+        context.positions,
+        context.query_positions,
+        context.num_candidates,
+        feature_set,
     )
 
 
@@ -59,7 +64,9 @@ def _features(
     """`observe_features` of block attention [batch, Hkv, G, l, N]; every batch row on its own."""
     candidates = slice(0, num_candidates)
     if FeatureSet.parse(feature_set).standardised:
-        features, new_state = standardised.standardised_features(attention, state, positions, query_positions, feature_set)
+        features, new_state = standardised.standardised_features(
+            attention, state, positions, query_positions, feature_set
+        )
         valid = positions[..., candidates] >= 0
         return standardised.standardise_candidates(features[..., candidates, :], valid), new_state
     features, cumulative, decayed = attention_features(attention, state[CUMULATIVE], state[DECAYED], feature_set)
@@ -159,7 +166,9 @@ class Foresight(Policy):
         if isinstance(self.scorer, (str, os.PathLike)):
             self.scorer = load_scorer(self.scorer)
         if not isinstance(self.scorer, ForesightScorer):
-            raise ValueError(f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}")
+            raise ValueError(
+                f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}"
+            )
         self.mode = EvictionMode.parse(self.mode).value
         check_temperature(self.temperature)
         if self.row_seeds is not None:
@@ -168,7 +177,9 @@ class Foresight(Policy):
             self.sampled_layers = tuple(sorted({int(layer) for layer in self.sampled_layers}))
             layers = self.scorer.config.num_layers
             if not self.sampled_layers or not all(0 <= layer < layers for layer in self.sampled_layers):
-                raise ValueError(f"sampled_layers must name some of the layers 0..{layers - 1}, got {self.sampled_layers}")
+                raise ValueError(
+                    f"sampled_layers must name some of the layers 0..{layers - 1}, got {self.sampled_layers}"
+                )
 
     @property
     def state_fields(self) -> tuple[StateField, ...]:
@@ -195,7 +206,9 @@ class Foresight(Policy):
         self._steps = state["steps"]
         generators, device = state["generators"], state["generator_device"]
         if isinstance(generators, torch.Tensor):
-            self._generator = [torch.Generator(device=device).set_state(row.clone()) for row in generators]  # not a view: set_state reads its storage from 0
+            self._generator = [
+                torch.Generator(device=device).set_state(row.clone()) for row in generators
+            ]  # not a view: set_state reads its storage from 0
         elif generators is not None:
             self._generator = torch.Generator(device=device).set_state(generators[0])
         else:
@@ -221,9 +234,7 @@ class Foresight(Policy):
             self._steps += 1
         return states
 
-    def _layer_features(
-        self, contexts: Sequence[EvictionContext]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _layer_features(self, contexts: Sequence[EvictionContext]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`observe_features` of the layers [layers, batch, ...], as the rows of one batch; a lone layer's
         from its context's own block attention (`EvictionContext.attention`, computed once)."""
         feature_set = self.scorer.config.feature_set
@@ -237,7 +248,9 @@ class Foresight(Policy):
         positions, query_positions = rows("positions"), rows("query_positions")
         attention = block_attention(rows("queries"), query_positions, rows("keys"), positions, contexts[0].scaling)
         state = {name: torch.cat([context.state[name] for context in contexts]) for name in contexts[0].state}
-        features, state = _features(attention, state, positions, query_positions, contexts[0].num_candidates, feature_set)
+        features, state = _features(
+            attention, state, positions, query_positions, contexts[0].num_candidates, feature_set
+        )
         return features.unflatten(0, (len(contexts), -1)), {
             name: value.unflatten(0, (len(contexts), -1)) for name, value in state.items()
         }
@@ -274,7 +287,9 @@ class Foresight(Policy):
         """Eq. 2: draw L evictions among the 2L lowest; keep scores 1, sampled entries 0 ([layers, ...] all).
         Layers outside `sampled_layers` keep their scores, so the engine evicts their L lowest."""
         layers = [context.layer_idx for context in contexts]
-        picked = [index for index, layer in enumerate(layers) if self.sampled_layers is None or layer in self.sampled_layers]
+        picked = [
+            index for index, layer in enumerate(layers) if self.sampled_layers is None or layer in self.sampled_layers
+        ]
         if not picked:
             return scores
         positions = torch.stack([context.candidate_positions for context in contexts])
@@ -292,8 +307,12 @@ class Foresight(Policy):
             inputs = [_pooled(tensor, draw.pool) for tensor in (positions, keys, values, features, eligible)]
             self.records.extend(
                 SampledEviction(
-                    contexts[at].layer_idx, contexts[at].query_positions, *(tensor[index] for tensor in inputs),
-                    order=draw.picks[index], logprob=draw.logprob[index], temperature=self.temperature,
+                    contexts[at].layer_idx,
+                    contexts[at].query_positions,
+                    *(tensor[index] for tensor in inputs),
+                    order=draw.picks[index],
+                    logprob=draw.logprob[index],
+                    temperature=self.temperature,
                 )
                 for index, at in enumerate(picked)
             )
@@ -306,7 +325,9 @@ class Foresight(Policy):
         """`draw_eviction` over [layers, batch, ...]; per-row generators index the batch dim."""
         interval = self.scorer.config.interval
         if isinstance(self._generator, list):
-            draw = draw_eviction(scores.transpose(0, 1), interval, self._generator, eligible.transpose(0, 1), self.temperature)
+            draw = draw_eviction(
+                scores.transpose(0, 1), interval, self._generator, eligible.transpose(0, 1), self.temperature
+            )
             return draw.transpose(0, 1)
         return draw_eviction(scores, interval, self._generator, eligible, self.temperature)
 

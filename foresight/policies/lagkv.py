@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext, Policy
 from foresight.runtime.cache import StateField
+from foresight.runtime.policy import EvictionContext, Policy
 
 RANGE_EPSILON = 1e-6
 UNSCORED = float("nan")
@@ -101,9 +101,7 @@ class LagKV(Policy):
         lag = interval if self.lag_size is None else self.lag_size
         if lag > interval:
             raise ValueError(f"lagkv lag_size={lag} must be at most the interval L={interval}")
-        ranks = lagkv_chunk_ranks(
-            context.keys, context.values, context.positions >= 0, context.num_candidates, lag
-        )
+        ranks = lagkv_chunk_ranks(context.keys, context.values, context.positions >= 0, context.num_candidates, lag)
         frozen = context.state["lagkv_rank"]
         candidates = frozen[..., : context.num_candidates]
         scored = torch.where(candidates.isnan(), ranks, candidates)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.policies.raas import NO_HIT, attention_hits, hit_times
 from foresight.runtime.cache import StateField
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 
 MRI_EPSILON = 1e-5
 

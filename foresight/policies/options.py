@@ -74,7 +74,9 @@ def describe_type(annotation: Any) -> str:
 
 def _text_types(annotation: Any) -> list[Any]:
     """The members of `annotation` (a union or a single type) that can be read from text."""
-    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    members = (
+        typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    )
     return [kind for kind in members if _readable(kind)]
 
 

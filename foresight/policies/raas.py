@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.runtime.cache import StateField
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 
 NO_HIT = float("-inf")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from foresight.policies import register
-from foresight.runtime.policy import EvictionContext
 from foresight.policies.snapkv import SnapKV, masked_softmax
+from foresight.runtime.policy import EvictionContext
 
 NORM_EPSILON = 1e-8  # R-KV Eq. 5
 

@@ -68,8 +68,12 @@ class TriAttentionStats:
 
     def to(self, device: torch.device | str) -> TriAttentionStats:
         """The same stats with their tensors on `device` (moved once, not at every eviction step)."""
-        return replace(self, q_mean=self.q_mean.to(device), q_abs_mean=self.q_abs_mean.to(device),
-                       inv_freq=self.inv_freq.to(device))
+        return replace(
+            self,
+            q_mean=self.q_mean.to(device),
+            q_abs_mean=self.q_abs_mean.to(device),
+            inv_freq=self.inv_freq.to(device),
+        )
 
     def identity(self) -> dict[str, str]:
         """What the safetensors metadata repeats of config.json."""
@@ -78,11 +82,21 @@ class TriAttentionStats:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write (or replace) config.json and model.safetensors in `folder`, each file atomically."""
         folder = Path(folder)
-        tensors = {"q_mean_real": self.q_mean.real, "q_mean_imag": self.q_mean.imag, "q_abs_mean": self.q_abs_mean,
-                   "inv_freq": self.inv_freq}
+        tensors = {
+            "q_mean_real": self.q_mean.real,
+            "q_mean_imag": self.q_mean.imag,
+            "q_abs_mean": self.q_abs_mean,
+            "inv_freq": self.inv_freq,
+        }
         save_tensors(folder / WEIGHTS, {k: v.float().contiguous() for k, v in tensors.items()}, self.identity())
-        config = {"format": FORMAT, "model": self.model, **vars(self.shape), "rope_scale": self.rope_scale,
-                  "tokens": self.tokens, "source": self.source}
+        config = {
+            "format": FORMAT,
+            "model": self.model,
+            **vars(self.shape),
+            "rope_scale": self.rope_scale,
+            "tokens": self.tokens,
+            "source": self.source,
+        }
         write_text(folder / CONFIG, json.dumps(config, indent=2) + "\n")
         return folder
 
@@ -94,12 +108,21 @@ def load_stats(folder: str | os.PathLike) -> TriAttentionStats:
         raise ValueError(f"{folder} is not a TriAttention stats folder (no {CONFIG}); make one with {REMAKE}")
     config = json.loads((folder / CONFIG).read_text())
     if config.get("format") != FORMAT:
-        raise ValueError(f"{folder / CONFIG} is not {FORMAT} (format {config.get('format')!r}); make it again with {REMAKE}")
+        raise ValueError(
+            f"{folder / CONFIG} is not {FORMAT} (format {config.get('format')!r}); make it again with {REMAKE}"
+        )
     shape = ModelShape(**{name: config[name] for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim")})
     metadata, tensors = read_tensors(folder / WEIGHTS, REMAKE)
-    stats = TriAttentionStats(config["model"], shape, torch.complex(tensors["q_mean_real"], tensors["q_mean_imag"]),
-                              tensors["q_abs_mean"], tensors["inv_freq"], config["rope_scale"], config["tokens"],
-                              config.get("source", ""))
+    stats = TriAttentionStats(
+        config["model"],
+        shape,
+        torch.complex(tensors["q_mean_real"], tensors["q_mean_imag"]),
+        tensors["q_abs_mean"],
+        tensors["inv_freq"],
+        config["rope_scale"],
+        config["tokens"],
+        config.get("source", ""),
+    )
     check_metadata(folder / WEIGHTS, metadata, stats.identity(), REMAKE)
     return stats
 
@@ -117,8 +140,10 @@ class QueryMoments:
         self.rotary = model.base_model.rotary_emb
         self.scale = float(getattr(self.rotary, "attention_scaling", 1.0))
         if self.rotary.inv_freq.numel() * 2 != self.shape.head_dim:
-            raise ValueError(f"TriAttention needs RoPE over the whole head dim ({self.shape.head_dim}); this model rotates "
-                             f"{self.rotary.inv_freq.numel() * 2} dims")
+            raise ValueError(
+                f"TriAttention needs RoPE over the whole head dim ({self.shape.head_dim}); this model rotates "
+                f"{self.rotary.inv_freq.numel() * 2} dims"
+            )
         bands = (self.shape.num_layers, self.shape.num_query_heads, self.shape.head_dim // 2)
         self.sums = {name: torch.zeros(bands, dtype=torch.float64) for name in ("real", "imag", "abs")}
         self.tokens = 0
@@ -139,12 +164,30 @@ class QueryMoments:
         if self.tokens == 0:
             raise ValueError("no tokens to calibrate TriAttention on")
         mean = {name: (total / self.tokens).float() for name, total in self.sums.items()}
-        return TriAttentionStats(model, self.shape, torch.complex(mean["real"], mean["imag"]), mean["abs"],
-                                 self.rotary.inv_freq.float().cpu(), self.scale, self.tokens, source)
+        return TriAttentionStats(
+            model,
+            self.shape,
+            torch.complex(mean["real"], mean["imag"]),
+            mean["abs"],
+            self.rotary.inv_freq.float().cpu(),
+            self.scale,
+            self.tokens,
+            source,
+        )
 
 
-def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, *,
-                       triattention_moments: QueryMoments, **kwargs):
+def _capture_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    *,
+    triattention_moments: QueryMoments,
+    **kwargs,
+):
     """Attention function for AttentionInterface: add the queries to the moments, compute the output with SDPA."""
     triattention_moments.add(module.layer_idx, query, key.shape[-2])
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -154,8 +197,14 @@ register_attention(CAPTURE_ATTENTION, _capture_attention, full_cache=True)
 
 
 @torch.no_grad()
-def calibrate(model: PreTrainedModel, sequences: Iterable[torch.Tensor], *, model_name: str | None = None,
-              source: str = "", chunk_size: int = 256) -> TriAttentionStats:
+def calibrate(
+    model: PreTrainedModel,
+    sequences: Iterable[torch.Tensor],
+    *,
+    model_name: str | None = None,
+    source: str = "",
+    chunk_size: int = 256,
+) -> TriAttentionStats:
     """TriAttention stats of `model` over token sequences (1-D ids), each teacher-forced with the full
     cache in chunks of `chunk_size` tokens (which only bounds working memory)."""
     moments = QueryMoments(model)
@@ -163,6 +212,11 @@ def calibrate(model: PreTrainedModel, sequences: Iterable[torch.Tensor], *, mode
         for ids in sequences:
             cache = DynamicCache(config=model.config)
             for chunk in ids.to(model.device).split(chunk_size):
-                model(input_ids=chunk[None], **cache_argument(model, cache), use_cache=True, logits_to_keep=1,
-                      triattention_moments=moments)
+                model(
+                    input_ids=chunk[None],
+                    **cache_argument(model, cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    triattention_moments=moments,
+                )
     return moments.stats(model.config.name_or_path if model_name is None else model_name, source)

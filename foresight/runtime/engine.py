@@ -30,9 +30,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
-from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.cache import EvictionCache, EvictionLayer
-from foresight.runtime.capture import attention_implementation, ATTENTION_NAME
+from foresight.runtime.capture import ATTENTION_NAME, attention_implementation
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
 
@@ -161,7 +161,9 @@ class Replay:
     branch groups, `trainers.branches`)."""
 
     run: _Run
-    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # the prompts' ids, positions, valid counts; None once fed
+    prefill: (
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    )  # the prompts' ids, positions, valid counts; None once fed
     layout: torch.Tensor  # [batch, prompt width + rest + 1]: left-padded prompts, the rest, one pad (the targets)
     rest: torch.Tensor  # [batch, longest rest]: each row's tokens after its prompt, right-padded
     prompt_lengths: list[int]
@@ -222,7 +224,9 @@ class Replay:
             for prompt, length in zip(self.prompt_lengths, self.sequence_lengths)
         ]
         first = [int(v) if v >= 0 else None for v in self.run.first_eviction.tolist()]
-        return ReplayOutput(nll=[nll[row, span].cpu() for row, span in enumerate(spans)], first_eviction=first, stats=self.run.stats)
+        return ReplayOutput(
+            nll=[nll[row, span].cpu() for row, span in enumerate(spans)], first_eviction=first, stats=self.run.stats
+        )
 
 
 class EvictionEngine:
@@ -289,8 +293,12 @@ class EvictionEngine:
                 prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
             )
 
-    def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds):
-        run, input_ids, positions, valid = self._start(prompts, pad_token_id, max(max_new_tokens - 1, 0))  # the last token is never fed
+    def _generate(
+        self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
+    ):
+        run, input_ids, positions, valid = self._start(
+            prompts, pad_token_id, max(max_new_tokens - 1, 0)
+        )  # the last token is never fed
         logits = self._forward(run, input_ids, positions, valid, [len(prompt) for prompt in prompts])[:, -1]
         processors = logits_processors(sampling)
         seeds = [sampling.seed] if row_seeds is None else row_seeds
@@ -405,7 +413,9 @@ class EvictionEngine:
             input_ids, positions, valid = replay.prefill
             targets = replay.layout[:, 1 : replay.prompt_width + 1]
             prefill = list(replay.prompt_lengths)
-            replay.columns.append(self._replay_forward(run, input_ids, positions, valid, prefill, targets, replay.forwards))
+            replay.columns.append(
+                self._replay_forward(run, input_ids, positions, valid, prefill, targets, replay.forwards)
+            )
             replay.prefill = None
             if self._pause(replay, stop_before_step, stop=tokens is not None and left == 0):
                 return
@@ -559,8 +569,13 @@ class EvictionEngine:
         for layer_idx, decoder_layer in enumerate(self.model.get_decoder().layers):
             keys, values = run.cache.update(recorded.keys[layer_idx], recorded.values[layer_idx], layer_idx)
             attention(
-                decoder_layer.self_attn, recorded.queries[layer_idx], keys, values, None,
-                scaling=recorded.scaling[layer_idx], eviction_cache=run.cache,
+                decoder_layer.self_attn,
+                recorded.queries[layer_idx],
+                keys,
+                values,
+                None,
+                scaling=recorded.scaling[layer_idx],
+                eviction_cache=run.cache,
             )
 
     def _install_taps(self) -> list:
@@ -601,7 +616,9 @@ class EvictionEngine:
         if evicting:
             due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
             rows = None if all(due_rows) else due.nonzero().squeeze(1)  # a ragged step reads its rows once
-            candidates = [length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
+            candidates = [
+                length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts
+            ]
             width = run.cadence.evict(due_rows)
             layers = run.cache.layers
             contexts = [self._context(index, layer, rows, tuple(candidates)) for index, layer in enumerate(layers)]
@@ -678,9 +695,7 @@ class EvictionEngine:
             return tensor if rows is None else tensor[rows]
 
         scores = scores.float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
-        protected = (candidates >= 0) & (
-            (candidates < run.sinks) | (candidates < select(run.protected)[:, None, None])
-        )
+        protected = (candidates >= 0) & ((candidates < run.sinks) | (candidates < select(run.protected)[:, None, None]))
         scores = scores.masked_fill(protected, float("inf")).masked_fill(candidates < 0, float("-inf"))
         keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
         recent = torch.ones_like(keep_candidates[..., : self.config.interval])

@@ -15,8 +15,25 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 READS = frozenset(
-    {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "equal", "allclose",
-     "is_nonzero", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "repeat_interleave"}
+    {
+        "item",
+        "tolist",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "cpu",
+        "numpy",
+        "equal",
+        "allclose",
+        "is_nonzero",
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "repeat_interleave",
+    }
 )
 """Tensor functions that bring a device value to the host, or size their output from one."""
 MASKED = frozenset({"__getitem__", "__setitem__"})

@@ -40,7 +40,10 @@ class ObservedQueries(str, Enum):
 def select_state_rows(state: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
     """A policy's `run_state` for batch rows `rows` [R] (repeats allowed): tensors indexed along dim 0 (a copy),
     every other value shared."""
-    return {name: value[rows.to(value.device)] if isinstance(value, torch.Tensor) else value for name, value in state.items()}
+    return {
+        name: value[rows.to(value.device)] if isinstance(value, torch.Tensor) else value
+        for name, value in state.items()
+    }
 
 
 _OBSERVED_IN_WORDS = {

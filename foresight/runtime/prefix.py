@@ -37,10 +37,14 @@ class RecordedForward:
     scaling: list[float | None] = field(default_factory=list)
     nll: torch.Tensor | None = None  # [batch, q]
 
-    def add(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> None:
+    def add(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    ) -> None:
         """Called by the attention function with the layer's whole cache: the new entries are its last q slots."""
         if layer_idx != len(self.queries):
-            raise RuntimeError(f"layers must be recorded in order: got layer {layer_idx} after {len(self.queries)} layers")
+            raise RuntimeError(
+                f"layers must be recorded in order: got layer {layer_idx} after {len(self.queries)} layers"
+            )
         new = query.shape[2]
         self.queries.append(query.clone())
         self.keys.append(key[:, :, -new:].clone())
@@ -66,9 +70,14 @@ class RecordedForward:
             return _repeat_rows(tensor, rows)
 
         return RecordedForward(
-            repeat(self.input_ids), repeat(self.positions), repeat(self.valid),
-            [repeat(q) for q in self.queries], [repeat(k) for k in self.keys], [repeat(v) for v in self.values],
-            self.scaling, None if self.nll is None else repeat(self.nll),
+            repeat(self.input_ids),
+            repeat(self.positions),
+            repeat(self.valid),
+            [repeat(q) for q in self.queries],
+            [repeat(k) for k in self.keys],
+            [repeat(v) for v in self.values],
+            self.scaling,
+            None if self.nll is None else repeat(self.nll),
         )
 
 

@@ -44,7 +44,6 @@ class Draws(Choice):
         return cls.GENERATOR if temperature == 0 else chosen
 
 
-
 @dataclass(frozen=True)
 class SamplingConfig:
     """Decoding settings: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""

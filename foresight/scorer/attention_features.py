@@ -82,10 +82,27 @@ class FeatureSet(Choice):
 FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.PAPER: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed"),
     FeatureSet.OFFICIAL_8: ("max", "min", "block", "last_16", "last_8", "last_32", "cumulative", "decayed"),
-    FeatureSet.POOLED: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed", "pooled_last_8", "pooled_last_L"),
+    FeatureSet.POOLED: (
+        "last_8",
+        "last_16",
+        "last_32",
+        "last_L",
+        "cumulative",
+        "decayed",
+        "pooled_last_8",
+        "pooled_last_L",
+    ),
     FeatureSet.STANDARDISED: ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age"),
     FeatureSet.STANDARDISED_HEURISTIC: (
-        "last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age", "last_1", "pooled_last_8",
+        "last_8",
+        "last_16",
+        "last_32",
+        "recent_128",
+        "decayed",
+        "cumulative_rate",
+        "log_age",
+        "last_1",
+        "pooled_last_8",
     ),
 }
 """Per-query-head feature order of each set (see the module docstring)."""
@@ -112,9 +129,7 @@ def check_state(block_attention: torch.Tensor, states: dict[str, torch.Tensor], 
     """One-line errors unless block_attention is [batch, Hkv, G, L, N] and every state is [batch, Hkv, N, G]
     ([batch, Hkv, N] when not `per_query_head`)."""
     if block_attention.dim() != 5:
-        raise ValueError(
-            f"block attention must be [batch, Hkv, G, L, N], got shape {tuple(block_attention.shape)}"
-        )
+        raise ValueError(f"block attention must be [batch, Hkv, G, L, N], got shape {tuple(block_attention.shape)}")
     batch, kv_heads, group, _, entries = block_attention.shape
     expected = (batch, kv_heads, entries, group)[: 4 if per_query_head else 3]
     layout = "[batch, Hkv, N, G]" if per_query_head else "[batch, Hkv, N]"

@@ -16,8 +16,17 @@ import torch
 
 from foresight.scorer.model import ForesightScorer
 
-SHARED_FIELDS = ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "budget", "interval", "feature_set",
-                 "key_values", "base_model")
+SHARED_FIELDS = (
+    "num_layers",
+    "num_query_heads",
+    "num_kv_heads",
+    "head_dim",
+    "budget",
+    "interval",
+    "feature_set",
+    "key_values",
+    "base_model",
+)
 """What the members must agree on: the model, the cadence and the inputs they read."""
 
 
@@ -30,8 +39,12 @@ def ensemble(scorers: Sequence[ForesightScorer]) -> ForesightScorer:
     for index, scorer in enumerate(scorers[1:], start=1):
         differing = [name for name in SHARED_FIELDS if getattr(scorer.config, name) != getattr(first, name)]
         if differing:
-            pairs = ", ".join(f"{name} {_shown(first, name)!r} vs {_shown(scorer.config, name)!r}" for name in differing)
-            raise ValueError(f"scorer {index} does not fit scorer 0 ({pairs}): an ensemble's members read the same inputs")
+            pairs = ", ".join(
+                f"{name} {_shown(first, name)!r} vs {_shown(scorer.config, name)!r}" for name in differing
+            )
+            raise ValueError(
+                f"scorer {index} does not fit scorer 0 ({pairs}): an ensemble's members read the same inputs"
+            )
     sources = sorted({source for scorer in scorers for source in scorer.config.training_sources})
     config = dataclasses.replace(
         first, hidden=sum(scorer.config.hidden for scorer in scorers), training_sources=sources

@@ -106,7 +106,9 @@ class EvictionDraw:
     logprob: torch.Tensor
 
     def transpose(self, dim0: int, dim1: int) -> EvictionDraw:
-        return EvictionDraw(*(tensor.transpose(dim0, dim1) for tensor in (self.pool, self.picks, self.order, self.logprob)))
+        return EvictionDraw(
+            *(tensor.transpose(dim0, dim1) for tensor in (self.pool, self.picks, self.order, self.logprob))
+        )
 
 
 def draw_eviction(

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Protocol
 
 import safetensors.torch
-from safetensors import SafetensorError
 import torch
 from huggingface_hub import PyTorchModelHubMixin, constants, hf_hub_download
 from huggingface_hub.errors import HFValidationError
+from safetensors import SafetensorError
 from torch import nn
 
 from foresight.cadence import check_budget
@@ -179,9 +179,7 @@ class ForesightScorer(
                 f"({describe_shape(shape)})"
             )
 
-    def score_layer(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor
-    ) -> torch.Tensor:
+    def score_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """KEEP scores of one layer's entries: keys, values [batch, Hkv, N, D], features [batch, Hkv, N, F*G]
         -> [batch, Hkv, N] (inference)."""
         self._check_inputs(keys, values, features, leading=1)
@@ -216,7 +214,9 @@ class ForesightScorer(
         if layers is None:
             return self._mlp([keys, values, features], slice(None))
         if not all(0 <= layer < self.config.num_layers for layer in layers):
-            raise ValueError(f"layers {list(layers)} out of range: the scorer has layers 0..{self.config.num_layers - 1}")
+            raise ValueError(
+                f"layers {list(layers)} out of range: the scorer has layers 0..{self.config.num_layers - 1}"
+            )
         return self._mlp([keys, values, features], torch.tensor(list(layers), device=self.w1.device))
 
     def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor, leading: int) -> None:
@@ -337,7 +337,9 @@ def read_scorer_config(config_file: Path) -> ScorerConfig:
     if missing or unknown:
         kind = f"format {values['format']!r}" if "format" in values else f"fields {', '.join(sorted(values)) or 'none'}"
         expected = ", ".join(_required_fields()) + (f", not {', '.join(unknown)}" if unknown else "")
-        raise ValueError(f"{config_file} is not a scorer's config ({kind}): a scorer's config holds {expected}; {_WRITERS}")
+        raise ValueError(
+            f"{config_file} is not a scorer's config ({kind}): a scorer's config holds {expected}; {_WRITERS}"
+        )
     try:
         return ScorerConfig(**values)
     except ValueError as error:
