@@ -4,7 +4,7 @@ kvpress is not a dependency of this project and pins another transformers, so it
 environment (scripts/crosscheck.sh makes .venv-kvpress). `KvpressDecoder` starts this module there
 as a worker (`python -m foresight.bench.kvpress_worker CONFIG`) that loads the same model, wraps it in
 `DecodingPress(base_press, compression_interval=L, target_size=B)` and answers run requests, one
-JSON line in and one out, with the same `foresight.bench.serve` measurement as our engine: the same
+JSON line in and one out, with the same `foresight.bench.watched_run` measurement as our engine: the same
 prompt, greedy decoding with EOS ignored (`model.generate`, min_new_tokens = max_new_tokens), the
 cache's bytes read after every forward, the run stopped past the cap.
 
@@ -21,10 +21,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from foresight.bench.serve import RunResult
+from foresight.bench.watched_run import RunResult
 
 # Our policy name -> (kvpress press, keyword arguments that give it our rule's settings)
 PRESSES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -78,7 +77,6 @@ class KvpressDecoder:
         return min(self.prompt_length + new_tokens - 1, max(self.prompt_length, self.budget) + self.interval)
 
     def run(self, batch: int, new_tokens: int, cap_bytes: int | None) -> RunResult:
-        from foresight.bench.serve import RunResult  # serve imports this module
 
         return RunResult(**self._call({"batch": batch, "new_tokens": new_tokens, "cap_bytes": cap_bytes}))
 
@@ -106,7 +104,7 @@ def _serve(config: dict[str, Any]) -> None:
     import kvpress
     import torch
 
-    from foresight.bench.serve import timed_run
+    from foresight.bench.watched_run import timed_run
     from foresight.models import DTYPES, load_model
 
     torch.set_num_threads(config["threads"])

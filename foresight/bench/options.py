@@ -50,7 +50,7 @@ def add_options(parser: argparse.ArgumentParser, settings_class: type) -> None:
         if kind is bool:
             keywords.update(action="store_true", default=False)
         elif _element(kind) is int:
-            keywords.update(nargs="+", type=_integers, action=_Joined, default=None if required else _text(default))
+            keywords.update(nargs="+", type=int_list, action=_Joined, default=None if required else _text(default))
         elif _element(kind) is str:
             keywords.update(action="append", default=None)
         elif typing.get_origin(kind) is Literal:
@@ -130,8 +130,8 @@ def _reader(kind: Any):
     return read
 
 
-def _integers(text: str) -> list[int]:
-    """A comma-separated list of integers, e.g. 64,128."""
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma-separated list of integers, e.g. 64,128 (every command's budgets)."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:

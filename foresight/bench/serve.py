@@ -27,12 +27,10 @@ import json
 import math
 import os
 import re
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -40,19 +38,14 @@ from tqdm import tqdm
 from foresight.artifacts import write_text
 from foresight.bench.common import PROMPT, RuntimeSettings, bench_policy, machine, model_field
 from foresight.bench.kvpress_worker import PRESSES, KvpressDecoder
-from foresight.cache_argument import passed_cache
+from foresight.bench.watched_run import MiB, RunResult, format_bytes, timed_run
 from foresight.data.tasks import chat_prompt_ids
 from foresight.models import describe, dtype_name, load_model
 
 NAME = "serve"
-MiB = 2**20
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)")
 PROBE_TOKENS = 16  # new tokens of the batch-1 probe past the decoder's fullest cache
-
-
-class CapExceeded(RuntimeError):
-    """Raised inside a run when its cache holds more bytes than the cap."""
 
 
 class CapTooSmall(ValueError):
@@ -90,52 +83,6 @@ def free_memory(device: str) -> int:
     return int(available.split()[1]) * 1024
 
 
-def format_bytes(count: int | float) -> str:
-    return f"{count / MiB:.1f} MiB"
-
-
-def held_bytes(cache: Any) -> int:
-    """Bytes of every tensor the cache's layers hold, each storage once at its allocated size."""
-    storages: dict[int, int] = {}
-    for layer in cache.layers:
-        for tensor in _tensors(vars(layer).values()):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def _tensors(values) -> Iterator[torch.Tensor]:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, dict):
-            yield from _tensors(value.values())
-        elif isinstance(value, (list, tuple)):
-            yield from _tensors(value)
-
-
-@dataclass
-class RunResult:
-    """One run of a decoder at one batch size."""
-
-    decoder: str
-    batch: int
-    new_tokens: int
-    fits: bool  # ran to the end under the cap
-    peak_bytes: int  # most bytes the cache held after a forward
-    peak_entries: int  # most entries a layer held then (per sequence, padding included)
-    seconds: float | None = None  # wall time of the whole generation, prefill included (None: stopped)
-    eviction_share: float | None = None  # scoring and eviction over decode time (our engine)
-    peak_device_bytes: int | None = None  # CUDA: most memory allocated above what the model held before
-
-    @property
-    def tokens_per_second(self) -> float | None:
-        return None if self.seconds is None else self.batch * self.new_tokens / self.seconds
-
-    def as_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 class Decoder(Protocol):
     name: str
     evicts: bool
@@ -146,64 +93,6 @@ class Decoder(Protocol):
 
     def run(self, batch: int, new_tokens: int, cap_bytes: int | None) -> RunResult:
         """Decode `batch` copies of the prompt for `new_tokens` tokens, stopping past `cap_bytes`."""
-
-
-class CacheWatch:
-    """A forward hook on the model that records the peak bytes and entries of the cache it is given
-    (under either keyword, `passed_cache`) and raises CapExceeded past the cap. It runs at the end of the
-    model's forward, which is before our engine evicts and after kvpress has compressed inside the layers."""
-
-    def __init__(self, model: torch.nn.Module, cap_bytes: int | None):
-        self.model = model
-        self.cap_bytes = cap_bytes
-        self.peak_bytes = 0
-        self.peak_entries = 0
-
-    def _hook(self, module, args, kwargs, output) -> None:
-        cache = passed_cache(kwargs)
-        if cache is None:
-            return
-        held = held_bytes(cache)
-        self.peak_bytes = max(self.peak_bytes, held)
-        self.peak_entries = max(self.peak_entries, max(layer.keys.shape[2] for layer in cache.layers))
-        if self.cap_bytes is not None and held > self.cap_bytes:
-            raise CapExceeded(f"the cache held {format_bytes(held)}, over the cap of {format_bytes(self.cap_bytes)}")
-
-    @contextmanager
-    def watching(self) -> Iterator[CacheWatch]:
-        handle = self.model.register_forward_hook(self._hook, with_kwargs=True)
-        try:
-            yield self
-        finally:
-            handle.remove()
-
-
-def timed_run(
-    name: str,
-    model: torch.nn.Module,
-    batch: int,
-    new_tokens: int,
-    cap_bytes: int | None,
-    generate: Callable[[], float | None],
-) -> RunResult:
-    """Run `generate` (which returns the eviction share, or None) under a CacheWatch, timing it."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    watch = CacheWatch(model, cap_bytes)
-    start = time.perf_counter()
-    try:
-        with watch.watching():
-            share = generate()
-    except CapExceeded:
-        return RunResult(name, batch, new_tokens, False, watch.peak_bytes, watch.peak_entries)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    peak_device = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
-    return RunResult(name, batch, new_tokens, True, watch.peak_bytes, watch.peak_entries, seconds, share, peak_device)
 
 
 class EngineDecoder:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from foresight.bench.options import int_list
 from foresight.eval.specs import ROW_OPTIONS_HELP
 from foresight.policies import POLICIES, Policy, make_policy
 from foresight.policies.options import (
@@ -118,17 +119,6 @@ def policy_options(cls: type[Policy], texts: dict[str, str]) -> dict[str, Any]:
         needed = ", ".join(f"-o {key}=VALUE ({describe_type(settable[key])})" for key in missing)
         raise ValueError(f"policy {name!r} needs {needed}")
     return options
-
-
-def int_list(text: str) -> list[int]:
-    """argparse type of a comma-separated list of integers, e.g. 64,128."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 64,128, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    return values
 
 
 def _key_value(text: str) -> tuple[str, str]:
