@@ -10,13 +10,12 @@ from foresight.bench import common as _bench_common
 from foresight.bench.serve import (
     CapTooSmall,
     EngineDecoder,
-    RunResult,
     bytes_per_entry,
     check_one_sequence_fits,
-    held_bytes,
     max_batch,
     parse_memory_cap,
 )
+from foresight.bench.watched_run import RunResult, held_bytes
 from foresight.data.tasks import chat_prompt_ids
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
