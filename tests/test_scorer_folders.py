@@ -9,31 +9,19 @@ from pathlib import Path
 
 import lightning  # noqa: F401  (its log handler binds stderr at import: before any test captures it)
 import pytest
-import torch
 import yaml
 
 from foresight import cli
-from foresight.models import describe, tiny_model
-from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
+from foresight.models import tiny_model
+from foresight.scorer.model import load_scorer
+from tests.scorers import random_scorer
 
 B, L = 16, 4
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _save_scorer(folder: Path, model, budget: int = B, interval: int = L, base_model: str = "tiny") -> Path:
-    shape = describe(model)
-    torch.manual_seed(0)
-    ForesightScorer(
-        ScorerConfig(
-            num_layers=shape.num_layers,
-            num_query_heads=shape.num_query_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            budget=budget,
-            interval=interval,
-            base_model=base_model,
-        )
-    ).save_pretrained(folder)
+    random_scorer(model, budget=budget, interval=interval, base_model=base_model).save_pretrained(folder)
     return folder
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from foresight.bench.common import ReportSettings, budget_field, named, trace_sets
+from foresight.bench.common import ReportSettings, budget_field, named, trace_sets, trace_sets_field
 from foresight.eval.ablation import ablation_report
 
 NAME = "ablation"
@@ -21,13 +21,7 @@ NAME = "ablation"
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(ReportSettings):
-    sets: tuple[str, ...] = field(
-        metadata={
-            "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)",
-            "flags": ("--set",),
-            "metavar": "NAME=DIR,...",
-        }
-    )
+    sets: tuple[str, ...] = trace_sets_field()
     learned: tuple[str, ...] = field(
         metadata={
             "help": "a learned scorer's row name in those folders and what it is (repeat; table order)",

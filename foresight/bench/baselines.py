@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from foresight.bench.common import RUNS, ReportSettings, trace_sets
+from foresight.bench.common import RUNS, ReportSettings, trace_sets, trace_sets_field
 from foresight.eval.baselines import baselines_report
 
 NAME = "baselines"
@@ -20,13 +20,7 @@ NAME = "baselines"
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(ReportSettings):
-    sets: tuple[str, ...] = field(
-        metadata={
-            "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)",
-            "flags": ("--set",),
-            "metavar": "NAME=DIR,...",
-        }
-    )
+    sets: tuple[str, ...] = trace_sets_field()
     learned: tuple[str, ...] = field(
         metadata={
             "help": "the learned scorer's row name in those folders; repeat for sets that name it otherwise (a set's "

@@ -77,6 +77,17 @@ def policies_field(all_means: str) -> Any:
     )
 
 
+def trace_sets_field() -> Any:
+    """--set NAME=DIR,... (repeatable): a trace set and the `foresight eval` folders of its traces."""
+    return field(
+        metadata={
+            "help": "a trace set and the `foresight eval` folders of its traces (repeat per set)",
+            "flags": ("--set",),
+            "metavar": "NAME=DIR,...",
+        }
+    )
+
+
 def traces_field(help_text: str = "traces folder (`foresight traces`)") -> Any:
     return field(metadata={"help": help_text})
 
