@@ -29,10 +29,14 @@ _NO_TIPS = _NoTips()
 
 def quiet_third_party_notices() -> None:
     """Silence Lightning's litlogger tip, torch's `LeafSpec` deprecation (a FutureWarning raised by
-    Lightning's own pytree helper at every training step's first batch) and jsonargparse's deprecations
+    Lightning's own pytree helper at every training step's first batch), Lightning's notice that manual
+    optimisation checkpoints hold the weights after the step, and jsonargparse's deprecations
     of LightningCLI's calls (off through its documented switch, unless the user set it)."""
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
+    # The reinforcement stage optimises by hand and saves after each step on purpose: a checkpoint holds the
+    # weights its step made, and resuming from it runs the next step (tests/test_rl.py resumes to the same weights).
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NO_TIPS)

@@ -67,15 +67,15 @@ class Scale:
     tiny: dict = field(default_factory=dict)  # architecture overrides shrinking every model (dry run)
     sampler_rows: int = 256
     sampler_prompt: int = 64
-    sampler_tokens: int = 256
+    sampler_tokens: int = 64  # an H200 decodes 3-11 steps/s here (launch-bound): docs/notes/gpu-acceptance.md
     traces: int = 8
-    trace_tokens: int = 1024
+    trace_tokens: int = 512
     budget: int = 128
     interval: int = 32
     group_size: int = 8
     fit_steps: int = 20
     pipeline_fit_steps: int = 10
-    capacity_lengths: str = "8192,16384,32768"
+    capacity_lengths: str = "8192,32768"
     capacity_budget: int = 1024
     capacity_interval: int = 256
     capacity_time_limit: float = 10.0
@@ -237,13 +237,13 @@ STEPS = (
     Step(
         "sampler",
         f"the trace sampler's tokens/s, random-weight {SAMPLER_MODEL}",
-        60,
+        90,
         lambda c: c.figure_step("sampler"),
     ),
     Step(
         "prepare",
         f"random-weight {WORK_MODEL} folder, its sampled traces and their golden labels",
-        90,
+        120,
         lambda c: c.figure_step("prepare"),
     ),
     Step(

@@ -3,15 +3,18 @@ token-by-token decoding, and the cadence's invariants."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, DynamicCache
 
 from foresight.cache_argument import cache_argument
 from foresight.models import tiny_model
 from foresight.policies import make_policy
-from foresight.runtime.capture import eviction_attention
+from foresight.runtime.capture import ATTENTION_NAME, attention_implementation, eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.sampling import SamplingConfig
 from tests.policy_lists import constructible_policies
@@ -248,3 +251,18 @@ def test_sdpa_mask_matches_eager_with_padding(llama):
         query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask, scale=0.25
     )
     torch.testing.assert_close(output, expected.transpose(1, 2), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("restricted", [None, [SDPBackend.FLASH_ATTENTION], [SDPBackend.CUDNN_ATTENTION]])
+def test_the_runtime_leaves_cudnn_attention_out_and_keeps_the_users_choice(llama, restricted):
+    """Inside the runtime's attention context cuDNN's SDPA is off (it rebuilds a graph per key length) and
+    the other backends are as the caller left them; afterwards everything is as before."""
+    backends = torch.backends.cuda
+    flags = (backends.flash_sdp_enabled, backends.mem_efficient_sdp_enabled, backends.math_sdp_enabled)
+    with sdpa_kernel(restricted) if restricted else contextlib.nullcontext():
+        outside = [flag() for flag in (*flags, backends.cudnn_sdp_enabled)]
+        with attention_implementation(llama, ATTENTION_NAME):
+            inside = [flag() for flag in (*flags, backends.cudnn_sdp_enabled)]
+        assert [flag() for flag in (*flags, backends.cudnn_sdp_enabled)] == outside
+    expected = [False, False, True] if restricted == [SDPBackend.CUDNN_ATTENTION] else outside[:3]
+    assert inside == [*expected, False]

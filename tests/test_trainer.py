@@ -697,8 +697,8 @@ def test_ddp_on_two_processes_matches_one_process_at_the_same_global_batch(tmp_p
 
 
 def test_named_third_party_notices_are_silenced_and_no_others(monkeypatch, caplog):
-    """Lightning's litlogger tip and torch's LeafSpec deprecation (from Lightning's pytree helper) are dropped;
-    another notice of the same logger, and another FutureWarning, still show."""
+    """Lightning's litlogger tip and checkpoint notice and torch's LeafSpec deprecation (from Lightning's pytree
+    helper) are dropped; another notice of the same logger, and another FutureWarning, still show."""
     import logging
 
     from lightning.pytorch.utilities import rank_zero
@@ -711,6 +711,10 @@ def test_named_third_party_notices_are_silenced_and_no_others(monkeypatch, caplo
         warnings.simplefilter("always")
         quiet_third_party_notices()
         _tree_flatten(torch.zeros(1))  # builds a LeafSpec
+        rank_zero.rank_zero_warn(  # Lightning's words (callbacks/model_checkpoint.py) at a manual step's checkpoint
+            "Using ModelCheckpoint with manual optimization and every_n_train_steps, but no pre-optimization state"
+            " was saved. The checkpoint will contain the model state AFTER optimization."
+        )
         warnings.warn("a notice of our own", FutureWarning, stacklevel=2)
     assert [str(w.message) for w in caught] == ["a notice of our own"]
     assert os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] == "off"

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -169,13 +170,32 @@ def register_attention(name: str, function, *, full_cache: bool = False) -> None
 
 @contextmanager
 def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Run `model` with the registered attention function `name`, then restore its own."""
+    """Run `model` with the registered attention function `name` and SDPA's backends less cuDNN's (see
+    `sdpa_backends_without_cudnn`), then restore its own."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
-        yield
+        with sdpa_kernel(sdpa_backends_without_cudnn()):
+            yield
     finally:
         model.set_attn_implementation(previous)
+
+
+def sdpa_backends_without_cudnn() -> list[SDPBackend]:
+    """SDPA's enabled backends less cuDNN's. cuDNN builds an execution graph for every new key length, and a
+    decode step's key length is new at every token: on an H200 each call cost about 1 ms of host time, 36 ms
+    of an 85 ms Qwen3-4B decode step (docs/notes/gpu-acceptance.md), where flash and memory-efficient
+    attention need no graph. With cuDNN alone enabled, the math kernel runs instead."""
+    enabled = [
+        backend
+        for backend, on in (
+            (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+            (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+            (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
+        )
+        if on
+    ]
+    return enabled or [SDPBackend.MATH]
 
 
 register_attention(ATTENTION_NAME, eviction_attention)
