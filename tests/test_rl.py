@@ -24,7 +24,7 @@ from transformers import AttentionInterface, Qwen2Config, Qwen3Config
 
 from foresight import cli
 from foresight.commands.rl import lightning_args as rl_lightning_args
-from foresight.data.trace_store import Trace
+from foresight.data.trace_store import Trace, folder_sources
 from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
@@ -495,6 +495,11 @@ def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir,
     exported = load_scorer(whole / "scorer")
     started_from = f"sha256:{safetensors_digest(start_scorer / 'model.safetensors')} ({start_scorer})"
     assert (exported.config.stage, exported.config.started_from) == ("reinforcement", started_from)
+    rollout_sources = folder_sources(traces_dir)  # the sources of both stages
+    assert rollout_sources and set(rollout_sources) - set(load_scorer(start_scorer).config.training_sources)
+    assert exported.config.training_sources == sorted(
+        {*load_scorer(start_scorer).config.training_sources, *rollout_sources}
+    )
     card = (whole / "scorer" / "README.md").read_text()
     assert "Reinforcement stage (ForesightKV §3.3)" in card and f"started from `{started_from}`" in card
     final = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
+from foresight.data.trace_store import folder_sources
 from foresight.export import export_scorer, reported_metrics
 
 
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if not cli.trainer.is_global_zero:
         return 0
     module = cli.model
+    config = module.scorer.config  # the sources of both stages: a reinforced scorer has seen its rollouts' traces
+    config.training_sources = sorted({*config.training_sources, *folder_sources(cli.datamodule.traces_dir)})
     record = module.training_record()
     folder = export_scorer(module.scorer, args.out / "scorer", training=record)
     metrics = ", ".join(f"{name} {value:.4f}" for name, value in reported_metrics(record).items())
