@@ -204,6 +204,18 @@ def _pipeline(context: Context) -> list[str]:
     )
 
 
+def _one_test(name: str, what: str, cap_seconds: float, test: str) -> Step:
+    """A GPU-only step running one test, its JUnit XML named after the step; the dry run collects the test."""
+    return Step(
+        name,
+        what,
+        cap_seconds,
+        lambda c: c.pytest(test, junit=f"{name}.xml"),
+        gpu_only=True,
+        dry_command=lambda c: c.pytest(test),
+    )
+
+
 STEPS = (
     Step(
         "imports", "every package the steps import, the device and the versions", 60, lambda c: c.figure_step("imports")
@@ -218,21 +230,12 @@ STEPS = (
         gpu_only=True,
         dry_command=lambda c: c.pytest("-m", "gpu", GPU_TESTS),
     ),
-    Step(
-        "sdpa-flash",
-        "an unpadded batch decodes and replays on SDPA's flash kernel alone",
-        60,
-        lambda c: c.pytest(SDPA_FLASH_TEST, junit="sdpa-flash.xml"),
-        gpu_only=True,
-        dry_command=lambda c: c.pytest(SDPA_FLASH_TEST),
-    ),
-    Step(
+    _one_test("sdpa-flash", "an unpadded batch decodes and replays on SDPA's flash kernel alone", 60, SDPA_FLASH_TEST),
+    _one_test(
         "sync-debug",
         "no host synchronisation in an eviction step, under set_sync_debug_mode('error')",
         90,
-        lambda c: c.pytest(SYNC_DEBUG_TEST, junit="sync-debug.xml"),
-        gpu_only=True,
-        dry_command=lambda c: c.pytest(SYNC_DEBUG_TEST),
+        SYNC_DEBUG_TEST,
     ),
     Step(
         "sampler",

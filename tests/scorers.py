@@ -11,6 +11,14 @@ from foresight.scorer.model import ForesightScorer, ScorerConfig
 SUPERVISED_B, SUPERVISED_L = 16, 4
 
 
+def default_shaped_config():
+    """A tiny Llama config with the embedded default model's attention shape (30 layers, 9 query / 3 KV heads of
+    64): what a config of the default model builds against without loading it."""
+    return tiny_model(
+        "llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576
+    ).config
+
+
 def scorer_spec(model=None) -> dict:
     """The scorer fields the data module fixes, for a tiny Llama (or `model`) at B=16, L=4."""
     shape = describe(model or tiny_model("llama"))

@@ -254,7 +254,7 @@ def test_eviction_step_of_rows_in_step_never_synchronises(name):
         policy = make_policy(name)
     engine = EvictionEngine(model, policy, EvictionConfig(64, 16, sinks=0), step_observer=SyncsRaise())
     output = engine.replay([sequence] * 4, [80] * 4)
-    assert output.stats.evictions >= 3
+    assert output.stats.evictions >= (3 if name in ("epikv", "raas", "random-prompt") else 7)
 
 
 def test_decoding_never_calls_cudnn_attention():

@@ -40,6 +40,7 @@ from tests.rl_runs import (
     rl_config,
     scorer_for,
 )
+from tests.scorers import default_shaped_config
 from trainers import grpo as grpo_module
 from trainers.cli import rl_cli_main
 from trainers.rollouts import (
@@ -665,16 +666,7 @@ def test_default_rl_config_builds_for_the_shipped_scorer(monkeypatch):
     monkeypatch.setattr(
         grpo_module,
         "load_config",
-        lambda requested: (
-            tiny_model(
-                "llama",
-                num_hidden_layers=30,
-                num_attention_heads=9,
-                num_key_value_heads=3,
-                head_dim=64,
-                hidden_size=576,
-            ).config
-        ),
+        lambda requested: default_shaped_config(),
     )
     shipped = REPO / "checkpoints" / "default"
     built = rl_cli_main(["--config", str(REPO / "configs" / "default-rl.yaml"), f"--model.scorer={shipped}"], run=False)

@@ -28,10 +28,10 @@ from foresight.commands import fit
 from foresight.commands.fit import lightning_args
 from foresight.data.trace_store import TraceStore
 from foresight.labels import LabelStore
-from foresight.models import load_model, tiny_model
+from foresight.models import load_model
 from foresight.scorer.model import load_scorer
 from tests.prompts import DATA
-from tests.scorers import scorer_spec, synthetic_traces
+from tests.scorers import default_shaped_config, scorer_spec, synthetic_traces
 from trainers import data as data_module
 from trainers import preparation, supervised
 from trainers.cli import cli_main
@@ -347,16 +347,7 @@ def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
     monkeypatch.setattr(
         data_module,
         "load_config",
-        lambda requested: (
-            tiny_model(
-                "llama",
-                num_hidden_layers=30,
-                num_attention_heads=9,
-                num_key_value_heads=3,
-                head_dim=64,
-                hidden_size=576,
-            ).config
-        ),
+        lambda requested: default_shaped_config(),
     )
     built = cli_main(["--config", str(REPO / "configs" / "default.yaml")], run=False)
     assert built.datamodule.model_name == "default" and built.model.scorer.config.num_layers == 30
