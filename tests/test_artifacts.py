@@ -125,3 +125,22 @@ def test_check_metadata_names_every_difference(tmp_path: Path) -> None:
         check_metadata(tmp_path, stored, {"budget": 64, "dtype": "float32", "interval": 32}, "cmd")
     assert "budget='128', not '64'" in str(error.value) and "dtype='float16', not 'float32'" in str(error.value)
     assert "interval" not in str(error.value)
+
+
+def test_saved_tensors_are_the_same_bytes_in_every_process(tmp_path: Path) -> None:
+    """safetensors orders metadata at random per process; save_tensors sorts the header, so two processes
+    saving the same tensors and metadata write the same bytes, and the file reads back unchanged."""
+    metadata = {f"key{i}": f"value {i}" for i in range(12)}
+    script = (
+        "import sys, torch\nfrom foresight.artifacts import save_tensors\n"
+        "save_tensors(sys.argv[1], {'b': torch.arange(3.0), 'a': torch.ones(5, dtype=torch.int64)}, "
+        f"{metadata!r})"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    paths = [tmp_path / f"{name}.safetensors" for name in "xy"]
+    for path in paths:
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    stored, tensors = read_tensors(paths[0], "`remake`")
+    assert stored == metadata and torch.equal(tensors["b"], torch.arange(3.0))
+    assert torch.equal(tensors["a"], torch.ones(5, dtype=torch.int64))
