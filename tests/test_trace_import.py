@@ -194,6 +194,10 @@ def test_cli_imports_and_refuses_mixed_options(model, tmp_path, monkeypatch, cap
     assert "--max-new-tokens applies to sampling (--prompts)" in capsys.readouterr().err
     assert cli.main([*args, "--prompts", "reasoning-gym:lcm"]) == 2
     assert "--prompts needs --num and --max-new-tokens" in capsys.readouterr().err
+    assert cli.main([*args, "--prompts", "reasoning-gym:lcm", "--logprob-tolerance", "0.1"]) == 2
+    assert "--logprob-tolerance applies to imported traces (--import)" in capsys.readouterr().err
+    assert cli.main([*args, "--import", source, "--logprob-tolerance", "-1"]) == 2
+    assert "--logprob-tolerance must be >= 0 nats, got -1.0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*args, "--prompts", "reasoning-gym:lcm", "--import", source])
     assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
@@ -235,6 +239,12 @@ def test_rows_by_token_ids_import_like_their_text(model, tmp_path):
         PAIRS[3]["prompt"],
     ]
     assert summary.logprobs.traces == () and "log-probabilities" not in summary.describe()
+    names = ("prompt_token_ids", "completion_token_ids", "prompt", "completion", "finish_reason")
+    datasets.Dataset.from_dict({name: [row.get(name) for row in rows] for name in names}).save_to_disk(
+        str(tmp_path / "ids-dataset")
+    )  # row 1's texts are None there: absent, as in the JSONL
+    from_folder = TraceStore(_imported(model, str(tmp_path / "ids-dataset"), tmp_path / "from-folder"))
+    assert [t.input_ids.tolist() for t in from_folder] == [t.input_ids.tolist() for t in by_ids]
 
 
 def test_every_refused_ids_row_is_named_and_the_rest_kept(model, tmp_path):
