@@ -262,6 +262,7 @@ def test_every_refused_ids_row_is_named_and_the_rest_kept(model, tmp_path):
         (ids_row(PAIRS[0], prompt="What is 2 + 4?"), PROMPT_DISAGREES),
         (ids_row(PAIRS[0], prompt_token_ids=[]), EMPTY_PROMPT),
         (ids_row(PAIRS[0], completion_token_ids=[EOS], completion=""), EMPTY),  # only the stop token
+        ({"prompt": "x", "completion": "caf\u00e9", "prompt_token_ids": [5]}, NOT_ROUND_TRIP),  # a text row
         (ids_row(PAIRS[0], completion_logprobs=[-1.0]), BAD_LOGPROBS),
         (ids_row(PAIRS[0], completion_logprobs=[None] * len(good["completion_token_ids"])), BAD_LOGPROBS),
         (

@@ -269,7 +269,8 @@ class _RowScorer:
         finish = row.get("finish_reason")
         if finish is not None and finish not in FINISH_REASONS:
             return f"finish_reason is not one of {', '.join(FINISH_REASONS)}"
-        tokens = self._from_ids(row, finish == "stop") if IDS[0] in row else self._from_text(row, finish == "stop")
+        by_ids = all(name in row for name in IDS)
+        tokens = self._from_ids(row, finish == "stop") if by_ids else self._from_text(row, finish == "stop")
         if isinstance(tokens, _Tokens) and len(tokens.prompt) + len(tokens.completion) > self.context:
             return f"prompt + completion longer than the model's context of {self.context} tokens"
         return tokens
