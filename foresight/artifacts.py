@@ -124,13 +124,18 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
 
 
 def _sort_header(path: Path) -> None:
-    """Rewrite a safetensors file's JSON header with sorted keys, padded as safetensors pads it."""
+    """Rewrite a safetensors file's JSON header with sorted keys, padded as safetensors pads it: in place
+    when it keeps its length (reordered keys do), else with the data moved."""
     with open(path, "r+b") as handle:
         size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(size))
-        data = handle.read()
         text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
         text += b" " * (-len(text) % _HEADER_ALIGNMENT)
+        if len(text) == size:
+            handle.seek(8)
+            handle.write(text)
+            return
+        data = handle.read()
         handle.seek(0)
         handle.write(len(text).to_bytes(8, "little") + text + data)
         handle.truncate()

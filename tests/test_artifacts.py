@@ -13,6 +13,7 @@ import torch
 from foresight.artifacts import (
     MISSING,
     ArtifactError,
+    _sort_header,
     atomic_file,
     atomic_folder,
     check_metadata,
@@ -144,3 +145,14 @@ def test_saved_tensors_are_the_same_bytes_in_every_process(tmp_path: Path) -> No
     stored, tensors = read_tensors(paths[0], "`remake`")
     assert stored == metadata and torch.equal(tensors["b"], torch.arange(3.0))
     assert torch.equal(tensors["a"], torch.ones(5, dtype=torch.int64))
+
+
+def test_a_header_of_another_length_is_rewritten_with_the_data_moved(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    save_tensors(path, {"x": torch.arange(6.0).reshape(2, 3)}, {"b": "2", "a": "1"})
+    canonical = path.read_bytes()
+    size = int.from_bytes(canonical[:8], "little")
+    padded = (size + 16).to_bytes(8, "little") + canonical[8 : 8 + size] + b" " * 16 + canonical[8 + size :]
+    path.write_bytes(padded)  # a header 16 bytes longer, as another writer might pad it
+    _sort_header(path)
+    assert path.read_bytes() == canonical
