@@ -4,21 +4,21 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from foresight.artifacts import claimed
 from foresight.commands.labels import rank_placement
 from foresight.data.trace_store import TraceStore
 from foresight.labels import LabelStore
-from trainers import preparation
 from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
@@ -34,43 +34,66 @@ time.sleep(600)
 """
 
 
+LABELLER = """
+import json, sys, time
+from pathlib import Path
+from trainers import preparation
+
+traces, model, me, other = sys.argv[1:]
+compute = preparation.compute_golden_labels
+
+def meeting_once(*args, **kwargs):
+    # this process's first trace waits until the other has claimed one too: both hold a claim at once
+    if not Path(me).exists():
+        Path(me).touch()
+        deadline = time.monotonic() + 120
+        while not Path(other).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return compute(*args, **kwargs)
+
+preparation.compute_golden_labels = meeting_once
+summary = preparation.make_labels(preparation.FrozenModel(model), traces, 16, 4, progress=False)
+print(json.dumps({"made": summary.made, "by_others": summary.by_others, "line": summary.describe()}))
+"""
+
+
 def label_files(traces: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(LabelStore(traces, B, L_).directory.iterdir())}
 
 
-def test_two_labellers_split_a_folder_and_write_one_labellers_files(
-    fresh_traces, traces_dir, tmp_path, tiny_dir, monkeypatch
+def test_two_labelling_processes_split_a_folder_and_write_one_processs_files(
+    fresh_traces, traces_dir, tmp_path, tiny_dir
 ):
     alone = Path(shutil.copytree(traces_dir, tmp_path / "alone", ignore=shutil.ignore_patterns("labels-*")))
     single = make_labels(FrozenModel(str(tiny_dir)), alone, B, L_, progress=False)
-
-    both_holding = threading.Barrier(2, timeout=60)
-    first_calls = set()
-    compute = preparation.compute_golden_labels
-
-    def meeting_once(*args, **kwargs):
-        """Each labeller's first trace waits for the other's: both hold a claim at once."""
-        if threading.get_ident() not in first_calls:
-            first_calls.add(threading.get_ident())
-            both_holding.wait()
-        return compute(*args, **kwargs)
-
-    monkeypatch.setattr(preparation, "compute_golden_labels", meeting_once)
-    summaries = {}
-
-    def labeller(name: str) -> None:
-        summaries[name] = make_labels(FrozenModel(str(tiny_dir)), fresh_traces, B, L_, progress=False)
-
-    threads = [threading.Thread(target=labeller, args=(name,)) for name in "ab"]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    a, b = summaries["a"].made, summaries["b"].made
-    assert a and b and not set(a) & set(b)  # each labelled some, none labelled twice
-    assert sorted(a + b) == sorted(single.made) == [trace.index for trace in TraceStore(fresh_traces)]
-    assert summaries["a"].by_others == len(b) and summaries["b"].by_others == len(a)
-    assert f"labelled {len(a)} traces, {len(b)} by other processes" in summaries["a"].describe()
+    env = {  # the same thread count as this process's labelling, so the files can be byte-identical
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }
+    names = ("a", "b")
+    labellers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                LABELLER,
+                str(fresh_traces),
+                str(tiny_dir),
+                *(str(tmp_path / n) for n in (me, other)),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for me, other in (names, names[::-1])
+    ]
+    a, b = (json.loads(labeller.communicate(timeout=300)[0]) for labeller in labellers)
+    assert all(labeller.returncode == 0 for labeller in labellers)
+    assert a["made"] and b["made"] and not set(a["made"]) & set(b["made"])  # each labelled some, none twice
+    assert sorted(a["made"] + b["made"]) == list(single.made) == [trace.index for trace in TraceStore(fresh_traces)]
+    assert (a["by_others"], b["by_others"]) == (len(b["made"]), len(a["made"]))
+    assert f"labelled {len(a['made'])} traces, {len(b['made'])} by other processes" in a["line"]
     together = label_files(fresh_traces)
     assert together == label_files(alone)
     assert not any(name.endswith(".claim") for name in together)  # claims are gone once their traces are done
