@@ -77,9 +77,10 @@ class ReinforcementCLI(LightningCLI):
             parser.link_arguments(f"data.{name}", f"model.{name}")
 
 
-def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedCLI:
+def cli_main(args: Sequence[str] | None = None, run: bool = True, exit_on_error: bool = True) -> SupervisedCLI:
     """Run the supervised stage's CLI on `args` (default: the command line), freed host memory kept for
-    the next step's tensors (`foresight.host_memory`)."""
+    the next step's tensors (`foresight.host_memory`). `exit_on_error=False` raises a bad argument as
+    `argparse.ArgumentError` instead of printing the usage, for callers that report it in one line."""
     keep_freed_memory()
     quiet_third_party_notices()
     return SupervisedCLI(
@@ -88,12 +89,13 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedC
         args=None if args is None else list(args),
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": exit_on_error},
     )
 
 
-def rl_cli_main(args: Sequence[str] | None = None, run: bool = True) -> ReinforcementCLI:
+def rl_cli_main(args: Sequence[str] | None = None, run: bool = True, exit_on_error: bool = True) -> ReinforcementCLI:
     """Run the reinforcement stage's CLI on `args` (default: the command line), freed host memory kept
-    for the next step's tensors."""
+    for the next step's tensors; `exit_on_error` as in `cli_main`."""
     keep_freed_memory()
     quiet_third_party_notices()
     return ReinforcementCLI(
@@ -102,6 +104,7 @@ def rl_cli_main(args: Sequence[str] | None = None, run: bool = True) -> Reinforc
         args=None if args is None else list(args),
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": exit_on_error},
     )
 
 

@@ -17,6 +17,8 @@ the rewards are all-gathered so each group is normalised whole, and the gradient
 explicit all-reduce after every backward (several backward passes per step, one per trace), so N
 ranks make the same update as one process. Only the scorer has trainable parameters: the frozen model
 is held outside the module (never saved, never wrapped by DDP) and the reference scorer is frozen.
+
+Size: one LightningModule; its training step, the DDP all-gathers and the KL reference belong together.
 """
 
 from __future__ import annotations

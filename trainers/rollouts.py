@@ -16,6 +16,9 @@ one that sampled, the frozen reference) is recomputed from them without running 
 
 The reward, loss ratio and low-entropy damage of a rollout come from `foresight.metrics`, the very
 functions `foresight eval` reports, over the same tokens (those predicted after the first eviction).
+
+Size: the GRPO objective's parts (rollouts, rewards, advantages, the clipped loss) as small functions over
+one recorded layout (`EvictionActions`), which every part reads.
 """
 
 from __future__ import annotations

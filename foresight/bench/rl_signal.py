@@ -28,6 +28,9 @@ deterministic replay, differing at one eviction step):
 Nothing is trained; the scorer's weights are those of `scorer`.
 
     foresight bench rl-signal --traces data/corpus/train52 --count 2 --out runs/bench.md
+
+Size: one study, two measurements over the same rollouts (the noise scale, the planted reward) that share its
+sampling, tables and report.
 """
 
 from __future__ import annotations

@@ -17,7 +17,13 @@ import argparse
 import warnings
 from pathlib import Path
 
-from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
+from foresight.commands._training import (
+    add_training_arguments,
+    checked_config,
+    checked_traces,
+    one_line_config_errors,
+    override_args,
+)
 from foresight.data.trace_store import folder_sources
 from foresight.export import export_scorer, reported_metrics
 
@@ -56,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():  # LightningCLI warns when given args beside a command line: intended here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = rl_cli_main(lightning_args(args))
+        with one_line_config_errors():
+            cli = rl_cli_main(lightning_args(args), exit_on_error=False)
     if not cli.trainer.is_global_zero:
         return 0
     module = cli.model
