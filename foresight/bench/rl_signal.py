@@ -49,7 +49,7 @@ from foresight.models import describe, load_model
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer, load_scorer
 from trainers.branches import BranchSettings, roll_out_branches
-from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, REWARD_RULES, Estimator, LogprobRule
+from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, Estimator, LogprobRule
 from trainers.rollouts import EvictionActions, GroupRollout, roll_out, rollout_seeds
 
 NAME = "rl-signal"
@@ -118,11 +118,16 @@ class Settings(PlacedSettings):
             raise ValueError(f"planted_share must lie in (0, 1), got {self.planted_share}")
 
 
+MEASURED_REWARDS = ("thresholded", "dense")
+"""The reward rules measured: the two each rollout is scored by (`run`: reward is the dense one's,
+paper_reward the thresholded one's)."""
+
+
 def estimators(settings: Settings) -> list[Estimator]:
-    """Every combination of the rules, the paper's (order, group_normalised, thresholded) first."""
+    """Every combination of the per-group rules, the paper's (order, group_normalised, thresholded) first."""
     return [
         Estimator(reward, advantage, logprob, settings.damage_offset)
-        for logprob, advantage, reward in itertools.product(LOGPROB_RULES, ADVANTAGE_RULES, REWARD_RULES)
+        for logprob, advantage, reward in itertools.product(LOGPROB_RULES, ADVANTAGE_RULES, MEASURED_REWARDS)
     ]
 
 
