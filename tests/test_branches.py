@@ -27,6 +27,7 @@ from trainers.branches import (
 )
 from trainers.cli import rl_cli_main
 from trainers.estimators import Estimator
+from trainers.grpo import GRPOScorer
 
 
 @dataclass
@@ -307,3 +308,18 @@ def test_kl_stop_ends_the_run_after_the_first_step_past_it(tmp_path, tiny_dir, t
     assert f"scorer refined by GRPO for {moved + 1} steps" in capsys.readouterr().out.strip().splitlines()[-1]
     card = (tmp_path / "run" / "scorer" / "README.md").read_text()
     assert "β fixed at 0.05; stops after 6 steps or the first step whose KL per set exceeds 1e-09 nats" in card
+
+
+def test_adaptive_beta_doubles_above_the_band_halves_below_it_and_resumes(tiny_dir, start_scorer):
+    """PPO's rule around kl_target = 1: ×2 above 1.5, ÷2 below 1/1.5, never below the configured β; the β a
+    checkpoint saved is the one a resumed run continues with (a checkpoint from before β adapted: the config's)."""
+    module = GRPOScorer(str(start_scorer), B, L_, model=str(tiny_dir), beta=0.01, kl_target=1.0, rollout="branch")
+    seen = []
+    for kl in (2.0, 1.6, 1.2, 0.5, 0.6, 0.1, 0.1):
+        module._control_kl(kl)
+        seen.append(module.current_beta())
+    assert seen == pytest.approx([0.02, 0.04, 0.04, 0.02, 0.01, 0.01, 0.01])
+    module.on_load_checkpoint({"kl_beta": 0.32})
+    assert module.current_beta() == 0.32
+    module.on_load_checkpoint({})
+    assert module.current_beta() == 0.01

@@ -131,13 +131,21 @@ def estimators(settings: Settings) -> list[Estimator]:
     ]
 
 
+def model_and_scorer(
+    store: TraceStore, settings: PlacedSettings, scorer: str
+) -> tuple[torch.nn.Module, ForesightScorer]:
+    """The model that made `store`'s traces and `scorer`, placed as `settings` say, checked to fit each other."""
+    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
+    loaded = load_scorer(scorer).to(settings.run_device)
+    loaded.check_compatible(describe(model))
+    return model, loaded
+
+
 def run(settings: Settings) -> str:
     """Roll out, measure every estimator, check the planted reward; the report's markdown section."""
     started = time.perf_counter()
     store = TraceStore(settings.traces)
-    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
-    scorer = load_scorer(settings.scorer).to(settings.run_device)
-    scorer.check_compatible(describe(model))
+    model, scorer = model_and_scorer(store, settings, settings.scorer)
     traces = measured_traces(store, settings, scorer.config.budget + scorer.config.interval)
     scoring = {
         "temperature": settings.temperature,

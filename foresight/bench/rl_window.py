@@ -23,9 +23,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from foresight.bench.common import PlacedSettings, machine, threads_note
+from foresight.bench.rl_signal import model_and_scorer
 from foresight.data.trace_store import TraceStore
-from foresight.models import describe, load_model
-from foresight.scorer.model import load_scorer
 from trainers.branches import BranchSettings, WindowAgreement, window_agreement
 from trainers.estimators import GATE_WIDTH, REWARD_RULES, Estimator
 
@@ -70,9 +69,7 @@ def run(settings: Settings) -> str:
     """Continue every branch to its trace's end, compare the windows; the report's markdown section."""
     started = time.perf_counter()
     store = TraceStore(settings.traces)
-    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
-    scorer = load_scorer(settings.scorer).to(settings.run_device)
-    scorer.check_compatible(describe(model))
+    model, scorer = model_and_scorer(store, settings, settings.scorer)
     branches = BranchSettings(settings.branch_rows, max(settings.chunks), settings.branch_steps, settings.branch_layers)
     rules = {
         name: Estimator(name, offset=settings.damage_offset, gate_width=settings.damage_gate_width).damage_terms
