@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -28,6 +30,7 @@ from trainers.branches import (
 from trainers.cli import rl_cli_main
 from trainers.estimators import Estimator
 from trainers.grpo import GRPOScorer
+from trainers.rollouts import group_advantages
 
 
 @dataclass
@@ -323,3 +326,21 @@ def test_adaptive_beta_doubles_above_the_band_halves_below_it_and_resumes(tiny_d
     assert module.current_beta() == 0.32
     module.on_load_checkpoint({})
     assert module.current_beta() == 0.01
+
+
+def test_self_critical_scales_every_group_of_a_step_by_the_batch_rms(tiny_dir, start_scorer):
+    """The module's advantages of a step's branch groups: d_k over the rms of every d of the batch with
+    `self_critical` (a 1e-4 group keeps 1e-4 of the push), Eq. 9 per group otherwise (both groups ±1-sized)."""
+    rewards = torch.tensor([[0.0, -5.0, 1.0, 0.0], [1e-4, -1e-4, 0.0, 0.0]])
+    groups = [SimpleNamespace(scores=SimpleNamespace(credited=lambda credit, d=d: d)) for d in rewards]
+    rms = float(rewards.square().mean().sqrt())
+    for rule, expected in (
+        ("self_critical", rewards / (rms + 1e-8)),
+        ("group_normalised", torch.stack([group_advantages(d) for d in rewards])),
+    ):
+        module = GRPOScorer(str(start_scorer), B, L_, model=str(tiny_dir), rollout="branch", advantage_rule=rule)
+        module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+        credited = list(module._credited(groups))
+        assert [group for group, _ in credited] == groups
+        torch.testing.assert_close(torch.stack([a for _, a in credited]), expected, rtol=1e-6, atol=1e-12)
+    assert float(expected[1].abs().max()) > 0.9  # Eq. 9 pushes the 1e-4 group as hard as the 5-nat one
