@@ -68,11 +68,27 @@ class SupervisedCLI(LightningCLI):
         parser.link_arguments("data.scorer_spec", "model.scorer", apply_on="instantiate")
 
 
+class EpochCheckpoint(ModelCheckpoint):
+    """A ModelCheckpoint of its own class, so its state key differs from the `checkpoint` section's whatever
+    both are set to (Lightning refuses two checkpoint callbacks of one key)."""
+
+
 class ReinforcementCLI(LightningCLI):
-    """LightningCLI with a `checkpoint` section; the data's frozen model, B and L are linked into the module."""
+    """LightningCLI with a `checkpoint` section and an `epoch_checkpoint` section (a ModelCheckpoint keeping
+    `epoch-N.ckpt` at the end of every epoch, so the run's stopping rule can pick an epoch fixed before any
+    evaluation); the data's frozen model, B and L are linked into the module."""
 
     def add_arguments_to_parser(self, parser) -> None:
         add_checkpoint_section(parser)
+        parser.add_lightning_class_args(EpochCheckpoint, "epoch_checkpoint")
+        parser.set_defaults(
+            {
+                "epoch_checkpoint.every_n_epochs": 1,
+                "epoch_checkpoint.save_top_k": -1,
+                "epoch_checkpoint.filename": "epoch-{epoch}",
+                "epoch_checkpoint.auto_insert_metric_name": False,
+            }
+        )
         for name in ("model", "budget", "interval"):
             parser.link_arguments(f"data.{name}", f"model.{name}")
 

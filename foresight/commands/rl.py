@@ -4,9 +4,9 @@ Runs the reinforcement LightningCLI of `trainers.cli` on a YAML config (configs/
 embedded default on CPU), starting from --scorer (a `foresight fit` folder or a Hub id, trained for
 the config's B and L), which is also the frozen KL reference. Every step rolls out each trace of a
 batch G times with the scorer sampling its evictions, rewards low loss damage on low-entropy tokens,
-and takes a clipped-ratio step. Everything goes under --out: checkpoints/ (last.ckpt; resume with
---ckpt-path last), lightning_logs/ (TensorBoard: reward, KL, clip fraction, policy entropy, loss
-ratio, low-entropy damage) and scorer/ (config.json, model.safetensors and a model card saying it is
+and takes a clipped-ratio step. Everything goes under --out: checkpoints/ (last.ckpt, resume with
+--ckpt-path last; epoch-N.ckpt at the end of every epoch), lightning_logs/ (TensorBoard: reward, KL per
+(layer, KV head) set, clip fraction, policy entropy, loss ratio, low-entropy damage) and scorer/ (config.json, model.safetensors and a model card saying it is
 the reinforcement stage and what it started from). Under a DDP strategy (--set trainer.strategy=ddp
 --set trainer.devices=N) every process runs this command; each replays G / N rollouts of every trace.
 """
@@ -49,6 +49,7 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
         f"--config={args.config}",
         f"--trainer.default_root_dir={args.out}",
         f"--checkpoint.dirpath={args.out / 'checkpoints'}",
+        f"--epoch_checkpoint.dirpath={args.out / 'checkpoints'}",
         f"--model.scorer={args.scorer}",
     ]
     if args.traces is not None:
