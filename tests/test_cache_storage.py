@@ -55,7 +55,7 @@ def test_replay_equals_the_concatenating_cache_bit_for_bit(qwen3, monkeypatch, n
 
 # -- allocated once, held flat --------------------------------------------------------------------
 class StorageLog:
-    """After every generated token: the data pointers of every storage buffer and the bytes held."""
+    """After every generated token: the data pointers of every storage buffer and the bytes of the entry storage."""
 
     def __init__(self, engine: EvictionEngine):
         self.engine = engine
@@ -68,7 +68,7 @@ class StorageLog:
             b for layer in cache.layers for b in (*layer.storage.buffers.values(), layer.queries) if b is not None
         ]
         self.pointers.append(tuple(b.data_ptr() for b in buffers))
-        self.held.append(cache.storage_bytes())
+        self.held.append(sum(layer.storage.nbytes for layer in cache.layers))
 
 
 @pytest.mark.parametrize("name", ["knorm", "h2o", "snapkv", "foresight"])

@@ -154,7 +154,7 @@ def test_report_files(evaluated):
         f"{m.name}_by_memory.png" for m in METRICS if m.by_memory
     ]
     assert lines[-1].endswith(
-        f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json)"
+        f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json, token_nll.pt)"
     )
     assert plots[:2] == ["loss_ratio.png", "low_entropy_damage.png"]
 

@@ -115,7 +115,7 @@ def evaluate(
         for batch in batches
         for spec in _replayed(budget_specs)
     )
-    rows, scores = [], []
+    rows, scores, losses = [], [], []
     entry_bytes = describe(model).entry_bytes(next(model.parameters()).dtype)
     with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
         for budget, budget_specs, batches, batch_labels in plans:
@@ -138,8 +138,12 @@ def evaluate(
             ]
             rows += budget_rows
             scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
+            losses += [loss for spec in budget_specs for loss in tallies[spec.name].token_losses(spec.name, budget)]
     learned = tuple(spec.name for spec in specs if isinstance(spec, ScorerSpec))
-    return EvaluationResult(rows=rows, notes=notes, trace_scores=scores, learned=learned)
+    reference_nll = {t.index: t.token_nll.float() for t in traces}
+    return EvaluationResult(
+        rows=rows, notes=notes, trace_scores=scores, learned=learned, token_losses=losses, reference_nll=reference_nll
+    )
 
 
 def kv_memory(

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from foresight.artifacts import write_text
+from foresight.eval.equal_bytes import TOKEN_NLL, TokenLosses, save_token_losses
 from foresight.eval.headroom import Headroom, TraceScore, headroom, headroom_rows
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.report import Column, markdown_table, write_results
@@ -23,6 +26,8 @@ class EvaluationResult:
     notes: list[str]
     trace_scores: list[TraceScore] = field(default_factory=list)
     learned: tuple[str, ...] = ()  # the rows of learned scorers (`ScorerSpec`), whatever they are named
+    token_losses: list[TokenLosses] = field(default_factory=list)  # per (policy, budget, trace): every token's NLL
+    reference_nll: dict[int, torch.Tensor] = field(default_factory=dict)  # per trace index: the full cache's NLL
 
 
 PLOTTED = tuple(m.name for m in METRICS if m.plotted)
@@ -54,7 +59,8 @@ def evaluation_table(rows: Sequence[dict[str, Any]]) -> str:
 def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (settings, notes, table) and one PNG
     per metric (budget against the metric, one line per policy, intervals as error bars), plus
-    traces.json (every scored trace's sums) and, for each learned scorer, its share of the headroom
+    traces.json (every scored trace's sums), token_nll.pt (every scored trace's per-token NLL, for scoring
+    budgets on common tokens: `foresight.eval.equal_bytes`) and, for each learned scorer, its share of the headroom
     over the best heuristic (a results.md section and headroom.json). Returns the paths written."""
     comparisons = learned_headroom(result)
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
@@ -74,6 +80,8 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
     )
     paths.append(Path(out_dir) / "traces.json")
     write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))
+    paths.append(Path(out_dir) / TOKEN_NLL)
+    save_token_losses(paths[-1], result.token_losses, result.reference_nll)
     if comparisons:
         paths.append(Path(out_dir) / "headroom.json")
         write_text(paths[-1], json.dumps([row for c in comparisons for row in headroom_rows(c)], indent=1))

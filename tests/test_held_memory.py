@@ -1,0 +1,87 @@
+"""The held-memory accounting (`foresight.runtime.held_memory`) against the live cache after a run, per
+policy, and against the issue's hand count on the default model's shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foresight.models import ModelShape, describe, tiny_model
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.held_memory import held_bytes
+from foresight.scorer.model import ForesightScorer
+from tests.policy_lists import constructible_policies
+from tests.prompts import prompts
+from tests.scorers import make_config, random_scorer
+
+B, L = 12, 4
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3", num_hidden_layers=3)
+
+
+def make(name: str, model) -> EvictionEngine:
+    policy = make_policy(name, scorer=random_scorer(model)) if name == "foresight" else make_policy(name)
+    return EvictionEngine(model, policy, EvictionConfig(B, L))
+
+
+@pytest.mark.parametrize("name", ["foresight", *constructible_policies()])
+def test_the_accounting_equals_the_live_cache_after_a_run(qwen3, name):
+    engine = make(name, qwen3)
+    batch = prompts([5, 9, 14], seed=3)
+    output = engine.generate(batch, 30)
+    assert output.stats.evictions >= 3
+    cache = engine.last_cache
+    layer = cache.layers[0]
+    assert all(other.unobserved_count == layer.unobserved_count for other in cache.layers)
+    protected = max(map(len, batch)) if engine.protect_prompt else 0
+    assert layer.storage.slots == B + L + protected  # the run's storage is sized for the most it holds
+    held = held_bytes(
+        describe(qwen3), engine.policy, B, L, torch.float32, protected=protected, buffered=layer.unobserved_count
+    )
+    assert held.entries == layer.storage.slots
+    assert cache.storage_bytes() == len(batch) * held.total
+    ring = sum(t.nbytes for t in (layer.queries, layer.query_positions) if t is not None)
+    assert held.ring == ring * len(cache.layers) // len(batch)
+
+
+def test_every_query_policies_publish_the_most_they_buffer(qwen3):
+    """Between two observations an every-query policy buffers up to L queries: that peak is what is published."""
+    h2o = make_policy("h2o")
+    published = held_bytes(describe(qwen3), h2o, B, L, torch.float32)
+    shape = describe(qwen3)
+    per_query = shape.num_query_heads * shape.head_dim * 4 + 8  # float32 vector per query head, a long position
+    assert published.buffered == shape.num_layers * L * per_query and published.ring == 0
+    with pytest.raises(ValueError, match="buffers no queries"):
+        held_bytes(shape, make_policy("snapkv"), B, L, torch.float32, buffered=1)
+    with pytest.raises(ValueError, match="give the entries it holds"):
+        held_bytes(shape, make_policy("full"), B, L, torch.float32)
+
+
+def _issue_count(shape: ModelShape, budget: int, interval: int, itemsize: int, state_per_entry: int, ring: int):
+    """The issue's hand count per (layer, KV head, entry), over K/V: positions, state, ring."""
+    kv = 2 * shape.head_dim * itemsize
+    ring_bytes = ring * (shape.group_size * shape.head_dim * itemsize + 8 / shape.num_kv_heads)
+    return 8 / kv, state_per_entry / kv, ring_bytes / ((budget + interval) * kv)
+
+
+def test_the_default_models_figures_match_the_issues_hand_count():
+    """SmolLM2-135M in float32 at B = 128, L = 32: SnapKV +9% (an 8-query ring), the learned scorer +39%
+    (positions 1.6%, state 7.8%, ring 30%): three float32 sums per query head and a float32 count per entry."""
+    shape = ModelShape(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64)
+    snapkv = held_bytes(shape, make_policy("snapkv"), 128, 32, torch.float32)
+    positions, state, ring = _issue_count(shape, 128, 32, 4, 0, 8)
+    assert snapkv.state == 0
+    assert snapkv.overhead == pytest.approx(positions + state + ring, rel=1e-12)
+    assert round(snapkv.overhead, 2) == 0.09
+    sizes = dict(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64, budget=128, interval=32)
+    scorer = ForesightScorer(make_config(**sizes, feature_set="standardised"))
+    learned = held_bytes(shape, make_policy("foresight", scorer=scorer), 128, 32, torch.float32)
+    positions, state, ring = _issue_count(shape, 128, 32, 4, 4 * (3 * shape.group_size + 1), 32)
+    assert learned.positions / learned.kv == pytest.approx(positions, rel=1e-12)
+    assert learned.state / learned.kv == pytest.approx(state, rel=1e-12)
+    assert learned.ring / learned.kv == pytest.approx(ring, rel=1e-12)
+    assert round(learned.overhead, 2) == 0.39
