@@ -22,7 +22,7 @@ from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.eval.stats import bootstrap_interval
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.metrics import attention_cosine
-from foresight.models import describe, tiny_model
+from foresight.models import tiny_model
 from foresight.policies import POLICIES, make_policy
 from foresight.policies.triattention_stats import calibrate
 from foresight.runtime.capture import eviction_attention
@@ -189,22 +189,33 @@ def test_each_row_pools_the_per_trace_sums_it_reports(evaluated):
 
 def test_rows_state_the_kv_memory_each_policy_holds(evaluated, traces_dir, model):
     """B + L entries per sequence, plus the mean prompt for a policy that protects it; the full cache
-    holds the whole trace (the x axis of the memory plots)."""
+    holds the whole trace (the x axis of the memory plots). The MiB count what each policy holds with its
+    entries: float32 K/V, a long position and its state per (layer, KV head, entry), and per layer its query
+    ring (a float32 vector per query head and a long position per query) or, for a policy that observes
+    every query, the L queries it may buffer."""
     rows, _, _ = evaluated
     traces = list(TraceStore(traces_dir))
-    entry = describe(model).entry_bytes(torch.float32)
-    assert entry == 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 4 * (
-        model.config.hidden_size // model.config.num_attention_heads
-    )
     mean_length = sum(t.input_ids.numel() for t in traces) / len(traces)
     mean_prompt = sum(t.prompt_length for t in traces) / len(traces)
+    config = model.config
+    layers, kv_heads, query_heads = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads
+    dim, group = config.hidden_size // query_heads, query_heads // kv_heads
     for budget in (B, UNLABELLED_B):
         by_policy = rows_of(rows, budget)
         assert by_policy["full"]["kv_entries"] == pytest.approx(mean_length)
         assert by_policy["h2o"]["kv_entries"] == budget + L
         assert by_policy["random-prompt"]["kv_entries"] == pytest.approx(budget + L + mean_prompt)
-        for row in by_policy.values():
-            assert row["kv_mib"] == pytest.approx(row["kv_entries"] * entry / 2**20)
+        for name, row in by_policy.items():
+            policy = POLICIES[name]
+            state = sum(group if f.per_query_head else 1 for f in policy.state_fields)
+            entry = kv_heads * (2 * dim * 4 + 8 + 4 * state)
+            every_query = policy.evicts and policy.observed_queries != "window"
+            window = (
+                0 if not (policy.evicts and policy.needs_attention) else min(L, {"snapkv": 8, "tova": 1}.get(name, L))
+            )
+            queries = L if every_query else window
+            expected = layers * (row["kv_entries"] * entry + queries * (query_heads * dim * 4 + 8))
+            assert row["kv_mib"] == pytest.approx(expected / 2**20, rel=1e-12), name
 
 
 class _OutputRecorder:
