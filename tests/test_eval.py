@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from foresight import cli
 from foresight.data.trace_generation import generate_traces, token_losses
 from foresight.data.trace_store import Trace, TraceStore
+from foresight.eval.equal_bytes import TOKEN_NLL, load_token_losses
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
@@ -977,3 +978,21 @@ def test_sampled_seeds_options_and_errors(traces_dir, tmp_path, patched_model, m
         assert cli.main(argv) == 2, message
         error = capsys.readouterr().err.strip()
         assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error, error
+
+
+def test_saved_token_losses_give_the_published_sums(evaluated):
+    """token_nll.pt: every (policy, budget, trace) with its first eviction and every prediction's NLL, whose
+    scored part sums to traces.json's; the full cache's NLL per trace is the reference both divide by."""
+    _, _, out = evaluated
+    losses, reference = load_token_losses(out / TOKEN_NLL)
+    scores = {(s["policy"], s["budget"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
+    assert len(losses) == len(scores)
+    for loss in losses:
+        score = scores[loss.policy, loss.budget, loss.index]
+        assert loss.nll.numel() - loss.first_eviction == score["tokens"]
+        assert float(loss.nll[loss.first_eviction :].double().sum()) == pytest.approx(score["nll_evicted"], rel=1e-6)
+        assert float(reference[loss.index][loss.first_eviction :].double().sum()) == pytest.approx(
+            score["nll_full"], rel=1e-6
+        )
+    golden_cadence = [loss for loss in losses if loss.policy in ("h2o", "snapkv", "golden")]
+    assert golden_cadence and all(loss.first_eviction == loss.budget + L for loss in golden_cadence)
