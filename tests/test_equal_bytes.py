@@ -3,11 +3,21 @@ token set, the pooled ratios on it and the linear interpolation along each heuri
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from foresight.eval.equal_bytes import TokenLosses, common_starts, equal_bytes, interpolate
+import foresight.bench.equal_bytes as equal_bytes_bench
+from foresight.eval.equal_bytes import (
+    TOKEN_NLL,
+    TokenLosses,
+    common_starts,
+    equal_bytes,
+    interpolate,
+    save_token_losses,
+)
 
 L = 4
 LENGTHS = {0: 60, 1: 45, 2: 52}  # predictions per trace
@@ -94,3 +104,22 @@ def test_interpolation_is_linear_between_the_bracketing_points():
         expected = [np.interp(x, xs, ys[:, k]) for k in range(2)]
         assert interpolate(xs, ys, x) == pytest.approx(expected, rel=1e-15)
     assert interpolate(xs, ys, 0.5) is None and interpolate(xs, ys, 4.5) is None
+
+
+def test_the_benchmark_reads_eval_folders(tmp_path):
+    """`foresight bench equal-bytes` merges the folders' token_nll.pt and results.json (kv_mib) into one figure."""
+    losses, reference = synthetic()
+    folders = [tmp_path / "at-8", tmp_path / "sweep"]
+    for folder, keep in zip(folders, (lambda b: b == 8, lambda b: b != 8)):
+        folder.mkdir()
+        mine = [loss for loss in losses if keep(loss.budget)]
+        save_token_losses(folder / TOKEN_NLL, mine, reference)
+        rows = [{"policy": p, "budget": b, "kv_mib": mib} for (p, b), mib in HELD.items() if keep(b)]
+        (folder / "results.json").write_text(json.dumps(rows))
+    text = equal_bytes_bench.run(
+        equal_bytes_bench.Settings(
+            sets=(f"toy={folders[0]},{folders[1]}",), learned="foresight", budget=8, heuristics="snapkv,tova"
+        )
+    )
+    direct = equal_bytes(losses, reference, HELD, "foresight", 8, ["snapkv", "tova"])
+    assert direct.markdown() in text and f"{direct.share.value:.1%}" in text

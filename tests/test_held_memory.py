@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import foresight.bench.held_memory as held_memory_bench
 from foresight.models import ModelShape, describe, tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
@@ -85,3 +86,27 @@ def test_the_default_models_figures_match_the_issues_hand_count():
     assert learned.state / learned.kv == pytest.approx(state, rel=1e-12)
     assert learned.ring / learned.kv == pytest.approx(ring, rel=1e-12)
     assert round(learned.overhead, 2) == 0.39
+
+
+def test_the_table_of_bytes_per_entry_on_qwen3_4bs_shape():
+    """`foresight bench held-memory` on an architecture config, bf16, B = 1024, L = 256: bf16 K/V of 36 layers x 8
+    KV heads x 128 dims, a long position per (layer, KV head), SnapKV's 8-query ring over the 1280 entries,
+    and every row's parts summing to its total."""
+    report = held_memory_bench.run(
+        held_memory_bench.Settings(
+            model="configs/models/qwen3-4b.json", dtype="bfloat16", budget=1024, interval=256, policies="snapkv,h2o"
+        )
+    )
+    rows = {
+        line.split("|")[1].strip(): [float(cell.strip(" %+")) for cell in line.split("|")[2:-1]]
+        for line in report.splitlines()
+        if line.startswith("| ") and not line.startswith("| policy")
+    }
+    assert set(rows) == {"full", "snapkv", "h2o"}
+    layers_heads = 36 * 8
+    ring = 36 * 8 * (32 * 128 * 2 + 8) / 1280
+    assert rows["snapkv"][:5] == pytest.approx([layers_heads * 2 * 128 * 2, layers_heads * 8, 0, ring, 0], abs=0.05)
+    assert rows["h2o"][2] == layers_heads * 4 and rows["h2o"][3] == 0  # one float32 sum; L buffered queries, no ring
+    for parts in rows.values():
+        assert sum(parts[:5]) == pytest.approx(parts[5], abs=0.3)
+        assert parts[6] == pytest.approx(100 * (parts[5] - parts[0]) / parts[0], abs=0.06)
