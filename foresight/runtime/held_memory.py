@@ -1,5 +1,5 @@
 """What a policy holds per sequence, in bytes, counted from the declarations the cache allocates from
-(docs/algorithms.md section 9).
+(docs/algorithms.md section 8, "KV memory").
 
 Per layer and batch row, a policy that evicts every L tokens at budget B holds:
 
