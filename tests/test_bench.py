@@ -94,7 +94,9 @@ def test_memory_benchmark_writes_its_section(shrunk_config, tmp_path, capsys):
         if line.startswith("| ") and "---" not in line
     }
     assert list(rows)[1:] == ["| full", "| knorm", "| foresight"]
-    assert int(rows["| foresight"][8]) > int(rows["| knorm"][8])  # an entry's bytes: its feature state on top
+    assert int(rows["| foresight"][9]) > int(rows["| knorm"][9])  # an entry's bytes: its feature state on top
+    for policy in ("| knorm", "| foresight"):  # the accounting equals the storage held (no buffered queries)
+        assert rows[policy][5] == rows[policy][4]
 
 
 def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp_path):
