@@ -8,25 +8,17 @@ import torch
 
 import foresight.runtime.engine as engine_module
 from foresight.models import tiny_model
-from foresight.policies import make_policy
 from foresight.runtime.cache import EntryLayout, EntryStorage, StateField
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.engine import EvictionEngine
 from tests.policy_lists import constructible_policies
 from tests.prompts import prompts
 from tests.reference_cache import ConcatenatingCache
-from tests.scorers import random_scorer
-
-B, L = 12, 4
+from tests.storage_engines import B, L, make
 
 
 @pytest.fixture(scope="module")
 def qwen3():
     return tiny_model("qwen3", num_hidden_layers=3)
-
-
-def make(name: str, model) -> EvictionEngine:
-    policy = make_policy(name, scorer=random_scorer(model)) if name == "foresight" else make_policy(name)
-    return EvictionEngine(model, policy, EvictionConfig(B, L) if policy.evicts else None)
 
 
 # -- equal to the concatenating cache -------------------------------------------------------------

@@ -9,24 +9,17 @@ import torch
 import foresight.bench.held_memory as held_memory_bench
 from foresight.models import ModelShape, describe, tiny_model
 from foresight.policies import make_policy
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.held_memory import held_bytes
 from foresight.scorer.model import ForesightScorer
 from tests.policy_lists import constructible_policies
 from tests.prompts import prompts
-from tests.scorers import make_config, random_scorer
-
-B, L = 12, 4
+from tests.scorers import make_config
+from tests.storage_engines import B, L, make
 
 
 @pytest.fixture(scope="module")
 def qwen3():
     return tiny_model("qwen3", num_hidden_layers=3)
-
-
-def make(name: str, model) -> EvictionEngine:
-    policy = make_policy(name, scorer=random_scorer(model)) if name == "foresight" else make_policy(name)
-    return EvictionEngine(model, policy, EvictionConfig(B, L))
 
 
 @pytest.mark.parametrize("name", ["foresight", *constructible_policies()])
