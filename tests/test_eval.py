@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from foresight import cli
 from foresight.data.trace_generation import generate_traces, token_losses
 from foresight.data.trace_store import Trace, TraceStore
-from foresight.eval.equal_bytes import TOKEN_NLL, load_token_losses
+from foresight.eval.equal_bytes import TOKEN_NLL, equal_bytes, load_token_losses
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
@@ -591,6 +591,12 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     per_trace = json.loads((out / "traces.json").read_text())
     assert {(s["policy"], s["budget"]) for s in per_trace} >= {("foresight", B), ("h2o", B), ("golden", B)}
     assert sum(s["tokens"] for s in per_trace if s["policy"] == "foresight") == learned[0]["tokens"]
+    # h2o's sweep of two budgets gives the headroom at equal bytes, from the saved per-token losses
+    losses, reference = load_token_losses(out / TOKEN_NLL)
+    held = {(row["policy"], row["budget"]): row["kv_mib"] for row in rows}
+    at_bytes = equal_bytes(losses, reference, held, "foresight", B, ["h2o"])
+    assert f"## The learned scorer at equal bytes\n\n{at_bytes.markdown()}" in report
+    assert at_bytes.traces == len([s for s in per_trace if (s["policy"], s["budget"]) == ("h2o", UNLABELLED_B)])
 
 
 def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):

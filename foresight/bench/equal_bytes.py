@@ -39,5 +39,7 @@ def run(settings: Settings) -> str:
         result = equal_bytes(
             losses, reference, held_by_row(folders), settings.learned, settings.budget, settings.heuristics.split(",")
         )
+        if result is None:
+            raise ValueError(f"set {name}: no trace was scored by every compared row; evaluate them on the same traces")
         parts.append(f"**{name}**\n\n{result.markdown()}")
     return "\n\n".join(parts) + "\n"

@@ -192,9 +192,10 @@ def equal_bytes(
     heuristics: Sequence[str],
     seed: int = 0,
     resamples: int = RESAMPLES,
-) -> EqualBytes:
+) -> EqualBytes | None:
     """The headroom at equal bytes of `learned` at `budget` over `heuristics` (each with every budget it was
-    evaluated at), on common tokens. `held_mib`: MiB per sequence of every row (eval's `kv_mib`)."""
+    evaluated at), on common tokens, or None when no trace was scored by every compared row. `held_mib`: MiB
+    per sequence of every row (eval's `kv_mib`)."""
     available = {(loss.policy, loss.budget) for loss in losses}
     sweeps = {h: sorted(b for p, b in available if p == h) for h in heuristics}
     rows = [(learned, budget), (ORACLE, budget), *((h, b) for h, bs in sweeps.items() for b in bs)]
@@ -205,7 +206,7 @@ def equal_bytes(
         raise ValueError(f"no per-token losses for {', '.join(missing)} in the folders given")
     starts = common_starts(losses, rows)
     if not starts:
-        raise ValueError("no trace was scored by every compared row")
+        return None
     weights = resample_weights(len(starts), resamples, seed)
     ratios = {row: pooled_ratio(*common_token_sums(losses, reference, starts, row), weights) for row in rows}
     target = held_mib[learned, budget]

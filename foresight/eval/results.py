@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from foresight.artifacts import write_text
-from foresight.eval.equal_bytes import TOKEN_NLL, TokenLosses, save_token_losses
-from foresight.eval.headroom import Headroom, TraceScore, headroom, headroom_rows
+from foresight.eval.equal_bytes import TOKEN_NLL, EqualBytes, TokenLosses, equal_bytes, save_token_losses
+from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, headroom_rows
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.report import Column, markdown_table, write_results
 from foresight.eval.specs import REFERENCE
@@ -64,6 +64,7 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
     over the best heuristic (a results.md section and headroom.json). Returns the paths written."""
     comparisons = learned_headroom(result)
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
+    sections += [f"## The learned scorer at equal bytes\n\n{c.markdown()}" for c in equal_bytes_headroom(result)]
     paths = write_results(
         out_dir,
         "Teacher-forced evaluation",
@@ -86,6 +87,20 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
         paths.append(Path(out_dir) / "headroom.json")
         write_text(paths[-1], json.dumps([row for c in comparisons for row in headroom_rows(c)], indent=1))
     return paths
+
+
+def equal_bytes_headroom(result: EvaluationResult) -> list[EqualBytes]:
+    """`foresight.eval.equal_bytes.equal_bytes` of every learned row at a budget with golden, against every
+    heuristic evaluated at two budgets or more on the golden cadence (B + L entries: no protected prompt)."""
+    held = {(r["policy"], r["budget"]): r["kv_mib"] for r in result.rows if r.get("kv_mib") is not None}
+    cadence = {(r["policy"], r["budget"]) for r in result.rows if r.get("kv_entries") == r["budget"] + r["interval"]}
+    policies = {policy for policy, _ in cadence} - {REFERENCE.name, ORACLE, *result.learned}
+    sweeps = sorted(p for p in policies if sum(1 for q, _ in cadence if q == p) >= 2)
+    runs = sorted((b, p) for p, b in held if p in result.learned and (ORACLE, b) in held)
+    if not sweeps:
+        return []
+    found = (equal_bytes(result.token_losses, result.reference_nll, held, p, b, sweeps) for b, p in runs)
+    return [c for c in found if c is not None]
 
 
 def learned_headroom(result: EvaluationResult) -> list[Headroom]:
