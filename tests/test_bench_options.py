@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {  # values of the options without a default, by field name
     "traces": Path("runs/traces dir"),
     "kv_memory": "512MiB",
+    "heuristics": "snapkv,tova",
     "sets": ("a b=runs/x,runs/y", "c=runs/z"),
     "learned": ("shipped=paper features", "std=standardised"),
     "scorer": ("sl=checkpoints/default", "rl=runs/rl"),

@@ -8,25 +8,17 @@ import torch
 
 import foresight.runtime.engine as engine_module
 from foresight.models import tiny_model
-from foresight.policies import make_policy
 from foresight.runtime.cache import EntryLayout, EntryStorage, StateField
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.engine import EvictionEngine
 from tests.policy_lists import constructible_policies
 from tests.prompts import prompts
 from tests.reference_cache import ConcatenatingCache
-from tests.scorers import random_scorer
-
-B, L = 12, 4
+from tests.storage_engines import B, L, make
 
 
 @pytest.fixture(scope="module")
 def qwen3():
     return tiny_model("qwen3", num_hidden_layers=3)
-
-
-def make(name: str, model) -> EvictionEngine:
-    policy = make_policy(name, scorer=random_scorer(model)) if name == "foresight" else make_policy(name)
-    return EvictionEngine(model, policy, EvictionConfig(B, L) if policy.evicts else None)
 
 
 # -- equal to the concatenating cache -------------------------------------------------------------
@@ -55,7 +47,7 @@ def test_replay_equals_the_concatenating_cache_bit_for_bit(qwen3, monkeypatch, n
 
 # -- allocated once, held flat --------------------------------------------------------------------
 class StorageLog:
-    """After every generated token: the data pointers of every storage buffer and the bytes held."""
+    """After every generated token: the data pointers of every storage buffer and the bytes of the entry storage."""
 
     def __init__(self, engine: EvictionEngine):
         self.engine = engine
@@ -68,7 +60,7 @@ class StorageLog:
             b for layer in cache.layers for b in (*layer.storage.buffers.values(), layer.queries) if b is not None
         ]
         self.pointers.append(tuple(b.data_ptr() for b in buffers))
-        self.held.append(cache.storage_bytes())
+        self.held.append(sum(layer.storage.nbytes for layer in cache.layers))
 
 
 @pytest.mark.parametrize("name", ["knorm", "h2o", "snapkv", "foresight"])

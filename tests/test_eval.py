@@ -16,13 +16,14 @@ from transformers import AttentionInterface
 from foresight import cli
 from foresight.data.trace_generation import generate_traces, token_losses
 from foresight.data.trace_store import Trace, TraceStore
+from foresight.eval.equal_bytes import TOKEN_NLL, equal_bytes, load_token_losses
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.eval.stats import bootstrap_interval
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
 from foresight.metrics import attention_cosine
-from foresight.models import describe, tiny_model
+from foresight.models import tiny_model
 from foresight.policies import POLICIES, make_policy
 from foresight.policies.triattention_stats import calibrate
 from foresight.runtime.capture import eviction_attention
@@ -154,7 +155,7 @@ def test_report_files(evaluated):
         f"{m.name}_by_memory.png" for m in METRICS if m.by_memory
     ]
     assert lines[-1].endswith(
-        f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json)"
+        f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json, token_nll.pt)"
     )
     assert plots[:2] == ["loss_ratio.png", "low_entropy_damage.png"]
 
@@ -189,22 +190,33 @@ def test_each_row_pools_the_per_trace_sums_it_reports(evaluated):
 
 def test_rows_state_the_kv_memory_each_policy_holds(evaluated, traces_dir, model):
     """B + L entries per sequence, plus the mean prompt for a policy that protects it; the full cache
-    holds the whole trace (the x axis of the memory plots)."""
+    holds the whole trace (the x axis of the memory plots). The MiB count what each policy holds with its
+    entries: float32 K/V, a long position and its state per (layer, KV head, entry), and per layer its query
+    ring (a float32 vector per query head and a long position per query) or, for a policy that observes
+    every query, the L queries it may buffer."""
     rows, _, _ = evaluated
     traces = list(TraceStore(traces_dir))
-    entry = describe(model).entry_bytes(torch.float32)
-    assert entry == 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 4 * (
-        model.config.hidden_size // model.config.num_attention_heads
-    )
     mean_length = sum(t.input_ids.numel() for t in traces) / len(traces)
     mean_prompt = sum(t.prompt_length for t in traces) / len(traces)
+    config = model.config
+    layers, kv_heads, query_heads = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads
+    dim, group = config.hidden_size // query_heads, query_heads // kv_heads
     for budget in (B, UNLABELLED_B):
         by_policy = rows_of(rows, budget)
         assert by_policy["full"]["kv_entries"] == pytest.approx(mean_length)
         assert by_policy["h2o"]["kv_entries"] == budget + L
         assert by_policy["random-prompt"]["kv_entries"] == pytest.approx(budget + L + mean_prompt)
-        for row in by_policy.values():
-            assert row["kv_mib"] == pytest.approx(row["kv_entries"] * entry / 2**20)
+        for name, row in by_policy.items():
+            policy = POLICIES[name]
+            state = sum(group if f.per_query_head else 1 for f in policy.state_fields)
+            entry = kv_heads * (2 * dim * 4 + 8 + 4 * state)
+            every_query = policy.evicts and policy.observed_queries != "window"
+            window = (
+                0 if not (policy.evicts and policy.needs_attention) else min(L, {"snapkv": 8, "tova": 1}.get(name, L))
+            )
+            queries = L if every_query else window
+            expected = layers * (row["kv_entries"] * entry + queries * (query_heads * dim * 4 + 8))
+            assert row["kv_mib"] == pytest.approx(expected / 2**20, rel=1e-12), name
 
 
 class _OutputRecorder:
@@ -579,6 +591,12 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     per_trace = json.loads((out / "traces.json").read_text())
     assert {(s["policy"], s["budget"]) for s in per_trace} >= {("foresight", B), ("h2o", B), ("golden", B)}
     assert sum(s["tokens"] for s in per_trace if s["policy"] == "foresight") == learned[0]["tokens"]
+    # h2o's sweep of two budgets gives the headroom at equal bytes, from the saved per-token losses
+    losses, reference = load_token_losses(out / TOKEN_NLL)
+    held = {(row["policy"], row["budget"]): row["kv_mib"] for row in rows}
+    at_bytes = equal_bytes(losses, reference, held, "foresight", B, ["h2o"])
+    assert f"## The learned scorer at equal bytes\n\n{at_bytes.markdown()}" in report
+    assert at_bytes.traces == len([s for s in per_trace if (s["policy"], s["budget"]) == ("h2o", UNLABELLED_B)])
 
 
 def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):
@@ -966,3 +984,21 @@ def test_sampled_seeds_options_and_errors(traces_dir, tmp_path, patched_model, m
         assert cli.main(argv) == 2, message
         error = capsys.readouterr().err.strip()
         assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error, error
+
+
+def test_saved_token_losses_give_the_published_sums(evaluated):
+    """token_nll.pt: every (policy, budget, trace) with its first eviction and every prediction's NLL, whose
+    scored part sums to traces.json's; the full cache's NLL per trace is the reference both divide by."""
+    _, _, out = evaluated
+    losses, reference = load_token_losses(out / TOKEN_NLL)
+    scores = {(s["policy"], s["budget"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
+    assert len(losses) == len(scores)
+    for loss in losses:
+        score = scores[loss.policy, loss.budget, loss.index]
+        assert loss.nll.numel() - loss.first_eviction == score["tokens"]
+        assert float(loss.nll[loss.first_eviction :].double().sum()) == pytest.approx(score["nll_evicted"], rel=1e-6)
+        assert float(reference[loss.index][loss.first_eviction :].double().sum()) == pytest.approx(
+            score["nll_full"], rel=1e-6
+        )
+    golden_cadence = [loss for loss in losses if loss.policy in ("h2o", "snapkv", "golden")]
+    assert golden_cadence and all(loss.first_eviction == loss.budget + L for loss in golden_cadence)

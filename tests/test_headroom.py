@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from foresight.cli import main
-from foresight.eval.headroom import TraceScore, _resample_weights, headroom, paired_gain
+from foresight.eval.headroom import TraceScore, headroom, paired_gain, resample_weights
 
 B = 128
 TOKENS = (100, 50, 80)  # scored tokens of the three traces
@@ -49,7 +49,7 @@ def test_share_of_headroom_by_hand():
 def test_intervals_equal_a_loop_over_the_resampled_traces():
     """The reference: draw the same resamples, pool each by plain sums, take the percentiles."""
     result = headroom(RUN, B, "foresight", seed=3, resamples=500)
-    weights = _resample_weights(3, 500, seed=3)
+    weights = resample_weights(3, 500, seed=3)
     table = {(s.policy, s.index): s for s in RUN}
     shares = []
     for row in weights[1:]:

@@ -17,6 +17,7 @@ from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark
 from foresight.bench.process_memory import held_bytes, peak_bytes, reset_peak, resident_bytes
 from foresight.models import describe
 from foresight.runtime.engine import EvictionEngine
+from foresight.runtime.held_memory import held_bytes as held_memory
 
 NAME = "memory"
 MIB = 2**20
@@ -40,6 +41,7 @@ class MemoryTrace:
     storage_start: int = 0
     storage_end: int = 0
     entry_bytes: int = 0  # one cache entry: K, V, position and state, every layer and row
+    accounted: int = 0  # what `foresight.runtime.held_memory` counts the run's rows to hold at their peak
     allocations: int = 0  # storage allocations of a layer, the most of any layer
     held_start: int = 0
     held_end: int = 0
@@ -74,6 +76,11 @@ class _Sampler:
         trace.storage_end, trace.held_end = cache.storage_bytes(), held_bytes(self.device)
         trace.allocations = max(layer.storage.allocations for layer in cache.layers)
         trace.entry_bytes = sum(layer.storage.nbytes // layer.storage.slots for layer in cache.layers)
+        engine, layer = self.engine, cache.layers[0]
+        budget, interval = (engine.config.budget, engine.config.interval) if engine.evicts else (0, 0)
+        shape, dtype = describe(engine.model), engine.model.dtype
+        held = held_memory(shape, engine.policy, budget, interval, dtype, entries=layer.storage.slots)
+        trace.accounted = layer.storage.batch * held.total
 
 
 def run(settings: Settings) -> str:
@@ -113,19 +120,21 @@ def _report(settings: Settings, traces: list[MemoryTrace], shape, dtype, prompt_
         f"prompt, B = {settings.budget}, L = {settings.interval}, {settings.max_new_tokens} new tokens, EOS ignored. From = the "
         "generated token at which the first eviction had happened (full: the second, after the prefill's "
         "logits are freed). Storage = the cache's "
-        f"buffers (K, V, positions, policy state, query ring buffer); allocations = times a layer allocated them. "
+        f"buffers (K, V, positions, policy state, query ring buffer, queries not yet observed); accounted = what "
+        "`foresight.runtime.held_memory` counts the rows to hold at their peak (every-query policies: L buffered "
+        "queries; the figure eval and the baselines publish); allocations = times a layer allocated them. "
         f"Held = {held}, sampled after every token; peak above held = {peak} after the reference step minus "
         "what was resident then. Entry = the bytes one more cache entry takes (K, V, position, state; every "
         "layer and row): what a cache that grows by a token per step would add per token." + settings.scorer_note(),
         "",
-        "| policy | max entries | from token | storage MiB then | storage MiB at end | allocations | held growth KiB | "
-        "held growth B/token | entry B | peak above held MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | max entries | from token | storage MiB then | storage MiB at end | accounted MiB | allocations | "
+        "held growth KiB | held growth B/token | entry B | peak above held MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in traces:
         lines.append(
             f"| {t.policy} | {t.max_entries} | {t.start} | {t.storage_start / MIB:.2f} | {t.storage_end / MIB:.2f} "
-            f"| {t.allocations} | {(t.held_end - t.held_start) / 1024:.1f} | {t.held_growth_per_token:.0f} "
+            f"| {t.accounted / MIB:.2f} | {t.allocations} | {(t.held_end - t.held_start) / 1024:.1f} | {t.held_growth_per_token:.0f} "
             f"| {t.entry_bytes} | {(t.peak - t.resident_start) / MIB:.1f} |"
         )
     return "\n".join(lines) + "\n"

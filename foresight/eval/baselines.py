@@ -3,7 +3,7 @@ trace sets and budgets; and each policy's loss ratio against the KV memory it ho
 
 Each set is one or more `foresight eval` folders of the same traces, merged as `foresight bench ablation`
 merges them (traces.json, every scored trace's sums: a trace scored twice must agree), plus each row's
-peak KV memory per sequence from results.json. Per set and budget: every policy's pooled loss ratio and
+peak KV memory per sequence from results.json (everything the policy holds: `foresight.runtime.held_memory`). Per set and budget: every policy's pooled loss ratio and
 low-entropy damage with 95% bootstrap intervals over traces, its KV memory, and the learned scorer's
 paired gain over it (policy − learned; positive: the learned scorer is better) on the traces both scored
 on the same tokens. A policy that protects the prompt scores only the tokens after it and holds the
@@ -93,8 +93,10 @@ def baselines_report(trace_sets: TraceSets, learned_rows: Sequence[str], budgets
     `learned_rows` it holds."""
     parts = [
         "Loss ratio and low-entropy damage pooled over traces; gains paired over the traces both policies scored on "
-        "the same tokens, 95% bootstrap intervals; positive: the learned scorer is better. KV MiB: the peak cache per "
-        "sequence (B + L entries, plus the prompt for a policy that protects it; the full cache: the whole trace).",
+        "the same tokens, 95% bootstrap intervals; positive: the learned scorer is better. KV MiB: what a sequence holds at "
+        "its peak, counted by `foresight.runtime.held_memory` (K/V, positions, per-entry state, query ring and buffered "
+        "queries of B + L entries, plus the prompt for a policy that protects it; the full cache: the whole trace; "
+        "evaluations made before that accounting give K/V alone).",
     ]
     paths = [plot_path(plot_dir, name) for name, _ in trace_sets]
     if len(set(paths)) < len(paths):

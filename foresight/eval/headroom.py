@@ -119,9 +119,9 @@ def headroom(
     heuristics = [p for p in comparable if p not in (ORACLE, learned, *other_learned)]
     if learned not in comparable or not heuristics:
         return None
-    weights = _resample_weights(len(traces), resamples, seed)  # [1 + resamples, traces]; row 0: the sample itself
+    weights = resample_weights(len(traces), resamples, seed)  # [1 + resamples, traces]; row 0: the sample itself
     pooled = {
-        figure: {p: _pooled(*_figure_sums(table, traces, figure), weights) for p, table in comparable.items()}
+        figure: {p: pooled_ratio(*_figure_sums(table, traces, figure), weights) for p, table in comparable.items()}
         for figure in ("loss_ratio", "low_entropy_damage")
     }
     ratios, damages = pooled["loss_ratio"], pooled["low_entropy_damage"]
@@ -136,11 +136,11 @@ def headroom(
         best_heuristic=best,
         traces=len(traces),
         least_damaging_heuristic=least_damaging,
-        loss_ratio={p: _estimate(v) for p, v in ratios.items()},
-        damage={p: _estimate(v) for p, v in damages.items()},
-        share=_estimate(share),
-        ratio_gain=_estimate(ratios[best] - ratios[learned]),
-        damage_gain=_estimate(damages[least_damaging] - damages[learned]),
+        loss_ratio={p: estimate(v) for p, v in ratios.items()},
+        damage={p: estimate(v) for p, v in damages.items()},
+        share=estimate(share),
+        ratio_gain=estimate(ratios[best] - ratios[learned]),
+        damage_gain=estimate(damages[least_damaging] - damages[learned]),
     )
 
 
@@ -165,9 +165,9 @@ def paired_gain(
     traces = sorted(i for i in first.keys() & second.keys() if first[i].tokens == second[i].tokens)
     if not traces:
         return None
-    weights = _resample_weights(len(traces), resamples, seed)
-    pooled = [_pooled(*_figure_sums(table, traces, figure), weights) for table in (first, second)]
-    return _estimate(pooled[0] - pooled[1])
+    weights = resample_weights(len(traces), resamples, seed)
+    pooled = [pooled_ratio(*_figure_sums(table, traces, figure), weights) for table in (first, second)]
+    return estimate(pooled[0] - pooled[1])
 
 
 def pooled_figure(
@@ -183,7 +183,7 @@ def pooled_figure(
     if not table:
         return None
     traces = sorted(table)
-    return _estimate(_pooled(*_figure_sums(table, traces, figure), _resample_weights(len(traces), resamples, seed)))
+    return estimate(pooled_ratio(*_figure_sums(table, traces, figure), resample_weights(len(traces), resamples, seed)))
 
 
 def _figure_sums(table: dict[int, TraceScore], traces: Sequence[int], figure: str) -> list[np.ndarray]:
@@ -200,18 +200,18 @@ def _by_policy(scores: Sequence[TraceScore]) -> dict[str, dict[int, TraceScore]]
     return tables
 
 
-def _resample_weights(traces: int, resamples: int, seed: int) -> np.ndarray:
+def resample_weights(traces: int, resamples: int, seed: int) -> np.ndarray:
     """How often each trace is drawn: row 0 once each (the sample), then one row per resample."""
     return np.vstack([np.ones(traces), resample_counts(traces, resamples, seed)])
 
 
-def _pooled(numerator: np.ndarray, denominator: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def pooled_ratio(numerator: np.ndarray, denominator: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Σ w·numerator / Σ w·denominator for every weight row (0 where the denominator is 0)."""
     top, bottom = weights @ numerator, weights @ denominator
     return np.divide(top, bottom, out=np.zeros_like(top), where=bottom != 0)
 
 
-def _estimate(values: np.ndarray) -> Estimate:
+def estimate(values: np.ndarray) -> Estimate:
     """Row 0 is the estimate; the others give the percentile interval (NaN resamples left out)."""
     spread = values[1:][np.isfinite(values[1:])]
     low, high = percentile_interval(spread, CONFIDENCE) if spread.size else (np.nan, np.nan)

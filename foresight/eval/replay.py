@@ -60,6 +60,7 @@ from foresight.labels import GoldenLabels, LabelStore
 from foresight.models import describe
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.engine import EvictionEngine, ReplayOutput
+from foresight.runtime.held_memory import MIB, Shape, held_bytes
 from foresight.runtime.prefix import ReplayPrefix
 
 REFERENCE_CHUNK = 256  # tokens per forward of the full-cache replay (bounds the [batch, chunk, vocab] logits)
@@ -115,8 +116,8 @@ def evaluate(
         for batch in batches
         for spec in _replayed(budget_specs)
     )
-    rows, scores = [], []
-    entry_bytes = describe(model).entry_bytes(next(model.parameters()).dtype)
+    rows, scores, losses = [], [], []
+    shape, dtype = describe(model), next(model.parameters()).dtype
     with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
         for budget, budget_specs, batches, batch_labels in plans:
             tallies = {spec.name: TraceTally() for spec in budget_specs}
@@ -127,7 +128,7 @@ def evaluate(
                 )
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
-                | kv_memory(spec, budget, interval, tallies[spec.name].traces, entry_bytes)
+                | kv_memory(spec, budget, interval, tallies[spec.name].traces, shape, dtype, batch_labels)
                 for spec in budget_specs
             ]
             notes += [
@@ -138,26 +139,41 @@ def evaluate(
             ]
             rows += budget_rows
             scores += [score for spec in budget_specs for score in tallies[spec.name].trace_scores(spec.name, budget)]
+            losses += [loss for spec in budget_specs for loss in tallies[spec.name].token_losses(spec.name, budget)]
     learned = tuple(spec.name for spec in specs if isinstance(spec, ScorerSpec))
-    return EvaluationResult(rows=rows, notes=notes, trace_scores=scores, learned=learned)
+    reference_nll = {t.index: t.token_nll.float() for t in traces}
+    return EvaluationResult(
+        rows=rows, notes=notes, trace_scores=scores, learned=learned, token_losses=losses, reference_nll=reference_nll
+    )
 
 
 def kv_memory(
-    spec: PolicySpec, budget: int, interval: int, traces: Sequence[Trace], entry_bytes: int
+    spec: PolicySpec,
+    budget: int,
+    interval: int,
+    traces: Sequence[Trace],
+    shape: Shape,
+    dtype: torch.dtype,
+    labels: dict[int, GoldenLabels] | None = None,
 ) -> dict[str, float | None]:
-    """The row's peak KV cache per sequence, in entries and MiB (the x axis of the field's accuracy-against-
-    memory curves), the mean over the traces its figures come from: min(T, B + L) entries, plus the prompt
-    for a policy that protects it; the full cache holds every token of a trace. None without traces."""
+    """The row's peak KV memory per sequence (the x axis of the field's accuracy-against-memory curves), the mean
+    over the traces its figures come from: entries min(T, B + L), plus the prompt for a policy that protects it
+    (the full cache holds every token of a trace), and MiB of everything the policy holds with them
+    (`foresight.runtime.held_memory`: K/V, positions, per-entry state, query ring, buffered queries).
+    `labels`: golden's, by trace index. None without traces."""
     if not traces:
         return {"kv_entries": None, "kv_mib": None}
+    policy = spec.replays()[0].build(
+        [labels[traces[0].index]] if spec.needs_labels else None, [t.index for t in traces]
+    )
     peaks = [
         t.input_ids.numel()
         if not spec.evicts
         else min(t.input_ids.numel(), budget + interval + (t.prompt_length if spec.protects_prompt else 0))
         for t in traces
     ]
-    entries = sum(peaks) / len(peaks)
-    return {"kv_entries": entries, "kv_mib": entries * entry_bytes / 2**20}
+    held = [held_bytes(shape, policy, budget, interval, dtype, entries=peak).total for peak in peaks]
+    return {"kv_entries": sum(peaks) / len(peaks), "kv_mib": sum(held) / len(held) / MIB}
 
 
 def _labels_for(

@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from foresight.artifacts import write_text
-from foresight.eval.headroom import Headroom, TraceScore, headroom, headroom_rows
+from foresight.eval.equal_bytes import TOKEN_NLL, EqualBytes, TokenLosses, equal_bytes, save_token_losses
+from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, headroom_rows
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.report import Column, markdown_table, write_results
 from foresight.eval.specs import REFERENCE
@@ -23,6 +26,8 @@ class EvaluationResult:
     notes: list[str]
     trace_scores: list[TraceScore] = field(default_factory=list)
     learned: tuple[str, ...] = ()  # the rows of learned scorers (`ScorerSpec`), whatever they are named
+    token_losses: list[TokenLosses] = field(default_factory=list)  # per (policy, budget, trace): every token's NLL
+    reference_nll: dict[int, torch.Tensor] = field(default_factory=dict)  # per trace index: the full cache's NLL
 
 
 PLOTTED = tuple(m.name for m in METRICS if m.plotted)
@@ -54,10 +59,12 @@ def evaluation_table(rows: Sequence[dict[str, Any]]) -> str:
 def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (settings, notes, table) and one PNG
     per metric (budget against the metric, one line per policy, intervals as error bars), plus
-    traces.json (every scored trace's sums) and, for each learned scorer, its share of the headroom
+    traces.json (every scored trace's sums), token_nll.pt (every scored trace's per-token NLL, for scoring
+    budgets on common tokens: `foresight.eval.equal_bytes`) and, for each learned scorer, its share of the headroom
     over the best heuristic (a results.md section and headroom.json). Returns the paths written."""
     comparisons = learned_headroom(result)
     sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
+    sections += [f"## The learned scorer at equal bytes\n\n{c.markdown()}" for c in equal_bytes_headroom(result)]
     paths = write_results(
         out_dir,
         "Teacher-forced evaluation",
@@ -74,10 +81,26 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
     )
     paths.append(Path(out_dir) / "traces.json")
     write_text(paths[-1], json.dumps([vars(score) for score in result.trace_scores], indent=1))
+    paths.append(Path(out_dir) / TOKEN_NLL)
+    save_token_losses(paths[-1], result.token_losses, result.reference_nll)
     if comparisons:
         paths.append(Path(out_dir) / "headroom.json")
         write_text(paths[-1], json.dumps([row for c in comparisons for row in headroom_rows(c)], indent=1))
     return paths
+
+
+def equal_bytes_headroom(result: EvaluationResult) -> list[EqualBytes]:
+    """`foresight.eval.equal_bytes.equal_bytes` of every learned row at a budget with golden, against every
+    heuristic evaluated at two budgets or more on the golden cadence (B + L entries: no protected prompt)."""
+    held = {(r["policy"], r["budget"]): r["kv_mib"] for r in result.rows if r.get("kv_mib") is not None}
+    cadence = {(r["policy"], r["budget"]) for r in result.rows if r.get("kv_entries") == r["budget"] + r["interval"]}
+    policies = {policy for policy, _ in cadence} - {REFERENCE.name, ORACLE, *result.learned}
+    sweeps = sorted(p for p in policies if sum(1 for q, _ in cadence if q == p) >= 2)
+    runs = sorted((b, p) for p, b in held if p in result.learned and (ORACLE, b) in held)
+    if not sweeps:
+        return []
+    found = (equal_bytes(result.token_losses, result.reference_nll, held, p, b, sweeps) for b, p in runs)
+    return [c for c in found if c is not None]
 
 
 def learned_headroom(result: EvaluationResult) -> list[Headroom]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from foresight.data.trace_store import Trace
+from foresight.eval.equal_bytes import TokenLosses
 from foresight.eval.headroom import TraceScore
 from foresight.eval.metric_registry import METRICS, SUM, SUMS, Part, ScoredTrace
 from foresight.eval.report import set_interval
@@ -31,6 +32,7 @@ class TraceTally:
 
     parts: list[dict[str, Part]] = field(default_factory=list)
     traces: list[Trace] = field(default_factory=list)  # the scored traces, in the order of `parts`
+    token_nll: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # per scored trace: first eviction, NLL
     never_evicted: int = 0
     seconds: float = 0.0
 
@@ -58,11 +60,13 @@ class TraceTally:
         )
         self.parts.append({s.name: s.part(tokens) for s in SUMS})
         self.traces.append(trace)
+        self.token_nll.append((int(first_eviction), nll.float()))
 
     def extend(self, other: TraceTally) -> None:
         """Add the traces of `other` (another batch of the same policy and budget)."""
         self.parts += other.parts
         self.traces += other.traces
+        self.token_nll += other.token_nll
         self.never_evicted += other.never_evicted
         self.seconds += other.seconds
 
@@ -80,8 +84,12 @@ class TraceTally:
             {s.name: s.mean([trace[s.name] for trace in seeds]) for s in SUMS}
             for seeds in zip(*(r.parts for r in replays))
         ]
+        token_nll = [
+            (seeds[0][0], torch.stack([nll for _, nll in seeds]).mean(0))
+            for seeds in zip(*(r.token_nll for r in replays))
+        ]
         seconds = sum(r.seconds for r in replays)
-        return TraceTally(parts, first.traces, first.never_evicted, seconds)
+        return TraceTally(parts, first.traces, token_nll, first.never_evicted, seconds)
 
     def _scored(self) -> list[tuple[int, int]]:
         """(trace index, scored tokens) of every scored trace."""
@@ -96,6 +104,13 @@ class TraceTally:
         sums = zip(*(self.sums(name) for name in _TRACE_SCORE_SUMS))
         return [
             TraceScore(policy, budget, trace.index, trace.source, *values) for trace, values in zip(self.traces, sums)
+        ]
+
+    def token_losses(self, policy: str, budget: int) -> list[TokenLosses]:
+        """Each scored trace's per-token NLL and first eviction, for scoring budgets on common tokens."""
+        return [
+            TokenLosses(policy, budget, trace.index, first, nll)
+            for trace, (first, nll) in zip(self.traces, self.token_nll)
         ]
 
     def row(self, policy: str, budget: int, interval: int, overlap: bool) -> dict[str, Any]:

@@ -10,6 +10,9 @@ Layout of one layer (N = entries held, the same for every row and head of a laye
 - the post-RoPE queries the policy observes: a ring buffer of the last L queries and their positions,
   or, for a policy that observes every query, each query until it has been handed out once.
 
+`entry_layouts` and `query_layouts` declare every tensor's shape and dtype once; the cache allocates
+from them and `foresight.runtime.held_memory` counts from them.
+
 Entries stay in position order, so the most recent L entries of a row are its last L slots.
 Keys, values, positions and state are views of the first N slots of buffers allocated once per run
 (`EntryStorage`): a new token is copied into the next slot and an eviction gathers the kept entries
@@ -56,6 +59,30 @@ class EntryLayout:
 
     trailing: tuple[int, ...]
     dtype: torch.dtype
+
+
+QUERIES, QUERY_POSITIONS = "queries", "query_positions"
+
+
+def entry_layouts(
+    state_fields: tuple[StateField, ...], group_size: int, key_dim: int, value_dim: int, dtype: torch.dtype
+) -> dict[str, EntryLayout]:
+    """Every per-entry tensor of a layer for a model of `dtype` (what `EntryStorage` allocates and
+    `foresight.runtime.held_memory` counts): keys, values, positions and each state field."""
+    layouts = {
+        KEYS: EntryLayout((key_dim,), dtype),
+        VALUES: EntryLayout((value_dim,), dtype),
+        POSITIONS: EntryLayout((), torch.long),
+    }
+    for field in state_fields:
+        layouts[field.name] = EntryLayout((group_size,) if field.per_query_head else (), torch.float32)
+    return layouts
+
+
+def query_layouts(query_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, EntryLayout]:
+    """One recorded query of a row (the ring buffer's slots and the queries not yet handed out): its
+    post-RoPE vector per query head [Hq, D], its position []."""
+    return {QUERIES: EntryLayout((query_heads, head_dim), dtype), QUERY_POSITIONS: EntryLayout((), torch.long)}
 
 
 class EntryStorage:
@@ -188,13 +215,7 @@ class EvictionLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, count, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        layouts = {
-            KEYS: EntryLayout((dim,), key_states.dtype),
-            VALUES: EntryLayout((value_states.shape[-1],), value_states.dtype),
-            POSITIONS: EntryLayout((), torch.long),
-        }
-        for field in self.state_fields:
-            layouts[field.name] = EntryLayout((self.group_size,) if field.per_query_head else (), torch.float32)
+        layouts = entry_layouts(self.state_fields, self.group_size, dim, value_states.shape[-1], key_states.dtype)
         slots = max(self.capacity or 0, count)
         self.storage = EntryStorage(layouts, batch, heads, slots, self.device, self.capacity)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -265,8 +286,11 @@ class EvictionLayer(CacheLayerMixin):
         window = self.query_window
         if self.queries is None:
             batch, heads, _, dim = queries.shape
-            self.queries = queries.new_zeros(batch, heads, window, dim)
-            self.query_positions = torch.full((batch, window), -1, dtype=torch.long, device=queries.device)
+            layouts = query_layouts(heads, dim, queries.dtype)
+            self.queries = queries.new_zeros(batch, heads, window, dim, dtype=layouts[QUERIES].dtype)
+            self.query_positions = torch.full(
+                (batch, window), -1, dtype=layouts[QUERY_POSITIONS].dtype, device=queries.device
+            )
         queries, positions = queries[:, :, -window:], positions[:, -window:]
         slots = (self.query_cursor + torch.arange(queries.shape[2], device=queries.device)) % window
         self.queries.index_copy_(2, slots, queries)
@@ -320,9 +344,10 @@ class EvictionLayer(CacheLayerMixin):
         return selected
 
     def storage_bytes(self) -> int:
-        """Bytes held by this layer's entry storage and query ring buffer."""
+        """Bytes held by this layer's entry storage, query ring buffer and queries not yet handed out."""
         held = 0 if self.storage is None else self.storage.nbytes
-        return held + sum(t.nbytes for t in (self.queries, self.query_positions) if t is not None)
+        buffered = [t for pair in self.unobserved for t in pair]
+        return held + sum(t.nbytes for t in (self.queries, self.query_positions, *buffered) if t is not None)
 
 
 def _gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

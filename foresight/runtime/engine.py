@@ -32,6 +32,7 @@ from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME, attention_implementation
+from foresight.runtime.held_memory import keeps_every_query, query_window
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
@@ -258,7 +259,7 @@ class EvictionEngine:
         self.num_layers = text_config.num_hidden_layers
         self.group_size = text_config.num_attention_heads // text_config.num_key_value_heads
         self.evicts = policy.evicts and config is not None
-        self.observes_every_query = self.evicts and policy.observed_queries is not ObservedQueries.WINDOW
+        self.observes_every_query = self.evicts and keeps_every_query(policy)
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
         self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
@@ -512,9 +513,7 @@ class EvictionEngine:
     def _query_window(self, interval: int) -> int:
         """Queries each layer keeps for a WINDOW policy: the latest it reads (`Policy.latest_queries`),
         at most L; none for a policy that reads no attention."""
-        if not (self.evicts and self.policy.needs_attention):
-            return 0
-        return min(interval, self.policy.latest_queries or interval)
+        return query_window(self.policy, interval) if self.evicts else 0
 
     def _forward(
         self,

@@ -1,0 +1,129 @@
+"""What a policy holds per sequence, in bytes, counted from the declarations the cache allocates from
+(docs/algorithms.md section 8, "KV memory").
+
+Per layer and batch row, a policy that evicts every L tokens at budget B holds:
+
+- B + L entries (plus its protected prompt), each with a key and a value per KV head at the model's
+  dtype, its position, and the policy's per-entry state fields (`entry_layouts`);
+- a WINDOW policy that reads attention: a ring of its latest queries (`query_window`: L, or fewer for
+  SnapKV and TOVA), each one vector per query head and its position (`query_layouts`);
+- a policy that observes every query (H2O, LazyEviction, RaaS): the queries recorded but not yet
+  observed, at most L between two observations (`query_layouts`; the figure published is that peak).
+
+`held_bytes` counts this from a model shape and a policy without running anything; the live cache's
+`EvictionCache.storage_bytes()` reads the same tensors after a run, and the tests check the two agree.
+Every published figure of KV memory (eval's column and plots, the baselines tables, the benchmarks)
+reads `held_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+
+from foresight.runtime.cache import KEYS, POSITIONS, VALUES, EntryLayout, entry_layouts, query_layouts
+from foresight.runtime.policy import ObservedQueries, Policy
+
+MIB = 2**20
+
+
+class Shape(Protocol):
+    """A model's attention shape (`foresight.models.ModelShape`)."""
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def query_window(policy: Policy, interval: int) -> int:
+    """Queries each layer keeps for a WINDOW policy: the latest it reads (`Policy.latest_queries`), at most L
+    (the block size in which a policy that observes every query sees them); none for a policy that reads no
+    attention."""
+    if not (policy.evicts and policy.needs_attention):
+        return 0
+    return min(interval, policy.latest_queries or interval)
+
+
+def keeps_every_query(policy: Policy) -> bool:
+    """Whether the runtime records every query until the policy has observed it (DECODE and ALL policies)."""
+    return policy.evicts and policy.observed_queries is not ObservedQueries.WINDOW
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    """Bytes one sequence holds in every layer, by part: keys and values, positions, per-entry policy state,
+    the query ring (queries and their positions) and the buffered queries of an every-query policy."""
+
+    entries: int
+    kv: int
+    positions: int
+    state: int
+    ring: int
+    buffered: int
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.positions + self.state + self.ring + self.buffered
+
+    @property
+    def overhead(self) -> float:
+        """Bytes held beyond K/V, as a share of K/V."""
+        return (self.total - self.kv) / self.kv
+
+    def per_entry(self, part: str) -> float:
+        """`part` (a field of bytes, or "total") per entry held, summed over the layers."""
+        return getattr(self, part) / self.entries
+
+
+PARTS = tuple(f.name for f in fields(HeldBytes) if f.name != "entries")
+
+
+def held_bytes(
+    shape: Shape,
+    policy: Policy,
+    budget: int,
+    interval: int,
+    dtype: torch.dtype,
+    *,
+    protected: int = 0,
+    entries: int | None = None,
+    buffered: int | None = None,
+) -> HeldBytes:
+    """What `policy` holds per sequence at budget B and interval L, for a model of `shape` in `dtype`.
+
+    `entries`: entries held (default B + L + `protected`, the most an evicting run holds; every token for
+    a policy that does not evict, which then needs it). `buffered`: queries recorded and not yet observed
+    (default L, the most between two observations, for a policy that observes every query; 0 otherwise)."""
+    if entries is None:
+        if not policy.evicts:
+            raise ValueError(f"policy {policy.name!r} keeps every token: give the entries it holds")
+        entries = budget + interval + protected
+    if entries < 0:
+        raise ValueError(f"entries held must be >= 0, got {entries}")
+    group = shape.num_query_heads // shape.num_kv_heads
+    layouts = entry_layouts(policy.state_fields, group, shape.head_dim, shape.head_dim, dtype)
+    per_entry = {name: shape.num_kv_heads * _bytes(layout) for name, layout in layouts.items()}
+    state = sum(size for name, size in per_entry.items() if name not in (KEYS, VALUES, POSITIONS))
+    every_query = keeps_every_query(policy)
+    if buffered is None:
+        buffered = interval if every_query else 0
+    if buffered and not every_query:
+        raise ValueError(f"policy {policy.name!r} buffers no queries, got buffered={buffered}")
+    per_query = sum(_bytes(layout) for layout in query_layouts(shape.num_query_heads, shape.head_dim, dtype).values())
+    layers = shape.num_layers
+    return HeldBytes(
+        entries=entries,
+        kv=layers * entries * (per_entry[KEYS] + per_entry[VALUES]),
+        positions=layers * entries * per_entry[POSITIONS],
+        state=layers * entries * state,
+        ring=0 if every_query else layers * query_window(policy, interval) * per_query,
+        buffered=layers * buffered * per_query,
+    )
+
+
+def _bytes(layout: EntryLayout) -> int:
+    """Bytes of one entry of `layout` (its trailing shape at its dtype)."""
+    return int(torch.Size(layout.trailing).numel()) * layout.dtype.itemsize

@@ -1,0 +1,105 @@
+"""The held-memory accounting (`foresight.runtime.held_memory`) against the live cache after a run, per
+policy, and against the issue's hand count on the default model's shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import foresight.bench.held_memory as held_memory_bench
+from foresight.models import ModelShape, describe, tiny_model
+from foresight.policies import make_policy
+from foresight.runtime.held_memory import held_bytes
+from foresight.scorer.model import ForesightScorer
+from tests.policy_lists import constructible_policies
+from tests.prompts import prompts
+from tests.scorers import make_config
+from tests.storage_engines import B, L, make
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3", num_hidden_layers=3)
+
+
+@pytest.mark.parametrize("name", ["foresight", *constructible_policies()])
+def test_the_accounting_equals_the_live_cache_after_a_run(qwen3, name):
+    engine = make(name, qwen3)
+    batch = prompts([5, 9, 14], seed=3)
+    output = engine.generate(batch, 30)
+    assert output.stats.evictions >= 3
+    cache = engine.last_cache
+    layer = cache.layers[0]
+    assert all(other.unobserved_count == layer.unobserved_count for other in cache.layers)
+    protected = max(map(len, batch)) if engine.protect_prompt else 0
+    assert layer.storage.slots == B + L + protected  # the run's storage is sized for the most it holds
+    held = held_bytes(
+        describe(qwen3), engine.policy, B, L, torch.float32, protected=protected, buffered=layer.unobserved_count
+    )
+    assert held.entries == layer.storage.slots
+    assert cache.storage_bytes() == len(batch) * held.total
+    ring = sum(t.nbytes for t in (layer.queries, layer.query_positions) if t is not None)
+    assert held.ring == ring * len(cache.layers) // len(batch)
+
+
+def test_every_query_policies_publish_the_most_they_buffer(qwen3):
+    """Between two observations an every-query policy buffers up to L queries: that peak is what is published."""
+    h2o = make_policy("h2o")
+    published = held_bytes(describe(qwen3), h2o, B, L, torch.float32)
+    shape = describe(qwen3)
+    per_query = shape.num_query_heads * shape.head_dim * 4 + 8  # float32 vector per query head, a long position
+    assert published.buffered == shape.num_layers * L * per_query and published.ring == 0
+    with pytest.raises(ValueError, match="buffers no queries"):
+        held_bytes(shape, make_policy("snapkv"), B, L, torch.float32, buffered=1)
+    with pytest.raises(ValueError, match="give the entries it holds"):
+        held_bytes(shape, make_policy("full"), B, L, torch.float32)
+
+
+def _issue_count(shape: ModelShape, budget: int, interval: int, itemsize: int, state_per_entry: int, ring: int):
+    """The issue's hand count per (layer, KV head, entry), over K/V: positions, state, ring."""
+    kv = 2 * shape.head_dim * itemsize
+    ring_bytes = ring * (shape.group_size * shape.head_dim * itemsize + 8 / shape.num_kv_heads)
+    return 8 / kv, state_per_entry / kv, ring_bytes / ((budget + interval) * kv)
+
+
+def test_the_default_models_figures_match_the_issues_hand_count():
+    """SmolLM2-135M in float32 at B = 128, L = 32: SnapKV +9% (an 8-query ring), the learned scorer +39%
+    (positions 1.6%, state 7.8%, ring 30%): three float32 sums per query head and a float32 count per entry."""
+    shape = ModelShape(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64)
+    snapkv = held_bytes(shape, make_policy("snapkv"), 128, 32, torch.float32)
+    positions, state, ring = _issue_count(shape, 128, 32, 4, 0, 8)
+    assert snapkv.state == 0
+    assert snapkv.overhead == pytest.approx(positions + state + ring, rel=1e-12)
+    assert round(snapkv.overhead, 2) == 0.09
+    sizes = dict(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64, budget=128, interval=32)
+    scorer = ForesightScorer(make_config(**sizes, feature_set="standardised"))
+    learned = held_bytes(shape, make_policy("foresight", scorer=scorer), 128, 32, torch.float32)
+    positions, state, ring = _issue_count(shape, 128, 32, 4, 4 * (3 * shape.group_size + 1), 32)
+    assert learned.positions / learned.kv == pytest.approx(positions, rel=1e-12)
+    assert learned.state / learned.kv == pytest.approx(state, rel=1e-12)
+    assert learned.ring / learned.kv == pytest.approx(ring, rel=1e-12)
+    assert round(learned.overhead, 2) == 0.39
+
+
+def test_the_table_of_bytes_per_entry_on_qwen3_4bs_shape():
+    """`foresight bench held-memory` on an architecture config, bf16, B = 1024, L = 256: bf16 K/V of 36 layers x 8
+    KV heads x 128 dims, a long position per (layer, KV head), SnapKV's 8-query ring over the 1280 entries,
+    and every row's parts summing to its total."""
+    report = held_memory_bench.run(
+        held_memory_bench.Settings(
+            model="configs/models/qwen3-4b.json", dtype="bfloat16", budget=1024, interval=256, policies="snapkv,h2o"
+        )
+    )
+    rows = {
+        line.split("|")[1].strip(): [float(cell.strip(" %+")) for cell in line.split("|")[2:-1]]
+        for line in report.splitlines()
+        if line.startswith("| ") and not line.startswith("| policy")
+    }
+    assert set(rows) == {"full", "snapkv", "h2o"}
+    layers_heads = 36 * 8
+    ring = 36 * 8 * (32 * 128 * 2 + 8) / 1280
+    assert rows["snapkv"][:5] == pytest.approx([layers_heads * 2 * 128 * 2, layers_heads * 8, 0, ring, 0], abs=0.05)
+    assert rows["h2o"][2] == layers_heads * 4 and rows["h2o"][3] == 0  # one float32 sum; L buffered queries, no ring
+    for parts in rows.values():
+        assert sum(parts[:5]) == pytest.approx(parts[5], abs=0.3)
+        assert parts[6] == pytest.approx(100 * (parts[5] - parts[0]) / parts[0], abs=0.06)
