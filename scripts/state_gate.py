@@ -13,6 +13,8 @@ Gate: at least 99.5% of the kept sets of (trace, step, layer, KV head) identical
 loss ratio (Σ evicted NLL / Σ full-cache NLL over the tokens after the first eviction, as `foresight eval`)
 below 0.002 in size, with its 95% paired bootstrap interval over traces. A step counts while its kept set
 serves a token of its trace. Each configuration replays on its own, so a divergence carries into later steps.
+Recordings are compared trace by trace, so two batch sizes compare too (float32 rounding alone: the same state
+in other batch shapes).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def record(args: argparse.Namespace) -> None:
         )
         print(f"batch {len(batches)}: {len(batch)} traces, {len(kept.steps)} steps", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"options": options, "budget": args.budget, "interval": args.interval, "batches": batches}, args.out)
+    settings = {"options": options, "budget": args.budget, "interval": args.interval, "batch_size": args.batch_size}
+    torch.save({**settings, "batches": batches}, args.out)
     print(f"wrote {args.out}")
 
 
@@ -92,31 +95,24 @@ def _option(text: str) -> tuple[str, str]:
 
 
 def compare(args: argparse.Namespace) -> None:
-    base = torch.load(args.base)
+    base = _by_trace(torch.load(args.base))
     print("| configuration | kept sets identical | entries in common | loss ratio | Δ loss ratio [95% paired] | gate |")
     print("|---|---:|---:|---:|---:|---|")
     for path in args.new:
-        new = torch.load(path)
+        recording = torch.load(path)
+        new = _by_trace(recording)
+        if new.keys() != base.keys():
+            raise ValueError(f"{path} replayed other traces than {args.base}")
         same, sets, common, entries, sums = 0, 0, 0, 0, []
-        for old_batch, new_batch in zip(base["batches"], new["batches"], strict=True):
-            if old_batch["sources"] != new_batch["sources"]:
-                raise ValueError(f"{path} replayed other traces than {args.base}")
-            for old_step, new_step in zip(old_batch["steps"], new_batch["steps"], strict=True):
-                serving = torch.tensor(old_batch["lengths"]) - 1 > old_step.amax(dim=(0, 2, 3))  # [batch]
-                old_kept, new_kept = old_step[:, serving], new_step[:, serving]
+        for source, (old_steps, old_nll, full, first) in base.items():
+            new_steps, new_nll = new[source][:2]
+            for old_kept, new_kept in zip(old_steps, new_steps):  # the serving steps, in position order
                 same += int((old_kept == new_kept).all(-1).sum())
                 sets += old_kept[..., 0].numel()
                 common += _common_entries(old_kept, new_kept)
                 entries += int((old_kept >= 0).sum())
-            for row, first in enumerate(old_batch["first"]):
-                scored = slice(first, None)
-                sums.append(
-                    (
-                        float(old_batch["nll"][row][scored].double().sum()),
-                        float(new_batch["nll"][row][scored].double().sum()),
-                        float(old_batch["full"][row][scored].double().sum()),
-                    )
-                )
+            scored = slice(first, None)
+            sums.append([float(nll[scored].double().sum()) for nll in (old_nll, new_nll, full)])
         old_nll, new_nll, full = (np.array(column) for column in zip(*sums))
         counts = resample_counts(len(full))
         delta = (counts @ new_nll - counts @ old_nll) / (counts @ full)
@@ -124,11 +120,23 @@ def compare(args: argparse.Namespace) -> None:
         point = (new_nll.sum() - old_nll.sum()) / full.sum()
         identity = same / sets
         passed = identity >= IDENTITY_GATE and abs(point) < LOSS_GATE and max(abs(low), abs(high)) < LOSS_GATE
+        options = " ".join(f"{name}={value}" for name, value in recording["options"].items()) or "no option"
         print(
-            f"| {new['options'] or 'none'} | {100 * identity:.2f}% ({sets} sets) | {100 * common / entries:.3f}% "
-            f"| {new_nll.sum() / full.sum():.5f} (old {old_nll.sum() / full.sum():.5f}) "
+            f"| {options} (batch {recording.get('batch_size', '?')}) | {100 * identity:.2f}% of {sets} "
+            f"| {100 * common / entries:.3f}% | {new_nll.sum() / full.sum():.5f} (old {old_nll.sum() / full.sum():.5f}) "
             f"| {point:+.5f} [{low:+.5f}, {high:+.5f}] | {'pass' if passed else 'FAIL'} |"
         )
+
+
+def _by_trace(recording: dict) -> dict[str, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]]:
+    """Per trace: its serving steps' kept positions [layers, Hkv, N] (those whose kept set serves a token of the
+    trace), its NLL with eviction and with the full cache, and its first evicted position."""
+    traces = {}
+    for batch in recording["batches"]:
+        for row, source in enumerate(batch["sources"]):
+            steps = [step[:, row] for step in batch["steps"] if int(step[:, row].max()) < batch["lengths"][row] - 1]
+            traces[source] = (steps, batch["nll"][row], batch["full"][row], batch["first"][row])
+    return traces
 
 
 def _common_entries(old: torch.Tensor, new: torch.Tensor) -> int:

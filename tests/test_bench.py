@@ -55,7 +55,7 @@ def test_memory_trace_is_flat_from_the_first_eviction(shrunk_config, name):
         engine.generate([[3] * 20, [4] * 20], 160, on_token=_Sampler(engine, trace, "cpu", progress))
     assert trace.start == (2 if name == "full" else 48 + 16 - 20 + 1)  # sampled after the evicting forward
     assert trace.allocations == 1 and trace.storage_start == trace.storage_end
-    assert trace.entry_bytes == 2 * 3 * 4 * (2 * 64 * 4 + 8 + 4 * (name == "h2o"))
+    assert trace.entry_bytes == 2 * 3 * 4 * (2 * 64 * 4 + 4 + 4 * (name == "h2o"))  # K, V, int32 position, state
     assert trace.held_growth_per_token < trace.entry_bytes / 8
 
 

@@ -28,8 +28,10 @@ B, L = 12, 4
 # -- dtypes ---------------------------------------------------------------------------------------
 def test_every_field_is_held_at_its_declared_dtype(llama):
     """After a generation that evicts: K/V at the model's dtype, positions and query positions int32, each state
-    field at its declared dtype (cumulative float32, the bounded sums float16), the ring float16."""
-    policy = make_policy("foresight", scorer=random_scorer(llama, feature_set="standardised"))
+    field at its declared dtype (cumulative float32, the bounded sums float16), the ring float16 as asked."""
+    scorer = random_scorer(llama, feature_set="standardised")
+    assert make_policy("foresight", scorer=scorer).buffered_query_dtype == torch.float32  # the default
+    policy = make_policy("foresight", scorer=scorer, sums_dtype="float16", query_dtype="float16")
     assert {f.name: f.dtype for f in policy.state_fields} == {
         "cumulative": torch.float32,
         "decayed": torch.float16,
