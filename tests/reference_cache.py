@@ -62,7 +62,7 @@ class ConcatenatingLayer(EvictionLayer):
 
     def _fresh_state(self, field: StateField, batch: int, heads: int, count: int) -> torch.Tensor:
         shape = (batch, heads, count, self.group_size) if field.per_query_head else (batch, heads, count)
-        return torch.full(shape, field.fill, dtype=torch.float32, device=self.device)
+        return torch.full(shape, field.fill, dtype=field.dtype, device=self.device)
 
 
 class ConcatenatingCache(EvictionCache):
@@ -76,8 +76,9 @@ class ConcatenatingCache(EvictionCache):
         query_window: int = 0,
         keep_every_query: bool = False,
         capacity=None,
+        query_dtype=None,
     ):
-        super().__init__(num_layers, state_fields, group_size, query_window, keep_every_query)
+        super().__init__(num_layers, state_fields, group_size, query_window, keep_every_query, query_dtype=query_dtype)
         self.layers = [
             ConcatenatingLayer(state_fields, group_size, query_window, keep_every_query) for _ in range(num_layers)
         ]

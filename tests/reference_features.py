@@ -30,12 +30,23 @@ def independent_mlp(scorer: ForesightScorer, layer: int, head: int) -> nn.Sequen
 STANDARDISED_NAMES = ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age")
 
 
-def loop_standardised_features(attention, state, positions, query_positions, names=STANDARDISED_NAMES):
+def stored_count(position: int, queries: list[int], first_observed: int | None) -> int:
+    """The observed count the cache once stored for an entry, counted query by query: every query a row observed
+    before this block (all of them from its first observed query on, L at a time) and the block's valid `queries`,
+    that is not before the entry. `first_observed` None: this block is the row's first."""
+    earlier = range(first_observed, min(q for q in queries if q >= 0)) if first_observed is not None else ()
+    return sum(position <= q for q in earlier) + sum(0 <= q and position <= q for q in queries)
+
+
+def loop_standardised_features(
+    attention, state, positions, query_positions, names=STANDARDISED_NAMES, first_observed=None
+):
     """A standardised set's features (`names`, per query head) before standardisation and the new state,
     one python float at a time: attention [batch, Hkv, G, l, N]; state {cumulative, decayed, recent:
-    [batch, Hkv, N, G], observed: [batch, Hkv, N]}; positions [batch, Hkv, N]; query_positions [batch, l].
-    Every query weighs factor ** (1 / tokens) per token it is older than the block's newest; "pooled_last_8"
-    is the largest "last_8" among the slots n - 3 .. n + 3."""
+    [batch, Hkv, N, G]}; positions [batch, Hkv, N]; query_positions [batch, l]; first_observed [batch] or None
+    (`stored_count`). Every query weighs factor ** (1 / tokens) per token it is older than the block's newest;
+    "pooled_last_8" is the largest "last_8" among the slots n - 3 .. n + 3; "cumulative_rate" divides by the
+    stored count."""
     batch, kv_heads, group, rows, entries = attention.shape
     width = len(names)
     features = torch.zeros(batch, kv_heads, entries, group * width, dtype=torch.float64)
@@ -46,7 +57,8 @@ def loop_standardised_features(attention, state, positions, query_positions, nam
 
     for b, h, n in itertools.product(range(batch), range(kv_heads), range(entries)):
         position, queries = int(positions[b, h, n]), [int(q) for q in query_positions[b]]
-        new["observed"][b, h, n] = float(state["observed"][b, h, n]) + sum(0 <= q and position <= q for q in queries)
+        first = None if first_observed is None else int(first_observed[b])
+        observed = stored_count(position, queries, first) if position >= 0 else 0
         age = max(max(queries) - position, 0)
         for g in range(group):
             column = [float(attention[b, h, g, q, n]) for q in range(rows)]
@@ -59,7 +71,7 @@ def loop_standardised_features(attention, state, positions, query_positions, nam
             values["pooled_last_8"] = max(last(b, h, g, m, 8) for m in range(max(0, n - 3), min(entries, n + 4)))
             values["recent_128"] = float(new["recent"][b, h, n, g])
             values["decayed"] = float(new["decayed"][b, h, n, g])
-            values["cumulative_rate"] = float(new["cumulative"][b, h, n, g]) / max(float(new["observed"][b, h, n]), 1)
+            values["cumulative_rate"] = float(new["cumulative"][b, h, n, g]) / max(observed, 1)
             for f, name in enumerate(names):
                 value = math.log1p(age) if name == "log_age" else math.log(values[name] + 1e-6)
                 features[b, h, n, g * width + f] = value

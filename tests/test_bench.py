@@ -56,12 +56,12 @@ def test_memory_trace_is_flat_from_the_first_eviction(shrunk_config, name):
     assert trace.start == (2 if name == "full" else 48 + 16 - 20 + 1)  # sampled after the evicting forward
     assert trace.allocations == 1
     if name == "h2o":  # plus the queries not yet observed, fewer than L: the accounting counts L, their peak
-        per_query = 2 * 3 * (8 * 64 * 4 + 8)  # rows x layers x (float32 vector per query head + a long position)
+        per_query = 2 * 3 * (8 * 64 * 4 + 4)  # rows x layers x (float32 vector per query head + an int32 position)
         assert 0 < trace.accounted - trace.storage_start <= 16 * per_query
         assert 0 < trace.accounted - trace.storage_end <= 16 * per_query
     else:
         assert trace.storage_start == trace.storage_end == trace.accounted
-    assert trace.entry_bytes == 2 * 3 * 4 * (2 * 64 * 4 + 8 + 4 * (name == "h2o"))
+    assert trace.entry_bytes == 2 * 3 * 4 * (2 * 64 * 4 + 4 + 4 * (name == "h2o"))  # K, V, int32 position, state
     assert trace.held_growth_per_token < trace.entry_bytes / 8
 
 

@@ -73,8 +73,9 @@ def test_storage_is_allocated_once_and_sized_for_the_budget(qwen3, name):
     layers = engine.last_cache.layers
     assert all(layer.storage.allocations == 1 and layer.storage.slots == B + L for layer in layers)
     kv_heads, dim = qwen3.config.num_key_value_heads, qwen3.config.head_dim
-    state_bytes = 4 * sum(engine.group_size if f.per_query_head else 1 for f in engine.policy.state_fields)
-    per_entry = 2 * dim * 4 + 8 + state_bytes  # float32 K and V, a long position, float32 state
+    fields = engine.policy.state_fields
+    state_bytes = sum((engine.group_size if f.per_query_head else 1) * f.dtype.itemsize for f in fields)
+    per_entry = 2 * dim * 4 + 4 + state_bytes  # float32 K and V, an int32 position, the state at its declared dtypes
     assert layers[0].storage.nbytes == 2 * kv_heads * (B + L) * per_entry
 
 

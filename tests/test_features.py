@@ -199,19 +199,27 @@ def standardised_step(rows: int, seed: int, scale: float = 1.0):
         "cumulative": 5 * torch.rand(sums, generator=generator, dtype=torch.float64),
         "decayed": 2 * torch.rand(sums, generator=generator, dtype=torch.float64),
         "recent": torch.rand(sums, generator=generator, dtype=torch.float64),
-        "observed": torch.randint(0, 300, sums[:3], generator=generator).double(),
     }
-    state = {name: value if name == "observed" else scale * value for name, value in state.items()}
+    state = {name: scale * value for name, value in state.items()}
     return scale * attention, state, positions, query_positions
+
+
+FIRST_OBSERVED = torch.tensor([37, 101])
+"""`standardised_step`'s rows' first observed queries: row 0 observed every query from 37 on before this block;
+this block is row 1's first (its padding query at 100 comes before its first observed one)."""
 
 
 @pytest.mark.parametrize("feature_set", ["standardised", "standardised-heuristic"])
 @pytest.mark.parametrize("rows", [12, 40])  # 12: windows 16 and 32 clamp to L; 40: every window is distinct
 def test_standardised_features_match_loop_reference(rows, feature_set):
     attention, state, positions, query_positions = standardised_step(rows, seed=rows)
-    features, new_state = standardised_features(attention, state, positions, query_positions, feature_set)
+    features, new_state = standardised_features(
+        attention, state, positions, query_positions, feature_set, FIRST_OBSERVED
+    )
     names = FEATURE_NAMES[FeatureSet.parse(feature_set)]
-    want_features, want_state = loop_standardised_features(attention, state, positions, query_positions, names)
+    want_features, want_state = loop_standardised_features(
+        attention, state, positions, query_positions, names, FIRST_OBSERVED
+    )
     assert names[:7] == STANDARDISED_NAMES and feature_dim(feature_set) == len(names)
     torch.testing.assert_close(features, want_features, rtol=0, atol=1e-12)
     assert new_state.keys() == want_state.keys()
@@ -249,11 +257,11 @@ def test_standardised_decay_is_per_token_whatever_L():
         state = {
             name: torch.zeros(1, 1, entries, 2, dtype=torch.float64) for name in ("cumulative", "decayed", "recent")
         }
-        state["observed"] = torch.zeros(1, 1, entries, dtype=torch.float64)
+        first = query_positions[:, 0]
         for start in range(0, queries, interval):
             block = slice(start, start + interval)
             features, state = standardised_features(
-                attention[..., block, :], state, positions, query_positions[:, block]
+                attention[..., block, :], state, positions, query_positions[:, block], first_observed=first
             )
         quiet = state
         for _ in range(0, queries, interval):
@@ -262,6 +270,7 @@ def test_standardised_decay_is_per_token_whatever_L():
                 quiet,
                 positions,
                 query_positions[:, :interval] + queries,
+                first_observed=first,
             )
         torch.testing.assert_close(quiet["decayed"], 0.9 * state["decayed"], rtol=1e-12, atol=0)
         torch.testing.assert_close(quiet["recent"], 0.25 * state["recent"], rtol=1e-12, atol=0)
@@ -270,17 +279,23 @@ def test_standardised_decay_is_per_token_whatever_L():
     torch.testing.assert_close(features_32, features_64, rtol=0, atol=1e-9)
     for name, value in state_32.items():
         torch.testing.assert_close(state_64[name], value, rtol=0, atol=1e-12)
-    assert state_32["observed"][0, 0, 0] == queries and state_32["observed"][0, 0, -1] == 1
+    rate = STANDARDISED_NAMES.index("cumulative_rate")  # the entries before the queries were observed 256 times
+    torch.testing.assert_close(
+        features_32[0, 0, 0, rate], torch.log(state_32["cumulative"][0, 0, 0, 0] / queries + 1e-6), rtol=1e-12, atol=0
+    )
 
 
 def test_no_standardised_feature_grows_with_the_trace():
     """Uniform attention for 20 steps: the cumulative sum grows twentyfold, its per-query rate does not."""
     attention = torch.full((1, 1, 1, 8, 4), 0.25, dtype=torch.float64)
     state = {name: torch.zeros(1, 1, 4, 1, dtype=torch.float64) for name in ("cumulative", "decayed", "recent")}
-    state["observed"] = torch.zeros(1, 1, 4, dtype=torch.float64)
     for step in range(20):
         features, state = standardised_features(
-            attention, state, torch.arange(4)[None, None], torch.arange(4, 12)[None] + 8 * step
+            attention,
+            state,
+            torch.arange(4)[None, None],
+            torch.arange(4, 12)[None] + 8 * step,
+            first_observed=torch.tensor([4]),
         )
         rate = features[0, 0, :, STANDARDISED_NAMES.index("cumulative_rate")]
         torch.testing.assert_close(rate, torch.full_like(rate, math.log(0.25 + 1e-6)))

@@ -140,10 +140,10 @@ def standardised_step(scorer, scale: float = 1.0) -> EvictionContext:
             "cumulative": torch.rand(sums, generator=generator) * 3 * scale,
             "decayed": torch.rand(sums, generator=generator) * scale,
             "recent": torch.rand(sums, generator=generator) * 0.5 * scale,
-            "observed": torch.randint(1, 40, sums[:3], generator=generator).float(),
         },
         queries=torch.randn(rows, shape.num_query_heads, L, dim, generator=generator),
         query_positions=torch.arange(40, 40 + L).repeat(rows, 1),
+        first_observed=torch.tensor([12, 40]),  # row 0 observed from 12 on before this block; row 1 from this one
     )
     context.attention = context.attention * scale  # fills the cached property
     return context
@@ -155,7 +155,7 @@ def test_standardised_keep_scores_equal_independent_mlps_on_loop_features(llama,
     [k/|k| || v/|v| || a] with loop-computed features standardised over each row's valid candidates."""
     scorer = random_scorer(llama, feature_set=feature_set)
     policy = make_policy("foresight", scorer=scorer)
-    assert [field.name for field in policy.state_fields] == ["cumulative", "decayed", "recent", "observed"]
+    assert [field.name for field in policy.state_fields] == ["cumulative", "decayed", "recent"]
     context = standardised_step(scorer)
     state = policy.observe(context)
     scores = policy.keep_scores(context)
@@ -165,6 +165,7 @@ def test_standardised_keep_scores_equal_independent_mlps_on_loop_features(llama,
         context.positions,
         context.query_positions,
         FEATURE_NAMES[FeatureSet.parse(feature_set)],
+        context.first_observed,
     )
     for name, value in expected_state.items():
         torch.testing.assert_close(state[name].double(), value, rtol=1e-5, atol=1e-6)

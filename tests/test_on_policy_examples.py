@@ -70,6 +70,10 @@ class _PositionSpy(Policy):
     def state_fields(self):
         return self.inner.state_fields
 
+    @property
+    def buffered_query_dtype(self):
+        return self.inner.buffered_query_dtype
+
     def reset(self) -> None:
         self.inner.reset()
 

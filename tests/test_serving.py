@@ -23,7 +23,7 @@ from tests.prompts import CHAT_TEMPLATE, char_tokenizer, random_prompts
 
 B, L = 16, 4
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16  # foresight.models.tiny_model
-ENTRY = LAYERS * KV_HEADS * (2 * HEAD_DIM * 4 + 8)  # K and V in float32 and an int64 position, every layer and KV head
+ENTRY = LAYERS * KV_HEADS * (2 * HEAD_DIM * 4 + 4)  # K and V in float32 and an int32 position, every layer and KV head
 PROMPT, NEW = 10, 30
 OVERHEAD = 1024  # per-row lengths and the positions of the tokens being added: a few int64 per row
 

@@ -125,8 +125,14 @@ class StepRecorder(Policy):
 
     @property
     def state_fields(self) -> tuple[StateField, ...]:
-        """The per-entry state of the recorded feature set, as the `foresight` policy keeps it."""
-        return feature_state(self.feature_set)
+        """The per-entry state of the recorded feature set, as the `foresight` policy keeps it: the learned driver's
+        own (its dtypes), so the features recorded are the ones it scored."""
+        return self.driver.state_fields if isinstance(self.driver, Foresight) else feature_state(self.feature_set)
+
+    @property
+    def buffered_query_dtype(self) -> torch.dtype | None:
+        """The learned driver's query ring dtype (see `state_fields`); the model's for a golden driver."""
+        return self.driver.buffered_query_dtype if isinstance(self.driver, Foresight) else None
 
     def reset(self) -> None:
         self.driver.reset()

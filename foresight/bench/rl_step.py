@@ -60,6 +60,7 @@ class Settings(PlacedSettings):
             f"--config={RL_CONFIG}",
             f"--trainer.default_root_dir={scratch}",
             f"--checkpoint.dirpath={scratch / 'checkpoints'}",
+            f"--epoch_checkpoint.dirpath={scratch / 'checkpoints'}",
             f"--model.scorer={self.scorer}",
             f"--data.traces_dir={self.traces}",
             f"--trainer.max_steps={self.steps}",

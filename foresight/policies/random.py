@@ -15,8 +15,10 @@ def uniform_hash(
 ) -> torch.Tensor:
     """A uniform pseudo-random number in [0, 1) per (seed, layer, head, position), by integer mixing.
     `draw` (default 0, broadcast like `positions`) names one of several independent draws of an entry,
-    e.g. one per eviction step for policies that redraw at every step."""
-    mixed = positions * 0x9E3779B1 + (heads + 131 * layer) * 0x85EBCA77 + seed * 0xC2B2AE3D + draw * 0x27D4EB2F
+    e.g. one per eviction step for policies that redraw at every step. Mixed in int64 whatever the positions'
+    and draws' dtype (the cache's positions are int32), so a draw depends on their values only."""
+    draw = draw.long() if isinstance(draw, torch.Tensor) else draw
+    mixed = positions.long() * 0x9E3779B1 + (heads + 131 * layer) * 0x85EBCA77 + seed * 0xC2B2AE3D + draw * 0x27D4EB2F
     for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
         mixed = (mixed ^ (mixed >> shift)) * multiplier & 0x7FFFFFFF
     return mixed.double().div(2**31).float()

@@ -2,13 +2,16 @@
 
 Layout of one layer (N = entries held, the same for every row and head of a layer):
 - keys, values   [batch, Hkv, N, D]  post-RoPE keys, so eviction never re-rotates anything;
-- positions      [batch, Hkv, N]     true sequence position of each entry (kept entries keep theirs);
+- positions      [batch, Hkv, N]     true sequence position of each entry (kept entries keep theirs), int32
+                                     (`POSITION_DTYPE`: positions of a sequence fit it; half of int64's bytes);
 - lengths        [batch]             valid entries per row; the valid entries of a row are always its
                                      last `lengths[b]` slots (left padding and eviction leftovers sit in
                                      front), so validity is derived, never stored per head;
-- state          {name: [batch, Hkv, N, *trailing]}  per-entry policy state, gathered with K and V;
+- state          {name: [batch, Hkv, N, *trailing]}  per-entry policy state at its field's declared dtype,
+                                     gathered with K and V;
 - the post-RoPE queries the policy observes: a ring buffer of the last L queries and their positions,
-  or, for a policy that observes every query, each query until it has been handed out once.
+  or, for a policy that observes every query, each query until it has been handed out once; the ring
+  at the policy's declared `query_dtype` when narrower than the model's (block attention reads it in float32).
 
 `entry_layouts` and `query_layouts` declare every tensor's shape and dtype once; the cache allocates
 from them and `foresight.runtime.held_memory` counts from them.
@@ -37,20 +40,30 @@ from foresight.runtime.prefix import RecordedForward
 
 KEYS, VALUES, POSITIONS = "keys", "values", "positions"
 _ENTRY_TENSORS = (KEYS, VALUES, POSITIONS)
+POSITION_DTYPE = torch.int32
+"""Sequence positions of entries and buffered queries: exact below 2**31 tokens, 4 bytes per entry and KV head."""
+STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes a per-entry state field may be stored at."""
 
 
 @dataclass(frozen=True)
 class StateField:
-    """A per-entry policy state tensor: its name, the value new entries start with, and whether it
-    holds one value per query head of the group (trailing dim G) instead of one per KV head."""
+    """A per-entry policy state tensor: its name, the value new entries start with, whether it holds one
+    value per query head of the group (trailing dim G) instead of one per KV head, and the dtype the cache
+    stores it at (what its bytes are counted at; a policy computes in float32 and writes back at this dtype)."""
 
     name: str
     fill: float = 0.0
     per_query_head: bool = False
+    dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.name in _ENTRY_TENSORS:
             raise ValueError(f"state field name {self.name!r} is taken; not one of: {', '.join(_ENTRY_TENSORS)}")
+        if self.dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"state field {self.name!r} dtype {self.dtype} is not one of: {', '.join(map(str, STATE_DTYPES))}"
+            )
 
 
 @dataclass(frozen=True)
@@ -72,17 +85,23 @@ def entry_layouts(
     layouts = {
         KEYS: EntryLayout((key_dim,), dtype),
         VALUES: EntryLayout((value_dim,), dtype),
-        POSITIONS: EntryLayout((), torch.long),
+        POSITIONS: EntryLayout((), POSITION_DTYPE),
     }
     for field in state_fields:
-        layouts[field.name] = EntryLayout((group_size,) if field.per_query_head else (), torch.float32)
+        layouts[field.name] = EntryLayout((group_size,) if field.per_query_head else (), field.dtype)
     return layouts
 
 
-def query_layouts(query_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, EntryLayout]:
-    """One recorded query of a row (the ring buffer's slots and the queries not yet handed out): its
-    post-RoPE vector per query head [Hq, D], its position []."""
-    return {QUERIES: EntryLayout((query_heads, head_dim), dtype), QUERY_POSITIONS: EntryLayout((), torch.long)}
+def query_layouts(
+    query_heads: int, head_dim: int, dtype: torch.dtype, query_dtype: torch.dtype | None = None
+) -> dict[str, EntryLayout]:
+    """One recorded query of a row of a model of `dtype`: its post-RoPE vector per query head [Hq, D] and its
+    position []. `query_dtype`: the policy's narrower dtype for its ring buffer (`ring_dtype`); the queries
+    not yet handed out (a policy that observes every query) stay at the model's."""
+    return {
+        QUERIES: EntryLayout((query_heads, head_dim), ring_dtype(dtype, query_dtype)),
+        QUERY_POSITIONS: EntryLayout((), POSITION_DTYPE),
+    }
 
 
 class EntryStorage:
@@ -191,6 +210,7 @@ class EvictionLayer(CacheLayerMixin):
         query_window: int = 0,
         keep_every_query: bool = False,
         capacity: int | None = None,
+        query_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.state_fields = state_fields
@@ -198,6 +218,7 @@ class EvictionLayer(CacheLayerMixin):
         self.query_window = query_window
         self.keep_every_query = keep_every_query
         self.capacity = capacity
+        self.query_dtype = query_dtype
         self.storage: EntryStorage | None = None
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
@@ -250,7 +271,14 @@ class EvictionLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the name of this abstract method in transformers < 5.3
 
     def reset(self) -> None:
-        self.__init__(self.state_fields, self.group_size, self.query_window, self.keep_every_query, self.capacity)
+        self.__init__(
+            self.state_fields,
+            self.group_size,
+            self.query_window,
+            self.keep_every_query,
+            self.capacity,
+            self.query_dtype,
+        )
 
     # -- eviction runtime --------------------------------------------------------------------------
     def _refresh_views(self) -> None:
@@ -278,20 +306,21 @@ class EvictionLayer(CacheLayerMixin):
 
     def record_queries(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Record a forward's post-RoPE queries [batch, Hq, q, D] and their positions [batch, q]: every one
-        until `take_unobserved` hands it out (`keep_every_query`), else the last `query_window` in the ring buffer."""
+        until `take_unobserved` hands it out (`keep_every_query`), else the last `query_window` in the ring buffer
+        (at `ring_dtype`)."""
         if self.keep_every_query:
-            self.unobserved.append((queries, positions))
+            self.unobserved.append((queries, positions.to(POSITION_DTYPE)))
             self.unobserved_count += queries.shape[2]
             return
         window = self.query_window
         if self.queries is None:
             batch, heads, _, dim = queries.shape
-            layouts = query_layouts(heads, dim, queries.dtype)
+            layouts = query_layouts(heads, dim, queries.dtype, self.query_dtype)
             self.queries = queries.new_zeros(batch, heads, window, dim, dtype=layouts[QUERIES].dtype)
             self.query_positions = torch.full(
                 (batch, window), -1, dtype=layouts[QUERY_POSITIONS].dtype, device=queries.device
             )
-        queries, positions = queries[:, :, -window:], positions[:, -window:]
+        queries, positions = queries[:, :, -window:].to(self.queries.dtype), positions[:, -window:].to(POSITION_DTYPE)
         slots = (self.query_cursor + torch.arange(queries.shape[2], device=queries.device)) % window
         self.queries.index_copy_(2, slots, queries)
         self.query_positions.index_copy_(1, slots, positions)
@@ -350,6 +379,14 @@ class EvictionLayer(CacheLayerMixin):
         return held + sum(t.nbytes for t in (self.queries, self.query_positions, *buffered) if t is not None)
 
 
+def ring_dtype(model_dtype: torch.dtype, query_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the ring buffer holds queries at: the policy's `query_dtype` where it has fewer bytes than the
+    model's (fp16 for a float32 model), else the model's (a bf16 model's queries are not rounded again)."""
+    if query_dtype is None or query_dtype.itemsize >= model_dtype.itemsize:
+        return model_dtype
+    return query_dtype
+
+
 def _gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Gather [batch, Hkv, N, *trailing] along the entry dim with index [batch, Hkv, W]."""
     trailing = tensor.shape[3:]
@@ -361,7 +398,8 @@ class EvictionCache(Cache):
     """The Cache facade the model calls; the engine announces each forward's positions first.
 
     `capacity`: the most entries a layer can hold in this run, for which every layer's storage is
-    allocated at its first forward (None: grow as entries arrive)."""
+    allocated at its first forward (None: grow as entries arrive). `query_dtype`: the dtype the query ring may
+    narrow to (`ring_dtype`; None: the model's)."""
 
     def __init__(
         self,
@@ -371,9 +409,11 @@ class EvictionCache(Cache):
         query_window: int = 0,
         keep_every_query: bool = False,
         capacity: int | None = None,
+        query_dtype: torch.dtype | None = None,
     ):
         layers = [
-            EvictionLayer(state_fields, group_size, query_window, keep_every_query, capacity) for _ in range(num_layers)
+            EvictionLayer(state_fields, group_size, query_window, keep_every_query, capacity, query_dtype)
+            for _ in range(num_layers)
         ]
         super().__init__(layers=layers)
         self.has_padding = False

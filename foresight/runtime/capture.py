@@ -130,6 +130,35 @@ def block_attention(
     return weights.masked_fill((query_positions < 0)[:, None, None, :, None], 0.0)
 
 
+OBSERVATION_BLOCK = 32
+"""Queries per block-attention product when a policy reads the queries in sub-blocks (`sub_blocks`): the
+[batch, Hkv, G, l, N] float32 weights of one product stay those of 32 queries whatever L (at B = 1024,
+L = 256 one product of all L held 8x more)."""
+
+
+def sub_blocks(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    size: int = OBSERVATION_BLOCK,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`block_attention` of the queries [batch, Hq, L, D] in consecutive sub-blocks of at most `size`, oldest
+    first: (weights [batch, Hkv, G, l, N], their query_positions [batch, l]) one at a time, each computed when
+    the previous is done with (each query's row is the same as in one product of all L)."""
+    for start in range(0, queries.shape[2], size):
+        block = slice(start, start + size)
+        positions = query_positions[:, block]
+        yield block_attention(queries[:, :, block], positions, keys, key_positions, scaling), positions
+
+
+def first_observed_query(query_positions: torch.Tensor) -> torch.Tensor:
+    """[batch]: the oldest valid query of a block [batch, l], the first a row observes when the block is its first
+    observed one (a row of padding only gets a position past every entry, so no entry counts it)."""
+    return query_positions.masked_fill(query_positions < 0, torch.iinfo(query_positions.dtype).max).amin(-1)
+
+
 def logits_budget(device: torch.device) -> int:
     """Float32 logits of one block-attention product: on the CPU a product is fastest while it stays in
     the cache (1 MiB), on an accelerator while it fills the device (256 MiB). A product holds at least

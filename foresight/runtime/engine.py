@@ -31,7 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.cache import EvictionCache, EvictionLayer
-from foresight.runtime.capture import ATTENTION_NAME, attention_implementation
+from foresight.runtime.capture import ATTENTION_NAME, attention_implementation, first_observed_query
 from foresight.runtime.held_memory import keeps_every_query, query_window
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
@@ -132,6 +132,7 @@ class _Run:
     keep_counts: torch.Tensor  # [batch] candidates kept by an eviction step
     sinks: int
     first_eviction: torch.Tensor  # [batch] next position at the first eviction, -1 before
+    first_observed: torch.Tensor  # [batch] oldest query of the first window observed, -1 before (a WINDOW policy)
     next_positions: torch.Tensor  # [batch]
     prefilled: bool = False
     stats: RunStats = field(default_factory=RunStats)
@@ -147,7 +148,14 @@ class _Run:
             stats=dataclasses.replace(self.stats, step_seconds=list(self.stats.step_seconds)),
         )
 
-    ROW_TENSORS: ClassVar[tuple[str, ...]] = ("protected", "limits", "keep_counts", "first_eviction", "next_positions")
+    ROW_TENSORS: ClassVar[tuple[str, ...]] = (
+        "protected",
+        "limits",
+        "keep_counts",
+        "first_eviction",
+        "first_observed",
+        "next_positions",
+    )
 
 
 @dataclass
@@ -495,6 +503,7 @@ class EvictionEngine:
             query_window=self._query_window(interval),
             keep_every_query=self.observes_every_query,
             capacity=min(width + new_tokens, max(cadence.limits)),  # the most entries a layer holds
+            query_dtype=self.policy.buffered_query_dtype,
         )
         self.last_cache = cache
         run = _Run(
@@ -505,6 +514,7 @@ class EvictionEngine:
             keep_counts=torch.tensor([left - interval for left in cadence.left], device=device),
             sinks=self.sinks,
             first_eviction=torch.full_like(lengths, -1),
+            first_observed=torch.full_like(lengths, -1),
             next_positions=lengths.clone(),
         )
         self.last_stats = run.stats
@@ -620,7 +630,11 @@ class EvictionEngine:
             ]
             width = run.cadence.evict(due_rows)
             layers = run.cache.layers
-            contexts = [self._context(index, layer, rows, tuple(candidates)) for index, layer in enumerate(layers)]
+            first_observed = self._first_observed(run, due, rows)
+            contexts = [
+                self._context(index, layer, rows, tuple(candidates), first_observed)
+                for index, layer in enumerate(layers)
+            ]
             if not self.observes_every_query:  # every-query policies observed all their queries already
                 for context, layer, state in zip(contexts, layers, self.policy.step_observe(contexts), strict=True):
                     for name, value in state.items():
@@ -658,11 +672,27 @@ class EvictionEngine:
                 for name, value in self.policy.observe(context).items():
                     layer.write_state(name, value)
 
+    def _first_observed(self, run: _Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW policy
+        that reads attention: a row evicting for the first time observes its window's oldest query first (the
+        same in every layer), and every query after it at its later steps, L at a time."""
+        if not self.policy.needs_attention or self.observes_every_query:
+            return None
+        oldest = first_observed_query(run.cache.layers[0].query_positions)
+        run.first_observed = torch.where(due & (run.first_observed < 0), oldest, run.first_observed)
+        return run.first_observed if rows is None else run.first_observed[rows]
+
     def _context(
-        self, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None, candidate_counts: tuple[int, ...]
+        self,
+        layer_idx: int,
+        layer: EvictionLayer,
+        rows: torch.Tensor | None,
+        candidate_counts: tuple[int, ...],
+        first_observed: torch.Tensor | None = None,
     ) -> EvictionContext:
         """One layer's context at an eviction step, for its evicting rows (`rows`, None: all;
-        `candidate_counts`: their valid candidates), with the latest queries a WINDOW policy reads."""
+        `candidate_counts`: their valid candidates), with the latest queries a WINDOW policy reads and the rows'
+        `first_observed` query positions."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if rows is None else tensor[rows]
@@ -678,6 +708,7 @@ class EvictionEngine:
             scaling=layer.scaling,
             state={name: select(value) for name, value in layer.state.items()},
             candidate_counts=candidate_counts,
+            first_observed=first_observed,
         )
         if self.policy.needs_attention and not self.observes_every_query:
             context.queries, context.query_positions = layer.buffered_queries(rows)

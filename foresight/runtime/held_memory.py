@@ -113,13 +113,15 @@ def held_bytes(
     if buffered and not every_query:
         raise ValueError(f"policy {policy.name!r} buffers no queries, got buffered={buffered}")
     per_query = sum(_bytes(layout) for layout in query_layouts(shape.num_query_heads, shape.head_dim, dtype).values())
+    ring_layouts = query_layouts(shape.num_query_heads, shape.head_dim, dtype, policy.buffered_query_dtype)
+    per_ring_query = sum(_bytes(layout) for layout in ring_layouts.values())
     layers = shape.num_layers
     return HeldBytes(
         entries=entries,
         kv=layers * entries * (per_entry[KEYS] + per_entry[VALUES]),
         positions=layers * entries * per_entry[POSITIONS],
         state=layers * entries * state,
-        ring=0 if every_query else layers * query_window(policy, interval) * per_query,
+        ring=0 if every_query else layers * query_window(policy, interval) * per_ring_query,
         buffered=layers * buffered * per_query,
     )
 

@@ -73,6 +73,7 @@ class EvictionContext:
     queries: torch.Tensor | None = None  # [batch, Hq, l, D] the observed queries (l <= L), oldest first
     query_positions: torch.Tensor | None = None  # [batch, l], -1 for padding
     candidate_counts: tuple[int, ...] | None = None  # valid candidates per row, known on the host (None: unknown)
+    first_observed: torch.Tensor | None = None  # [batch] each row's first observed query position (None: this block)
 
     @cached_property
     def attention(self) -> torch.Tensor:
@@ -116,6 +117,12 @@ class Policy:
         """How many of the latest queries a WINDOW policy reads at an eviction step (None: all L). The
         runtime keeps only that many per layer: SnapKV's 8-query window would otherwise hold L queries
         of every query head, a quarter of a sequence's cache memory at B = 256, L = 64."""
+        return None
+
+    @property
+    def buffered_query_dtype(self) -> torch.dtype | None:
+        """The dtype the runtime may narrow this policy's buffered queries to (`foresight.runtime.cache.ring_dtype`:
+        only where it has fewer bytes than the model's); None keeps the model's."""
         return None
 
     def reset(self) -> None:

@@ -35,7 +35,10 @@ choice here removes one scale that differs between training and use:
   sampled eviction's recorded pool scores exactly as at sampling time.
 
 Per-entry state (raw; new entries start at 0; current block included): cumulative, decayed and recent
-sums [batch, Hkv, N, G], and observed [batch, Hkv, N], the count of queries that could attend to the entry.
+sums [batch, Hkv, N, G]. The count of queries that could attend to an entry ("observed", cumulative_rate's
+divisor) is derived, not stored: a row observes every query from its first observed one on (its eviction
+steps come every L tokens and each reads the L queries since the last), so the count is the newest query's
+position minus the later of the entry's position and that first query's, plus one (`observed_queries`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from collections.abc import Mapping
 import torch
 
 from foresight.masked import masked_moments
+from foresight.runtime.capture import first_observed_query
 from foresight.scorer.attention_features import (
     FEATURE_NAMES,
     WINDOWS,
@@ -54,9 +58,9 @@ from foresight.scorer.attention_features import (
     window_sum,
 )
 
-CUMULATIVE, DECAYED, RECENT, OBSERVED = "cumulative", "decayed", "recent", "observed"
+CUMULATIVE, DECAYED, RECENT = "cumulative", "decayed", "recent"
 PER_QUERY_HEAD_STATE = (CUMULATIVE, DECAYED, RECENT)
-"""State fields with one raw sum per query head of the group; OBSERVED has one count per entry."""
+"""State fields: one raw sum per query head of the group."""
 
 DECAY, DECAY_TOKENS = 0.9, 256
 """The decayed sum loses a factor 0.9 per 256 tokens (per step of L tokens: 0.9 ** (L / 256))."""
@@ -77,11 +81,14 @@ def token_decay(factor: float, tokens: int, rows: int, like: torch.Tensor) -> tu
     return per_token**rows, per_token**ages
 
 
-def observing_queries(positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-    """Queries of the block that could attend to each entry (not after it, not padding): positions
-    [batch, Hkv, N], query_positions [batch, l] -> counts [batch, Hkv, N]."""
-    queries = query_positions[:, None, None, :]
-    return ((positions[..., None] <= queries) & (queries >= 0)).sum(-1)
+def observed_queries(positions: torch.Tensor, newest: torch.Tensor, first_observed: torch.Tensor) -> torch.Tensor:
+    """Observed queries that could attend to each entry, from positions alone (the module docstring): positions
+    [batch, Hkv, N] (-1: invalid, count 0), newest [batch] the newest observed query's position, first_observed
+    [batch] the row's first observed query's -> counts [batch, Hkv, N] = newest - max(position, first) + 1.
+    Equals the stored count it replaces, the sum over the row's blocks of the block's queries not before the
+    entry (tests/test_lean_state.py's twin)."""
+    since = torch.maximum(positions, first_observed[:, None, None])
+    return (newest[:, None, None] - since + 1).clamp_min(0).masked_fill(positions < 0, 0)
 
 
 def standardised_features(
@@ -90,13 +97,15 @@ def standardised_features(
     positions: torch.Tensor,
     query_positions: torch.Tensor,
     feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
+    first_observed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Features of every entry before standardisation, and the updated state.
 
     block_attention [batch, Hkv, G, l, N] (rows oldest first, the l queries since the last step);
-    state: the raw sums [batch, Hkv, N, G] and the observed count [batch, Hkv, N] (module docstring);
-    positions [batch, Hkv, N] (-1: invalid), query_positions [batch, l] (-1: padding); feature_set: one
-    of the standardised sets (both keep the same state). Returns features
+    state: the raw sums [batch, Hkv, N, G] (module docstring); positions [batch, Hkv, N] (-1: invalid),
+    query_positions [batch, l] (-1: padding); feature_set: one of the standardised sets (both keep the same
+    state); first_observed [batch]: each row's first observed query position (None: this block is the row's
+    first observation, `first_observed_query`). Returns features
     [batch, Hkv, N, F*G] (head-major, `FEATURE_NAMES`; log(x + LOG_EPS) of the sums, log1p of the age)
     and the new state in the dtypes it came in. `standardise_candidates` finishes them.
     """
@@ -105,7 +114,8 @@ def standardised_features(
         raise ValueError(f"feature_set must be a standardised set, got {feature_set.value!r}")
     names = FEATURE_NAMES[feature_set]
     check_state(block_attention, {name: state[name] for name in PER_QUERY_HEAD_STATE})
-    check_state(block_attention, {OBSERVED: state[OBSERVED]}, per_query_head=False)
+    if first_observed is None:
+        first_observed = first_observed_query(query_positions)
     rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
     dtype, count = rows.dtype, rows.shape[-1]
 
@@ -117,14 +127,15 @@ def standardised_features(
         CUMULATIVE: state[CUMULATIVE].to(dtype) + rows.sum(-1).transpose(-1, -2),
         DECAYED: decayed(DECAYED, DECAY, DECAY_TOKENS),
         RECENT: decayed(RECENT, RECENT_DECAY, RECENT_TOKENS),
-        OBSERVED: state[OBSERVED].to(dtype) + observing_queries(positions, query_positions).to(dtype),
     }
+    newest = query_positions.amax(-1)
+    observed = observed_queries(positions, newest, first_observed).to(dtype)
     sums = {name: window_sum(rows, size) for name, size in WINDOWS.items()}
     sums.update(recent_128=new[RECENT], decayed=new[DECAYED])
     heuristic = {"last_1": lambda: window_sum(rows, 1), "pooled_last_8": lambda: max_pool_slots(sums["last_8"])}
     sums.update({name: compute() for name, compute in heuristic.items() if name in names})
-    sums["cumulative_rate"] = new[CUMULATIVE] / new[OBSERVED].clamp_min(1)[..., None]
-    age = (query_positions.amax(-1)[:, None, None] - positions).clamp_min(0).to(dtype)
+    sums["cumulative_rate"] = new[CUMULATIVE] / observed.clamp_min(1)[..., None]
+    age = (newest[:, None, None] - positions).clamp_min(0).to(dtype)
     columns = {name: torch.log(value + LOG_EPS) for name, value in sums.items()}
     columns["log_age"] = torch.log1p(age)[..., None].expand_as(sums["decayed"])
     features = torch.stack([columns[name] for name in names], dim=-1).flatten(-2)  # [batch, Hkv, N, G*F]

@@ -1,0 +1,172 @@
+"""The kept-set identity gate of a state change (issue 41 §2; docs/notes/lean-state.md): replay held-out traces
+teacher-forced under one state configuration, record every eviction step's kept (layer, KV head, position) sets
+and every trace's losses, then compare two recordings.
+
+    # the old state: the same script run against a checkout of the commit before the change
+    PYTHONPATH=runs/base python scripts/state_gate.py record --traces data/corpus/gsm-heldout -o runs/gate/base.pt
+    # the new state, one lever at a time (policy options of the learned scorer)
+    python scripts/state_gate.py record --traces data/corpus/gsm-heldout -o runs/gate/sums.pt \\
+        --option state_dtype=float16
+    python scripts/state_gate.py compare runs/gate/base.pt runs/gate/sums.pt
+
+Gate: at least 99.5% of the kept sets of (trace, step, layer, KV head) identical, and the paired change of the
+loss ratio (Σ evicted NLL / Σ full-cache NLL over the tokens after the first eviction, as `foresight eval`)
+below 0.002 in size, with its 95% paired bootstrap interval over traces. A step counts while its kept set
+serves a token of its trace. Each configuration replays on its own, so a divergence carries into later steps.
+Recordings are compared trace by trace, so two batch sizes compare too (float32 rounding alone: the same state
+in other batch shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from foresight.data.trace_store import TraceStore
+from foresight.eval.replay import prefill_lengths
+from foresight.eval.stats import percentile_interval, resample_counts
+from foresight.models import load_model
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+
+IDENTITY_GATE, LOSS_GATE = 0.995, 0.002
+
+
+class KeptSets:
+    """An `EvictionEngine.step_observer` that records, after every eviction step, each layer's kept positions
+    [layers, batch, Hkv, N] (-1 on invalid slots; entries stay in position order, so equal sets are equal rows)."""
+
+    def __init__(self) -> None:
+        self.engine: EvictionEngine | None = None
+        self.steps: list[torch.Tensor] = []
+        self._before = 0
+
+    def __enter__(self) -> None:
+        self._before = self.engine.last_stats.evictions
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and self.engine.last_stats.evictions > self._before:
+            held = [layer.entry_positions().to(torch.int32) for layer in self.engine.last_cache.layers]
+            self.steps.append(torch.stack(held).cpu())
+
+
+def record(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model)
+    traces = sorted(
+        (trace for folder in args.traces for trace in TraceStore(folder)), key=lambda t: t.input_ids.numel()
+    )
+    traces = [t for t in traces if t.input_ids.numel() > args.budget + args.interval]
+    options = dict(_option(text) for text in args.option)
+    batches = []
+    for start in range(0, len(traces), args.batch_size):
+        batch = traces[start : start + args.batch_size]
+        policy = make_policy("foresight", scorer=args.scorer, record=False, **options)
+        kept = KeptSets()
+        engine = EvictionEngine(model, policy, EvictionConfig(args.budget, args.interval), step_observer=kept)
+        kept.engine = engine
+        prefill = prefill_lengths(batch, args.budget, args.interval, engine.protect_prompt)
+        output = engine.replay([t.input_ids for t in batch], prefill)
+        batches.append(
+            {
+                "lengths": [t.input_ids.numel() for t in batch],
+                "sources": [f"{t.source}#{t.index}" for t in batch],
+                "steps": kept.steps,
+                "nll": output.nll,
+                "full": [t.token_nll for t in batch],
+                "first": output.first_eviction,
+            }
+        )
+        print(f"batch {len(batches)}: {len(batch)} traces, {len(kept.steps)} steps", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    settings = {"options": options, "budget": args.budget, "interval": args.interval, "batch_size": args.batch_size}
+    torch.save({**settings, "batches": batches}, args.out)
+    print(f"wrote {args.out}")
+
+
+def _option(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise ValueError(f"--option {text!r} must be NAME=VALUE")
+    return name, value
+
+
+def compare(args: argparse.Namespace) -> None:
+    base = _by_trace(torch.load(args.base))
+    print("| configuration | kept sets identical | entries in common | loss ratio | Δ loss ratio [95% paired] | gate |")
+    print("|---|---:|---:|---:|---:|---|")
+    for path in args.new:
+        recording = torch.load(path)
+        new = _by_trace(recording)
+        if new.keys() != base.keys():
+            raise ValueError(f"{path} replayed other traces than {args.base}")
+        same, sets, common, entries, sums = 0, 0, 0, 0, []
+        for source, (old_steps, old_nll, full, first) in base.items():
+            new_steps, new_nll = new[source][:2]
+            for old_kept, new_kept in zip(old_steps, new_steps):  # the serving steps, in position order
+                same += int((old_kept == new_kept).all(-1).sum())
+                sets += old_kept[..., 0].numel()
+                common += _common_entries(old_kept, new_kept)
+                entries += int((old_kept >= 0).sum())
+            scored = slice(first, None)
+            sums.append([float(nll[scored].double().sum()) for nll in (old_nll, new_nll, full)])
+        old_nll, new_nll, full = (np.array(column) for column in zip(*sums))
+        counts = resample_counts(len(full))
+        delta = (counts @ new_nll - counts @ old_nll) / (counts @ full)
+        low, high = percentile_interval(delta)
+        point = (new_nll.sum() - old_nll.sum()) / full.sum()
+        identity = same / sets
+        passed = identity >= IDENTITY_GATE and abs(point) < LOSS_GATE and max(abs(low), abs(high)) < LOSS_GATE
+        options = " ".join(f"{name}={value}" for name, value in recording["options"].items()) or "no option"
+        print(
+            f"| {options} (batch {recording.get('batch_size', '?')}) | {100 * identity:.2f}% of {sets} "
+            f"| {100 * common / entries:.3f}% | {new_nll.sum() / full.sum():.5f} (old {old_nll.sum() / full.sum():.5f}) "
+            f"| {point:+.5f} [{low:+.5f}, {high:+.5f}] | {'pass' if passed else 'FAIL'} |"
+        )
+
+
+def _by_trace(recording: dict) -> dict[str, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]]:
+    """Per trace: its serving steps' kept positions [layers, Hkv, N] (those whose kept set serves a token of the
+    trace), its NLL with eviction and with the full cache, and its first evicted position."""
+    traces = {}
+    for batch in recording["batches"]:
+        for row, source in enumerate(batch["sources"]):
+            steps = [step[:, row] for step in batch["steps"] if int(step[:, row].max()) < batch["lengths"][row] - 1]
+            traces[source] = (steps, batch["nll"][row], batch["full"][row], batch["first"][row])
+    return traces
+
+
+def _common_entries(old: torch.Tensor, new: torch.Tensor) -> int:
+    """Valid positions held by both recordings, summed over every (layer, row, KV head): each held set is
+    sorted, so a position of one is in the other where a binary search finds it there."""
+    index = torch.searchsorted(new.contiguous(), old.contiguous()).clamp_max(new.shape[-1] - 1)
+    return int(((new.gather(-1, index) == old) & (old >= 0)).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("record", help="replay traces under one state configuration")
+    run.add_argument("--traces", nargs="+", required=True, help="trace folders (held-out sets)")
+    run.add_argument("--scorer", default="checkpoints/default", help="learned scorer folder")
+    run.add_argument("--model", default="default")
+    run.add_argument("-B", "--budget", type=int, default=128)
+    run.add_argument("-L", "--interval", type=int, default=32)
+    run.add_argument("--batch-size", type=int, default=4)
+    run.add_argument("--threads", type=int, default=1)
+    run.add_argument("--option", action="append", default=[], help="policy option NAME=VALUE (the lever)")
+    run.add_argument("-o", "--out", required=True)
+    run.set_defaults(handler=record)
+    versus = commands.add_parser("compare", help="the gate's figures of recordings against a base recording")
+    versus.add_argument("base")
+    versus.add_argument("new", nargs="+")
+    versus.set_defaults(handler=compare)
+    args = parser.parse_args()
+    args.handler(args)
+
+
+if __name__ == "__main__":
+    main()
