@@ -966,3 +966,27 @@ def test_sampled_seeds_options_and_errors(traces_dir, tmp_path, patched_model, m
         assert cli.main(argv) == 2, message
         error = capsys.readouterr().err.strip()
         assert error.startswith("foresight eval: error: ") and message in error and "\n" not in error, error
+
+
+@pytest.mark.parametrize("name", ["h2o", "random"])
+def test_the_flip_rate_equals_a_token_by_token_reference(evaluated, traces_dir, model, name):
+    """The low-entropy flip rate: of the bottom-80%-entropy scored tokens, the share whose top-1 prediction
+    under eviction (a one-trace replay fed one token at a time) differs from a plain full-cache forward's."""
+    rows, _, _ = evaluated
+    flipped = low = 0
+    for trace in TraceStore(traces_dir):
+        with torch.no_grad():
+            full = model(trace.input_ids[None]).logits[0, :-1].argmax(-1)
+        engine = EvictionEngine(model, make_policy(name), EvictionConfig(B, L))
+        output = engine.replay([trace.input_ids], [min(trace.prompt_length, B + L)], max_chunk=1)
+        first = output.first_eviction[0]
+        entropy = trace.token_entropy[first:]
+        bottom = entropy <= torch.quantile(entropy.double(), 0.8).to(entropy.dtype)
+        assert torch.equal(output.greedy[0][:first], full[:first])  # no eviction yet: the full cache's
+        flipped += int((bottom & (output.greedy[0][first:] != full[first:])).sum())
+        low += int(bottom.sum())
+    row = rows_of(rows, B)[name]
+    assert row["low_entropy_flip_rate"] == pytest.approx(flipped / low, abs=1e-12)
+    assert row["low_entropy_flip_rate_low"] <= row["low_entropy_flip_rate"] <= row["low_entropy_flip_rate_high"]
+    assert name != "random" or flipped > 0
+    assert rows_of(rows, B)["full"]["low_entropy_flip_rate"] == 0.0

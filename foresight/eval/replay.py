@@ -212,8 +212,9 @@ def _evaluate_batch(
     num_layers = model.config.get_text_config().num_hidden_layers
     lengths = [t.input_ids.numel() for t in batch]
     reference = AttentionProbe(lengths, num_layers)
+    greedy = None  # the full cache's top-1 predictions per trace
     if any(spec.evicts for spec in specs):
-        _replay(model, REFERENCE, batch, budget, interval, None, reference, bar)
+        greedy = _replay(model, REFERENCE, batch, budget, interval, None, reference, bar).greedy
     schedule = None if labels is None else GoldenSchedule.stack(labels)
     prefixes = {} if share_prefix else None  # per prefill: the forwards before the first eviction
     for spec in specs:
@@ -223,7 +224,7 @@ def _evaluate_batch(
                 tally.add_trace(trace, trace.token_nll, budget + interval, None)
             continue
         replays = [
-            _tally_replay(model, replay, batch, budget, interval, labels, reference, schedule, bar, prefixes)
+            _tally_replay(model, replay, batch, budget, interval, labels, (reference, greedy), schedule, bar, prefixes)
             for replay in spec.replays()
         ]
         tally.extend(TraceTally.mean(replays))
@@ -236,12 +237,14 @@ def _tally_replay(
     budget: int,
     interval: int,
     labels: Sequence[GoldenLabels] | None,
-    reference: AttentionProbe,
+    full: tuple[AttentionProbe, list[torch.Tensor]],
     schedule: GoldenSchedule | None,
     bar: tqdm,
     prefixes: dict[tuple[int, ...], ReplayPrefix] | None,
 ) -> TraceTally:
-    """One replay of the batch under an evicting policy, scored against the full-cache `reference`."""
+    """One replay of the batch under an evicting policy, scored against the full cache's replay (`full`: its
+    attention probe and its top-1 predictions per trace)."""
+    reference, greedy = full
     num_layers = model.config.get_text_config().num_hidden_layers
     probe = AttentionProbe(
         [t.input_ids.numel() for t in batch], num_layers, reference=reference.outputs, schedule=schedule
@@ -253,7 +256,8 @@ def _tally_replay(
         _check_all_layers(probe.layer_count[row, :predictions], num_layers, spec.name)
         cosine = probe.cosine_sum[row, :predictions] / num_layers
         overlap = (int(probe.overlap_hits[row]), int(probe.overlap_kept[row]))
-        tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap)
+        flipped = output.greedy[row] != greedy[row]
+        tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap, flipped)
     return tally
 
 
