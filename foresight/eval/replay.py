@@ -56,7 +56,7 @@ from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
 from foresight.eval.results import EvaluationResult
 from foresight.eval.specs import REFERENCE, PolicySpec, ScorerSpec
 from foresight.eval.tally import TraceTally
-from foresight.labels import GoldenLabels, LabelStore
+from foresight.labels import GoldenLabels, LabelKind, LabelStore
 from foresight.models import describe
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.engine import EvictionEngine, ReplayOutput
@@ -73,6 +73,7 @@ def evaluate(
     interval: int,
     *,
     labels_root: str | os.PathLike | None = None,
+    label_kind: LabelKind | str = LabelKind.ALPHA,
     batch_size: int = 4,
     progress: bool = True,
     share_prefix: bool = True,
@@ -82,7 +83,7 @@ def evaluate(
     `share_prefix`: the policies of a batch reuse each other's forwards before the first eviction
     (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces
     folder whose labels-B{B}-L{L} folders hold golden labels (None: no
-    labels). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
+    labels), of kind `label_kind` (golden then replays that kind's schedule). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
     every evaluated trace; elsewhere a note says so.
     """
     if batch_size < 1:
@@ -100,7 +101,7 @@ def evaluate(
             notes.append(
                 f"B={budget}: skipped {short} of {len(traces)} traces shorter than B + L = {budget + interval} tokens"
             )
-        store = None if labels_root is None else LabelStore(labels_root, budget, interval)
+        store = None if labels_root is None else LabelStore(labels_root, budget, interval, label_kind)
         batch_labels = _labels_for(store, eligible, budget, interval, notes)
         budget_specs = [s for s in specs if not (s.needs_labels and batch_labels is None)]
         if len(budget_specs) < len(specs):
