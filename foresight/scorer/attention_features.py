@@ -90,6 +90,9 @@ class FeatureSet(Choice):
         return "log1p"
 
 
+STANDARDISED_NAMES = ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age")
+"""The standardised seven, which every standardised set starts with."""
+
 FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.PAPER: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed"),
     FeatureSet.OFFICIAL_8: ("max", "min", "block", "last_16", "last_8", "last_32", "cumulative", "decayed"),
@@ -103,27 +106,9 @@ FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
         "pooled_last_8",
         "pooled_last_L",
     ),
-    FeatureSet.STANDARDISED: ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age"),
-    FeatureSet.STANDARDISED_HEURISTIC: (
-        "last_8",
-        "last_16",
-        "last_32",
-        "recent_128",
-        "decayed",
-        "cumulative_rate",
-        "log_age",
-        "last_1",
-        "pooled_last_8",
-    ),
-    FeatureSet.STANDARDISED_NORMS: (
-        "last_8",
-        "last_16",
-        "last_32",
-        "recent_128",
-        "decayed",
-        "cumulative_rate",
-        "log_age",
-    ),
+    FeatureSet.STANDARDISED: STANDARDISED_NAMES,
+    FeatureSet.STANDARDISED_HEURISTIC: (*STANDARDISED_NAMES, "last_1", "pooled_last_8"),
+    FeatureSet.STANDARDISED_NORMS: STANDARDISED_NAMES,  # the norms are the scorer's inputs, not features
 }
 """Per-query-head feature order of each set (see the module docstring)."""
 
