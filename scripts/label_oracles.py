@@ -4,7 +4,7 @@
 
     python scripts/label_oracles.py alpha=runs/eval-a-alpha value=runs/eval-a-value gradient=runs/eval-a-gradient
 
-The first folder is the reference (α); each row gives the kind's golden loss ratio, low-entropy damage and
+The first folder is the reference (α); every row is pooled over the traces all folders scored, and gives the kind's golden loss ratio, low-entropy damage and
 flip rate with 95% bootstrap intervals over traces, and its loss ratio minus the reference's, paired
 (negative: the kind's oracle loses less).
 """
@@ -28,6 +28,8 @@ def golden_scores(kind: str, folder: Path) -> list[TraceScore]:
 def main(arguments: list[str]) -> None:
     runs = [argument.split("=", 1) for argument in arguments]
     scores = [score for kind, folder in runs for score in golden_scores(kind, Path(folder))]
+    common = set.intersection(*({s.index for s in scores if s.policy == f"golden-{kind}"} for kind, _ in runs))
+    scores = [score for score in scores if score.index in common]  # every row on the same traces
     budget = scores[0].budget
     reference = f"golden-{runs[0][0]}"
     print(f"| oracle | traces | loss ratio | low-entropy damage | flip rate | loss ratio − {reference} (paired) |")
