@@ -6,6 +6,13 @@ artifact. Published files get the user's umask (tempfile would make them private
 cannot clean up after itself, so every writer first removes the temporary leftovers of writers that
 are no longer alive.
 
+Files are reproducible: a safetensors header is written with its keys sorted, so the same tensors and
+metadata give the same bytes in any process (safetensors itself orders the metadata at random per process).
+
+Work on a folder is shared by claims: several processes (or the ranks of a `torchrun` launch) walking the
+same items each take an item by an exclusive `flock` on its claim file, which the kernel drops when the
+process dies, so a killed process's claim is taken over (`claimed`).
+
 Reads are checked: a missing, damaged (truncated) or mismatched artifact is an `ArtifactError`, a
 one-line message that names the file and the command that remakes it; the verbs that make an
 artifact treat a damaged one as missing and replace it.
@@ -13,18 +20,23 @@ artifact treat a damaged one as missing and replace it.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 _TEMPORARY = ".tmp-"
+_HEADER_ALIGNMENT = 8  # safetensors pads its JSON header with spaces to a multiple of 8 bytes
+Item = TypeVar("Item")
 MISSING = "missing"
 """What `file_problem` says of a file that is not there."""
 
@@ -108,6 +120,62 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
     """Write a safetensors file atomically, with string metadata."""
     with atomic_file(path) as temporary:
         save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, metadata=dict(metadata))
+        _sort_header(temporary)
+
+
+def _sort_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header with sorted keys, padded as safetensors pads it: in place
+    when it keeps its length (reordered keys do), else with the data moved."""
+    with open(path, "r+b") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % _HEADER_ALIGNMENT)
+        if len(text) == size:
+            handle.seek(8)
+            handle.write(text)
+            return
+        data = handle.read()
+        handle.seek(0)
+        handle.write(len(text).to_bytes(8, "little") + text + data)
+        handle.truncate()
+
+
+def claimed(
+    items: Iterable[Item], claim_file: Callable[[Item], Path], is_done: Callable[[Item], bool]
+) -> Iterator[Item]:
+    """The items this process claims and finds not done, each claim held until the caller asks for the next;
+    run by several processes over the same items, each item is yielded to one of them.
+
+    Free items come first; then the process waits for the claims others hold and takes over any item
+    they left undone (a killed process's claim is dropped by the kernel), so each process returns only
+    when every item is done. `is_done` is read with the claim held, so an item is done at most once; the
+    caller must make it done before asking for the next. The claim file is removed once its item is done."""
+    held_elsewhere = []
+    for item in items:
+        if not (yield from _take(item, claim_file(item), is_done, wait=False)):
+            held_elsewhere.append(item)
+    for item in held_elsewhere:
+        yield from _take(item, claim_file(item), is_done, wait=True)
+
+
+def _take(item: Item, path: Path, is_done: Callable[[Item], bool], wait: bool) -> Generator[Item, None, bool]:
+    """Claim `item` and yield it unless done; False (nothing yielded) when another process holds its claim."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = os.open(path, os.O_RDWR | os.O_CREAT, _published_mode(directory=False))
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if not is_done(item):
+            yield item
+        path.unlink(
+            missing_ok=True
+        )  # a process that opens it later makes a new file, claims it and finds the item done
+        return True
+    finally:
+        os.close(handle)  # drops the claim
 
 
 def file_problem(path: str | os.PathLike, expected: Mapping[str, object]) -> str | None:

@@ -530,6 +530,10 @@ class LabelStore:
     def path(self, trace_index: int) -> Path:
         return self.directory / f"trace-{trace_index:06d}.safetensors"
 
+    def claim_path(self, trace_index: int) -> Path:
+        """The file a labelling process locks while it labels the trace (`foresight.artifacts.claimed`)."""
+        return self.directory / f".trace-{trace_index:06d}.claim"
+
     def __contains__(self, trace_index: int) -> bool:
         """True when the trace's labels file is complete (a damaged one counts as missing)."""
         return file_problem(self.path(trace_index), {"format": FORMAT}) is None

@@ -13,6 +13,7 @@ import torch
 from foresight.artifacts import (
     MISSING,
     ArtifactError,
+    _sort_header,
     atomic_file,
     atomic_folder,
     check_metadata,
@@ -125,3 +126,33 @@ def test_check_metadata_names_every_difference(tmp_path: Path) -> None:
         check_metadata(tmp_path, stored, {"budget": 64, "dtype": "float32", "interval": 32}, "cmd")
     assert "budget='128', not '64'" in str(error.value) and "dtype='float16', not 'float32'" in str(error.value)
     assert "interval" not in str(error.value)
+
+
+def test_saved_tensors_are_the_same_bytes_in_every_process(tmp_path: Path) -> None:
+    """safetensors orders metadata at random per process; save_tensors sorts the header, so two processes
+    saving the same tensors and metadata write the same bytes, and the file reads back unchanged."""
+    metadata = {f"key{i}": f"value {i}" for i in range(12)}
+    script = (
+        "import sys, torch\nfrom foresight.artifacts import save_tensors\n"
+        "save_tensors(sys.argv[1], {'b': torch.arange(3.0), 'a': torch.ones(5, dtype=torch.int64)}, "
+        f"{metadata!r})"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    paths = [tmp_path / f"{name}.safetensors" for name in "xy"]
+    for path in paths:
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    stored, tensors = read_tensors(paths[0], "`remake`")
+    assert stored == metadata and torch.equal(tensors["b"], torch.arange(3.0))
+    assert torch.equal(tensors["a"], torch.ones(5, dtype=torch.int64))
+
+
+def test_a_header_of_another_length_is_rewritten_with_the_data_moved(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    save_tensors(path, {"x": torch.arange(6.0).reshape(2, 3)}, {"b": "2", "a": "1"})
+    canonical = path.read_bytes()
+    size = int.from_bytes(canonical[:8], "little")
+    padded = (size + 16).to_bytes(8, "little") + canonical[8 : 8 + size] + b" " * 16 + canonical[8 + size :]
+    path.write_bytes(padded)  # a header 16 bytes longer, as another writer might pad it
+    _sort_header(path)
+    assert path.read_bytes() == canonical

@@ -193,6 +193,7 @@ BENCHMARKS = (
     "rl-heldout",
     "rl-signal",
     "rl-step",
+    "rl-window",
     "trace-generation",
 )
 

@@ -5,18 +5,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from foresight import cli
+from foresight.commands.curves import read_scalars
 from foresight.commands.rl import lightning_args as rl_lightning_args
+from foresight.metrics import thresholded_terms
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests.rl_runs import L_, B, KillAtStep, Killed, random_trace, rl_args, rl_config, scorer_for
-from trainers.branches import BranchSettings, branch_points, changing_steps, roll_out_branches
+from trainers.branches import (
+    BranchSettings,
+    WindowAgreement,
+    branch_points,
+    changing_steps,
+    roll_out_branches,
+    window_agreement,
+)
 from trainers.cli import rl_cli_main
+from trainers.estimators import Estimator
+from trainers.grpo import GRPOScorer
+from trainers.rollouts import group_advantages
 
 
 @dataclass
@@ -88,9 +102,12 @@ def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama,
             assert math.isclose(float(group.scores.loss_ratio[row]), float(ratio), rel_tol=1e-5)
         assert len(set(group.scores.reward.tolist())) > 1  # the rows drew different evictions
         whole = loop_window_reward(backbone.tolist(), full, entropy, first, range(first, ids.numel() - 1), 1.5)
-        assert group.backbone_reward == pytest.approx(
+        assert group.backbone.reward == pytest.approx(
             whole, rel=1e-4, abs=1e-9
         )  # the paper's R (η = 1.5), not the run's
+        scored = range(first, ids.numel() - 1)
+        ratio = sum(float(backbone[t]) for t in scored) / sum(full[t] for t in scored)
+        assert group.backbone.loss_ratio == pytest.approx(ratio, rel=1e-5)  # the deployed policy's own
 
 
 def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):
@@ -163,6 +180,8 @@ def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
     cases = [
         ("model.rollout=vine", "unknown rollout 'vine'; allowed: 'episode', 'branch'"),
+        ("model.advantage_rule=self_critical", "advantage_rule self_critical needs rollout: branch"),
+        ("model.kl_stop=0", "kl_target and kl_stop must be finite numbers > 0 or null, got None, 0.0"),
         ("model.branch_rows=1", "need branch_rows >= 2, branch_chunks >= 1, branch_steps >= 1 and branch_layers >= 1"),
         ("model.reward_rule=dense9", "unknown reward_rule 'dense9'; allowed: 'thresholded'"),
         ("model.advantage_rule=none", "unknown advantage_rule 'none'; allowed: 'group_normalised'"),
@@ -173,3 +192,155 @@ def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir
         assert cli.main(rl_args(config, start_scorer, tmp_path / "out", override)) == 2, message
         error = capsys.readouterr().err.strip()
         assert message in error and error.count("\n") == 0, error
+
+
+def test_window_agreement_reads_each_branch_over_its_window_and_the_whole_rest(llama):
+    """The window check's d_k over W chunks equal the rewards `roll_out_branches` gives the same draws at that W
+    (continuing a branch changes no loss inside its window), and over the rest those at a W past the trace's end
+    (where window and rest coincide); every reward rule asked is scored."""
+    trace, scorer = random_trace(llama, 90, seed=4), scorer_for(llama)
+    settings = BranchSettings(rows=3, chunks=2, steps=2)
+    rules = {"thresholded": thresholded_terms, "dense": Estimator("dense").damage_terms}
+    agreements = window_agreement(llama, scorer, trace, settings, (1, 2, 40), rules, seed=1, threshold=0.0)
+    assert [(a.rule, a.chunks) for a in agreements[:3]] == [("thresholded", 1), ("thresholded", 2), ("thresholded", 40)]
+    assert len(agreements) == 2 * 2 * 3  # rules × branch groups × windows
+    for chunks in (1, 2, 40):
+        groups = roll_out_branches(
+            llama, scorer, trace, BranchSettings(3, chunks, 2), range(3), seed=1, threshold=0.0, terms=rules["dense"]
+        )
+        chosen = [a for a in agreements if a.rule == "dense" and a.chunks == chunks]
+        for group, agreement in zip(groups, chosen, strict=True):
+            assert agreement.step == int(group.actions.after[0] - (B + L_ - 1)) // L_
+            torch.testing.assert_close(agreement.window, group.scores.reward, rtol=0, atol=1e-6)
+            if chunks == 40:  # 160 tokens: past the end of a 90-token trace
+                torch.testing.assert_close(agreement.rest, group.scores.reward, rtol=0, atol=1e-6)
+                assert agreement.spearman == pytest.approx(1.0) or math.isnan(agreement.spearman)
+
+
+def test_window_agreement_spearman_by_hand():
+    one = torch.tensor([0.1, 0.3, 0.2, 0.2])
+    assert WindowAgreement(0, 0, "dense", 1, one, torch.tensor([1.0, 3.0, 2.0, 2.0])).spearman == pytest.approx(1.0)
+    # ranks 1, 4, 2.5, 2.5 against 4, 1, 2.5, 2.5: covariance −4.5 over a variance of 4.5 each
+    assert WindowAgreement(0, 0, "dense", 1, one, torch.tensor([3.0, 1.0, 2.0, 2.0])).spearman == pytest.approx(-1.0)
+    assert math.isnan(WindowAgreement(0, 0, "dense", 1, one, torch.zeros(4)).spearman)
+
+
+def test_rl_window_bench_reports_each_rule_and_window(tmp_path, traces_dir, start_scorer, capsys):
+    out = tmp_path / "bench.md"
+    args = ["bench", "rl-window", "--traces", str(traces_dir), "--count", "2", "--scorer", str(start_scorer)]
+    args += [
+        "--chunks",
+        "1,100",
+        "--branch-rows",
+        "3",
+        "--temperature",
+        "1",
+        "--damage-threshold",
+        "0",
+        "--out",
+        str(out),
+    ]
+    assert cli.main(args) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert [(row[0], row[1]) for row in rows[1:]] == [
+        (f"| {rule}", width) for rule in ("thresholded", "dense", "gated") for width in ("1", "100")
+    ]
+    for row in rows[1:]:
+        if row[1] == "100":  # the window holds the whole rest: the rankings agree wherever defined
+            assert row[3] in ("1.000", "nan") and (row[3] == "nan" or row[-1] == "yes |")
+
+
+def test_anchored_rl_options_are_recorded_logged_and_checkpointed_every_epoch(
+    tmp_path, tiny_dir, traces_dir, start_scorer, capsys
+):
+    """Branch groups with self-critical advantages, the gated reward and an adaptive β: the options are in the
+    hyper-parameters and on the card with the stopping rule, the KL is logged per set and per branch point
+    (2 sets here: 1 layer × 2 KV heads), the backbone's loss ratio is logged, β doubled after the steps whose KL
+    exceeded 1.5·kl_target and is saved with the checkpoints, and every epoch leaves its checkpoint."""
+    options = {
+        "rollout": "branch",
+        "branch_rows": 4,
+        "branch_chunks": 2,
+        "branch_steps": 1,
+        "branch_layers": 1,
+        "advantage_rule": "self_critical",
+        "reward_rule": "gated",
+        "damage_gate_width": 0.3,
+        "kl_target": 1e-6,
+    }
+    config = rl_config(
+        tmp_path / "rl.yaml",
+        tiny_dir,
+        traces_dir,
+        trainer={"max_steps": -1, "max_epochs": 2},
+        model=options,
+        data={"batch_size": 4},
+    )
+    run = tmp_path / "run"
+    assert cli.main(rl_args(config, start_scorer, run)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "scorer refined by GRPO for 4 steps" in last  # 8 training traces, 2 batches per epoch
+    logged = {name: float(last.split(f"train/{name} ")[1].split(",")[0]) for name in ("kl_per_set", "kl_per_step")}
+    assert logged["kl_per_set"] > 0 and logged["kl_per_step"] == pytest.approx(2 * logged["kl_per_set"], rel=1e-5)
+    assert "train/backbone_loss_ratio " in last and "train/backbone_reward " in last
+    assert sorted(path.name for path in (run / "checkpoints").glob("epoch-*.ckpt")) == ["epoch-0.ckpt", "epoch-1.ckpt"]
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert {name: checkpoint["hyper_parameters"][name] for name in options} == options
+    # step 1 rolls out the start itself (KL 0: β stays 0.05); every later step's KL exceeds 1.5e-6
+    assert checkpoint["kl_beta"] == pytest.approx(0.05 * 2**3)
+    card = (run / "scorer" / "README.md").read_text()
+    assert "reward rule gated (w = 0.3), advantage rule self_critical" in card
+    assert "β adapted from 0.05 to hold the KL per (layer, KV head) set near 1e-06 nats" in card
+    assert "stops after 2 epochs" in card
+
+
+def test_kl_stop_ends_the_run_after_the_first_step_past_it(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    """Step 1 rolls out the start (KL 0); a KL stop of 1e-9 nats per set ends the run after the first step whose
+    rollouts' policy had moved, long before max_steps; the card names the rule."""
+    config = rl_config(
+        tmp_path / "rl.yaml",
+        tiny_dir,
+        traces_dir,
+        trainer={"max_steps": 6},
+        model={"rollout": "branch", "branch_rows": 2, "branch_chunks": 1, "branch_steps": 1, "kl_stop": 1e-9},
+    )
+    assert cli.main(rl_args(config, start_scorer, tmp_path / "run")) == 0
+    kl = read_scalars(tmp_path / "run")["train/kl_per_set"]
+    moved = min(step for step, value in kl.items() if value > 1e-9)
+    assert 0 < moved < 5 and sorted(kl) == list(range(moved + 1))  # the start's step logs 0; none after the stop
+    assert f"scorer refined by GRPO for {moved + 1} steps" in capsys.readouterr().out.strip().splitlines()[-1]
+    card = (tmp_path / "run" / "scorer" / "README.md").read_text()
+    assert "β fixed at 0.05; stops after 6 steps or the first step whose KL per set exceeds 1e-09 nats" in card
+
+
+def test_adaptive_beta_doubles_above_the_band_halves_below_it_and_resumes(tiny_dir, start_scorer):
+    """PPO's rule around kl_target = 1: ×2 above 1.5, ÷2 below 1/1.5, never below the configured β; the β a
+    checkpoint saved is the one a resumed run continues with (a checkpoint from before β adapted: the config's)."""
+    module = GRPOScorer(str(start_scorer), B, L_, model=str(tiny_dir), beta=0.01, kl_target=1.0, rollout="branch")
+    seen = []
+    for kl in (2.0, 1.6, 1.2, 0.5, 0.6, 0.1, 0.1):
+        module._control_kl(kl)
+        seen.append(module.current_beta())
+    assert seen == pytest.approx([0.02, 0.04, 0.04, 0.02, 0.01, 0.01, 0.01])
+    module.on_load_checkpoint({"kl_beta": 0.32})
+    assert module.current_beta() == 0.32
+    module.on_load_checkpoint({})
+    assert module.current_beta() == 0.01
+
+
+def test_self_critical_scales_every_group_of_a_step_by_the_batch_rms(tiny_dir, start_scorer):
+    """The module's advantages of a step's branch groups: d_k over the rms of every d of the batch with
+    `self_critical` (a 1e-4 group keeps 1e-4 of the push), Eq. 9 per group otherwise (both groups ±1-sized)."""
+    rewards = torch.tensor([[0.0, -5.0, 1.0, 0.0], [1e-4, -1e-4, 0.0, 0.0]])
+    groups = [SimpleNamespace(scores=SimpleNamespace(credited=lambda credit, d=d: d)) for d in rewards]
+    rms = float(rewards.square().mean().sqrt())
+    for rule, expected in (
+        ("self_critical", rewards / (rms + 1e-8)),
+        ("group_normalised", torch.stack([group_advantages(d) for d in rewards])),
+    ):
+        module = GRPOScorer(str(start_scorer), B, L_, model=str(tiny_dir), rollout="branch", advantage_rule=rule)
+        module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+        credited = list(module._credited(groups))
+        assert [group for group, _ in credited] == groups
+        torch.testing.assert_close(torch.stack([a for _, a in credited]), expected, rtol=1e-6, atol=1e-12)
+    assert float(expected[1].abs().max()) > 0.9  # Eq. 9 pushes the 1e-4 group as hard as the 5-nat one

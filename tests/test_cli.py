@@ -51,6 +51,12 @@ def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it(monkeyp
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected
 
 
+ROOT = Path(__file__).resolve().parents[1]
+FIT_DEFAULT = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--out", "/nonexistent/run"]
+RL_DEFAULT = ["rl", "--config", str(ROOT / "configs/default-rl.yaml"), "--scorer", str(ROOT / "checkpoints/default")]
+RL_DEFAULT += ["--out", "/nonexistent/run"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -60,6 +66,9 @@ def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it(monkeyp
         (["generate", "--model", "no/such-model-anywhere", "hi"], "no/such-model-anywhere"),
         (["generate", "-o", "seed", "--policy", "random", "hi"], "KEY=VALUE"),
         (["replay", "/no/such/file.txt"], "does not exist"),
+        (FIT_DEFAULT + ["--set", "trainer.max_stepz=5"], "--set trainer.max_stepz: not a key of the config"),
+        (FIT_DEFAULT + ["--set", "trainer.max_steps=abc"], "--set trainer.max_steps: Expected a <class 'int'>"),
+        (RL_DEFAULT + ["--set", "model.betta=0.1"], "--set model.betta: not a key of the config"),
     ],
 )
 def test_bad_input_is_one_line_with_exit_status_2(capsys, monkeypatch, argv, message):

@@ -45,7 +45,7 @@ def test_curves_draws_the_tags_and_refuses_what_was_not_logged(tmp_path, capsys)
     assert cli.main(["curves", str(tmp_path / "run"), "--tags", "train/loss", "--out", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and "over 20 steps" in capsys.readouterr().out
     assert cli.main(["curves", str(tmp_path / "run"), "--out", str(tmp_path / "rl.png")]) == 2
-    assert "logged no train/reward, train/kl" in capsys.readouterr().err and not (tmp_path / "rl.png").exists()
+    assert "logged no train/reward, train/kl_per_set" in capsys.readouterr().err and not (tmp_path / "rl.png").exists()
     assert cli.main(["curves", str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "holds no TensorBoard logs" in capsys.readouterr().err
     assert cli.main(["curves", str(tmp_path / "run"), "--window", "0", "--out", str(out)]) == 2

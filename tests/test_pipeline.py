@@ -69,8 +69,7 @@ def one_line_error(call) -> str:
 
 
 def contents(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors (copied out of the memory map) and metadata of a safetensors file; its bytes vary, as the
-    header's key order is not fixed."""
+    """The tensors (copied out of the memory map) and metadata of a safetensors file."""
     with safe_open(path, framework="pt") as handle:
         return {name: handle.get_tensor(name).clone() for name in handle.keys()}, handle.metadata()
 

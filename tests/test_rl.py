@@ -310,6 +310,7 @@ def test_clipped_objective_and_kl_by_hand():
     kl = [math.exp(x) - x - 1 for x in (-0.1 - math.log(1.5), -0.1 - math.log(0.5), -0.1 - 20.0)] * 2
     assert math.isclose(float(objective.surrogate), sum(surrogate) / 6, rel_tol=1e-6)
     assert math.isclose(float(objective.kl), sum(kl) / 6, rel_tol=1e-6)
+    torch.testing.assert_close(objective.kl_terms, torch.tensor([kl[:3], kl[3:]]), rtol=1e-6, atol=0)
     assert math.isclose(float(objective.loss), -sum(surrogate) / 6 + 0.5 * sum(kl) / 6, rel_tol=1e-6)
     assert math.isclose(float(objective.clip_fraction), 3 / 6)
     objective.loss.backward()
@@ -486,7 +487,8 @@ def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir,
     for metric in (
         "train/reward",
         "train/reward_std",
-        "train/kl",
+        "train/kl_per_set",
+        "train/kl_per_step",
         "train/clip_fraction",
         "train/entropy",
         "train/loss_ratio",
@@ -774,4 +776,4 @@ def test_further_epochs_on_one_batch_clip_the_ratio(tmp_path, tiny_dir, traces_d
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "scorer refined by GRPO for 3 steps" in last
     assert float(last.split("train/clip_fraction ")[1].split(",")[0]) > 0
-    assert float(last.split("train/kl ")[1].split(",")[0]) > 0
+    assert float(last.split("train/kl_per_set ")[1].split(",")[0]) > 0

@@ -1,6 +1,7 @@
 """The reinforcement stage's estimator options against slow references: the evicted set's Plackett-Luce
 log-probability (Kool et al. 2020) against the sum over every order of the set, its gradient against
-autograd through that sum and finite differences; leave-one-out advantages and the dense reward by loops;
+autograd through that sum and finite differences; leave-one-out and self-critical advantages, the dense and
+the gated reward by loops;
 the resolver's errors; and the GRPO module trained with each choice."""
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from foresight.bench.rl_signal import chunk_noise_scale, noise_scale
 from foresight.metrics import dense_terms, token_damage
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob, plackett_luce_set_logprob
 from tests.rl_runs import enumerated_order_probabilities, random_trace, rl_args, rl_config, scorer_for
-from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, REWARD_RULES, Estimator, leave_one_out_advantages
+from trainers.estimators import (
+    ADVANTAGE_RULES,
+    BATCH_ADVANTAGE_RULES,
+    LOGPROB_RULES,
+    REWARD_RULES,
+    Estimator,
+    gated_terms,
+    leave_one_out_advantages,
+    self_critical_advantages,
+)
 from trainers.rollouts import group_advantages, roll_out, rollout_seeds
 
 
@@ -249,11 +259,40 @@ def test_dense_damage_by_loops(offset, exponent):
     assert int((dense.terms > 0).sum()) > int((thresholded.terms > 0).sum())  # the dense term counts more tokens
 
 
+def test_self_critical_advantages_by_hand():
+    """d_k already measured against the backbone: each is divided by one rms over the whole batch, so a group
+    whose d differ by 1e-4 keeps 1e-4 of the push of a 5-nat miss, and a group of equal non-zero d (every draw
+    the same set, other than the backbone's) keeps its sign."""
+    rewards = torch.tensor([[0.0, -5.0, 1.0, 0.0], [1e-4, -1e-4, 0.0, 0.0], [-0.5, -0.5, -0.5, -0.5]])
+    squares = [d * d for row in rewards.tolist() for d in row]
+    rms = math.sqrt(sum(squares) / len(squares))  # sqrt((25 + 1 + 2e-8 + 4 * 0.25) / 12)
+    advantages = self_critical_advantages(rewards)
+    for group, row in enumerate(rewards.tolist()):
+        for k, d in enumerate(row):
+            assert math.isclose(float(advantages[group, k]), d / (rms + 1e-8), rel_tol=1e-6, abs_tol=1e-12)
+    assert math.isclose(rms, math.sqrt(27.00000002 / 12), rel_tol=1e-12)
+    assert float(advantages[1].abs().max()) < 1e-4 and float(advantages[0].abs().max()) > 3  # one scale for all
+    assert bool((advantages[2] < 0).all())  # Eq. 9 would give this group 0
+    assert torch.equal(self_critical_advantages(torch.zeros(2, 3)), torch.zeros(2, 3))
+
+
+def test_gated_damage_weighs_the_tail_by_loops():
+    """(ΔL)₊^p·σ((ΔL − η) / w): half of ΔL^p at η, next to nothing a few w below it, all of it a few w above."""
+    delta = torch.tensor([-1.0, 0.0, 0.3, 1.0, 1.5, 2.0, 4.0], dtype=torch.float64)
+    terms = Estimator("gated", gate_width=0.2).damage_terms(delta, 1.5, 2.0)
+    expected = [max(d, 0.0) ** 2 / (1 + math.exp(-(d - 1.5) / 0.2)) for d in delta.tolist()]
+    torch.testing.assert_close(terms, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert math.isclose(float(terms[4]), 1.5**2 / 2) and float(terms[3]) < 0.08 * 1.0 and float(terms[6]) > 0.99 * 16
+    torch.testing.assert_close(terms, gated_terms(delta, 1.5, 2.0, width=0.2))
+
+
 def test_estimator_resolves_every_rule_and_rejects_unknown_ones():
-    assert set(REWARD_RULES) == {"thresholded", "dense"} and set(ADVANTAGE_RULES) == {
+    assert set(REWARD_RULES) == {"thresholded", "dense", "gated"} and set(ADVANTAGE_RULES) == {
         "group_normalised",
         "leave_one_out",
     }
+    assert set(BATCH_ADVANTAGE_RULES) == {"self_critical"} and Estimator(advantage="self_critical").batch_wide
+    assert Estimator("gated", gate_width=0.3).describe().startswith("reward rule gated (w = 0.3)")
     assert set(LOGPROB_RULES) == {"order", "set"}
     estimator = Estimator("dense", "leave_one_out", "set", offset=0.2)
     assert estimator.name == "set / leave_one_out / dense" and estimator.action_logprob is plackett_luce_set_logprob
@@ -263,10 +302,14 @@ def test_estimator_resolves_every_rule_and_rejects_unknown_ones():
     torch.testing.assert_close(estimator.advantages(rewards, dim=-1), leave_one_out_advantages(rewards))
     torch.testing.assert_close(Estimator().advantages(rewards, dim=-1), group_advantages(rewards))
     for options, message in (
-        ({"advantage": "ppo"}, "unknown advantage_rule 'ppo'; allowed: 'group_normalised', 'leave_one_out'"),
-        ({"reward": "sparse"}, "unknown reward_rule 'sparse'; allowed: 'thresholded', 'dense'"),
+        (
+            {"advantage": "ppo"},
+            "unknown advantage_rule 'ppo'; allowed: 'group_normalised', 'leave_one_out', 'self_critical'",
+        ),
+        ({"reward": "sparse"}, "unknown reward_rule 'sparse'; allowed: 'thresholded', 'dense', 'gated'"),
         ({"logprob": "sets"}, "unknown logprob_rule 'sets'; allowed: 'order', 'set'"),
         ({"offset": -0.1}, "damage_offset (δ of the dense reward) must be a finite number >= 0, got -0.1"),
+        ({"gate_width": 0.0}, "damage_gate_width (w of the gated reward) must be a finite number > 0, got 0.0"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             Estimator(**options)

@@ -11,7 +11,17 @@ import torch
 
 from foresight import cli
 from foresight.data.tasks import chat_prompt_ids
-from foresight.data.trace_import import EMPTY, NOT_A_ROW, NOT_ROUND_TRIP, import_traces
+from foresight.data.trace_import import (
+    BAD_LOGPROBS,
+    COMPLETION_DISAGREES,
+    EMPTY,
+    EMPTY_PROMPT,
+    NOT_A_ROW,
+    NOT_IDS,
+    NOT_ROUND_TRIP,
+    PROMPT_DISAGREES,
+    import_traces,
+)
 from foresight.data.trace_store import TraceStore
 from foresight.models import tiny_model
 from tests.prompts import CHAT_TEMPLATE, char_tokenizer, write_lines
@@ -155,7 +165,7 @@ def test_a_saved_dataset_imports_like_the_jsonl(model, tmp_path):
     from_folder = TraceStore(_imported(model, str(tmp_path / "pairs"), tmp_path / "b"))
     assert [t.input_ids.tolist() for t in from_folder] == [t.input_ids.tolist() for t in from_jsonl]
     datasets.Dataset.from_dict({"prompt": ["p"]}).save_to_disk(str(tmp_path / "prompts-only"))
-    with pytest.raises(ValueError, match="has no completion column"):
+    with pytest.raises(ValueError, match="has neither prompt and completion nor prompt_token_ids"):
         import_traces(model, TOKENIZER, tmp_path / "prompts-only", out_dir=tmp_path / "c", progress=False)
 
 
@@ -184,6 +194,124 @@ def test_cli_imports_and_refuses_mixed_options(model, tmp_path, monkeypatch, cap
     assert "--max-new-tokens applies to sampling (--prompts)" in capsys.readouterr().err
     assert cli.main([*args, "--prompts", "reasoning-gym:lcm"]) == 2
     assert "--prompts needs --num and --max-new-tokens" in capsys.readouterr().err
+    assert cli.main([*args, "--prompts", "reasoning-gym:lcm", "--logprob-tolerance", "0.1"]) == 2
+    assert "--logprob-tolerance applies to imported traces (--import)" in capsys.readouterr().err
+    assert cli.main([*args, "--import", source, "--logprob-tolerance", "-1"]) == 2
+    assert "--logprob-tolerance must be >= 0 nats, got -1.0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*args, "--prompts", "reasoning-gym:lcm", "--import", source])
     assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def ids_row(pair: dict, *, texts: bool = True, engine_eos: bool = False, **fields) -> dict:
+    """A pair as an engine writes it by token ids: the templated prompt's ids and the sampled ids (the
+    stop token included when `engine_eos`), with the texts when `texts`."""
+    completion = [ord(c) for c in pair["completion"]] + ([EOS] if engine_eos else [])
+    row = {
+        "prompt_token_ids": chat_prompt_ids(TOKENIZER, pair["prompt"]),
+        "completion_token_ids": completion,
+        **{name: pair[name] for name in ("finish_reason", "answer", "source") if name in pair},
+    }
+    return row | ({"prompt": pair["prompt"], "completion": pair["completion"]} if texts else {}) | fields
+
+
+def test_rows_by_token_ids_import_like_their_text(model, tmp_path):
+    text = TraceStore(_imported(model, write_pairs(tmp_path / "pairs.jsonl", bad=False), tmp_path / "text"))
+    rows = [
+        ids_row(PAIRS[0], engine_eos=True),  # the engine returned its stop token: kept, not doubled
+        ids_row(PAIRS[1], texts=False),  # no texts: EOS appended at "stop", the prompt text decoded from its ids
+        ids_row(PAIRS[2], prompt=TOKENIZER.decode(chat_prompt_ids(TOKENIZER, PAIRS[2]["prompt"]))),
+        ids_row(PAIRS[3]),
+    ]
+    source = write_lines(tmp_path / "ids.jsonl", [json.dumps(row) for row in rows])
+    summary = import_traces(model, TOKENIZER, source, out_dir=tmp_path / "ids", progress=False)
+    assert (summary.counts.kept, summary.counts.rejected) == (4, 0)
+    by_ids = TraceStore(tmp_path / "ids")
+    for a, b, pair in zip(by_ids, text, PAIRS):
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.prompt_length == b.prompt_length
+        assert torch.equal(a.token_nll, b.token_nll) and torch.equal(a.token_entropy, b.token_entropy)
+        assert (a.completion, a.correct) == (b.completion, b.correct)
+        assert a.source == pair.get("source", str(Path(source).resolve()))
+    assert [t.prompt for t in by_ids] == [
+        PAIRS[0]["prompt"],
+        TOKENIZER.decode(rows[1]["prompt_token_ids"]),
+        TOKENIZER.decode(rows[2]["prompt_token_ids"]),
+        PAIRS[3]["prompt"],
+    ]
+    assert summary.logprobs.traces == () and "log-probabilities" not in summary.describe()
+    names = ("prompt_token_ids", "completion_token_ids", "prompt", "completion", "finish_reason")
+    datasets.Dataset.from_dict({name: [row.get(name) for row in rows] for name in names}).save_to_disk(
+        str(tmp_path / "ids-dataset")
+    )  # row 1's texts are None there: absent, as in the JSONL
+    from_folder = TraceStore(_imported(model, str(tmp_path / "ids-dataset"), tmp_path / "from-folder"))
+    assert [t.input_ids.tolist() for t in from_folder] == [t.input_ids.tolist() for t in by_ids]
+
+
+def test_every_refused_ids_row_is_named_and_the_rest_kept(model, tmp_path):
+    good = ids_row(PAIRS[0])
+    refused = [
+        (
+            ids_row(PAIRS[0], completion_token_ids=[ord("1"), 128]),
+            "a token id outside the model's vocabulary of 128 ids",
+        ),
+        (ids_row(PAIRS[0], prompt_token_ids=[-1, 5]), "a token id outside the model's vocabulary of 128 ids"),
+        (ids_row(PAIRS[0], completion_token_ids=[ord("1"), "2"]), NOT_IDS),
+        (ids_row(PAIRS[0], completion_token_ids=[ord("1"), 2.0]), NOT_IDS),
+        (ids_row(PAIRS[0], completion_token_ids=[True]), NOT_IDS),
+        (ids_row(PAIRS[0], completion="2 + 3 = 5, so \\boxed{6}"), COMPLETION_DISAGREES),
+        (ids_row(PAIRS[0], prompt="What is 2 + 4?"), PROMPT_DISAGREES),
+        (ids_row(PAIRS[0], prompt_token_ids=[]), EMPTY_PROMPT),
+        (ids_row(PAIRS[0], completion_token_ids=[EOS], completion=""), EMPTY),  # only the stop token
+        ({"prompt": "x", "completion": "caf\u00e9", "prompt_token_ids": [5]}, NOT_ROUND_TRIP),  # a text row
+        (ids_row(PAIRS[0], completion_logprobs=[-1.0]), BAD_LOGPROBS),
+        (ids_row(PAIRS[0], completion_logprobs=[None] * len(good["completion_token_ids"])), BAD_LOGPROBS),
+        (
+            ids_row(PAIRS[0], completion_token_ids=[ord("y")] * CONTEXT, completion="y" * CONTEXT),
+            f"prompt + completion longer than the model's context of {CONTEXT} tokens",
+        ),
+    ]
+    lines = [json.dumps(good), *[json.dumps(row) for row, _ in refused], json.dumps(ids_row(PAIRS[3]))]
+    summary = import_traces(
+        model, TOKENIZER, write_lines(tmp_path / "ids.jsonl", lines), out_dir=tmp_path / "out", progress=False
+    )
+    expected = {}
+    for row, (_, reason) in enumerate(refused, start=1):
+        expected.setdefault(reason, []).append(row)
+    assert summary.rejected == expected
+    assert [t.index for t in TraceStore(tmp_path / "out")] == [0, len(lines) - 1]
+    assert "rejected: " in summary.describe() and COMPLETION_DISAGREES in summary.describe()
+    record = json.loads((tmp_path / "out" / "manifest.json").read_text())["shards"][0]["rejected_rows"]
+    assert [r["reason"] for r in record] == [reason for _, reason in refused]
+
+
+def test_engine_logprobs_agree_with_the_pass_and_other_ones_are_flagged(model, tmp_path):
+    rows = [ids_row(pair, engine_eos=pair.get("finish_reason") == "stop") for pair in PAIRS]
+    for row in rows:
+        ids = row["prompt_token_ids"] + row["completion_token_ids"]
+        nll, _ = direct_losses(model, ids)  # the engine's own log-probabilities: a float32 forward of its own
+        row["completion_logprobs"] = (-nll[len(row["prompt_token_ids"]) - 1 :]).tolist()
+    other = tiny_model("llama", seed=1).eval()  # an engine that ran other weights
+    ids = rows[1]["prompt_token_ids"] + rows[1]["completion_token_ids"]
+    rows[1]["completion_logprobs"] = (-direct_losses(other, ids)[0][len(rows[1]["prompt_token_ids"]) - 1 :]).tolist()
+    rows[3]["completion_logprobs"] = [x + 0.1 for x in rows[3]["completion_logprobs"]]  # processed (shifted) ones
+    source = write_lines(tmp_path / "ids.jsonl", [json.dumps(row) for row in rows])
+    summary = import_traces(model, TOKENIZER, source, out_dir=tmp_path / "out", shard_size=2, progress=False)
+    compared = {trace["row"]: trace for trace in summary.logprobs.traces}
+    assert sorted(compared) == [0, 1, 2, 3]
+    assert [compared[i]["tokens"] for i in range(4)] == [len(row["completion_token_ids"]) for row in rows]
+    for row in (0, 2):
+        assert compared[row]["max_abs_diff"] < 1e-5  # float32 forwards of one model: rounding only
+    assert compared[1]["mean_abs_diff"] > 0.15  # 0.18 nats
+    assert compared[3]["mean_abs_diff"] == pytest.approx(0.1, abs=1e-5)
+    assert summary.logprobs.flagged == [1, 3]
+    line = summary.describe()
+    assert "engine log-probabilities of 4 traces" in line and "2 traces over the tolerance of 0.05 nats" in line
+    assert "(row 1, 3)" in line and "\n" not in line
+    shards = json.loads((tmp_path / "out" / "manifest.json").read_text())["shards"]
+    assert [t["row"] for shard in shards for t in shard["logprob_agreement"]] == [0, 1, 2, 3]
+    again = import_traces(
+        model, TOKENIZER, source, out_dir=tmp_path / "out", shard_size=2, progress=False, logprob_tolerance=0.15
+    )
+    assert (
+        again.shards_written == 0 and again.logprobs.traces == summary.logprobs.traces and again.logprobs.flagged == [1]
+    )

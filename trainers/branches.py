@@ -48,7 +48,8 @@ from foresight.metrics import (
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, Replay
 from foresight.scorer.model import ForesightScorer
-from trainers.rollouts import EvictionActions, GroupRollout, RolloutScores
+from trainers.ranking import spearman
+from trainers.rollouts import Backbone, EvictionActions, GroupRollout, RolloutScores
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,60 @@ def roll_out_branches(
     evictions and the rewards d_k. `reference_nll`: the full-cache losses ΔL compares with (None: the
     trace's stored ones). The backbone's time is shared equally among the groups."""
     config = scorer.config
+    started = time.perf_counter()
+    branched, backbone, num_layers = _branched(
+        model, scorer, trace, settings, rows, seed, round_index, temperature, settings.chunks * config.interval
+    )
+    length = trace.input_ids.numel()
+    branched = [
+        (
+            step,
+            branch,
+            forked,
+            EvictionActions.stack(
+                policy.records, num_layers, before=length - 2, rows=slice(None), dtype=storage_dtype, layers=layers
+            ),
+        )
+        for step, branch, forked, policy, layers in branched
+    ]
+    reference = trace.token_nll if reference_nll is None else reference_nll
+    window_scores = _WindowScores(backbone, trace, reference, share, threshold, exponent, terms)
+    forward_seconds = backbone.run.stats.forward_seconds + sum(
+        branch.run.stats.forward_seconds - forked[0] for _, branch, forked, _ in branched
+    )
+    tokens = backbone.run.stats.tokens + sum(branch.run.stats.tokens - forked[1] for _, branch, forked, _ in branched)
+    portion, seconds = 1 / len(branched), time.perf_counter() - started
+    return [
+        GroupRollout(
+            trace_index=trace.index,
+            actions=actions,
+            scores=window_scores.of(branch, int(actions.after[0]), settings.chunks * config.interval),
+            eviction_steps=branch.evictions - step,
+            forward_seconds=forward_seconds * portion,
+            seconds=seconds * portion,
+            forward_tokens=round(tokens * portion),
+            backbone=window_scores.backbone,
+        )
+        for step, branch, _, actions in branched
+    ]
+
+
+def _branched(
+    model: torch.nn.Module,
+    scorer: ForesightScorer,
+    trace: Trace,
+    settings: BranchSettings,
+    rows: Sequence[int],
+    seed: int,
+    round_index: int,
+    temperature: float,
+    tokens: int | None,
+) -> tuple[list[tuple], Replay, int]:
+    """The backbone's replay of `trace` to its end and, at each branch point, its state copied into the
+    `rows`, step s sampled, then `tokens` more fed deterministically (None: to the trace's end). Returns
+    (step, branch replay, its (forward seconds, tokens) when forked, the sampling policy, its sampled
+    layers) per branch point, the backbone and the model's layer count."""
+    config = scorer.config
     length = trace.input_ids.numel()
     steps = changing_steps(length, config.budget, config.interval)
     if steps < 1:
@@ -131,7 +186,6 @@ def roll_out_branches(
             f"trace {trace.index} has {length} tokens, too few for an eviction that changes a prediction "
             f"(needs at least B + L + 2 = {config.budget + config.interval + 2})"
         )
-    started = time.perf_counter()
     cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
     engine = EvictionEngine(model, make_policy("foresight", scorer=scorer, record=False), cadence)
     backbone = engine.start_replay([trace.input_ids], [config.budget + config.interval])
@@ -150,32 +204,71 @@ def roll_out_branches(
         branch = backbone.select_rows([0] * len(rows))
         forked = (branch.run.stats.forward_seconds, branch.run.stats.tokens)
         EvictionEngine(model, policy, cadence).advance(branch, tokens=0)  # step s, sampled
-        engine.advance(branch, tokens=settings.chunks * config.interval)  # then W chunks, deterministic
-        actions = EvictionActions.stack(
-            policy.records, engine.num_layers, before=length - 2, rows=slice(None), dtype=storage_dtype, layers=layers
-        )
-        branched.append((step, branch, forked, actions))
+        engine.advance(branch, tokens=tokens)  # then deterministic: W chunks, or to the end
+        branched.append((step, branch, forked, policy, layers))
     engine.advance(backbone)
-    reference = trace.token_nll if reference_nll is None else reference_nll
-    window_scores = _WindowScores(backbone, trace, reference, share, threshold, exponent, terms)
-    forward_seconds = backbone.run.stats.forward_seconds + sum(
-        branch.run.stats.forward_seconds - forked[0] for _, branch, forked, _ in branched
+    return branched, backbone, engine.num_layers
+
+
+@dataclass(frozen=True)
+class WindowAgreement:
+    """One branch group's d_k by one reward rule over a window of W chunks and over the whole rest of the
+    trace (`window`, `rest`, [K] each), and their Spearman correlation across the K rows (NaN where either
+    is constant: no ranking to compare)."""
+
+    trace_index: int
+    step: int
+    rule: str
+    chunks: int
+    window: torch.Tensor
+    rest: torch.Tensor
+
+    @property
+    def spearman(self) -> float:
+        return float(spearman(self.window, self.rest))
+
+
+@torch.no_grad()
+def window_agreement(
+    model: torch.nn.Module,
+    scorer: ForesightScorer,
+    trace: Trace,
+    settings: BranchSettings,
+    chunks: Sequence[int],
+    rules: dict[str, DamageTerms],
+    seed: int = 0,
+    round_index: int = 0,
+    temperature: float = 1.0,
+    share: float = LOW_ENTROPY_SHARE,
+    threshold: float = DAMAGE_THRESHOLD,
+    exponent: float = DAMAGE_EXPONENT,
+) -> list[WindowAgreement]:
+    """Whether W chunks see what a branch decision costs: the branch groups of one trace and round (those
+    `roll_out_branches` makes), each row continued to the trace's end, and its d_k by each reward rule of
+    `rules` over the W·L predictions after its step (each W of `chunks`) and over every prediction after it.
+    Where the two rank the K rows alike the window is wide enough; where not, damage the decision causes
+    later (long-range copies) falls outside it and W should grow (docs/rl.md: widen where below 0.5)."""
+    branched, backbone, _ = _branched(
+        model, scorer, trace, settings, range(settings.rows), seed, round_index, temperature, None
     )
-    tokens = backbone.run.stats.tokens + sum(branch.run.stats.tokens - forked[1] for _, branch, forked, _ in branched)
-    portion, seconds = 1 / len(branched), time.perf_counter() - started
-    return [
-        GroupRollout(
-            trace_index=trace.index,
-            actions=actions,
-            scores=window_scores.of(branch, int(actions.after[0]), settings.chunks * config.interval),
-            eviction_steps=branch.evictions - step,
-            forward_seconds=forward_seconds * portion,
-            seconds=seconds * portion,
-            forward_tokens=round(tokens * portion),
-            backbone_reward=window_scores.backbone_reward,
-        )
-        for step, branch, _, actions in branched
-    ]
+    agreements = []
+    for name, terms in rules.items():
+        scores = _WindowScores(backbone, trace, trace.token_nll, share, threshold, exponent, terms)
+        for step, branch, _, policy, _ in branched:
+            after = int(policy.records[0].query_positions[0, -1])  # the step ran after this position
+            rest = scores.of(branch, after, trace.input_ids.numel()).reward
+            agreements += [
+                WindowAgreement(
+                    trace.index,
+                    step,
+                    name,
+                    width,
+                    scores.of(branch, after, width * scorer.config.interval).reward,
+                    rest,
+                )
+                for width in chunks
+            ]
+    return agreements
 
 
 class _WindowScores:
@@ -201,7 +294,9 @@ class _WindowScores:
         )
         scored = scored_tokens(self.nll.numel(), output.first_eviction[0])
         paper = token_damage(self.nll[scored], reference[scored], trace.token_entropy[scored])  # η = 1.5, p = 2
-        self.backbone_reward = -paper.counts().penalty  # the reported R, whatever the training reward
+        self.backbone = Backbone(  # the reported R and loss ratio, whatever the training reward
+            reward=-paper.counts().penalty, loss_ratio=loss_ratio(self.nll[scored], reference[scored])
+        )
         self.low = torch.zeros(self.nll.numel(), dtype=torch.bool)
         self.low[scored] = low_entropy_tokens(trace.token_entropy[scored], share)
 

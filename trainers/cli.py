@@ -68,18 +68,35 @@ class SupervisedCLI(LightningCLI):
         parser.link_arguments("data.scorer_spec", "model.scorer", apply_on="instantiate")
 
 
+class EpochCheckpoint(ModelCheckpoint):
+    """A ModelCheckpoint of its own class, so its state key differs from the `checkpoint` section's whatever
+    both are set to (Lightning refuses two checkpoint callbacks of one key)."""
+
+
 class ReinforcementCLI(LightningCLI):
-    """LightningCLI with a `checkpoint` section; the data's frozen model, B and L are linked into the module."""
+    """LightningCLI with a `checkpoint` section and an `epoch_checkpoint` section (a ModelCheckpoint keeping
+    `epoch-N.ckpt` at the end of every epoch, so the run's stopping rule can pick an epoch fixed before any
+    evaluation); the data's frozen model, B and L are linked into the module."""
 
     def add_arguments_to_parser(self, parser) -> None:
         add_checkpoint_section(parser)
+        parser.add_lightning_class_args(EpochCheckpoint, "epoch_checkpoint")
+        parser.set_defaults(
+            {
+                "epoch_checkpoint.every_n_epochs": 1,
+                "epoch_checkpoint.save_top_k": -1,
+                "epoch_checkpoint.filename": "epoch-{epoch}",
+                "epoch_checkpoint.auto_insert_metric_name": False,
+            }
+        )
         for name in ("model", "budget", "interval"):
             parser.link_arguments(f"data.{name}", f"model.{name}")
 
 
-def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedCLI:
+def cli_main(args: Sequence[str] | None = None, run: bool = True, exit_on_error: bool = True) -> SupervisedCLI:
     """Run the supervised stage's CLI on `args` (default: the command line), freed host memory kept for
-    the next step's tensors (`foresight.host_memory`)."""
+    the next step's tensors (`foresight.host_memory`). `exit_on_error=False` raises a bad argument as
+    `argparse.ArgumentError` instead of printing the usage, for callers that report it in one line."""
     keep_freed_memory()
     quiet_third_party_notices()
     return SupervisedCLI(
@@ -88,12 +105,13 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> SupervisedC
         args=None if args is None else list(args),
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": exit_on_error},
     )
 
 
-def rl_cli_main(args: Sequence[str] | None = None, run: bool = True) -> ReinforcementCLI:
+def rl_cli_main(args: Sequence[str] | None = None, run: bool = True, exit_on_error: bool = True) -> ReinforcementCLI:
     """Run the reinforcement stage's CLI on `args` (default: the command line), freed host memory kept
-    for the next step's tensors."""
+    for the next step's tensors; `exit_on_error` as in `cli_main`."""
     keep_freed_memory()
     quiet_third_party_notices()
     return ReinforcementCLI(
@@ -102,6 +120,7 @@ def rl_cli_main(args: Sequence[str] | None = None, run: bool = True) -> Reinforc
         args=None if args is None else list(args),
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": exit_on_error},
     )
 
 

@@ -17,6 +17,8 @@ the rewards are all-gathered so each group is normalised whole, and the gradient
 explicit all-reduce after every backward (several backward passes per step, one per trace), so N
 ranks make the same update as one process. Only the scorer has trainable parameters: the frozen model
 is held outside the module (never saved, never wrapped by DDP) and the reference scorer is frozen.
+
+Size: one LightningModule; its training step, the DDP all-gathers and the KL reference belong together.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import contextlib
 import copy
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,7 @@ from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer, named_by_content
 from trainers.branches import BranchSettings, roll_out_branches
-from trainers.estimators import Estimator, LogprobRule
+from trainers.estimators import GATE_WIDTH, Estimator, LogprobRule
 from trainers.preparation import FrozenModel
 from trainers.rollouts import (
     CLIP_EPSILON,
@@ -47,7 +50,6 @@ from trainers.rollouts import (
     GroupRollout,
     LossReference,
     Rollout,
-    equal_reward_groups,
     full_cache_losses,
     grpo_objective,
     packs,
@@ -96,9 +98,15 @@ class GRPOScorer(ScorerModule):
       traces_per_replay apply to episodes only.
     reward_rule, advantage_rule, logprob_rule: the estimator's rules by name (`trainers.estimators`):
       "thresholded" (the damage term ΔL^p·1[ΔL > η]), "group_normalised" (Eq. 9), "order" (Plackett-Luce of
-      the sampled order), the paper's; or "dense" ((ΔL − δ)₊^p, δ = damage_offset), "leave_one_out" (RLOO,
-      unscaled), "set" (the evicted set's probability, Kool et al. 2020). Episodes log R of §3.3 as
+      the sampled order), the paper's; or "dense" ((ΔL − δ)₊^p, δ = damage_offset), "gated" ((ΔL)₊^p·σ((ΔL −
+      η) / w), w = damage_gate_width), "leave_one_out" (RLOO, unscaled), "self_critical" (branch groups only:
+      d_k against the deterministic backbone over the batch's rms of d, so every group of the step shares one
+      scale), "set" (the evicted set's probability, Kool et al. 2020). Episodes log R of §3.3 as
       `train/paper_reward` whatever the reward rule.
+    kl_target: adapt β to hold the KL per (layer, KV head) set near this many nats (PPO's adaptive penalty,
+      Schulman et al. 2017 §4: β doubles after a step whose KL per set exceeds 1.5·kl_target and halves after
+      one below kl_target / 1.5, never below `beta`); None: β fixed. kl_stop: stop the run at the end of the
+      first step whose KL per set exceeds it (a stopping rule fixed before any evaluation); None: never.
     seed: seeds every rollout's sampling with (seed, round, trace, row) (and the branch step).
     """
 
@@ -134,12 +142,24 @@ class GRPOScorer(ScorerModule):
         advantage_rule: str = "group_normalised",
         logprob_rule: str = "order",
         damage_offset: float = DAMAGE_OFFSET,
+        damage_gate_width: float = GATE_WIDTH,
+        kl_target: float | None = None,
+        kl_stop: float | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
         self.rollout = Rollout.parse(rollout)
         self.branches = BranchSettings(branch_rows, branch_chunks, branch_steps, branch_layers)
-        self.estimator = Estimator(reward_rule, advantage_rule, logprob_rule, damage_offset)
+        self.estimator = Estimator(reward_rule, advantage_rule, logprob_rule, damage_offset, damage_gate_width)
+        if self.estimator.batch_wide and self.rollout is not Rollout.BRANCH:
+            raise ValueError(
+                f"advantage_rule {advantage_rule} needs rollout: branch (its baseline is the deterministic backbone's "
+                f"reward), got rollout: {self.rollout.value}"
+            )
+        if any(bound is not None and not 0 < bound < float("inf") for bound in (kl_target, kl_stop)):
+            raise ValueError(f"kl_target and kl_stop must be finite numbers > 0 or null, got {kl_target}, {kl_stop}")
+        if kl_target is not None and beta <= 0:
+            raise ValueError(f"kl_target adapts β from beta, which must then be > 0, got beta={beta}")
         if group_size < 2:
             raise ValueError(
                 f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}"
@@ -174,6 +194,7 @@ class GRPOScorer(ScorerModule):
         self.scorer.load_state_dict(start.state_dict())
         self.reference = copy.deepcopy(self.scorer).requires_grad_(False)
         self.freeze_untrained()
+        self.beta = beta  # β of the KL term now: adapted when kl_target is set, saved with the checkpoints
         self.storage_dtype = float_dtype("storage_dtype", storage_dtype)
         self.model_dtype = float_dtype("dtype", dtype)
         self._frozen: FrozenModel | None = None
@@ -182,14 +203,16 @@ class GRPOScorer(ScorerModule):
             "reward",
             "loss_ratio",
             "damage",
-            "kl",
+            "kl_per_set",
+            "kl_per_step",
             "clip_fraction",
             "entropy",
             "steps_per_second",
             "forward_share",
             "zero_advantage_share",
+            "advantage_abs",
             "tokens_per_second",
-            *(("backbone_reward",) if self.rollout is Rollout.BRANCH else ("paper_reward",)),
+            *(("backbone_reward", "backbone_loss_ratio") if self.rollout is Rollout.BRANCH else ("paper_reward",)),
         )
         self.figures = torch.nn.ModuleDict({name: MeanMetric() for name in names})
 
@@ -273,9 +296,14 @@ class GRPOScorer(ScorerModule):
         beta, rows = self.current_beta(), self.rollout_rows()
         optimizer.zero_grad()
         updates, rewards, forward_seconds = [], [], 0.0
-        for group in self.roll_out(batch):
-            advantages = self._advantages(group)[rows.start : rows.stop]
-            update = _Update(group.actions, advantages, self.scorer, self.reference, self.estimator.action_logprob)
+        for group, advantages in self._credited(self.roll_out(batch)):
+            update = _Update(
+                group.actions,
+                advantages[rows.start : rows.stop],
+                self.scorer,
+                self.reference,
+                self.estimator.action_logprob,
+            )
             self._backward(update, beta, len(batch))
             self._tally(group)
             rewards.append(self._gather_group(group.scores.reward))
@@ -289,15 +317,29 @@ class GRPOScorer(ScorerModule):
                 self._backward(update, beta, len(batch))
             self._step(optimizer, schedule)
         self.figures["forward_share"].update(forward_seconds / (time.perf_counter() - started))
+        kl = float(self.figures["kl_per_set"].compute())  # of the policy that rolled out this step's batch
         self._log_step(torch.stack(rewards), beta)
+        self._control_kl(kl)
 
-    def _advantages(self, group: GroupRollout) -> torch.Tensor:
-        """The group's advantages, [G] per rollout or [G, steps] per eviction step (`credit`), from the
-        rewards of every rank's rows; logs the share of its groups whose rewards are all equal."""
-        rewards = self._gather_group(group.scores.credited(self.credit))  # every rank's rows, in order
-        equal = equal_reward_groups(rewards, dim=0)
-        self.figures["zero_advantage_share"].update(equal.float().mean(), weight=equal.numel())
-        return self.estimator.advantages(rewards, dim=0)
+    def _credited(self, groups: Iterable[GroupRollout]) -> Iterator[tuple[GroupRollout, torch.Tensor]]:
+        """Each group with its advantages over every rank's rows, [rows] per rollout or [rows, steps] per
+        eviction step (`credit`): as it is rolled out with a per-group rule; with a batch-wide one
+        (self-critical) once the whole batch is, every group's recorded evictions held until then. Logs the
+        share of groups whose advantages are all 0."""
+        if self.estimator.batch_wide:
+            groups = list(groups)
+            rewards = torch.stack([self._gather_group(group.scores.credited(self.credit)) for group in groups])
+            credited = zip(groups, self.estimator.batch_advantages(rewards), strict=True)
+        else:
+            credited = (
+                (group, self.estimator.advantages(self._gather_group(group.scores.credited(self.credit)), dim=0))
+                for group in groups
+            )
+        for group, advantages in credited:
+            zero = (advantages == 0).all(0)
+            self.figures["zero_advantage_share"].update(zero.float().mean(), weight=zero.numel())
+            self.figures["advantage_abs"].update(advantages.abs().mean())
+            yield group, advantages
 
     def _backward(self, update: _Update, beta: float, traces: int) -> None:
         """Back-propagate this trace's share (1 / traces) of minus Eq. 10, through the scorer only."""
@@ -314,7 +356,8 @@ class GRPOScorer(ScorerModule):
                 clamp=LOG_RATIO_CLAMP,
             )
             self.manual_backward(objective.loss / traces)
-        self.figures["kl"].update(objective.kl)
+        self.figures["kl_per_set"].update(objective.kl)
+        self.figures["kl_per_step"].update(objective.kl_terms.flatten(2).sum(-1).mean())  # each step's sets summed
         self.figures["clip_fraction"].update(objective.clip_fraction)
         self.figures["entropy"].update(actions.first_draw_entropy(scores.detach()).mean())
 
@@ -326,9 +369,29 @@ class GRPOScorer(ScorerModule):
         schedule.step()
 
     def current_beta(self) -> float:
-        """β at this optimisation step (0 after kl_steps, when set)."""
+        """β at this optimisation step (0 after kl_steps, when set; adapted to the KL with kl_target)."""
         kl_steps = self.hparams.kl_steps
-        return 0.0 if kl_steps is not None and self.global_step >= kl_steps else self.hparams.beta
+        return 0.0 if kl_steps is not None and self.global_step >= kl_steps else self.beta
+
+    def _control_kl(self, kl: float) -> None:
+        """After a step whose rollouts' policy was `kl` nats per set from the start: adapt β (kl_target) and
+        stop the run past kl_stop (`GRPOScorer`'s docstring)."""
+        target, stop = self.hparams.kl_target, self.hparams.kl_stop
+        if target is not None:
+            if kl > 1.5 * target:
+                self.beta *= 2
+            elif kl < target / 1.5:
+                self.beta = max(self.beta / 2, self.hparams.beta)
+        if stop is not None and kl > stop:
+            self.trainer.should_stop = True
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["kl_beta"] = self.beta
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.beta = checkpoint.get("kl_beta", self.hparams.beta)
 
     def _gather_group(self, rewards: torch.Tensor) -> torch.Tensor:
         """[G / world, ...] rewards of this rank -> the group's [G, ...], in row order (all-gather across ranks)."""
@@ -354,8 +417,9 @@ class GRPOScorer(ScorerModule):
         self.figures["damage"].update(group.scores.damage_share.mean())
         self.figures["steps_per_second"].update(group.eviction_steps / group.seconds)
         self.figures["tokens_per_second"].update(group.forward_tokens / group.seconds)
-        if group.backbone_reward is not None:
-            self.figures["backbone_reward"].update(group.backbone_reward)
+        if group.backbone is not None:
+            self.figures["backbone_reward"].update(group.backbone.reward)
+            self.figures["backbone_loss_ratio"].update(group.backbone.loss_ratio)
         if self.rollout is Rollout.EPISODE:
             self.figures["paper_reward"].update(group.scores.paper_reward.mean())
 
@@ -364,9 +428,10 @@ class GRPOScorer(ScorerModule):
         size = rewards.shape[0]
         self.figures["reward"].update(rewards.mean())
         for name, metric in self.figures.items():
-            self.log(f"train/{name}", metric.compute(), prog_bar=name in ("reward", "kl"), batch_size=size)
+            self.log(f"train/{name}", metric.compute(), prog_bar=name in ("reward", "kl_per_set"), batch_size=size)
             metric.reset()
         self.log("train/reward_std", rewards.std(-1, unbiased=False).mean(), batch_size=size)
+        self.log("train/reward_rms", rewards.square().mean().sqrt(), batch_size=size)  # self-critical's scale
         self.log("train/beta", beta, batch_size=size)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=size)
 
@@ -387,17 +452,38 @@ class GRPOScorer(ScorerModule):
             + f"{hparams.temperature}; reward ΔL^{hparams.damage_exponent}·1[ΔL > {hparams.damage_threshold}], "
             + f"credit: {self.credit.value}; {self.estimator.describe()}"
         )
+        control = {"KL control": self.kl_control()}
         if self.rollout is Rollout.BRANCH:
             branches = self.branches
             layers = "every layer" if branches.layers is None else f"{branches.layers} layers per group"
             return {
                 "GRPO": settings,
+                **control,
                 "rollouts": (
                     f"step-level branch groups: K = {branches.rows} rows at {branches.steps} eviction steps per trace, "
                     f"sampled on {layers}, continued deterministically for W = {branches.chunks} chunks"
                 ),
             }
-        return {"GRPO": settings, "rollouts": f"episodes: G = {hparams.group_size} per trace, every step sampled"}
+        return {
+            "GRPO": settings,
+            **control,
+            "rollouts": f"episodes: G = {hparams.group_size} per trace, every step sampled",
+        }
+
+    def kl_control(self) -> str:
+        """β's rule and the stopping rule, in words (for the card): both fixed before any evaluation."""
+        hparams, trainer = self.hparams, self._trainer
+        beta = (
+            f"β adapted from {hparams.beta} to hold the KL per (layer, KV head) set near {hparams.kl_target} nats "
+            f"(×2 above {1.5 * hparams.kl_target:g}, ÷2 below {hparams.kl_target / 1.5:g}, never below {hparams.beta})"
+            if hparams.kl_target is not None
+            else f"β fixed at {hparams.beta}"
+        )
+        limits = [] if trainer is None else [f"{trainer.max_epochs} epochs", f"{trainer.max_steps} steps"]
+        limits = [limit for limit in limits if not limit.startswith(("-1 ", "None "))]
+        if hparams.kl_stop is not None:
+            limits.append(f"the first step whose KL per set exceeds {hparams.kl_stop} nats")
+        return f"{beta}; stops after {' or '.join(limits) if limits else 'no limit'}"
 
 
 class _Update:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from foresight.artifacts import MISSING
+from foresight.artifacts import MISSING, claimed
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.tasks import recorded_source
 from foresight.data.trace_generation import generate_traces
@@ -125,18 +125,20 @@ class StepSummary:
     directory: Path
     action: str  # "labelled"
     already: str  # "already labelled"
-    made: int
-    damaged: int  # of `made`: files that were there but could not be used
+    made: tuple[int, ...]  # the indices of the traces this call made
+    damaged: int  # of the traces to make: files that were there but could not be used
     done: int
     too_short: int
     min_tokens: int  # B + L
     seconds: float
+    by_others: int = 0  # of the traces to make: made by another process meanwhile
 
     def describe(self) -> str:
         replaced = f" ({self.damaged} replacing damaged files)" if self.damaged else ""
+        others = f", {self.by_others} by other processes" if self.by_others else ""
         return (
-            f"{self.directory}: {self.action} {self.made} traces{replaced}, skipped {self.too_short} too short "
-            f"(< B + L = {self.min_tokens} tokens), {self.done} {self.already}; {self.seconds:.1f} s"
+            f"{self.directory}: {self.action} {len(self.made)} traces{replaced}{others}, skipped {self.too_short} "
+            f"too short (< B + L = {self.min_tokens} tokens), {self.done} {self.already}; {self.seconds:.1f} s"
         )
 
 
@@ -177,7 +179,11 @@ def make_labels(
     kind: LabelKind | str = LabelKind.ALPHA,
 ) -> StepSummary:
     """`foresight labels`: the golden labels (of label kind `kind`) of every trace of `traces_dir` long enough
-    to have an eviction step."""
+    to have an eviction step.
+
+    Processes started on one folder (or the ranks of a `torchrun` launch) share its traces by per-trace claims
+    (`foresight.artifacts.claimed`): each trace is labelled by one of them, a trace claimed by a killed process
+    is taken over, and each returns when the folder is complete, with the files one process would write."""
     started = time.perf_counter()
     traces = TraceStore(traces_dir)
     traces.require_model(frozen.name)
@@ -187,7 +193,9 @@ def make_labels(
         return store.problem(trace.index, num_tokens=trace.input_ids.numel())
 
     plan = _Plan.of(traces, budget, interval, problem)
-    for trace in tqdm(plan.todo, desc="labels", unit="trace", disable=not progress):
+    made = []
+    mine = claimed(plan.todo, lambda trace: store.claim_path(trace.index), lambda trace: problem(trace) is None)
+    for trace in tqdm(mine, total=len(plan.todo), desc="labels", unit="trace", disable=not progress):
         labels = compute_golden_labels(
             frozen.load()[0],
             trace.input_ids,
@@ -199,7 +207,8 @@ def make_labels(
             kind=store.kind,
         )
         save_labels(labels, store.path(trace.index))
-    return plan.summary(store.directory, "labelled", "already labelled", time.perf_counter() - started)
+        made.append(trace.index)
+    return plan.summary(store.directory, "labelled", "already labelled", time.perf_counter() - started, made)
 
 
 def make_examples(
@@ -326,15 +335,20 @@ class _Plan:
                 plan.damaged += found != MISSING
         return plan
 
-    def summary(self, directory: Path, action: str, already: str, seconds: float) -> StepSummary:
+    def summary(
+        self, directory: Path, action: str, already: str, seconds: float, made: Sequence[int] | None = None
+    ) -> StepSummary:
+        """The step's summary; `made`: the traces this process made, when processes shared the to-do list."""
+        made = tuple(trace.index for trace in self.todo) if made is None else tuple(made)
         return StepSummary(
             directory,
             action,
             already,
-            len(self.todo),
+            made,
             self.damaged,
             self.done,
             self.too_short,
             self.min_tokens,
             seconds,
+            len(self.todo) - len(made),
         )

@@ -16,6 +16,9 @@ one that sampled, the frozen reference) is recomputed from them without running 
 
 The reward, loss ratio and low-entropy damage of a rollout come from `foresight.metrics`, the very
 functions `foresight eval` reports, over the same tokens (those predicted after the first eviction).
+
+Size: the GRPO objective's parts (rollouts, rewards, advantages, the clipped loss) as small functions over
+one recorded layout (`EvictionActions`), which every part reads.
 """
 
 from __future__ import annotations
@@ -264,12 +267,20 @@ def rewards_to_go(damage: TokenDamage, scored: torch.Tensor, after: torch.Tensor
 
 
 @dataclass(frozen=True)
+class Backbone:
+    """A branch group's deterministic replay over its whole trace (the policy users deploy), by the paper's
+    figures whatever the training reward: R of §3.3 (η = 1.5, p = 2; minus −R) and the loss ratio."""
+
+    reward: float
+    loss_ratio: float
+
+
+@dataclass(frozen=True)
 class GroupRollout:
     """The rollouts of one trace on this process (or one branch group of it, `trainers.branches`): their
     recorded evictions and scores, the eviction steps and tokens the model ran for them (`forward_tokens`,
     row by row), and timings (seconds of the frozen model's forward passes, and of the whole replay).
-    `backbone_reward`: a branch group's deterministic replay's R over its whole trace, the paper's (η = 1.5,
-    p = 2) whatever the training reward (None for episodes)."""
+    `backbone`: a branch group's deterministic replay's figures over its whole trace (None for episodes)."""
 
     trace_index: int
     actions: EvictionActions
@@ -278,7 +289,7 @@ class GroupRollout:
     forward_seconds: float
     seconds: float
     forward_tokens: int = 0
-    backbone_reward: float | None = None
+    backbone: Backbone | None = None
 
 
 def rollout_seeds(seed: int, round_index: int, trace_index: int, rows: Sequence[int]) -> tuple[int, ...]:
@@ -445,6 +456,9 @@ class GRPOObjective:
     surrogate: torch.Tensor
     kl: torch.Tensor
     clip_fraction: torch.Tensor
+    kl_terms: torch.Tensor
+    """k3 of every action (detached), shaped as logprob: `kl` is their mean, the KL per (layer, KV head) set
+    when an action is one set's draw."""
 
 
 def k3_kl(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
@@ -478,5 +492,9 @@ def grpo_objective(
     loss = -surrogate.mean() + beta * kl.mean()
     clip_fraction = (clipped < unclipped).float().mean()
     return GRPOObjective(
-        loss=loss, surrogate=surrogate.mean().detach(), kl=kl.mean().detach(), clip_fraction=clip_fraction
+        loss=loss,
+        surrogate=surrogate.mean().detach(),
+        kl=kl.mean().detach(),
+        clip_fraction=clip_fraction,
+        kl_terms=kl.detach(),
     )

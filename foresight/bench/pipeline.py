@@ -28,6 +28,8 @@ The labels have no row of before: the per-block, per-layer loops that the batche
 schedule replaced live on only as the slow twins of tests/test_labels.py.
 
     foresight bench pipeline --traces runs/default/traces --budget 128 --interval 32 --device cuda
+
+Size: one benchmark whose rows must come from one model load and one run, so their shares compare.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ deterministic replay, differing at one eviction step):
 Nothing is trained; the scorer's weights are those of `scorer`.
 
     foresight bench rl-signal --traces data/corpus/train52 --count 2 --out runs/bench.md
+
+Size: one study, two measurements over the same rollouts (the noise scale, the planted reward) that share its
+sampling, tables and report.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from foresight.models import describe, load_model
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer, load_scorer
 from trainers.branches import BranchSettings, roll_out_branches
-from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, REWARD_RULES, Estimator, LogprobRule
+from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, Estimator, LogprobRule
 from trainers.rollouts import EvictionActions, GroupRollout, roll_out, rollout_seeds
 
 NAME = "rl-signal"
@@ -118,21 +121,34 @@ class Settings(PlacedSettings):
             raise ValueError(f"planted_share must lie in (0, 1), got {self.planted_share}")
 
 
+MEASURED_REWARDS = ("thresholded", "dense")
+"""The reward rules measured: the two each rollout is scored by (`run`: reward is the dense one's,
+paper_reward the thresholded one's)."""
+
+
 def estimators(settings: Settings) -> list[Estimator]:
-    """Every combination of the rules, the paper's (order, group_normalised, thresholded) first."""
+    """Every combination of the per-group rules, the paper's (order, group_normalised, thresholded) first."""
     return [
         Estimator(reward, advantage, logprob, settings.damage_offset)
-        for logprob, advantage, reward in itertools.product(LOGPROB_RULES, ADVANTAGE_RULES, REWARD_RULES)
+        for logprob, advantage, reward in itertools.product(LOGPROB_RULES, ADVANTAGE_RULES, MEASURED_REWARDS)
     ]
+
+
+def model_and_scorer(
+    store: TraceStore, settings: PlacedSettings, scorer: str
+) -> tuple[torch.nn.Module, ForesightScorer]:
+    """The model that made `store`'s traces and `scorer`, placed as `settings` say, checked to fit each other."""
+    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
+    loaded = load_scorer(scorer).to(settings.run_device)
+    loaded.check_compatible(describe(model))
+    return model, loaded
 
 
 def run(settings: Settings) -> str:
     """Roll out, measure every estimator, check the planted reward; the report's markdown section."""
     started = time.perf_counter()
     store = TraceStore(settings.traces)
-    model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
-    scorer = load_scorer(settings.scorer).to(settings.run_device)
-    scorer.check_compatible(describe(model))
+    model, scorer = model_and_scorer(store, settings, settings.scorer)
     traces = measured_traces(store, settings, scorer.config.budget + scorer.config.interval)
     scoring = {
         "temperature": settings.temperature,

@@ -4,6 +4,9 @@ LightningCLI run with a run folder and the scorer's export."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -48,3 +51,29 @@ def override_args(overrides: list[str], ckpt_path: str | None = None) -> list[st
     if ckpt_path is not None:
         cli_args.append(f"--ckpt_path={ckpt_path}")
     return cli_args
+
+
+@contextlib.contextmanager
+def one_line_config_errors() -> Iterator[None]:
+    """Turn LightningCLI's rejection of a config value (raised, not printed, with `exit_on_error=False`)
+    into the one-line error of a bad `--set`, instead of its usage screen."""
+    try:
+        yield
+    except argparse.ArgumentError as error:
+        raise ValueError(config_error_line(str(error))) from None
+
+
+def config_error_line(message: str) -> str:
+    """One line for a LightningCLI argument error: the key and what it takes."""
+    unknown = re.fullmatch(r"unrecognized arguments: (.*)", message.strip(), re.DOTALL)
+    if unknown:
+        keys = [argument.lstrip("-").partition("=")[0] for argument in unknown[1].split()]
+        return (
+            f"--set {', '.join(keys)}: not a key of the config (keys are dotted paths of its YAML, "
+            "e.g. trainer.max_steps, model.lr)"
+        )
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    key = re.fullmatch(r'Parser key "([^"]+)":', lines[0]) if lines else None
+    if key and len(lines) > 1:
+        return f"--set {key[1]}: {lines[1]}"
+    return f"config: {' '.join(lines)}"

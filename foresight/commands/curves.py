@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-RL_TAGS = ("train/reward", "train/kl", "train/entropy", "train/zero_advantage_share", "train/clip_fraction")
+RL_TAGS = ("train/reward", "train/kl_per_set", "train/entropy", "train/zero_advantage_share", "train/clip_fraction")
 EVENTS = "events.out.tfevents.*"
 
 

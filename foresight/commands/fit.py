@@ -40,7 +40,13 @@ from pathlib import Path
 import yaml
 from filelock import FileLock
 
-from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
+from foresight.commands._training import (
+    add_training_arguments,
+    checked_config,
+    checked_traces,
+    one_line_config_errors,
+    override_args,
+)
 from foresight.data.trace_store import folder_sources
 from foresight.export import ensemble_record, export_scorer, reported_metrics
 from foresight.scorer.ensemble import ensemble
@@ -139,7 +145,8 @@ def _built_cli(args: argparse.Namespace, extra: list[str] | None = None):
 
     with warnings.catch_warnings():  # LightningCLI warns when given args beside a command line: intended here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        return cli_main(lightning_args(args) + (extra or []), run=False)
+        with one_line_config_errors():
+            return cli_main(lightning_args(args) + (extra or []), run=False, exit_on_error=False)
 
 
 def prepare(args: argparse.Namespace, cli=None):

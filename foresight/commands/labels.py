@@ -6,11 +6,17 @@ score α (`--kind`: another label kind's score, into TRACES/labels-B{B}-L{L}-{ki
 TRACES/labels-B{B}-L{L}/trace-{index:06d}.safetensors; a rerun skips traces
 already labelled and replaces damaged files (one that does not open, or was made for another trace),
 and traces shorter than B + L (no eviction step) are skipped and counted.
+
+Scaling out: start N processes on one folder, or `torchrun --nproc-per-node N --no-python foresight labels ...`
+(each rank on its own GPU with --device cuda). They share the traces by per-trace claims (a lock file per trace,
+dropped by the kernel when its process dies, so a killed process's trace is taken over); each trace is labelled
+once, and each process returns when the folder is complete, its files those one process would write.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
@@ -35,10 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     made_with = model_of_traces(args, args.traces, TraceStore(args.traces).settings["model"])
-    frozen = FrozenModel(made_with, **model_options(args))
+    frozen = FrozenModel(made_with, **rank_placement(model_options(args)))
     print(
         make_labels(
             frozen, args.traces, args.budget, args.interval, chunk_size=args.chunk_size, kind=args.kind
         ).describe()
     )
     return 0
+
+
+def rank_placement(options: dict) -> dict:
+    """Under torchrun (LOCAL_RANK set), --device cuda is this rank's own GPU, cuda:LOCAL_RANK."""
+    rank = os.environ.get("LOCAL_RANK")
+    return {**options, "device": f"cuda:{rank}"} if options["device"] == "cuda" and rank is not None else options

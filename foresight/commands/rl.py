@@ -4,9 +4,9 @@ Runs the reinforcement LightningCLI of `trainers.cli` on a YAML config (configs/
 embedded default on CPU), starting from --scorer (a `foresight fit` folder or a Hub id, trained for
 the config's B and L), which is also the frozen KL reference. Every step rolls out each trace of a
 batch G times with the scorer sampling its evictions, rewards low loss damage on low-entropy tokens,
-and takes a clipped-ratio step. Everything goes under --out: checkpoints/ (last.ckpt; resume with
---ckpt-path last), lightning_logs/ (TensorBoard: reward, KL, clip fraction, policy entropy, loss
-ratio, low-entropy damage) and scorer/ (config.json, model.safetensors and a model card saying it is
+and takes a clipped-ratio step. Everything goes under --out: checkpoints/ (last.ckpt, resume with
+--ckpt-path last; epoch-N.ckpt at the end of every epoch), lightning_logs/ (TensorBoard: reward, KL per
+(layer, KV head) set, clip fraction, policy entropy, loss ratio, low-entropy damage) and scorer/ (config.json, model.safetensors and a model card saying it is
 the reinforcement stage and what it started from). Under a DDP strategy (--set trainer.strategy=ddp
 --set trainer.devices=N) every process runs this command; each replays G / N rollouts of every trace.
 """
@@ -17,7 +17,13 @@ import argparse
 import warnings
 from pathlib import Path
 
-from foresight.commands._training import add_training_arguments, checked_config, checked_traces, override_args
+from foresight.commands._training import (
+    add_training_arguments,
+    checked_config,
+    checked_traces,
+    one_line_config_errors,
+    override_args,
+)
 from foresight.data.trace_store import folder_sources
 from foresight.export import export_scorer, reported_metrics
 
@@ -43,6 +49,7 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
         f"--config={args.config}",
         f"--trainer.default_root_dir={args.out}",
         f"--checkpoint.dirpath={args.out / 'checkpoints'}",
+        f"--epoch_checkpoint.dirpath={args.out / 'checkpoints'}",
         f"--model.scorer={args.scorer}",
     ]
     if args.traces is not None:
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():  # LightningCLI warns when given args beside a command line: intended here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = rl_cli_main(lightning_args(args))
+        with one_line_config_errors():
+            cli = rl_cli_main(lightning_args(args), exit_on_error=False)
     if not cli.trainer.is_global_zero:
         return 0
     module = cli.model

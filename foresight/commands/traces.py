@@ -10,8 +10,9 @@ loads no model).
 (data/README.md). Problems decode together by continuous batching, --batch-size rows at a time.
 
 --import FILE scores prompt/completion pairs made by another engine (vLLM, SGLang; JSONL or a
-`datasets` folder, docs/traces.md) with one teacher-forced pass of --model; rows that cannot be
-traces are counted with their reason, never dropped silently.
+`datasets` folder, docs/traces.md), as text or as the engine's token ids, with one teacher-forced pass of
+--model; rows that cannot be traces are counted with their reason, never dropped silently, and the
+engine's log-probabilities, where given, are compared with the pass's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._sampling import add_sampling_arguments
+from foresight.data.engine_logprobs import DEFAULT_TOLERANCE
 from foresight.data.trace_import import import_traces
 from foresight.models import load_model
 from foresight.runtime.sampling import Draws
@@ -66,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="import_file",
         type=Path,
         metavar="FILE",
-        help="prompt/completion pairs made by another engine (JSONL or a dataset folder) to score with --model",
+        help="prompt/completion pairs (text or token ids) made by another engine (JSONL or a dataset folder) "
+        "to score with --model",
     )
     parser.add_argument(
         "--num",
@@ -103,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shard", type=_shard_spec, default="0/1", metavar="i/n", help="write only shards k with k %% n == i"
     )
     parser.add_argument(
+        "--logprob-tolerance",
+        type=float,
+        default=None,
+        help="with --import: flag a trace whose completion_logprobs differ from --model's pass by more than this "
+        f"many nats on average (default {DEFAULT_TOLERANCE})",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -114,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     if args.import_file is not None:
         if args.max_new_tokens is not None:
             raise ValueError("--max-new-tokens applies to sampling (--prompts), not to imported completions")
+        tolerance = DEFAULT_TOLERANCE if args.logprob_tolerance is None else args.logprob_tolerance
+        if tolerance < 0:
+            raise ValueError(f"--logprob-tolerance must be >= 0 nats, got {tolerance}")
         model, tokenizer = load_model(args.model, **model_options(args))
         summary = import_traces(
             model,
@@ -126,9 +139,12 @@ def run(args: argparse.Namespace) -> int:
             shard_size=args.shard_size,
             shard=args.shard,
             model_name=args.model,
+            logprob_tolerance=tolerance,
         )
         print(summary.describe())
         return 0
+    if args.logprob_tolerance is not None:
+        raise ValueError("--logprob-tolerance applies to imported traces (--import), not to sampling")
     if args.num is None or args.max_new_tokens is None:
         raise ValueError("--prompts needs --num and --max-new-tokens")
     recipe = TraceRecipe(
