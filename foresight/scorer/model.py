@@ -15,6 +15,9 @@ runtime to rebuild the dataclass.)
 
 Its eviction rules (lowest scores, Eq. 2 sampling, Plackett-Luce) are in
 `foresight.scorer.eviction_sampling`.
+
+Size: one model end to end, its config (shape, inputs, x_n's width), the stacked MLP and its Hub save and
+load; the config and the MLP read the same widths, so splitting them would split one definition of x_n.
 """
 
 import hashlib
