@@ -33,6 +33,10 @@ The block means (over a block's queries and heads) of a product of several block
 those of one block at a time in their last bits (float32 summation order, within 1e-6 relative); one
 block at a time they are bit-identical to a per-block softmax and mean.
 
+Label kinds (docs/algorithms.md §4, "Label kinds"): α is the paper's target; `value` and `gradient`
+weight each attention weight a_{q,h,i} by what the entry does to the output, and `gradient` needs one
+backward pass of the low-entropy NLL through the same capture (`_gradient_forward`). The kind is in the file's metadata and the folder's name.
+
 Size: one algorithm (§4) end to end: the capture forward, block and future scores, the greedy
 schedule and the label file; splitting it would spread one equation over several files.
 """
@@ -51,11 +55,53 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from foresight.artifacts import check_metadata, file_problem, read_tensors, save_tensors
 from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, eviction_steps, keep_top
+from foresight.choices import Choice
+from foresight.metrics import low_entropy_tokens
 from foresight.models import ModelShape, describe
 from foresight.runtime.capture import attention_implementation, attention_logits, logits_budget, register_attention
 
 CAPTURE_ATTENTION = "foresight_golden_capture"
 FORMAT = "foresight-golden-labels/1"
+
+
+class LabelKind(Choice):
+    """What a label ranks the candidates by (docs/algorithms.md §4, "Label kinds")."""
+
+    ALPHA = "alpha"  # α_{i,t} = max_{j>=t} ã_{i,j} (Eq. 5)
+    VALUE = "value"  # max_{j>=t} mean_{q in j, h in group} a_{q,h,i} ‖v_i − o_{q,h}‖
+    GRADIENT = "gradient"  # Σ_{j>=t} mean_{q in j, h in group} −∂NLL_low / ∂s_{q,h,i}
+
+
+@dataclass(frozen=True)
+class BlockTerms:
+    """What `value` and `gradient` labels weight each attention weight by, for the queries of a product.
+
+    values: [Hkv, keys, D] the layer's values; outputs: [Hq, rows, D] each query head's attention output;
+    grads: [Hq, rows, D] ∂NLL_low/∂output (gradient labels) or None (value labels)."""
+
+    values: torch.Tensor
+    outputs: torch.Tensor
+    grads: torch.Tensor | None = None
+
+    def rows(self, start: int, end: int, keys: int) -> BlockTerms:
+        """The terms of queries start..end-1 and keys 0..keys-1 (positions of the trace)."""
+        grads = None if self.grads is None else self.grads[:, start:end]
+        return BlockTerms(self.values[:, :keys], self.outputs[:, start:end], grads)
+
+    def weigh(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights [Hkv, G, rows, keys] times ‖v_i − o_q‖ (value) or −⟨∂NLL/∂o_q, v_i − o_q⟩ (gradient: the
+        derivative of the loss with respect to the attention logit s_{q,i} is a_{q,i}⟨∂NLL/∂o_q, v_i − o_q⟩)."""
+        heads, group, rows, _ = weights.shape
+        values = self.values.float()
+        outputs = self.outputs.float().view(heads, group, rows, -1)
+        if self.grads is None:
+            cross = torch.einsum("hgrd,hkd->hgrk", outputs, values)
+            squared = outputs.square().sum(-1, keepdim=True) + values.square().sum(-1)[:, None, None] - 2 * cross
+            return weights * squared.clamp_min(0.0).sqrt()
+        grads = self.grads.float().view(heads, group, rows, -1)
+        along_value = torch.einsum("hgrd,hkd->hgrk", grads, values)
+        along_output = (grads * outputs).sum(-1, keepdim=True)
+        return weights * (along_output - along_value)
 
 
 @dataclass(frozen=True)
@@ -76,6 +122,7 @@ class GoldenLabels:
     trace_index: int = -1
     model_name: str = ""
     model_shape: ModelShape | None = None
+    kind: LabelKind = LabelKind.ALPHA  # what `alpha` holds: α or another kind's score (`LabelKind`)
 
     @property
     def num_steps(self) -> int:
@@ -113,10 +160,15 @@ def golden_schedule(future: torch.Tensor, budget: int, interval: int) -> tuple[t
 
 
 def block_scores(
-    queries: torch.Tensor, keys: torch.Tensor, start: int, scaling: float, blocks: int = 1
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    start: int,
+    scaling: float,
+    blocks: int = 1,
+    terms: BlockTerms | None = None,
 ) -> torch.Tensor:
     """ã of `blocks` consecutive blocks of equal size (Eqs. 3-4) in one product: for each block, the mean
-    over its queries and each group's G heads.
+    over its queries and each group's G heads (of each weight times `terms`' factor, when given).
 
     queries: [Hq, blocks * n, D] of positions start..; keys: [Hkv, start + blocks * n, D] (all causal keys).
     Returns [blocks, Hkv, start + blocks * n] in float32; row i's softmax runs over keys 0..start+i only,
@@ -132,6 +184,8 @@ def block_scores(
     future_key = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).triu(diagonal=1)
     logits[..., start:].masked_fill_(future_key, float("-inf"))
     weights = logits.softmax(dim=-1)
+    if terms is not None:
+        weights = terms.rows(start, start + rows, keys.shape[1]).weigh(weights)
     heads, group = weights.shape[:2]
     return weights.view(heads, group, blocks, rows // blocks, -1).mean(dim=(1, 3)).transpose(0, 1)
 
@@ -159,13 +213,16 @@ def future_scores(
     interval: int,
     scaling: float,
     max_elements: int | None = None,
+    terms: BlockTerms | None = None,
+    kind: LabelKind = LabelKind.ALPHA,
 ) -> torch.Tensor:
-    """α_{i,t} = max_{j >= t} ã_{i,j} (Eq. 5) for one layer: [M, Hkv, N], N = B + (M - 1)L.
+    """α_{i,t} = max_{j >= t} ã_{i,j} (Eq. 5) for one layer: [M, Hkv, N], N = B + (M - 1)L; for another
+    `kind`, its score from the block scores of `terms` (`LabelKind`).
 
     N covers every position that can be a candidate. Blocks 1..M-1 are whole and go several to a product
     (`_products`, at most `max_elements` logits each, default `logits_budget`); block M holds the
     (T - B) mod L queries left, and scores 0 when it holds none. The suffix max is a cumulative max over
-    the reversed steps.
+    the reversed steps (a cumulative sum for gradient labels: first-order loss changes add up).
     """
     keys = keys.float()  # once per layer, not once per product (exact: every float dtype widens to float32)
     max_elements = logits_budget(keys.device) if max_elements is None else max_elements
@@ -176,31 +233,62 @@ def future_scores(
     for first, count in _products(num_steps, budget, interval, queries.shape[0], max_elements):
         start, end = budget + first * interval, budget + (first + count) * interval
         columns = min(end, width)
-        chunk = block_scores(queries[:, start:end], keys[:, :end], start, scaling, blocks=count)
+        chunk = block_scores(queries[:, start:end], keys[:, :end], start, scaling, blocks=count, terms=terms)
         scores[first - 1 : first - 1 + count, :, :columns] = chunk[..., :columns]
     start = budget + num_steps * interval
     if start < num_tokens:
-        scores[-1] = block_scores(queries[:, start:], keys, start, scaling)[0, :, :width]
+        scores[-1] = block_scores(queries[:, start:], keys, start, scaling, terms=terms)[0, :, :width]
+    if kind == LabelKind.GRADIENT:
+        return scores.flip(0).cumsum(dim=0).flip(0)
     return scores.flip(0).cummax(dim=0).values.flip(0)
 
 
 class _Capture:
-    """Post-RoPE queries of every layer (preallocated, model dtype) and references to the cached keys."""
+    """Post-RoPE queries of every layer (preallocated, model dtype) and references to the cached keys; for a
+    label kind other than α also the values and each query head's attention output (`outputs[layer]`
+    [1, T, Hq, D], in the autograd graph for gradient labels)."""
 
-    def __init__(self, num_tokens: int):
+    def __init__(self, num_tokens: int, kind: LabelKind = LabelKind.ALPHA):
         self.num_tokens = num_tokens
+        self.kind = kind
         self.queries: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
         self.scaling: dict[int, float] = {}
 
-    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def record(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+        scaling: float,
+    ) -> None:
         if layer not in self.queries:
             heads, _, dim = query.shape[1:]
             self.queries[layer] = query.new_empty(heads, self.num_tokens, dim)
         end = key.shape[-2]
-        self.queries[layer][:, end - query.shape[-2] : end] = query[0]
-        self.keys[layer] = key[0]  # the DynamicCache's own tensor: grows each chunk, never copied
+        self.queries[layer][:, end - query.shape[-2] : end] = query[0].detach()
+        self.keys[layer] = key[0].detach()  # the DynamicCache's own tensor: grows each chunk, never copied
         self.scaling[layer] = scaling
+        if self.kind != LabelKind.ALPHA:
+            self.values[layer] = value[0].detach()
+            if self.kind == LabelKind.GRADIENT:
+                output.retain_grad()
+            self.outputs.setdefault(layer, []).append(output)
+
+    def terms(self, layer: int) -> BlockTerms | None:
+        """The layer's `BlockTerms` (None for α), its outputs and values freed from the capture."""
+        if self.kind == LabelKind.ALPHA:
+            return None
+        outputs = self.outputs.pop(layer)
+        grads = None
+        if self.kind == LabelKind.GRADIENT:
+            grads = torch.cat([output.grad for output in outputs], dim=1)[0].transpose(0, 1)
+        heads_first = torch.cat([output.detach() for output in outputs], dim=1)[0].transpose(0, 1)
+        return BlockTerms(self.values.pop(layer), heads_first, grads)
 
 
 def _capture_attention(
@@ -221,26 +309,37 @@ def _capture_attention(
             f"layer {module.layer_idx} uses a sliding window of {kwargs['sliding_window']}; "
             "golden labels need full causal attention"
         )
-    golden_capture.record(module.layer_idx, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    output, weights = sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+    golden_capture.record(
+        module.layer_idx, query, key, value, output, query.shape[-1] ** -0.5 if scaling is None else scaling
+    )
+    return output, weights
 
 
 register_attention(CAPTURE_ATTENTION, _capture_attention, full_cache=True)
 
 
-def _capture_forward(model: PreTrainedModel, input_ids: torch.Tensor, chunk_size: int) -> _Capture:
-    """One teacher-forced, chunked forward of the trace with the full cache; returns the capture."""
-    capture = _Capture(input_ids.numel())
-    cache = DynamicCache(config=model.config)
+def _capture_forward(
+    model: PreTrainedModel, input_ids: torch.Tensor, chunk_size: int, kind: LabelKind = LabelKind.ALPHA
+) -> _Capture:
+    """One teacher-forced, chunked forward of the trace with the full cache (one chunk and a backward pass
+    for gradient labels: `_gradient_forward`); returns the capture."""
+    capture = _Capture(input_ids.numel(), kind)
     with attention_implementation(model, CAPTURE_ATTENTION):
-        for chunk in input_ids.to(model.device).split(chunk_size):
-            model(
-                input_ids=chunk[None],
-                **cache_argument(model, cache),
-                use_cache=True,
-                logits_to_keep=1,
-                golden_capture=capture,
-            )
+        if kind == LabelKind.GRADIENT:
+            _gradient_forward(model, input_ids.to(model.device), capture)
+        else:
+            cache = DynamicCache(config=model.config)
+            for chunk in input_ids.to(model.device).split(chunk_size):
+                model(
+                    input_ids=chunk[None],
+                    **cache_argument(model, cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    golden_capture=capture,
+                )
     num_layers = model.config.num_hidden_layers
     if sorted(capture.queries) != list(range(num_layers)):
         raise ValueError(
@@ -248,6 +347,20 @@ def _capture_forward(model: PreTrainedModel, input_ids: torch.Tensor, chunk_size
             f"(captured layers {sorted(capture.queries)} of {num_layers})"
         )
     return capture
+
+
+def _gradient_forward(model: PreTrainedModel, input_ids: torch.Tensor, capture: _Capture) -> None:
+    """The whole trace in one forward with autograd on (the frozen weights stay frozen: the graph starts at
+    the input embeddings), then the backward of the summed NLL of its low-entropy predictions (the bottom
+    share by the forward's own entropy, `low_entropy_tokens`), which leaves ∂NLL_low/∂output on every
+    layer's captured attention outputs."""
+    with torch.enable_grad():
+        embeds = model.get_input_embeddings()(input_ids[None]).detach().requires_grad_()
+        logits = model(inputs_embeds=embeds, use_cache=False, golden_capture=capture).logits[0, :-1].float()
+        log_probs = logits.log_softmax(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1).detach()
+        nll = -log_probs.gather(-1, input_ids[1:, None])[:, 0]
+        nll[low_entropy_tokens(entropy)].sum().backward()
 
 
 @torch.no_grad()
@@ -260,13 +373,15 @@ def compute_golden_labels(
     trace_index: int = -1,
     model_name: str | None = None,
     chunk_size: int = 256,
+    kind: LabelKind | str = LabelKind.ALPHA,
 ) -> GoldenLabels:
-    """Golden Eviction labels of one trace (1-D token ids, prompt + completion).
+    """Golden Eviction labels of one trace (1-D token ids, prompt + completion), of label kind `kind`.
 
     Raises TraceTooShort when T < B + L. chunk_size only bounds the forward's working memory.
     model_name defaults to the model config's name_or_path.
     """
-    table = _future_table(model, input_ids, budget, interval, chunk_size, model.device)
+    kind = LabelKind.parse(kind)
+    table = _future_table(model, input_ids, budget, interval, chunk_size, model.device, kind)
     num_steps, layers, heads, width = table.shape
     candidates, alpha = golden_schedule(table.view(num_steps, layers * heads, width), budget, interval)
     return GoldenLabels(
@@ -278,23 +393,37 @@ def compute_golden_labels(
         trace_index=trace_index,
         model_name=model.config.name_or_path if model_name is None else model_name,
         model_shape=describe(model),
+        kind=kind,
     )
 
 
 @torch.no_grad()
 def future_score_table(
-    model: PreTrainedModel, input_ids: torch.Tensor, budget: int, interval: int, *, chunk_size: int = 256
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    budget: int,
+    interval: int,
+    *,
+    chunk_size: int = 256,
+    kind: LabelKind | str = LabelKind.ALPHA,
 ) -> torch.Tensor:
-    """α_{i,t} of every position that can be a candidate, [M, layers, Hkv, N] float32 on the CPU.
+    """α_{i,t} (or another kind's score) of every position that can be a candidate, [M, layers, Hkv, N]
+    float32 on the CPU.
 
     What an entry's target is does not depend on which entries a policy kept before (α reads the
     full-cache attention only), so this table labels the states of any trajectory on the cadence, the
     learned scorer's own included (on-policy examples, `trainers.examples`)."""
-    return _future_table(model, input_ids, budget, interval, chunk_size, torch.device("cpu"))
+    return _future_table(model, input_ids, budget, interval, chunk_size, torch.device("cpu"), LabelKind.parse(kind))
 
 
 def _future_table(
-    model: PreTrainedModel, input_ids: torch.Tensor, budget: int, interval: int, chunk_size: int, device: torch.device
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    budget: int,
+    interval: int,
+    chunk_size: int,
+    device: torch.device,
+    kind: LabelKind = LabelKind.ALPHA,
 ) -> torch.Tensor:
     """One capture forward, then the future scores of one layer at a time, stacked into [M, layers, Hkv, N] on
     `device`; each layer's queries and keys are freed once read, so the layers' scores grow as they shrink."""
@@ -303,18 +432,24 @@ def _future_table(
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be at least 1")
     eviction_steps(input_ids.numel(), budget, interval)
-    capture = _capture_forward(model, input_ids, chunk_size)
+    capture = _capture_forward(model, input_ids, chunk_size, kind)
     layers = []
     for layer in range(len(capture.queries)):
-        queries, keys = capture.queries.pop(layer), capture.keys.pop(layer)
-        layers.append(future_scores(queries, keys, budget, interval, capture.scaling[layer]).to(device))
+        queries, keys, terms = capture.queries.pop(layer), capture.keys.pop(layer), capture.terms(layer)
+        scores = future_scores(queries, keys, budget, interval, capture.scaling[layer], terms=terms, kind=kind)
+        layers.append(scores.to(device))
     return torch.stack(layers, dim=1)
 
 
-def labels_dir(traces_dir: str | os.PathLike, budget: int, interval: int) -> Path:
-    """Where the labels of a traces folder live for one (B, L): TRACES_DIR/labels-B{B}-L{L}."""
+def labels_dir(
+    traces_dir: str | os.PathLike, budget: int, interval: int, kind: LabelKind | str = LabelKind.ALPHA
+) -> Path:
+    """Where the labels of a traces folder live for one (B, L) and kind: TRACES_DIR/labels-B{B}-L{L} for α,
+    TRACES_DIR/labels-B{B}-L{L}-{kind} for another kind."""
     check_budget(budget, interval)
-    return Path(traces_dir) / f"labels-B{budget}-L{interval}"
+    kind = LabelKind.parse(kind)
+    suffix = "" if kind == LabelKind.ALPHA else f"-{kind.value}"
+    return Path(traces_dir) / f"labels-B{budget}-L{interval}{suffix}"
 
 
 def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
@@ -328,14 +463,19 @@ def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
         "num_tokens": str(labels.num_tokens),
         "trace_index": str(labels.trace_index),
         "model": labels.model_name,
+        "kind": labels.kind.value,
         **{key: str(value) for key, value in asdict(labels.model_shape).items()},
     }
     save_tensors(path, {"candidates": labels.candidates, "alpha": labels.alpha}, metadata)
 
 
-def labels_command(traces_dir: str | os.PathLike, budget: int, interval: int) -> str:
-    """The command that makes (or remakes) the labels of a traces folder for one (B, L)."""
-    return f"`foresight labels --traces {traces_dir} --budget {budget} --interval {interval}`"
+def labels_command(
+    traces_dir: str | os.PathLike, budget: int, interval: int, kind: LabelKind | str = LabelKind.ALPHA
+) -> str:
+    """The command that makes (or remakes) the labels of a traces folder for one (B, L) and kind."""
+    kind = LabelKind.parse(kind)
+    option = "" if kind == LabelKind.ALPHA else f" --kind {kind.value}"
+    return f"`foresight labels --traces {traces_dir} --budget {budget} --interval {interval}{option}`"
 
 
 def load_labels(
@@ -345,11 +485,13 @@ def load_labels(
     expect_interval: int,
     expect_num_tokens: int,
     expect_trace_index: int,
+    expect_kind: LabelKind | str = LabelKind.ALPHA,
 ) -> GoldenLabels:
-    """Read labels and check they were made for this trace and this (B, L); a missing, damaged or
-    mismatched file is a one-line `ArtifactError` naming the command that remakes it."""
-    path = Path(path)
-    remake = labels_command(path.parent.parent, expect_budget, expect_interval)
+    """Read labels and check they were made for this trace, this (B, L) and this kind (a file without a
+    kind holds α: it predates the kinds); a missing, damaged or mismatched file is a one-line
+    `ArtifactError` naming the command that remakes it."""
+    path, kind = Path(path), LabelKind.parse(expect_kind)
+    remake = labels_command(path.parent.parent, expect_budget, expect_interval, kind)
     metadata, tensors = read_tensors(path, remake, names=("candidates", "alpha"))
     expected = {
         "format": FORMAT,
@@ -357,8 +499,9 @@ def load_labels(
         "interval": expect_interval,
         "num_tokens": expect_num_tokens,
         "trace_index": expect_trace_index,
+        "kind": kind.value,
     }
-    check_metadata(path, metadata, expected, remake)
+    check_metadata(path, {"kind": LabelKind.ALPHA.value, **metadata}, expected, remake)
     return GoldenLabels(
         candidates=tensors["candidates"],
         alpha=tensors["alpha"],
@@ -368,17 +511,21 @@ def load_labels(
         trace_index=expect_trace_index,
         model_name=metadata["model"],
         model_shape=ModelShape(**{f.name: int(metadata[f.name]) for f in fields(ModelShape)}),
+        kind=kind,
     )
 
 
 class LabelStore:
-    """The golden labels of a traces folder for one (B, L), read by trace index."""
+    """The golden labels of a traces folder for one (B, L) and label kind, read by trace index."""
 
-    def __init__(self, traces_dir: str | os.PathLike, budget: int, interval: int):
+    def __init__(
+        self, traces_dir: str | os.PathLike, budget: int, interval: int, kind: LabelKind | str = LabelKind.ALPHA
+    ):
         self.traces_dir = Path(traces_dir)
         self.budget = budget
         self.interval = interval
-        self.directory = labels_dir(traces_dir, budget, interval)
+        self.kind = LabelKind.parse(kind)
+        self.directory = labels_dir(traces_dir, budget, interval, self.kind)
 
     def path(self, trace_index: int) -> Path:
         return self.directory / f"trace-{trace_index:06d}.safetensors"
@@ -401,13 +548,15 @@ class LabelStore:
             "num_tokens": str(num_tokens),
             "trace_index": str(trace_index),
         }
+        if self.kind != LabelKind.ALPHA:  # α files made before the kinds carry none
+            expected["kind"] = self.kind.value
         return file_problem(self.path(trace_index), expected)
 
     def require(self, trace_index: int, *, num_tokens: int) -> None:
         """A one-line ValueError naming the command that makes the labels, unless they are usable."""
         problem = self.problem(trace_index, num_tokens=num_tokens)
         if problem is not None:
-            command = labels_command(self.traces_dir, self.budget, self.interval)
+            command = labels_command(self.traces_dir, self.budget, self.interval, self.kind)
             path = self.path(trace_index)
             raise ValueError(
                 f"the golden labels of trace {trace_index} ({path}) are {problem}; make them with {command}"
@@ -421,4 +570,5 @@ class LabelStore:
             expect_interval=self.interval,
             expect_num_tokens=num_tokens,
             expect_trace_index=trace_index,
+            expect_kind=self.kind,
         )

@@ -191,8 +191,8 @@ def test_each_row_pools_the_per_trace_sums_it_reports(evaluated):
 def test_rows_state_the_kv_memory_each_policy_holds(evaluated, traces_dir, model):
     """B + L entries per sequence, plus the mean prompt for a policy that protects it; the full cache
     holds the whole trace (the x axis of the memory plots). The MiB count what each policy holds with its
-    entries: float32 K/V, a long position and its state per (layer, KV head, entry), and per layer its query
-    ring (a float32 vector per query head and a long position per query) or, for a policy that observes
+    entries: float32 K/V, an int32 position and its state per (layer, KV head, entry), and per layer its query
+    ring (a float32 vector per query head and an int32 position per query) or, for a policy that observes
     every query, the L queries it may buffer."""
     rows, _, _ = evaluated
     traces = list(TraceStore(traces_dir))
@@ -208,14 +208,14 @@ def test_rows_state_the_kv_memory_each_policy_holds(evaluated, traces_dir, model
         assert by_policy["random-prompt"]["kv_entries"] == pytest.approx(budget + L + mean_prompt)
         for name, row in by_policy.items():
             policy = POLICIES[name]
-            state = sum(group if f.per_query_head else 1 for f in policy.state_fields)
-            entry = kv_heads * (2 * dim * 4 + 8 + 4 * state)
+            state = sum((group if f.per_query_head else 1) * f.dtype.itemsize for f in policy.state_fields)
+            entry = kv_heads * (2 * dim * 4 + 4 + state)
             every_query = policy.evicts and policy.observed_queries != "window"
             window = (
                 0 if not (policy.evicts and policy.needs_attention) else min(L, {"snapkv": 8, "tova": 1}.get(name, L))
             )
             queries = L if every_query else window
-            expected = layers * (row["kv_entries"] * entry + queries * (query_heads * dim * 4 + 8))
+            expected = layers * (row["kv_entries"] * entry + queries * (query_heads * dim * 4 + 4))
             assert row["kv_mib"] == pytest.approx(expected / 2**20, rel=1e-12), name
 
 
@@ -1002,3 +1002,27 @@ def test_saved_token_losses_give_the_published_sums(evaluated):
         )
     golden_cadence = [loss for loss in losses if loss.policy in ("h2o", "snapkv", "golden")]
     assert golden_cadence and all(loss.first_eviction == loss.budget + L for loss in golden_cadence)
+
+
+@pytest.mark.parametrize("name", ["h2o", "random"])
+def test_the_flip_rate_equals_a_token_by_token_reference(evaluated, traces_dir, model, name):
+    """The low-entropy flip rate: of the bottom-80%-entropy scored tokens, the share whose top-1 prediction
+    under eviction (a one-trace replay fed one token at a time) differs from a plain full-cache forward's."""
+    rows, _, _ = evaluated
+    flipped = low = 0
+    for trace in TraceStore(traces_dir):
+        with torch.no_grad():
+            full = model(trace.input_ids[None]).logits[0, :-1].argmax(-1)
+        engine = EvictionEngine(model, make_policy(name), EvictionConfig(B, L))
+        output = engine.replay([trace.input_ids], [min(trace.prompt_length, B + L)], max_chunk=1)
+        first = output.first_eviction[0]
+        entropy = trace.token_entropy[first:]
+        bottom = entropy <= torch.quantile(entropy.double(), 0.8).to(entropy.dtype)
+        assert torch.equal(output.greedy[0][:first], full[:first])  # no eviction yet: the full cache's
+        flipped += int((bottom & (output.greedy[0][first:] != full[first:])).sum())
+        low += int(bottom.sum())
+    row = rows_of(rows, B)[name]
+    assert row["low_entropy_flip_rate"] == pytest.approx(flipped / low, abs=1e-12)
+    assert row["low_entropy_flip_rate_low"] <= row["low_entropy_flip_rate"] <= row["low_entropy_flip_rate_high"]
+    assert name != "random" or flipped > 0
+    assert rows_of(rows, B)["full"]["low_entropy_flip_rate"] == 0.0

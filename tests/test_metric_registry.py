@@ -20,7 +20,11 @@ def test_every_metric_pools_declared_sums_and_names_are_unique():
 
 def test_paired_metrics_read_sums_every_trace_score_keeps():
     kept = {f.name for f in fields(TraceScore)}
-    assert list(FIGURES) == [m.name for m in METRICS if m.paired] == ["loss_ratio", "low_entropy_damage"]
+    assert (
+        list(FIGURES)
+        == [m.name for m in METRICS if m.paired]
+        == ["loss_ratio", "low_entropy_damage", "low_entropy_flip_rate"]
+    )
     for numerator, denominator in FIGURES.values():
         assert {numerator, denominator} <= kept
 

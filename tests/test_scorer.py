@@ -73,6 +73,27 @@ def test_a_standardised_scorer_reads_unit_norm_keys_and_values_and_older_ones_ra
     assert torch.equal(ForesightScorer.from_pretrained(tmp_path)(keys, values, features), scores)
 
 
+def test_a_norms_scorer_reads_unit_keys_and_values_and_their_log_norms(tmp_path):
+    """ "standardised-norms": x_n = [k / |k| || v / |v| || a_n || log|k| || log|v|], so a per-entry rescaling
+    now changes the score, through the two norm columns only."""
+    scorer = make_scorer(feature_set="standardised-norms")
+    config = scorer.config
+    assert (config.feature_width, config.norm_width, config.input_dim) == (7 * 2, 2, 2 * 8 + 14 + 2)
+    keys, values, features = random_inputs(config, config.num_layers, 2)
+    scores = scorer(keys, values, features)
+    unit = [torch.nn.functional.normalize(tensor, dim=-1) for tensor in (keys, values)]
+    norms = torch.stack([keys.norm(dim=-1).log(), values.norm(dim=-1).log()], dim=-1)
+    for layer, head in itertools.product(range(config.num_layers), range(config.num_kv_heads)):
+        x = torch.cat(
+            [unit[0][layer, :, head], unit[1][layer, :, head], features[layer, :, head], norms[layer, :, head]], -1
+        )
+        expected = independent_mlp(scorer, layer, head)(x).squeeze(-1)
+        torch.testing.assert_close(scores[layer, :, head], expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(scorer(keys * 3, values, features), scores)
+    scorer.save_pretrained(tmp_path)
+    assert torch.equal(ForesightScorer.from_pretrained(tmp_path)(keys, values, features), scores)
+
+
 @pytest.mark.parametrize("layers, kv_heads", [(1, 1), (3, 2), (4, 4)])
 def test_matmul_calls_do_not_grow_with_layers_or_heads(monkeypatch, layers, kv_heads):
     calls = []

@@ -440,6 +440,16 @@ def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, tr
         assert math.isclose(value, 0.005 * (1 + math.cos(math.pi * step / 3)), rel_tol=1e-6)
 
 
+def test_fit_on_another_label_kind_makes_and_reads_its_own_labels_and_examples(tmp_path, tiny_dir, traces_dir):
+    """`data.label_kind: value`: the fit makes the value labels beside α's and an example cache keyed to them."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
+    out = tmp_path / "value"
+    assert cli.main(fit_args(config, out, traces_dir, "data.label_kind=value", "trainer.max_steps=2")) == 0
+    labelled = sum(trace.input_ids.numel() >= B + L_ for trace in TraceStore(traces_dir))
+    assert len(list(LabelStore(traces_dir, B, L_, "value").directory.glob("trace-*.safetensors"))) == labelled > 0
+    assert json.loads((out / "examples" / "examples.json").read_text())["label_kind"] == "value"
+
+
 def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, monkeypatch):
     """Traces from the recipe, labels, features and training, each step printed; a rerun finds every step
     done (loading no model) and resumes the training; data the verbs made is data fit finds made."""

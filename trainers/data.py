@@ -38,7 +38,7 @@ from foresight.data.trace_store import (
     folder_sources,
     trace_origin,
 )
-from foresight.labels import LabelStore
+from foresight.labels import LabelKind, LabelStore
 from foresight.models import DEFAULT_MODEL, describe, float_dtype, load_config
 from foresight.scorer.attention_features import FeatureSet
 from trainers.example_cache import ExampleCache, ExampleKey
@@ -132,6 +132,8 @@ class GoldenDataModule(TraceSplitDataModule):
       holding every training trace; their examples join the golden ones in training (validation stays
       golden, so its figures compare across rounds).
     storage_dtype: dtype of the cached keys, values and features (α stays float32).
+    label_kind: the labels the targets come from (`foresight labels --kind`: alpha, value or gradient);
+      part of the example cache's key, so the examples of one kind are never read as another's.
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
       of the cache's key) or the replay.
     replay_batch_size: traces replayed together through the frozen model.
@@ -164,6 +166,7 @@ class GoldenDataModule(TraceSplitDataModule):
         split_seed: int = 0,
         num_workers: int | None = None,
         pin_memory: bool | None = None,
+        label_kind: str = LabelKind.ALPHA.value,
     ) -> None:
         super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size)
         if replay_batch_size < 1:
@@ -172,7 +175,7 @@ class GoldenDataModule(TraceSplitDataModule):
             raise ValueError(f"num_workers must be at least 0 (or null for the default), got {num_workers}")
         self.feature_set = FeatureSet.parse(feature_set).value
         self.frozen = FrozenModel(model, device=device, dtype=float_dtype("dtype", dtype))
-        key = ExampleKey(model, dtype, budget, interval, self.feature_set, storage_dtype)
+        key = ExampleKey(model, dtype, budget, interval, self.feature_set, storage_dtype, label_kind=label_kind)
         self.examples = None if examples_dir is None else ExampleCache(examples_dir, traces_dir, key)
         self.on_policy = [ExampleCache.of_trajectory(folder, traces_dir, key) for folder in on_policy_dirs or []]
         if self.on_policy and self.examples is None:
@@ -181,7 +184,7 @@ class GoldenDataModule(TraceSplitDataModule):
         self.shuffle = shuffle
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self._resumed_epoch = 0  # the sampler epoch of a run resumed from a checkpoint (`load_state_dict`)
-        self.labels = LabelStore(self.traces_dir, budget, interval)
+        self.labels = LabelStore(self.traces_dir, budget, interval, label_kind)
         self.train: Dataset | None = None
         self.train_indices: list[int] = []  # the training split, after `setup`
         self.val: Dataset | None = None

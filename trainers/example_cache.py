@@ -28,6 +28,7 @@ import torch
 from foresight.artifacts import MISSING, file_problem, save_tensors, write_text
 from foresight.cadence import check_budget
 from foresight.data.trace_store import Trace
+from foresight.labels import LabelKind
 from foresight.models import float_dtype
 from foresight.scorer.attention_features import FeatureSet
 
@@ -48,15 +49,22 @@ class ExampleKey:
     storage_dtype: str
     format: str = FORMAT
     trajectory: str = GOLDEN_TRAJECTORY
+    label_kind: str = LabelKind.ALPHA.value  # the labels' kind (`foresight labels --kind`) the targets are
 
     def __post_init__(self) -> None:
         check_budget(self.budget, self.interval)
         FeatureSet.parse(self.feature_set)
+        LabelKind.parse(self.label_kind)
         float_dtype("model_dtype", self.model_dtype)
         float_dtype("storage_dtype", self.storage_dtype)
 
     def metadata(self) -> dict[str, str]:
-        return {name: str(value) for name, value in asdict(self).items()}
+        """The key as stored with the cache and each file; α's kind is left out, so caches made before the
+        kinds stay valid and are never read as another kind's (whose key names it)."""
+        stored = {name: str(value) for name, value in asdict(self).items()}
+        if self.label_kind == LabelKind.ALPHA.value:
+            del stored["label_kind"]
+        return stored
 
 
 class ExampleCache:
@@ -74,6 +82,7 @@ class ExampleCache:
         return (
             f"`foresight examples --traces {self.traces_dir} --budget {key.budget} --interval {key.interval} "
             f"--feature-set {key.feature_set} --storage-dtype {key.storage_dtype} --dtype {key.model_dtype} "
+            f"{'' if key.label_kind == LabelKind.ALPHA.value else f'--label-kind {key.label_kind} '}"
             f"--out {self.directory}`"
         )
 
@@ -97,8 +106,9 @@ class ExampleCache:
         file = self.directory / KEY_FILE
         if not file.is_file():
             return False
-        stored = {"trajectory": GOLDEN_TRAJECTORY, **json.loads(file.read_text())}  # caches before on-policy rounds
-        wanted = self.key.metadata()
+        # caches made before on-policy rounds name no trajectory, those made before the label kinds no kind
+        stored = {"trajectory": GOLDEN_TRAJECTORY, "label_kind": LabelKind.ALPHA.value, **json.loads(file.read_text())}
+        wanted = {name: str(value) for name, value in asdict(self.key).items()}
         differing = [
             f"{name} {stored.get(name)!r} (asked: {value!r})"
             for name, value in wanted.items()

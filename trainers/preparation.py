@@ -32,7 +32,7 @@ from foresight.data.trace_store import (
     TraceStore,
     finished_run,
 )
-from foresight.labels import LabelStore, compute_golden_labels, future_score_table, save_labels
+from foresight.labels import LabelKind, LabelStore, compute_golden_labels, future_score_table, save_labels
 from foresight.models import DEFAULT_MODEL, dtype_name, float_dtype, load_model
 from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from foresight.scorer.model import ForesightScorer
@@ -176,8 +176,10 @@ def make_labels(
     *,
     chunk_size: int = 256,
     progress: bool = True,
+    kind: LabelKind | str = LabelKind.ALPHA,
 ) -> StepSummary:
-    """`foresight labels`: the golden labels of every trace of `traces_dir` long enough to have an eviction step.
+    """`foresight labels`: the golden labels (of label kind `kind`) of every trace of `traces_dir` long enough
+    to have an eviction step.
 
     Processes started on one folder (or the ranks of a `torchrun` launch) share its traces by per-trace claims
     (`foresight.artifacts.claimed`): each trace is labelled by one of them, a trace claimed by a killed process
@@ -185,7 +187,7 @@ def make_labels(
     started = time.perf_counter()
     traces = TraceStore(traces_dir)
     traces.require_model(frozen.name)
-    store = LabelStore(traces_dir, budget, interval)
+    store = LabelStore(traces_dir, budget, interval, kind)
 
     def problem(trace: Trace) -> str | None:
         return store.problem(trace.index, num_tokens=trace.input_ids.numel())
@@ -202,6 +204,7 @@ def make_labels(
             trace_index=trace.index,
             model_name=frozen.name,
             chunk_size=chunk_size,
+            kind=store.kind,
         )
         save_labels(labels, store.path(trace.index))
         made.append(trace.index)
@@ -216,7 +219,7 @@ def make_examples(
     started = time.perf_counter()
     key = cache.key
     traces = _opened_traces(frozen, cache, replay_batch_size)
-    labels = LabelStore(cache.traces_dir, key.budget, key.interval)
+    labels = LabelStore(cache.traces_dir, key.budget, key.interval, key.label_kind)
     plan = _Plan.of(traces, key.budget, key.interval, cache.problem)
     for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay
         labels.require(trace.index, num_tokens=trace.input_ids.numel())
@@ -262,7 +265,9 @@ def make_on_policy_examples(
     ):
         model = frozen.load()[0]
         tables = [
-            future_score_table(model, trace.input_ids, key.budget, key.interval, chunk_size=chunk_size)
+            future_score_table(
+                model, trace.input_ids, key.budget, key.interval, chunk_size=chunk_size, kind=key.label_kind
+            )
             for trace in group
         ]
         for trace, tensors in zip(group, scorer_steps(model, group, tables, scorer, storage_dtype)):

@@ -44,6 +44,7 @@ from foresight.eval.specs import (
     check_distinct_names,
     policy_specs,
 )
+from foresight.labels import LabelKind
 from foresight.models import load_model
 from foresight.scorer.eviction_sampling import check_temperature
 
@@ -71,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluate only the held-out split of this fraction (TraceView.split) (default: every trace)",
     )
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
+    parser.add_argument(
+        "--label-kind",
+        default=LabelKind.ALPHA.value,
+        choices=[member.value for member in LabelKind],
+        help="the labels golden replays and the golden overlap reads (`foresight labels --kind`): its oracle "
+        "is the golden schedule of that kind's score (default: alpha, Eq. 5)",
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -194,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         args.budgets,
         args.interval,
         labels_root=args.traces,
+        label_kind=args.label_kind,
         batch_size=args.batch_size or TRACE_BATCH,
         share_prefix=args.share_prefix,
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import add_cadence_arguments
 from foresight.data.trace_store import TraceStore
+from foresight.labels import LabelKind
 from foresight.models import dtype_name
 from foresight.scorer.attention_features import FeatureSet
 from trainers.example_cache import ExampleCache, ExampleKey
@@ -35,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the scorer's attention features",
     )
     parser.add_argument("--storage-dtype", default="float16", help="dtype of the stored keys, values and features")
+    parser.add_argument(
+        "--label-kind",
+        default=LabelKind.ALPHA.value,
+        choices=[member.value for member in LabelKind],
+        help="the labels the targets come from (`foresight labels --kind`); part of the cache's key",
+    )
     add_model_arguments(parser, made_traces=True)
     parser.add_argument("--replay-batch-size", type=int, default=4, help="traces replayed together")
 
@@ -42,7 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     model = model_of_traces(args, args.traces, TraceStore(args.traces).settings["model"])
     frozen = FrozenModel(model, **model_options(args))
-    key = ExampleKey(model, dtype_name(frozen.dtype), args.budget, args.interval, args.feature_set, args.storage_dtype)
+    key = ExampleKey(
+        model,
+        dtype_name(frozen.dtype),
+        args.budget,
+        args.interval,
+        args.feature_set,
+        args.storage_dtype,
+        label_kind=args.label_kind,
+    )
     summary = make_examples(frozen, ExampleCache(args.out, args.traces, key), replay_batch_size=args.replay_batch_size)
     print(summary.describe())
     return 0

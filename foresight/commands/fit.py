@@ -160,7 +160,10 @@ def prepare(args: argparse.Namespace, cli=None):
         if recipe is not None:
             _report("traces", make_traces(data.frozen, recipe, data.traces_dir, progress=show), show)
             record_sources(cli.model.scorer.config, data.traces_dir)
-        _report("labels", make_labels(data.frozen, data.traces_dir, data.budget, data.interval, progress=show), show)
+        labels = make_labels(
+            data.frozen, data.traces_dir, data.budget, data.interval, progress=show, kind=data.labels.kind
+        )
+        _report("labels", labels, show)
         if data.examples is not None:
             examples = make_examples(
                 data.frozen, data.examples, replay_batch_size=data.replay_batch_size, progress=show

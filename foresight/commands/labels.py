@@ -2,7 +2,8 @@
 
 Each trace is teacher-forced once through the model that made it, with the full cache; per eviction
 step and (layer, KV head) the labels hold the B candidates of the golden schedule and their future
-score α. They go to TRACES/labels-B{B}-L{L}/trace-{index:06d}.safetensors; a rerun skips traces
+score α (`--kind`: another label kind's score, into TRACES/labels-B{B}-L{L}-{kind}/). They go to
+TRACES/labels-B{B}-L{L}/trace-{index:06d}.safetensors; a rerun skips traces
 already labelled and replaces damaged files (one that does not open, or was made for another trace),
 and traces shorter than B + L (no eviction step) are skipped and counted.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import add_cadence_arguments
 from foresight.data.trace_store import TraceStore
+from foresight.labels import LabelKind
 from trainers.preparation import FrozenModel, make_labels
 
 
@@ -29,12 +31,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cadence_arguments(parser, budget=None, interval=None)
     add_model_arguments(parser, made_traces=True)
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per forward chunk (bounds working memory)")
+    parser.add_argument(
+        "--kind",
+        type=LabelKind.parse,
+        default=LabelKind.ALPHA,
+        help="label kind: alpha (Eq. 5), value or gradient (docs/algorithms.md §4); in the folder's name",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     made_with = model_of_traces(args, args.traces, TraceStore(args.traces).settings["model"])
     frozen = FrozenModel(made_with, **rank_placement(model_options(args)))
-    print(make_labels(frozen, args.traces, args.budget, args.interval, chunk_size=args.chunk_size).describe())
+    print(
+        make_labels(
+            frozen, args.traces, args.budget, args.interval, chunk_size=args.chunk_size, kind=args.kind
+        ).describe()
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ and an interval is the 2.5th to 97.5th percentile of the statistic over the resa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,8 @@ REFERENCE, ORACLE = "full", "golden"
 @dataclass(frozen=True)
 class TraceScore:
     """One trace replayed under one policy at one budget: its scored tokens' summed NLL with
-    eviction and with the full cache, and its low-entropy token counts (for a sampled policy, the NLL
-    sum and the damaged count are means over its seeds)."""
+    eviction and with the full cache, and its low-entropy token counts: all, damaged, and top-1 flipped
+    (for a sampled policy, the NLL sum and the damaged and flipped counts are means over its seeds)."""
 
     policy: str
     budget: int
@@ -41,6 +42,7 @@ class TraceScore:
     nll_full: float
     low_entropy: int
     damaged: float
+    flipped: float = math.nan  # nan: a traces.json written before the flip rate existed
 
 
 @dataclass(frozen=True)

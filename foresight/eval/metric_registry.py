@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 
 from foresight.data.trace_store import Trace
-from foresight.metrics import EntropyDamage, low_entropy_damage
+from foresight.metrics import EntropyDamage, low_entropy_damage, low_entropy_tokens
 
 Part = torch.Tensor | float
 """What one trace contributes to a sum: its per-token terms (a tensor) or a count."""
@@ -27,7 +27,8 @@ Part = torch.Tensor | float
 class ScoredTrace:
     """One replayed trace's scored tokens (`foresight.metrics.scored_tokens`), what every sum reads:
     the NLL with eviction and with the full cache, the full cache's entropy, the attention-output cosine
-    per token (ones without the probe), and the golden overlap's (hits, kept) counts."""
+    per token (ones without the probe), the golden overlap's (hits, kept) counts, and whether each token's
+    top-1 prediction under eviction differs from the full cache's (`flipped`)."""
 
     trace: Trace
     evicted_nll: torch.Tensor
@@ -36,10 +37,17 @@ class ScoredTrace:
     cosine: torch.Tensor
     overlap_hits: float
     overlap_kept: int
+    flipped: torch.Tensor
 
     @cached_property
     def damage(self) -> EntropyDamage:
         return low_entropy_damage(self.evicted_nll, self.full_nll, self.full_entropy)
+
+    @property
+    def low_entropy_flips(self) -> int:
+        """Bottom-80%-entropy tokens whose top-1 prediction eviction changed: the error the paper's reward
+        targets, counted without a loss threshold."""
+        return int((self.flipped & low_entropy_tokens(self.full_entropy)).sum())
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ SUMS: tuple[Sum, ...] = (
     Sum("low_entropy", lambda s: s.damage.low_entropy, shared=True),  # bottom-80%-entropy tokens
     Sum("damaged", lambda s: s.damage.damaged),  # of those, ΔL > η
     Sum("squared_sum", lambda s: s.damage.squared_sum),  # Σ ΔL² over the damaged tokens
+    Sum("flipped", lambda s: s.low_entropy_flips),  # low-entropy tokens whose top-1 prediction changed
     Sum("cosine", lambda s: s.cosine),
     Sum("overlap_hits", lambda s: s.overlap_hits),
     Sum("overlap_kept", lambda s: s.overlap_kept, shared=True),
@@ -151,6 +160,9 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric("low_entropy_dl2", "squared_sum", "damaged", "mean ΔL² (damaged)", "{:.3f}", interval=True, plotted=True),
     Metric("low_entropy_penalty", "squared_sum", "low_entropy", "−R", "{:.4f}", interval=True),
+    Metric(
+        "low_entropy_flip_rate", "flipped", "low_entropy", "low-entropy flip rate", "{:.2%}", interval=True, paired=True
+    ),
     Metric("low_entropy_tokens", "low_entropy"),
     Metric("damaged_tokens", "damaged"),
     Metric(

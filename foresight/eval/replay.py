@@ -56,7 +56,7 @@ from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
 from foresight.eval.results import EvaluationResult
 from foresight.eval.specs import REFERENCE, PolicySpec, ScorerSpec
 from foresight.eval.tally import TraceTally
-from foresight.labels import GoldenLabels, LabelStore
+from foresight.labels import GoldenLabels, LabelKind, LabelStore
 from foresight.models import describe
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.engine import EvictionEngine, ReplayOutput
@@ -74,6 +74,7 @@ def evaluate(
     interval: int,
     *,
     labels_root: str | os.PathLike | None = None,
+    label_kind: LabelKind | str = LabelKind.ALPHA,
     batch_size: int = 4,
     progress: bool = True,
     share_prefix: bool = True,
@@ -83,7 +84,7 @@ def evaluate(
     `share_prefix`: the policies of a batch reuse each other's forwards before the first eviction
     (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces
     folder whose labels-B{B}-L{L} folders hold golden labels (None: no
-    labels). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
+    labels), of kind `label_kind` (golden then replays that kind's schedule). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
     every evaluated trace; elsewhere a note says so.
     """
     if batch_size < 1:
@@ -101,7 +102,7 @@ def evaluate(
             notes.append(
                 f"B={budget}: skipped {short} of {len(traces)} traces shorter than B + L = {budget + interval} tokens"
             )
-        store = None if labels_root is None else LabelStore(labels_root, budget, interval)
+        store = None if labels_root is None else LabelStore(labels_root, budget, interval, label_kind)
         batch_labels = _labels_for(store, eligible, budget, interval, notes)
         budget_specs = [s for s in specs if not (s.needs_labels and batch_labels is None)]
         if len(budget_specs) < len(specs):
@@ -228,8 +229,9 @@ def _evaluate_batch(
     num_layers = model.config.get_text_config().num_hidden_layers
     lengths = [t.input_ids.numel() for t in batch]
     reference = AttentionProbe(lengths, num_layers)
+    greedy = None  # the full cache's top-1 predictions per trace
     if any(spec.evicts for spec in specs):
-        _replay(model, REFERENCE, batch, budget, interval, None, reference, bar)
+        greedy = _replay(model, REFERENCE, batch, budget, interval, None, reference, bar).greedy
     schedule = None if labels is None else GoldenSchedule.stack(labels)
     prefixes = {} if share_prefix else None  # per prefill: the forwards before the first eviction
     for spec in specs:
@@ -239,7 +241,7 @@ def _evaluate_batch(
                 tally.add_trace(trace, trace.token_nll, budget + interval, None)
             continue
         replays = [
-            _tally_replay(model, replay, batch, budget, interval, labels, reference, schedule, bar, prefixes)
+            _tally_replay(model, replay, batch, budget, interval, labels, (reference, greedy), schedule, bar, prefixes)
             for replay in spec.replays()
         ]
         tally.extend(TraceTally.mean(replays))
@@ -252,12 +254,14 @@ def _tally_replay(
     budget: int,
     interval: int,
     labels: Sequence[GoldenLabels] | None,
-    reference: AttentionProbe,
+    full: tuple[AttentionProbe, list[torch.Tensor]],
     schedule: GoldenSchedule | None,
     bar: tqdm,
     prefixes: dict[tuple[int, ...], ReplayPrefix] | None,
 ) -> TraceTally:
-    """One replay of the batch under an evicting policy, scored against the full-cache `reference`."""
+    """One replay of the batch under an evicting policy, scored against the full cache's replay (`full`: its
+    attention probe and its top-1 predictions per trace)."""
+    reference, greedy = full
     num_layers = model.config.get_text_config().num_hidden_layers
     probe = AttentionProbe(
         [t.input_ids.numel() for t in batch], num_layers, reference=reference.outputs, schedule=schedule
@@ -269,7 +273,8 @@ def _tally_replay(
         _check_all_layers(probe.layer_count[row, :predictions], num_layers, spec.name)
         cosine = probe.cosine_sum[row, :predictions] / num_layers
         overlap = (int(probe.overlap_hits[row]), int(probe.overlap_kept[row]))
-        tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap)
+        flipped = output.greedy[row] != greedy[row]
+        tally.add_trace(trace, output.nll[row], output.first_eviction[row], cosine, overlap, flipped)
     return tally
 
 

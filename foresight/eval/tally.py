@@ -43,9 +43,11 @@ class TraceTally:
         first_eviction: int | None,
         cosine: torch.Tensor | None,
         overlap: tuple[int, int] = (0, 0),
+        flipped: torch.Tensor | None = None,
     ) -> None:
         """Score one replayed trace: nll [T - 1] with eviction; cosine [T - 1] per token (None: 1);
-        overlap (hits, kept) with the golden kept set."""
+        overlap (hits, kept) with the golden kept set; flipped [T - 1] whether eviction changed the top-1
+        prediction (None: never, the full cache)."""
         scored = scored_tokens(nll.numel(), first_eviction)
         if not bool(scored.any()):
             self.never_evicted += 1
@@ -57,6 +59,7 @@ class TraceTally:
             trace.token_entropy[scored],
             torch.ones(int(scored.sum()), dtype=torch.float64) if cosine is None else cosine[scored],
             *overlap,
+            torch.zeros(int(scored.sum()), dtype=torch.bool) if flipped is None else flipped[scored],
         )
         self.parts.append({s.name: s.part(tokens) for s in SUMS})
         self.traces.append(trace)

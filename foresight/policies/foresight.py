@@ -1,4 +1,8 @@
-"""ForesightKV's learned scorer as an eviction policy (ForesightKV §3.1 Eqs. 1-2, App. B; docs/algorithms.md §5)."""
+"""ForesightKV's learned scorer as an eviction policy (ForesightKV §3.1 Eqs. 1-2, App. B; docs/algorithms.md §5).
+
+Size: one policy; its features, its batched layers and its sampled mode (Eq. 2, recorded for GRPO) read
+the same per-step contexts, so they stay together.
+"""
 
 from __future__ import annotations
 

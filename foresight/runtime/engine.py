@@ -86,6 +86,7 @@ class ReplayOutput:
     nll: list[torch.Tensor]
     first_eviction: list[int | None]  # first position processed with an evicted cache: nll[j] for j >= it
     stats: RunStats
+    greedy: list[torch.Tensor] = field(default_factory=list)  # entry j: the top-1 prediction for token j + 1
 
 
 @dataclass
@@ -182,11 +183,17 @@ class Replay:
     policy_state: dict[str, Any]
     done: int = 0
     columns: list[torch.Tensor] = field(default_factory=list)  # token NLL of each forward [batch, q]
+    greedy: list[torch.Tensor] = field(default_factory=list)  # the top-1 prediction of each forward [batch, q]
     pending_eviction: bool = False
 
     @property
     def prompt_width(self) -> int:
         return self.layout.shape[1] - self.rest.shape[1] - 1
+
+    def add_column(self, outputs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Append one forward's (token NLL, top-1 prediction), each [batch, q]."""
+        self.columns.append(outputs[0])
+        self.greedy.append(outputs[1])
 
     @property
     def evictions(self) -> int:
@@ -221,12 +228,13 @@ class Replay:
             policy_state=select_state_rows(self.policy_state, index),
             done=self.done,
             columns=[column[index] for column in self.columns],
+            greedy=[column[index] for column in self.greedy],
             pending_eviction=self.pending_eviction,
         )
 
     def output(self) -> ReplayOutput:
-        """The token losses of what was fed so far: entry j of a row predicts token j + 1."""
-        nll = torch.cat(self.columns, 1)
+        """The token losses and top-1 predictions of what was fed so far: entry j of a row predicts token j + 1."""
+        nll, greedy = torch.cat(self.columns, 1), torch.cat(self.greedy, 1)
         pad = self.prompt_width
         spans = [
             slice(pad - prompt, min(pad - prompt + length - 1, nll.shape[1]))
@@ -234,7 +242,10 @@ class Replay:
         ]
         first = [int(v) if v >= 0 else None for v in self.run.first_eviction.tolist()]
         return ReplayOutput(
-            nll=[nll[row, span].cpu() for row, span in enumerate(spans)], first_eviction=first, stats=self.run.stats
+            nll=[nll[row, span].cpu() for row, span in enumerate(spans)],
+            first_eviction=first,
+            stats=self.run.stats,
+            greedy=[greedy[row, span].cpu() for row, span in enumerate(spans)],
         )
 
 
@@ -422,9 +433,7 @@ class EvictionEngine:
             input_ids, positions, valid = replay.prefill
             targets = replay.layout[:, 1 : replay.prompt_width + 1]
             prefill = list(replay.prompt_lengths)
-            replay.columns.append(
-                self._replay_forward(run, input_ids, positions, valid, prefill, targets, replay.forwards)
-            )
+            replay.add_column(self._replay_forward(run, input_ids, positions, valid, prefill, targets, replay.forwards))
             replay.prefill = None
             if self._pause(replay, stop_before_step, stop=tokens is not None and left == 0):
                 return
@@ -437,7 +446,7 @@ class EvictionEngine:
             start = replay.prompt_width + done
             targets = replay.layout[:, start + 1 : start + size + 1]
             chunk = rest[:, done : done + size]
-            replay.columns.append(
+            replay.add_column(
                 self._replay_forward(run, chunk, chunk_positions, ones * size, [size] * rows, targets, replay.forwards)
             )
             replay.done, left = done + size, left - size
@@ -459,20 +468,21 @@ class EvictionEngine:
         return False
 
     def _replay_forward(self, run: _Run, input_ids, positions, valid, counts, targets, forwards: _PrefixForwards):
-        """One forward of a replay and the NLL of its targets, recorded or reused per `forwards` (the eviction
-        step it may make due is the replay loop's to run: `_pause`)."""
+        """One forward of a replay: the NLL of its targets and its top-1 predictions, recorded or reused per
+        `forwards` (the eviction step it may make due is the replay loop's to run: `_pause`)."""
         if run.stats.evictions:
-            return _token_nll(self._forward(run, input_ids, positions, valid, counts, evict=False), targets)
+            return _token_outputs(self._forward(run, input_ids, positions, valid, counts, evict=False), targets)
         recorded = forwards.reusable(input_ids, positions, valid)
         if recorded is not None:
             recorded = recorded.for_rows(input_ids.shape[0])
             self._forward(run, input_ids, positions, valid, counts, inject=recorded, evict=False)
-            return recorded.nll
+            return recorded.nll, recorded.greedy
         record = forwards.start_recording(input_ids, positions, valid)
-        nll = _token_nll(self._forward(run, input_ids, positions, valid, counts, record=record, evict=False), targets)
+        logits = self._forward(run, input_ids, positions, valid, counts, record=record, evict=False)
+        nll, greedy = _token_outputs(logits, targets)
         if record is not None:
-            record.nll = nll
-        return nll
+            record.nll, record.greedy = nll, greedy
+        return nll, greedy
 
     # -- one forward and one eviction step -------------------------------------------------------
     def _start(self, prompts: Sequence[Sequence[int]], pad_token_id: int, new_tokens: int):
@@ -767,6 +777,12 @@ class _PrefixForwards:
         record = RecordedForward(input_ids, positions, valid)
         self.prefix.forwards.append(record)
         return record
+
+
+def _token_outputs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position NLL of `targets` (`_token_nll`) and the top-1 prediction [batch, q] (the low-entropy flip
+    rate compares it with the full cache's)."""
+    return _token_nll(logits, targets), logits.argmax(-1)
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ import torch
 
 @dataclass
 class RecordedForward:
-    """One forward's inputs, every layer's post-RoPE queries and new keys and values, and its token NLL."""
+    """One forward's inputs, every layer's post-RoPE queries and new keys and values, its token NLL and top-1
+    predictions."""
 
     input_ids: torch.Tensor  # [batch, q]
     positions: torch.Tensor  # [batch, q]
@@ -36,6 +37,7 @@ class RecordedForward:
     values: list[torch.Tensor] = field(default_factory=list)
     scaling: list[float | None] = field(default_factory=list)
     nll: torch.Tensor | None = None  # [batch, q]
+    greedy: torch.Tensor | None = None  # [batch, q]
 
     def add(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
@@ -78,6 +80,7 @@ class RecordedForward:
             [repeat(v) for v in self.values],
             self.scaling,
             None if self.nll is None else repeat(self.nll),
+            None if self.greedy is None else repeat(self.greedy),
         )
 
 

@@ -23,6 +23,8 @@ head g of the group (head-major), with f following `FEATURE_NAMES`:
 - "standardised-heuristic" (F = 9, ours): the standardised seven, then the statistics of the two best
   heuristics: TOVA's attention from the newest query ("last_1") and SnapKV's sum over the last 8 queries
   max-pooled along the cache slots ("pooled_last_8"), transformed and standardised like the seven.
+- "standardised-norms" (F = 7, ours, issue 42): the standardised seven; its scorer also reads each entry's
+  log‖k‖ and log‖v‖ beside the unit-norm key and value (`FeatureSet.key_value_norms`, `ForesightScorer`).
 A window larger than L covers the whole block (it clamps to L), so with L < 32 some window sums equal
 the block sum.
 
@@ -57,12 +59,19 @@ class FeatureSet(Choice):
     POOLED = "pooled"
     STANDARDISED = "standardised"
     STANDARDISED_HEURISTIC = "standardised-heuristic"
+    STANDARDISED_NORMS = "standardised-norms"
 
     @property
     def standardised(self) -> bool:
         """Whether the set is computed by `foresight.scorer.standardised_features` (token time scales,
         log then standardised over each step's candidates, a per-entry observed count in the state)."""
-        return self in (FeatureSet.STANDARDISED, FeatureSet.STANDARDISED_HEURISTIC)
+        return self in (FeatureSet.STANDARDISED, FeatureSet.STANDARDISED_HEURISTIC, FeatureSet.STANDARDISED_NORMS)
+
+    @property
+    def key_value_norms(self) -> bool:
+        """Whether the scorer also reads log‖k‖ and log‖v‖ of each entry beside its unit-norm key and value
+        (`ForesightScorer`): how far an entry's value can move an output, which unit vectors hide."""
+        return self == FeatureSet.STANDARDISED_NORMS
 
     @property
     def unit_key_values(self) -> bool:
@@ -74,10 +83,15 @@ class FeatureSet(Choice):
     @property
     def transform(self) -> str:
         """How the features are normalised, in words (an exported scorer's model card says it)."""
+        if self.key_value_norms:
+            return "log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values, their log norms"
         if self.standardised:
             return "log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values"
         return "log1p"
 
+
+STANDARDISED_NAMES = ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age")
+"""The standardised seven, which every standardised set starts with."""
 
 FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.PAPER: ("last_8", "last_16", "last_32", "last_L", "cumulative", "decayed"),
@@ -92,18 +106,9 @@ FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
         "pooled_last_8",
         "pooled_last_L",
     ),
-    FeatureSet.STANDARDISED: ("last_8", "last_16", "last_32", "recent_128", "decayed", "cumulative_rate", "log_age"),
-    FeatureSet.STANDARDISED_HEURISTIC: (
-        "last_8",
-        "last_16",
-        "last_32",
-        "recent_128",
-        "decayed",
-        "cumulative_rate",
-        "log_age",
-        "last_1",
-        "pooled_last_8",
-    ),
+    FeatureSet.STANDARDISED: STANDARDISED_NAMES,
+    FeatureSet.STANDARDISED_HEURISTIC: (*STANDARDISED_NAMES, "last_1", "pooled_last_8"),
+    FeatureSet.STANDARDISED_NORMS: STANDARDISED_NAMES,  # the norms are the scorer's inputs, not features
 }
 """Per-query-head feature order of each set (see the module docstring)."""
 

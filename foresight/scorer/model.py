@@ -15,6 +15,9 @@ runtime to rebuild the dataclass.)
 
 Its eviction rules (lowest scores, Eq. 2 sampling, Plackett-Luce) are in
 `foresight.scorer.eviction_sampling`.
+
+Size: one model end to end, its config (shape, inputs, x_n's width), the stacked MLP and its Hub save and
+load; the config and the MLP read the same widths, so splitting them would split one definition of x_n.
 """
 
 import hashlib
@@ -66,8 +69,8 @@ class ScorerConfig:
     of Hkv; G = Hq / Hkv). budget (B) and interval (L): the eviction cadence it was trained with
     (B > L >= 1). base_model: the model id or path it was trained on (informative). hidden: H, the MLP
     width (16 in the paper). feature_set: "paper" (F = 6), "official-8" or "pooled" (F = 8), "standardised"
-    (F = 7) or "standardised-heuristic" (F = 9; the standardised sets' scorers also read each key and value
-    at unit L2 norm, `UNIT_EPS`). stage: the training
+    (F = 7), "standardised-heuristic" (F = 9) or "standardised-norms" (F = 7; the standardised sets' scorers
+    also read each key and value at unit L2 norm, `UNIT_EPS`, and the last one their log norms too). stage: the training
     stage that made the weights, "supervised" (§3.2) or "reinforcement" (§3.3); started_from: the
     scorer the reinforcement stage started from, by the hash of its weights and the folder or Hub id it
     was read from (`named_by_content`; older scorers hold the path only; None for the supervised stage).
@@ -118,9 +121,14 @@ class ScorerConfig:
         return feature_dim(self.feature_set) * self.group_size
 
     @property
+    def norm_width(self) -> int:
+        """2 when x_n ends with log‖k_n‖ and log‖v_n‖ (`FeatureSet.key_value_norms`), else 0."""
+        return 2 * (self.key_values and self.feature_set.key_value_norms)
+
+    @property
     def input_dim(self) -> int:
-        """2D + F*G, the width of x_n (F*G without keys and values)."""
-        return 2 * self.head_dim * self.key_values + self.feature_width
+        """2D + F*G (+ 2 log norms), the width of x_n (F*G without keys and values)."""
+        return 2 * self.head_dim * self.key_values + self.feature_width + self.norm_width
 
 
 UNIT_EPS = 1e-6
@@ -249,13 +257,20 @@ class ForesightScorer(
         w1, b1, w2, b2 = (weight[layers].flatten(0, 1) for weight in (self.w1, self.b1, self.w2, self.b2))
         count, batch, heads, entries = parts[0].shape[:4]
         grouped = [_by_head(part, w1.dtype) for part in (parts if config.key_values else parts[2:])]
-        blocks = w1.split([part.shape[-1] for part in grouped], dim=1)
-        hidden = torch.baddbmm(b1.unsqueeze(1), grouped[-1], blocks[-1])
-        for part, block in zip(grouped[:-1], blocks[:-1]):
+        widths = [part.shape[-1] for part in grouped] + [config.norm_width] * bool(config.norm_width)
+        blocks = w1.split(widths, dim=1)
+        features = len(grouped) - 1
+        hidden = torch.baddbmm(b1.unsqueeze(1), grouped[features], blocks[features])
+        norms = []
+        for part, block in zip(grouped[:features], blocks[:features]):
             product = torch.bmm(part, block)
             if config.feature_set.unit_key_values:
-                product = product / torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(UNIT_EPS)
+                norm = torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(UNIT_EPS)
+                product = product / norm
+                norms.append(norm.log())
             hidden = hidden + product
+        if config.norm_width:  # log‖k_n‖, log‖v_n‖: the scale the unit vectors leave out
+            hidden = hidden + torch.bmm(torch.cat(norms, dim=-1), blocks[-1])
         scores = torch.bmm(nn.functional.gelu(hidden), w2.unsqueeze(-1)).squeeze(-1) + b2.unsqueeze(-1)
         return scores.unflatten(0, (count, heads)).unflatten(-1, (batch, entries)).permute(0, 2, 1, 3)
 
