@@ -126,6 +126,9 @@ def test_left_padded_batch_decodes_as_each_row_alone(llama, policy_name):
         alone = engine.generate([prompt], 30, return_logits=True)
         assert together.tokens[row] == alone.tokens[0]
         torch.testing.assert_close(together.logits[row], alone.logits[0], atol=5e-4, rtol=0)
+        assert together.stats.row_evictions[row] == alone.stats.evictions  # each row's own eviction steps
+    if not engine.protect_prompt:  # rows of unequal prompts evict on schedules of their own
+        assert len(set(together.stats.row_evictions)) > 1
 
 
 def test_row_seeds_make_each_row_sample_as_it_would_alone(llama):

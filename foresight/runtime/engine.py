@@ -19,7 +19,6 @@ step) kept in one place on purpose: it is the rule every policy runs under.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME, attention_implementation
+from foresight.runtime.device_clock import DeviceClock
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
@@ -56,10 +56,12 @@ class EvictionConfig:
 
 @dataclass
 class RunStats:
-    """Counters of one generation or replay run."""
+    """Counters of one generation or replay run. Seconds are the device's (`DeviceClock`: CUDA events on a
+    GPU, read once at the end of the run), so the eviction share is the device time eviction steps took."""
 
     tokens: int = 0
-    evictions: int = 0
+    evictions: int = 0  # eviction steps (each evicts one or more rows)
+    row_evictions: list[int] = field(default_factory=list)  # eviction steps each row took part in
     max_entries: int = 0
     forward_seconds: float = 0.0
     eviction_seconds: float = 0.0
@@ -69,6 +71,14 @@ class RunStats:
     def eviction_share(self) -> float:
         total = self.forward_seconds + self.eviction_seconds
         return self.eviction_seconds / total if total else 0.0
+
+    def adding_to(self, name: str) -> Callable[[float], None]:
+        """A receiver of a region's seconds (`DeviceClock.stop`) that adds them to the field `name`."""
+
+        def add(seconds: float) -> None:
+            setattr(self, name, getattr(self, name) + seconds)
+
+        return add
 
 
 @dataclass
@@ -143,7 +153,11 @@ class _Run:
             cache=self.cache.select_rows(index),
             cadence=self.cadence.select_rows(rows),
             **{name: getattr(self, name)[index] for name in _Run.ROW_TENSORS},
-            stats=dataclasses.replace(self.stats, step_seconds=list(self.stats.step_seconds)),
+            stats=dataclasses.replace(
+                self.stats,
+                step_seconds=list(self.stats.step_seconds),
+                row_evictions=[self.stats.row_evictions[row] for row in rows],
+            ),
         )
 
     ROW_TENSORS: ClassVar[tuple[str, ...]] = ("protected", "limits", "keep_counts", "first_eviction", "next_positions")
@@ -265,6 +279,7 @@ class EvictionEngine:
         self.last_stats: RunStats | None = None  # its counters, also when a callback ended it early
         self.attention = attention
         self.step_observer = step_observer or nullcontext()  # entered around every eviction step (`host_reads`)
+        self.clock = DeviceClock(model.device)  # the run's seconds, settled at the end of `generate` and `advance`
 
     # -- public entry points -------------------------------------------------------------------------
     @torch.no_grad()
@@ -288,10 +303,13 @@ class EvictionEngine:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if row_seeds is not None and len(row_seeds) != len(prompts):
             raise ValueError(f"got {len(row_seeds)} row seeds for {len(prompts)} prompts")
-        with attention_implementation(self.model, self.attention):
-            return self._generate(
-                prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
-            )
+        try:
+            with attention_implementation(self.model, self.attention):
+                return self._generate(
+                    prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
+                )
+        finally:
+            self.clock.settle()
 
     def _generate(
         self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
@@ -319,9 +337,9 @@ class EvictionEngine:
                 on_token(len(new_tokens))
             if bool(finished.all()) or len(new_tokens) == max_new_tokens:
                 break
-            start = time.perf_counter()
+            start = self.clock.start()
             logits = self._forward(run, token[:, None], run.next_positions[:, None], ones, one_each)[:, -1]
-            run.stats.step_seconds.append(time.perf_counter() - start)
+            self.clock.stop(start, run.stats.step_seconds.append)
         tokens = _trim_after_eos(torch.stack(new_tokens, 1) if new_tokens else input_ids[:, :0], eos)
         stacked = torch.stack(all_logits, 1) if return_logits and all_logits else None
         return GenerationOutput(tokens=tokens, stats=run.stats, logits=stacked)
@@ -396,8 +414,11 @@ class EvictionEngine:
             raise ValueError(f"the replay has run {replay.evictions} eviction steps, past step {stop_before_step}")
         self.policy.load_run_state(replay.policy_state)
         self.last_cache, self.last_stats = replay.run.cache, replay.run.stats
-        with attention_implementation(self.model, self.attention):
-            self._advance(replay, stop_before_step, tokens, on_tokens)
+        try:
+            with attention_implementation(self.model, self.attention):
+                self._advance(replay, stop_before_step, tokens, on_tokens)
+        finally:
+            self.clock.settle()
         replay.policy_state = self.policy.run_state()
         return replay
 
@@ -506,6 +527,7 @@ class EvictionEngine:
             first_eviction=torch.full_like(lengths, -1),
             next_positions=lengths.clone(),
         )
+        run.stats.row_evictions = [0] * len(prompts)
         self.last_stats = run.stats
         return run, input_ids, positions, lengths
 
@@ -530,7 +552,7 @@ class EvictionEngine:
         """Run the model on the tokens (recording into `record` if given), or `inject` a recorded run of
         the same tokens (no logits then), and every policy hook and, with `evict`, the eviction step that follows.
         `valid` [batch] and `counts` (its values on the host): each row's tokens that are not padding."""
-        start = time.perf_counter()
+        start = self.clock.start()
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
         run.cadence.fed(counts)
         run.cache.begin_forward(positions, valid, run.cadence.lengths, record_queries=not skip_prompt)
@@ -556,7 +578,7 @@ class EvictionEngine:
         run.prefilled = True
         run.next_positions = positions.max(dim=1).values + 1
         run.stats.tokens += sum(counts)
-        run.stats.forward_seconds += time.perf_counter() - start
+        self.clock.stop(start, run.stats.adding_to("forward_seconds"))
         run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
         if self.evicts and evict:
             self._evict_due_rows(run)
@@ -603,10 +625,10 @@ class EvictionEngine:
     def _evict_due_rows(self, run: _Run) -> None:
         """Hand every-query policies their complete query blocks (all that is left when a row evicts),
         then run an eviction step for the rows that reached their limit."""
-        start = time.perf_counter()
+        start = self.clock.start()
         with self.step_observer:
             self._eviction_step(run)
-        run.stats.eviction_seconds += time.perf_counter() - start
+        self.clock.stop(start, run.stats.adding_to("eviction_seconds"))
 
     def _eviction_step(self, run: _Run) -> None:
         due_rows = run.cadence.due()
@@ -633,6 +655,7 @@ class EvictionEngine:
             run.cache.compact(keep if rows is None else _with_rows(run.cache.layers[0], keep, rows), width)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
             run.stats.evictions += 1
+            run.stats.row_evictions = [count + evicts for count, evicts in zip(run.stats.row_evictions, due_rows)]
 
     def _observe_queries(self, run: _Run, complete_blocks_only: bool) -> None:
         """docs/algorithms.md sections 2-3: `observe` each recorded query once, in query order, in blocks of at
