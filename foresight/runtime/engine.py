@@ -637,18 +637,19 @@ class EvictionEngine:
             self._observe_queries(run, complete_blocks_only=not evicting)
         if evicting:
             due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
-            rows = None if all(due_rows) else due.nonzero().squeeze(1)  # a ragged step reads its rows once
-            candidates = [
-                length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts
-            ]
+            rows = None if all(due_rows) else _host_index([row for row, evicts in enumerate(due_rows) if evicts], due)
+            lengths = [length for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
+            candidates = [length - self.config.interval for length in lengths]
             width = run.cadence.evict(due_rows)
             layers = run.cache.layers
-            contexts = [self._context(index, layer, rows, tuple(candidates)) for index, layer in enumerate(layers)]
+            positions = _entry_positions(layers, lengths, rows)
+            queries = self._window_queries(layers, rows)
+            contexts = [
+                self._context(index, layer, rows, tuple(candidates), positions[index], queries[index])
+                for index, layer in enumerate(layers)
+            ]
             if not self.observes_every_query:  # every-query policies observed all their queries already
-                for context, layer, state in zip(contexts, layers, self.policy.step_observe(contexts), strict=True):
-                    for name, value in state.items():
-                        context.state[name] = value
-                        layer.write_state(name, value, rows)
+                self._write_state(contexts, layers, self.policy.step_observe(contexts), rows)
             scores = self.policy.step_keep_scores(contexts)
             positions = torch.stack([context.candidate_positions for context in contexts])
             keep = self._keep_top(run, rows, scores, positions)
@@ -664,8 +665,8 @@ class EvictionEngine:
         the causal mask hides the later ones."""
         if run.cache.layers[0].unobserved_count < (self.config.interval if complete_blocks_only else 1):
             return
-        for layer_idx, layer in enumerate(run.cache.layers):
-            positions = layer.entry_positions()
+        layers = run.cache.layers
+        for layer_idx, (layer, positions) in enumerate(zip(layers, _entry_positions(layers, run.cadence.lengths))):
             for queries, query_positions in layer.take_unobserved(complete_blocks_only):
                 context = EvictionContext(
                     layer_idx=layer_idx,
@@ -683,10 +684,17 @@ class EvictionEngine:
                     layer.write_state(name, value)
 
     def _context(
-        self, layer_idx: int, layer: EvictionLayer, rows: torch.Tensor | None, candidate_counts: tuple[int, ...]
+        self,
+        layer_idx: int,
+        layer: EvictionLayer,
+        rows: torch.Tensor | None,
+        candidate_counts: tuple[int, ...],
+        positions: torch.Tensor,
+        queries: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> EvictionContext:
         """One layer's context at an eviction step, for its evicting rows (`rows`, None: all;
-        `candidate_counts`: their valid candidates), with the latest queries a WINDOW policy reads."""
+        `candidate_counts`: their valid candidates; `positions`: their entry positions), with the latest
+        queries a WINDOW policy reads (`queries`, in query order, with their positions)."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if rows is None else tensor[rows]
@@ -697,15 +705,57 @@ class EvictionEngine:
             num_layers=self.num_layers,
             keys=select(layer.keys),
             values=select(layer.values),
-            positions=select(layer.entry_positions()),
+            positions=positions,
             num_candidates=entries - self.config.interval,
             scaling=layer.scaling,
             state={name: select(value) for name, value in layer.state.items()},
             candidate_counts=candidate_counts,
         )
-        if self.policy.needs_attention and not self.observes_every_query:
-            context.queries, context.query_positions = layer.buffered_queries(rows)
+        if queries is not None:
+            context.queries, context.query_positions = queries
         return context
+
+    def _window_queries(
+        self, layers: Sequence[EvictionLayer], rows: torch.Tensor | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Every layer's ring of the latest queries a WINDOW policy reads, in query order (oldest first), for the
+        evicting rows: ([rows, Hq, W, D], [rows, W]) per layer, or None per layer for a policy that reads none.
+        The rings are read as they are when they start at their first slot and every row evicts; else they are
+        stacked, rotated and their rows selected for every layer at once. The layers record the same positions
+        and advance their rings together, so layer 0's cursor and positions are every layer's."""
+        if not self.policy.needs_attention or self.observes_every_query:
+            return [None] * len(layers)
+        first = layers[0]
+        queries, positions, cursor = [layer.queries for layer in layers], first.query_positions, first.query_cursor
+        if cursor == 0 and rows is None:
+            return [(layer_queries, positions) for layer_queries in queries]
+        stacked = torch.stack(queries)  # [layers, batch, Hq, W, D]
+        if cursor:
+            stacked, positions = stacked.roll(-cursor, dims=3), positions.roll(-cursor, dims=1)
+        if rows is not None:
+            stacked, positions = stacked[:, rows], positions[rows]
+        return [(layer_queries, positions) for layer_queries in stacked.unbind()]
+
+    @staticmethod
+    def _write_state(
+        contexts: Sequence[EvictionContext],
+        layers: Sequence[EvictionLayer],
+        states: Sequence[dict[str, torch.Tensor]],
+        rows: torch.Tensor | None,
+    ) -> None:
+        """Hand each layer's new per-entry state to its context and write it to the cache: for every layer and
+        field in one multi-tensor copy when every row evicts, else row by row of the evicting `rows`."""
+        targets, values = [], []
+        for context, layer, state in zip(contexts, layers, states, strict=True):
+            for name, value in state.items():
+                context.state[name] = value
+                if rows is None:
+                    targets.append(layer.state[name])
+                    values.append(value)
+                else:
+                    layer.write_state(name, value, rows)
+        if targets:
+            torch._foreach_copy_(targets, values)
 
     def _keep_top(
         self, run: _Run, rows: torch.Tensor | None, scores: torch.Tensor, candidates: torch.Tensor
@@ -723,6 +773,29 @@ class EvictionEngine:
         keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
         recent = torch.ones_like(keep_candidates[..., : self.config.interval])
         return torch.cat([keep_candidates, recent], dim=-1)
+
+
+def _host_index(indices: list[int], like: torch.Tensor) -> torch.Tensor:
+    """`indices` as a long tensor on `like`'s device, copied from the host without waiting for the device (pinned
+    memory, a non-blocking copy on CUDA): a ragged step's rows, known to the host's cadence."""
+    index = torch.tensor(indices, dtype=torch.long)
+    if like.device.type == "cuda":
+        return index.pin_memory().to(like.device, non_blocking=True)
+    return index.to(like.device)
+
+
+def _entry_positions(
+    layers: Sequence[EvictionLayer], lengths: Sequence[int], rows: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Every layer's entry positions [rows, Hkv, N] with -1 on invalid slots, for the batch rows `rows` (None: all)
+    whose valid entries are `lengths` (from the host's cadence). Where every such row fills the layer's slots they are
+    the stored positions themselves; else one mask of the invalid slots, which every layer shares (their rows hold
+    the same valid slots), marks each layer's."""
+    stored = [layer.positions for layer in layers]
+    if min(lengths) < layers[0].get_seq_length():
+        invalid = ~layers[0].valid[:, None, :]
+        stored = [positions.masked_fill(invalid, -1) for positions in stored]
+    return stored if rows is None else [positions[rows] for positions in stored]
 
 
 def _with_rows(layer: EvictionLayer, keep_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
