@@ -81,7 +81,7 @@ def run(settings: Settings) -> str:
     prompt = prompt_ids(tokenizer, model.config.vocab_size)
     scorer = settings.learned_scorer(model)
     config = settings.eviction
-    first = config.budget + config.interval - len(prompt)  # decoded tokens at the first eviction step
+    first = max(config.budget + config.interval - len(prompt), 0)  # tokens fed after the prompt at the first step
     if settings.max_new_tokens < first + 1:
         raise ValueError(f"--max-new-tokens {settings.max_new_tokens} must exceed {first}: the first eviction step")
     counted_tokens = first + (settings.counted_steps - 1) * config.interval + 1
