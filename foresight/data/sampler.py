@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from foresight.cache_argument import cache_argument
 from foresight.data.slot_cache import SlotCache
 from foresight.models import describe
-from foresight.runtime.device_clock import DeviceClock
+from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_draw, logits_processors
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
@@ -75,12 +75,6 @@ class SamplerSeconds:
     decode_seconds: float = 0.0
     admissions: int = 0
     admitted: int = 0
-
-    def adding_to(self, name: str) -> Callable[[float], None]:
-        def add(seconds: float) -> None:
-            setattr(self, name, getattr(self, name) + seconds)
-
-        return add
 
 
 @dataclass
@@ -154,20 +148,20 @@ def sample_completions(
             if arrivals:
                 start = clock.start()
                 batch.admit(arrivals)
-                clock.stop(start, seconds.adding_to("admission_seconds"))
+                clock.stop(start, adding_to(seconds, "admission_seconds"))
                 seconds.admissions, seconds.admitted = seconds.admissions + 1, seconds.admitted + len(arrivals)
             if not batch.rows:
                 return
             start = clock.start()
             sampled = batch.sample()
-            clock.stop(start, seconds.adding_to("decode_seconds"))
+            clock.stop(start, adding_to(seconds, "decode_seconds"))
             if on_token is not None:
                 on_token(len(batch.rows))
             yield from batch.release_ended(sampled)
             if batch.rows:
                 start = clock.start()
                 batch.step()
-                clock.stop(start, seconds.adding_to("decode_seconds"))
+                clock.stop(start, adding_to(seconds, "decode_seconds"))
     finally:
         clock.settle()
 

@@ -48,3 +48,12 @@ class DeviceClock:
         pending, self._pending = self._pending, []
         for start, end, into in pending:
             into(start.elapsed_time(end) / 1000)
+
+
+def adding_to(counters: object, name: str) -> Callable[[float], None]:
+    """A receiver of a region's seconds (`DeviceClock.stop`) that adds them to the attribute `name` of `counters`."""
+
+    def add(seconds: float) -> None:
+        setattr(counters, name, getattr(counters, name) + seconds)
+
+    return add

@@ -31,7 +31,7 @@ from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME, attention_implementation
-from foresight.runtime.device_clock import DeviceClock
+from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
@@ -71,14 +71,6 @@ class RunStats:
     def eviction_share(self) -> float:
         total = self.forward_seconds + self.eviction_seconds
         return self.eviction_seconds / total if total else 0.0
-
-    def adding_to(self, name: str) -> Callable[[float], None]:
-        """A receiver of a region's seconds (`DeviceClock.stop`) that adds them to the field `name`."""
-
-        def add(seconds: float) -> None:
-            setattr(self, name, getattr(self, name) + seconds)
-
-        return add
 
 
 @dataclass
@@ -578,7 +570,7 @@ class EvictionEngine:
         run.prefilled = True
         run.next_positions = positions.max(dim=1).values + 1
         run.stats.tokens += sum(counts)
-        self.clock.stop(start, run.stats.adding_to("forward_seconds"))
+        self.clock.stop(start, adding_to(run.stats, "forward_seconds"))
         run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
         if self.evicts and evict:
             self._evict_due_rows(run)
@@ -628,7 +620,7 @@ class EvictionEngine:
         start = self.clock.start()
         with self.step_observer:
             self._eviction_step(run)
-        self.clock.stop(start, run.stats.adding_to("eviction_seconds"))
+        self.clock.stop(start, adding_to(run.stats, "eviction_seconds"))
 
     def _eviction_step(self, run: _Run) -> None:
         due_rows = run.cadence.due()
