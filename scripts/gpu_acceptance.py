@@ -54,6 +54,12 @@ PACKAGES = {  # module: distribution
     "huggingface_hub": "huggingface-hub",
     "numpy": "numpy",
 }
+OPTIONAL_PACKAGES = {  # module: distributions it ships as; recorded present (with its version) or absent
+    "flash_attn": ("flash-attn", "flash_attn"),
+    "flashinfer": ("flashinfer-python", "flashinfer"),
+    "triton": ("triton", "pytorch-triton"),
+    "vllm": ("vllm",),
+}
 LEAST_STEP_SECONDS = 5.0  # a step that would have less of the deadline left is skipped
 FIGURES = "FIGURES "  # the prefix of a figure step's last line: its figures as JSON
 
@@ -290,8 +296,29 @@ def _synchronise(scale: Scale) -> float:
     return time.perf_counter()
 
 
+def optional_packages() -> dict[str, str]:
+    """The installed version of each of `OPTIONAL_PACKAGES` (faster kernels and engines the runtime may use),
+    or "absent", read from the installed metadata without importing them (vLLM's import alone takes seconds)."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for module, distributions in OPTIONAL_PACKAGES.items():
+        found[module] = "absent"
+        if importlib.util.find_spec(module) is None:
+            continue
+        for distribution in distributions:
+            try:
+                found[module] = version(distribution)
+                break
+            except PackageNotFoundError:
+                found[module] = "present (version unknown)"
+    return found
+
+
 def step_imports(scale: Scale, work: Path) -> dict:
-    """Import every package (naming all that fail), then the device and the versions."""
+    """Import every package (naming all that fail), then the device, the versions and which optional kernel
+    and engine packages are installed."""
     import importlib
     from importlib.metadata import version
 
@@ -320,14 +347,16 @@ def step_imports(scale: Scale, work: Path) -> dict:
         "cuda": torch.version.cuda if cuda else None,
         "python": platform.python_version(),
         "versions": versions,
+        "optional": optional_packages(),
     }
 
 
 def step_sampler(scale: Scale, work: Path) -> dict:
-    """Tokens/s of `sample_completions` with every row decoding at once, no EOS (every row runs to the end)."""
+    """Tokens/s of `sample_completions` with every row decoding at once, no EOS (every row runs to the end), and
+    the device's seconds of the rows' (batched) admission and of decoding apart."""
     import torch
 
-    from foresight.data.sampler import Request, sample_completions
+    from foresight.data.sampler import Request, SamplerSeconds, sample_completions
     from foresight.models import random_model
     from foresight.runtime.sampling import REASONING_SAMPLING
 
@@ -339,15 +368,22 @@ def step_sampler(scale: Scale, work: Path) -> dict:
         for row in range(scale.sampler_rows)
     ]
 
-    def sample(batch: list[Request], tokens: int) -> int:
+    def sample(batch: list[Request], tokens: int, parts: SamplerSeconds) -> int:
         completions = sample_completions(
-            model, batch, max_new_tokens=tokens, eos_token_ids=[], sampling=REASONING_SAMPLING, batch_size=len(batch)
+            model,
+            batch,
+            max_new_tokens=tokens,
+            eos_token_ids=[],
+            sampling=REASONING_SAMPLING,
+            batch_size=len(batch),
+            seconds=parts,
         )
         return sum(len(completion.tokens) for completion in completions)
 
-    sample(requests[:2], 2)  # warm-up: kernels and allocator
+    sample(requests[:2], 2, SamplerSeconds())  # warm-up: kernels and allocator
+    parts = SamplerSeconds()
     started = _synchronise(scale)
-    tokens = sample(requests, scale.sampler_tokens)
+    tokens = sample(requests, scale.sampler_tokens, parts)
     seconds = _synchronise(scale) - started
     return {
         "model": SAMPLER_MODEL,
@@ -358,6 +394,10 @@ def step_sampler(scale: Scale, work: Path) -> dict:
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds,
+        "admission_seconds": parts.admission_seconds,
+        "admission_forwards": parts.admissions,
+        "decode_seconds": parts.decode_seconds,
+        "decode_tokens_per_second": tokens / parts.decode_seconds,
     }
 
 
@@ -632,6 +672,7 @@ def _record(context: Context, outcomes: list[Outcome], seconds: float, total_sec
         "cuda": imports.get("cuda"),
         "python": imports.get("python"),
         "versions": imports.get("versions", {}),
+        "optional": imports.get("optional", {}),
         "scale": asdict(context.scale),
         "seconds": seconds,
         "total_seconds": total_seconds,
@@ -651,6 +692,10 @@ def markdown(record: dict) -> str:
         "",
         f"Versions: {versions or 'unknown'}.",
         "",
+        "Optional kernels and engines: "
+        + (", ".join(f"{name} {found}" for name, found in record["optional"].items()) or "unknown")
+        + ".",
+        "",
         f"Command: `{record['command']}`; {record['seconds']:.1f} s of the {record['total_seconds']:.0f} s allowed.",
         "",
         "| step | what it checks or measures | status | seconds | cap |",
@@ -661,7 +706,11 @@ def markdown(record: dict) -> str:
             f"| {step['name']} | {step['what']} | {step['status']} | {step['seconds']:.1f} | {step['cap_seconds']:.0f} |"
         )
     for step in record["steps"]:
-        figures = {key: value for key, value in step["figures"].items() if key not in ("versions", "device", "python")}
+        figures = {
+            key: value
+            for key, value in step["figures"].items()
+            if key not in ("versions", "optional", "device", "python")
+        }
         section = figures.pop("section", None)
         if not step["command"]:  # not run
             continue

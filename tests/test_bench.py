@@ -130,6 +130,24 @@ def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp
     assert float(rows["| full"][4].rstrip("%")) == 0 and float(rows["| foresight"][4].rstrip("%")) > 0
 
 
+def test_eviction_step_counts_and_times_every_policys_steps_beside_snapkv(shrunk_config, tmp_path):
+    """Each evicting policy's row: operations and host reads per step from the counted run (no read-backs: every
+    row evicts together), ms per step and the share from the timed run, the share over SnapKV's (1 for SnapKV)."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "eviction-step", "--model", str(shrunk_config), "--policies", "snapkv,h2o,foresight"]
+    argv += ["-B", "32", "-L", "8", "--max-new-tokens", "60", "--counted-steps", "2", "--batch-sizes", "1,2"]
+    assert main([*argv, "--device", "cpu", "--out", str(out)]) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "%" in line]
+    assert [(row[0], row[1]) for row in rows] == [
+        (f"| {name}", batch) for batch in ("1", "2") for name in ("snapkv", "h2o", "foresight")
+    ]
+    for row in rows:
+        assert int(row[2].replace(",", "")) > 0 and float(row[3]) == 0 and float(row[4]) > 0
+        assert int(row[5]) == 1 + (60 - 1) // 8  # the 64-token prompt's prefill evicts, then every 8 tokens fed
+        assert 0 < float(row[6].rstrip("%")) < 100
+    assert [row[7].rstrip(" |") for row in rows if row[0] == "| snapkv"] == ["1.00", "1.00"]
+
+
 def test_a_scorer_trained_for_another_cadence_is_refused_in_one_line(shrunk_config, tmp_path, capsys):
     scorer = random_scorer(random_model(shrunk_config), 48, 16)
     scorer.save_pretrained(tmp_path / "scorer")

@@ -240,7 +240,9 @@ def test_deterministic_mode_evicts_the_lowest_scores(llama, eviction_log):
 
     def spy(contexts):
         scores = step_keep_scores(contexts)
-        seen.extend((context.candidate_positions, layer_scores) for context, layer_scores in zip(contexts, scores))
+        seen.extend(  # a copy: the contexts' tensors are the cache's, which the step's compaction rewrites
+            (context.candidate_positions.clone(), layer_scores) for context, layer_scores in zip(contexts, scores)
+        )
         return scores
 
     policy.step_keep_scores = spy

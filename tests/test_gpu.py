@@ -202,8 +202,7 @@ def test_sampler_reads_back_once_per_decode_step():
     once, for the tokens and losses it reads back, however many rows it holds."""
     model = tiny_on_cuda("llama")
     batch = _Slots(model, REASONING_SAMPLING, Draws.COUNTER, 8, max_new_tokens=64, eos=set())
-    for slot in range(8):
-        batch.admit(slot, Request(slot, list(range(3, 10 + slot)), seed=slot))
+    batch.admit([(slot, Request(slot, list(range(3, 10 + slot)), seed=slot)) for slot in range(8)])
     counts = []
     for _ in range(10):
         torch.cuda.synchronize()

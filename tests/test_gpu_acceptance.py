@@ -86,6 +86,24 @@ def test_a_failed_or_slow_step_ends_alone_and_the_deadline_skips_the_rest(tmp_pa
     assert [row.split(" | ")[0].strip("| ") for row in rows[1:5]] == [step.name for step in steps]
 
 
+def test_the_imports_step_records_each_optional_package_as_its_version_or_absent(monkeypatch):
+    """flash-attn, FlashInfer, Triton and vLLM are recorded whether or not they are installed: an installed one by
+    the version of the distribution it ships as (the first that is installed), a missing one as absent."""
+    from importlib.metadata import version
+
+    assert set(acceptance.OPTIONAL_PACKAGES) == {"flash_attn", "flashinfer", "triton", "vllm"}
+    monkeypatch.setattr(
+        acceptance,
+        "OPTIONAL_PACKAGES",
+        {"pytest": ("not-a-distribution-xyz", "pytest"), "not_a_module_xyz": ("pytest",), "json": ("nope-xyz",)},
+    )
+    assert acceptance.optional_packages() == {
+        "pytest": version("pytest"),
+        "not_a_module_xyz": "absent",
+        "json": "present (version unknown)",
+    }
+
+
 @pytest.mark.slow
 def test_cpu_dry_run_reports_every_step(tmp_path):
     out = tmp_path / "out"
@@ -107,6 +125,7 @@ def test_cpu_dry_run_reports_every_step(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((out / "acceptance.json").read_text())
     assert record["mode"] == "cpu-dry-run" and record["versions"]["torch"]
+    assert set(record["optional"]) == set(acceptance.OPTIONAL_PACKAGES)
     steps = {step["name"]: step for step in record["steps"]}
     assert list(steps) == [step.name for step in acceptance.STEPS]
     for step in acceptance.STEPS:
@@ -118,6 +137,9 @@ def test_cpu_dry_run_reports_every_step(tmp_path):
     assert (
         steps["sampler"]["figures"]["tokens"] == acceptance.DRY_SCALE.sampler_rows * acceptance.DRY_SCALE.sampler_tokens
     )
+    sampler = steps["sampler"]["figures"]
+    assert sampler["admission_forwards"] == 1 and 0 < sampler["admission_seconds"] + sampler["decode_seconds"]
+    assert sampler["admission_seconds"] + sampler["decode_seconds"] <= sampler["seconds"]
     assert steps["fit"]["figures"]["steps_per_second"] > 0 and steps["rl"]["figures"]["rollouts_per_second"] > 0
     assert "| rl rollouts now |" in steps["pipeline"]["figures"]["section"]
     report = (out / "acceptance.md").read_text()

@@ -69,12 +69,13 @@ def test_sampled_rollout_steps_read_nothing_back(llama):
     assert dict(reads.counts) == {}
 
 
-def test_rows_out_of_step_read_their_rows_once_per_step(llama):
-    """Prompts of different lengths evict at different tokens: such a step finds its rows with one `nonzero`."""
+def test_rows_out_of_step_read_nothing_back(llama):
+    """Prompts of different lengths evict at different tokens: such a step takes its rows from the host's cadence
+    (no `nonzero` on the device), so it reads nothing back either."""
     engine, reads = engine_with("snapkv", llama)
     output = engine.generate(prompts([5, 11], seed=5), 40)
-    assert output.stats.evictions >= 8
-    assert dict(reads.counts) == {"nonzero": output.stats.evictions}
+    assert output.stats.evictions >= 8 and max(output.stats.row_evictions) < output.stats.evictions  # ragged steps
+    assert dict(reads.counts) == {}
 
 
 def test_a_failed_check_is_a_value_error_with_its_message_on_a_cpu():

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from foresight.data.sampler import GPU_MEMORY_SHARE, MAX_GPU_BATCH, Request, auto_batch_size, sample_completions
+from foresight.data.sampler import (
+    GPU_MEMORY_SHARE,
+    MAX_GPU_BATCH,
+    Request,
+    SamplerSeconds,
+    auto_batch_size,
+    sample_completions,
+)
 from foresight.data.slot_cache import SlotLayer
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_gumbel, logits_processors
 from tests.decoding import eos_prone_model
@@ -160,6 +168,33 @@ def test_rows_joining_and_leaving_copy_no_cache_and_each_step_reads_back_once(mo
         )
     )
     assert len(done) == 2 and read_backs and all(shape[0] <= 2 for shape in read_backs)  # idle slots above run nothing
+
+
+def test_requests_admitted_together_share_one_prefill_and_admission_is_timed_apart(model):
+    """The requests that take free slots before a step are prefilled in one forward (rows of several prompt
+    lengths, right-padded), and the run's admission and decode seconds are reported apart."""
+    work = requests()
+    assert len({len(r.prompt) for r in work}) > 3
+    prefills = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: prefills.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    seconds = SamplerSeconds()
+    started = time.perf_counter()
+    try:
+        done = list(
+            sample_completions(
+                model, work, max_new_tokens=24, eos_token_ids=[EOS], sampling=SAMPLING, batch_size=4, seconds=seconds
+            )
+        )
+    finally:
+        hook.remove()
+    wall = time.perf_counter() - started
+    prefill_rows = [rows for rows, width in prefills if width > 1]
+    assert prefill_rows[0] == 4 and sum(prefill_rows) == len(work) == seconds.admitted == len(done)
+    assert seconds.admissions == len(prefill_rows) < len(work)
+    assert 0 < seconds.admission_seconds and 0 < seconds.decode_seconds
+    assert seconds.admission_seconds + seconds.decode_seconds <= wall
 
 
 def test_bad_arguments_are_refused(model):

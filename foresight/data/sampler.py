@@ -11,17 +11,20 @@ Every prediction the model makes along the way is kept: the full-cache loss and 
 token of the sequence given the ones before it (temperature 1, no filtering), the two numbers a
 trace stores, so no second teacher-forced pass is needed.
 
-Layout: a cache of fixed row slots (`foresight.data.slot_cache`): a new row's prompt is prefilled alone
-and copied into a free slot, each step writes every row's token at its own length, and a row that ends
+Layout: a cache of fixed row slots (`foresight.data.slot_cache`): the requests that take free slots before
+a step are prefilled together (right-padded: under the causal mask a prompt's tokens never see the padding
+after them) and each copied into its slot, each step writes every row's token at its own length, and a row that ends
 frees its slot; nothing else is copied when rows join or leave. An additive attention mask built on the
 device shows each row its own tokens, and position ids are counted per row; slots fill lowest first and a
 step runs the slots up to the highest busy one. A decode step reads back one tensor (the sampled tokens
 and their losses); with `Draws.COUNTER` the draws of every row are one kernel, so on an accelerator
-nothing else waits for the host.
+nothing else waits for the host. `SamplerSeconds` reports the device's seconds of admission (the prefills)
+and of decoding apart.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +34,7 @@ from transformers import DynamicCache
 from foresight.cache_argument import cache_argument
 from foresight.data.slot_cache import SlotCache
 from foresight.models import describe
+from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.sampling import Draws, SamplingConfig, counter_draw, logits_processors
 
 LOSS_CHUNK = 1024  # positions per LM-head chunk: 1024 x 49K vocab x 4 bytes = 200 MB of logits
@@ -59,6 +63,18 @@ class Completion:
     truncated: bool  # reached max_new_tokens without an EOS
     token_nll: torch.Tensor = field(repr=False)  # [len(prompt) + len(tokens) - 1] float32, CPU
     token_entropy: torch.Tensor = field(repr=False)
+
+
+@dataclass
+class SamplerSeconds:
+    """Where a sampling run's time went, on the device (`DeviceClock`): admitting requests (their prompts'
+    prefills, losses and slot copies, `admissions` batched forwards of `admitted` rows) and decoding (each
+    step's draw, read-back and forward)."""
+
+    admission_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    admissions: int = 0
+    admitted: int = 0
 
 
 @dataclass
@@ -109,30 +125,45 @@ def sample_completions(
     batch_size: int = CPU_BATCH,
     draws: str | Draws | None = None,
     on_token: Callable[[int], None] | None = None,
+    seconds: SamplerSeconds | None = None,
 ) -> Iterator[Completion]:
     """Sample a completion of every request, `batch_size` rows at a time, yielded as rows end.
 
     `sampling` gives temperature (0: greedy), top-k and top-p (its `seed` is not used: each row has
     its request's). `draws`: where each row's random numbers come from (`foresight.runtime.sampling.Draws`;
-    None: the device's, `Draws.resolve`). `on_token(n)` is called after each decode step with the tokens it sampled."""
+    None: the device's, `Draws.resolve`). `on_token(n)` is called after each decode step with the tokens it sampled.
+    `seconds`, if given, receives the admission and decode seconds (complete once the iterator is exhausted)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     draws = Draws.resolve(draws, model.device, sampling.temperature)
     batch = _Slots(model, sampling, draws, batch_size, max_new_tokens, set(eos_token_ids))
+    seconds = SamplerSeconds() if seconds is None else seconds
+    clock = DeviceClock(model.device)
     pending = iter(requests)
-    while True:
-        for slot, request in zip(batch.free_slots(), pending):
-            batch.admit(slot, request)
-        if not batch.rows:
-            return
-        sampled = batch.sample()
-        if on_token is not None:
-            on_token(len(batch.rows))
-        yield from batch.release_ended(sampled)
-        if batch.rows:
-            batch.step()
+    try:
+        while True:
+            arrivals = list(zip(batch.free_slots(), pending))
+            if arrivals:
+                start = clock.start()
+                batch.admit(arrivals)
+                clock.stop(start, adding_to(seconds, "admission_seconds"))
+                seconds.admissions, seconds.admitted = seconds.admissions + 1, seconds.admitted + len(arrivals)
+            if not batch.rows:
+                return
+            start = clock.start()
+            sampled = batch.sample()
+            clock.stop(start, adding_to(seconds, "decode_seconds"))
+            if on_token is not None:
+                on_token(len(batch.rows))
+            yield from batch.release_ended(sampled)
+            if batch.rows:
+                start = clock.start()
+                batch.step()
+                clock.stop(start, adding_to(seconds, "decode_seconds"))
+    finally:
+        clock.settle()
 
 
 class _Slots:
@@ -168,27 +199,42 @@ class _Slots:
         """The slots no row holds, lowest first (a new request takes the lowest)."""
         return [slot for slot in range(self.lengths.numel()) if slot not in self.rows]
 
-    def admit(self, slot: int, request: Request) -> None:
-        """Prefill the request's prompt alone, keep its losses and next-token logits, and copy its cache
-        into `slot` (the other slots are not touched)."""
-        if not request.prompt:
-            raise ValueError(f"request {request.key} has an empty prompt")
-        ids = torch.as_tensor(list(request.prompt), dtype=torch.long, device=self.device)[None]
+    def admit(self, arrivals: Sequence[tuple[int, Request]]) -> None:
+        """Prefill the arrivals' prompts in one forward, keep their losses and next-token logits, and copy
+        each row's cache into its slot (the other slots are not touched). The prompts are right-padded: the
+        causal mask keeps every prompt token from seeing the padding after it, so a row's keys, values and
+        predictions are those of its prompt alone (up to the rounding of batched kernels)."""
+        for _, request in arrivals:
+            if not request.prompt:
+                raise ValueError(f"request {request.key} has an empty prompt")
+        lengths = [len(request.prompt) for _, request in arrivals]
+        ids = torch.zeros(len(arrivals), max(lengths), dtype=torch.long)
+        for row, (_, request) in enumerate(arrivals):
+            ids[row, : lengths[row]] = torch.as_tensor(list(request.prompt), dtype=torch.long)
+        ids = ids.to(self.device)
         prefilled = DynamicCache()
         hidden = self.model.base_model(
             input_ids=ids, **cache_argument(self.model.base_model, prefilled), use_cache=True
-        ).last_hidden_state[0]
-        nll, entropy = chunked_losses(self.model.get_output_embeddings(), hidden[:-1], ids[0, 1:])
-        generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        self.rows[slot] = _Row(request, generator, nll, entropy, order=self.admitted)
-        self.admitted += 1
-        self.logits[slot] = self.model.get_output_embeddings()(hidden[-1]).float()
-        self.cache.reserve(ids.shape[1] + self.max_new_tokens)
-        self.cache.admit(slot, prefilled)
-        self.lengths[slot] = ids.shape[1]
-        self.seeds[slot] = request.seed
-        self.sampled[slot] = 0
-        self.busy[slot] = True
+        ).last_hidden_state
+        # Every prediction inside a prompt, of every row, through the LM head at once.
+        inside = torch.arange(ids.shape[1] - 1)[None, :] < torch.tensor(lengths)[:, None] - 1
+        inside = inside.to(self.device)
+        nll, entropy = chunked_losses(self.model.get_output_embeddings(), hidden[:, :-1][inside], ids[:, 1:][inside])
+        slots = torch.tensor([slot for slot, _ in arrivals], device=self.device)
+        last = torch.tensor(lengths, device=self.device) - 1
+        self.logits[slots] = self.model.get_output_embeddings()(hidden[torch.arange(len(arrivals)), last]).float()
+        self.cache.reserve(max(lengths) + self.max_new_tokens)
+        self.cache.admit(slots, prefilled)
+        self.lengths[slots] = last + 1
+        self.seeds[slots] = torch.tensor([request.seed for _, request in arrivals], device=self.device)
+        self.sampled[slots] = 0
+        self.busy[slots] = True
+        starts = [0, *itertools.accumulate(length - 1 for length in lengths)]
+        for row, (slot, request) in enumerate(arrivals):
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+            span = slice(starts[row], starts[row + 1])
+            self.rows[slot] = _Row(request, generator, nll[span], entropy[span], order=self.admitted)
+            self.admitted += 1
 
     def sample(self) -> dict[int, tuple[int, float, float]]:
         """Draw each row's next token, with its full-cache loss and entropy: {slot: (token, nll, entropy)}."""

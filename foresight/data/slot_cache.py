@@ -76,11 +76,12 @@ class SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.key_buffer.shape[2]
 
-    def admit(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write a prefilled row's keys and values [1, heads, n, head_dim] at the start of `slot`."""
+    def admit(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write prefilled rows' keys and values [rows, heads, n, head_dim] at the start of `slots` [rows]
+        (positions past a row's prompt hold its padding, which the mask hides until its own tokens overwrite it)."""
         length = keys.shape[2]
-        self.key_buffer[slot, :, :length] = keys[0]
-        self.value_buffer[slot, :, :length] = values[0]
+        self.key_buffer[slots, :, :length] = keys
+        self.value_buffer[slots, :, :length] = values
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` positions per slot (copies every slot once)."""
@@ -122,7 +123,7 @@ class SlotCache(Cache):
             for layer in self.layers:
                 layer.grow(capacity)
 
-    def admit(self, slot: int, prefilled: Cache) -> None:
-        """Copy a one-row prefilled cache into `slot` (the caller `reserve`d its room)."""
+    def admit(self, slots: torch.Tensor, prefilled: Cache) -> None:
+        """Copy a prefilled cache's rows into `slots` [rows] (the caller `reserve`d their room)."""
         for mine, theirs in zip(self.layers, prefilled.layers, strict=True):
-            mine.admit(slot, theirs.keys, theirs.values)
+            mine.admit(slots, theirs.keys, theirs.values)

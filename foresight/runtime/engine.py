@@ -19,7 +19,6 @@ step) kept in one place on purpose: it is the rule every policy runs under.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME, attention_implementation, first_observed_query
+from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.held_memory import keeps_every_query, query_window
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
@@ -57,10 +57,12 @@ class EvictionConfig:
 
 @dataclass
 class RunStats:
-    """Counters of one generation or replay run."""
+    """Counters of one generation or replay run. Seconds are the device's (`DeviceClock`: CUDA events on a
+    GPU, read once at the end of the run), so the eviction share is the device time eviction steps took."""
 
     tokens: int = 0
-    evictions: int = 0
+    evictions: int = 0  # eviction steps (each evicts one or more rows)
+    row_evictions: list[int] = field(default_factory=list)  # eviction steps each row took part in
     max_entries: int = 0
     forward_seconds: float = 0.0
     eviction_seconds: float = 0.0
@@ -146,7 +148,11 @@ class _Run:
             cache=self.cache.select_rows(index),
             cadence=self.cadence.select_rows(rows),
             **{name: getattr(self, name)[index] for name in _Run.ROW_TENSORS},
-            stats=dataclasses.replace(self.stats, step_seconds=list(self.stats.step_seconds)),
+            stats=dataclasses.replace(
+                self.stats,
+                step_seconds=list(self.stats.step_seconds),
+                row_evictions=[self.stats.row_evictions[row] for row in rows],
+            ),
         )
 
     ROW_TENSORS: ClassVar[tuple[str, ...]] = (
@@ -285,6 +291,7 @@ class EvictionEngine:
         self.last_stats: RunStats | None = None  # its counters, also when a callback ended it early
         self.attention = attention
         self.step_observer = step_observer or nullcontext()  # entered around every eviction step (`host_reads`)
+        self.clock = DeviceClock(model.device)  # the run's seconds, settled at the end of `generate` and `advance`
 
     # -- public entry points -------------------------------------------------------------------------
     @torch.no_grad()
@@ -308,10 +315,13 @@ class EvictionEngine:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if row_seeds is not None and len(row_seeds) != len(prompts):
             raise ValueError(f"got {len(row_seeds)} row seeds for {len(prompts)} prompts")
-        with attention_implementation(self.model, self.attention):
-            return self._generate(
-                prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
-            )
+        try:
+            with attention_implementation(self.model, self.attention):
+                return self._generate(
+                    prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
+                )
+        finally:
+            self.clock.settle()
 
     def _generate(
         self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
@@ -339,9 +349,9 @@ class EvictionEngine:
                 on_token(len(new_tokens))
             if bool(finished.all()) or len(new_tokens) == max_new_tokens:
                 break
-            start = time.perf_counter()
+            start = self.clock.start()
             logits = self._forward(run, token[:, None], run.next_positions[:, None], ones, one_each)[:, -1]
-            run.stats.step_seconds.append(time.perf_counter() - start)
+            self.clock.stop(start, run.stats.step_seconds.append)
         tokens = _trim_after_eos(torch.stack(new_tokens, 1) if new_tokens else input_ids[:, :0], eos)
         stacked = torch.stack(all_logits, 1) if return_logits and all_logits else None
         return GenerationOutput(tokens=tokens, stats=run.stats, logits=stacked)
@@ -416,8 +426,11 @@ class EvictionEngine:
             raise ValueError(f"the replay has run {replay.evictions} eviction steps, past step {stop_before_step}")
         self.policy.load_run_state(replay.policy_state)
         self.last_cache, self.last_stats = replay.run.cache, replay.run.stats
-        with attention_implementation(self.model, self.attention):
-            self._advance(replay, stop_before_step, tokens, on_tokens)
+        try:
+            with attention_implementation(self.model, self.attention):
+                self._advance(replay, stop_before_step, tokens, on_tokens)
+        finally:
+            self.clock.settle()
         replay.policy_state = self.policy.run_state()
         return replay
 
@@ -527,6 +540,7 @@ class EvictionEngine:
             first_observed=torch.full_like(lengths, -1),
             next_positions=lengths.clone(),
         )
+        run.stats.row_evictions = [0] * len(prompts)
         self.last_stats = run.stats
         return run, input_ids, positions, lengths
 
@@ -549,7 +563,7 @@ class EvictionEngine:
         """Run the model on the tokens (recording into `record` if given), or `inject` a recorded run of
         the same tokens (no logits then), and every policy hook and, with `evict`, the eviction step that follows.
         `valid` [batch] and `counts` (its values on the host): each row's tokens that are not padding."""
-        start = time.perf_counter()
+        start = self.clock.start()
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
         run.cadence.fed(counts)
         run.cache.begin_forward(positions, valid, run.cadence.lengths, record_queries=not skip_prompt)
@@ -575,7 +589,7 @@ class EvictionEngine:
         run.prefilled = True
         run.next_positions = positions.max(dim=1).values + 1
         run.stats.tokens += sum(counts)
-        run.stats.forward_seconds += time.perf_counter() - start
+        self.clock.stop(start, adding_to(run.stats, "forward_seconds"))
         run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
         if self.evicts and evict:
             self._evict_due_rows(run)
@@ -622,10 +636,10 @@ class EvictionEngine:
     def _evict_due_rows(self, run: _Run) -> None:
         """Hand every-query policies their complete query blocks (all that is left when a row evicts),
         then run an eviction step for the rows that reached their limit."""
-        start = time.perf_counter()
+        start = self.clock.start()
         with self.step_observer:
             self._eviction_step(run)
-        run.stats.eviction_seconds += time.perf_counter() - start
+        self.clock.stop(start, adding_to(run.stats, "eviction_seconds"))
 
     def _eviction_step(self, run: _Run) -> None:
         due_rows = run.cadence.due()
@@ -634,28 +648,27 @@ class EvictionEngine:
             self._observe_queries(run, complete_blocks_only=not evicting)
         if evicting:
             due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
-            rows = None if all(due_rows) else due.nonzero().squeeze(1)  # a ragged step reads its rows once
-            candidates = [
-                length - self.config.interval for length, evicts in zip(run.cadence.lengths, due_rows) if evicts
-            ]
+            rows = None if all(due_rows) else _host_index([row for row, evicts in enumerate(due_rows) if evicts], due)
+            lengths = [length for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
+            candidates = [length - self.config.interval for length in lengths]
             width = run.cadence.evict(due_rows)
             layers = run.cache.layers
             first_observed = self._first_observed(run, due, rows)
+            positions = _entry_positions(layers, lengths, rows)
+            queries = self._window_queries(layers, rows)
             contexts = [
-                self._context(index, layer, rows, tuple(candidates), first_observed)
+                self._context(index, layer, rows, tuple(candidates), positions[index], queries[index], first_observed)
                 for index, layer in enumerate(layers)
             ]
             if not self.observes_every_query:  # every-query policies observed all their queries already
-                for context, layer, state in zip(contexts, layers, self.policy.step_observe(contexts), strict=True):
-                    for name, value in state.items():
-                        context.state[name] = value
-                        layer.write_state(name, value, rows)
+                self._write_state(contexts, layers, self.policy.step_observe(contexts), rows)
             scores = self.policy.step_keep_scores(contexts)
             positions = torch.stack([context.candidate_positions for context in contexts])
             keep = self._keep_top(run, rows, scores, positions)
             run.cache.compact(keep if rows is None else _with_rows(run.cache.layers[0], keep, rows), width)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
             run.stats.evictions += 1
+            run.stats.row_evictions = [count + evicts for count, evicts in zip(run.stats.row_evictions, due_rows)]
 
     def _observe_queries(self, run: _Run, complete_blocks_only: bool) -> None:
         """docs/algorithms.md sections 2-3: `observe` each recorded query once, in query order, in blocks of at
@@ -664,8 +677,8 @@ class EvictionEngine:
         the causal mask hides the later ones."""
         if run.cache.layers[0].unobserved_count < (self.config.interval if complete_blocks_only else 1):
             return
-        for layer_idx, layer in enumerate(run.cache.layers):
-            positions = layer.entry_positions()
+        layers = run.cache.layers
+        for layer_idx, (layer, positions) in enumerate(zip(layers, _entry_positions(layers, run.cadence.lengths))):
             for queries, query_positions in layer.take_unobserved(complete_blocks_only):
                 context = EvictionContext(
                     layer_idx=layer_idx,
@@ -698,10 +711,13 @@ class EvictionEngine:
         layer: EvictionLayer,
         rows: torch.Tensor | None,
         candidate_counts: tuple[int, ...],
+        positions: torch.Tensor,
+        queries: tuple[torch.Tensor, torch.Tensor] | None,
         first_observed: torch.Tensor | None = None,
     ) -> EvictionContext:
         """One layer's context at an eviction step, for its evicting rows (`rows`, None: all;
-        `candidate_counts`: their valid candidates), with the latest queries a WINDOW policy reads and the rows'
+        `candidate_counts`: their valid candidates; `positions`: their entry positions), with the latest
+        queries a WINDOW policy reads (`queries`, in query order, with their positions) and the rows'
         `first_observed` query positions."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
@@ -713,16 +729,58 @@ class EvictionEngine:
             num_layers=self.num_layers,
             keys=select(layer.keys),
             values=select(layer.values),
-            positions=select(layer.entry_positions()),
+            positions=positions,
             num_candidates=entries - self.config.interval,
             scaling=layer.scaling,
             state={name: select(value) for name, value in layer.state.items()},
             candidate_counts=candidate_counts,
             first_observed=first_observed,
         )
-        if self.policy.needs_attention and not self.observes_every_query:
-            context.queries, context.query_positions = layer.buffered_queries(rows)
+        if queries is not None:
+            context.queries, context.query_positions = queries
         return context
+
+    def _window_queries(
+        self, layers: Sequence[EvictionLayer], rows: torch.Tensor | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Every layer's ring of the latest queries a WINDOW policy reads, in query order (oldest first), for the
+        evicting rows: ([rows, Hq, W, D], [rows, W]) per layer, or None per layer for a policy that reads none.
+        The rings are read as they are when they start at their first slot and every row evicts; else they are
+        stacked, rotated and their rows selected for every layer at once. The layers record the same positions
+        and advance their rings together, so layer 0's cursor and positions are every layer's."""
+        if not self.policy.needs_attention or self.observes_every_query:
+            return [None] * len(layers)
+        first = layers[0]
+        queries, positions, cursor = [layer.queries for layer in layers], first.query_positions, first.query_cursor
+        if cursor == 0 and rows is None:
+            return [(layer_queries, positions) for layer_queries in queries]
+        stacked = torch.stack(queries)  # [layers, batch, Hq, W, D]
+        if cursor:
+            stacked, positions = stacked.roll(-cursor, dims=3), positions.roll(-cursor, dims=1)
+        if rows is not None:
+            stacked, positions = stacked[:, rows], positions[rows]
+        return [(layer_queries, positions) for layer_queries in stacked.unbind()]
+
+    @staticmethod
+    def _write_state(
+        contexts: Sequence[EvictionContext],
+        layers: Sequence[EvictionLayer],
+        states: Sequence[dict[str, torch.Tensor]],
+        rows: torch.Tensor | None,
+    ) -> None:
+        """Hand each layer's new per-entry state to its context and write it to the cache: for every layer and
+        field in one multi-tensor copy when every row evicts, else row by row of the evicting `rows`."""
+        targets, values = [], []
+        for context, layer, state in zip(contexts, layers, states, strict=True):
+            for name, value in state.items():
+                context.state[name] = value
+                if rows is None:
+                    targets.append(layer.state[name])
+                    values.append(value)
+                else:
+                    layer.write_state(name, value, rows)
+        if targets:
+            torch._foreach_copy_(targets, values)
 
     def _keep_top(
         self, run: _Run, rows: torch.Tensor | None, scores: torch.Tensor, candidates: torch.Tensor
@@ -740,6 +798,29 @@ class EvictionEngine:
         keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
         recent = torch.ones_like(keep_candidates[..., : self.config.interval])
         return torch.cat([keep_candidates, recent], dim=-1)
+
+
+def _host_index(indices: list[int], like: torch.Tensor) -> torch.Tensor:
+    """`indices` as a long tensor on `like`'s device, copied from the host without waiting for the device (pinned
+    memory, a non-blocking copy on CUDA): a ragged step's rows, known to the host's cadence."""
+    index = torch.tensor(indices, dtype=torch.long)
+    if like.device.type == "cuda":
+        return index.pin_memory().to(like.device, non_blocking=True)
+    return index.to(like.device)
+
+
+def _entry_positions(
+    layers: Sequence[EvictionLayer], lengths: Sequence[int], rows: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Every layer's entry positions [rows, Hkv, N] with -1 on invalid slots, for the batch rows `rows` (None: all)
+    whose valid entries are `lengths` (from the host's cadence). Where every such row fills the layer's slots they are
+    the stored positions themselves; else one mask of the invalid slots, which every layer shares (their rows hold
+    the same valid slots), marks each layer's."""
+    stored = [layer.positions for layer in layers]
+    if min(lengths) < layers[0].get_seq_length():
+        invalid = ~layers[0].valid[:, None, :]
+        stored = [positions.masked_fill(invalid, -1) for positions in stored]
+    return stored if rows is None else [positions[rows] for positions in stored]
 
 
 def _with_rows(layer: EvictionLayer, keep_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
