@@ -17,6 +17,7 @@ from foresight.data.trace_store import TraceStore
 from foresight.models import load_model, tiny_model
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.scorer.model import weights_digest
 from tests.kvpress_env import engine_prefill_kept, held_positions, kvpress_kept
 from tests.scorers import random_scorer
 
@@ -67,7 +68,8 @@ def teacher_forced(
     cache: DynamicCache | None = None,
 ) -> torch.Tensor:
     """NLL [T - 1] of each next token of `sequence` [T] under `press` (None: the full cache): the prompt in one
-    forward, then one token per forward at its true position (as `model.generate` feeds them), with
+    forward, then one token per forward at its true position id (as `model.generate` and kvpress's pipeline feed
+    them), with
     `after_step(cache)` after every forward that compressed the cache."""
     cache, nll = cache if cache is not None else DynamicCache(), []
     targets = sequence[1:]
@@ -75,9 +77,7 @@ def teacher_forced(
         for start, end in [(0, prompt_length), *((t, t + 1) for t in range(prompt_length, len(sequence) - 1))]:
             before = cache.get_seq_length()
             positions = torch.arange(start, end)
-            logits = model(
-                sequence[None, start:end], past_key_values=cache, position_ids=positions[None], cache_position=positions
-            ).logits[0]
+            logits = model(sequence[None, start:end], past_key_values=cache, position_ids=positions[None]).logits[0]
             nll.append(torch.nn.functional.cross_entropy(logits.float(), targets[start:end], reduction="none"))
             if cache.get_seq_length() < before + end - start:
                 after_step(cache)
@@ -155,6 +155,21 @@ def test_a_scorer_of_another_model_shape_or_bad_sinks_is_refused_in_one_line():
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"sinks=13 must be an integer between 0 and B - L = 12$"):
         ForesightPress(scorer=scorer, sinks=13)
+
+
+def test_the_press_takes_a_scorer_folder_or_hub_id_through_load_scorer(tmp_path, monkeypatch):
+    """As the runtime's policy does: a folder is read as it is, a Hub id through the Hub's download (here a
+    stand-in that serves the folder's files)."""
+    scorer = scorer_for(tiny_model("qwen3"))
+    scorer.save_pretrained(tmp_path)
+
+    def download(repo_id: str, filename: str, **_) -> str:
+        assert repo_id == "someone/tiny-qwen3-scorer"
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr("foresight.scorer.model.hf_hub_download", download)
+    for source in (tmp_path, "someone/tiny-qwen3-scorer"):
+        assert weights_digest(ForesightPress(source).scorer) == weights_digest(scorer)
 
 
 HELD_OUT_TRACES = 2

@@ -130,7 +130,7 @@ class ForesightScorerPress(ScorerPress):
         layer_idx, prefill = module.layer_idx, is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
         if prefill:
             self.start(layer_idx)
-        entries = self._entries(layer_idx, keys, int(kwargs["cache_position"][-1]))
+        entries = self._entries(layer_idx, keys, _newest_position(kwargs))
         budget, interval = self.budget, self.interval
         count = keys.shape[2]
         if count < budget + interval:
@@ -192,7 +192,7 @@ class ForesightScorerPress(ScorerPress):
         computed them: a prefill's in one projection, rotated by the forward's rotary embedding; the
         buffered decoding hidden states one token at a time, rotated at their positions."""
         interval = self.interval
-        newest = int(kwargs["cache_position"][-1])
+        newest = _newest_position(kwargs)
         batch = hidden_states.shape[0]
         positions = torch.arange(newest - interval + 1, newest + 1, device=hidden_states.device).expand(batch, -1)
         if prefill:
@@ -250,6 +250,12 @@ class ForesightPress(DecodingPress):
         tail = hidden_states[:, -self.compression_interval :].detach().clone()
         self.hidden_states_buffer[layer_idx] = list(tail.split(1, dim=1))
         return output
+
+
+def _newest_position(kwargs: dict) -> int:
+    """The position of the forward's newest token: its position id, which RoPE used (kvpress's own pipeline and
+    `model.generate` pass the true one; the cache position counts the entries held, fewer after a step)."""
+    return int(kwargs["position_ids"][0, -1])
 
 
 def _gather(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
