@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +189,29 @@ def test_the_default_scorers_teacher_forced_loss_is_the_engines():
         ours = engine.replay([trace.input_ids], [prompt_length]).nll[0][prompt_length - 1 :].mean()
         theirs = teacher_forced(model, press, trace.input_ids, prompt_length)[prompt_length - 1 :].mean()
         assert abs(theirs - ours) <= 1e-4 * ours, (trace.index, ours, theirs)
+
+
+def docs_example() -> str:
+    """The python block of docs/kvpress.md's section on the learned press."""
+    section = (Path(__file__).resolve().parents[1] / "docs" / "kvpress.md").read_text()
+    section = section.split("## The learned scorer as a kvpress press", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_docs_five_lines_decode_the_engines_greedy_tokens():
+    """docs/kvpress.md's example as written, on the default model and a held-out prompt longer than B + L (its
+    prefill step, then a step every L tokens): five lines, and the engine's greedy tokens."""
+    example = docs_example()
+    assert len([line for line in example.splitlines() if line.strip()]) == 5
+    model, _ = load_model("default")
+    trace = next(trace for trace in TraceStore("data/corpus/gsm-heldout") if trace.prompt_length >= 160)
+    input_ids = trace.input_ids[None, : trace.prompt_length]
+    scope = {"model": model, "input_ids": input_ids}
+    with torch.no_grad():
+        exec(compile(example, "docs/kvpress.md", "exec"), scope)
+    new_tokens = scope["output"][0, trace.prompt_length :].tolist()
+    engine = EvictionEngine(model, Foresight(scorer=scope["press"].scorer), EvictionConfig(128, 32))
+    ours = engine.generate(input_ids.tolist(), len(new_tokens), eos_token_id=model.generation_config.eos_token_id)
+    assert ours.stats.evictions >= 4
+    assert new_tokens == ours.tokens[0]
