@@ -4,6 +4,9 @@ rest of the suite left as they were, or the importing test module skipped where 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -52,3 +55,28 @@ def engine_prefill_kept(model, policy: Policy, config: EvictionConfig, ids: torc
     output = engine.generate(ids.tolist(), max_new_tokens=1)
     assert output.stats.evictions == 1
     return held_positions(engine.last_cache)
+
+
+def teacher_forced(
+    model,
+    press,
+    sequence: torch.Tensor,
+    prompt_length: int,
+    after_step: Callable[[DynamicCache], None] = lambda _: None,
+    cache: DynamicCache | None = None,
+) -> torch.Tensor:
+    """NLL [T - 1] of each next token of `sequence` [T] under `press` (None: the full cache): the prompt in one
+    forward, then one token per forward at its true position id (as `model.generate` and kvpress's pipeline feed
+    them), with
+    `after_step(cache)` after every forward that compressed the cache."""
+    cache, nll = cache if cache is not None else DynamicCache(), []
+    targets = sequence[1:]
+    with torch.no_grad(), press(model) if press is not None else nullcontext():
+        for start, end in [(0, prompt_length), *((t, t + 1) for t in range(prompt_length, len(sequence) - 1))]:
+            before = cache.get_seq_length()
+            positions = torch.arange(start, end)
+            logits = model(sequence[None, start:end], past_key_values=cache, position_ids=positions[None]).logits[0]
+            nll.append(torch.nn.functional.cross_entropy(logits.float(), targets[start:end], reduction="none"))
+            if cache.get_seq_length() < before + end - start:
+                after_step(cache)
+    return torch.cat(nll)

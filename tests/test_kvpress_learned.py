@@ -6,8 +6,6 @@ own virtualenv (scripts/crosscheck.sh, docs/kvpress.md); elsewhere it is skipped
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from foresight.models import load_model, tiny_model
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.scorer.model import weights_digest
-from tests.kvpress_env import engine_prefill_kept, held_positions, kvpress_kept
+from tests.kvpress_env import engine_prefill_kept, held_positions, kvpress_kept, teacher_forced
 from tests.scorers import random_scorer
 
 # After tests.kvpress_env, which imports kvpress with the suite's attention functions left as they were.
@@ -58,31 +56,6 @@ def engine_run(model, scorer, ids: torch.Tensor) -> tuple[list[int], list[Snapsh
 
     output = engine.generate(ids.tolist(), NEW_TOKENS, on_token=on_token)
     return output.tokens[0], steps
-
-
-def teacher_forced(
-    model,
-    press,
-    sequence: torch.Tensor,
-    prompt_length: int,
-    after_step: Callable[[DynamicCache], None] = lambda _: None,
-    cache: DynamicCache | None = None,
-) -> torch.Tensor:
-    """NLL [T - 1] of each next token of `sequence` [T] under `press` (None: the full cache): the prompt in one
-    forward, then one token per forward at its true position id (as `model.generate` and kvpress's pipeline feed
-    them), with
-    `after_step(cache)` after every forward that compressed the cache."""
-    cache, nll = cache if cache is not None else DynamicCache(), []
-    targets = sequence[1:]
-    with torch.no_grad(), press(model) if press is not None else nullcontext():
-        for start, end in [(0, prompt_length), *((t, t + 1) for t in range(prompt_length, len(sequence) - 1))]:
-            before = cache.get_seq_length()
-            positions = torch.arange(start, end)
-            logits = model(sequence[None, start:end], past_key_values=cache, position_ids=positions[None]).logits[0]
-            nll.append(torch.nn.functional.cross_entropy(logits.float(), targets[start:end], reduction="none"))
-            if cache.get_seq_length() < before + end - start:
-                after_step(cache)
-    return torch.cat(nll)
 
 
 def press_snapshot(press: ForesightPress, layers: int) -> Snapshot:
