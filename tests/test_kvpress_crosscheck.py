@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-_overrides = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
-kvpress = pytest.importorskip("kvpress")
-# Importing kvpress wraps every attention function registered so far (for AdaKV's head-wise masks,
-# which no press compared here uses) and its wrapper passes `dropout` positionally; undo it so that
-# the attention functions of the rest of the suite run unwrapped in this virtualenv.
-ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
-ALL_ATTENTION_FUNCTIONS._local_mapping.update(_overrides)
-
-from foresight.cache_argument import cache_argument  # noqa: E402
-from foresight.models import tiny_model  # noqa: E402
-from foresight.policies import make_policy  # noqa: E402
-from foresight.runtime.engine import EvictionConfig, EvictionEngine  # noqa: E402
+from foresight.models import tiny_model
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig
+from tests.kvpress_env import engine_prefill_kept, kvpress, kvpress_kept
 
 SINKS, LAG, PARTITIONS = 4, 4, 8
 LENGTH = SINKS + PARTITIONS * LAG  # LagKV's partitions then tile the prompt after the sinks exactly
@@ -41,34 +31,14 @@ def prompt(seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (1, LENGTH), generator=torch.Generator().manual_seed(seed))
 
 
-def kvpress_kept(arch: str, press, ids: torch.Tensor) -> list[list[list[int]]]:
-    """Positions [layer][head] kvpress keeps when it compresses the prefill of `ids`, found by
-    matching each kept key to the full cache's keys (kvpress stores them in top-k order)."""
+def eager_model(arch: str):
     model = tiny_model(arch)
     model.set_attn_implementation("eager")  # TOVA reads the returned attention weights
-    full, compressed = DynamicCache(), DynamicCache()
-    with torch.no_grad():
-        model(ids, **cache_argument(model, full), use_cache=True)
-        with press(model):
-            model(ids, **cache_argument(model, compressed), use_cache=True)
-    kept = []
-    for full_layer, layer in zip(full.layers, compressed.layers):
-        matches = (layer.keys[0, :, :, None, :] == full_layer.keys[0, :, None, :, :]).all(-1)  # [Hkv, kept, T]
-        assert (matches.sum(-1) == 1).all(), "every kept key is exactly one prefill key"
-        kept.append(matches.float().argmax(-1).sort(-1).values.tolist())
-    return kept
+    return model
 
 
 def our_kept(arch: str, policy: str, config: EvictionConfig, ids: torch.Tensor) -> list[list[list[int]]]:
-    """Positions [layer][head] our engine keeps after the eviction step that follows the prefill."""
-    engine = EvictionEngine(tiny_model(arch), make_policy(policy), config)
-    output = engine.generate(ids.tolist(), max_new_tokens=1)
-    assert output.stats.evictions == 1
-    kept = []
-    for layer in engine.last_cache.layers:
-        positions = layer.entry_positions()[0]
-        kept.append([sorted(p for p in head if p >= 0) for head in positions.tolist()])
-    return kept
+    return engine_prefill_kept(tiny_model(arch), make_policy(policy), config, ids)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -76,7 +46,7 @@ def test_streaming_matches_streamingllm_press(arch):
     ids = prompt(1)
     press = kvpress.StreamingLLMPress(compression_ratio=ratio_keeping(LENGTH, BUDGET), n_sink=SINKS)
     ours = our_kept(arch, "streaming", EvictionConfig(BUDGET, LAG, sinks=SINKS), ids)
-    assert ours == kvpress_kept(arch, press, ids)
+    assert ours == kvpress_kept(eager_model(arch), press, ids)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -86,7 +56,7 @@ def test_tova_matches_tova_press(arch):
     ids = prompt(2)
     press = kvpress.TOVAPress(compression_ratio=ratio_keeping(LENGTH, BUDGET))
     ours = our_kept(arch, "tova", EvictionConfig(BUDGET, 1), ids)
-    assert ours == kvpress_kept(arch, press, ids)
+    assert ours == kvpress_kept(eager_model(arch), press, ids)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -99,7 +69,7 @@ def test_knorm_matches_knorm_press_on_the_candidates(arch):
     press = kvpress.KnormPress(compression_ratio=ratio_keeping(candidates, BUDGET - LAG))
     ours = our_kept(arch, "knorm", EvictionConfig(BUDGET, LAG, sinks=0), ids)
     ours_candidates = [[[p for p in head if p < candidates] for head in layer] for layer in ours]
-    assert ours_candidates == kvpress_kept(arch, press, ids[:, :candidates])
+    assert ours_candidates == kvpress_kept(eager_model(arch), press, ids[:, :candidates])
     recent = list(range(candidates, LENGTH))
     assert all(head[-LAG:] == recent for layer in ours for head in layer)
 
@@ -111,7 +81,7 @@ def test_lagkv_matches_lagkv_press(arch):
     ids = prompt(4)
     press = kvpress.LagKVPress(compression_ratio=ratio_keeping(LENGTH, BUDGET), n_sink=SINKS, lag_size=LAG)
     ours = our_kept(arch, "lagkv", EvictionConfig(BUDGET, LAG, sinks=SINKS), ids)
-    assert ours == kvpress_kept(arch, press, ids)
+    assert ours == kvpress_kept(eager_model(arch), press, ids)
 
 
 def test_the_serving_worker_decodes_under_decoding_press_and_stops_past_the_cap(tmp_path):

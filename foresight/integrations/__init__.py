@@ -1,0 +1,1 @@
+"""The learned scorer inside other libraries' runtimes (kvpress: `foresight.integrations.kvpress_press`)."""
