@@ -52,6 +52,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 from foresight.cadence import top_k_mask
 from foresight.models import describe
 from foresight.policies.foresight import Foresight
+from foresight.runtime.capture import first_observed_query
 from foresight.runtime.policy import EvictionContext
 from foresight.scorer.model import ForesightScorer
 
@@ -79,6 +80,7 @@ class ForesightScorerPress(ScorerPress):
     sinks: int = 0
     _policy: Foresight = field(init=False, repr=False)
     _layers: dict[int, LayerEntries] = field(default_factory=dict, init=False, repr=False)
+    _first_observed: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,6 +105,7 @@ class ForesightScorerPress(ScorerPress):
 
     def reset(self) -> None:
         self._layers = {}
+        self._first_observed = None
         self._policy.reset()
 
     def entries(self, layer_idx: int) -> LayerEntries:
@@ -117,6 +120,7 @@ class ForesightScorerPress(ScorerPress):
         self._layers.pop(layer_idx, None)
         if layer_idx == 0:
             self._policy.reset()
+            self._first_observed = None
 
     def compress(
         self,
@@ -136,6 +140,8 @@ class ForesightScorerPress(ScorerPress):
         if count < budget + interval:
             return keys, values
         queries, query_positions = self._window_queries(module, hidden_states, kwargs, prefill)
+        if self._first_observed is None:  # the run's first step observes its window's oldest query first
+            self._first_observed = first_observed_query(query_positions)
         batch = keys.shape[0]
         context = EvictionContext(
             layer_idx=layer_idx,
@@ -149,6 +155,7 @@ class ForesightScorerPress(ScorerPress):
             queries=queries,
             query_positions=query_positions,
             candidate_counts=(count - interval,) * batch,
+            first_observed=self._first_observed,
         )
         context.state.update(self._policy.observe(context))
         keep = self._keep(self._policy.keep_scores(context), context.candidate_positions)
@@ -173,7 +180,7 @@ class ForesightScorerPress(ScorerPress):
             item.name: torch.full(
                 (batch, heads, added, *((group,) if item.per_query_head else ())),
                 item.fill,
-                dtype=torch.float32,
+                dtype=item.dtype,
                 device=keys.device,
             )
             for item in self._policy.state_fields
