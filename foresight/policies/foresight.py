@@ -382,7 +382,7 @@ class Foresight(Policy):
             self.records.extend(
                 SampledEviction(
                     contexts[at].layer_idx,
-                    contexts[at].query_positions,
+                    contexts[at].query_positions.clone(),  # the ring itself: later forwards overwrite it
                     *(tensor[index] for tensor in inputs),
                     order=draw.picks[index],
                     logprob=draw.logprob[index],
