@@ -60,7 +60,11 @@ class EvictionContext:
 
     The first `num_candidates` slots are the candidates; the last `interval` slots are the recent
     window, which is always kept. Invalid slots (padding) have position -1 and are dropped first
-    whatever their score."""
+    whatever their score.
+
+    Keys, values, positions and the window's queries may be the cache's own storage, valid for this step
+    only: the compaction and later forwards rewrite them in place, so whoever keeps one past the step
+    keeps a copy."""
 
     layer_idx: int
     num_layers: int
