@@ -170,7 +170,9 @@ class HeldPositions:
         self.policy.reset()
 
     def step_keep_scores(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
-        self.steps.append([context.positions[0].to("cpu", copy=True) for context in contexts])  # a copy: the context holds the cache's own storage
+        self.steps.append(
+            [context.positions[0].to("cpu", copy=True) for context in contexts]
+        )  # a copy: the context holds the cache's own storage
         return self.policy.step_keep_scores(contexts)
 
 
