@@ -134,7 +134,8 @@ def test_rows_past_their_trace_score_zero(model, traces, labels, monkeypatch):
 
     def recording(context):
         scores = keep_scores(context)
-        scored.append((context.layer_idx, context.positions.amax(dim=(1, 2)), context.candidate_positions, scores))
+        candidates = context.candidate_positions.clone()  # the cache's own storage: the compaction rewrites it
+        scored.append((context.layer_idx, context.positions.amax(dim=(1, 2)), candidates, scores))
         return scores
 
     monkeypatch.setattr(policy, "keep_scores", recording)
