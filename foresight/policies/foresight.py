@@ -379,10 +379,12 @@ class Foresight(Policy):
         draw = self._draw(scores, eligible)
         if self.record:
             inputs = [_pooled(tensor, draw.pool) for tensor in (positions, keys, values, features, eligible)]
+            # Every layer's ring holds the same positions; a copy, as the ring itself is overwritten later.
+            query_positions = contexts[0].query_positions.clone()
             self.records.extend(
                 SampledEviction(
                     contexts[at].layer_idx,
-                    contexts[at].query_positions.clone(),  # the ring itself: later forwards overwrite it
+                    query_positions,
                     *(tensor[index] for tensor in inputs),
                     order=draw.picks[index],
                     logprob=draw.logprob[index],
