@@ -49,16 +49,21 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from foresight.artifacts import check_metadata, file_problem, read_tensors, save_tensors
-from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, eviction_steps, keep_top
 from foresight.choices import Choice
 from foresight.metrics import low_entropy_tokens
 from foresight.models import ModelShape, describe
-from foresight.runtime.capture import attention_implementation, attention_logits, logits_budget, register_attention
+from foresight.runtime.capture import (
+    attention_implementation,
+    attention_logits,
+    full_cache_forward,
+    logits_budget,
+    register_attention,
+)
 
 CAPTURE_ATTENTION = "foresight_golden_capture"
 FORMAT = "foresight-golden-labels/1"
@@ -331,15 +336,7 @@ def _capture_forward(
         if kind == LabelKind.GRADIENT:
             _gradient_forward(model, input_ids.to(model.device), capture)
         else:
-            cache = DynamicCache(config=model.config)
-            for chunk in input_ids.to(model.device).split(chunk_size):
-                model(
-                    input_ids=chunk[None],
-                    **cache_argument(model, cache),
-                    use_cache=True,
-                    logits_to_keep=1,
-                    golden_capture=capture,
-                )
+            full_cache_forward(model, input_ids, chunk_size, golden_capture=capture)
     num_layers = model.config.num_hidden_layers
     if sorted(capture.queries) != list(range(num_layers)):
         raise ValueError(

@@ -19,13 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from foresight.artifacts import check_metadata, read_tensors, save_tensors, write_text
-from foresight.cache_argument import cache_argument
 from foresight.models import ModelShape, describe
-from foresight.runtime.capture import attention_implementation, register_attention
+from foresight.runtime.capture import attention_implementation, full_cache_forward, register_attention
 
 FORMAT = "foresight-triattention-stats/1"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -210,13 +209,5 @@ def calibrate(
     moments = QueryMoments(model)
     with attention_implementation(model, CAPTURE_ATTENTION):
         for ids in sequences:
-            cache = DynamicCache(config=model.config)
-            for chunk in ids.to(model.device).split(chunk_size):
-                model(
-                    input_ids=chunk[None],
-                    **cache_argument(model, cache),
-                    use_cache=True,
-                    logits_to_keep=1,
-                    triattention_moments=moments,
-                )
+            full_cache_forward(model, ids, chunk_size, triattention_moments=moments)
     return moments.stats(model.config.name_or_path if model_name is None else model_name, source)

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from foresight.cache_argument import cache_argument
 from foresight.runtime.cache import EvictionCache, EvictionLayer
 
 ATTENTION_NAME = "foresight"
@@ -228,3 +229,13 @@ def sdpa_backends_without_cudnn() -> list[SDPBackend]:
 
 
 register_attention(ATTENTION_NAME, eviction_attention)
+
+
+def full_cache_forward(model, input_ids: torch.Tensor, chunk_size: int, **capture) -> None:
+    """One sequence [T] teacher-forced through `model` in chunks of `chunk_size` tokens on a growing full cache,
+    the keyword `capture` (name=recorder) handed to every attention call, the logits of the last token only:
+    the forward a capturing attention function (the golden labels', TriAttention's calibration) records from,
+    inside `attention_implementation` of that function. The chunk size bounds working memory only."""
+    cache = DynamicCache(config=model.config)
+    for chunk in input_ids.to(model.device).split(chunk_size):
+        model(input_ids=chunk[None], **cache_argument(model, cache), use_cache=True, logits_to_keep=1, **capture)
