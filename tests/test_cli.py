@@ -346,13 +346,16 @@ def verb_parsers(verb: str) -> list[argparse.ArgumentParser]:
     return [parser, *(sub for action in subparsers for sub in action.choices.values())]
 
 
+READ_ONLY_BENCHES = (" ablation", " baselines", " equal-bytes", " held-memory")
+
+
 def test_model_verbs_are_the_verbs_with_device_and_dtype():
     """A new verb that loads a model must take --device and --dtype (and join MODEL_VERBS); a verb with
-    sub-commands takes them in every sub-command that loads a model (`bench ablation` and `bench baselines`
-    read evaluations only)."""
+    sub-commands takes them in every sub-command that loads a model (`bench ablation`, `bench baselines` and
+    `bench equal-bytes` read evaluations only; `bench held-memory` counts bytes from a shape, running nothing)."""
     with_placement = set()
     for verb in _verbs():
-        parsers = [p for p in verb_parsers(verb) if not p.prog.endswith((" ablation", " baselines"))]
+        parsers = [p for p in verb_parsers(verb) if not p.prog.endswith(READ_ONLY_BENCHES)]
         options = [
             {option for action in p._actions for option in action.option_strings} for p in parsers[len(parsers) > 1 :]
         ]
