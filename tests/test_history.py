@@ -18,7 +18,7 @@ def git(*args: str) -> str:
 
 
 def long_subjects(subjects: list[str]) -> list[str]:
-    return [subject for subject in subjects if len(subject) > MAX_SUBJECT]
+    return [subject for subject in subjects if len(subject.encode()) > MAX_SUBJECT]  # bytes, as git tools count
 
 
 def project_version() -> str:
