@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from foresight import commands
-from foresight.third_party import quiet_third_party_notices
+from trainers.process import quiet_third_party_notices
 
 
 class HelpFormatter(argparse.HelpFormatter):

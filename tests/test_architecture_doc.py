@@ -62,7 +62,19 @@ def test_the_stated_layer_count_is_the_contracts():
     assert stated is not None and int(stated[1]) == len(layers)
 
 
-@pytest.mark.parametrize("package", ["foresight", "trainers"])
+def test_the_stated_group_count_is_the_code():
+    """Groups of the import graph: each package of foresight/, each of its base modules, and trainers/."""
+    library = ROOT / "foresight"
+    packages = [path for path in library.iterdir() if (path / "__init__.py").is_file()]
+    base = [path for path in library.glob("*.py") if path.name != "__init__.py"]
+    stated = re.search(
+        r"now (\d+) groups \(the (\d+) packages of `foresight/`, its (\d+) base modules", DOC.read_text()
+    )
+    assert stated is not None
+    assert tuple(map(int, stated.groups())) == (len(packages) + len(base) + 1, len(packages), len(base))
+
+
+@pytest.mark.parametrize("package", ["foresight", "trainers", "studies"])
 def test_long_modules_say_why_they_are_one_module(package):
     unexplained = []
     for path in sorted((ROOT / package).rglob("*.py")):

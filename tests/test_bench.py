@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests.prompts import DATA
 
 GIB = 2**30
-ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "models"
+ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURES = ROOT / "configs" / "models"
 # Qwen3-4B's config, shrunk; KV heads and head dim large enough that one cache entry outweighs the
 # few hundred bytes each generated token id takes on the heap.
 SHRUNK = dict(
@@ -216,10 +218,6 @@ BENCHMARKS = (
     "serve",
     "eval-prefix",
     "labels-memory",
-    "rl-heldout",
-    "rl-signal",
-    "rl-step",
-    "rl-window",
     "trace-generation",
 )
 
@@ -323,8 +321,8 @@ def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
     scorer, traces and overrides."""
     import argparse
 
-    from foresight.bench.rl_step import RL_CONFIG, Settings
     from foresight.commands import rl
+    from studies.rl_step.run import RL_CONFIG, Settings
 
     settings = Settings(traces=tmp_path, scorer="checkpoints/default", steps=3, group_size=4)
     parser = argparse.ArgumentParser()
@@ -351,3 +349,18 @@ def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
         *(word for text in overrides for word in ("--set", text)),
     ]
     assert settings.lightning_args(tmp_path / "s") == rl.lightning_args(parser.parse_args(argv))[1:]
+
+
+@pytest.mark.slow
+def test_rl_step_study_times_a_step_of_each_rollout_kind(tmp_path):
+    """`python -m studies rl-step` runs one optimisation step per rollout kind on the default model's traces
+    and reports each kind's row."""
+    from studies.__main__ import main as studies_main
+
+    traces = shutil.copytree(ROOT / "data" / "corpus" / "gsm-main", tmp_path / "traces")
+    out = tmp_path / "rl-step.md"
+    argv = ["rl-step", "--traces", str(traces), "--steps", "1", "--group-size", "2", "--rollout", "episode"]
+    assert studies_main([*argv, "--rollout", "branch", "--branch", "branch_rows=2", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0].strip("| ") for row in rows[1:]] == ["episode", "episode", "branch", "branch"], rows
+    assert all(float(row.split(" | ")[3]) > 0 for row in rows[1:]), rows  # tokens fed per second

@@ -1,6 +1,7 @@
-"""A benchmark's options come from its settings' fields (foresight.bench.options): every benchmark module is a
-sub-command with its fields as options, a new one needs only its own file, the command written into a report
-parses back into the same settings, and the commands of the docs still parse as they did."""
+"""A benchmark's (and a study's) options come from its settings' fields (foresight.bench.options): every
+benchmark module is a sub-command with its fields as options, a new one needs only its own file, the command
+written into a report parses back into the same settings, the commands of the docs still parse as they did,
+and a study's old `foresight bench` spelling answers with its new one."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ import foresight.bench
 from foresight import cli
 from foresight.bench.common import trace_sets
 from foresight.bench.options import flags, options, settings_from
-from foresight.commands.bench import benchmarks
+from foresight.commands.bench import MOVED_TO_STUDIES, benchmarks
+from studies.__main__ import build_parser as studies_parser
+from studies.__main__ import main as studies_main
+from studies.__main__ import studies
+
+STUDIES = studies()
+MODULES = {**benchmarks(), **STUDIES}
+RUNNER = {**dict.fromkeys(benchmarks(), "foresight bench"), **dict.fromkeys(STUDIES, "python -m studies")}
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {  # values of the options without a default, by field name
@@ -38,9 +46,18 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def parse(words: list[str]):
-    """The settings that `foresight bench ...` words ask for, as the bench verb reads them."""
-    args = cli.build_parser().parse_args(words[1:] if words[0] == "foresight" else words)
+    """The settings that `foresight bench ...` or `python -m studies ...` words ask for, as their runner reads them."""
+    if words[:3] == ["python", "-m", "studies"]:
+        args = studies_parser(STUDIES).parse_args(words[3:])
+    else:
+        args = cli.build_parser().parse_args(words[1:] if words[0] == "foresight" else words)
     return settings_from(args.benchmark.Settings, args)
+
+
+def name_of(command: str) -> str:
+    """The benchmark or study a command runs."""
+    words = command.split()
+    return words[3] if words[:3] == ["python", "-m", "studies"] else words[2]
 
 
 def test_every_benchmark_module_is_a_sub_command_with_its_fields_as_options():
@@ -51,7 +68,8 @@ def test_every_benchmark_module_is_a_sub_command_with_its_fields_as_options():
         if hasattr(module, "NAME"):
             declared[module.NAME] = module
     offered = subcommands()
-    assert set(declared) == set(offered) == set(benchmarks()) and len(declared) >= 13
+    assert set(declared) == set(benchmarks()) == set(offered) - set(MOVED_TO_STUDIES) and len(declared) >= 12
+    assert set(MOVED_TO_STUDIES) == set(STUDIES) and not set(STUDIES) & set(declared)
     for name, module in declared.items():
         strings = {s for action in offered[name]._actions for s in action.option_strings}
         assert {flag for option in options(module.Settings) for flag in flags(option)} <= strings, name
@@ -130,11 +148,11 @@ def varied(settings):
     return dataclasses.replace(settings, **changes)
 
 
-@pytest.mark.parametrize("name", sorted(benchmarks()))
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_the_reproduction_command_parses_back_into_the_same_settings(name):
-    module = benchmarks()[name]
+    module = MODULES[name]
     required = [f for f in options(module.Settings) if f.default is dataclasses.MISSING]
-    words = ["bench", name]
+    words = [*RUNNER[name].split(), name]
     for option in required:
         value = REQUIRED[option.name]
         for item in value if isinstance(value, tuple) else (value,):
@@ -142,22 +160,25 @@ def test_the_reproduction_command_parses_back_into_the_same_settings(name):
     settings = parse(words)
     for candidate in (settings, varied(settings)):
         command = candidate.command
-        assert command.startswith(f"foresight bench {name} ")
+        assert command.startswith(f"{RUNNER[name]} {name} ")
         assert parse(shlex.split(command)) == candidate, command
 
 
 def documented_commands() -> list[str]:
-    """Every complete `foresight bench` command of the docs, README and model cards (no placeholders; not
-    docs/extending.md, whose walk-through adds a benchmark)."""
+    """Every complete `foresight bench` and `python -m studies` command of the docs, README, model cards and
+    studies (no placeholders; not docs/extending.md, whose walk-through adds a benchmark)."""
     paths = [
         *ROOT.glob("docs/**/*.md"),
         ROOT / "README.md",
         *ROOT.glob("configs/**/*.md"),
         *ROOT.glob("checkpoints/**/*.md"),
+        *ROOT.glob("studies/**/*.md"),
     ]
     found = []
     for path in (path for path in paths if path.name != "extending.md"):
-        for match in re.finditer(r"foresight bench [a-z][a-z-]*[^`\n|]*", path.read_text().replace("\\\n", " ")):
+        for match in re.finditer(
+            r"(?:foresight bench|python -m studies) [a-z][a-z-]*[^`\n|]*", path.read_text().replace("\\\n", " ")
+        ):
             command = match.group(0).split("#")[0].strip()
             if not any(mark in command for mark in ("[", "...", "NAME")):
                 found.append(command)
@@ -166,13 +187,13 @@ def documented_commands() -> list[str]:
 
 def test_documented_commands_parse_and_reproduce():
     commands = documented_commands()
-    assert len({command.split()[2] for command in commands}) >= 10
+    assert len({name_of(command) for command in commands}) >= 10
     parsed = 0
     for command in commands:
         try:
             settings = parse(shlex.split(command))
         except SystemExit:  # a name in prose (`foresight bench pipeline`) without its required options
-            assert any(f.default is dataclasses.MISSING for f in options(benchmarks()[command.split()[2]].Settings))
+            assert any(f.default is dataclasses.MISSING for f in options(MODULES[name_of(command)].Settings))
             continue
         assert parse(shlex.split(settings.command)) == settings, command
         parsed += 1
@@ -197,13 +218,26 @@ def test_documented_commands_keep_their_meaning():
     assert labels.lengths == (2048, 4096) and str(labels.run_dtype) == "torch.float32"
     heldout = parse(
         shlex.split(
-            "foresight bench rl-heldout --traces runs/rl/traces --holdout 0.4 --exclude 0,4 --scorer supervised=checkpoints/default "
+            "python -m studies rl-heldout --traces runs/rl/traces --holdout 0.4 --exclude 0,4 --scorer supervised=checkpoints/default "
             "--scorer reinforced=runs/rl/t01/scorer"
         )
     )
     assert heldout.scorers == (("supervised", "checkpoints/default"), ("reinforced", "runs/rl/t01/scorer"))
     assert (heldout.holdout, heldout.excluded, heldout.resamples) == (0.4, {0, 4}, 10000)
-    ablation = parse(["bench", "ablation", "--set", "unseen A=runs/a,runs/b", "--learned", "x=what it is", "-B", "256"])
+    ablation = parse(
+        [
+            "python",
+            "-m",
+            "studies",
+            "ablation",
+            "--set",
+            "unseen A=runs/a,runs/b",
+            "--learned",
+            "x=what it is",
+            "-B",
+            "256",
+        ]
+    )
     assert trace_sets(ablation.sets) == (("unseen A", (Path("runs/a"), Path("runs/b"))),) and ablation.budget == 256
     capacity = parse(["bench", "capacity", "--model", "configs/models/qwen3-4b.json"])
     assert (capacity.budget, capacity.interval, capacity.lengths, capacity.time_limit) == (
@@ -234,11 +268,6 @@ def test_a_bad_value_is_one_line_naming_it(words, message, capsys):
     [
         (["bench", "decode", "--policies", "golden"], "policy 'golden' needs labels"),
         (["bench", "decode", "--device", "cuda:7"], "device 'cuda:7' is not available"),
-        (["bench", "rl-heldout", "--traces", "t", "--scorer", "a=x"], "give exactly two --scorer NAME=DIR"),
-        (
-            ["bench", "ablation", "--set", "nofolders", "--learned", "a=b"],
-            "--set 'nofolders' must look like NAME=DIR,DIR,...",
-        ),
         (["bench", "paged-reclaim", "--traces", "t", "--page-sizes", "16,0"], "page size 0 must be a positive number"),
         (["bench", "pipeline", "--traces", "t", "--policy", "full"], "--policy 'full' evicts nothing"),
     ],
@@ -247,3 +276,47 @@ def test_settings_refuse_bad_input_in_one_line(words, message, capsys):
     assert cli.main(words) == 2
     error = capsys.readouterr().err.strip()
     assert message in error and "\n" not in error
+
+
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        (["rl-heldout", "--traces", "t", "--scorer", "a=x"], "give exactly two --scorer NAME=DIR"),
+        (["ablation", "--set", "nofolders", "--learned", "a=b"], "--set 'nofolders' must look like NAME=DIR,DIR,..."),
+        (["ablation", "--spec", "s.yaml", "-B", "64"], "give --spec FILE alone, or the study's options without it"),
+        (["ablation", "--spec", "missing.yaml"], "no spec file at missing.yaml"),
+    ],
+)
+def test_studies_refuse_bad_input_in_one_line(words, message, capsys):
+    assert studies_main(words) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and "\n" not in error
+
+
+@pytest.mark.parametrize("name", MOVED_TO_STUDIES)
+def test_a_study_spelled_as_a_benchmark_answers_with_its_new_spelling(name, capsys):
+    assert cli.main(["bench", name, "--traces", "t"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert f"`foresight bench {name}` is a study now: run `python -m studies {name}`" in error and "\n" not in error
+
+
+@pytest.mark.parametrize("name", sorted(STUDIES))
+def test_a_study_run_alone_runs_its_spec(name, tmp_path):
+    """Each study's spec.yaml names only its options, and the study named alone parses into what it gives."""
+    import yaml
+
+    from studies.__main__ import spec_path, with_spec
+
+    spec = yaml.safe_load(spec_path(STUDIES[name]).read_text())
+    settings = parse(["python", "-m", "studies", *with_spec([name], STUDIES)])
+    assert settings.command.startswith(f"python -m studies {name} ")
+    for key, value in spec.items():
+        option = next(
+            o for o in options(type(settings)) if key.replace("-", "_") in (o.name, flags(o)[0][2:].replace("-", "_"))
+        )
+        read = getattr(settings, option.name)
+        assert str(value) in (str(read), str(list(read)) if isinstance(read, tuple) else None) or read, (key, read)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no_such_option: 1\n")
+    with pytest.raises(ValueError, match="'no_such_option' is not an option here; the options are --"):
+        with_spec([name, "--spec", str(bad)], STUDIES)

@@ -9,7 +9,7 @@ import torch
 
 from foresight.bench.pipeline import ForwardTimer
 from foresight.cli import main
-from trainers.preparation import FrozenModel, make_labels
+from foresight.data_stage import FrozenModel, make_labels
 
 B, L_ = 16, 4
 STAGES = [

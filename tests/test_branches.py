@@ -18,6 +18,7 @@ from foresight.commands.rl import lightning_args as rl_lightning_args
 from foresight.metrics import thresholded_terms
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from studies.__main__ import main as studies_main
 from tests.rl_runs import L_, B, KillAtStep, Killed, random_trace, rl_args, rl_config, scorer_for
 from trainers.branches import (
     BranchSettings,
@@ -227,7 +228,7 @@ def test_window_agreement_spearman_by_hand():
 
 def test_rl_window_bench_reports_each_rule_and_window(tmp_path, traces_dir, start_scorer, capsys):
     out = tmp_path / "bench.md"
-    args = ["bench", "rl-window", "--traces", str(traces_dir), "--count", "2", "--scorer", str(start_scorer)]
+    args = ["rl-window", "--traces", str(traces_dir), "--count", "2", "--scorer", str(start_scorer)]
     args += [
         "--chunks",
         "1,100",
@@ -240,7 +241,7 @@ def test_rl_window_bench_reports_each_rule_and_window(tmp_path, traces_dir, star
         "--out",
         str(out),
     ]
-    assert cli.main(args) == 0
+    assert studies_main(args) == 0
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
     assert [(row[0], row[1]) for row in rows[1:]] == [
         (f"| {rule}", width) for rule in ("thresholded", "dense", "gated") for width in ("1", "100")

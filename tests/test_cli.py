@@ -20,6 +20,7 @@ from foresight.choices import Choice
 from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main
 from foresight.commands._model import model_options
 from foresight.commands._policy import policy_options
+from foresight.commands.bench import MOVED_TO_STUDIES
 from foresight.commands.eval import policy_specs
 from foresight.data.trace_generation import generate_traces
 from foresight.models import describe, tiny_model
@@ -255,7 +256,7 @@ def scorer_dir(tmp_path_factory, model) -> Path:
 
 MODEL_VERBS = ("generate", "replay", "demo", "bench", "traces", "labels", "examples", "eval", "calibrate")
 PIPELINE_VERBS = ("traces", "labels", "examples")
-"""The verbs that run a step of `trainers.preparation`, which loads the model for them."""
+"""The verbs that run a step of the data stage (`foresight.data_stage`), which loads the model for them."""
 
 
 def model_verb_args(traces_dir: Path, tmp_path: Path) -> dict[str, list[str]]:
@@ -317,12 +318,12 @@ def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, mo
 
     if verb == "examples":  # the features step needs labelled traces
         shutil.copytree(traces_dir, tmp_path / "labelled")
-        monkeypatch.setattr("trainers.preparation.load_model", lambda name, **options: (model, None))
+        monkeypatch.setattr("foresight.data_stage.load_model", lambda name, **options: (model, None))
         assert main(["labels", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4"]) == 0
     if verb == "bench":  # benchmarks also build models from architecture configs
         monkeypatch.setattr("foresight.bench.common.load_for_benchmark", load_model)
     else:
-        module = "trainers.preparation" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
+        module = "foresight.data_stage" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
         monkeypatch.setattr(f"{module}.load_model", load_model)
     argv = model_verb_args(traces_dir, tmp_path)[verb]
     with pytest.raises(Loaded):
@@ -339,20 +340,22 @@ def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, mo
 
 
 def verb_parsers(verb: str) -> list[argparse.ArgumentParser]:
-    """The parser of a verb and those of its sub-commands (bench decode, bench serve)."""
+    """The parser of a verb and those of its sub-commands (bench decode, bench serve; not the studies' old names,
+    which only answer with their new spelling)."""
     parser = ArgumentParser(prog=f"foresight {verb}", formatter_class=HelpFormatter)
     importlib.import_module(f"foresight.commands.{verb}").add_arguments(parser)
     subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return [parser, *(sub for action in subparsers for sub in action.choices.values())]
+    moved = tuple(f" {name}" for name in MOVED_TO_STUDIES)
+    return [parser, *(sub for action in subparsers for sub in action.choices.values() if not sub.prog.endswith(moved))]
 
 
-READ_ONLY_BENCHES = (" ablation", " baselines", " equal-bytes", " held-memory")
+READ_ONLY_BENCHES = (" equal-bytes", " held-memory")
 
 
 def test_model_verbs_are_the_verbs_with_device_and_dtype():
     """A new verb that loads a model must take --device and --dtype (and join MODEL_VERBS); a verb with
-    sub-commands takes them in every sub-command that loads a model (`bench ablation`, `bench baselines` and
-    `bench equal-bytes` read evaluations only; `bench held-memory` counts bytes from a shape, running nothing)."""
+    sub-commands takes them in every sub-command that loads a model (`bench equal-bytes` reads evaluations only,
+    `bench held-memory` counts bytes from a shape, running nothing)."""
     with_placement = set()
     for verb in _verbs():
         parsers = [p for p in verb_parsers(verb) if not p.prog.endswith(READ_ONLY_BENCHES)]

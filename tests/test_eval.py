@@ -28,6 +28,7 @@ from foresight.policies import POLICIES, make_policy
 from foresight.policies.triattention_stats import calibrate
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from studies.__main__ import main as studies_main
 from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
@@ -822,11 +823,10 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(
         == 0
     )
     report, results = tmp_path / "bench.md", tmp_path / "heldout.json"
-    monkeypatch.setattr("foresight.bench.rl_heldout.load_model", lambda name, **kw: (model, None))
+    monkeypatch.setattr("studies.rl_heldout.run.load_model", lambda name, **kw: (model, None))
     assert (
-        cli.main(
+        studies_main(
             [
-                "bench",
                 "rl-heldout",
                 "--traces",
                 str(traces_dir),
@@ -860,9 +860,8 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(
     assert text.count("Change of −R, b against a: +0.0% [+0.0%, +0.0%]") == 2
     capsys.readouterr()
     assert (
-        cli.main(
+        studies_main(
             [
-                "bench",
                 "rl-heldout",
                 "--traces",
                 str(traces_dir),
@@ -883,8 +882,8 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(
 
 def test_rl_heldout_replays_share_the_forwards_before_the_first_eviction(traces_dir, tmp_path, model):
     """Every replay of a batch after the first reuses its recorded prefix: the same figures, fewer forwards."""
-    from foresight.bench.rl_heldout import per_trace
     from foresight.scorer.model import load_scorer
+    from studies.rl_heldout.run import per_trace
 
     scorer = load_scorer(spread_scorer(model, tmp_path / "scorer"))
     traces = list(TraceStore(traces_dir))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from foresight.cli import main
 from foresight.eval.headroom import TraceScore, headroom, paired_gain, resample_weights
+from studies.__main__ import main as studies_main
 
 B = 128
 TOKENS = (100, 50, 80)  # scored tokens of the three traces
@@ -96,7 +96,7 @@ def _eval_folder(path, entries) -> None:
 
 
 def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heuristic(tmp_path):
-    from foresight.eval.ablation import ablation_report, merged_scores
+    from studies.ablation.report import ablation_report, merged_scores
 
     base = [s for s in RUN if s.policy != "foresight"]
     _eval_folder(tmp_path / "base", base)
@@ -127,7 +127,7 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
 
 def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):
     """Two sets with traces 0-2 each pool into one set of 6 traces, its figures the sums over both."""
-    from foresight.eval.ablation import SET_STRIDE, ablation_report, pooled_scores
+    from studies.ablation.report import SET_STRIDE, ablation_report, pooled_scores
 
     _eval_folder(tmp_path / "a", RUN)
     _eval_folder(tmp_path / "b", RUN)
@@ -146,9 +146,8 @@ def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):
         ablation_report(sets, (("foresight", "x"),), B, pooled=("d",))
     with pytest.raises(ValueError, match="cannot be pooled across sets"):
         pooled_scores([[TraceScore("h2o", B, SET_STRIDE, "src", 1, 1.0, 1.0, 1, 0)]])
-    out = tmp_path / "report.md"  # the same tables through `foresight bench ablation`, its command above them
+    out = tmp_path / "report.md"  # the same tables through `python -m studies ablation`, its command above them
     argv = [
-        "bench",
         "ablation",
         "--set",
         f"a={tmp_path / 'a'}",
@@ -161,7 +160,7 @@ def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):
         "--out",
         str(out),
     ]
-    assert main(argv) == 0
+    assert studies_main(argv) == 0
     text = out.read_text()
     assert "<!-- ablation-B128:start -->" in text and "--pool a,b" in text and report.split("**b**")[0] in text
 
@@ -171,7 +170,7 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     h2o 1.3 − foresight 1.2 = 0.1; damage 8/240 − 2/240); a policy scored on other tokens has none."""
     import json
 
-    from foresight.eval.baselines import baselines_report, memory_rows, plot_path
+    from studies.baselines.report import baselines_report, memory_rows, plot_path
 
     _eval_folder(tmp_path / "a", [s for s in RUN if s.policy != "foresight"])
     _eval_folder(tmp_path / "b", [s for s in RUN if s.policy in ("foresight", "golden")])
@@ -206,6 +205,24 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
     assert at_256.startswith(", 3 traces; foresight did not run at this budget (no gains).")
     assert "| h2o | 4.50 | 1.3000 [" in at_256 and at_256.count("| – | – |") == 1
     assert plot_path(tmp_path, "Set A").read_bytes()[:4] == b"\x89PNG"
+    out, folders = tmp_path / "baselines.md", ",".join(str(tmp_path / name) for name in "abc")
+    argv = [
+        "baselines",
+        "--set",
+        f"Set A={folders}",
+        "--learned",
+        "other",
+        "--learned",
+        "foresight",
+        "--budgets",
+        "128,256",
+    ]
+    assert studies_main([*argv, "--plot-dir", str(tmp_path / "plots"), "--out", str(out)]) == 0  # the same, as a study
+    written = out.read_text()
+    assert [line for line in written.splitlines() if line.startswith("| ")] == [
+        line for line in report.splitlines() if line.startswith("| ")
+    ]
+    assert "python -m studies baselines --set" in written and plot_path(tmp_path / "plots", "Set A").is_file()
     with pytest.raises(ValueError, match="holds no results.json"):
         memory_rows((tmp_path / "missing",))
     with pytest.raises(ValueError, match="give the same plot file"):

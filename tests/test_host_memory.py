@@ -1,4 +1,4 @@
-"""`foresight.host_memory`: freed tensors' pages stay resident for the next step, unless the user tuned malloc.
+"""`trainers.process`: freed tensors' pages stay resident for the next step, unless the user tuned malloc.
 
 Each case runs in a fresh interpreter: the setting lasts for the process."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 FREE_A_TENSOR = """
 import json, sys
 import torch
-from foresight.host_memory import keep_freed_memory
+from trainers.process import keep_freed_memory
 
 def resident_mib():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))

@@ -1,5 +1,5 @@
 """Labelling that scales out: processes on one traces folder share its traces by per-trace claims
-(`foresight.artifacts.claimed` in `trainers.preparation.make_labels`)."""
+(`foresight.artifacts.claimed` in `foresight.data_stage.make_labels`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 from foresight.artifacts import claimed
 from foresight.commands.labels import rank_placement
 from foresight.data.trace_store import TraceStore
+from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelStore
-from trainers.preparation import FrozenModel, make_labels
 
 B, L_ = 16, 4
 HOLD_A_CLAIM = """

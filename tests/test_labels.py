@@ -339,7 +339,7 @@ def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     short = sum(length < budget + interval for length in lengths.values())
     loads = []
     monkeypatch.setattr(
-        "trainers.preparation.load_model", lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1]
+        "foresight.data_stage.load_model", lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1]
     )
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0
@@ -398,7 +398,7 @@ def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path,
         progress=False,
         model_name="tiny",
     )
-    monkeypatch.setattr("trainers.preparation.load_model", lambda name, **kwargs: (model, tokenizer))
+    monkeypatch.setattr("foresight.data_stage.load_model", lambda name, **kwargs: (model, tokenizer))
     budget, interval = 8, 4
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0

@@ -1,4 +1,5 @@
-"""The import layers of pyproject.toml's import-linter contract hold, and would catch a wrong import."""
+"""The import-linter contracts of pyproject.toml hold (the layers; only the command layer and the pipeline
+benchmark reach the trainers), and would catch a wrong import."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ PACKAGES = ("foresight", "trainers")
 
 def layers() -> list[list[str]]:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    (contract,) = config["tool"]["importlinter"]["contracts"]
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
     return [[name.strip() for name in layer.split("|")] for layer in contract["layers"]]
 
 
@@ -61,6 +62,26 @@ def test_an_import_against_the_layers_breaks_the_contract(tmp_path):
     result = lint_imports(tmp_path)
     assert result.returncode == 1
     assert "foresight.runtime.cache -> foresight.policies.h2o" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "importer, line",
+    [
+        ("foresight/eval/replay.py", "import trainers.rollouts  # the library reaching into the trainers"),
+        ("foresight/bench/serve.py", "import trainers.grpo  # a product benchmark importing the trainers"),
+    ],
+)
+def test_only_the_command_layer_and_the_pipeline_bench_reach_the_trainers(tmp_path, importer, line):
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    path = tmp_path / importer
+    path.write_text(path.read_text() + f"\n{line}\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode == 1
+    assert "Only the command layer and the pipeline benchmark reach the trainers BROKEN" in result.stdout
+    module = importer.removesuffix(".py").replace("/", ".")
+    assert f"{module} -> {line.split()[1]}" in result.stdout
 
 
 def test_attention_is_hooked_in_one_place():

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from foresight.data.trace_store import finished_run
-from trainers.preparation import TraceRecipe
+from foresight.data_stage import TraceRecipe
 
 REPO = Path(__file__).resolve().parents[1]
 

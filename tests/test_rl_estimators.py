@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from foresight import cli
-from foresight.bench.rl_signal import chunk_noise_scale, noise_scale
 from foresight.metrics import dense_terms, token_damage
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob, plackett_luce_set_logprob
+from studies.__main__ import main as studies_main
+from studies.rl_signal.run import chunk_noise_scale, noise_scale
 from tests.rl_runs import enumerated_order_probabilities, random_trace, rl_args, rl_config, scorer_for
 from trainers.estimators import (
     ADVANTAGE_RULES,
@@ -386,7 +387,6 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
     recovered, more closely with more episodes."""
     out = tmp_path / "bench.md"
     argv = [
-        "bench",
         "rl-signal",
         "--traces",
         str(traces_dir),
@@ -415,7 +415,7 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
         "--out",
         str(out),
     ]
-    assert cli.main(argv) == 0
+    assert studies_main(argv) == 0
     text = out.read_text()
     lines = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| ")]
     noise = {(cells[0], cells[1]): " | ".join(cells[2:]) for cells in lines if len(cells) == 6}
@@ -436,5 +436,5 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
 
 
 def test_rl_signal_rejects_bad_settings_in_one_line(capsys):
-    assert cli.main(["bench", "rl-signal", "--planted-groups", "5"]) == 2
+    assert studies_main(["rl-signal", "--planted-groups", "5"]) == 2
     assert "planted_groups must be at least 8 (its tr(Σ) comes from 8 parts), got 5" in capsys.readouterr().err

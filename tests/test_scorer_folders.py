@@ -14,6 +14,7 @@ import yaml
 from foresight import cli
 from foresight.models import tiny_model
 from foresight.scorer.model import load_scorer
+from studies.__main__ import main as studies_main
 from tests.scorers import random_scorer
 
 B, L = 16, 4
@@ -140,8 +141,7 @@ def _verb_args(verb: str, scorer: Path, good: Path, tiny_dir: Path, traces: Path
             "--out",
             str(out / "paged.md"),
         ],
-        "bench rl-heldout": [
-            "bench",
+        "studies rl-heldout": [
             "rl-heldout",
             "--traces",
             str(traces),
@@ -157,9 +157,9 @@ def _verb_args(verb: str, scorer: Path, good: Path, tiny_dir: Path, traces: Path
     }[verb]
 
 
-VERBS = ("eval", "rl", "export", "generate", "replay", "bench paged-reclaim", "bench rl-heldout")
+VERBS = ("eval", "rl", "export", "generate", "replay", "bench paged-reclaim", "studies rl-heldout")
 FITS = {  # the verbs that run a scorer on a model or a cadence they are asked for, and so must refuse another
-    "another model": ("eval", "rl", "generate", "replay", "bench paged-reclaim", "bench rl-heldout"),
+    "another model": ("eval", "rl", "generate", "replay", "bench paged-reclaim", "studies rl-heldout"),
     "another cadence": ("rl", "generate", "replay"),
 }
 
@@ -171,10 +171,12 @@ FITS = {  # the verbs that run a scorer on a model or a cadence they are asked f
 )
 def test_every_verb_answers_a_bad_scorer_folder_in_one_line(verb, case, good, tiny_dir, traces_dir, tmp_path, capsys):
     scorer = _broken(good, tmp_path, case)
-    assert cli.main(_verb_args(verb, scorer, good, tiny_dir, traces_dir, tmp_path)) == 2
+    study = verb.startswith("studies ")
+    run, runner = (studies_main, "python -m studies") if study else (cli.main, f"foresight {verb.split()[0]}")
+    assert run(_verb_args(verb, scorer, good, tiny_dir, traces_dir, tmp_path)) == 2
     printed = capsys.readouterr().err
     error = printed.strip().splitlines()[-1]  # after any progress bar or log line of the run before the error
-    assert error.startswith(f"foresight {verb.split()[0]}: error: ") and "Traceback" not in printed, printed
+    assert error.startswith(f"{runner}: error: ") and "Traceback" not in printed, printed
     assert MESSAGES[case] in error, error
 
 

@@ -27,6 +27,7 @@ from foresight import cli
 from foresight.commands import fit
 from foresight.commands.fit import lightning_args
 from foresight.data.trace_store import TraceStore
+from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelStore
 from foresight.models import load_model
 from foresight.scorer.model import load_scorer
@@ -37,7 +38,7 @@ from trainers import preparation, supervised
 from trainers.cli import cli_main
 from trainers.data import GoldenDataModule, concat_steps
 from trainers.example_cache import ExampleCache, ExampleKey
-from trainers.preparation import FrozenModel, make_examples, make_labels, scorer_trajectory
+from trainers.preparation import make_examples, scorer_trajectory
 from trainers.ranking import PairWeight, average_ranks, kept_overlap, pairwise_ranking_loss, spearman
 from trainers.supervised import SupervisedScorer
 
@@ -705,7 +706,7 @@ def test_named_third_party_notices_are_silenced_and_no_others(monkeypatch, caplo
     from lightning.pytorch.utilities import rank_zero
     from lightning.pytorch.utilities._pytree import _tree_flatten
 
-    from foresight.third_party import quiet_third_party_notices
+    from trainers.process import quiet_third_party_notices
 
     monkeypatch.delenv("JSONARGPARSE_DEPRECATION_WARNINGS", raising=False)
     with warnings.catch_warnings(record=True) as caught:

@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from foresight.host_memory import keep_freed_memory
-from foresight.third_party import quiet_third_party_notices
+from foresight.data_stage import TraceRecipe
 from trainers.data import GoldenDataModule
 from trainers.grpo import GRPOScorer
-from trainers.preparation import OnPolicyRounds, SeedEnsemble, TraceRecipe
+from trainers.preparation import OnPolicyRounds, SeedEnsemble
+from trainers.process import keep_freed_memory, quiet_third_party_notices
 from trainers.rl_data import RolloutDataModule
 from trainers.supervised import SupervisedScorer
 
@@ -95,7 +95,7 @@ class ReinforcementCLI(LightningCLI):
 
 def cli_main(args: Sequence[str] | None = None, run: bool = True, exit_on_error: bool = True) -> SupervisedCLI:
     """Run the supervised stage's CLI on `args` (default: the command line), freed host memory kept for
-    the next step's tensors (`foresight.host_memory`). `exit_on_error=False` raises a bad argument as
+    the next step's tensors (`trainers.process`). `exit_on_error=False` raises a bad argument as
     `argparse.ArgumentError` instead of printing the usage, for callers that report it in one line."""
     keep_freed_memory()
     quiet_third_party_notices()

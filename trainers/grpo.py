@@ -35,13 +35,13 @@ import torch.distributed as dist
 from torchmetrics import MeanMetric
 
 from foresight.data.trace_store import Trace
+from foresight.data_stage import FrozenModel
 from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_OFFSET, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
 from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer, named_by_content
 from trainers.branches import BranchSettings, roll_out_branches
 from trainers.estimators import GATE_WIDTH, Estimator, LogprobRule
-from trainers.preparation import FrozenModel
 from trainers.rollouts import (
     CLIP_EPSILON,
     LOG_RATIO_CLAMP,

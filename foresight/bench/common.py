@@ -9,11 +9,12 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
 
-from foresight.bench.options import benchmark_name, command_line
+from foresight.bench.options import command_line, declaring_module
 from foresight.data.tasks import chat_prompt_ids
 from foresight.models import DEFAULT_MODEL, check_device, describe, load_for_benchmark, placement
 from foresight.policies import POLICIES, Policy, constructible, make_policy
@@ -92,6 +93,11 @@ def traces_field(help_text: str = "traces folder (`foresight traces`)") -> Any:
     return field(metadata={"help": help_text})
 
 
+def default_report(module: ModuleType) -> Path:
+    """Where a benchmark's report goes without --out: runs/bench/NAME.md (a study's REPORTS folder instead)."""
+    return getattr(module, "REPORTS", RUNS) / f"{module.NAME}.md"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReportSettings:
     """Where the report goes: its section of a markdown file under runs/ unless --out says otherwise."""
@@ -116,7 +122,7 @@ class ReportSettings:
     @property
     def report(self) -> Path:
         """The markdown file of the report: --out, or runs/bench/BENCHMARK.md."""
-        return self.out or RUNS / f"{benchmark_name(self)}.md"
+        return self.out or default_report(declaring_module(self))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ import sys
 import typing
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, fields
+from types import ModuleType
 from typing import Any, Literal
 
 from foresight.policies.options import describe_type, parse_value
@@ -73,27 +74,54 @@ def settings_from(settings_class: type, namespace: argparse.Namespace) -> Any:
 
 
 def command_line(settings: Any) -> str:
-    """The `foresight bench NAME ...` command that parses back into `settings`: every option but those left
-    at an empty default (None, off, nothing given)."""
-    settings_class = type(settings)
+    """The `foresight bench NAME ...` command (a study's `python -m studies NAME ...`: its module's COMMAND)
+    that parses back into `settings`: every option but those left at an empty default (None, off, nothing
+    given)."""
+    given = {
+        option.name: getattr(settings, option.name)
+        for option in options(type(settings))
+        if not (
+            getattr(settings, option.name) in (None, False, (), "") and option.default == getattr(settings, option.name)
+        )
+    }
+    module = declaring_module(settings)
+    words = [*getattr(module, "COMMAND", "foresight bench").split(), module.NAME]
+    return " ".join(words + [shlex.quote(word) for word in option_words(type(settings), given)])
+
+
+def option_words(settings_class: type, values: dict[str, Any]) -> list[str]:
+    """The command-line words that give these option values, each named by its field or its long flag (with
+    dashes or underscores, as a study's spec file writes them); an unknown name is refused, naming the options
+    there are."""
+    declared = {option.name: option for option in options(settings_class)}
+    declared |= {flags(option)[0][2:].replace("-", "_"): option for option in declared.values()}
     hints = typing.get_type_hints(settings_class)
-    words = ["foresight", "bench", benchmark_name(settings)]
-    for option in options(settings_class):
-        value, flag = getattr(settings, option.name), flags(option)[0]
-        if value in (None, False, (), "") and option.default == value:
-            continue
-        if value is True:
-            words.append(flag)
-        elif _element(hints[option.name]) is str:
-            words += [word for item in value for word in (flag, shlex.quote(item))]
+    words: list[str] = []
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in declared:
+            known = ", ".join(dict.fromkeys(flags(option)[0] for option in declared.values()))
+            raise ValueError(f"{key!r} is not an option here; the options are {known}")
+        option = declared[name]
+        flag, kind = flags(option)[0], hints[option.name]
+        if kind is bool:
+            words += [flag] if value else []
+        elif _element(kind) is str:
+            words += [word for item in _items(value) for word in (flag, str(item))]
         else:
-            words += [flag, shlex.quote(_text(value))]
-    return " ".join(words)
+            words += [flag, _text(tuple(value) if isinstance(value, list) else value)]
+    return words
 
 
-def benchmark_name(settings: Any) -> str:
-    """The NAME of the benchmark module that declares the settings' class."""
-    return sys.modules[type(settings).__module__].NAME
+def declaring_module(settings: Any) -> ModuleType:
+    """The benchmark (or study) module that declares the settings' class: its NAME, and COMMAND and REPORTS
+    where it runs as a study."""
+    return sys.modules[type(settings).__module__]
+
+
+def _items(value: Any) -> tuple:
+    """One value or several (a list or tuple) as a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
 def _default(option: Field) -> Any:

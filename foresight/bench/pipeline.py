@@ -17,7 +17,7 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
   scorer and G sampled rollout rows;
 - fit: optimisation steps from that example cache as `foresight fit` runs them (the data module's
   worker processes, batches in the storage dtype cast on the device, pinned memory on CUDA, freed host
-  memory kept for reuse as the training CLIs set it: `foresight.host_memory`, which stays set for the
+  memory kept for reuse as the training CLIs set it: `trainers.process`, which stays set for the
   process, hence last); steady state, after the run's first step.
 
 The forward share is the time inside the model's top-level forward (a pre-hook and a hook timing it,
@@ -56,9 +56,9 @@ from foresight.bench.common import (
 )
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.trace_store import Trace, TraceStore, describe_traces
+from foresight.data_stage import FrozenModel
 from foresight.eval.replay import evaluate, prefill_lengths
 from foresight.eval.specs import PolicySpec, resolve_policies
-from foresight.host_memory import keep_freed_memory
 from foresight.labels import compute_golden_labels
 from foresight.models import dtype_name
 from foresight.policies import make_policy
@@ -67,7 +67,8 @@ from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.host_reads import HostReads
 from foresight.scorer.model import ForesightScorer
 from trainers.example_cache import ExampleCache
-from trainers.preparation import FrozenModel, make_examples
+from trainers.preparation import make_examples
+from trainers.process import keep_freed_memory
 from trainers.ranking import PairWeight
 from trainers.rollouts import full_cache_losses, packs, roll_out, roll_out_together
 

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 import foresight.bench
-from foresight.bench.common import RUNS, ReportSettings
+from foresight.bench.common import ReportSettings, default_report
 from foresight.bench.options import add_options, settings_from
 from foresight.eval.report import write_section
 
@@ -35,17 +35,29 @@ def benchmarks() -> dict[str, ModuleType]:
     return dict(sorted(found.items()))
 
 
+MOVED_TO_STUDIES = ("ablation", "baselines", "rl-heldout", "rl-signal", "rl-step", "rl-window")
+"""Research studies that were benchmarks: `python -m studies NAME` runs them (the studies/ folder)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     subparsers = parser.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
     for name, module in benchmarks().items():
-        doc = module.__doc__
-        sub = subparsers.add_parser(
-            name, help=doc.splitlines()[0], description=doc, formatter_class=parser.formatter_class
-        )
-        add_options(sub, module.Settings)
-        if not issubclass(module.Settings, ReportSettings):  # the verb writes the report all the same
-            add_options(sub, ReportSettings)
-        sub.set_defaults(benchmark=module)
+        add_benchmark(subparsers, name, module, parser.formatter_class)
+    for name in MOVED_TO_STUDIES:  # the old spelling answers with the new one, whatever follows it
+        sub = subparsers.add_parser(name, add_help=False, prefix_chars="\0")  # every word after it is taken
+        sub.add_argument("rest", nargs="*")
+        sub.set_defaults(moved=name)
+
+
+def add_benchmark(subparsers, name: str, module: ModuleType, formatter_class) -> argparse.ArgumentParser:
+    """The sub-command of one benchmark (or study) module: its docstring as help, its settings as options."""
+    doc = module.__doc__
+    sub = subparsers.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=formatter_class)
+    add_options(sub, module.Settings)
+    if not issubclass(module.Settings, ReportSettings):  # the verb writes the report all the same
+        add_options(sub, ReportSettings)
+    sub.set_defaults(benchmark=module)
+    return sub
 
 
 def section(module: ModuleType, settings, given: str | None) -> str:
@@ -61,10 +73,14 @@ def section(module: ModuleType, settings, given: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Read the options into the benchmark's settings, run it, and rewrite its section of the report."""
+    if getattr(args, "moved", None):
+        raise ValueError(
+            f"`foresight bench {args.moved}` is a study now: run `python -m studies {args.moved}` (studies/README.md)"
+        )
     module = args.benchmark
     settings = settings_from(module.Settings, args)
     report = module.run(settings)
-    out = args.out or RUNS / f"{module.NAME}.md"
+    out = args.out or default_report(module)
     write_section(out, section(module, settings, args.section), report)
     print(report)
     print(f"wrote the {module.NAME} section of {out}")

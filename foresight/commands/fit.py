@@ -48,19 +48,12 @@ from foresight.commands._training import (
     override_args,
 )
 from foresight.data.trace_store import folder_sources
+from foresight.data_stage import make_labels, make_traces
 from foresight.export import ensemble_record, export_scorer, reported_metrics
 from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import ScorerConfig, load_scorer
 from trainers.example_cache import ExampleCache
-from trainers.preparation import (
-    OnPolicyRounds,
-    SeedEnsemble,
-    make_examples,
-    make_labels,
-    make_on_policy_examples,
-    make_traces,
-    scorer_trajectory,
-)
+from trainers.preparation import OnPolicyRounds, SeedEnsemble, make_examples, make_on_policy_examples, scorer_trajectory
 
 log = logging.getLogger(__name__)
 

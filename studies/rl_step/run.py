@@ -9,7 +9,7 @@ fed per second of rollout (row by row), and forward seconds / step seconds: the 
 spent in the frozen model's forward passes (the rest is block attention, features, scoring and sampling
 at evictions, and the scorer's update).
 
-    foresight bench rl-step --traces runs/rl-default/traces --steps 2 --rollout episode --rollout branch
+    python -m studies rl-step --traces runs/rl-default/traces --steps 2 --rollout episode --rollout branch
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 
 from foresight.bench.common import PlacedSettings, threads_note, traces_field
 from foresight.models import dtype_name
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
 
 NAME = "rl-step"
 RL_CONFIG = Path("configs/default-rl.yaml")  # the default model, B = 128, L = 32, G = 8, on CPU

@@ -3,9 +3,9 @@
 Combines `foresight eval` folders, running no model: per set and learned scorer, its loss ratio and
 low-entropy damage, its share of the headroom between the best heuristic and golden, and its gains over
 the best heuristic and over the table's first scorer, with paired 95% bootstrap intervals over traces
-(`foresight.eval.ablation` states the rules).
+(`studies.ablation.report` states the rules).
 
-    foresight bench ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
+    python -m studies ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
         --learned std="standardised features" --budget 128
 """
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from foresight.bench.common import ReportSettings, budget_field, named, trace_sets, trace_sets_field
-from foresight.eval.ablation import ablation_report
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
+from studies.ablation.report import ablation_report
 
 NAME = "ablation"
 

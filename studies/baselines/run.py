@@ -2,9 +2,9 @@
 
 Combines `foresight eval` folders, running no model: per set and budget, every policy's pooled loss ratio
 and low-entropy damage with 95% bootstrap intervals over traces, its KV memory, and the learned scorer's
-paired gain over it; one PNG per set in --plot-dir (`foresight.eval.baselines` states the rules).
+paired gain over it; one PNG per set in --plot-dir (`studies.baselines.report` states the rules).
 
-    foresight bench baselines --set 'unseen A=runs/eval-a,runs/eval-a-256' --learned shipped --budgets 128,256
+    python -m studies baselines --set 'unseen A=runs/eval-a,runs/eval-a-256' --learned shipped --budgets 128,256
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from foresight.bench.common import RUNS, ReportSettings, trace_sets, trace_sets_field
-from foresight.eval.baselines import baselines_report
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
+from studies.baselines.report import baselines_report
 
 NAME = "baselines"
 

@@ -27,7 +27,7 @@ deterministic replay, differing at one eviction step):
 
 Nothing is trained; the scorer's weights are those of `scorer`.
 
-    foresight bench rl-signal --traces data/corpus/train52 --count 2 --out runs/bench.md
+    python -m studies rl-signal --traces data/corpus/train52 --count 2 --out runs/bench.md
 
 Size: one study, two measurements over the same rollouts (the noise scale, the planted reward) that share its
 sampling, tables and report.
@@ -51,6 +51,8 @@ from foresight.data.trace_store import Trace, TraceStore
 from foresight.models import describe, load_model
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer, load_scorer
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
 from trainers.branches import BranchSettings, roll_out_branches
 from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, Estimator, LogprobRule
 from trainers.rollouts import EvictionActions, GroupRollout, roll_out, rollout_seeds
@@ -66,7 +68,7 @@ CHUNKS = 8
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(PlacedSettings):
-    """The options of `foresight bench rl-signal`, each with its help text."""
+    """The options of `python -m studies rl-signal`, each with its help text."""
 
     traces: str = field(default="data/corpus/train52", metadata={"help": "traces folder of the scorer's model"})
     count: int = field(default=2, metadata={"help": "traces measured: the first COUNT with at least TOKENS tokens"})

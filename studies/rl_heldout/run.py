@@ -14,13 +14,13 @@ Figures pool tokens over traces, as `foresight eval` does: −R = Σ ΔL²·1[Δ
 bottom-80%-entropy tokens (minus the reward of docs/algorithms.md §7), loss ratio, damaged share. 95%
 intervals: paired bootstrap over traces (resample the traces with replacement; both scorers on the
 same resample), percentile intervals, also for the relative change of −R and the loss-ratio
-difference. The report goes to a section of runs/bench/rl-heldout.md; per-trace figures to --results (JSON:
+difference. The report goes to a section of runs/studies/rl-heldout.md; per-trace figures to --results (JSON:
 {mode: {scorer: [per-trace figures]}}).
 
-    foresight bench rl-heldout --traces runs/rl-default/traces --holdout 0.4 \\
+    python -m studies rl-heldout --traces runs/rl-default/traces --holdout 0.4 \\
         --scorer supervised=checkpoints/default --scorer reinforced=runs/rl-default/rl/scorer
-    foresight bench rl-heldout --traces DIR --exclude 0,4,5 ...   # every trace but those trained on
-    foresight bench rl-heldout ... --sampled-seeds 8 --sample-temperature 0.005   # and the sampled policy
+    python -m studies rl-heldout --traces DIR --exclude 0,4,5 ...   # every trace but those trained on
+    python -m studies rl-heldout ... --sampled-seeds 8 --sample-temperature 0.005   # and the sampled policy
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.prefix import ReplayPrefix
 from foresight.scorer.model import load_scorer
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
 
 NAME = "rl-heldout"
 FIELDS = ("evicted_nll", "full_nll", "low_entropy", "damaged", "squared_sum")

@@ -1,5 +1,5 @@
 """Several learned scorers against the same heuristics and golden, on several trace sets: an ablation table
-(`foresight bench ablation`).
+(`python -m studies ablation`).
 
 Each set is one or more `foresight eval` output folders over the same traces and budget (each folder's
 traces.json holds every scored trace's sums), so a scorer evaluated later is compared with the
@@ -12,7 +12,7 @@ bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic 
 non-learned policy of the set, the same for every scorer. `pooled` names sets whose traces one more
 table pools as one set (its best heuristic is the best over all of them).
 
-    foresight bench ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
+    python -m studies ablation --set unseen-a=runs/eval-a,runs/eval-a-std --learned shipped="paper features" \\
         --learned std="standardised features" --budget 128
 """
 

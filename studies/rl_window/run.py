@@ -8,7 +8,7 @@ d_k over W chunks (each W of --chunks) is compared with d_k over the whole rest 
 across the K rows, per group, then the mean and the lowest of the traces' means, by each reward rule. The
 rule of docs/rl.md: widen W where the mean is below 0.5. Nothing is trained.
 
-    foresight bench rl-window --traces data/corpus/train52 --count 4 --out runs/bench.md
+    python -m studies rl-window --traces data/corpus/train52 --count 4 --out runs/bench.md
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from foresight.bench.common import PlacedSettings, machine, threads_note
-from foresight.bench.rl_signal import model_and_scorer
 from foresight.data.trace_store import TraceStore
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
+from studies.rl_signal.run import model_and_scorer
 from trainers.branches import BranchSettings, WindowAgreement, window_agreement
 from trainers.estimators import GATE_WIDTH, REWARD_RULES, Estimator
 
@@ -35,7 +37,7 @@ AGREEMENT = 0.5
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(PlacedSettings):
-    """The options of `foresight bench rl-window`, each with its help text."""
+    """The options of `python -m studies rl-window`, each with its help text."""
 
     traces: Path = field(
         default=Path("data/corpus/train52"),

@@ -1,7 +1,7 @@
 """Where a learned scorer stands against every other policy, the newest baselines among them, on several
-trace sets and budgets; and each policy's loss ratio against the KV memory it holds (`foresight bench baselines`).
+trace sets and budgets; and each policy's loss ratio against the KV memory it holds (`python -m studies baselines`).
 
-Each set is one or more `foresight eval` folders of the same traces, merged as `foresight bench ablation`
+Each set is one or more `foresight eval` folders of the same traces, merged as `python -m studies ablation`
 merges them (traces.json, every scored trace's sums: a trace scored twice must agree), plus each row's
 peak KV memory per sequence from results.json (everything the policy holds: `foresight.runtime.held_memory`). Per set and budget: every policy's pooled loss ratio and
 low-entropy damage with 95% bootstrap intervals over traces, its KV memory, and the learned scorer's
@@ -11,7 +11,7 @@ prompt on top of the budget, so it has no paired gain; its `ROW=POLICY` twin wit
 (`foresight eval -o ROW.protect_prompt=false`) is the one on equal memory and tokens. One PNG per set:
 loss ratio against KV memory, one curve per policy over every budget of the set's folders.
 
-    foresight bench baselines --set 'unseen A=runs/eval-a,runs/eval-a-256' --learned shipped --budgets 128,256
+    python -m studies baselines --set 'unseen A=runs/eval-a,runs/eval-a-256' --learned shipped --budgets 128,256
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from foresight.eval.ablation import TraceSets, merged_scores
 from foresight.eval.headroom import FIGURES, TraceScore, paired_gain, percent, pooled_figure
 from foresight.eval.report import MEMORY, plot_metric
+from studies.ablation.report import TraceSets, merged_scores
 
 
 def memory_rows(folders: Sequence[Path]) -> list[dict[str, Any]]:
