@@ -37,10 +37,10 @@ time.sleep(600)
 LABELLER = """
 import json, sys, time
 from pathlib import Path
-from trainers import preparation
+from foresight import data_stage
 
 traces, model, me, other = sys.argv[1:]
-compute = preparation.compute_golden_labels
+compute = data_stage.compute_golden_labels
 
 def meeting_once(*args, **kwargs):
     # this process's first trace waits until the other has claimed one too: both hold a claim at once
@@ -51,8 +51,8 @@ def meeting_once(*args, **kwargs):
             time.sleep(0.01)
     return compute(*args, **kwargs)
 
-preparation.compute_golden_labels = meeting_once
-summary = preparation.make_labels(preparation.FrozenModel(model), traces, 16, 4, progress=False)
+data_stage.compute_golden_labels = meeting_once
+summary = data_stage.make_labels(data_stage.FrozenModel(model), traces, 16, 4, progress=False)
 print(json.dumps({"made": summary.made, "by_others": summary.by_others, "line": summary.describe()}))
 """
 
