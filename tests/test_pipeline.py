@@ -13,13 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from foresight import cli
+from foresight import cli, data_stage
 from foresight.data.trace_store import TraceStore
 from foresight.data_stage import FrozenModel, TraceRecipe, make_labels
 from foresight.labels import LabelStore
 from foresight.models import load_model
 from tests.prompts import DATA
-from trainers import preparation
 from trainers.data import GoldenDataModule
 from trainers.example_cache import ExampleCache, ExampleKey
 from trainers.examples import golden_steps
@@ -37,7 +36,7 @@ def loads(monkeypatch) -> list[str]:
         names.append(str(name))
         return load_model(name, **options)
 
-    monkeypatch.setattr(preparation, "load_model", counting)
+    monkeypatch.setattr(data_stage, "load_model", counting)
     return names
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.functional import spearman_corrcoef
 from transformers import Qwen2Config, Qwen3Config
 
-from foresight import cli
+from foresight import cli, data_stage
 from foresight.commands import fit
 from foresight.commands.fit import lightning_args
 from foresight.data.trace_store import TraceStore
@@ -34,7 +34,7 @@ from foresight.scorer.model import load_scorer
 from tests.prompts import DATA
 from tests.scorers import default_shaped_config, scorer_spec, synthetic_traces
 from trainers import data as data_module
-from trainers import preparation, supervised
+from trainers import supervised
 from trainers.cli import cli_main
 from trainers.data import GoldenDataModule, concat_steps
 from trainers.example_cache import ExampleCache, ExampleKey
@@ -456,7 +456,7 @@ def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, m
     done (loading no model) and resumes the training; data the verbs made is data fit finds made."""
     loads = []
     monkeypatch.setattr(
-        preparation, "load_model", lambda name, **options: (loads.append(name), load_model(name, **options))[1]
+        data_stage, "load_model", lambda name, **options: (loads.append(name), load_model(name, **options))[1]
     )
     recipe = {
         "prompts": str(DATA / "arithmetic.jsonl"),
