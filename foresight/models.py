@@ -52,15 +52,20 @@ TINY_ARCHS: dict[str, type[PreTrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
 }
-# Small enough for a test to run a forward pass in milliseconds, with GQA (2 query heads per KV head).
-# Qwen2 always has q/k/v biases and Qwen3 always has q_norm/k_norm; both keep sliding windows off.
-_TINY_DEFAULTS: dict[str, object] = {
+# Small enough for a test to run a forward pass in milliseconds, with GQA (2 query heads per KV head): the
+# tiny models' sizes, and what an architecture config is shrunk to for a CPU run of its code paths (the
+# scripts' dry runs, tests) that keeps its vocabulary.
+TINY_SIZES: dict[str, int] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+}
+# Qwen2 always has q/k/v biases and Qwen3 always has q_norm/k_norm; both keep sliding windows off.
+_TINY_DEFAULTS: dict[str, object] = {
+    **TINY_SIZES,
     "vocab_size": 128,
     "max_position_embeddings": 2048,
     "bos_token_id": 1,

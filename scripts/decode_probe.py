@@ -32,20 +32,12 @@ from transformers import DynamicCache
 from foresight.bench.common import random_scorer
 from foresight.cache_argument import cache_argument
 from foresight.data.sampler import Request, SamplerSeconds, sample_completions
-from foresight.models import random_model
+from foresight.models import TINY_SIZES, random_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.sampling import REASONING_SAMPLING
 
 MODEL = "configs/models/qwen3-4b.json"
-NARROW = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
 SAMPLER_PROMPT = list(range(3, 67))
 SAMPLER_STEPS = 32
 BUDGET, INTERVAL = 128, 32
@@ -84,7 +76,7 @@ class RuntimeRow:
 def probe_model(device: str) -> torch.nn.Module:
     cuda = device == "cuda"
     return random_model(
-        MODEL, dtype=torch.bfloat16 if cuda else torch.float32, device=device, **({} if cuda else NARROW)
+        MODEL, dtype=torch.bfloat16 if cuda else torch.float32, device=device, **({} if cuda else TINY_SIZES)
     )
 
 

@@ -70,7 +70,7 @@ class Scale:
 
     device: str
     dtype: str
-    tiny: dict = field(default_factory=dict)  # architecture overrides shrinking every model (dry run)
+    tiny: bool = False  # every model shrunk to foresight.models.TINY_SIZES (dry run)
     sampler_rows: int = 256
     sampler_prompt: int = 64
     sampler_tokens: int = 64  # an H200 decodes 3-11 steps/s here (launch-bound): docs/notes/gpu-acceptance.md
@@ -91,14 +91,7 @@ CUDA_SCALE = Scale(device="cuda", dtype="bfloat16")
 DRY_SCALE = Scale(
     device="cpu",
     dtype="float32",
-    tiny=dict(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
+    tiny=True,
     sampler_rows=4,
     sampler_prompt=8,
     sampler_tokens=8,
@@ -288,6 +281,13 @@ def _model_dtype(scale: Scale):
     return getattr(torch, scale.dtype)
 
 
+def _shrunk(scale: Scale) -> dict[str, int]:
+    """The architecture overrides of the scale's models: the tiny sizes in the dry run, none on the GPU."""
+    from foresight.models import TINY_SIZES
+
+    return dict(TINY_SIZES) if scale.tiny else {}
+
+
 def _synchronise(scale: Scale) -> float:
     import torch
 
@@ -360,7 +360,7 @@ def step_sampler(scale: Scale, work: Path) -> dict:
     from foresight.models import random_model
     from foresight.runtime.sampling import REASONING_SAMPLING
 
-    model = random_model(ROOT / SAMPLER_MODEL, dtype=_model_dtype(scale), device=scale.device, **scale.tiny)
+    model = random_model(ROOT / SAMPLER_MODEL, dtype=_model_dtype(scale), device=scale.device, **_shrunk(scale))
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     requests = [
@@ -425,7 +425,7 @@ def step_prepare(scale: Scale, work: Path) -> dict:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        **scale.tiny,
+        **_shrunk(scale),
     )
     tokenizer = char_tokenizer(CHAT_TEMPLATE)
     model.save_pretrained(folder)

@@ -21,7 +21,8 @@ import torch
 from foresight.data.trace_generation import generate_traces
 from foresight.models import tiny_model
 from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
-from tests.rl_runs import scorer_for
+from tests.rl_runs import L_, B
+from tests.scorers import random_scorer
 
 torch.set_num_threads(1)
 
@@ -80,5 +81,5 @@ def peaked_llama():
 def start_scorer(tmp_path_factory, tiny_dir) -> Path:
     """A random scorer of the tiny Llama saved as a folder: the reinforcement stage's starting point."""
     folder = tmp_path_factory.mktemp("start") / "scorer"
-    scorer_for(tiny_model("llama"), base_model=str(tiny_dir)).save_pretrained(folder)
+    random_scorer(tiny_model("llama"), B, L_, base_model=str(tiny_dir)).save_pretrained(folder)
     return folder

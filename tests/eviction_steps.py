@@ -1,5 +1,5 @@
-"""A random eviction step as the engine builds it (the policy tests' input), and a policy's keep scores of one
-step from fresh per-entry state."""
+"""A random eviction step as the engine builds it (the policy tests' input), a step of many zero entries (to
+see a random policy's score distribution), and a policy's keep scores of one step from fresh per-entry state."""
 
 from __future__ import annotations
 
@@ -61,6 +61,20 @@ def random_context(group: int, seed: int = 0, query_start: int | None = None) ->
         scaling=SCALING,
         queries=torch.randn(BATCH, KV_HEADS * group, INTERVAL, DIM, generator=generator) * 1.5,
         query_positions=torch.arange(first_query, first_query + INTERVAL).expand(BATCH, -1),
+    )
+
+
+def zero_context(entries: int, candidates: int, layer_idx: int, num_layers: int) -> EvictionContext:
+    """One row of `entries` zero keys and values per KV head at positions 0.., the first `candidates` of them
+    candidates: nothing in it tells entries apart, so a random policy's scores show their distribution."""
+    return EvictionContext(
+        layer_idx=layer_idx,
+        num_layers=num_layers,
+        keys=torch.zeros(1, KV_HEADS, entries, 1),
+        values=torch.zeros(1, KV_HEADS, entries, 1),
+        positions=torch.arange(entries).expand(1, KV_HEADS, -1),
+        num_candidates=candidates,
+        scaling=1.0,
     )
 
 

@@ -1,5 +1,5 @@
 """Prompts of the tests: the character tokenizer of the tiny models and its chat template, the prompt files
-under data/, and random prompts of given lengths."""
+under data/, traces sampled from its arithmetic prompts, and random prompts of given lengths."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
+
+from foresight.data.trace_generation import generate_traces
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CHAT_TEMPLATE = (
@@ -25,6 +27,17 @@ def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def arithmetic_traces(model, out: Path, num: int, max_new_tokens: int) -> Path:
+    """`num` traces of data/arithmetic.jsonl's prompts that `model` (with the character tokenizer) completes
+    to at most `max_new_tokens`, written to `out` as the traces of model "tiny"."""
+    tokenizer = char_tokenizer(CHAT_TEMPLATE)
+    path = str(DATA / "arithmetic.jsonl")
+    generate_traces(
+        model, tokenizer, path, out_dir=out, num=num, max_new_tokens=max_new_tokens, progress=False, model_name="tiny"
+    )
+    return out
 
 
 def write_lines(path: Path, lines: list[str]) -> str:

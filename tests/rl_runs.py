@@ -1,6 +1,6 @@
-"""What the reinforcement stage's tests share: the tiny traces' cadence, a random scorer with spread keep
-scores, a random trace with its full-cache losses, Eq. 2's order probabilities by enumeration, a `foresight rl`
-config and command line for the tiny model, and a callback that stops a run as a kill would."""
+"""What the reinforcement stage's tests share: the tiny traces' cadence, a random trace with its full-cache
+losses, Eq. 2's order probabilities by enumeration, a `foresight rl` config and command line for the tiny
+model, and a callback that stops a run as a kill would."""
 
 from __future__ import annotations
 
@@ -14,30 +14,8 @@ import yaml
 
 from foresight.data.trace_generation import token_losses
 from foresight.data.trace_store import Trace
-from foresight.models import ModelShape, describe
-from foresight.scorer.model import ForesightScorer, ScorerConfig
 
 B, L_ = 16, 4  # the cadence of the tiny traces (tests.test_trainer)
-
-
-def scorer_for(shape, budget: int = B, interval: int = L_, seed: int = 0, base_model: str = "tiny") -> ForesightScorer:
-    """A random scorer for a model (or model config, or `ModelShape`) with spread-out keep scores."""
-    shape = shape if isinstance(shape, ModelShape) else describe(shape)
-    torch.manual_seed(seed)
-    scorer = ForesightScorer(
-        ScorerConfig(
-            num_layers=shape.num_layers,
-            num_query_heads=shape.num_query_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            budget=budget,
-            interval=interval,
-            base_model=base_model,
-        )
-    )
-    with torch.no_grad():  # keep scores a few units apart: the sampled evictions differ between rows
-        scorer.w1.mul_(4)
-    return scorer
 
 
 def random_trace(model, length: int, prompt: int = 5, seed: int = 0) -> Trace:

@@ -1,10 +1,14 @@
 """Scorers and supervised examples the tests build: a random scorer for a tiny model, the scorer fields the
-data module fixes, and synthetic traces whose α a scorer can learn."""
+data module fixes, synthetic traces whose α a scorer can learn, and a quiet trainer to fit on them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import lightning as L
 import torch
 
+from foresight.bench.common import random_scorer as bench_random_scorer
 from foresight.models import describe, tiny_model
 from foresight.scorer.model import ForesightScorer, ScorerConfig
 
@@ -56,24 +60,23 @@ def synthetic_traces(count: int, steps: int, seed: int = 0) -> list[dict[str, to
     return traces
 
 
-def random_scorer(model, seed: int = 0, **overrides) -> ForesightScorer:
-    """A scorer for `model` (B = 12, L = 4 unless overridden) with weights large enough that its keep
-    scores are far apart."""
-    shape = describe(model)
-    options = dict(
-        num_layers=shape.num_layers,
-        num_query_heads=shape.num_query_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        budget=12,
-        interval=4,
-        base_model="tiny-llama",
+def quiet_trainer(max_steps: int, folder: Path) -> L.Trainer:
+    """A Lightning trainer on the CPU for `max_steps` steps that logs, checkpoints and prints nothing."""
+    return L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=folder,
     )
-    torch.manual_seed(seed)
-    scorer = ForesightScorer(ScorerConfig(**{**options, **overrides}))
-    with torch.no_grad():  # larger weights than nn.Linear's init: keep scores far apart, evictions decisive
-        scorer.w1.mul_(4)
-    return scorer
+
+
+def random_scorer(model, budget: int = 12, interval: int = 4, **options) -> ForesightScorer:
+    """The library's random scorer for `model` at the tests' cadence (B = 12, L = 4 unless given), with its
+    first layer's weights spread (x4) so that keep scores lie far apart and evictions are decisive."""
+    return bench_random_scorer(model, budget, interval, spread=4, **{"base_model": "tiny-llama", **options})
 
 
 def make_config(**overrides) -> ScorerConfig:

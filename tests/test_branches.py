@@ -19,7 +19,8 @@ from foresight.metrics import thresholded_terms
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from studies.__main__ import main as studies_main
-from tests.rl_runs import L_, B, KillAtStep, Killed, random_trace, rl_args, rl_config, scorer_for
+from tests.rl_runs import L_, B, KillAtStep, Killed, random_trace, rl_args, rl_config
+from tests.scorers import random_scorer
 from trainers.branches import (
     BranchSettings,
     WindowAgreement,
@@ -75,7 +76,7 @@ def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama,
     policy with that row's recorded eviction scripted at the step (the branch ran K rows after its step, the
     reference one: float32 rounding, 1e-5); d_k = the branch's window reward minus the backbone's, by loops,
     the backbone being the plain deterministic replay; only the branch step's sampled layers are recorded."""
-    trace, scorer = random_trace(llama, 90, seed=4), scorer_for(llama)
+    trace, scorer = random_trace(llama, 90, seed=4), random_scorer(llama, B, L_)
     settings = BranchSettings(rows=3, chunks=2, steps=2, layers=layers)
     groups = roll_out_branches(llama, scorer, trace, settings, rows=range(3), seed=1, threshold=0.0)
     assert len(groups) == 2
@@ -114,7 +115,7 @@ def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama,
 def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):
     """Rows 2 and 3 of a group of 4 rolled out alone equal those rows of the whole group (how a group splits
     across processes); the steps and layers branched at depend on (seed, round, trace) only."""
-    trace, scorer = random_trace(llama, 80, seed=5), scorer_for(llama)
+    trace, scorer = random_trace(llama, 80, seed=5), random_scorer(llama, B, L_)
     settings = BranchSettings(rows=4, chunks=1, steps=2, layers=1)
     whole = roll_out_branches(llama, scorer, trace, settings, rows=range(4), seed=3, round_index=2, threshold=0.0)
     part = roll_out_branches(llama, scorer, trace, settings, rows=[2, 3], seed=3, round_index=2, threshold=0.0)
@@ -199,7 +200,7 @@ def test_window_agreement_reads_each_branch_over_its_window_and_the_whole_rest(l
     """The window check's d_k over W chunks equal the rewards `roll_out_branches` gives the same draws at that W
     (continuing a branch changes no loss inside its window), and over the rest those at a W past the trace's end
     (where window and rest coincide); every reward rule asked is scored."""
-    trace, scorer = random_trace(llama, 90, seed=4), scorer_for(llama)
+    trace, scorer = random_trace(llama, 90, seed=4), random_scorer(llama, B, L_)
     settings = BranchSettings(rows=3, chunks=2, steps=2)
     rules = {"thresholded": thresholded_terms, "dense": Estimator("dense").damage_terms}
     agreements = window_agreement(llama, scorer, trace, settings, (1, 2, 40), rules, seed=1, threshold=0.0)

@@ -16,18 +16,17 @@ from typing import Literal
 import pytest
 import torch
 
+from foresight.bench.common import random_scorer
 from foresight.choices import Choice
 from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main
 from foresight.commands._model import model_options
 from foresight.commands._policy import policy_options
 from foresight.commands.bench import MOVED_TO_STUDIES
 from foresight.commands.eval import policy_specs
-from foresight.data.trace_generation import generate_traces
-from foresight.models import describe, tiny_model
+from foresight.models import tiny_model
 from foresight.policies import POLICIES, Policy
 from foresight.policies.options import settable_options
-from foresight.scorer.model import ForesightScorer, ScorerConfig
-from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import DATA, arithmetic_traces, char_tokenizer
 
 B, L = 16, 4
 
@@ -223,34 +222,13 @@ def model():
 @pytest.fixture(scope="module")
 def traces_dir(tmp_path_factory, model) -> Path:
     out = tmp_path_factory.mktemp("traces")
-    generate_traces(
-        model,
-        char_tokenizer(CHAT_TEMPLATE),
-        str(DATA / "arithmetic.jsonl"),
-        out_dir=out,
-        num=2,
-        max_new_tokens=16,
-        progress=False,
-        model_name="tiny",
-    )
-    return out
+    return arithmetic_traces(model, out, num=2, max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
 def scorer_dir(tmp_path_factory, model) -> Path:
-    shape = describe(model)
-    config = ScorerConfig(
-        num_layers=shape.num_layers,
-        num_query_heads=shape.num_query_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        budget=B,
-        interval=L,
-        base_model="tiny",
-    )
     folder = tmp_path_factory.mktemp("scorer")
-    torch.manual_seed(0)
-    ForesightScorer(config).save_pretrained(folder)
+    random_scorer(model, B, L, base_model="tiny").save_pretrained(folder)
     return folder
 
 

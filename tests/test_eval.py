@@ -14,7 +14,8 @@ import torch
 from transformers import AttentionInterface
 
 from foresight import cli
-from foresight.data.trace_generation import generate_traces, token_losses
+from foresight.bench.common import random_scorer
+from foresight.data.trace_generation import token_losses
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.eval.equal_bytes import TOKEN_NLL, equal_bytes, load_token_losses
 from foresight.eval.metric_registry import METRICS
@@ -29,7 +30,7 @@ from foresight.policies.triattention_stats import calibrate
 from foresight.runtime.capture import eviction_attention
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from studies.__main__ import main as studies_main
-from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import DATA, arithmetic_traces
 
 B, L = 16, 4
 UNLABELLED_B = 24
@@ -44,16 +45,7 @@ def model():
 def traces_dir(tmp_path_factory, model) -> Path:
     """Four traces of the tiny model, with golden labels at (B, L) but not at (UNLABELLED_B, L)."""
     out = tmp_path_factory.mktemp("traces")
-    generate_traces(
-        model,
-        char_tokenizer(CHAT_TEMPLATE),
-        str(DATA / "arithmetic.jsonl"),
-        out_dir=out,
-        num=4,
-        max_new_tokens=32,
-        progress=False,
-        model_name="tiny",
-    )
+    arithmetic_traces(model, out, num=4, max_new_tokens=32)
     store = LabelStore(out, B, L)
     for trace in TraceStore(out):
         labels = compute_golden_labels(model, trace.input_ids, B, L, trace_index=trace.index, model_name="tiny")
@@ -529,22 +521,8 @@ def test_cli_options_and_errors(traces_dir, tmp_path, patched_model, capsys):
 def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tmp_path, patched_model, model, capsys):
     """`--scorer DIR` adds a `foresight` row at the scorer's B and L, equal to a direct replay, and a
     note (no row) at another budget."""
-    from foresight.models import describe
-    from foresight.scorer.model import ForesightScorer, ScorerConfig
-
-    torch.manual_seed(0)
-    shape = describe(model)
-    config = ScorerConfig(
-        num_layers=shape.num_layers,
-        num_query_heads=shape.num_query_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        budget=B,
-        interval=L,
-        base_model="tiny",
-    )
     scorer_dir = tmp_path / "scorer"
-    ForesightScorer(config).save_pretrained(scorer_dir)
+    random_scorer(model, B, L, base_model="tiny").save_pretrained(scorer_dir)
     out = tmp_path / "eval"
     argv = [
         "eval",
@@ -603,25 +581,10 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
 def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):
     """`--scorer NAME=DIR` names a learned scorer's row (the supervised and the reinforced one side by
     side); −R is Σ ΔL² over the damaged tokens / the low-entropy tokens; two rows of one name are refused."""
-    from foresight.models import describe
-    from foresight.scorer.model import ForesightScorer, ScorerConfig
-
-    shape = describe(model)
     folders = []
     for seed, stage in enumerate(("supervised", "reinforcement")):
-        torch.manual_seed(seed)
-        config = ScorerConfig(
-            num_layers=shape.num_layers,
-            num_query_heads=shape.num_query_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            budget=B,
-            interval=L,
-            base_model="tiny",
-            stage=stage,
-        )
         folders.append(tmp_path / stage)
-        ForesightScorer(config).save_pretrained(folders[-1])
+        random_scorer(model, B, L, seed=seed, base_model="tiny", stage=stage).save_pretrained(folders[-1])
     out = tmp_path / "eval"
     argv = [
         "eval",
@@ -658,23 +621,10 @@ def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patch
 def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never_saw(
     traces_dir, tmp_path, patched_model, model
 ):
-    from foresight.models import describe
-    from foresight.scorer.model import ForesightScorer, ScorerConfig
-
-    shape = describe(model)
     evaluated = sorted(TraceStore(traces_dir).sources())
     for trained, unseen in [(["reasoning-gym:lcm"], ", ".join(evaluated)), (evaluated, "none (in distribution)")]:
-        config = ScorerConfig(
-            num_layers=shape.num_layers,
-            num_query_heads=shape.num_query_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            budget=B,
-            interval=L,
-            base_model="tiny",
-            training_sources=trained,
-        )
-        ForesightScorer(config).save_pretrained(tmp_path / "scorer")
+        scorer = random_scorer(model, B, L, base_model="tiny", training_sources=trained)
+        scorer.save_pretrained(tmp_path / "scorer")
         argv = [
             "eval",
             "--traces",
@@ -702,25 +652,7 @@ def test_the_report_names_the_sources_a_scorer_was_trained_on_and_those_it_never
 # -- the learned policy sampled (--sampled-seeds) --------------------------------------------------
 def spread_scorer(model, folder: Path) -> Path:
     """A random scorer for `model` at (B, L) whose keep scores lie a few units apart, saved to `folder`."""
-    from foresight.models import describe
-    from foresight.scorer.model import ForesightScorer, ScorerConfig
-
-    torch.manual_seed(0)
-    shape = describe(model)
-    scorer = ForesightScorer(
-        ScorerConfig(
-            num_layers=shape.num_layers,
-            num_query_heads=shape.num_query_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            budget=B,
-            interval=L,
-            base_model="tiny",
-        )
-    )
-    with torch.no_grad():
-        scorer.w1.mul_(4)
-    scorer.save_pretrained(folder)
+    random_scorer(model, B, L, spread=4, base_model="tiny").save_pretrained(folder)
     return folder
 
 

@@ -4,7 +4,6 @@ a model card; pushing without a token or a network fails in one line and leaves 
 from __future__ import annotations
 
 import huggingface_hub
-import lightning as L
 import pytest
 import torch
 import yaml
@@ -13,7 +12,7 @@ from torch.utils.data import DataLoader
 from foresight import cli
 from foresight.export import SCORER_KEY, read_checkpoint
 from foresight.scorer.model import load_scorer
-from tests.scorers import scorer_spec, synthetic_traces
+from tests.scorers import quiet_trainer, scorer_spec, synthetic_traces
 from trainers.data import concat_steps
 from trainers.supervised import SupervisedScorer
 
@@ -25,15 +24,7 @@ def checkpoint(tmp_path_factory):
     """A real supervised-stage checkpoint after a few steps on synthetic traces."""
     folder = tmp_path_factory.mktemp("run")
     module = SupervisedScorer(scorer_spec())
-    trainer = L.Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=folder,
-        enable_checkpointing=False,
-    )
+    trainer = quiet_trainer(3, folder)
     trainer.fit(
         module,
         DataLoader(synthetic_traces(4, 2), batch_size=2, collate_fn=concat_steps),

@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 
 import torch
-from transformers import AttentionInterface
 
 from foresight.data.trace_store import TraceStore
 from foresight.labels import compute_golden_labels
 from foresight.models import describe, tiny_model
 from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
+from tests.masked_attention import masked_forward
 from trainers.examples import golden_steps
 
 B, L_ = 16, 4
@@ -32,24 +32,7 @@ def masked_reference(model, input_ids: torch.Tensor, labels) -> dict[int, tuple[
             allowed[:, :, query, newest - interval + 1 : query + 1] = True
             for layer, head in itertools.product(range(layers), range(kv_heads)):
                 allowed[layer, head, query, kept[layer, head]] = True
-    captured = {}
-
-    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        group = query.shape[1] // key.shape[1]
-        keys, values = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-        logits = torch.einsum("bhqd,bhkd->bhqk", query, keys) * scaling
-        mask = allowed[module.layer_idx].repeat_interleave(group, 0)
-        weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
-        captured[module.layer_idx] = (key[0], value[0], weights[0])
-        return (weights @ values).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("golden-masked-reference", attend)
-    model.set_attn_implementation("golden-masked-reference")
-    try:
-        model(input_ids[None])
-    finally:
-        model.set_attn_implementation("sdpa")
-    return captured
+    return masked_forward(model, input_ids, allowed)[1]
 
 
 def reference_features(

@@ -8,7 +8,6 @@ import torch
 
 from foresight import cli
 from foresight.cadence import TraceTooShort, eviction_steps, keep_top
-from foresight.data.trace_generation import generate_traces
 from foresight.data.trace_store import TraceStore
 from foresight.labels import (
     GoldenLabels,
@@ -24,7 +23,7 @@ from foresight.labels import (
 )
 from foresight.models import ModelShape, tiny_model
 from foresight.runtime.capture import attention_logits
-from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import CHAT_TEMPLATE, arithmetic_traces, char_tokenizer
 
 BLOCK_MEAN_RTOL = 1e-6  # a product of several blocks sums each block's mean in another float32 order
 
@@ -323,16 +322,7 @@ def test_labels_dir_layout(tmp_path):
 
 def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
-    generate_traces(
-        model,
-        tokenizer,
-        str(DATA / "arithmetic.jsonl"),
-        out_dir=tmp_path,
-        num=6,
-        max_new_tokens=12,
-        progress=False,
-        model_name="tiny",
-    )
+    arithmetic_traces(model, tmp_path, num=6, max_new_tokens=12)
     lengths = {trace.index: trace.input_ids.numel() for trace in TraceStore(tmp_path)}
     interval = 4
     budget = sorted(set(lengths.values()))[1] - interval  # the shortest traces have no eviction step
@@ -388,16 +378,7 @@ def test_sliding_window_layers_are_refused_and_attention_is_restored():
 
 def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path, monkeypatch, capsys):
     model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
-    generate_traces(
-        model,
-        tokenizer,
-        str(DATA / "arithmetic.jsonl"),
-        out_dir=tmp_path,
-        num=2,
-        max_new_tokens=12,
-        progress=False,
-        model_name="tiny",
-    )
+    arithmetic_traces(model, tmp_path, num=2, max_new_tokens=12)
     monkeypatch.setattr("foresight.data_stage.load_model", lambda name, **kwargs: (model, tokenizer))
     budget, interval = 8, 4
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]

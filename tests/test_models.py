@@ -18,6 +18,7 @@ from foresight.cli import main
 from foresight.models import (
     DEFAULT_CACHE_NAME,
     DEFAULT_INSTALL,
+    TINY_SIZES,
     ModelLoadError,
     ModelShape,
     describe,
@@ -185,15 +186,7 @@ def test_rejects_non_float_dtype() -> None:
 # --- architecture configs (random weights, benchmarks only) ---------------------------------------
 
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "models"
-SHRINK = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-)
+SHRINK = {**TINY_SIZES, "vocab_size": 128}
 
 
 @pytest.mark.parametrize(

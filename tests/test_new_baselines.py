@@ -17,7 +17,7 @@ from foresight.policies.triattention_stats import calibrate, load_stats
 from foresight.policies.vase import sampling_weights
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests import reference_policies as ref
-from tests.eviction_steps import CANDIDATES, KV_HEADS, SCALING, random_context
+from tests.eviction_steps import CANDIDATES, KV_HEADS, SCALING, random_context, zero_context
 from tests.policy_lists import random_stats
 from tests.prompts import prompts
 
@@ -94,17 +94,7 @@ def test_random_prompt_is_reproducible_uniform_and_batch_equals_single():
     torch.testing.assert_close(make_policy("random-prompt", seed=5).keep_scores(context), first)
     assert not torch.equal(make_policy("random-prompt", seed=6).keep_scores(context), first)
     assert_batch_equals_single(make_policy("random-prompt", seed=5), context)
-    positions = torch.arange(20000).expand(1, KV_HEADS, -1)
-    big = EvictionContext(
-        layer_idx=1,
-        num_layers=2,
-        keys=torch.zeros(1, KV_HEADS, 20000, 1),
-        values=torch.zeros(1, KV_HEADS, 20000, 1),
-        positions=positions,
-        num_candidates=19990,
-        scaling=1.0,
-    )
-    scores = make_policy("random-prompt").keep_scores(big)
+    scores = make_policy("random-prompt").keep_scores(zero_context(20000, 19990, layer_idx=1, num_layers=2))
     shares = torch.histc(scores, bins=10, min=0.0, max=1.0) / scores.numel()
     assert (shares - 0.1).abs().max() < 0.01
 

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from foresight.bench.common import random_scorer
 from foresight.data.trace_store import TraceStore
 from foresight.labels import compute_golden_labels, future_score_table
 from foresight.models import describe, tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.policy import EvictionContext, Policy
-from foresight.scorer.model import ForesightScorer, ScorerConfig
+from foresight.scorer.model import ForesightScorer
 from trainers.example_cache import GOLDEN_TRAJECTORY, ExampleCache, ExampleKey
 from trainers.examples import FutureTargets, StepRecorder, _replay, golden_steps, scorer_steps
 from trainers.preparation import scorer_trajectory
@@ -22,10 +23,7 @@ B, L_ = 16, 4
 
 
 def _scorer(model, feature_set: str = "standardised", seed: int = 0) -> ForesightScorer:
-    torch.manual_seed(seed)
-    shape = describe(model)
-    config = ScorerConfig(**vars(shape), budget=B, interval=L_, base_model="tiny", feature_set=feature_set)
-    return ForesightScorer(config)
+    return random_scorer(model, B, L_, seed=seed, base_model="tiny", feature_set=feature_set)
 
 
 def _longest(traces_dir, count: int):

@@ -19,6 +19,7 @@ from tests.eviction_steps import (
     candidate_positions,
     clustered_keys,
     random_context,
+    zero_context,
 )
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -31,16 +32,6 @@ def assert_close_on_valid(actual: torch.Tensor, expected: list, context: Evictio
     valid = context.candidate_positions >= 0
     assert actual.shape == expected.shape
     torch.testing.assert_close(actual.double()[valid], expected[valid], **TOLERANCE)
-
-
-def lists(context: EvictionContext) -> dict:
-    return dict(
-        queries=context.queries.tolist(),
-        query_positions=context.query_positions.tolist(),
-        keys=context.keys.tolist(),
-        positions=context.positions.tolist(),
-        scaling=context.scaling,
-    )
 
 
 def test_contexts_exercise_the_redundancy_threshold():
@@ -96,17 +87,7 @@ def test_random_is_reproducible_from_its_seed():
 
 
 def test_random_scores_are_uniform():
-    positions = torch.arange(20000).expand(1, KV_HEADS, -1)
-    context = EvictionContext(
-        layer_idx=3,
-        num_layers=4,
-        keys=torch.zeros(1, KV_HEADS, 20000, 1),
-        values=torch.zeros(1, KV_HEADS, 20000, 1),
-        positions=positions,
-        num_candidates=20000,
-        scaling=1.0,
-    )
-    scores = make_policy("random").keep_scores(context)
+    scores = make_policy("random").keep_scores(zero_context(20000, 20000, layer_idx=3, num_layers=4))
     shares = torch.histc(scores, bins=10, min=0.0, max=1.0) / scores.numel()
     assert (shares - 0.1).abs().max() < 0.01
     assert not torch.equal(scores[0, 0], scores[0, 1])
@@ -116,7 +97,7 @@ def test_random_scores_are_uniform():
 def test_tova_matches_reference(group, query_start):
     context = random_context(group, query_start=query_start)
     scores = make_policy("tova").keep_scores(context)
-    expected = ref.tova(**lists(context), candidates=CANDIDATES)
+    expected = ref.tova(**ref.context_lists(context), candidates=CANDIDATES)
     assert_close_on_valid(scores, expected, context)
 
 
@@ -125,7 +106,7 @@ def test_tova_matches_reference(group, query_start):
 def test_snapkv_matches_reference(group, query_start, window, kernel_size):
     context = random_context(group, query_start=query_start)
     scores = make_policy("snapkv", window=window, kernel_size=kernel_size).keep_scores(context)
-    expected = ref.snapkv(**lists(context), candidates=CANDIDATES, window=window, kernel_size=kernel_size)
+    expected = ref.snapkv(**ref.context_lists(context), candidates=CANDIDATES, window=window, kernel_size=kernel_size)
     assert_close_on_valid(scores, expected, context)
 
 
@@ -135,7 +116,12 @@ def test_rkv_matches_reference(group, query_start, threshold):
     context = random_context(group, seed=1, query_start=query_start)
     scores = make_policy("rkv", threshold=threshold).keep_scores(context)
     expected = ref.rkv(
-        **lists(context), candidates=CANDIDATES, window=8, kernel_size=7, mix_lambda=0.1, threshold=threshold
+        **ref.context_lists(context),
+        candidates=CANDIDATES,
+        window=8,
+        kernel_size=7,
+        mix_lambda=0.1,
+        threshold=threshold,
     )
     assert_close_on_valid(scores, expected, context)
 
@@ -197,7 +183,7 @@ def test_h2o_accumulates_like_reference_over_steps(group):
         context.state["cumulative"] = state
         scores = policy.keep_scores(context)
 
-        data = lists(context)
+        data = ref.context_lists(context)
         received = ref.block_received(**data)
         for b, row in enumerate(data["positions"]):
             for h, head in enumerate(row):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import AttentionInterface, Qwen2Config, Qwen3Config
+from transformers import Qwen2Config, Qwen3Config
 
 from foresight import cli
 from foresight.commands.rl import lightning_args as rl_lightning_args
@@ -29,6 +29,7 @@ from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.scorer.model import ForesightScorer, load_scorer
+from tests.masked_attention import masked_forward
 from tests.rl_runs import (
     L_,
     B,
@@ -38,9 +39,8 @@ from tests.rl_runs import (
     random_trace,
     rl_args,
     rl_config,
-    scorer_for,
 )
-from tests.scorers import default_shaped_config
+from tests.scorers import default_shaped_config, random_scorer
 from trainers import grpo as grpo_module
 from trainers.cli import rl_cli_main
 from trainers.rollouts import (
@@ -67,7 +67,7 @@ def llama():
 # -- rollouts against slow references -------------------------------------------------------------
 def test_logprob_of_recorded_orders_equals_brute_force_enumeration(llama):
     """B = 6, L = 2: pools of 4 entries, 12 possible orders per (step, layer, row, KV head)."""
-    scorer = scorer_for(llama, budget=6, interval=2)
+    scorer = random_scorer(llama, budget=6, interval=2)
     rollout = roll_out(llama, scorer, random_trace(llama, 20), rollout_seeds(0, 0, 0, range(3)))
     actions = rollout.actions
     logprob = actions.logprob(actions.scores(scorer)).detach()  # [rows, layers, steps, Hkv]
@@ -92,22 +92,7 @@ def masked_reference_nll(model, input_ids: torch.Tensor, actions: EvictionAction
     for layer, step, head in itertools.product(range(layers), range(steps), range(heads)):
         after = int(actions.after[step])
         allowed[layer, head, after + 1 :, actions.evicted[layer, step, row, head]] = False
-
-    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        group = query.shape[1] // key.shape[1]
-        keys, values = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-        logits = torch.einsum("bhqd,bhkd->bhqk", query, keys) * scaling
-        mask = allowed[module.layer_idx].repeat_interleave(group, 0)
-        weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
-        return (weights @ values).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("rollout-masked-reference", attend)
-    model.set_attn_implementation("rollout-masked-reference")
-    try:
-        with torch.no_grad():
-            logits = model(input_ids[None]).logits[0, :-1]
-    finally:
-        model.set_attn_implementation("sdpa")
+    logits = masked_forward(model, input_ids, allowed)[0][:-1]
     return -torch.log_softmax(logits.float(), -1).gather(-1, input_ids[1:, None]).squeeze(-1)
 
 
@@ -125,7 +110,7 @@ def slow_reward(nll: list[float], full: list[float], entropy: list[float], share
 
 def test_reward_equals_a_masked_full_attention_recomputation(llama):
     trace = random_trace(llama, 64, prompt=9, seed=1)
-    scorer = scorer_for(llama)
+    scorer = random_scorer(llama, B, L_)
     rollout = roll_out(llama, scorer, trace, rollout_seeds(0, 0, trace.index, range(3)), threshold=0.05)
     actions = rollout.actions
     first = int(actions.after[0]) + 1  # predictions from the first position processed after the first eviction
@@ -145,7 +130,7 @@ def test_reward_equals_a_masked_full_attention_recomputation(llama):
 
 def test_a_row_rolls_out_the_same_in_any_group(llama):
     """Rows 2 and 3 of a group of 4 equal a group of only rows 2 and 3 (how groups split across ranks)."""
-    trace, scorer = random_trace(llama, 48, seed=2), scorer_for(llama)
+    trace, scorer = random_trace(llama, 48, seed=2), random_scorer(llama, B, L_)
     whole = roll_out(llama, scorer, trace, rollout_seeds(5, 1, trace.index, range(4)))
     part = roll_out(llama, scorer, trace, rollout_seeds(5, 1, trace.index, range(2, 4)))
     assert torch.equal(whole.actions.order[:, :, 2:], part.actions.order)
@@ -168,7 +153,7 @@ def with_token_rows(model, run):
 def test_a_group_runs_the_forwards_before_its_first_eviction_once(llama):
     """The G rows hold the same tokens until the first eviction: the model runs those B + L tokens on one
     row, the group reuses them, and every rollout is the one of running them on every row."""
-    trace, scorer = random_trace(llama, 64, prompt=9, seed=3), scorer_for(llama)
+    trace, scorer = random_trace(llama, 64, prompt=9, seed=3), random_scorer(llama, B, L_)
     seeds = rollout_seeds(2, 0, trace.index, range(4))
     shared, shared_rows = with_token_rows(llama, lambda: roll_out(llama, scorer, trace, seeds))
     alone, alone_rows = with_token_rows(llama, lambda: roll_out(llama, scorer, trace, seeds, share_prefix=False))
@@ -182,7 +167,7 @@ def test_groups_rolled_out_together_equal_each_group_alone(llama):
     """Two traces of different lengths in one replay: each group samples, scores and records what it does
     alone, the shorter one's rows dropping the steps and losses past its end; the prefill runs on one
     row per trace."""
-    scorer = scorer_for(llama)
+    scorer = random_scorer(llama, B, L_)
     traces = [random_trace(llama, 64, prompt=9, seed=6), random_trace(llama, 47, prompt=30, seed=7)]
     seeds = [rollout_seeds(1, 0, trace.index, range(3)) for trace in traces]
     together, shared_rows = with_token_rows(llama, lambda: roll_out_together(llama, scorer, traces, seeds))
@@ -203,18 +188,18 @@ def test_groups_rolled_out_together_equal_each_group_alone(llama):
 def test_groups_rolled_out_together_refuse_bad_groups_in_one_line(llama):
     traces = [random_trace(llama, 40, seed=8), random_trace(llama, 40, seed=9)]
     with pytest.raises(ValueError, match=r"all of one size: got sizes \[2, 3\] for 2 traces"):
-        roll_out_together(llama, scorer_for(llama), traces, [(1, 2), (3, 4, 5)])
+        roll_out_together(llama, random_scorer(llama, B, L_), traces, [(1, 2), (3, 4, 5)])
     with pytest.raises(ValueError, match=r"non-empty group of seeds per trace, all of one size: got sizes \[0, 0\]"):
-        roll_out_together(llama, scorer_for(llama), traces, [(), ()])
+        roll_out_together(llama, random_scorer(llama, B, L_), traces, [(), ()])
     with pytest.raises(ValueError, match="give one reference \\(or None\\) per trace: got 1 for 2 traces"):
-        roll_out_together(llama, scorer_for(llama), traces, [(1, 2), (3, 4)], reference_nll=[None])
+        roll_out_together(llama, random_scorer(llama, B, L_), traces, [(1, 2), (3, 4)], reference_nll=[None])
 
 
 def test_rollouts_in_another_dtype_are_scored_against_the_models_own_full_cache_losses(llama):
     """The replayed reference equals the stored losses in the dtype that made them; in bfloat16 it is the
     bfloat16 model's own, and a group is scored against it (`score_rollouts` reads it in place of the
     stored losses), so a row's ΔL counts eviction damage, not the dtype's rounding."""
-    trace, scorer = random_trace(llama, 64, prompt=9, seed=4), scorer_for(llama)
+    trace, scorer = random_trace(llama, 64, prompt=9, seed=4), random_scorer(llama, B, L_)
     torch.testing.assert_close(full_cache_losses(llama, trace), trace.token_nll, rtol=1e-5, atol=1e-5)
     low = copy.deepcopy(llama).to(torch.bfloat16)
     reference = full_cache_losses(low, trace)
@@ -251,7 +236,7 @@ def scaled(scorer: ForesightScorer, factor: float) -> ForesightScorer:
 def test_sampling_temperature_divides_the_scores(llama):
     """Rolling out at τ samples and scores exactly as τ = 1 with keep scores divided by τ; the recorded
     actions recompute their log-probabilities at the τ they were sampled at."""
-    trace, scorer, tau = random_trace(llama, 56, seed=4), scorer_for(llama), 0.05
+    trace, scorer, tau = random_trace(llama, 56, seed=4), random_scorer(llama, B, L_), 0.05
     seeds = rollout_seeds(1, 0, trace.index, range(3))
     tempered = roll_out(llama, scorer, trace, seeds, temperature=tau)
     divided = roll_out(llama, scaled(scorer, 1 / tau), trace, seeds)
@@ -271,7 +256,7 @@ def test_sampling_temperature_divides_the_scores(llama):
 def test_sampling_at_temperature_zero_is_the_deterministic_policy(llama):
     """τ → 0: every row evicts the L lowest, as the deterministic policy does."""
     trace = random_trace(llama, 56, seed=3)
-    scorer = scorer_for(llama)
+    scorer = random_scorer(llama, B, L_)
     rollout = roll_out(llama, scorer, trace, rollout_seeds(0, 0, 0, range(3)), temperature=1e-6)
     deterministic = make_policy("foresight", scorer=scorer)
     engine = EvictionEngine(llama, deterministic, EvictionConfig(B, L_, sinks=0, protect_prompt=False))
@@ -575,7 +560,7 @@ def without_stored_losses(traces: Path, out: Path) -> Path:
 def test_bad_input_is_a_one_line_error(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
     other_shape = tmp_path / "three-layers"
-    scorer_for(tiny_model("llama", num_hidden_layers=3), base_model="other").save_pretrained(other_shape)
+    random_scorer(tiny_model("llama", num_hidden_layers=3), B, L_, base_model="other").save_pretrained(other_shape)
     no_losses = without_stored_losses(traces_dir, tmp_path / "no-losses")
     capsys.readouterr()
     cases = [
@@ -657,7 +642,7 @@ def test_paper_rl_configs_hold_the_papers_settings_and_build(name, tmp_path, mon
     )
     assert config["trainer"]["max_steps"] == 200
     scorer = tmp_path / "scorer"
-    scorer_for(model_config, budget=1024, interval=256, base_model=model_id).save_pretrained(scorer)
+    random_scorer(model_config, budget=1024, interval=256, base_model=model_id).save_pretrained(scorer)
     built = rl_cli_main(
         ["--config", str(REPO / "configs" / name), f"--model.scorer={scorer}", "--trainer.accelerator=cpu"], run=False
     )  # no GPU here
@@ -719,16 +704,19 @@ def test_two_processes_with_groups_across_ranks_make_the_same_update_as_one(
         assert sorted(one) == sorted(two) and len(one) == 3
         for step in one:
             assert math.isclose(one[step], two[step], rel_tol=1e-4, abs_tol=1e-7), (tag, step, one[step], two[step])
-    weights = [load_file(runs[name] / "scorer" / "model.safetensors") for name in ("one", "two")]
-    # b2 shifts every keep score of a head alike, which no eviction probability sees: its gradient is 0 up
-    # to rounding, and Adam turns that rounding into steps of any sign, so it is not compared.
+    assert_same_update(*(runs[name] / "scorer" for name in ("one", "two")), start_scorer)
+
+
+def assert_same_update(one: Path, two: Path, start: Path) -> None:
+    """Two runs' scorer folders hold the same weights (float32 rounding: 1e-4 relative), moved from the start
+    scorer's. b2 shifts every keep score of a head alike, which no eviction probability sees: its gradient
+    is 0 up to rounding, and Adam turns that rounding into steps of any sign, so it is not compared."""
+    weights = [load_file(folder / "model.safetensors") for folder in (one, two)]
     for name, tensor in weights[0].items():
         if name != "b2":
             torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
-    assert any(
-        not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
-        for name, tensor in weights[0].items()
-    )
+    started = load_file(start / "model.safetensors")
+    assert any(not torch.equal(tensor, started[name]) for name, tensor in weights[0].items())
 
 
 def test_traces_replayed_together_train_as_one_trace_per_replay(
@@ -737,7 +725,7 @@ def test_traces_replayed_together_train_as_one_trace_per_replay(
     """`traces_per_replay` 2 packs each batch's two groups into one replay: the same rollouts, so the same
     update as one trace per replay (b2 left out, as in the test above)."""
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
-    weights, replays = [], []  # replays: the traces of each `roll_out_together` call
+    replays = []  # the traces of each `roll_out_together` call
     rolled_out = grpo_module.roll_out_together
     monkeypatch.setattr(
         grpo_module,
@@ -751,14 +739,7 @@ def test_traces_replayed_together_train_as_one_trace_per_replay(
         replays.clear()
         assert cli.main(rl_args(config, start_scorer, out, f"model.traces_per_replay={pack}")) == 0
         assert replays and set(replays) == {pack}, (pack, replays)  # each replay packs `pack` traces
-        weights.append(load_file(out / "scorer" / "model.safetensors"))
-    for name, tensor in weights[0].items():
-        if name != "b2":
-            torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-6)
-    assert any(
-        not torch.equal(tensor, load_file(start_scorer / "model.safetensors")[name])
-        for name, tensor in weights[0].items()
-    )
+    assert_same_update(tmp_path / "pack1" / "scorer", tmp_path / "pack2" / "scorer", start_scorer)
     capsys.readouterr()
 
 

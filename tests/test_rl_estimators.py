@@ -20,7 +20,8 @@ from foresight.metrics import dense_terms, token_damage
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob, plackett_luce_set_logprob
 from studies.__main__ import main as studies_main
 from studies.rl_signal.run import chunk_noise_scale, noise_scale
-from tests.rl_runs import enumerated_order_probabilities, random_trace, rl_args, rl_config, scorer_for
+from tests.rl_runs import enumerated_order_probabilities, random_trace, rl_args, rl_config
+from tests.scorers import random_scorer
 from trainers.estimators import (
     ADVANTAGE_RULES,
     BATCH_ADVANTAGE_RULES,
@@ -203,7 +204,7 @@ def test_set_logprob_of_a_pool_whose_rest_is_ineligible_is_zero_and_batches_broa
 
 def test_set_logprob_of_recorded_evictions_sums_their_enumerated_orders(llama):
     """B = 6, L = 2: pools of 4 entries; the recorded set's probability is that of its two orders."""
-    scorer = scorer_for(llama, budget=6, interval=2)
+    scorer = random_scorer(llama, budget=6, interval=2)
     actions = roll_out(llama, scorer, random_trace(llama, 20), rollout_seeds(0, 0, 0, range(2))).actions
     scores = actions.scores(scorer).detach()
     logprob = actions.logprob(scores, plackett_luce_set_logprob)  # [rows, layers, steps, Hkv]

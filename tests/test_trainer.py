@@ -32,7 +32,7 @@ from foresight.labels import LabelStore
 from foresight.models import load_model
 from foresight.scorer.model import load_scorer
 from tests.prompts import DATA
-from tests.scorers import default_shaped_config, scorer_spec, synthetic_traces
+from tests.scorers import default_shaped_config, quiet_trainer, scorer_spec, synthetic_traces
 from trainers import data as data_module
 from trainers import supervised
 from trainers.cli import cli_main
@@ -155,15 +155,7 @@ def test_training_updates_only_the_scorer_and_learns_a_learnable_ranking(tmp_pat
     assert {id(p) for p in module.parameters()} == {id(p) for p in module.scorer.parameters()}
     train = DataLoader(synthetic_traces(8, 4), batch_size=2, shuffle=True, collate_fn=concat_steps)
     val = DataLoader(synthetic_traces(2, 4, seed=1), batch_size=2, collate_fn=concat_steps)
-    trainer = L.Trainer(
-        max_steps=80,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(80, tmp_path)
     before = trainer.validate(module, val, verbose=False)[0]
     trainer.fit(module, train, val)
     after = trainer.validate(module, val, verbose=False)[0]

@@ -16,7 +16,7 @@ import torch
 
 from foresight.bench.options import command_line, declaring_module
 from foresight.data.tasks import chat_prompt_ids
-from foresight.models import DEFAULT_MODEL, check_device, describe, load_for_benchmark, placement
+from foresight.models import DEFAULT_MODEL, ModelShape, check_device, describe, load_for_benchmark, placement
 from foresight.policies import POLICIES, Policy, constructible, make_policy
 from foresight.runtime.engine import EvictionConfig
 from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
@@ -254,13 +254,30 @@ def bench_policy(name: str, scorer: ForesightScorer | None) -> Policy:
     return make_policy(name, scorer=scorer) if name == LEARNED else make_policy(name)
 
 
-def random_scorer(model, budget: int, interval: int) -> ForesightScorer:
-    """A scorer of the model's shape at (B, L) with seeded random weights: what the learned policy costs
-    does not depend on its weights."""
-    config = ScorerConfig(**asdict(describe(model)), budget=budget, interval=interval, base_model="random")
+def random_scorer(
+    model: Any,
+    budget: int,
+    interval: int,
+    *,
+    seed: int = 0,
+    spread: float = 1.0,
+    base_model: str = "random",
+    **config: Any,
+) -> ForesightScorer:
+    """A scorer of the shape of `model` (a model, its config or a `ModelShape`) at (B, L) with weights drawn
+    from `seed`, leaving the caller's random state as it was: what the learned policy costs does not depend
+    on its weights. `spread` scales the first layer's weights (tests take 4: keep scores far apart,
+    evictions decisive); `config` sets or replaces other `ScorerConfig` fields (e.g. feature_set, num_layers)."""
+    shape = model if isinstance(model, ModelShape) else describe(model)
+    fields = ScorerConfig(
+        **{**asdict(shape), "budget": budget, "interval": interval, "base_model": base_model, **config}
+    )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return ForesightScorer(config).to(model.device)
+        torch.manual_seed(seed)
+        scorer = ForesightScorer(fields)
+    with torch.no_grad():
+        scorer.w1.mul_(spread)
+    return scorer.to(model.device) if hasattr(model, "device") else scorer
 
 
 def load_benchmark_model(settings: ModelSettings):

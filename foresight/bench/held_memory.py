@@ -12,7 +12,7 @@ K/V; a policy that protects the prompt holds the prompt's entries on top, at the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from foresight.bench.common import (
     LEARNED,
@@ -24,11 +24,12 @@ from foresight.bench.common import (
     interval_field,
     model_field,
     policies_field,
+    random_scorer,
     selected_policies,
 )
 from foresight.models import architecture_config, describe, float_dtype, is_architecture_config, load_config
 from foresight.runtime.held_memory import MIB, PARTS, held_bytes
-from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
+from foresight.scorer.model import ForesightScorer, load_scorer
 
 NAME = "held-memory"
 
@@ -64,14 +65,9 @@ def _scorer(settings: Settings, shape) -> ForesightScorer:
     hold nothing of the cache)."""
     if settings.scorer is not None:
         return load_scorer(settings.scorer)
-    config = ScorerConfig(
-        **asdict(shape),
-        budget=settings.budget,
-        interval=settings.interval,
-        base_model=settings.model,
-        feature_set=settings.feature_set,
+    return random_scorer(
+        shape, settings.budget, settings.interval, base_model=settings.model, feature_set=settings.feature_set
     )
-    return ForesightScorer(config)
 
 
 def run(settings: Settings) -> str:

@@ -22,6 +22,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import astuple, replace
 from pathlib import Path
+from typing import Any
 
 from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_gain, percent
 
@@ -29,16 +30,20 @@ TraceSets = Sequence[tuple[str, Sequence[Path]]]
 """(name, `foresight eval` folders of its traces) per trace set."""
 
 
+def eval_entries(folder: Path, name: str) -> list[dict[str, Any]]:
+    """The entries of one file of a `foresight eval` folder (traces.json, results.json), or an error naming
+    the command that writes it."""
+    path = folder / name
+    if not path.is_file():
+        raise ValueError(f"{folder} holds no {name}; make it with `foresight eval --traces ... --out {folder}`")
+    return json.loads(path.read_text())
+
+
 def merged_scores(folders: Sequence[Path]) -> list[TraceScore]:
     """The trace scores of several evaluation folders of the same traces, each (policy, budget, trace) once."""
     merged: dict[tuple[str, int, int], TraceScore] = {}
     for folder in folders:
-        path = folder / "traces.json"
-        if not path.is_file():
-            raise ValueError(
-                f"{folder} holds no traces.json; make it with `foresight eval --traces ... --out {folder}`"
-            )
-        for entry in json.loads(path.read_text()):
+        for entry in eval_entries(folder, "traces.json"):
             score = TraceScore(**entry)
             key = (score.policy, score.budget, score.index)
             if key in merged and astuple(merged[key]) != astuple(score):

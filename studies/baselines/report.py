@@ -16,7 +16,6 @@ loss ratio against KV memory, one curve per policy over every budget of the set'
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -25,19 +24,14 @@ from typing import Any
 
 from foresight.eval.headroom import FIGURES, TraceScore, paired_gain, percent, pooled_figure
 from foresight.eval.report import MEMORY, plot_metric
-from studies.ablation.report import TraceSets, merged_scores
+from studies.ablation.report import TraceSets, eval_entries, merged_scores
 
 
 def memory_rows(folders: Sequence[Path]) -> list[dict[str, Any]]:
     """The results.json rows of the folders, one per (policy, budget): the first that states its KV memory."""
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     for folder in folders:
-        path = folder / "results.json"
-        if not path.is_file():
-            raise ValueError(
-                f"{folder} holds no results.json; make it with `foresight eval --traces ... --out {folder}`"
-            )
-        for row in json.loads(path.read_text()):
+        for row in eval_entries(folder, "results.json"):
             key = (row["policy"], row["budget"])
             if key not in rows or (rows[key].get(MEMORY) is None and row.get(MEMORY) is not None):
                 rows[key] = row
