@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from foresight.artifacts import atomic_file, write_text
+from foresight.eval.published import this_run
 
 
 def write_section(path: Path, name: str, body: str) -> None:
@@ -76,7 +77,8 @@ def write_results(
     higher_is_better: Sequence[str] = (),
 ) -> list[Path]:
     """Write results.json (the rows), results.csv, results.md (title, settings, notes, table, then the
-    markdown blocks of `after`) and one PNG per metric in `plotted` that has a value (budget against
+    markdown blocks of `after`), page.json (the table's cells with the command, commit and machine: the
+    results file to commit beside a docs page that quotes the table, `foresight.eval.published`) and one PNG per metric in `plotted` that has a value (budget against
     the metric, one line per policy, the `reference` policy dashed), and one more per metric of
     `by_memory` against the rows' KV memory (`kv_mib`); `learned` and `higher_is_better` (metric names) as
     `plot_metric` takes them. Returns the paths written."""
@@ -93,6 +95,8 @@ def write_results(
     blocks = [markdown_table(rows, columns), *after]
     text = "\n".join([f"# {title}", "", *setting_lines, "", "Notes:", "", *note_lines, "", "\n\n".join(blocks), ""])
     write_text(paths[2], text)
+    cells = [[_cell(row, key, fmt) for key, _, fmt in columns] for row in rows]
+    paths.append(this_run(title, [title for _, title, _ in columns], cells).save(out_dir / "page.json"))
     for metric in plotted:
         if any(row.get(metric) is not None for row in rows):
             paths.append(

@@ -1,0 +1,86 @@
+"""Every table README.md and docs/benchmarks.md cite from a results file (docs/results/*.json) reads as the
+file holds it, cell by cell, with the prose figures the file lists; a page that drifts fails."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from foresight.eval.published import ResultsFile, cited_files, cited_tables, page_mismatches
+from foresight.eval.report import write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = (ROOT / "README.md", DOCS / "benchmarks.md")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_the_page_agrees_with_its_results_files(page):
+    assert cited_tables(page.read_text()), f"{page.name} cites no results file"
+    assert page_mismatches(page, DOCS) == []
+
+
+def planted(tmp_path: Path, old: str, new: str) -> Path:
+    """A copy of docs/benchmarks.md and docs/results/ with `old` replaced by `new` once on the page."""
+    docs = tmp_path / "docs"
+    shutil.copytree(DOCS / "results", docs / "results")
+    text = (DOCS / "benchmarks.md").read_text()
+    assert text.count(old) == 1, old
+    (docs / "benchmarks.md").write_text(text.replace(old, new))
+    return docs
+
+
+def test_a_changed_cell_fails(tmp_path):
+    docs = planted(tmp_path, "| 1.3135 [1.1786, 1.5581] |", "| 1.3136 [1.1786, 1.5581] |")
+    assert page_mismatches(docs / "benchmarks.md", docs) == [
+        "benchmarks.md, the table from results/shipped-scorer.json: row 'unseen A', 'loss ratio' reads "
+        "'1.3136 [1.1786, 1.5581]', the file '1.3135 [1.1786, 1.5581]'"
+    ]
+
+
+def test_a_dropped_row_and_a_changed_prose_figure_fail(tmp_path):
+    docs = planted(tmp_path, "0.1167 [0.0637, 0.1954] of loss ratio", "0.1168 [0.0637, 0.1954] of loss ratio")
+    text = (docs / "benchmarks.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| random | – | 2.5636"))
+    (docs / "benchmarks.md").write_text(text.replace(row + "\n", ""))
+    problems = page_mismatches(docs / "benchmarks.md", docs)
+    assert "benchmarks.md, the table from results/unseen-a.json: 19 rows, the file has 20" in problems
+    assert (
+        "benchmarks.md, the table from results/unseen-a.json: the figure 'snapkv − gap-s600, loss ratio' "
+        "(0.1167 [0.0637, 0.1954] of loss ratio on A (snapkv)) is not on the page"
+    ) in problems
+
+
+def test_every_results_file_is_cited_and_says_where_it_came_from():
+    files = sorted((DOCS / "results").glob("*.json"))
+    assert set(files) == cited_files(PAGES, DOCS)
+    tabled = {Path(link).name for page in PAGES for link, header, _ in cited_tables(page.read_text()) if header}
+    assert sorted(path.name for path in files if path.name not in tabled) == []  # each file is a table of a page
+    for path in files:
+        source = ResultsFile.load(path)
+        assert source.command and source.device and source.rows, path.name
+        assert source.commit or not source.transcribed, path.name
+        assert source.source or not source.transcribed, f"{path.name}: transcribed from where?"
+        assert all(len(row) == len(source.columns) for row in source.rows), path.name
+
+
+def test_a_report_writes_the_results_file_of_its_table(tmp_path):
+    rows = [
+        {"policy": "full", "budget": 128, "loss_ratio": 1.0, "loss_ratio_low": 1.0, "loss_ratio_high": 1.0},
+        {"policy": "snapkv", "budget": 128, "loss_ratio": 1.375812, "loss_ratio_low": 1.2, "loss_ratio_high": None},
+    ]
+    columns = [("policy", "policy", "{}"), ("budget", "B", "{}"), ("loss_ratio", "loss ratio", "{:.4f}")]
+    write_results(tmp_path, "Teacher-forced evaluation", {}, [], rows, columns, plotted=())
+    written = json.loads((tmp_path / "page.json").read_text())
+    assert written["columns"] == ["policy", "B", "loss ratio"]
+    assert written["rows"] == [["full", "128", "1.0000 [1.0000, 1.0000]"], ["snapkv", "128", "1.3758"]]
+    assert written["command"] and written["device"] and not written["transcribed"]
+    page = tmp_path / "page.md"
+    table = (tmp_path / "results.md").read_text().split("\n| policy", 1)[1].split("\n\n", 1)[0]
+    page.write_text(f"Table: [results/page.json](results/page.json)\n\n| policy{table}\n")
+    (tmp_path / "results").mkdir()
+    shutil.copy(tmp_path / "page.json", tmp_path / "results" / "page.json")
+    assert page_mismatches(page, tmp_path) == []
