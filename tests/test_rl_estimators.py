@@ -143,7 +143,7 @@ def test_set_logprob_gradient_of_large_pools_equals_finite_differences():
 
 
 def test_set_logprob_stays_finite_and_exact_where_weights_differ_by_hundreds_of_nats():
-    """τ = 0.005 (docs/rl.md's third round) on scores a few tenths apart: logits hundreds apart, a set member
+    """τ = 0.005 (docs/notes/rl-rounds.md's third round) on scores a few tenths apart: logits hundreds apart, a set member
     may outweigh the rest by e^100 and more (float32 overflows at e^88). Values against the sum over orders, gradients
     against finite differences of the function itself (the enumeration's autograd loses digits here)."""
     generator = torch.Generator().manual_seed(0)
