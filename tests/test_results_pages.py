@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from foresight.eval.published import ResultsFile, cited_files, cited_tables, page_mismatches
-from foresight.eval.report import write_results
+from foresight.eval.report import numeric_rows, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -84,3 +84,17 @@ def test_a_report_writes_the_results_file_of_its_table(tmp_path):
     (tmp_path / "results").mkdir()
     shutil.copy(tmp_path / "page.json", tmp_path / "results" / "page.json")
     assert page_mismatches(page, tmp_path) == []
+
+
+def test_a_results_file_reads_back_into_the_rows_it_printed():
+    source = ResultsFile.load(DOCS / "results" / "main-job.json")
+    keys = {"policy": "policy", "B": "budget", "loss ratio": "loss_ratio", "low-entropy damage": "damage"}
+    rows = numeric_rows(source, keys, {"interval": 32})
+    sl = next(
+        row for row in rows if row["policy"] == "foresight-sl"
+    )
+    assert sl["budget"] == 128 and sl["interval"] == 32
+    assert (sl["loss_ratio"], sl["loss_ratio_low"], sl["loss_ratio_high"]) == (1.1995, 1.0749, 1.2974)
+    assert (sl["damage"], sl["damage_low"], sl["damage_high"]) == pytest.approx((0.0124, 0.0035, 0.0196), rel=1e-12)
+    unseen = numeric_rows(ResultsFile.load(DOCS / "results" / "unseen-a.json"), {"loss ratio, it − gap-s600": "gain"})
+    assert [row["gain"] for row in unseen][14:16] == [None, None]  # random-prompt, triattention: "other tokens"

@@ -6,12 +6,13 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from foresight.artifacts import atomic_file, write_text
-from foresight.eval.published import this_run
+from foresight.eval.published import ResultsFile, this_run
 
 
 def write_section(path: Path, name: str, body: str) -> None:
@@ -60,6 +61,31 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     text = fmt.format(row[key])
     low, high = (row.get(name) for name in interval_keys(key))
     return text if low is None or high is None else f"{text} [{fmt.format(low)}, {fmt.format(high)}]"
+
+
+CELL = re.compile(r"(-?[\d.]+)(%?)(?: \[(-?[\d.]+)%?, (-?[\d.]+)%?\])?")
+"""A figure as a table prints it: a value, a percent sign, its interval in brackets (`_cell`)."""
+
+
+def numeric_rows(source: ResultsFile, keys: dict[str, str], fixed: dict[str, Any] | None = None) -> list[dict]:
+    """The table's rows as report rows (the shape `plot_metric` draws): each column title of `keys`
+    read back into its row key, a figure's interval into `interval_keys`, a percentage as a fraction, a
+    cell that is not a number ('–', 'other tokens') as None; `fixed` adds keys every row shares."""
+    rows = []
+    for cells in source.rows:
+        row = dict(fixed or {})
+        for title, key in keys.items():
+            cell = cells[source.columns.index(title)]
+            match = CELL.fullmatch(cell)
+            if key == "policy" or match is None:
+                row[key] = cell if key == "policy" else None
+                continue
+            scale = 0.01 if match[2] else 1.0
+            row[key] = float(match[1]) * scale if "." in cell or scale != 1.0 else int(match[1])
+            if match[3] is not None:
+                set_interval(row, key, (float(match[3]) * scale, float(match[4]) * scale))
+        rows.append(row)
+    return rows
 
 
 def write_results(

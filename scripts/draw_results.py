@@ -1,0 +1,44 @@
+"""Redraw the plots of docs/benchmarks.md from the committed results files (docs/results/*.json) in the
+report's style (`foresight.eval.report.plot_metric`: the learned scorer and golden bold, the three strongest
+heuristics in colour, the rest grey), with no run folder and no model:
+
+    python scripts/draw_results.py              # every figure below, into docs/
+
+A figure whose data no results file holds (unseen A's budget sweep, the paged-reclaim and RL curves) is
+drawn by its own command in docs/benchmarks.md's Figures table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from foresight.eval.published import ResultsFile
+from foresight.eval.report import MEMORY, numeric_rows, plot_metric
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+LOSS = {"policy": "policy", "KV MiB / sequence": MEMORY, "loss ratio": "loss_ratio"}
+
+FIGURES = (  # (results file, PNG, column titles -> row keys, keys every row shares, the learned rows)
+    (
+        "main-job.json",
+        "baselines-main-job-6-held-out-gsm-symbolic-traces.png",
+        LOSS | {"B": "budget", "L": "interval"},
+        {},
+        ("foresight-sl", "foresight-rl"),
+    ),
+    ("unseen-b.json", "baselines-unseen-b-30-traces.png", LOSS, {"budget": 128, "interval": 32}, ("gap-s600",)),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DOCS, help="folder of the PNGs (default: docs/)")
+    out = parser.parse_args().out
+    for name, png, keys, fixed, learned in FIGURES:
+        rows = numeric_rows(ResultsFile.load(DOCS / "results" / name), keys, fixed)
+        print(plot_metric(rows, "loss_ratio", out / png, x=MEMORY, learned=learned))
+
+
+if __name__ == "__main__":
+    main()
