@@ -1,4 +1,4 @@
-"""Every table README.md and docs/benchmarks.md cite from a results file (docs/results/*.json) reads as the
+"""Every table README.md, docs/benchmarks.md, docs/rl.md and docs/serving.md cite from a results file (docs/results/*.json) reads as the
 file holds it, cell by cell, with the prose figures the file lists; a page that drifts fails."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from foresight.eval.report import numeric_rows, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = (ROOT / "README.md", DOCS / "benchmarks.md")
+PAGES = (ROOT / "README.md", DOCS / "benchmarks.md", DOCS / "rl.md", DOCS / "serving.md")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
@@ -90,9 +90,7 @@ def test_a_results_file_reads_back_into_the_rows_it_printed():
     source = ResultsFile.load(DOCS / "results" / "main-job.json")
     keys = {"policy": "policy", "B": "budget", "loss ratio": "loss_ratio", "low-entropy damage": "damage"}
     rows = numeric_rows(source, keys, {"interval": 32})
-    sl = next(
-        row for row in rows if row["policy"] == "foresight-sl"
-    )
+    sl = next(row for row in rows if row["policy"] == "foresight-sl")
     assert sl["budget"] == 128 and sl["interval"] == 32
     assert (sl["loss_ratio"], sl["loss_ratio_low"], sl["loss_ratio_high"]) == (1.1995, 1.0749, 1.2974)
     assert (sl["damage"], sl["damage_low"], sl["damage_high"]) == pytest.approx((0.0124, 0.0035, 0.0196), rel=1e-12)
