@@ -148,8 +148,11 @@ def test_report_files(evaluated):
         f"{m.name}_by_memory.png" for m in METRICS if m.by_memory
     ]
     assert lines[-1].endswith(
-        f"results written to {out} (results.json, results.csv, results.md, {', '.join(plots)}, traces.json, token_nll.pt)"
+        f"results written to {out} (results.json, results.csv, results.md, page.json, {', '.join(plots)}, "
+        "traces.json, token_nll.pt)"
     )
+    page = json.loads((out / "page.json").read_text())  # the results file to commit beside a docs page
+    assert [str(B), str(L), f"{h2o['kv_mib']:.2f}", interval] in [row[1:5] for row in page["rows"] if row[0] == "h2o"]
     assert plots[:2] == ["loss_ratio.png", "low_entropy_damage.png"]
 
 
