@@ -1,4 +1,6 @@
-"""The README's Python example runs as written: on a tiny model (fast) and on the embedded default model (slow)."""
+"""The README's first screen answers a newcomer (what it does, the two commands, the headline figure and its
+results file, how to add a policy), and its Python example runs as written: on a tiny model (fast) and on the
+embedded default model (slow)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,40 @@ from pathlib import Path
 
 import pytest
 
+from foresight.eval.published import cited_tables
 from foresight.models import tiny_model
 from tests.prompts import CHAT_TEMPLATE, char_tokenizer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 LAST_LINE = re.compile(r"held at most (\d+) cache entries, (\d+) eviction steps")
+
+
+FIRST_SCREEN = 60  # lines
+
+
+def first_screen() -> str:
+    """The README up to its first section after the headline and the note on adding a policy."""
+    return README.read_text().split("\n## The main job", 1)[0]
+
+
+def test_the_first_screen_answers_a_newcomer():
+    screen = first_screen()
+    assert len(screen.splitlines()) <= FIRST_SCREEN
+    assert [line for line in screen.splitlines() if line.startswith("## ")] == [
+        "## Two commands",
+        "## Headline figure",
+        "## Adding a policy",
+    ]
+    commands = re.findall(r"```bash\n(.*?)\n```", screen.split("## Two commands", 1)[1], re.S)
+    assert [command.split("#")[0].split() for command in commands] == [
+        ["bash", "scripts/main.sh"],
+        ["bash", "scripts/test.sh"],
+    ]
+    assert all((README.parent / command.split()[1]).is_file() for command in commands)
+    headline = screen.split("## Headline figure", 1)[1].split("## ", 1)[0]
+    [(source, header, rows)] = cited_tables(headline)  # the table and the results file it comes from
+    assert source.startswith("docs/results/") and {"best heuristic", "golden", "share of the headroom"} <= set(header)
+    assert rows and "(docs/extending.md)" in screen.split("## Adding a policy", 1)[1]
 
 
 def api_example() -> str:
