@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from foresight.eval.published import ResultsFile, cited_files, cited_tables, page_mismatches
+from foresight.eval.published import ResultsFile, cited_files, cited_tables, page_mismatches, table_cells
 from foresight.eval.report import numeric_rows, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +21,18 @@ PAGES = (ROOT / "README.md", DOCS / "benchmarks.md", DOCS / "rl.md", DOCS / "ser
 def test_the_page_agrees_with_its_results_files(page):
     assert cited_tables(page.read_text()), f"{page.name} cites no results file"
     assert page_mismatches(page, DOCS) == []
+
+
+def test_every_table_of_the_results_page_is_cited():
+    """A table added to docs/benchmarks.md without its results file fails (the plots' index is not figures)."""
+    lines = (DOCS / "benchmarks.md").read_text().splitlines()
+    headers = [
+        table_cells(line)
+        for before, line in zip([""] + lines, lines)
+        if line.startswith("|") and not before.startswith("|")
+    ]
+    cited = [header for _, header, _ in cited_tables("\n".join(lines)) if header]
+    assert [header for header in headers if header not in cited] == [["figure", "what it draws", "command", "device"]]
 
 
 def planted(tmp_path: Path, old: str, new: str) -> Path:
