@@ -89,7 +89,7 @@ def test_a_report_writes_the_results_file_of_its_table(tmp_path):
     written = json.loads((tmp_path / "page.json").read_text())
     assert written["columns"] == ["policy", "B", "loss ratio"]
     assert written["rows"] == [["full", "128", "1.0000 [1.0000, 1.0000]"], ["snapkv", "128", "1.3758"]]
-    assert written["command"] and written["device"] and not written["transcribed"]
+    assert written["command"].startswith("python ") and written["device"] and not written["transcribed"]
     page = tmp_path / "page.md"
     table = (tmp_path / "results.md").read_text().split("\n| policy", 1)[1].split("\n\n", 1)[0]
     page.write_text(f"Table: [results/page.json](results/page.json)\n\n| policy{table}\n")

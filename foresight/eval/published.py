@@ -58,12 +58,19 @@ def this_run(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) 
     the machine it runs on."""
     return ResultsFile(
         title=title,
-        command=shlex.join(["foresight" if sys.argv[0].endswith("foresight") else "python", *sys.argv[1:]]),
+        command=shlex.join([*_program(sys.argv[0]), *sys.argv[1:]]),
         device=machine(),
         commit=_commit(),
         columns=list(columns),
         rows=[list(row) for row in rows],
     )
+
+
+def _program(path: str) -> list[str]:
+    """How the running command was started: `foresight`, `python -m PACKAGE` or `python SCRIPT`."""
+    if Path(path).name == "__main__.py":
+        return ["python", "-m", Path(path).parent.name]
+    return [Path(path).name] if Path(path).name == "foresight" else ["python", path]
 
 
 def machine() -> str:
