@@ -53,6 +53,14 @@ def test_a_changed_cell_fails(tmp_path):
     ]
 
 
+def test_a_missing_cell_fails(tmp_path):
+    docs = planted(tmp_path, "| 27.5% / −22.1% | the starting point |", "| 27.5% / −22.1% |")
+    assert page_mismatches(docs / "benchmarks.md", docs) == [
+        "benchmarks.md, the table from results/ablation.json: row \"the paper's recipe (42 short gsm_symbolic "
+        'traces)" has 2 cells, the file 3'
+    ]
+
+
 def test_a_dropped_row_and_a_changed_prose_figure_fail(tmp_path):
     docs = planted(tmp_path, "0.1167 [0.0637, 0.1954] of loss ratio", "0.1168 [0.0637, 0.1954] of loss ratio")
     text = (docs / "benchmarks.md").read_text()

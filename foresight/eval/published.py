@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from foresight.artifacts import write_text
 
 RESULTS_LINK = re.compile(r"\]\(((?:docs/)?results/[\w.-]+\.json)\)")
@@ -75,8 +77,6 @@ def _program(path: str) -> list[str]:
 
 def machine() -> str:
     """The machine in words: its GPU where one is visible, else its CPU cores and torch's threads."""
-    import torch
-
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     cpu = platform.processor() or platform.machine()
@@ -90,7 +90,9 @@ def _commit() -> str | None:
         )
     except OSError:
         return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
 
 def table_cells(line: str) -> list[str]:
@@ -125,6 +127,8 @@ def page_mismatches(page: Path, docs: Path) -> list[str]:
         if header and len(rows) != len(source.rows):
             problems.append(f"{where}: {len(rows)} rows, the file has {len(source.rows)}")
         for row, expected in zip(rows, source.rows):
+            if len(row) != len(expected):
+                problems.append(f"{where}: row {expected[0]!r} has {len(row)} cells, the file {len(expected)}")
             for column, cell, want in zip(source.columns, row, expected):
                 if cell != want:
                     problems.append(f"{where}: row {expected[0]!r}, {column!r} reads {cell!r}, the file {want!r}")
