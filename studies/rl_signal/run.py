@@ -83,7 +83,7 @@ class Settings(PlacedSettings):
     branch_rows: int = field(default=8, metadata={"help": "rows per branch group, K"})
     branch_chunks: int = field(default=2, metadata={"help": "chunks of L tokens a branch continues for, W"})
     temperature: float = field(
-        default=0.005, metadata={"help": "τ of Eq. 2 in the rollouts (docs/notes/rl-rounds.md's third round)"}
+        default=0.005, metadata={"help": "τ of Eq. 2 in the rollouts (docs/rl.md's third round)"}
     )
     damage_threshold: float = field(default=1.5, metadata={"help": "η of the thresholded reward"})
     damage_exponent: float = field(default=2.0, metadata={"help": "p of both rewards' damage term"})
