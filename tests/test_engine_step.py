@@ -1,4 +1,4 @@
-"""The eviction step's shared reads (foresight.runtime.engine) against the cache's own per-layer methods: every
+"""The eviction step's stacked reads (foresight.runtime.engine) against the cache's own per-layer methods: every
 layer's entry positions from one shared mask, and every layer's ring of latest queries rotated at once, equal
 `EvictionLayer.entry_positions` and `EvictionLayer.buffered_queries` for all rows and for a subset."""
 
@@ -30,9 +30,9 @@ def test_every_layers_positions_and_latest_queries_equal_the_layers_own(finished
     engine, cache = finished
     index = None if rows is None else torch.tensor(rows)
     lengths = cache.lengths.tolist() if rows is None else [int(cache.lengths[row]) for row in rows]
-    positions = _entry_positions(cache.layers, lengths, index)
-    queries = engine._window_queries(cache.layers, index)
-    for layer, layer_positions, (layer_queries, query_positions) in zip(cache.layers, positions, queries, strict=True):
+    positions = _entry_positions(cache, lengths, index)
+    queries, query_positions = engine._window_queries(cache, index)
+    for layer, layer_positions, layer_queries in zip(cache.layers, positions, queries, strict=True):
         expected = layer.entry_positions() if index is None else layer.entry_positions()[index]
         assert torch.equal(layer_positions, expected)
         expected_queries, expected_positions = layer.buffered_queries(index)

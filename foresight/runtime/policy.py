@@ -54,6 +54,20 @@ _OBSERVED_IN_WORDS = {
 
 
 @dataclass
+class StepLayers:
+    """One eviction step's tensors of every layer on a leading layer dim, for the evicting rows. Each layer's
+    `EvictionContext` holds their slices, and when every row evicts they are views of the cache's stacked
+    storage: a policy that scores the step's layers at once reads them without a copy (`layers_as_rows`)."""
+
+    keys: torch.Tensor  # [layers, batch, Hkv, N, D]
+    values: torch.Tensor  # [layers, batch, Hkv, N, D]
+    positions: torch.Tensor  # [layers, batch, Hkv, N], -1 on invalid slots
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # [layers, batch, Hkv, N, *trailing]
+    queries: torch.Tensor | None = None  # [layers, batch, Hq, l, D]
+    query_positions: torch.Tensor | None = None  # [batch, l], every layer's
+
+
+@dataclass
 class EvictionContext:
     """What a policy sees at one eviction step of one layer, for the batch rows that evict now; or,
     for a policy that observes every query, one block of queries for every row (no candidates then).
@@ -78,6 +92,7 @@ class EvictionContext:
     query_positions: torch.Tensor | None = None  # [batch, l], -1 for padding
     candidate_counts: tuple[int, ...] | None = None  # valid candidates per row, known on the host (None: unknown)
     first_observed: torch.Tensor | None = None  # [batch] each row's first observed query position (None: this block)
+    step: StepLayers | None = None  # every layer's tensors of this step, of which this context's are slices
 
     @cached_property
     def attention(self) -> torch.Tensor:
@@ -113,6 +128,9 @@ class Policy:
     needs_attention: ClassVar[bool] = False
     observed_queries: ClassVar[ObservedQueries] = ObservedQueries.WINDOW
     state_fields: ClassVar[tuple[StateField, ...]] = ()
+    rows_alone: ClassVar[bool] = False
+    """True when `observe` and `keep_scores` treat each batch row on its own and read no layer index: the
+    step's layers then run as the rows of one batch (`layers_as_rows`), one pass for every layer."""
     default_sinks: ClassVar[int] = 0
     default_protect_prompt: ClassVar[bool] = False
 
@@ -160,9 +178,13 @@ class Policy:
     def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         """`observe` of one eviction step's layers (`contexts`, in layer order): their new per-entry state.
         The engine calls this once per step unless the policy observes every query (it observed them as
-        they ran); `observe` of each layer by default, and a policy whose observation batches across
-        layers overrides it."""
-        return [self.observe(context) for context in contexts]
+        they ran); `observe` of each layer, or of every layer at once for a policy whose rows are alone
+        (`rows_alone`), and a policy whose observation batches across layers otherwise overrides it."""
+        merged = layers_as_rows(contexts) if self.rows_alone else None
+        if merged is None:
+            return [self.observe(context) for context in contexts]
+        state = {name: value.unflatten(0, (len(contexts), -1)) for name, value in self.observe(merged).items()}
+        return [{name: value[index] for name, value in state.items()} for index in range(len(contexts))]
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         """KEEP score of each candidate: [batch, Hkv, num_candidates], higher = keep."""
@@ -171,9 +193,13 @@ class Policy:
     def step_keep_scores(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
         """KEEP scores [layers, batch, Hkv, num_candidates] of one eviction step's layers (`contexts`, in
         layer order, each observed already). The engine calls this once per step; `keep_scores` of each
-        layer by default, and a policy that scores the layers at once (the learned scorer's stacked
-        MLPs) overrides it, so a step runs its kernels once instead of once per layer."""
-        return torch.stack([self.keep_scores(context) for context in contexts])
+        layer, or of every layer at once for a policy whose rows are alone (`rows_alone`), and a policy that
+        scores the layers at once otherwise (the learned scorer's stacked MLPs) overrides it, so a step runs
+        its kernels once instead of once per layer."""
+        merged = layers_as_rows(contexts) if self.rows_alone else None
+        if merged is None:
+            return torch.stack([self.keep_scores(context) for context in contexts])
+        return self.keep_scores(merged).unflatten(0, (len(contexts), -1))
 
     @property
     def needs(self) -> str:
@@ -187,3 +213,36 @@ class Policy:
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+
+def layers_as_rows(contexts: Sequence[EvictionContext]) -> EvictionContext | None:
+    """One step's layers (`contexts`: every layer of one `StepLayers`, in order) as the batch rows of one context,
+    [layers * batch, ...], layer-major: views of the step's tensors, where a row of layer l is row l * batch + b.
+    None where they are not (contexts built outside the engine, or layers of different softmax scales)."""
+    first = contexts[0]
+    step = first.step
+    if (
+        step is None
+        or len(contexts) != step.keys.shape[0]
+        or any(context.step is not step or context.scaling != first.scaling for context in contexts)
+    ):
+        return None
+    layers = len(contexts)
+
+    def rows(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.flatten(0, 1)
+
+    return EvictionContext(
+        layer_idx=first.layer_idx,
+        num_layers=first.num_layers,
+        keys=rows(step.keys),
+        values=rows(step.values),
+        positions=rows(step.positions),
+        num_candidates=first.num_candidates,
+        scaling=first.scaling,
+        state={name: rows(value) for name, value in step.state.items()},
+        queries=rows(step.queries),
+        query_positions=None if step.query_positions is None else step.query_positions.repeat(layers, 1),
+        candidate_counts=None if first.candidate_counts is None else first.candidate_counts * layers,
+        first_observed=None if first.first_observed is None else first.first_observed.repeat(layers),
+    )
