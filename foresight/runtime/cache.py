@@ -391,20 +391,6 @@ class EvictionLayer(CacheLayerMixin):
             queries, positions = queries[rows], positions[rows]
         return queries, positions
 
-    def take_unobserved(self, complete_blocks_only: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Hand out the recorded queries, oldest first, in blocks of `query_window`: [(queries [batch, Hq, l, D],
-        positions [batch, l])] with l <= L. With `complete_blocks_only`, a last block shorter than L stays for later."""
-        if not self.unobserved:
-            return []
-        queries = torch.cat([q for q, _ in self.unobserved], dim=2)
-        positions = torch.cat([p for _, p in self.unobserved], dim=1)
-        window, count = self.query_window, self.unobserved_count
-        end = count - count % window if complete_blocks_only else count
-        blocks = [(queries[:, :, s : s + window], positions[:, s : s + window]) for s in range(0, end, window)]
-        self.unobserved = [(queries[:, :, end:], positions[:, end:])] if end < count else []
-        self.unobserved_count = count - end
-        return blocks
-
     def kept(self, lengths: torch.Tensor) -> None:
         """After the stack's compaction: the last `lengths` [batch] entries of each row are valid."""
         self.lengths = lengths
@@ -526,6 +512,25 @@ class EvictionCache(Cache):
         """Overwrite state field `name` of batch rows `rows` [R] in every layer with `value` [layers, R, Hkv, N,
         *trailing], in place."""
         self.stacked(name)[:, rows] = value
+
+    def take_unobserved(self, complete_blocks_only: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Hand out every layer's recorded queries, oldest first, in blocks of `query_window`: [(queries [layers,
+        batch, Hq, l, D], positions [batch, l])] with l <= L (the layers record the same positions). With
+        `complete_blocks_only`, a last block shorter than L stays for later. One concatenation of every layer's
+        queries, whatever the depth."""
+        first = self.layers[0]
+        if not first.unobserved:
+            return []
+        queries = torch.cat([chunk for layer in self.layers for chunk, _ in layer.unobserved], dim=2)
+        queries = queries.unflatten(2, (len(self.layers), -1)).movedim(2, 0)  # [layers, batch, Hq, count, D]
+        positions = torch.cat([chunk for _, chunk in first.unobserved], dim=1)
+        window, count = first.query_window, first.unobserved_count
+        end = count - count % window if complete_blocks_only else count
+        blocks = [(queries[..., s : s + window, :], positions[:, s : s + window]) for s in range(0, end, window)]
+        for layer, layer_queries in zip(self.layers, queries, strict=True):
+            layer.unobserved = [(layer_queries[:, :, end:], positions[:, end:])] if end < count else []
+            layer.unobserved_count = count - end
+        return blocks
 
     def select_rows(self, rows: torch.Tensor) -> EvictionCache:
         """A copy of the cache holding batch rows `rows` [R] of every layer (indices on the cache's device,

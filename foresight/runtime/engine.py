@@ -654,11 +654,9 @@ class EvictionEngine:
             width = run.cadence.evict(due_rows)
             cache = run.cache
             first_observed = self._first_observed(run, due, rows)
-            step = self._step_layers(cache, lengths, rows)
-            contexts = [
-                self._context(index, layer, step, tuple(candidates), first_observed)
-                for index, layer in enumerate(cache.layers)
-            ]
+            step = _step_layers(cache, _entry_positions(cache, lengths, rows), *self._window_queries(cache, rows), rows)
+            entries = cache.layers[0].get_seq_length()
+            contexts = self._contexts(cache, step, entries - self.config.interval, tuple(candidates), first_observed)
             if not self.observes_every_query:  # every-query policies observed all their queries already
                 self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows)
             scores = self.policy.step_keep_scores(contexts)
@@ -675,23 +673,12 @@ class EvictionEngine:
         the causal mask hides the later ones."""
         if run.cache.layers[0].unobserved_count < (self.config.interval if complete_blocks_only else 1):
             return
-        layers = run.cache.layers
-        for layer_idx, (layer, positions) in enumerate(zip(layers, _entry_positions(run.cache, run.cadence.lengths))):
-            for queries, query_positions in layer.take_unobserved(complete_blocks_only):
-                context = EvictionContext(
-                    layer_idx=layer_idx,
-                    num_layers=self.num_layers,
-                    keys=layer.keys,
-                    values=layer.values,
-                    positions=positions,
-                    num_candidates=0,
-                    scaling=layer.scaling,
-                    state=dict(layer.state),
-                    queries=queries,
-                    query_positions=query_positions,
-                )
-                for name, value in self.policy.observe(context).items():
-                    layer.write_state(name, value)
+        cache = run.cache
+        positions = _entry_positions(cache, run.cadence.lengths)
+        for queries, query_positions in cache.take_unobserved(complete_blocks_only):
+            step = _step_layers(cache, positions, queries, query_positions)
+            contexts = self._contexts(cache, step, num_candidates=0)
+            self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows=None)
 
     def _first_observed(self, run: _Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW policy
@@ -703,50 +690,34 @@ class EvictionEngine:
         run.first_observed = torch.where(due & (run.first_observed < 0), oldest, run.first_observed)
         return run.first_observed if rows is None else run.first_observed[rows]
 
-    def _step_layers(self, cache: EvictionCache, lengths: Sequence[int], rows: torch.Tensor | None) -> StepLayers:
-        """Every layer's tensors of the step for the evicting rows `rows` (None: all) whose valid entries are
-        `lengths`: views of the cache's stacked storage when every row evicts (else their rows, one gather per
-        field), the entry positions with -1 on invalid slots (`_entry_positions`) and the latest queries a WINDOW
-        policy reads (`_window_queries`)."""
-
-        def select(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if rows is None else tensor[:, rows]
-
-        queries, query_positions = self._window_queries(cache, rows)
-        return StepLayers(
-            keys=select(cache.stacked(KEYS)),
-            values=select(cache.stacked(VALUES)),
-            positions=_entry_positions(cache, lengths, rows),
-            state={field.name: select(cache.stacked(field.name)) for field in cache.layers[0].state_fields},
-            queries=queries,
-            query_positions=query_positions,
-        )
-
-    def _context(
+    def _contexts(
         self,
-        layer_idx: int,
-        layer: EvictionLayer,
+        cache: EvictionCache,
         step: StepLayers,
-        candidate_counts: tuple[int, ...],
+        num_candidates: int,
+        candidate_counts: tuple[int, ...] | None = None,
         first_observed: torch.Tensor | None = None,
-    ) -> EvictionContext:
-        """One layer's context at an eviction step: its slices of the `step`'s tensors, with the evicting rows'
-        valid candidates (`candidate_counts`) and `first_observed` query positions."""
-        return EvictionContext(
-            layer_idx=layer_idx,
-            num_layers=self.num_layers,
-            keys=step.keys[layer_idx],
-            values=step.values[layer_idx],
-            positions=step.positions[layer_idx],
-            num_candidates=layer.get_seq_length() - self.config.interval,
-            scaling=layer.scaling,
-            state={name: value[layer_idx] for name, value in step.state.items()},
-            queries=None if step.queries is None else step.queries[layer_idx],
-            query_positions=step.query_positions,
-            candidate_counts=candidate_counts,
-            first_observed=first_observed,
-            step=step,
-        )
+    ) -> list[EvictionContext]:
+        """Every layer's context: its slices of the `step`'s tensors, with the rows' valid candidates
+        (`candidate_counts`) and `first_observed` query positions."""
+        return [
+            EvictionContext(
+                layer_idx=index,
+                num_layers=self.num_layers,
+                keys=step.keys[index],
+                values=step.values[index],
+                positions=step.positions[index],
+                num_candidates=num_candidates,
+                scaling=layer.scaling,
+                state={name: value[index] for name, value in step.state.items()},
+                queries=None if step.queries is None else step.queries[index],
+                query_positions=step.query_positions,
+                candidate_counts=candidate_counts,
+                first_observed=first_observed,
+                step=step,
+            )
+            for index, layer in enumerate(cache.layers)
+        ]
 
     def _window_queries(
         self, cache: EvictionCache, rows: torch.Tensor | None
@@ -814,6 +785,30 @@ def _host_index(indices: list[int], like: torch.Tensor) -> torch.Tensor:
     if like.device.type == "cuda":
         return index.pin_memory().to(like.device, non_blocking=True)
     return index.to(like.device)
+
+
+def _step_layers(
+    cache: EvictionCache,
+    positions: torch.Tensor,
+    queries: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+) -> StepLayers:
+    """Every layer's tensors of a step for the batch rows `rows` (None: all): their keys, values and state, views of
+    the cache's stacked storage when every row takes part (else one gather per field), with their entry
+    `positions` and the `queries` they observe."""
+
+    def select(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if rows is None else tensor[:, rows]
+
+    return StepLayers(
+        keys=select(cache.stacked(KEYS)),
+        values=select(cache.stacked(VALUES)),
+        positions=positions,
+        state={field.name: select(cache.stacked(field.name)) for field in cache.layers[0].state_fields},
+        queries=queries,
+        query_positions=query_positions,
+    )
 
 
 def _entry_positions(cache: EvictionCache, lengths: Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -216,33 +216,40 @@ class Policy:
 
 
 def layers_as_rows(contexts: Sequence[EvictionContext]) -> EvictionContext | None:
-    """One step's layers (`contexts`: every layer of one `StepLayers`, in order) as the batch rows of one context,
-    [layers * batch, ...], layer-major: views of the step's tensors, where a row of layer l is row l * batch + b.
-    None where they are not (contexts built outside the engine, or layers of different softmax scales)."""
-    first = contexts[0]
-    step = first.step
-    if (
-        step is None
-        or len(contexts) != step.keys.shape[0]
-        or any(context.step is not step or context.scaling != first.scaling for context in contexts)
-    ):
+    """Consecutive layers of one step (`contexts`, in layer order) as the batch rows of one context,
+    [layers * batch, ...], layer-major (row b of the i-th layer is row i * batch + b): views of the step's stacked
+    tensors when the engine made the contexts (`EvictionContext.step`), else their tensors concatenated. None
+    where the layers have different softmax scales."""
+    first, last = contexts[0], contexts[-1]
+    if any(context.scaling != first.scaling for context in contexts):
         return None
+    step = first.step
     layers = len(contexts)
+    if step is not None and all(context.step is step for context in contexts):
+        span = slice(first.layer_idx, last.layer_idx + 1)
 
-    def rows(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.flatten(0, 1)
+        def rows(name: str) -> torch.Tensor | None:
+            tensor = getattr(step, name)
+            return None if tensor is None else tensor[span].flatten(0, 1)
 
+        state = {name: value[span].flatten(0, 1) for name, value in step.state.items()}
+    else:
+
+        def rows(name: str) -> torch.Tensor | None:
+            return None if getattr(first, name) is None else torch.cat([getattr(c, name) for c in contexts])
+
+        state = {name: torch.cat([context.state[name] for context in contexts]) for name in first.state}
     return EvictionContext(
         layer_idx=first.layer_idx,
         num_layers=first.num_layers,
-        keys=rows(step.keys),
-        values=rows(step.values),
-        positions=rows(step.positions),
+        keys=rows("keys"),
+        values=rows("values"),
+        positions=rows("positions"),
         num_candidates=first.num_candidates,
         scaling=first.scaling,
-        state={name: rows(value) for name, value in step.state.items()},
-        queries=rows(step.queries),
-        query_positions=None if step.query_positions is None else step.query_positions.repeat(layers, 1),
+        state=state,
+        queries=rows("queries"),
+        query_positions=None if first.query_positions is None else first.query_positions.repeat(layers, 1),
         candidate_counts=None if first.candidate_counts is None else first.candidate_counts * layers,
         first_observed=None if first.first_observed is None else first.first_observed.repeat(layers),
     )
