@@ -76,9 +76,9 @@ class EvictionContext:
     window, which is always kept. Invalid slots (padding) have position -1 and are dropped first
     whatever their score.
 
-    Keys, values, positions and the window's queries may be the cache's own storage, valid for this step
-    only: the compaction and later forwards rewrite them in place, so whoever keeps one past the step
-    keeps a copy."""
+    Keys, values, positions, state and the window's queries may be the cache's own storage (slices of the
+    `step`'s stacked tensors), valid for this step only: the compaction and later forwards rewrite them in
+    place, so whoever keeps one past the step keeps a copy."""
 
     layer_idx: int
     num_layers: int
