@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from foresight.runtime.cache import EvictionCache, EvictionLayer, StateField
+from foresight.runtime.cache import KEYS, POSITIONS, QUERIES, VALUES, EvictionCache, EvictionLayer, StateField
 
 
 class ConcatenatingLayer(EvictionLayer):
@@ -87,3 +87,16 @@ class ConcatenatingCache(EvictionCache):
         """Each layer counts and sorts its own mask [batch, Hkv, N] (the runtime does all layers at once)."""
         for layer, layer_keep in zip(self.layers, keep, strict=True):
             layer.compact(layer_keep, width)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """A stacked copy of every layer's tensor (the runtime's is a view of its one storage)."""
+        if name == QUERIES:
+            return torch.stack([layer.queries for layer in self.layers])
+        named = {KEYS: "keys", VALUES: "values", POSITIONS: "positions"}
+        return torch.stack(
+            [getattr(layer, named[name]) if name in named else layer.state[name] for layer in self.layers]
+        )
+
+    def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor) -> None:
+        for layer, layer_value in zip(self.layers, value, strict=True):
+            layer.write_state(name, layer_value, rows)

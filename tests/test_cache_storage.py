@@ -1,5 +1,5 @@
-"""The cache's static storage: allocated once per run, held flat after the first eviction, and
-bit-for-bit equal to the concatenating cache it replaced (`tests/reference_cache.py`)."""
+"""The cache's static storage: allocated once per run and stacked across layers, held flat after the first
+eviction, and bit-for-bit equal to the concatenating cache it replaced (`tests/reference_cache.py`)."""
 
 from __future__ import annotations
 
@@ -56,11 +56,10 @@ class StorageLog:
 
     def __call__(self, count: int) -> None:
         cache = self.engine.last_cache
-        buffers = [
-            b for layer in cache.layers for b in (*layer.storage.buffers.values(), layer.queries) if b is not None
-        ]
+        storage = cache.layers[0].storage
+        buffers = [*storage.buffers.values(), *(layer.queries for layer in cache.layers if layer.queries is not None)]
         self.pointers.append(tuple(b.data_ptr() for b in buffers))
-        self.held.append(sum(layer.storage.nbytes for layer in cache.layers))
+        self.held.append(storage.nbytes)
 
 
 @pytest.mark.parametrize("name", ["knorm", "h2o", "snapkv", "foresight"])
@@ -71,12 +70,15 @@ def test_storage_is_allocated_once_and_sized_for_the_budget(qwen3, name):
     assert output.stats.evictions > 5
     assert len(set(log.pointers)) == 1 and len(set(log.held)) == 1
     layers = engine.last_cache.layers
-    assert all(layer.storage.allocations == 1 and layer.storage.slots == B + L for layer in layers)
+    storage = layers[0].storage
+    assert all(layer.storage is storage for layer in layers)  # one storage, every layer's tensors its slices
+    assert storage.allocations == 1 and storage.slots == B + L
     kv_heads, dim = qwen3.config.num_key_value_heads, qwen3.config.head_dim
     fields = engine.policy.state_fields
     state_bytes = sum((engine.group_size if f.per_query_head else 1) * f.dtype.itemsize for f in fields)
     per_entry = 2 * dim * 4 + 4 + state_bytes  # float32 K and V, an int32 position, the state at its declared dtypes
-    assert layers[0].storage.nbytes == 2 * kv_heads * (B + L) * per_entry
+    assert storage.nbytes == len(layers) * 2 * kv_heads * (B + L) * per_entry
+    assert all(layer.keys.data_ptr() == storage.buffers["keys"][index].data_ptr() for index, layer in enumerate(layers))
 
 
 def test_a_prefill_longer_than_the_budget_is_held_flat_from_its_eviction(qwen3):
@@ -84,7 +86,8 @@ def test_a_prefill_longer_than_the_budget_is_held_flat_from_its_eviction(qwen3):
     log = StorageLog(engine)
     engine.generate(prompts([4, 30]), 30, on_token=log)  # the 30-token prompt does not fit B + L
     assert len(set(log.pointers)) == 1 and len(set(log.held)) == 1  # first entry: after the prefill eviction
-    assert all(layer.storage.allocations == 2 and layer.storage.slots == B + L for layer in engine.last_cache.layers)
+    storage = engine.last_cache.layers[0].storage
+    assert storage.allocations == 2 and storage.slots == B + L
 
 
 def test_full_cache_is_sized_for_the_whole_run(qwen3):
@@ -92,38 +95,43 @@ def test_full_cache_is_sized_for_the_whole_run(qwen3):
     engine = make("full", qwen3)
     engine.generate(prompts([7]), 20)
     storage = engine.last_cache.layers[0].storage
-    assert storage.allocations == 1 and storage.slots == storage.filled == 7 + 19
+    assert storage.allocations == 1 and storage.slots == storage.entries == 7 + 19
 
 
 # -- EntryStorage ---------------------------------------------------------------------------------
-def storage(slots: int, capacity: int | None = None) -> EntryStorage:
+def storage(slots: int, capacity: int | None = None, layers: int = 1) -> EntryStorage:
     layouts = {"keys": EntryLayout((3,), torch.float32), "mark": EntryLayout((), torch.long)}
-    return EntryStorage(layouts, batch=2, heads=2, slots=slots, device=torch.device("cpu"), capacity=capacity)
+    return EntryStorage(layouts, layers, batch=2, heads=2, slots=slots, device=torch.device("cpu"), capacity=capacity)
 
 
 def test_appends_grow_by_doubling_and_keep_every_entry():
-    held = storage(slots=2)
-    keys = torch.randn(2, 2, 11, 3)
+    held = storage(slots=2, layers=2)
+    keys = torch.randn(2, 2, 2, 11, 3)
     for start, count in [(0, 2), (2, 1), (3, 4), (7, 4)]:  # needs 2 -> 4 -> 8 -> 16 slots
-        held.append(count, {"keys": keys[:, :, start : start + count], "mark": 7.0})
-    assert held.slots == 16 and held.allocations == 4 and held.filled == 11
+        for layer in range(2):  # as a forward does: layer 0 grows the buffers of both
+            held.append(layer, count, {"keys": keys[layer, :, :, start : start + count], "mark": 7.0})
+            assert torch.equal(held.view("keys", layer), keys[layer, :, :, : start + count])
+    assert held.slots == 16 and held.allocations == 4 and held.filled == [11, 11]
     assert torch.equal(held.view("keys"), keys)
     assert bool((held.view("mark") == 7).all())
 
 
-def test_compaction_gathers_in_place_and_shrinks_to_capacity():
-    held = storage(slots=9, capacity=6)
-    keys = torch.randn(2, 2, 9, 3)
-    held.append(9, {"keys": keys, "mark": torch.arange(9)})
-    index = torch.tensor([0, 2, 3, 7, 8]).expand(2, 2, 5)
-    held.compact(index)
-    assert held.slots == 6 and held.filled == 5 and held.allocations == 2
-    assert torch.equal(held.view("keys"), keys[:, :, [0, 2, 3, 7, 8]])
+def test_compaction_gathers_every_layer_in_place_and_shrinks_to_capacity():
+    held = storage(slots=9, capacity=6, layers=2)
+    keys = torch.randn(2, 2, 2, 9, 3)
+    for layer in range(2):
+        held.append(layer, 9, {"keys": keys[layer], "mark": torch.arange(9) + 10 * layer})
+    kept = [[0, 2, 3, 7, 8], [1, 2, 4, 5, 6]]
+    held.compact(torch.tensor(kept)[:, None, None, :].expand(2, 2, 2, 5))
+    assert held.slots == 6 and held.filled == [5, 5] and held.allocations == 2
+    for layer in range(2):
+        assert torch.equal(held.view("keys", layer), keys[layer, :, :, kept[layer]])
     pointer = held.buffers["keys"].data_ptr()
-    held.append(1, {"keys": keys[:, :, :1], "mark": -1.0})
-    held.compact(torch.tensor([[[1, 5], [0, 3]]]).expand(2, 2, 2))
+    for layer in range(2):
+        held.append(layer, 1, {"keys": keys[layer, :, :, :1], "mark": -1.0})
+    held.compact(torch.tensor([[[1, 5], [0, 3]]]).expand(2, 2, 2, 2))
     assert held.buffers["keys"].data_ptr() == pointer and held.allocations == 2
-    assert held.view("mark").tolist() == [[[2, -1], [0, 7]]] * 2
+    assert held.view("mark").tolist() == [[[[2, -1], [0, 7]]] * 2, [[[12, -1], [11, 15]]] * 2]
 
 
 def test_a_state_field_may_not_shadow_an_entry_tensor():

@@ -13,6 +13,7 @@ from foresight.models import describe, tiny_model
 from foresight.policies import foresight as foresight_policy
 from foresight.policies import make_policy
 from foresight.policies.foresight import CUMULATIVE, DECAYED, Foresight
+from foresight.runtime import policy as policy_module
 from foresight.runtime.cache import EvictionCache
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.policy import EvictionContext
@@ -317,14 +318,14 @@ class _OneLayerAtATime(Foresight):
 def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(monkeypatch, options, layers_per_pass):
     """Same evictions, losses and sampled records (on a CPU a generator's draws for all layers at once are
     its draws layer after layer), with the block attention of 1, 2 (passes of 2, 2 and 1) or all 5 layers
-    per pass (`logits_budget` sized to fit that many)."""
+    per pass (`STEP_LOGITS` sized to fit that many)."""
     llama = tiny_model("llama", num_hidden_layers=5)
     logits_per_layer = 2 * llama.config.num_attention_heads * L * (B + L)  # rows × Hq × queries × entries
-    monkeypatch.setattr(foresight_policy, "logits_budget", lambda device: layers_per_pass * logits_per_layer)
-    passes = []  # the rows (layers × batch rows) of each pass of several layers
-    block_attention = foresight_policy.block_attention
+    monkeypatch.setattr(foresight_policy, "STEP_LOGITS", layers_per_pass * logits_per_layer)
+    passes = []  # the rows (layers × batch rows) of each pass
+    block_attention = policy_module.block_attention
     monkeypatch.setattr(
-        foresight_policy,
+        policy_module,
         "block_attention",
         lambda queries, *args: passes.append(queries.shape[0]) or block_attention(queries, *args),
     )
@@ -335,8 +336,10 @@ def test_a_step_scoring_every_layer_at_once_evicts_as_one_layer_at_a_time(monkey
         engine = EvictionEngine(llama, policy, EvictionConfig(B, L, sinks=0, protect_prompt=False))
         output = engine.replay(sequences, [B + L] * 2)
         runs.append((output, policy.records, [layer.entry_positions() for layer in engine.last_cache.layers]))
+        passes.append(None)  # the end of a run's passes
     (together, records, held), (alone, reference, held_alone) = runs
-    assert set(passes) == ({2 * layers_per_pass} if layers_per_pass > 1 else set())  # a lone layer: its own attention
+    sizes = [2 * min(layers_per_pass, 5 - first) for first in range(0, 5, layers_per_pass)]
+    assert passes[: passes.index(None)] == sizes * together.stats.evictions
     assert together.stats.evictions == alone.stats.evictions >= 5
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(held, held_alone, strict=True))
     for row in range(2):

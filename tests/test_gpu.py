@@ -170,9 +170,7 @@ def test_cache_memory_is_flat_after_the_first_eviction():
     first = budget + interval - prompt_length  # the decode step whose forward evicts first
     assert len(set(pointers)) == 1  # allocated once, at the prefill
     layer = engine.last_cache.layers[0]
-    entry_bytes = (
-        len(engine.last_cache.layers) * layer.storage.nbytes // layer.storage.slots
-    )  # one entry, all rows and layers
+    entry_bytes = layer.storage.nbytes // layer.storage.slots  # one entry, all rows and layers (stacked)
     steps = len(peaks) - (first + 1)
     # The generated token ids (one small tensor per step) are all that may still grow.
     assert (peaks[-1] - peaks[first + 1]) / steps < entry_bytes / 16

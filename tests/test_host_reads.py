@@ -142,7 +142,7 @@ def test_the_learned_step_runs_as_many_operations_whatever_the_layer_count(monke
     """With the layers' block attention in one pass (an accelerator's pass size), the learned policy's part of
     an eviction step (observation, stacked MLPs, the draw) launches the same kernels for 2 layers as for 4:
     one step for the whole model, not one per layer."""
-    monkeypatch.setattr(foresight_policy, "logits_budget", lambda device: 2**26)
+    monkeypatch.setattr(foresight_policy, "STEP_LOGITS", 2**26)
     counted = []
     for layers in (2, 4):
         model = tiny_model("llama", num_hidden_layers=layers)

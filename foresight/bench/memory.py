@@ -74,8 +74,9 @@ class _Sampler:
         self.filled = filled
         trace.tokens = count
         trace.storage_end, trace.held_end = cache.storage_bytes(), held_bytes(self.device)
-        trace.allocations = max(layer.storage.allocations for layer in cache.layers)
-        trace.entry_bytes = sum(layer.storage.nbytes // layer.storage.slots for layer in cache.layers)
+        storage = cache.layers[0].storage  # every layer's, stacked
+        trace.allocations = storage.allocations
+        trace.entry_bytes = storage.nbytes // storage.slots
         engine, layer = self.engine, cache.layers[0]
         budget, interval = (engine.config.budget, engine.config.interval) if engine.evicts else (0, 0)
         shape, dtype = describe(engine.model), engine.model.dtype

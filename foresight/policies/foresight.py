@@ -16,14 +16,8 @@ from foresight.choices import Choice
 from foresight.models import ModelShape, float_dtype
 from foresight.policies import register
 from foresight.runtime.cache import StateField
-from foresight.runtime.capture import (
-    OBSERVATION_BLOCK,
-    block_attention,
-    first_observed_query,
-    logits_budget,
-    sub_blocks,
-)
-from foresight.runtime.policy import EvictionContext, Policy
+from foresight.runtime.capture import OBSERVATION_BLOCK, STEP_LOGITS, first_observed_query, sub_blocks
+from foresight.runtime.policy import EvictionContext, Policy, layers_as_rows
 from foresight.scorer import standardised_features as standardised
 from foresight.scorer.attention_features import FeatureSet, attention_features
 from foresight.scorer.eviction_sampling import EvictionDraw, check_temperature, draw_eviction, plackett_luce_logprob
@@ -288,8 +282,7 @@ class Foresight(Policy):
     def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         """The layers' features in few passes: block attention and the feature sums treat each batch row on
         its own, so consecutive layers of one softmax scale run as the rows of one batch, as many as keep
-        a pass's attention logits within `logits_budget` (on an accelerator usually all of them; on a CPU,
-        whose budget is its cache, a few or one)."""
+        a pass's attention logits within `STEP_LOGITS` (usually all of them)."""
         if contexts[0].layer_idx == 0:
             self._check(contexts[0])
         states = []
@@ -303,28 +296,11 @@ class Foresight(Policy):
         return states
 
     def _layer_features(self, contexts: Sequence[EvictionContext]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """`observe_features` of the layers [layers, batch, ...], as the rows of one batch; a lone layer's
-        from its context's own block attention (`EvictionContext.attention`, computed once)."""
-        feature_set = self.scorer.config.feature_set
-        if len(contexts) == 1:
-            features, state = observe_features(contexts[0], feature_set)
-            return features[None], {name: value[None] for name, value in state.items()}
-
-        def rows(name: str) -> torch.Tensor:
-            return torch.cat([getattr(context, name) for context in contexts])
-
-        positions, query_positions, queries, keys = (
-            rows(name) for name in ("positions", "query_positions", "queries", "keys")
-        )
-        scaling = contexts[0].scaling
-        blocks = _attention_blocks(queries, query_positions, keys, positions, scaling, feature_set)
-        if blocks is None:
-            blocks = [(block_attention(queries, query_positions, keys, positions, scaling), query_positions)]
-        state = {name: torch.cat([context.state[name] for context in contexts]) for name in contexts[0].state}
-        first = None if contexts[0].first_observed is None else rows("first_observed")
-        features, state = _features(
-            blocks, state, positions, query_positions, contexts[0].num_candidates, feature_set, first
-        )
+        """`observe_features` of the layers [layers, batch, ...], as the rows of one batch (`layers_as_rows`: views
+        of the step's stacked tensors); a lone layer's from its context's own block attention
+        (`EvictionContext.attention`, computed once)."""
+        merged = contexts[0] if len(contexts) == 1 else layers_as_rows(contexts)
+        features, state = observe_features(merged, self.scorer.config.feature_set)
         return features.unflatten(0, (len(contexts), -1)), {
             name: value.unflatten(0, (len(contexts), -1)) for name, value in state.items()
         }
@@ -463,10 +439,10 @@ def _pooled(tensor: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
 
 def _attention_batches(contexts: Sequence[EvictionContext]) -> list[list[EvictionContext]]:
     """Runs of consecutive layers of one softmax scale whose block attention logits [batch, Hq, l, N] stay
-    within `logits_budget` together (at least one layer each)."""
+    within `STEP_LOGITS` together (at least one layer each)."""
     first = contexts[0]
     per_layer = first.keys.shape[0] * first.queries.shape[1] * first.queries.shape[2] * first.keys.shape[2]
-    size = max(1, logits_budget(first.keys.device) // per_layer)
+    size = max(1, STEP_LOGITS // per_layer)
     batches: list[list[EvictionContext]] = []
     for context in contexts:
         if batches and len(batches[-1]) < size and batches[-1][0].scaling == context.scaling:

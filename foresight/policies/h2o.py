@@ -29,6 +29,7 @@ class H2O(Policy):
     name = "h2o"
     summary = "cumulative attention received (mean over the G heads)"
     needs_attention = True
+    rows_alone = True
     observed_queries = ObservedQueries.ALL
     state_fields = (StateField(CUMULATIVE),)
 

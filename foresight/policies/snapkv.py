@@ -36,6 +36,7 @@ class SnapKV(Policy):
     name = "snapkv"
     summary = "last-α-query attention over candidates, max-pooled (R-KV's decoding SnapKV)"
     needs_attention = True
+    rows_alone = True
     window: int = 8
     kernel_size: int = 7
 

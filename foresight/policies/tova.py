@@ -23,6 +23,7 @@ class TOVA(Policy):
     name = "tova"
     summary = "attention from the last query, mean over the layer's heads (one set per layer)"
     needs_attention = True
+    rows_alone = True
 
     @property
     def latest_queries(self) -> int:

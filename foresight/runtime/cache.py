@@ -18,8 +18,11 @@ from them and `foresight.runtime.held_memory` counts from them.
 
 Entries stay in position order, so the most recent L entries of a row are its last L slots.
 Keys, values, positions and state are views of the first N slots of buffers allocated once per run
-(`EntryStorage`): a new token is copied into the next slot and an eviction gathers the kept entries
-to the front, so a run that evicts holds the same memory from its first eviction to its end.
+and stacked across layers (`EntryStorage`: one buffer per field, [layers, batch, Hkv, slots, *trailing];
+the query ring likewise, [layers, batch, Hq, L, D]): a layer's tensors are its slices, which the attention
+function reads without a copy; a new token is copied into the layer's next slot, and an eviction gathers
+the kept entries of every layer to the front at once, one gather per field whatever the depth. A run that
+evicts holds the same memory from its first eviction to its end.
 
 Size: the layer, its preallocated storage and the Cache facade change together (every field the
 storage holds is one the layer gathers).
@@ -105,18 +108,21 @@ def query_layouts(
 
 
 class EntryStorage:
-    """Per-entry tensors of one layer that share the entry dim (dim 2), held in buffers of fixed size.
+    """Per-entry tensors of every layer of a cache that share the entry dim (dim 3), stacked across layers in
+    buffers of fixed size: one buffer per field, [layers, batch, Hkv, slots, *trailing].
 
-    Slots [0, filled) hold the entries; `view` returns that region. `append` copies new entries into
-    the next slots and `compact` gathers the kept entries to the front, both in place. The buffers
-    start with `capacity` slots (the most a run can hold: B + L + protected prompt) and grow, by
-    doubling, only when a forward brings more than fits (a prefill longer than the budget, a full
-    cache); a compaction that leaves at most `capacity` entries brings grown buffers back to it.
+    Slots [0, filled[l]) of layer l hold its entries; `view` returns that region of one layer, or of every layer
+    once they hold the same count (between forwards). `append` copies a layer's new entries into its next slots
+    and `compact` gathers the kept entries of every layer to the front, one gather per buffer, in place. The
+    buffers start with `capacity` slots (the most a run can hold: B + L + protected prompt) and grow, by
+    doubling, only when a forward brings more than fits (a prefill longer than the budget, a full cache); a
+    compaction that leaves at most `capacity` entries brings grown buffers back to it.
     """
 
     def __init__(
         self,
         layouts: dict[str, EntryLayout],
+        layers: int,
         batch: int,
         heads: int,
         slots: int,
@@ -126,56 +132,67 @@ class EntryStorage:
         self.layouts = layouts
         self.batch, self.heads, self.device = batch, heads, device
         self.capacity = capacity
-        self.filled = 0
+        self.filled = [0] * layers  # entries held per layer
         self.allocations = 0  # buffer sets allocated so far (1 for a run that never grows)
         self.buffers: dict[str, torch.Tensor] = {}
         self._allocate(slots)
 
     @property
     def slots(self) -> int:
-        return next(iter(self.buffers.values())).shape[2]
+        return next(iter(self.buffers.values())).shape[3]
+
+    @property
+    def entries(self) -> int:
+        """Entries every layer holds (they hold the same count between forwards)."""
+        if len(set(self.filled)) > 1:
+            raise RuntimeError(f"the layers hold different entry counts {sorted(set(self.filled))} (mid-forward)")
+        return self.filled[0]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the buffers (filled or not)."""
+        """Bytes held by the buffers (filled or not), every layer's."""
         return sum(buffer.nbytes for buffer in self.buffers.values())
 
-    def view(self, name: str) -> torch.Tensor:
-        """[batch, Hkv, filled, *trailing]: the entries held, a view into the buffer."""
-        return self.buffers[name][:, :, : self.filled]
+    def view(self, name: str, layer: int | None = None) -> torch.Tensor:
+        """The entries held, a view into the buffer: [batch, Hkv, filled, *trailing] of `layer`, or
+        [layers, batch, Hkv, entries, *trailing] of every layer (None)."""
+        if layer is None:
+            return self.buffers[name][:, :, :, : self.entries]
+        return self.buffers[name][layer, :, :, : self.filled[layer]]
 
-    def append(self, count: int, entries: dict[str, torch.Tensor | float]) -> None:
-        """Copy `count` new entries into the next slots: a tensor broadcast to
+    def append(self, layer: int, count: int, entries: dict[str, torch.Tensor | float]) -> None:
+        """Copy `count` new entries of `layer` into its next slots: a tensor broadcast to
         [batch, Hkv, count, *trailing], or a fill value, for every buffer."""
-        if self.filled + count > self.slots:
-            self._allocate(max(self.filled + count, 2 * self.slots), keep=self.filled)
-        end = self.filled + count
+        start = self.filled[layer]
+        if start + count > self.slots:
+            self._allocate(max(start + count, 2 * self.slots), keep=max(self.filled))
         for name, buffer in self.buffers.items():
             value = entries[name]
-            target = buffer[:, :, self.filled : end]
+            target = buffer[layer, :, :, start : start + count]
             if isinstance(value, float):
                 target.fill_(value)
             else:
                 target.copy_(value)
-        self.filled = end
+        self.filled[layer] = start + count
 
     def compact(self, index: torch.Tensor) -> None:
-        """Keep the entries at slots `index` [batch, Hkv, W], in that order, in slots [0, W)."""
+        """Keep the entries at slots `index` [layers, batch, Hkv, W], in that order, in slots [0, W) of every layer."""
         width = index.shape[-1]
         shrink = self.capacity is not None and width <= self.capacity < self.slots
         for name in self.buffers:
             kept = _gather_entries(self.view(name), index)  # a temporary: slots may overlap
             if shrink:
                 self.buffers[name] = self._new_buffer(name, self.capacity)
-            self.buffers[name][:, :, :width].copy_(kept)
+            self.buffers[name][:, :, :, :width].copy_(kept)
         if shrink:
             self.allocations += 1
-        self.filled = width
+        self.filled = [width] * len(self.filled)
 
     def select_rows(self, rows: torch.Tensor) -> EntryStorage:
         """A copy holding batch rows `rows` [R] (indices, repeats allowed) of every buffer, filled as this one."""
         selected = copy.copy(self)
-        selected.buffers = {name: buffer[rows] for name, buffer in self.buffers.items()}
+        selected.buffers = {name: buffer[:, rows] for name, buffer in self.buffers.items()}
+        selected.filled = list(self.filled)
         selected.batch = rows.numel()
         return selected
 
@@ -184,18 +201,39 @@ class EntryStorage:
         old = self.buffers
         self.buffers = {name: self._new_buffer(name, slots) for name in self.layouts}
         for name, buffer in old.items():
-            self.buffers[name][:, :, :keep].copy_(buffer[:, :, :keep])
+            self.buffers[name][:, :, :, :keep].copy_(buffer[:, :, :, :keep])
         self.allocations += 1
 
     def _new_buffer(self, name: str, slots: int) -> torch.Tensor:
         layout = self.layouts[name]
-        shape = (self.batch, self.heads, slots, *layout.trailing)
+        shape = (len(self.filled), self.batch, self.heads, slots, *layout.trailing)
         return torch.empty(shape, dtype=layout.dtype, device=self.device)
 
 
+class LayerStack:
+    """What the layers of one cache share, each layer reading its slice: the entry storage and the query ring
+    ([layers, batch, Hq, L, D] and its positions [layers, batch, L]), allocated when the first layer needs them."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.storage: EntryStorage | None = None
+        self.queries: torch.Tensor | None = None
+        self.query_positions: torch.Tensor | None = None
+
+    def select_rows(self, rows: torch.Tensor) -> LayerStack:
+        """A copy holding batch rows `rows` [R] of everything allocated."""
+        selected = LayerStack(self.depth)
+        if self.storage is not None:
+            selected.storage = self.storage.select_rows(rows)
+        if self.queries is not None:
+            selected.queries, selected.query_positions = self.queries[:, rows], self.query_positions[:, rows]
+        return selected
+
+
 class EvictionLayer(CacheLayerMixin):
-    """One decoder layer's cache: appends by copy into preallocated slots, evicts by gather (`keep_entries`,
-    with the index `EvictionCache.compact` sorts for every layer at once).
+    """One decoder layer's cache: its slice `index` of the storage and query ring its cache's layers share
+    (`stack`; a layer made on its own has a stack of one). It appends by copy into preallocated slots; the
+    cache evicts every layer at once (`EvictionCache.compact`).
 
     `capacity` is the most entries a run can hold (its storage is sized for it up front); None grows
     the storage as entries arrive."""
@@ -211,8 +249,12 @@ class EvictionLayer(CacheLayerMixin):
         keep_every_query: bool = False,
         capacity: int | None = None,
         query_dtype: torch.dtype | None = None,
+        stack: LayerStack | None = None,
+        index: int = 0,
     ):
         super().__init__()
+        self.stack = LayerStack(1) if stack is None else stack
+        self.index = index
         self.state_fields = state_fields
         self.group_size = group_size
         self.query_window = query_window
@@ -223,8 +265,8 @@ class EvictionLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.state: MappingProxyType[str, torch.Tensor] = MappingProxyType({})  # write with `write_state`
-        self.queries: torch.Tensor | None = None  # [batch, Hq, window, D] ring buffer
-        self.query_positions: torch.Tensor | None = None  # [batch, window]
+        self.queries: torch.Tensor | None = None  # [batch, Hq, window, D] ring buffer, a slice of the stack's
+        self.query_positions: torch.Tensor | None = None  # [batch, window], a slice of the stack's
         self.query_cursor = 0  # next slot of the ring buffer
         self.unobserved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (queries, positions) not yet handed out
         self.unobserved_count = 0  # queries in `unobserved`
@@ -237,8 +279,16 @@ class EvictionLayer(CacheLayerMixin):
         batch, heads, count, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         layouts = entry_layouts(self.state_fields, self.group_size, dim, value_states.shape[-1], key_states.dtype)
-        slots = max(self.capacity or 0, count)
-        self.storage = EntryStorage(layouts, batch, heads, slots, self.device, self.capacity)
+        stack = self.stack
+        if stack.storage is None:
+            slots = max(self.capacity or 0, count)
+            stack.storage = EntryStorage(layouts, stack.depth, batch, heads, slots, self.device, self.capacity)
+        elif (stack.storage.layouts, stack.storage.batch, stack.storage.heads) != (layouts, batch, heads):
+            raise ValueError(
+                f"layer {self.index}'s keys {tuple(key_states.shape)} ({key_states.dtype}) differ from the first "
+                "layer's: the cache stacks every layer's entries in one storage, so they must share one shape"
+            )
+        self.storage = stack.storage
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -252,7 +302,7 @@ class EvictionLayer(CacheLayerMixin):
             POSITIONS: self.pending_positions[:, None, :],
         }
         entries.update({field.name: float(field.fill) for field in self.state_fields})
-        self.storage.append(key_states.shape[2], entries)
+        self.storage.append(self.index, key_states.shape[2], entries)
         self.lengths = self.lengths + self.pending_valid
         self._refresh_views()
         return self.keys, self.values
@@ -263,7 +313,7 @@ class EvictionLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self.storage is None else self.storage.filled
+        return 0 if self.storage is None else self.storage.filled[self.index]
 
     def get_max_length(self) -> int:
         return -1
@@ -271,6 +321,8 @@ class EvictionLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the name of this abstract method in transformers < 5.3
 
     def reset(self) -> None:
+        """Empty this layer and the stack it shares (every layer of the cache resets with it)."""
+        self.stack.__init__(self.stack.depth)
         self.__init__(
             self.state_fields,
             self.group_size,
@@ -278,14 +330,17 @@ class EvictionLayer(CacheLayerMixin):
             self.keep_every_query,
             self.capacity,
             self.query_dtype,
+            self.stack,
+            self.index,
         )
 
     # -- eviction runtime --------------------------------------------------------------------------
     def _refresh_views(self) -> None:
-        """Point keys, values, positions and state at the filled region of the storage."""
-        storage = self.storage
-        self.keys, self.values, self.positions = storage.view(KEYS), storage.view(VALUES), storage.view(POSITIONS)
-        self.state = MappingProxyType({field.name: storage.view(field.name) for field in self.state_fields})
+        """Point keys, values, positions and state at this layer's filled region of the storage."""
+        storage, index = self.storage, self.index
+        self.keys, self.values = storage.view(KEYS, index), storage.view(VALUES, index)
+        self.positions = storage.view(POSITIONS, index)
+        self.state = MappingProxyType({field.name: storage.view(field.name, index) for field in self.state_fields})
 
     def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrite state field `name` with `value` [batch or len(rows), Hkv, N, *trailing], in place."""
@@ -312,14 +367,16 @@ class EvictionLayer(CacheLayerMixin):
             self.unobserved.append((queries, positions.to(POSITION_DTYPE)))
             self.unobserved_count += queries.shape[2]
             return
-        window = self.query_window
+        window, stack = self.query_window, self.stack
         if self.queries is None:
-            batch, heads, _, dim = queries.shape
-            layouts = query_layouts(heads, dim, queries.dtype, self.query_dtype)
-            self.queries = queries.new_zeros(batch, heads, window, dim, dtype=layouts[QUERIES].dtype)
-            self.query_positions = torch.full(
-                (batch, window), -1, dtype=layouts[QUERY_POSITIONS].dtype, device=queries.device
-            )
+            if stack.queries is None:
+                batch, heads, _, dim = queries.shape
+                layouts = query_layouts(heads, dim, queries.dtype, self.query_dtype)
+                stack.queries = queries.new_zeros(stack.depth, batch, heads, window, dim, dtype=layouts[QUERIES].dtype)
+                stack.query_positions = torch.full(
+                    (stack.depth, batch, window), -1, dtype=layouts[QUERY_POSITIONS].dtype, device=queries.device
+                )
+            self.queries, self.query_positions = stack.queries[self.index], stack.query_positions[self.index]
         queries, positions = queries[:, :, -window:].to(self.queries.dtype), positions[:, -window:].to(POSITION_DTYPE)
         slots = (self.query_cursor + torch.arange(queries.shape[2], device=queries.device)) % window
         self.queries.index_copy_(2, slots, queries)
@@ -334,38 +391,24 @@ class EvictionLayer(CacheLayerMixin):
             queries, positions = queries[rows], positions[rows]
         return queries, positions
 
-    def take_unobserved(self, complete_blocks_only: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Hand out the recorded queries, oldest first, in blocks of `query_window`: [(queries [batch, Hq, l, D],
-        positions [batch, l])] with l <= L. With `complete_blocks_only`, a last block shorter than L stays for later."""
-        if not self.unobserved:
-            return []
-        queries = torch.cat([q for q, _ in self.unobserved], dim=2)
-        positions = torch.cat([p for _, p in self.unobserved], dim=1)
-        window, count = self.query_window, self.unobserved_count
-        end = count - count % window if complete_blocks_only else count
-        blocks = [(queries[:, :, s : s + window], positions[:, s : s + window]) for s in range(0, end, window)]
-        self.unobserved = [(queries[:, :, end:], positions[:, end:])] if end < count else []
-        self.unobserved_count = count - end
-        return blocks
-
-    def keep_entries(self, index: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Keep the entries at slots `index` [batch, Hkv, W], in that order, of which the last `lengths`
-        [batch] of each row are valid (`EvictionCache.compact` works them out for every layer at once)."""
-        self.storage.compact(index)
+    def kept(self, lengths: torch.Tensor) -> None:
+        """After the stack's compaction: the last `lengths` [batch] entries of each row are valid."""
         self.lengths = lengths
         self._refresh_views()
 
-    def select_rows(self, rows: torch.Tensor) -> EvictionLayer:
-        """A copy of this layer holding batch rows `rows` [R] (indices on its device, repeats allowed): the
-        entries and their state, the valid lengths, the query ring buffer (and its cursor) or the queries
-        not yet handed out, and the announced positions of a forward whose eviction step is pending."""
+    def select_rows(self, rows: torch.Tensor, stack: LayerStack) -> EvictionLayer:
+        """A copy of this layer holding batch rows `rows` [R] (indices on its device, repeats allowed), a slice of
+        `stack` (this layer's stack with those rows selected): the entries and their state, the valid lengths, the
+        query ring buffer (and its cursor) or the queries not yet handed out, and the announced positions of a
+        forward whose eviction step is pending."""
         selected = copy.copy(self)
+        selected.stack = stack
         if self.storage is None:
             return selected
-        selected.storage = self.storage.select_rows(rows)
+        selected.storage = stack.storage
         selected.lengths = self.lengths[rows]
         if self.queries is not None:
-            selected.queries, selected.query_positions = self.queries[rows], self.query_positions[rows]
+            selected.queries, selected.query_positions = stack.queries[self.index], stack.query_positions[self.index]
         selected.unobserved = [(queries[rows], positions[rows]) for queries, positions in self.unobserved]
         if self.pending_positions is not None:
             selected.pending_positions, selected.pending_valid = self.pending_positions[rows], self.pending_valid[rows]
@@ -373,8 +416,9 @@ class EvictionLayer(CacheLayerMixin):
         return selected
 
     def storage_bytes(self) -> int:
-        """Bytes held by this layer's entry storage, query ring buffer and queries not yet handed out."""
-        held = 0 if self.storage is None else self.storage.nbytes
+        """Bytes held by this layer's share of the entry storage, its query ring buffer and its queries not yet
+        handed out."""
+        held = 0 if self.storage is None else self.storage.nbytes // self.stack.depth
         buffered = [t for pair in self.unobserved for t in pair]
         return held + sum(t.nbytes for t in (self.queries, self.query_positions, *buffered) if t is not None)
 
@@ -388,10 +432,10 @@ def ring_dtype(model_dtype: torch.dtype, query_dtype: torch.dtype | None) -> tor
 
 
 def _gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Gather [batch, Hkv, N, *trailing] along the entry dim with index [batch, Hkv, W]."""
-    trailing = tensor.shape[3:]
+    """Gather [..., N, *trailing] along the entry dim with index [..., W] (leading dims: [layers,] batch, Hkv)."""
+    trailing = tensor.shape[index.dim() :]
     expanded = index.reshape(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing)
-    return tensor.gather(2, expanded)
+    return tensor.gather(index.dim() - 1, expanded)
 
 
 class EvictionCache(Cache):
@@ -411,9 +455,10 @@ class EvictionCache(Cache):
         capacity: int | None = None,
         query_dtype: torch.dtype | None = None,
     ):
+        stack = LayerStack(num_layers)
         layers = [
-            EvictionLayer(state_fields, group_size, query_window, keep_every_query, capacity, query_dtype)
-            for _ in range(num_layers)
+            EvictionLayer(state_fields, group_size, query_window, keep_every_query, capacity, query_dtype, stack, index)
+            for index in range(num_layers)
         ]
         super().__init__(layers=layers)
         self.has_padding = False
@@ -443,23 +488,57 @@ class EvictionCache(Cache):
         Every row keeps the same count on each of its heads; rows may differ (padding, protected
         prompts), so the layers narrow to `width`, the largest count, which the caller knows from its
         cadence (reading it here would synchronise with the device), and shorter rows get invalid slots
-        in front. One count, one device-side check and one sort serve all the layers; each layer then
-        gathers its own buffers."""
+        in front. One count, one device-side check, one sort and one gather per stacked field serve all the
+        layers."""
         kept_per_row = keep[:, :, 0].sum(-1)  # [layers, batch]
         require(
             (kept_per_row.amax(-1) == width).all(), f"an eviction step kept another count than its cadence's {width}"
         )
         # A stable sort of the 0/1 mask puts dropped slots first and kept ones last, in position order.
         index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
-        for layer, layer_index, lengths in zip(self.layers, index, kept_per_row, strict=True):
-            layer.keep_entries(layer_index, lengths)
+        self.layers[0].storage.compact(index)
+        for layer, lengths in zip(self.layers, kept_per_row, strict=True):
+            layer.kept(lengths)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """Every layer's entry field `name` (keys, values, positions or a state field), [layers, batch, Hkv, N,
+        *trailing], or their query rings (`QUERIES`, [layers, batch, Hq, L, D] in slot order): a view of the
+        stacked storage (entries between forwards, when every layer holds the same count)."""
+        if name == QUERIES:
+            return self.layers[0].stack.queries
+        return self.layers[0].storage.view(name)
+
+    def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor) -> None:
+        """Overwrite state field `name` of batch rows `rows` [R] in every layer with `value` [layers, R, Hkv, N,
+        *trailing], in place."""
+        self.stacked(name)[:, rows] = value
+
+    def take_unobserved(self, complete_blocks_only: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Hand out every layer's recorded queries, oldest first, in blocks of `query_window`: [(queries [layers,
+        batch, Hq, l, D], positions [batch, l])] with l <= L (the layers record the same positions). With
+        `complete_blocks_only`, a last block shorter than L stays for later. One concatenation of every layer's
+        queries, whatever the depth."""
+        first = self.layers[0]
+        if not first.unobserved:
+            return []
+        queries = torch.cat([chunk for layer in self.layers for chunk, _ in layer.unobserved], dim=2)
+        queries = queries.unflatten(2, (len(self.layers), -1)).movedim(2, 0)  # [layers, batch, Hq, count, D]
+        positions = torch.cat([chunk for _, chunk in first.unobserved], dim=1)
+        window, count = first.query_window, first.unobserved_count
+        end = count - count % window if complete_blocks_only else count
+        blocks = [(queries[..., s : s + window, :], positions[:, s : s + window]) for s in range(0, end, window)]
+        for layer, layer_queries in zip(self.layers, queries, strict=True):
+            layer.unobserved = [(layer_queries[:, :, end:], positions[:, end:])] if end < count else []
+            layer.unobserved_count = count - end
+        return blocks
 
     def select_rows(self, rows: torch.Tensor) -> EvictionCache:
         """A copy of the cache holding batch rows `rows` [R] of every layer (indices on the cache's device,
         repeats allowed: `rows = [0] * K` copies a one-row cache into K rows). The copy shares nothing
         with this cache, so both go on independently (`foresight.runtime.engine.Replay.select_rows`)."""
         selected = copy.copy(self)
-        selected.layers = [layer.select_rows(rows) for layer in self.layers]
+        stack = self.layers[0].stack.select_rows(rows)
+        selected.layers = [layer.select_rows(rows, stack) for layer in self.layers]
         selected.recorder = None
         return selected
 

@@ -167,6 +167,13 @@ def logits_budget(device: torch.device) -> int:
     return 2**18 if device.type == "cpu" else 2**26
 
 
+STEP_LOGITS = 2**26
+"""Float32 logits of one pass of an eviction step's block attention over its layers (256 MiB), on every device:
+the layers run as the rows of as few passes as this allows, each pass a fixed number of operations whatever its
+rows. On a CPU, passes the size of a core's cache (`logits_budget`) ran no faster for the default model's step
+at batch 1 and 4 (docs/notes/eviction-step-cost.md)."""
+
+
 def attention_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """Q K^T * scaling in float32, grouped by KV head: [batch, Hkv, G, L, N]."""
     batch, query_heads, window, dim = queries.shape

@@ -29,11 +29,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
-from foresight.runtime.cache import EvictionCache, EvictionLayer
+from foresight.runtime.cache import KEYS, POSITIONS, QUERIES, VALUES, EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME, attention_implementation, first_observed_query
 from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.held_memory import keeps_every_query, query_window
-from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, select_state_rows
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, StepLayers, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
 
@@ -652,20 +652,16 @@ class EvictionEngine:
             lengths = [length for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
             candidates = [length - self.config.interval for length in lengths]
             width = run.cadence.evict(due_rows)
-            layers = run.cache.layers
+            cache = run.cache
             first_observed = self._first_observed(run, due, rows)
-            positions = _entry_positions(layers, lengths, rows)
-            queries = self._window_queries(layers, rows)
-            contexts = [
-                self._context(index, layer, rows, tuple(candidates), positions[index], queries[index], first_observed)
-                for index, layer in enumerate(layers)
-            ]
+            step = _step_layers(cache, _entry_positions(cache, lengths, rows), *self._window_queries(cache, rows), rows)
+            entries = cache.layers[0].get_seq_length()
+            contexts = self._contexts(cache, step, entries - self.config.interval, tuple(candidates), first_observed)
             if not self.observes_every_query:  # every-query policies observed all their queries already
-                self._write_state(contexts, layers, self.policy.step_observe(contexts), rows)
+                self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows)
             scores = self.policy.step_keep_scores(contexts)
-            positions = torch.stack([context.candidate_positions for context in contexts])
-            keep = self._keep_top(run, rows, scores, positions)
-            run.cache.compact(keep if rows is None else _with_rows(run.cache.layers[0], keep, rows), width)
+            keep = self._keep_top(run, rows, scores, step.positions[..., : contexts[0].num_candidates])
+            cache.compact(keep if rows is None else _with_rows(cache.layers[0], keep, rows), width)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
             run.stats.evictions += 1
             run.stats.row_evictions = [count + evicts for count, evicts in zip(run.stats.row_evictions, due_rows)]
@@ -677,23 +673,12 @@ class EvictionEngine:
         the causal mask hides the later ones."""
         if run.cache.layers[0].unobserved_count < (self.config.interval if complete_blocks_only else 1):
             return
-        layers = run.cache.layers
-        for layer_idx, (layer, positions) in enumerate(zip(layers, _entry_positions(layers, run.cadence.lengths))):
-            for queries, query_positions in layer.take_unobserved(complete_blocks_only):
-                context = EvictionContext(
-                    layer_idx=layer_idx,
-                    num_layers=self.num_layers,
-                    keys=layer.keys,
-                    values=layer.values,
-                    positions=positions,
-                    num_candidates=0,
-                    scaling=layer.scaling,
-                    state=dict(layer.state),
-                    queries=queries,
-                    query_positions=query_positions,
-                )
-                for name, value in self.policy.observe(context).items():
-                    layer.write_state(name, value)
+        cache = run.cache
+        positions = _entry_positions(cache, run.cadence.lengths)
+        for queries, query_positions in cache.take_unobserved(complete_blocks_only):
+            step = _step_layers(cache, positions, queries, query_positions)
+            contexts = self._contexts(cache, step, num_candidates=0)
+            self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows=None)
 
     def _first_observed(self, run: _Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW policy
@@ -705,82 +690,75 @@ class EvictionEngine:
         run.first_observed = torch.where(due & (run.first_observed < 0), oldest, run.first_observed)
         return run.first_observed if rows is None else run.first_observed[rows]
 
-    def _context(
+    def _contexts(
         self,
-        layer_idx: int,
-        layer: EvictionLayer,
-        rows: torch.Tensor | None,
-        candidate_counts: tuple[int, ...],
-        positions: torch.Tensor,
-        queries: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: EvictionCache,
+        step: StepLayers,
+        num_candidates: int,
+        candidate_counts: tuple[int, ...] | None = None,
         first_observed: torch.Tensor | None = None,
-    ) -> EvictionContext:
-        """One layer's context at an eviction step, for its evicting rows (`rows`, None: all;
-        `candidate_counts`: their valid candidates; `positions`: their entry positions), with the latest
-        queries a WINDOW policy reads (`queries`, in query order, with their positions) and the rows'
-        `first_observed` query positions."""
-
-        def select(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if rows is None else tensor[rows]
-
-        entries = layer.get_seq_length()
-        context = EvictionContext(
-            layer_idx=layer_idx,
-            num_layers=self.num_layers,
-            keys=select(layer.keys),
-            values=select(layer.values),
-            positions=positions,
-            num_candidates=entries - self.config.interval,
-            scaling=layer.scaling,
-            state={name: select(value) for name, value in layer.state.items()},
-            candidate_counts=candidate_counts,
-            first_observed=first_observed,
-        )
-        if queries is not None:
-            context.queries, context.query_positions = queries
-        return context
+    ) -> list[EvictionContext]:
+        """Every layer's context: its slices of the `step`'s tensors, with the rows' valid candidates
+        (`candidate_counts`) and `first_observed` query positions."""
+        return [
+            EvictionContext(
+                layer_idx=index,
+                num_layers=self.num_layers,
+                keys=step.keys[index],
+                values=step.values[index],
+                positions=step.positions[index],
+                num_candidates=num_candidates,
+                scaling=layer.scaling,
+                state={name: value[index] for name, value in step.state.items()},
+                queries=None if step.queries is None else step.queries[index],
+                query_positions=step.query_positions,
+                candidate_counts=candidate_counts,
+                first_observed=first_observed,
+                step=step,
+            )
+            for index, layer in enumerate(cache.layers)
+        ]
 
     def _window_queries(
-        self, layers: Sequence[EvictionLayer], rows: torch.Tensor | None
-    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        self, cache: EvictionCache, rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """Every layer's ring of the latest queries a WINDOW policy reads, in query order (oldest first), for the
-        evicting rows: ([rows, Hq, W, D], [rows, W]) per layer, or None per layer for a policy that reads none.
-        The rings are read as they are when they start at their first slot and every row evicts; else they are
-        stacked, rotated and their rows selected for every layer at once. The layers record the same positions
-        and advance their rings together, so layer 0's cursor and positions are every layer's."""
+        evicting rows: ([layers, rows, Hq, W, D], [rows, W]), or Nones for a policy that reads none. The stacked
+        rings are read as they are when they start at their first slot and every row evicts; else rotated and
+        their rows selected for every layer at once. The layers record the same positions and advance their
+        rings together, so layer 0's cursor and positions are every layer's."""
         if not self.policy.needs_attention or self.observes_every_query:
-            return [None] * len(layers)
-        first = layers[0]
-        queries, positions, cursor = [layer.queries for layer in layers], first.query_positions, first.query_cursor
-        if cursor == 0 and rows is None:
-            return [(layer_queries, positions) for layer_queries in queries]
-        stacked = torch.stack(queries)  # [layers, batch, Hq, W, D]
+            return None, None
+        first = cache.layers[0]
+        queries, positions, cursor = cache.stacked(QUERIES), first.query_positions, first.query_cursor
         if cursor:
-            stacked, positions = stacked.roll(-cursor, dims=3), positions.roll(-cursor, dims=1)
+            queries, positions = queries.roll(-cursor, dims=3), positions.roll(-cursor, dims=1)
         if rows is not None:
-            stacked, positions = stacked[:, rows], positions[rows]
-        return [(layer_queries, positions) for layer_queries in stacked.unbind()]
+            queries, positions = queries[:, rows], positions[rows]
+        return queries, positions
 
     @staticmethod
     def _write_state(
+        cache: EvictionCache,
+        step: StepLayers,
         contexts: Sequence[EvictionContext],
-        layers: Sequence[EvictionLayer],
         states: Sequence[dict[str, torch.Tensor]],
         rows: torch.Tensor | None,
     ) -> None:
         """Hand each layer's new per-entry state to its context and write it to the cache: for every layer and
-        field in one multi-tensor copy when every row evicts, else row by row of the evicting `rows`."""
-        targets, values = [], []
-        for context, layer, state in zip(contexts, layers, states, strict=True):
-            for name, value in state.items():
-                context.state[name] = value
-                if rows is None:
-                    targets.append(layer.state[name])
-                    values.append(value)
-                else:
-                    layer.write_state(name, value, rows)
-        if targets:
-            torch._foreach_copy_(targets, values)
+        field in one multi-tensor copy when every row evicts (the step's state views the storage, so it reads
+        the new state too), else one stack and one write of the evicting `rows` per field (the new state the
+        step's then)."""
+        for context, state in zip(contexts, states, strict=True):
+            context.state.update(state)
+        if rows is None:
+            targets = [layer.state[name] for layer, state in zip(cache.layers, states) for name in state]
+            if targets:
+                torch._foreach_copy_(targets, [value for state in states for value in state.values()])
+            return
+        for name in states[0]:
+            step.state[name] = torch.stack([state[name] for state in states])
+            cache.write_state(name, step.state[name], rows)
 
     def _keep_top(
         self, run: _Run, rows: torch.Tensor | None, scores: torch.Tensor, candidates: torch.Tensor
@@ -809,18 +787,39 @@ def _host_index(indices: list[int], like: torch.Tensor) -> torch.Tensor:
     return index.to(like.device)
 
 
-def _entry_positions(
-    layers: Sequence[EvictionLayer], lengths: Sequence[int], rows: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """Every layer's entry positions [rows, Hkv, N] with -1 on invalid slots, for the batch rows `rows` (None: all)
-    whose valid entries are `lengths` (from the host's cadence). Where every such row fills the layer's slots they are
-    the stored positions themselves; else one mask of the invalid slots, which every layer shares (their rows hold
-    the same valid slots), marks each layer's."""
-    stored = [layer.positions for layer in layers]
-    if min(lengths) < layers[0].get_seq_length():
-        invalid = ~layers[0].valid[:, None, :]
-        stored = [positions.masked_fill(invalid, -1) for positions in stored]
-    return stored if rows is None else [positions[rows] for positions in stored]
+def _step_layers(
+    cache: EvictionCache,
+    positions: torch.Tensor,
+    queries: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+) -> StepLayers:
+    """Every layer's tensors of a step for the batch rows `rows` (None: all): their keys, values and state, views of
+    the cache's stacked storage when every row takes part (else one gather per field), with their entry
+    `positions` and the `queries` they observe."""
+
+    def select(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if rows is None else tensor[:, rows]
+
+    return StepLayers(
+        keys=select(cache.stacked(KEYS)),
+        values=select(cache.stacked(VALUES)),
+        positions=positions,
+        state={field.name: select(cache.stacked(field.name)) for field in cache.layers[0].state_fields},
+        queries=queries,
+        query_positions=query_positions,
+    )
+
+
+def _entry_positions(cache: EvictionCache, lengths: Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Every layer's entry positions [layers, rows, Hkv, N] with -1 on invalid slots, for the batch rows `rows`
+    (None: all) whose valid entries are `lengths` (from the host's cadence). Where every such row fills the slots
+    they are the stored positions themselves (a view); else one mask of the invalid slots, which every layer
+    shares (their rows hold the same valid slots), marks them all."""
+    positions, first = cache.stacked(POSITIONS), cache.layers[0]
+    if min(lengths) < first.get_seq_length():
+        positions = positions.masked_fill(~first.valid[None, :, None, :], -1)
+    return positions if rows is None else positions[:, rows]
 
 
 def _with_rows(layer: EvictionLayer, keep_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,20 @@ _OBSERVED_IN_WORDS = {
 
 
 @dataclass
+class StepLayers:
+    """One eviction step's tensors of every layer on a leading layer dim, for the evicting rows. Each layer's
+    `EvictionContext` holds their slices, and when every row evicts they are views of the cache's stacked
+    storage: a policy that scores the step's layers at once reads them without a copy (`layers_as_rows`)."""
+
+    keys: torch.Tensor  # [layers, batch, Hkv, N, D]
+    values: torch.Tensor  # [layers, batch, Hkv, N, D]
+    positions: torch.Tensor  # [layers, batch, Hkv, N], -1 on invalid slots
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # [layers, batch, Hkv, N, *trailing]
+    queries: torch.Tensor | None = None  # [layers, batch, Hq, l, D]
+    query_positions: torch.Tensor | None = None  # [batch, l], every layer's
+
+
+@dataclass
 class EvictionContext:
     """What a policy sees at one eviction step of one layer, for the batch rows that evict now; or,
     for a policy that observes every query, one block of queries for every row (no candidates then).
@@ -62,9 +76,9 @@ class EvictionContext:
     window, which is always kept. Invalid slots (padding) have position -1 and are dropped first
     whatever their score.
 
-    Keys, values, positions and the window's queries may be the cache's own storage, valid for this step
-    only: the compaction and later forwards rewrite them in place, so whoever keeps one past the step
-    keeps a copy."""
+    Keys, values, positions, state and the window's queries may be the cache's own storage (slices of the
+    `step`'s stacked tensors), valid for this step only: the compaction and later forwards rewrite them in
+    place, so whoever keeps one past the step keeps a copy."""
 
     layer_idx: int
     num_layers: int
@@ -78,6 +92,7 @@ class EvictionContext:
     query_positions: torch.Tensor | None = None  # [batch, l], -1 for padding
     candidate_counts: tuple[int, ...] | None = None  # valid candidates per row, known on the host (None: unknown)
     first_observed: torch.Tensor | None = None  # [batch] each row's first observed query position (None: this block)
+    step: StepLayers | None = None  # every layer's tensors of this step, of which this context's are slices
 
     @cached_property
     def attention(self) -> torch.Tensor:
@@ -113,6 +128,9 @@ class Policy:
     needs_attention: ClassVar[bool] = False
     observed_queries: ClassVar[ObservedQueries] = ObservedQueries.WINDOW
     state_fields: ClassVar[tuple[StateField, ...]] = ()
+    rows_alone: ClassVar[bool] = False
+    """True when `observe` and `keep_scores` treat each batch row on its own and read no layer index: the
+    step's layers then run as the rows of one batch (`layers_as_rows`), one pass for every layer."""
     default_sinks: ClassVar[int] = 0
     default_protect_prompt: ClassVar[bool] = False
 
@@ -160,9 +178,13 @@ class Policy:
     def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         """`observe` of one eviction step's layers (`contexts`, in layer order): their new per-entry state.
         The engine calls this once per step unless the policy observes every query (it observed them as
-        they ran); `observe` of each layer by default, and a policy whose observation batches across
-        layers overrides it."""
-        return [self.observe(context) for context in contexts]
+        they ran); `observe` of each layer, or of every layer at once for a policy whose rows are alone
+        (`rows_alone`), and a policy whose observation batches across layers otherwise overrides it."""
+        merged = layers_as_rows(contexts) if self.rows_alone else None
+        if merged is None:
+            return [self.observe(context) for context in contexts]
+        state = {name: value.unflatten(0, (len(contexts), -1)) for name, value in self.observe(merged).items()}
+        return [{name: value[index] for name, value in state.items()} for index in range(len(contexts))]
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         """KEEP score of each candidate: [batch, Hkv, num_candidates], higher = keep."""
@@ -171,9 +193,13 @@ class Policy:
     def step_keep_scores(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
         """KEEP scores [layers, batch, Hkv, num_candidates] of one eviction step's layers (`contexts`, in
         layer order, each observed already). The engine calls this once per step; `keep_scores` of each
-        layer by default, and a policy that scores the layers at once (the learned scorer's stacked
-        MLPs) overrides it, so a step runs its kernels once instead of once per layer."""
-        return torch.stack([self.keep_scores(context) for context in contexts])
+        layer, or of every layer at once for a policy whose rows are alone (`rows_alone`), and a policy that
+        scores the layers at once otherwise (the learned scorer's stacked MLPs) overrides it, so a step runs
+        its kernels once instead of once per layer."""
+        merged = layers_as_rows(contexts) if self.rows_alone else None
+        if merged is None:
+            return torch.stack([self.keep_scores(context) for context in contexts])
+        return self.keep_scores(merged).unflatten(0, (len(contexts), -1))
 
     @property
     def needs(self) -> str:
@@ -187,3 +213,43 @@ class Policy:
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+
+def layers_as_rows(contexts: Sequence[EvictionContext]) -> EvictionContext | None:
+    """Consecutive layers of one step (`contexts`, in layer order) as the batch rows of one context,
+    [layers * batch, ...], layer-major (row b of the i-th layer is row i * batch + b): views of the step's stacked
+    tensors when the engine made the contexts (`EvictionContext.step`), else their tensors concatenated. None
+    where the layers have different softmax scales."""
+    first, last = contexts[0], contexts[-1]
+    if any(context.scaling != first.scaling for context in contexts):
+        return None
+    step = first.step
+    layers = len(contexts)
+    if step is not None and all(context.step is step for context in contexts):
+        span = slice(first.layer_idx, last.layer_idx + 1)
+
+        def rows(name: str) -> torch.Tensor | None:
+            tensor = getattr(step, name)
+            return None if tensor is None else tensor[span].flatten(0, 1)
+
+        state = {name: value[span].flatten(0, 1) for name, value in step.state.items()}
+    else:
+
+        def rows(name: str) -> torch.Tensor | None:
+            return None if getattr(first, name) is None else torch.cat([getattr(c, name) for c in contexts])
+
+        state = {name: torch.cat([context.state[name] for context in contexts]) for name in first.state}
+    return EvictionContext(
+        layer_idx=first.layer_idx,
+        num_layers=first.num_layers,
+        keys=rows("keys"),
+        values=rows("values"),
+        positions=rows("positions"),
+        num_candidates=first.num_candidates,
+        scaling=first.scaling,
+        state=state,
+        queries=rows("queries"),
+        query_positions=None if first.query_positions is None else first.query_positions.repeat(layers, 1),
+        candidate_counts=None if first.candidate_counts is None else first.candidate_counts * layers,
+        first_observed=None if first.first_observed is None else first.first_observed.repeat(layers),
+    )
