@@ -19,6 +19,11 @@ from collections.abc import Sequence
 
 import torch
 
+DEFAULT_BUDGET = 128
+DEFAULT_INTERVAL = 32
+"""B and L wherever a command line leaves them out (every verb, benchmark and study): the shipped scorer's, trained
+for the default model. A learned scorer runs only at the B and L it was trained for (its config says them)."""
+
 
 class TraceTooShort(ValueError):
     """A trace shorter than B + L never fills the cache, so it has no eviction step."""

@@ -16,10 +16,14 @@ import yaml
 
 from foresight.bench.options import option_words
 from foresight.cli import ArgumentParser, HelpFormatter, configure_logging
+from foresight.commands._policy import refuse_old_spelling
 from foresight.commands.bench import add_benchmark, run
 from trainers.process import quiet_third_party_notices
 
 HERE = Path(__file__).resolve().parent
+OLD_SPELLINGS = {"--temperature": "--sample-temperature"}
+"""Options a study spelled otherwise before 0.3.0, answered with the new spelling (τ of Eq. 2 is
+--sample-temperature wherever evictions are sampled, as in `foresight eval`)."""
 
 
 def studies() -> dict[str, ModuleType]:
@@ -53,6 +57,9 @@ def build_parser(found: dict[str, ModuleType]) -> ArgumentParser:
     for name, module in found.items():
         sub = add_benchmark(subparsers, name, module, HelpFormatter)
         sub.add_argument("--spec", type=Path, help="a spec file to run instead of the study's spec.yaml")
+        for old, new in OLD_SPELLINGS.items():
+            if any(new in action.option_strings for action in sub._actions):
+                refuse_old_spelling(sub, old, new)
     return parser
 
 

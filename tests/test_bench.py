@@ -324,7 +324,7 @@ def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
     from foresight.commands import rl
     from studies.rl_step.run import RL_CONFIG, Settings
 
-    settings = Settings(traces=tmp_path, scorer="checkpoints/default", steps=3, group_size=4)
+    settings = Settings(traces=tmp_path, scorer=("checkpoints/default",), steps=3, group_size=4)
     parser = argparse.ArgumentParser()
     rl.add_arguments(parser)
     overrides = [

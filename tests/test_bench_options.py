@@ -209,7 +209,7 @@ def test_documented_commands_keep_their_meaning():
         )
     )
     assert (decode.policy_names, decode.batch_sizes, decode.max_new_tokens) == (["full", "snapkv", "rkv"], (1, 4), 1536)
-    assert decode.run_device == "cpu" and decode.out == Path("docs/benchmarks.md") and decode.scorer is None
+    assert decode.run_device == "cpu" and decode.out == Path("docs/benchmarks.md") and decode.scorer == ()
     assert "foresight" not in parse(["bench", "decode"]).policy_names  # 'all' is what it was: no scorer given
     assert "foresight" in parse(["bench", "decode", "--scorer", "checkpoints/default"]).policy_names
     labels = parse(
@@ -240,9 +240,9 @@ def test_documented_commands_keep_their_meaning():
     )
     assert trace_sets(ablation.sets) == (("unseen A", (Path("runs/a"), Path("runs/b"))),) and ablation.budget == 256
     capacity = parse(["bench", "capacity", "--model", "configs/models/qwen3-4b.json"])
-    assert (capacity.budget, capacity.interval, capacity.lengths, capacity.time_limit) == (
-        1024,
-        256,
+    assert (capacity.budget, capacity.interval, capacity.lengths, capacity.time_limit) == (  # the one default
+        128,
+        32,
         (8192, 16384, 32768),
         None,
     )

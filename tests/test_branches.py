@@ -235,7 +235,7 @@ def test_rl_window_bench_reports_each_rule_and_window(tmp_path, traces_dir, star
         "1,100",
         "--branch-rows",
         "3",
-        "--temperature",
+        "--sample-temperature",
         "1",
         "--damage-threshold",
         "0",

@@ -67,7 +67,7 @@ RL_DEFAULT += ["--out", "/nonexistent/run"]
         (["generate", "-o", "seed", "--policy", "random", "hi"], "KEY=VALUE"),
         (["replay", "/no/such/file.txt"], "does not exist"),
         (FIT_DEFAULT + ["--set", "trainer.max_stepz=5"], "--set trainer.max_stepz: not a key of the config"),
-        (FIT_DEFAULT + ["--set", "trainer.max_steps=abc"], "--set trainer.max_steps: Expected a <class 'int'>"),
+        (FIT_DEFAULT + ["--set", "trainer.max_steps=abc"], "--set trainer.max_steps: takes an integer, not 'abc'"),
         (RL_DEFAULT + ["--set", "model.betta=0.1"], "--set model.betta: not a key of the config"),
     ],
 )
@@ -197,7 +197,7 @@ def build_args(argv: list[str]) -> argparse.Namespace:
             ["-o", "windw=4", "--policy", "snapkv"],
             "policy 'snapkv' has no option 'windw'; its options are: window, kernel_size",
         ),
-        (["--policy", "foresight"], "policy 'foresight' needs -o scorer=VALUE"),
+        (["--policy", "foresight"], "policy 'foresight' needs a trained scorer: give --scorer [NAME=]DIR_OR_HUB_ID"),
         (["--policy", "golden"], "policy 'golden' needs labels, which cannot be given on the command line"),
         (["--device", "gpu"], "argument --device: unknown device 'gpu'; choose cpu, cuda, cuda:N, mps or auto"),
         (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
@@ -407,12 +407,12 @@ def test_eval_runs_foresight_and_a_heuristic_from_a_scorer_folder(traces_dir, sc
 
 
 def test_generate_samples_the_learned_policy_through_its_options(scorer_dir, model, monkeypatch, capsys):
-    """`-o mode=sampled -o temperature=0.5 -o seed=3` reach the learned policy with their types, and a
+    """`--scorer DIR -o mode=sampled -o temperature=0.5 -o seed=3` reach the learned policy with their types, and a
     generation draws its evictions from them: the same seed the same draws, another seed others."""
     from foresight.commands._policy import policy_from_args
     from foresight.runtime.engine import EvictionEngine
 
-    options = ["-o", f"scorer={scorer_dir}", "-o", "mode=sampled", "-o", "temperature=0.5"]
+    options = ["--scorer", str(scorer_dir), "-o", "mode=sampled", "-o", "temperature=0.5"]
     policy, config = policy_from_args(build_args(["generate", "--policy", "foresight", *options, "-o", "seed=3", "hi"]))
     assert (policy.mode, policy.temperature, policy.seed, policy.record) == ("sampled", 0.5, 3, True)
     assert type(policy.seed) is int and (config.sinks, config.protect_prompt) == (None, None)  # the policy's own: none
@@ -476,7 +476,11 @@ def test_generate_samples_the_learned_policy_through_its_options(scorer_dir, mod
 @pytest.mark.parametrize("verb", _verbs())
 def test_help_states_each_default_once(verb):
     for parser in verb_parsers(verb):
-        options = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+        options = [
+            action
+            for action in parser._actions
+            if action.option_strings and action.dest != "help" and action.help is not argparse.SUPPRESS
+        ]
         assert all(action.help for action in options), "every option explains itself"
         entries = re.split(r"\n(?=  -)", parser.format_help().split("\noptions:\n")[1])
         assert len(entries) == len(options) + 1  # --help, then one entry per option
@@ -492,7 +496,7 @@ def test_help_adds_a_default_only_where_the_text_has_none():
     parser = ArgumentParser(prog="foresight generate", formatter_class=HelpFormatter)
     importlib.import_module("foresight.commands.generate").add_arguments(parser)
     text = " ".join(parser.format_help().split())
-    assert "0 disables (default: 0)" in text  # a falsy default is still stated
+    assert "seed of the sampling (default: 0)" in text  # a falsy default is still stated
     assert "(default: the policy's own, see `foresight policies`) --protect-prompt" in text
     assert "encode the prompt as plain text --" not in text and text.endswith("encode the prompt as plain text")
 

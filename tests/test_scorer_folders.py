@@ -1,5 +1,5 @@
 """A broken or foreign scorer folder is one line (rc 2, no traceback) in every verb that takes a scorer:
-eval, rl, export, generate and replay (`-o scorer=`), bench paged-reclaim and rl-heldout. The check lives
+eval, rl, export, generate and replay (`--scorer`), bench paged-reclaim and rl-heldout. The check lives
 in `foresight.scorer.model.load_scorer`; these tests hold each verb to it."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _verb_args(verb: str, scorer: Path, good: Path, tiny_dir: Path, traces: Path
         return ["rl", "--config", str(config), "--scorer", str(scorer), "--out", str(out / "rl")]
     text = out / "doc.txt"
     text.write_text("Some text to replay past a few evictions of the tiny cache.")
-    learned = ["--model", str(tiny_dir), "--policy", "foresight", "-o", f"scorer={scorer}", *cadence]
+    learned = ["--model", str(tiny_dir), "--scorer", str(scorer), *cadence]
     return {
         "eval": [
             "eval",

@@ -46,8 +46,8 @@ SYNC_CONFIG, SYNC_TOKENS = EvictionConfig(64, 16), 160
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(RuntimeSettings):
-    budget: int = budget_field(1024)
-    interval: int = interval_field(256)
+    budget: int = budget_field()
+    interval: int = interval_field()
     lengths: tuple[int, ...] = field(
         default=(8192, 16384, 32768), metadata={"help": "comma-separated generation lengths T"}
     )

@@ -14,8 +14,25 @@ from typing import Any, Literal
 
 import torch
 
-from foresight.bench.options import command_line, declaring_module
+from foresight.bench.options import (
+    BUDGET_FLAGS,
+    BUDGET_HELP,
+    BUDGETS_FLAGS,
+    BUDGETS_HELP,
+    DEFAULT_CADENCE,
+    INTERVAL_FLAGS,
+    INTERVAL_HELP,
+    OPTION_FLAGS,
+    OPTION_HELP,
+    OPTION_METAVAR,
+    SCORER_FLAGS,
+    SCORER_HELP,
+    SCORER_METAVAR,
+    command_line,
+    declaring_module,
+)
 from foresight.data.tasks import chat_prompt_ids
+from foresight.eval.specs import one_scorer
 from foresight.models import DEFAULT_MODEL, ModelShape, check_device, describe, load_for_benchmark, placement
 from foresight.policies import POLICIES, Policy, constructible, make_policy
 from foresight.runtime.engine import EvictionConfig
@@ -51,21 +68,28 @@ def model_field(architecture_configs: bool = True) -> Any:
     )
 
 
-def budget_field(default: int) -> Any:
-    return field(default=default, metadata={"help": "entries kept after an eviction (B)", "flags": ("--budget", "-B")})
+def budget_field(default: int = DEFAULT_CADENCE[0]) -> Any:
+    return field(default=default, metadata={"help": BUDGET_HELP, "flags": BUDGET_FLAGS})
 
 
 def budgets_field(default: tuple[int, ...]) -> Any:
-    return field(
-        default=default,
-        metadata={"help": "budgets B to evaluate, comma-separated, e.g. 64,128", "flags": ("--budgets", "-B")},
-    )
+    return field(default=default, metadata={"help": BUDGETS_HELP, "flags": BUDGETS_FLAGS})
 
 
-def interval_field(default: int) -> Any:
-    return field(
-        default=default, metadata={"help": "entries evicted per step, every L tokens", "flags": ("--interval", "-L")}
-    )
+def interval_field(default: int = DEFAULT_CADENCE[1]) -> Any:
+    return field(default=default, metadata={"help": INTERVAL_HELP, "flags": INTERVAL_FLAGS})
+
+
+def scorer_field(what: str = "", default: tuple[str, ...] = (), required: bool = False) -> Any:
+    """--scorer [NAME=]DIR_OR_HUB_ID, repeatable (a tuple of texts; `foresight.eval.specs.one_scorer` reads the one
+    of a benchmark that runs one); `what` adds what the benchmark does with it to the shared help."""
+    metadata = {"help": SCORER_HELP + (f"; {what}" if what else ""), "flags": SCORER_FLAGS, "metavar": SCORER_METAVAR}
+    return field(metadata=metadata) if required else field(default=default, metadata=metadata)
+
+
+def option_field() -> Any:
+    """-o [ROW.]KEY=VALUE, repeatable: options of the rows of --policies (`foresight.eval.specs.policy_specs`)."""
+    return field(default=(), metadata={"help": OPTION_HELP, "flags": OPTION_FLAGS, "metavar": OPTION_METAVAR})
 
 
 def policies_field(all_means: str) -> Any:
@@ -153,8 +177,20 @@ class ModelSettings(PlacedSettings):
     model: str = model_field()
 
 
+class OneScorer:
+    """Settings with a `scorer` field (`scorer_field`) of which a run reads one: `learned` is it."""
+
+    scorer: tuple[str, ...]
+
+    @property
+    def learned(self) -> tuple[str, str] | None:
+        """(row name, folder or Hub id) of the one --scorer (None without one; several are refused)."""
+        module = declaring_module(self)
+        return one_scorer(self.scorer, " ".join([*getattr(module, "COMMAND", "foresight bench").split(), module.NAME]))
+
+
 @dataclass(frozen=True, kw_only=True)
-class RuntimeSettings(ModelSettings):
+class RuntimeSettings(OneScorer, ModelSettings):
     """A benchmark of the eviction runtime: the full cache and `policies` at (budget, interval) on the
     model (an architecture config: random weights, since speed and memory depend on the shape alone). The
     learned policy runs `scorer`, or without one a scorer of the model's shape with seeded random weights:
@@ -165,21 +201,16 @@ class RuntimeSettings(ModelSettings):
     policies: str = policies_field(
         "every policy that needs no labels or scorer, and the learned one with --scorer; full is always included"
     )
-    budget: int = budget_field(256)
-    interval: int = interval_field(64)
-    scorer: str | None = field(
-        default=None,
-        metadata={
-            "help": "a trained scorer folder (or Hub id) that the learned `foresight` policy runs, trained for this B and "
-            "L; without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the "
-            "same cost)",
-            "metavar": "DIR",
-        },
+    budget: int = budget_field()
+    interval: int = interval_field()
+    scorer: tuple[str, ...] = scorer_field(
+        "without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the same "
+        "cost)"
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.policy_names  # unknown or unrunnable policies are refused before any model loads
+        self.policy_names  # unknown or unrunnable policies, or several scorers, are refused before any model loads
 
     @property
     def eviction(self) -> EvictionConfig:
@@ -189,19 +220,19 @@ class RuntimeSettings(ModelSettings):
     def policy_names(self) -> list[str]:
         """The full cache first; the learned policy when named, or in 'all' when --scorer is given."""
         names = selected_policies(self.policies, learned=True)
-        return [name for name in names if name != LEARNED or self.policies != "all" or self.scorer is not None]
+        return [name for name in names if name != LEARNED or self.policies != "all" or self.learned is not None]
 
     def learned_scorer(self, model) -> ForesightScorer | None:
         """The scorer of the learned policy on the model's device (None when it is not among the policies)."""
         if LEARNED not in self.policy_names:
             return None
-        if self.scorer is None:
+        if self.learned is None:
             return random_scorer(model, self.budget, self.interval)
-        scorer = load_scorer(self.scorer)
+        scorer = load_scorer(self.learned[1])
         trained = (scorer.config.budget, scorer.config.interval)
         if trained != (self.budget, self.interval):
             raise ValueError(
-                f"--scorer {self.scorer} was trained for B = {trained[0]}, L = {trained[1]}; run with "
+                f"--scorer {self.learned[1]} was trained for B = {trained[0]}, L = {trained[1]}; run with "
                 f"--budget {trained[0]} --interval {trained[1]}"
             )
         return scorer.to(model.device)
@@ -210,8 +241,10 @@ class RuntimeSettings(ModelSettings):
         """What the learned policy ran, for the report ('' when it did not run)."""
         if LEARNED not in self.policy_names:
             return ""
-        what = self.scorer if self.scorer is not None else "a scorer of the model's shape with random weights (seed 0)"
-        return f" The learned policy `foresight` ran {what}."
+        if self.learned is None:
+            return " The learned policy `foresight` ran a scorer of the model's shape with random weights (seed 0)."
+        name, source = self.learned
+        return f" The learned policy `foresight` ran {source}" + ("." if name == LEARNED else f" ({name}).")
 
 
 def named(texts: tuple[str, ...], option: str, kind: str) -> tuple[tuple[str, str], ...]:

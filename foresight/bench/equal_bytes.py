@@ -23,7 +23,7 @@ NAME = "equal-bytes"
 class Settings(ReportSettings):
     sets: tuple[str, ...] = trace_sets_field()
     learned: str = field(metadata={"help": "the learned scorer's row name in those folders", "metavar": "ROW"})
-    budget: int = budget_field(128)
+    budget: int = budget_field()
     heuristics: str = field(
         metadata={"help": "the heuristics compared, comma-separated, each with its budget sweep in the folders"}
     )

@@ -40,7 +40,7 @@ class Settings(PlacedSettings):
     holdout: float = field(default=0.25, metadata={"help": "evaluate this held-out share (as `foresight eval`)"})
     policies: str = policies_field("every registered policy that can run; golden where labels exist")
     budgets: tuple[int, ...] = budgets_field((128, 256))
-    interval: int = interval_field(32)
+    interval: int = interval_field()
 
 
 def run(settings: Settings) -> str:

@@ -47,8 +47,8 @@ class Settings(RuntimeSettings):
         default=f"{REFERENCE},h2o,tova,{LEARNED}",
         metadata={"help": "comma-separated evicting policies ('all': every one that needs no labels)"},
     )
-    budget: int = budget_field(128)
-    interval: int = interval_field(32)
+    budget: int = budget_field()
+    interval: int = interval_field()
     max_new_tokens: int = field(
         default=512, metadata={"help": "tokens decoded by each timed run (EOS ignored); its eviction steps are timed"}
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from foresight.bench.common import (
     LEARNED,
     DtypeName,
+    OneScorer,
     ReportSettings,
     bench_policy,
     budget_field,
@@ -25,6 +26,7 @@ from foresight.bench.common import (
     model_field,
     policies_field,
     random_scorer,
+    scorer_field,
     selected_policies,
 )
 from foresight.models import architecture_config, describe, float_dtype, is_architecture_config, load_config
@@ -35,19 +37,14 @@ NAME = "held-memory"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings(ReportSettings):
+class Settings(OneScorer, ReportSettings):
     model: str = model_field()
     dtype: DtypeName = dtype_field()
-    budget: int = budget_field(128)
-    interval: int = interval_field(32)
+    budget: int = budget_field()
+    interval: int = interval_field()
     policies: str = policies_field("every policy that needs no labels or statistics, and the learned one")
-    scorer: str | None = field(
-        default=None,
-        metadata={
-            "help": "a trained scorer folder whose feature set gives the learned policy's state (default: a scorer of "
-            "the model's shape with --feature-set)",
-            "metavar": "DIR",
-        },
+    scorer: tuple[str, ...] = scorer_field(
+        "its feature set gives the learned policy's state (default: a scorer of the model's shape with --feature-set)"
     )
     feature_set: str = field(
         default="standardised",
@@ -58,13 +55,14 @@ class Settings(ReportSettings):
         if self.dtype == "auto":
             raise ValueError("--dtype must name the model's dtype (float32, bfloat16, float16), got 'auto'")
         selected_policies(self.policies, learned=True)
+        self.learned  # several scorers: refused here
 
 
 def _scorer(settings: Settings, shape) -> ForesightScorer:
     """The learned policy's scorer: --scorer, or one of the model's shape with --feature-set (its weights
     hold nothing of the cache)."""
-    if settings.scorer is not None:
-        return load_scorer(settings.scorer)
+    if settings.learned is not None:
+        return load_scorer(settings.learned[1])
     return random_scorer(
         shape, settings.budget, settings.interval, base_model=settings.model, feature_set=settings.feature_set
     )
@@ -84,7 +82,7 @@ def run(settings: Settings) -> str:
         f"Model {settings.model} ({shape}), {settings.dtype}; B = {settings.budget}, L = {settings.interval}: "
         f"{entries} entries per sequence. Bytes per entry: every layer and KV head of one entry; ring and buffered "
         f"queries divided by the {entries} entries. Overhead: bytes held beyond K/V, over K/V. The learned policy: "
-        f"{settings.scorer or f'the {settings.feature_set} feature set'}.",
+        f"{settings.learned[1] if settings.learned else f'the {settings.feature_set} feature set'}.",
         "",
         "| policy | K/V B / entry | positions | state | query ring | buffered queries | total B / entry | over K/V | "
         "MiB / sequence |",

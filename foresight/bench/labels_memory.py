@@ -43,8 +43,8 @@ class Settings(ModelSettings):
         },
     )
     lengths: tuple[int, ...] = field(default=(2048, 4096), metadata={"help": "trace lengths T"})
-    budget: int = budget_field(128)
-    interval: int = interval_field(32)
+    budget: int = budget_field()
+    interval: int = interval_field()
 
 
 def section(settings: Settings) -> str:

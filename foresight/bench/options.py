@@ -25,7 +25,35 @@ from dataclasses import MISSING, Field, fields
 from types import ModuleType
 from typing import Any, Literal
 
+from foresight.cadence import DEFAULT_BUDGET, DEFAULT_INTERVAL
 from foresight.policies.options import describe_type, parse_value
+
+# -- the shared words: every verb, benchmark and study spells these options so (tests/test_grammar.py) ---------
+BUDGET_FLAGS = ("--budget", "-B")
+BUDGETS_FLAGS = ("--budgets", "-B")
+INTERVAL_FLAGS = ("--interval", "-L")
+BUDGET_HELP = "entries kept after an eviction (B)"
+BUDGETS_HELP = "budgets B, comma-separated, e.g. 64,128"
+INTERVAL_HELP = "entries evicted per step, every L tokens"
+DEFAULT_CADENCE = (DEFAULT_BUDGET, DEFAULT_INTERVAL)
+"""-B and -L where a command leaves them out (`foresight.cadence`); a command that makes or reads an artifact of one
+B and L (labels, examples, an evaluation) requires them instead."""
+
+SCORER_FLAGS = ("--scorer",)
+SCORER_METAVAR = "[NAME=]DIR_OR_HUB_ID"
+SCORER_HELP = (
+    "a trained scorer run as the learned `foresight` policy at the B and L it was trained for: a folder "
+    "(`foresight fit` OUT/scorer, checkpoints/NAME) or a Hub id, NAME= naming its rows"
+)
+OPTION_FLAGS = ("--option", "-o")
+OPTION_METAVAR = "[ROW.]KEY=VALUE"
+OPTION_HELP = (
+    "a policy option, typed as the policy declares it (`foresight policies`), e.g. -o lag_size=none; ROW. names "
+    "the row of --policies it is for (left out where one policy runs; a row ROW=POLICY runs a policy under settings of "
+    "its own), e.g. "
+    "-o triattention.stats=checkpoints/triattention-default; the keys protect_prompt and sinks override the policy's "
+    "own defaults; repeat for several"
+)
 
 
 def options(settings_class: type) -> list[Field]:

@@ -49,11 +49,19 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import atomic_file
-from foresight.bench.common import PlacedSettings, budgets_field, interval_field, policies_field, traces_field
+from foresight.bench.common import (
+    PlacedSettings,
+    budgets_field,
+    interval_field,
+    option_field,
+    policies_field,
+    scorer_field,
+    traces_field,
+)
 from foresight.cadence import check_budget
 from foresight.data.trace_store import Trace, TraceStore, describe_traces, select_traces
 from foresight.eval.replay import prefill_lengths
-from foresight.eval.specs import ROW_OPTIONS_HELP, PolicySpec, policy_specs
+from foresight.eval.specs import PolicySpec, policy_specs
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.models import dtype_name, load_model
 from foresight.runtime.engine import EvictionEngine
@@ -75,19 +83,10 @@ class Settings(PlacedSettings):
     policies: str = policies_field(
         "every registered policy that evicts; golden where labels exist, foresight with --scorer"
     )
-    scorer: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "a trained scorer folder (or Hub id, or NAME=DIR) replayed as the learned `foresight` policy at the B "
-            "and L it was trained for; repeat for several",
-            "metavar": "DIR",
-        },
-    )
-    option: tuple[str, ...] = field(
-        default=(), metadata={"help": ROW_OPTIONS_HELP, "flags": ("--option", "-o"), "metavar": "ROW.KEY=VALUE"}
-    )
+    scorer: tuple[str, ...] = scorer_field("replayed at the B and L it was trained for; repeat for several")
+    option: tuple[str, ...] = option_field()
     budgets: tuple[int, ...] = budgets_field((128, 256))
-    interval: int = interval_field(32)
+    interval: int = interval_field()
     page_sizes: tuple[int, ...] = field(
         default=(16, 32, 64), metadata={"help": "page sizes P (positions per page), comma-separated"}
     )

@@ -11,7 +11,7 @@ For the traces of a folder that holds their golden labels at (B, L), one model l
   forwards before the group's first eviction, then with them run once on one row, then with the groups
   of `batch_size` traces of similar length in one replay; then, for a float32
   model, with a bfloat16 copy of it, its own full-cache replay of each trace included
-  (`foresight rl --model.dtype bfloat16 --model.loss_reference replay`);
+  (`foresight rl --set model.dtype=bfloat16 --set model.loss_reference=replay`);
 - step counts: the device values each eviction step reads back (`HostReads`) and the operations it
   runs (`DeviceOps`), in one replay of the first trace under the eval stage's policy, the learned
   scorer and G sampled rollout rows;
@@ -61,7 +61,7 @@ from foresight.eval.replay import evaluate, prefill_lengths
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.labels import compute_golden_labels
 from foresight.models import dtype_name
-from foresight.policies import make_policy
+from foresight.policies import DEFAULT_POLICY, make_policy
 from foresight.runtime.device_ops import DeviceOps
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.host_reads import HostReads
@@ -83,9 +83,9 @@ class Settings(PlacedSettings):
     """The model is the one that made the traces."""
 
     traces: Path = traces_field("a traces folder with its golden labels at -B and -L (`foresight labels`)")
-    budget: int = budget_field(128)
-    interval: int = interval_field(32)
-    policy: str = field(default="snapkv", metadata={"help": "the policy the eval stage replays"})
+    budget: int = budget_field()
+    interval: int = interval_field()
+    policy: str = field(default=DEFAULT_POLICY, metadata={"help": "the policy the eval stage replays"})
     fit_steps: int = field(default=20, metadata={"help": "optimisation steps of each fit run (at least 2)"})
     batch_size: int = field(
         default=2,

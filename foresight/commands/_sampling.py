@@ -1,5 +1,5 @@
-"""The sampling flags shared by the verbs that sample (traces, accuracy evaluation), defaulting to the one
-`REASONING_SAMPLING` of the runtime."""
+"""The sampling flags shared by the verbs that sample (generate, traces, accuracy evaluation), declared once and
+defaulting to the one `REASONING_SAMPLING` of the runtime (greedy decoding: --temperature 0)."""
 
 from __future__ import annotations
 

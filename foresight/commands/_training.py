@@ -63,6 +63,10 @@ def one_line_config_errors() -> Iterator[None]:
         raise ValueError(config_error_line(str(error))) from None
 
 
+TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+"""A config value's Python type in words, for the one-line error of a bad --set value."""
+
+
 def config_error_line(message: str) -> str:
     """One line for a LightningCLI argument error: the key and what it takes."""
     unknown = re.fullmatch(r"unrecognized arguments: (.*)", message.strip(), re.DOTALL)
@@ -75,5 +79,7 @@ def config_error_line(message: str) -> str:
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     key = re.fullmatch(r'Parser key "([^"]+)":', lines[0]) if lines else None
     if key and len(lines) > 1:
-        return f"--set {key[1]}: {lines[1]}"
+        expected = re.fullmatch(r"Expected a <class '(\w+)'>\. Got value: (.*)", lines[1])
+        what = f"takes {TYPE_WORDS.get(expected[1], expected[1])}, not {expected[2]!r}" if expected else lines[1]
+        return f"--set {key[1]}: {what}"
     return f"config: {' '.join(lines)}"

@@ -1,5 +1,5 @@
 """The main job on the embedded default model: a generation with eviction, then a teacher-forced
-comparison of every heuristic policy on that generation."""
+comparison of every heuristic policy on that generation, both at -B and -L."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from foresight.bench.common import selected_policies
 from foresight.commands._model import add_model_arguments, model_options
-from foresight.commands._policy import add_policy_arguments, policy_from_args
+from foresight.commands._policy import add_policy_arguments, policy_from_args, refuse_old_spelling
 from foresight.commands.replay import loss_ratio_after_first_eviction
 from foresight.data.tasks import chat_prompt_ids
 from foresight.models import load_model
@@ -24,10 +24,10 @@ PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic.jsonl"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    add_policy_arguments(parser, default_policy="rkv")  # the generation's
+    add_policy_arguments(parser)  # the generation's; the comparison replays every heuristic at the same -B and -L
     parser.add_argument("--max-new-tokens", type=int, default=384, help="most tokens generated")
-    parser.add_argument("--replay-budget", type=int, default=64, help="budget B of the policy comparison")
-    parser.add_argument("--replay-interval", type=int, default=16, help="interval L of the policy comparison")
+    refuse_old_spelling(parser, "--replay-budget", "-B/--budget (the generation's and the comparison's)")
+    refuse_old_spelling(parser, "--replay-interval", "-L/--interval (the generation's and the comparison's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     sequence = torch.tensor(prompt + output.tokens[0])
-    comparison = EvictionConfig(args.replay_budget, args.replay_interval)
+    comparison = EvictionConfig(args.budget, args.interval)
     full = EvictionEngine(model, make_policy("full")).replay([sequence], [len(prompt)])
     rows = []
     for name in tqdm(selected_policies("all", learned=False)[1:], desc="replay policies"):

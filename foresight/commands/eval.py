@@ -32,7 +32,13 @@ from foresight.commands._model import (
     model_of_traces,
     model_options,
 )
-from foresight.commands._policy import add_cadence_arguments, add_policies_argument, add_row_options_argument
+from foresight.commands._policy import (
+    REQUIRED,
+    add_cadence_arguments,
+    add_option_argument,
+    add_policies_argument,
+    add_scorer_argument,
+)
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
 from foresight.eval.results import evaluation_table, write_evaluation
@@ -58,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_policies_argument(
         parser, "every registered policy that can run; golden where labels exist, foresight with --scorer"
     )
-    add_cadence_arguments(parser, budget=None, interval=None, several_budgets=True)
+    add_cadence_arguments(parser, budget=REQUIRED, interval=REQUIRED, several_budgets=True)
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json/.csv/.md and the plots")
     add_model_arguments(parser, made_traces=True)
     parser.add_argument(
@@ -94,16 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the forwards before the first eviction (the same results; saves the memory of the recorded queries, "
         "keys and values of B + L tokens per trace)",
     )
-    add_row_options_argument(parser)
-    parser.add_argument(
-        "--scorer",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a trained scorer folder (or Hub id) to evaluate as the learned `foresight` policy, at the B and L "
-        "it was trained for; repeat to compare several, as NAME=DIR to name each one's rows (e.g. "
-        "foresight-sl=runs/main/scorer --scorer foresight-rl=runs/main/rl/scorer). Adds foresight to "
-        "--policies (naming it there is optional)",
+    add_option_argument(parser)
+    add_scorer_argument(
+        parser,
+        what="repeat to compare several, each NAME= naming its rows (e.g. --scorer foresight-sl=runs/main/scorer "
+        "--scorer foresight-rl=runs/main/rl/scorer). Adds foresight to --policies (naming it there is optional)",
     )
     parser.add_argument(
         "--sampled-seeds",
@@ -147,7 +148,7 @@ def sampled_specs(specs: list[PolicySpec], seeds: int, temperature: float) -> li
         raise ValueError(f"--sample-temperature: {error}") from None
     learned = [spec for spec in specs if isinstance(spec, ScorerSpec)]
     if seeds and not learned:
-        raise ValueError("--sampled-seeds samples the learned policy's evictions: give --scorer DIR")
+        raise ValueError("--sampled-seeds samples the learned policy's evictions: give --scorer DIR_OR_HUB_ID")
     return [SampledScorerSpec.of(spec, seeds, temperature) for spec in learned] if seeds else []
 
 

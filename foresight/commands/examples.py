@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
-from foresight.commands._policy import add_cadence_arguments
+from foresight.commands._policy import REQUIRED, add_cadence_arguments
 from foresight.data.trace_store import TraceStore
 from foresight.data_stage import FrozenModel
 from foresight.labels import LabelKind
@@ -26,7 +26,7 @@ from trainers.preparation import make_examples
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", type=Path, required=True, help="labelled traces folder (`foresight labels`)")
-    add_cadence_arguments(parser, budget=None, interval=None)
+    add_cadence_arguments(parser, budget=REQUIRED, interval=REQUIRED)
     parser.add_argument(
         "--out", type=Path, required=True, help="the cache folder (examples.json and one file per trace)"
     )

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_policy_arguments, policy_from_args
+from foresight.commands._sampling import add_sampling_arguments
 from foresight.data.tasks import chat_prompt_ids
 from foresight.models import load_model
 from foresight.runtime.engine import EvictionEngine
@@ -17,11 +18,9 @@ from foresight.runtime.sampling import SamplingConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="+", help="one or more prompts (several are decoded as one batch)")
     add_model_arguments(parser)
-    add_policy_arguments(parser, default_policy="rkv")
+    add_policy_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=512, help="most tokens generated per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 disables")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 disables")
+    add_sampling_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     parser.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
 

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
-from foresight.commands._policy import add_cadence_arguments
+from foresight.commands._policy import REQUIRED, add_cadence_arguments
 from foresight.data.trace_store import TraceStore
 from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelKind
@@ -28,7 +28,7 @@ from foresight.labels import LabelKind
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", type=Path, required=True, help="traces folder written by `foresight traces`")
-    add_cadence_arguments(parser, budget=None, interval=None)
+    add_cadence_arguments(parser, budget=REQUIRED, interval=REQUIRED)
     add_model_arguments(parser, made_traces=True)
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per forward chunk (bounds working memory)")
     parser.add_argument(

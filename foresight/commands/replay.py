@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "file", type=Path, help="a text file (one document) or a JSONL file of {'text'} or {'prompt', 'completion'}"
     )
     add_model_arguments(parser)
-    add_policy_arguments(parser, default_policy="snapkv")
+    add_policy_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=2048, help="truncate each document to this many tokens")
 
 

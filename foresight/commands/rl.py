@@ -17,6 +17,7 @@ import argparse
 import warnings
 from pathlib import Path
 
+from foresight.commands._policy import add_scorer_argument
 from foresight.commands._training import (
     add_training_arguments,
     checked_config,
@@ -25,16 +26,13 @@ from foresight.commands._training import (
     override_args,
 )
 from foresight.data.trace_store import folder_sources
+from foresight.eval.specs import one_scorer
 from foresight.export import export_scorer, reported_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_arguments(parser, "configs/default-rl.yaml", "--set trainer.max_steps=20 --set model.group_size=4")
-    parser.add_argument(
-        "--scorer",
-        required=True,
-        help="the supervised scorer to start from: a folder (`foresight fit` OUT/scorer) or a Hub id",
-    )
+    add_scorer_argument(parser, required=True, what="the supervised scorer to start from (the frozen KL reference too)")
     parser.add_argument("--out", type=Path, required=True, help="run folder (checkpoints, logs, scorer)")
     parser.add_argument(
         "--traces", type=Path, default=None, help="traces folder to roll out (default: the config's data.traces_dir)"
@@ -44,13 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def lightning_args(args: argparse.Namespace) -> list[str]:
     """The LightningCLI arguments of a `foresight rl` call."""
     checked_config(args.config)
+    _, scorer = one_scorer(args.scorer, "foresight rl")
     cli_args = [
         "fit",
         f"--config={args.config}",
         f"--trainer.default_root_dir={args.out}",
         f"--checkpoint.dirpath={args.out / 'checkpoints'}",
         f"--epoch_checkpoint.dirpath={args.out / 'checkpoints'}",
-        f"--model.scorer={args.scorer}",
+        f"--model.scorer={scorer}",
     ]
     if args.traces is not None:
         checked_traces(args.traces)
@@ -73,5 +72,6 @@ def run(args: argparse.Namespace) -> int:
     record = module.training_record()
     folder = export_scorer(module.scorer, args.out / "scorer", training=record)
     metrics = ", ".join(f"{name} {value:.4f}" for name, value in reported_metrics(record).items())
-    print(f"{folder}: scorer refined by GRPO for {module.global_step} steps from {args.scorer}; {metrics}")
+    _, source = one_scorer(args.scorer, "foresight rl")
+    print(f"{folder}: scorer refined by GRPO for {module.global_step} steps from {source}; {metrics}")
     return 0

@@ -111,11 +111,10 @@ class ScorerSpec(PolicySpec):
     def from_source(cls, source: str, several: bool) -> ScorerSpec:
         """A spec from `SOURCE` or `NAME=SOURCE` (a folder or Hub id): named NAME when given, else
         `foresight`, or `foresight:FOLDER` when several scorers are compared."""
-        name, sep, path = source.partition("=")
-        if sep and name and "/" not in name:
-            return cls(name=name, scorer=load_scorer(path))
-        name = f"foresight:{Path(source).name}" if several else "foresight"
-        return cls(name=name, scorer=load_scorer(source))
+        name, path = split_scorer(source)
+        if name is None:
+            name = f"foresight:{Path(path).name}" if several else "foresight"
+        return cls(name=name, scorer=load_scorer(path))
 
     @property
     def policy_class(self) -> type[Policy]:
@@ -192,23 +191,18 @@ CADENCE_OPTIONS = {"protect_prompt": bool, "sinks": int}
 
 
 def resolve_policies(
-    text: str, options: Mapping[str, Mapping[str, str]] | None = None
+    text: str, options: Mapping[str | None, Mapping[str, str]] | None = None
 ) -> tuple[list[PolicySpec], list[str]]:
     """Specs for `all` or a comma-separated list of rows, and notes on what `all` leaves out. A row is
     NAME, or ROW=NAME to run a registered policy under a row name of its own (one policy under two
     settings). `options` maps a row to its option texts {key: value}, typed from the policy's fields
-    (e.g. triattention's stats); the keys protect_prompt and sinks override the policy's defaults. The learned
-    policy is not a row here: its rows come from trained scorers."""
-    options = dict(options or {})
+    (e.g. triattention's stats; None: the one row's); the keys protect_prompt and sinks override the policy's
+    defaults. The learned policy is not a row here: its rows come from trained scorers."""
     if text == "all":
         rows = {name: name for name in sorted(POLICIES)}
     else:
         rows = _rows(text)
-    unknown = sorted(set(options) - set(rows) | set(options) & {LEARNED})
-    if unknown:
-        raise ValueError(
-            f"options for {unknown[0]!r}, which is not a row of --policies (rows: {', '.join(r for r in rows if r != LEARNED)})"
-        )
+    options = options_of(options or {}, [row for row, policy in rows.items() if policy != LEARNED])
     specs, notes = [], []
     for row, policy in rows.items():
         if policy == LEARNED:
@@ -235,7 +229,9 @@ def _rows(text: str) -> dict[str, str]:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose 'all' or some of: {', '.join(sorted(POLICIES))}")
         if policy == LEARNED:
-            raise ValueError(f"policy {LEARNED!r} comes from a trained scorer: give --scorer [NAME=]DIR, not {item!r}")
+            raise ValueError(
+                f"policy {LEARNED!r} comes from a trained scorer: give --scorer [NAME=]DIR_OR_HUB_ID, not {item!r}"
+            )
         if not row:
             raise ValueError(f"--policies item {item!r} must be NAME or ROW=NAME")
         if row in POLICIES and row != policy:
@@ -248,14 +244,12 @@ def _rows(text: str) -> dict[str, str]:
     return rows
 
 
-def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec:
-    """The row's spec, its options typed and checked by building the policy once (a missing statistics
-    folder is refused here, before any replay)."""
-    texts = dict(texts)
-    spec = PolicySpec(row, None if policy == row else policy)
+def cadence_overrides(row: str, texts: dict[str, str], refused: bool = False) -> dict[str, Any]:
+    """The cadence keys (protect_prompt, sinks) of a row's option texts, typed, taken out of `texts`; `refused`
+    where the row's policy takes none (it evicts nothing, or follows its labels' cadence)."""
     cadence = {key: texts.pop(key) for key in CADENCE_OPTIONS if key in texts}
-    if cadence and (spec.needs_labels or not spec.evicts):
-        raise ValueError(f"-o {row}.{next(iter(cadence))}: only a heuristic that evicts takes it ({row} runs {policy})")
+    if cadence and refused:
+        raise ValueError(f"-o {row}.{next(iter(cadence))}: only a heuristic that evicts takes it")
     overrides = {}
     for key, text in cadence.items():
         try:
@@ -264,6 +258,15 @@ def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec
             raise ValueError(f"-o {row}.{key} expects {describe_type(CADENCE_OPTIONS[key])}, got {text!r}") from None
     if overrides.get("sinks", 0) < 0:
         raise ValueError(f"-o {row}.sinks must be 0 or more, got {overrides['sinks']}")
+    return overrides
+
+
+def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec:
+    """The row's spec, its options typed and checked by building the policy once (a missing statistics
+    folder is refused here, before any replay)."""
+    texts = dict(texts)
+    spec = PolicySpec(row, None if policy == row else policy)
+    overrides = cadence_overrides(row, texts, spec.needs_labels or not spec.evicts)
     extra = [] if spec.needs_labels else list(CADENCE_OPTIONS)
     typed = typed_options(POLICIES[policy], texts, label=row, extra=extra)
     spec = replace(spec, options=tuple(sorted(typed.items())), **overrides)
@@ -273,29 +276,45 @@ def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec
 
 
 # -- from the command line ------------------------------------------------------------------------
-LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR to evaluate a trained one"
-ROW_OPTIONS_HELP = (
-    "an option of one row of --policies, typed as its policy declares it (`foresight policies`), e.g. "
-    "-o triattention.stats=checkpoints/triattention-default; the keys protect_prompt and sinks override the "
-    "policy's own defaults. Name a row ROW=POLICY in --policies to run one policy under two settings, e.g. "
-    "--policies triattention,tri-open=triattention -o tri-open.protect_prompt=false; repeat for several"
-)
+LEARNED_NOTE = "foresight: skipped, it needs scorer: give --scorer DIR_OR_HUB_ID to evaluate a trained one"
+
+
+def split_scorer(text: str) -> tuple[str | None, str]:
+    """(NAME, source) of a --scorer text `[NAME=]DIR_OR_HUB_ID` (NAME None when not given; a NAME has no `/`,
+    so a folder or Hub id that holds `=` stays whole)."""
+    name, sep, source = text.partition("=")
+    if sep and name.strip() and "/" not in name:
+        if not source.strip():
+            raise ValueError(f"--scorer {text!r} names no folder or Hub id after {name}=")
+        return name.strip(), source.strip()
+    return None, text.strip()
+
+
+def one_scorer(texts: Sequence[str], runs: str) -> tuple[str, str] | None:
+    """(row name, source) of the one --scorer of a command that runs one learned scorer (`runs` says which);
+    None without one, a one-line error for several."""
+    if len(texts) > 1:
+        raise ValueError(f"{runs} runs one learned scorer; give --scorer once, not {len(texts)} times")
+    if not texts:
+        return None
+    name, source = split_scorer(texts[0])
+    return name or LEARNED, source
 
 
 def policy_specs(policies: str, scorers: list[str], options: Sequence[str] = ()) -> tuple[list[PolicySpec], list[str]]:
-    """Specs and notes of --policies and its -o ROW.KEY=VALUE options; the learned `foresight` policy
-    comes from the --scorer folders."""
+    """Specs and notes of --policies and its -o [ROW.]KEY=VALUE options; the learned `foresight` policy
+    comes from the --scorer folders or Hub ids."""
     names = [name.strip() for name in policies.split(",")]
     row_options = options_by_row(options)
     if not scorers:
         if "foresight" in names:
-            raise ValueError("policy 'foresight' needs a trained scorer: give --scorer DIR")
+            raise ValueError("policy 'foresight' needs a trained scorer: give --scorer DIR_OR_HUB_ID")
         specs, notes = resolve_policies(policies, row_options)
         return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
     others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
     if row_options and not others.strip(","):
         raise ValueError(
-            f"-o {next(iter(row_options))}...: --policies names no heuristic to take options (a --scorer row takes none)"
+            f"-o {next(iter(row_options)) or 'KEY'}...: --policies names no heuristic to take options (a --scorer row takes none)"
         )
     specs, notes = resolve_policies(others, row_options) if others.strip(",") else ([], [])
     notes = [note for note in notes if not note.startswith("foresight:")]
@@ -312,13 +331,37 @@ def check_distinct_names(specs: list[PolicySpec]) -> None:
         raise ValueError(f"two result rows would be named {repeated[0]!r}; name each --scorer apart as NAME=DIR")
 
 
-def options_by_row(texts: Sequence[str]) -> dict[str, dict[str, str]]:
-    """{row: {key: value}} of the -o ROW.KEY=VALUE texts."""
-    options: dict[str, dict[str, str]] = {}
+def options_by_row(texts: Sequence[str]) -> dict[str | None, dict[str, str]]:
+    """{row: {key: value}} of the -o [ROW.]KEY=VALUE texts (row None where ROW. is left out). A key `scorer`
+    is refused with the spelling that gives a scorer."""
+    options: dict[str | None, dict[str, str]] = {}
     for text in texts:
         target, sep, value = text.partition("=")
-        row, dot, key = target.strip().rpartition(".")
-        if not (sep and dot and row and key):
-            raise ValueError(f"-o {text!r} must look like ROW.KEY=VALUE, e.g. triattention.stats=DIR")
-        options.setdefault(row, {})[key] = value.strip()
+        row, _, key = target.strip().rpartition(".")
+        if not (sep and key.strip()) or (target.strip().startswith(".")):
+            raise ValueError(
+                f"-o {text!r} must look like [ROW.]KEY=VALUE, e.g. lag_size=none or triattention.stats=DIR"
+            )
+        if key.strip() == "scorer":
+            raise ValueError(
+                f"-o {text}: a scorer is not a policy option; use --scorer {value.strip() or 'DIR_OR_HUB_ID'}"
+            )
+        options.setdefault(row.strip() or None, {})[key.strip()] = value.strip()
     return options
+
+
+def options_of(
+    options: Mapping[str | None, Mapping[str, str]], rows: Sequence[str], what: str = "a row of --policies"
+) -> dict[str, dict[str, str]]:
+    """{row: {key: value}}: the options of `options_by_row` given to `rows`, those without ROW. to the one row
+    (a one-line error when there are several to choose from, or for a ROW that is not `what`)."""
+    unknown = sorted(row for row in options if row is not None and row not in rows)
+    if unknown:
+        raise ValueError(f"options for {unknown[0]!r}, which is not {what} (rows: {', '.join(rows) or 'none'})")
+    given = {row: dict(texts) for row, texts in options.items() if row is not None}
+    if None in options:
+        if len(rows) != 1:
+            key = next(iter(options[None]))
+            raise ValueError(f"-o {key}=...: name its row, -o ROW.{key}=... (rows: {', '.join(rows) or 'none'})")
+        given[rows[0]] = {**given.get(rows[0], {}), **options[None]}
+    return given

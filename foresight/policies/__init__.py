@@ -11,6 +11,10 @@ from foresight.runtime.policy import EvictionContext, Policy
 
 POLICIES: dict[str, type[Policy]] = {}
 
+DEFAULT_POLICY = "snapkv"
+"""The policy a command runs when none is named (generate, replay, demo, the pipeline benchmark's eval stage):
+the best heuristic on unseen set A (docs/benchmarks.md)."""
+
 
 def register(cls: type[Policy]) -> type[Policy]:
     """Class decorator: add a policy to the registry under its `name`."""

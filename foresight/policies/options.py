@@ -1,4 +1,4 @@
-"""A policy's options from text (the command line's -o KEY=VALUE): typed from the policy's own
+"""A policy's options from text (the command line's -o [ROW.]KEY=VALUE): typed from the policy's own
 dataclass fields, so a new policy's options need no parsing code."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class Settings(ReportSettings):
             "metavar": "ROW=WHAT",
         }
     )
-    budget: int = budget_field(128)
+    budget: int = budget_field()
     pool: str = field(
         default="",
         metadata={

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from foresight.bench.common import RUNS, ReportSettings, trace_sets, trace_sets_field
+from foresight.bench.common import RUNS, ReportSettings, budgets_field, trace_sets, trace_sets_field
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
 from studies.baselines.report import baselines_report
@@ -30,9 +30,7 @@ class Settings(ReportSettings):
             "metavar": "ROW",
         }
     )
-    budgets: tuple[int, ...] = field(
-        default=(128, 256), metadata={"help": "budgets B tabled, comma-separated", "flags": ("--budgets", "-B")}
-    )
+    budgets: tuple[int, ...] = budgets_field((128, 256))
     plot_dir: Path = field(default=RUNS, metadata={"help": "folder of the PNGs, one per set"})
 
     def __post_init__(self) -> None:

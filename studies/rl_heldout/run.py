@@ -34,9 +34,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from foresight.artifacts import write_text
-from foresight.bench.common import PlacedSettings, traces_field
+from foresight.bench.common import PlacedSettings, scorer_field, traces_field
 from foresight.data.trace_store import TraceStore, select_traces
-from foresight.eval.specs import trace_seed
+from foresight.eval.specs import split_scorer, trace_seed
 from foresight.metrics import loss_ratio, low_entropy_damage, scored_tokens
 from foresight.models import load_model
 from foresight.policies import make_policy
@@ -63,8 +63,8 @@ class Settings(PlacedSettings):
         default=None, metadata={"help": "comma-separated trace indices to leave out (traces a stage trained on)"}
     )
     holdout_seed: int = field(default=0, metadata={"help": "seed of the held-out split"})
-    scorer: tuple[str, ...] = field(
-        metadata={"help": "exactly two: the supervised scorer first, then the reinforced one", "metavar": "NAME=DIR"}
+    scorer: tuple[str, ...] = scorer_field(
+        "exactly two, each NAME=: the supervised scorer first, then the reinforced one", required=True
     )
     batch_size: int = field(default=4, metadata={"help": "traces replayed together"})
     resamples: int = field(default=10000, metadata={"help": "bootstrap resamples"})
@@ -84,8 +84,10 @@ class Settings(PlacedSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.scorer) != 2 or not all("=" in text for text in self.scorer):
-            raise ValueError("give exactly two --scorer NAME=DIR: the supervised one, then the reinforced one")
+        if len(self.scorer) != 2 or any(name is None for name, _ in map(split_scorer, self.scorer)):
+            raise ValueError(
+                "give exactly two --scorer NAME=DIR_OR_HUB_ID: the supervised one, then the reinforced one"
+            )
         if self.sampled_seeds < 0 or not 0 < self.sample_temperature < float("inf"):
             raise ValueError(
                 f"--sampled-seeds must be at least 0 and --sample-temperature a finite number > 0, got "
@@ -96,7 +98,7 @@ class Settings(PlacedSettings):
     @property
     def scorers(self) -> tuple[tuple[str, str], ...]:
         """(name, folder or Hub id) of the supervised scorer, then of the reinforced one."""
-        return tuple(tuple(text.split("=", 1)) for text in self.scorer)
+        return tuple(split_scorer(text) for text in self.scorer)
 
     @property
     def excluded(self) -> set[int]:

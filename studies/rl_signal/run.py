@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from foresight.bench.common import PlacedSettings, machine, threads_note
+from foresight.bench.common import OneScorer, PlacedSettings, machine, scorer_field, threads_note
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.models import describe, load_model
 from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
@@ -67,22 +67,20 @@ CHUNKS = 8
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings(PlacedSettings):
+class Settings(OneScorer, PlacedSettings):
     """The options of `python -m studies rl-signal`, each with its help text."""
 
     traces: str = field(default="data/corpus/train52", metadata={"help": "traces folder of the scorer's model"})
     count: int = field(default=2, metadata={"help": "traces measured: the first COUNT with at least TOKENS tokens"})
     tokens: int = field(default=320, metadata={"help": "each trace is cut to its first TOKENS tokens (rollout cost)"})
-    scorer: str = field(
-        default="checkpoints/default", metadata={"help": "the scorer whose policy gradient is measured"}
-    )
+    scorer: tuple[str, ...] = scorer_field("the one whose policy gradient is measured", ("checkpoints/default",))
     groups: int = field(default=4, metadata={"help": "groups of episodes per trace (the samples of B_noise)"})
     group_size: int = field(default=8, metadata={"help": "episodes per group, G"})
     branch_rounds: int = field(default=2, metadata={"help": "rounds of branch groups per trace (0: none)"})
     branch_steps: int = field(default=2, metadata={"help": "branch groups per trace and round"})
     branch_rows: int = field(default=8, metadata={"help": "rows per branch group, K"})
     branch_chunks: int = field(default=2, metadata={"help": "chunks of L tokens a branch continues for, W"})
-    temperature: float = field(
+    sample_temperature: float = field(
         default=0.005, metadata={"help": "τ of Eq. 2 in the rollouts (docs/rl.md's third round)"}
     )
     damage_threshold: float = field(default=1.5, metadata={"help": "η of the thresholded reward"})
@@ -150,10 +148,10 @@ def run(settings: Settings) -> str:
     """Roll out, measure every estimator, check the planted reward; the report's markdown section."""
     started = time.perf_counter()
     store = TraceStore(settings.traces)
-    model, scorer = model_and_scorer(store, settings, settings.scorer)
+    model, scorer = model_and_scorer(store, settings, settings.learned[1])
     traces = measured_traces(store, settings, scorer.config.budget + scorer.config.interval)
     scoring = {
-        "temperature": settings.temperature,
+        "temperature": settings.sample_temperature,
         "threshold": settings.damage_threshold,
         "exponent": settings.damage_exponent,
         "terms": Estimator("dense", offset=settings.damage_offset).damage_terms,
@@ -363,7 +361,7 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
     truth = (true_a + true_b) / 2
     size = settings.group_size
     count = settings.planted_groups * size
-    draw = draw_eviction(fixed.expand(count, *fixed.shape), num_evict, generator, eligible, settings.temperature)
+    draw = draw_eviction(fixed.expand(count, *fixed.shape), num_evict, generator, eligible, settings.sample_temperature)
     rewards = (
         -planted.expand(count, *planted.shape).gather(-1, draw.order).sum((-1, -2, -4, -5)).double()
     )  # [n, traces]
@@ -373,7 +371,7 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
     for logprob_name, rule in LOGPROB_RULES.items():
         leaf = fixed.expand(count, *fixed.shape).clone().requires_grad_()
         pool = torch.arange(fixed.shape[-1], device=fixed.device).expand_as(leaf)
-        logprob = rule(leaf, pool, draw.order, eligible, settings.temperature)
+        logprob = rule(leaf, pool, draw.order, eligible, settings.sample_temperature)
         (per_episode,) = torch.autograd.grad(logprob.sum(), leaf)  # [n, layers, steps, traces, Hkv, P]
         del leaf, logprob
         for advantage_name, advantages in ADVANTAGE_RULES.items():
@@ -429,12 +427,14 @@ def reference_gradient(
     halves = []
     for _ in range(2):
         draws = max(2, settings.reference_draws // 2)
-        draw = draw_eviction(fixed.expand(draws, *fixed.shape), num_evict, generator, eligible, settings.temperature)
+        draw = draw_eviction(
+            fixed.expand(draws, *fixed.shape), num_evict, generator, eligible, settings.sample_temperature
+        )
         penalty = -planted.expand(draws, *planted.shape).gather(-1, draw.order).sum(-1).double()  # [draws, states...]
         baseline = (penalty.sum(0, keepdim=True) - penalty) / (draws - 1)
         leaf = fixed.expand(draws, *fixed.shape).clone().requires_grad_()
         pool = torch.arange(fixed.shape[-1], device=fixed.device).expand_as(leaf)
-        logprob = plackett_luce_logprob(leaf, pool, draw.order, eligible, settings.temperature)
+        logprob = plackett_luce_logprob(leaf, pool, draw.order, eligible, settings.sample_temperature)
         (gradient,) = torch.autograd.grad((logprob * (penalty - baseline).to(logprob.dtype)).sum() / draws, leaf)
         halves.append(gradient.sum(0))
     return halves[0], halves[1]
@@ -483,9 +483,9 @@ def report(
         f"Command: `{settings.command}` {threads_note()}",
         "",
         (
-            f"Scorer `{settings.scorer}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
+            f"Scorer `{settings.learned[1]}`, traces {', '.join(str(trace.index) for trace in traces)} of `{settings.traces}` "
             f"({', '.join(sorted({trace.source for trace in traces}))}) cut to {settings.tokens} tokens; τ = "
-            f"{settings.temperature}; episodes: {settings.groups} groups of G = {settings.group_size} per trace; branch "
+            f"{settings.sample_temperature}; episodes: {settings.groups} groups of G = {settings.group_size} per trace; branch "
             f"groups: {settings.branch_rounds} rounds × {settings.branch_steps} groups of K = {settings.branch_rows} "
             f"rows, W = {settings.branch_chunks} chunks, per trace; forward tokens per group: "
             + ", ".join(f"{kind} {count:,.0f}" for kind, count in tokens.items())

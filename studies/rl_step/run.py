@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from foresight.bench.common import PlacedSettings, threads_note, traces_field
+from foresight.bench.common import OneScorer, PlacedSettings, scorer_field, threads_note, traces_field
 from foresight.models import dtype_name
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
@@ -31,9 +31,9 @@ RL_CONFIG = Path("configs/default-rl.yaml")  # the default model, B = 128, L = 3
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings(PlacedSettings):
+class Settings(OneScorer, PlacedSettings):
     traces: Path = traces_field("traces of the default model (`foresight traces`)")
-    scorer: str = field(default="checkpoints/default", metadata={"help": "supervised scorer to start from"})
+    scorer: tuple[str, ...] = scorer_field("the supervised scorer to start from", ("checkpoints/default",))
     steps: int = field(default=2, metadata={"help": "optimisation steps, one trace each"})
     group_size: int = field(default=8, metadata={"help": "rollouts per trace (G) of episodes"})
     rollouts: tuple[str, ...] = field(
@@ -63,7 +63,7 @@ class Settings(PlacedSettings):
             f"--trainer.default_root_dir={scratch}",
             f"--checkpoint.dirpath={scratch / 'checkpoints'}",
             f"--epoch_checkpoint.dirpath={scratch / 'checkpoints'}",
-            f"--model.scorer={self.scorer}",
+            f"--model.scorer={self.learned[1]}",
             f"--data.traces_dir={self.traces}",
             f"--trainer.max_steps={self.steps}",
             "--data.batch_size=1",

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from foresight.bench.common import PlacedSettings, machine, threads_note
+from foresight.bench.common import OneScorer, PlacedSettings, machine, scorer_field, threads_note
 from foresight.data.trace_store import TraceStore
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
@@ -36,7 +36,7 @@ AGREEMENT = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings(PlacedSettings):
+class Settings(OneScorer, PlacedSettings):
     """The options of `python -m studies rl-window`, each with its help text."""
 
     traces: Path = field(
@@ -44,7 +44,7 @@ class Settings(PlacedSettings):
         metadata={"help": "traces folder of the scorer's model (`foresight traces`)"},
     )
     count: int = field(default=4, metadata={"help": "traces measured: the first COUNT of the folder, whole"})
-    scorer: str = field(default="checkpoints/default", metadata={"help": "the scorer whose branch groups are measured"})
+    scorer: tuple[str, ...] = scorer_field("the one whose branch groups are measured", ("checkpoints/default",))
     chunks: tuple[int, ...] = field(
         default=(4, 8, 16),
         metadata={"help": "a window W in chunks of L to compare with the rest (repeat)", "flags": ("--chunks",)},
@@ -54,7 +54,7 @@ class Settings(PlacedSettings):
     branch_layers: int | None = field(
         default=None, metadata={"help": "layers that sample a group's step (all when unset)"}
     )
-    temperature: float = field(default=0.005, metadata={"help": "τ of Eq. 2 at the branch step"})
+    sample_temperature: float = field(default=0.005, metadata={"help": "τ of Eq. 2 at the branch step"})
     damage_threshold: float = field(default=1.5, metadata={"help": "η of the thresholded and gated rewards"})
     damage_exponent: float = field(default=2.0, metadata={"help": "p of the damage term"})
     damage_offset: float = field(default=0.0, metadata={"help": "δ of the dense reward (ΔL − δ)₊^p"})
@@ -71,7 +71,7 @@ def run(settings: Settings) -> str:
     """Continue every branch to its trace's end, compare the windows; the report's markdown section."""
     started = time.perf_counter()
     store = TraceStore(settings.traces)
-    model, scorer = model_and_scorer(store, settings, settings.scorer)
+    model, scorer = model_and_scorer(store, settings, settings.learned[1])
     branches = BranchSettings(settings.branch_rows, max(settings.chunks), settings.branch_steps, settings.branch_layers)
     rules = {
         name: Estimator(name, offset=settings.damage_offset, gate_width=settings.damage_gate_width).damage_terms
@@ -89,7 +89,7 @@ def run(settings: Settings) -> str:
             settings.chunks,
             rules,
             seed=settings.seed,
-            temperature=settings.temperature,
+            temperature=settings.sample_temperature,
             threshold=settings.damage_threshold,
             exponent=settings.damage_exponent,
         )
@@ -108,7 +108,7 @@ def report(
         f"Command: `{settings.command}`",
         "",
         f"{traces} traces of {settings.traces} ({tokens} tokens), {settings.branch_steps} branch groups per trace "
-        f"of K = {settings.branch_rows} rows at τ = {settings.temperature}, from {settings.scorer}; L = {interval}. "
+        f"of K = {settings.branch_rows} rows at τ = {settings.sample_temperature}, from {settings.learned[1]}; L = {interval}. "
         f"Spearman across a group's rows of d_k over W chunks against d_k over the whole rest of the trace. "
         f"{machine(settings.run_device)}; {threads_note()}; {seconds:.0f} s.",
         "",
