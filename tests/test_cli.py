@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -528,3 +529,14 @@ def test_replay_reports_a_loss_ratio_against_the_full_cache(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     ratio = float(last.split("loss ratio ")[1].split()[0])
     assert ratio > 1.0  # dropping most of a structured context must cost something
+
+
+@pytest.mark.slow
+def test_demo_generation_evicts_and_every_heuristic_gets_a_finite_loss_ratio(capsys):
+    """The tour's prompt reasons long enough to evict at the given B and L, so no row of its comparison is nan."""
+    assert main(["demo", "-B", "64", "-L", "16", "--max-new-tokens", "96"]) == 0
+    printed = capsys.readouterr().out
+    steps = int(printed.split(" eviction steps")[0].rsplit(", ", 1)[1])
+    rows = printed.split("(1.0 = full cache):\n")[1].split("best heuristic")[0].strip().splitlines()
+    ratios = [float(row.split()[1]) for row in rows]
+    assert steps >= 1 and len(rows) >= 12 and all(math.isfinite(ratio) for ratio in ratios), printed

@@ -1,10 +1,12 @@
 """The main job on the embedded default model: a generation with eviction, then a teacher-forced
-comparison of every heuristic policy on that generation, both at -B and -L."""
+comparison of every heuristic policy on that generation, both at -B and -L.
+
+The prompt is that of the first shipped reasoning trace (data/corpus/gsm-main), a grade-school problem the
+default model reasons about for a few hundred tokens, so the generation evicts at B = 128, L = 32."""
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -14,12 +16,12 @@ from foresight.bench.common import selected_policies
 from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._policy import add_policy_arguments, policy_from_args, refuse_old_spelling
 from foresight.commands.replay import loss_ratio_after_first_eviction
-from foresight.data.tasks import chat_prompt_ids
+from foresight.data.trace_store import TraceStore
 from foresight.models import load_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 
-PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic.jsonl"
+TRACES = Path(__file__).resolve().parents[2] / "data" / "corpus" / "gsm-main"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     policy, config = policy_from_args(args)
     model, tokenizer = load_model(args.model, **model_options(args))
-    problem = json.loads(PROMPTS.read_text().splitlines()[0])
-    prompt = chat_prompt_ids(tokenizer, problem["prompt"])
+    first = next(iter(TraceStore(TRACES)))
+    prompt = first.input_ids[: first.prompt_length].tolist()
     engine = EvictionEngine(model, policy, config)
     with tqdm(total=args.max_new_tokens, desc=f"generate ({policy.name})", unit="tok") as bar:
         output = engine.generate(
@@ -48,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
     )
 
     sequence = torch.tensor(prompt + output.tokens[0])
+    if len(sequence) <= args.budget + args.interval:
+        raise ValueError(
+            f"the generation holds {len(sequence)} tokens, not more than B + L = {args.budget + args.interval}: no policy "
+            "evicts; raise --max-new-tokens or lower -B/-L"
+        )
     comparison = EvictionConfig(args.budget, args.interval)
     full = EvictionEngine(model, make_policy("full")).replay([sequence], [len(prompt)])
     rows = []
