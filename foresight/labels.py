@@ -33,9 +33,10 @@ The block means (over a block's queries and heads) of a product of several block
 those of one block at a time in their last bits (float32 summation order, within 1e-6 relative); one
 block at a time they are bit-identical to a per-block softmax and mean.
 
-Label kinds (docs/algorithms.md §4, "Label kinds"): α is the paper's target; `value` and `gradient`
-weight each attention weight a_{q,h,i} by what the entry does to the output, and `gradient` needs one
-backward pass of the low-entropy NLL through the same capture (`_gradient_forward`). The kind is in the file's metadata and the folder's name.
+Label kinds (docs/algorithms.md §4, "Label kinds"): α is the paper's target; the others weight each
+attention weight a_{q,h,i} by what the entry does to the output, and those that read the loss (`gradient`,
+`gradient-magnitude`, `removal`) need one backward pass of the low-entropy NLL through the same capture
+(`_gradient_forward`). The kind is in the file's metadata and the folder's name.
 
 Size: one algorithm (§4) end to end: the capture forward, block and future scores, the greedy
 schedule and the label file; splitting it would spread one equation over several files.
@@ -75,6 +76,14 @@ class LabelKind(Choice):
     ALPHA = "alpha"  # α_{i,t} = max_{j>=t} ã_{i,j} (Eq. 5)
     VALUE = "value"  # max_{j>=t} mean_{q in j, h in group} a_{q,h,i} ‖v_i − o_{q,h}‖
     GRADIENT = "gradient"  # Σ_{j>=t} mean_{q in j, h in group} −∂NLL_low / ∂s_{q,h,i}
+    GRADIENT_MAGNITUDE = "gradient-magnitude"  # Σ_{j>=t} |mean_{q in j, h in group} −∂NLL_low / ∂s_{q,h,i}|
+    REMOVAL = "removal"  # Σ_{j>=t} mean_{q in j, h in group} −∂NLL_low / ∂s_{q,h,i} / (1 − a_{q,h,i})
+
+    @property
+    def reads_loss(self) -> bool:
+        """Whether the kind needs ∂NLL_low/∂output (one backward pass); those kinds also sum over the future
+        blocks (first-order loss changes add) where α and value take the max."""
+        return self in (LabelKind.GRADIENT, LabelKind.GRADIENT_MAGNITUDE, LabelKind.REMOVAL)
 
 
 @dataclass(frozen=True)
@@ -82,20 +91,25 @@ class BlockTerms:
     """What `value` and `gradient` labels weight each attention weight by, for the queries of a product.
 
     values: [Hkv, keys, D] the layer's values; outputs: [Hq, rows, D] each query head's attention output;
-    grads: [Hq, rows, D] ∂NLL_low/∂output (gradient labels) or None (value labels)."""
+    grads: [Hq, rows, D] ∂NLL_low/∂output (the kinds that read the loss) or None (value labels);
+    removal: divide each derivative by 1 − a_{q,i} (removal labels)."""
 
     values: torch.Tensor
     outputs: torch.Tensor
     grads: torch.Tensor | None = None
+    removal: bool = False
 
     def rows(self, start: int, end: int, keys: int) -> BlockTerms:
         """The terms of queries start..end-1 and keys 0..keys-1 (positions of the trace)."""
         grads = None if self.grads is None else self.grads[:, start:end]
-        return BlockTerms(self.values[:, :keys], self.outputs[:, start:end], grads)
+        return BlockTerms(self.values[:, :keys], self.outputs[:, start:end], grads, self.removal)
 
     def weigh(self, weights: torch.Tensor) -> torch.Tensor:
         """weights [Hkv, G, rows, keys] times ‖v_i − o_q‖ (value) or −⟨∂NLL/∂o_q, v_i − o_q⟩ (gradient: the
-        derivative of the loss with respect to the attention logit s_{q,i} is a_{q,i}⟨∂NLL/∂o_q, v_i − o_q⟩)."""
+        derivative of the loss with respect to the attention logit s_{q,i} is a_{q,i}⟨∂NLL/∂o_q, v_i − o_q⟩).
+        With `removal`, also divided by 1 − a_{q,i}: removing entry i from the softmax moves o_q by
+        a_{q,i}(o_q − v_i)/(1 − a_{q,i}) exactly, so this is the loss change of that removal to first order in
+        the output, not in the logit (large for an entry that holds most of the row's weight)."""
         heads, group, rows, _ = weights.shape
         values = self.values.float()
         outputs = self.outputs.float().view(heads, group, rows, -1)
@@ -106,7 +120,10 @@ class BlockTerms:
         grads = self.grads.float().view(heads, group, rows, -1)
         along_value = torch.einsum("hgrd,hkd->hgrk", grads, values)
         along_output = (grads * outputs).sum(-1, keepdim=True)
-        return weights * (along_output - along_value)
+        derivative = weights * (along_output - along_value)
+        if not self.removal:
+            return derivative
+        return derivative / (1.0 - weights).clamp_min(torch.finfo(weights.dtype).eps)
 
 
 @dataclass(frozen=True)
@@ -227,7 +244,8 @@ def future_scores(
     N covers every position that can be a candidate. Blocks 1..M-1 are whole and go several to a product
     (`_products`, at most `max_elements` logits each, default `logits_budget`); block M holds the
     (T - B) mod L queries left, and scores 0 when it holds none. The suffix max is a cumulative max over
-    the reversed steps (a cumulative sum for gradient labels: first-order loss changes add up).
+    the reversed steps (a cumulative sum for the kinds that read the loss: first-order loss changes add up;
+    of the block scores' magnitudes for gradient-magnitude).
     """
     keys = keys.float()  # once per layer, not once per product (exact: every float dtype widens to float32)
     max_elements = logits_budget(keys.device) if max_elements is None else max_elements
@@ -243,7 +261,9 @@ def future_scores(
     start = budget + num_steps * interval
     if start < num_tokens:
         scores[-1] = block_scores(queries[:, start:], keys, start, scaling, terms=terms)[0, :, :width]
-    if kind == LabelKind.GRADIENT:
+    if kind == LabelKind.GRADIENT_MAGNITUDE:
+        scores = scores.abs()
+    if kind.reads_loss:
         return scores.flip(0).cumsum(dim=0).flip(0)
     return scores.flip(0).cummax(dim=0).values.flip(0)
 
@@ -280,7 +300,7 @@ class _Capture:
         self.scaling[layer] = scaling
         if self.kind != LabelKind.ALPHA:
             self.values[layer] = value[0].detach()
-            if self.kind == LabelKind.GRADIENT:
+            if self.kind.reads_loss:
                 output.retain_grad()
             self.outputs.setdefault(layer, []).append(output)
 
@@ -290,10 +310,10 @@ class _Capture:
             return None
         outputs = self.outputs.pop(layer)
         grads = None
-        if self.kind == LabelKind.GRADIENT:
+        if self.kind.reads_loss:
             grads = torch.cat([output.grad for output in outputs], dim=1)[0].transpose(0, 1)
         heads_first = torch.cat([output.detach() for output in outputs], dim=1)[0].transpose(0, 1)
-        return BlockTerms(self.values.pop(layer), heads_first, grads)
+        return BlockTerms(self.values.pop(layer), heads_first, grads, removal=self.kind == LabelKind.REMOVAL)
 
 
 def _capture_attention(
@@ -333,7 +353,7 @@ def _capture_forward(
     for gradient labels: `_gradient_forward`); returns the capture."""
     capture = _Capture(input_ids.numel(), kind)
     with attention_implementation(model, CAPTURE_ATTENTION):
-        if kind == LabelKind.GRADIENT:
+        if kind.reads_loss:
             _gradient_forward(model, input_ids.to(model.device), capture)
         else:
             full_cache_forward(model, input_ids, chunk_size, golden_capture=capture)

@@ -1,6 +1,7 @@
 """Label kinds other than α (docs/algorithms.md §4, "Label kinds") against slow twins built from an eager
 T x T attention: the value-aware score from the attention weights, values and outputs of every head, the
-gradient score from autograd through a per-entry gate on every attention logit."""
+gradient scores (and their magnitudes) from autograd through a per-entry gate on every attention logit, the
+removal score from each entry's explicit removal from each row's softmax and autograd's ∂NLL/∂output."""
 
 from __future__ import annotations
 
@@ -43,16 +44,31 @@ def _twin_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     logits = logits.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
     weights = logits.softmax(-1)
     output = weights @ values
-    twin["layers"].append((weights[0].detach(), value[0].detach(), output[0].detach()))
+    output.retain_grad()
+    twin["layers"].append((weights[0].detach(), value[0].detach(), output))
     return output.transpose(1, 2).contiguous(), weights
 
 
 register_attention(TWIN_ATTENTION, _twin_attention, full_cache=True)
 
 
+def removal_change(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor, grad: torch.Tensor):
+    """[Hq, q, i]: ⟨∂NLL/∂o_q, o_q without entry i − o_q⟩, each entry removed from each row's weights in turn
+    and the rest renormalised (a row left with no weight moves nothing)."""
+    change = torch.zeros_like(weights)
+    for entry in range(weights.shape[-1]):
+        kept = weights.clone()
+        kept[..., entry] = 0
+        mass = kept.sum(-1, keepdim=True)
+        moved = torch.where(mass > 0, (kept / mass) @ values - output, torch.zeros_like(output))
+        change[..., entry] = (grad * moved).sum(-1)
+    return change
+
+
 def twin_block_terms(model, ids: torch.Tensor, kind: LabelKind) -> list[torch.Tensor]:
-    """Per layer [Hq, T, T]: a_{q,h,i}·‖v_i − o_{q,h}‖ (value) or −∂NLL_low/∂s_{q,h,i} (gradient), by autograd
-    through a zero gate on every logit."""
+    """Per layer [Hq, T, T]: a_{q,h,i}·‖v_i − o_{q,h}‖ (value), −∂NLL_low/∂s_{q,h,i} by autograd through a zero
+    gate on every logit (gradient, gradient-magnitude) or the first-order loss change of removing entry i from
+    row q (removal)."""
     config = model.config
     length = ids.numel()
     gate = torch.zeros(config.num_hidden_layers, config.num_attention_heads, length, length, requires_grad=True)
@@ -69,19 +85,23 @@ def twin_block_terms(model, ids: torch.Tensor, kind: LabelKind) -> list[torch.Te
     nll[low_entropy_tokens(entropy)].sum().backward()
     terms = []
     for layer, (weights, value, output) in enumerate(twin["layers"]):
-        if kind == LabelKind.GRADIENT:
+        if kind in (LabelKind.GRADIENT, LabelKind.GRADIENT_MAGNITUDE):
             terms.append(-gate.grad[layer])
             continue
         group = weights.shape[0] // value.shape[0]
         values = value.repeat_interleave(group, 0)  # [Hq, T, D]
+        if kind == LabelKind.REMOVAL:
+            terms.append(removal_change(weights, values, output[0].detach(), output.grad[0]))
+            continue
+        output = output[0].detach()
         distance = (values[:, None, :, :] - output[:, :, None, :]).norm(dim=-1)  # [Hq, q, i]
         terms.append(weights * distance)
     return terms
 
 
 def twin_table(model, ids: torch.Tensor, kind: LabelKind) -> torch.Tensor:
-    """[M, layers, Hkv, N]: each block's mean over its queries and the group's heads, then the max (value) or
-    the sum (gradient) over blocks j >= t, block by block."""
+    """[M, layers, Hkv, N]: each block's mean over its queries and the group's heads (its magnitude for
+    gradient-magnitude), then the max (value) or the sum (the others) over blocks j >= t, block by block."""
     length = ids.numel()
     steps = (length - B) // L
     width = B + (steps - 1) * L
@@ -96,14 +116,15 @@ def twin_table(model, ids: torch.Tensor, kind: LabelKind) -> torch.Tensor:
                 blocks.append(torch.zeros(kv_heads, width))
                 continue
             block = terms[:, rows, :width].double().mean(1)  # [Hq, N]
-            blocks.append(block.view(kv_heads, group, width).mean(1).float())
+            block = block.view(kv_heads, group, width).mean(1).float()
+            blocks.append(block.abs() if kind == LabelKind.GRADIENT_MAGNITUDE else block)
         for t in range(1, steps + 1):
             future = torch.stack(blocks[t - 1 :])
-            table[t - 1, layer] = future.sum(0) if kind == LabelKind.GRADIENT else future.max(0).values
+            table[t - 1, layer] = future.max(0).values if kind == LabelKind.VALUE else future.sum(0)
     return table
 
 
-@pytest.mark.parametrize("kind", [LabelKind.VALUE, LabelKind.GRADIENT])
+@pytest.mark.parametrize("kind", [LabelKind.VALUE, LabelKind.GRADIENT, LabelKind.GRADIENT_MAGNITUDE, LabelKind.REMOVAL])
 @pytest.mark.parametrize("length", [50, 48])  # the last block holds 2 of its 4 queries; none
 def test_label_kinds_match_their_eager_twins(model, kind, length):
     ids = token_ids(length)
@@ -118,9 +139,12 @@ def test_label_kinds_match_their_eager_twins(model, kind, length):
 def test_label_kinds_rank_differently_from_alpha(model):
     ids = token_ids(60)
     alpha = future_score_table(model, ids, B, L)
-    for kind in (LabelKind.VALUE, LabelKind.GRADIENT):
+    for kind in (LabelKind.VALUE, LabelKind.GRADIENT, LabelKind.GRADIENT_MAGNITUDE, LabelKind.REMOVAL):
         other = future_score_table(model, ids, B, L, kind=kind)
         assert not torch.equal(alpha.argsort(-1), other.argsort(-1)), kind
+    gradient = future_score_table(model, ids, B, L, kind=LabelKind.GRADIENT)
+    removal = future_score_table(model, ids, B, L, kind=LabelKind.REMOVAL)
+    assert not torch.equal(gradient.argsort(-1), removal.argsort(-1))  # 1 / (1 − a) reorders the entries
 
 
 def test_the_kind_is_in_the_metadata_and_the_folder_name(model, tmp_path):
@@ -142,7 +166,9 @@ def test_the_kind_is_in_the_metadata_and_the_folder_name(model, tmp_path):
             expect_trace_index=3,
             expect_kind="value",
         )
-    with pytest.raises(ValueError, match="unknown label kind 'norm'; allowed: 'alpha', 'value', 'gradient'"):
+    assert labels_dir(tmp_path, B, L, "gradient-magnitude") == tmp_path / f"labels-B{B}-L{L}-gradient-magnitude"
+    allowed = "'alpha', 'value', 'gradient', 'gradient-magnitude', 'removal'"
+    with pytest.raises(ValueError, match=f"unknown label kind 'norm'; allowed: {allowed}"):
         LabelKind.parse("norm")
 
 

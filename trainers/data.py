@@ -132,7 +132,7 @@ class GoldenDataModule(TraceSplitDataModule):
       holding every training trace; their examples join the golden ones in training (validation stays
       golden, so its figures compare across rounds).
     storage_dtype: dtype of the cached keys, values and features (α stays float32).
-    label_kind: the labels the targets come from (`foresight labels --kind`: alpha, value or gradient);
+    label_kind: the labels the targets come from (`foresight labels --kind`: alpha or another `LabelKind`);
       part of the example cache's key, so the examples of one kind are never read as another's.
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
       of the cache's key) or the replay.

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kind",
         type=LabelKind.parse,
         default=LabelKind.ALPHA,
-        help="label kind: alpha (Eq. 5), value or gradient (docs/algorithms.md §4); in the folder's name",
+        help="label kind: alpha (Eq. 5), value, gradient, gradient-magnitude or removal (docs/algorithms.md §4); "
+        "in the folder's name",
     )
 
 
