@@ -320,3 +320,15 @@ def test_a_study_run_alone_runs_its_spec(name, tmp_path):
     bad.write_text("no_such_option: 1\n")
     with pytest.raises(ValueError, match="'no_such_option' is not an option here; the options are --"):
         with_spec([name, "--spec", str(bad)], STUDIES)
+
+
+def test_no_document_spells_a_study_as_a_benchmark():
+    """Docs, notes, cards and the studies' own files name a study by `python -m studies NAME` only."""
+    paths = [
+        *ROOT.glob("docs/**/*.md"),
+        ROOT / "README.md",
+        *ROOT.glob("checkpoints/**/*.md"),
+        *ROOT.glob("studies/**/*"),
+    ]
+    old = re.compile(rf"foresight bench ({'|'.join(MOVED_TO_STUDIES)})\b")
+    assert [str(path) for path in paths if path.is_file() and old.search(path.read_text())] == []
