@@ -105,13 +105,11 @@ def command_line(settings: Any) -> str:
     """The `foresight bench NAME ...` command (a study's `python -m studies NAME ...`: its module's COMMAND)
     that parses back into `settings`: every option but those left at an empty default (None, off, nothing
     given)."""
-    given = {
-        option.name: getattr(settings, option.name)
-        for option in options(type(settings))
-        if not (
-            getattr(settings, option.name) in (None, False, (), "") and option.default == getattr(settings, option.name)
-        )
-    }
+    given = {}
+    for option in options(type(settings)):
+        value = getattr(settings, option.name)
+        if value not in (None, False, (), "") or option.default != value:
+            given[option.name] = value
     module = declaring_module(settings)
     words = [*getattr(module, "COMMAND", "foresight bench").split(), module.NAME]
     return " ".join(words + [shlex.quote(word) for word in option_words(type(settings), given)])
