@@ -54,10 +54,9 @@ def test_a_changed_cell_fails(tmp_path):
 
 
 def test_a_missing_cell_fails(tmp_path):
-    docs = planted(tmp_path, "| 27.5% / −22.1% | the starting point |", "| 27.5% / −22.1% |")
+    docs = planted(tmp_path, "| −35.9% [−138.9%, 11.5%] | 39.6% [22.1%, 53.2%] |", "| −35.9% [−138.9%, 11.5%] |")
     assert page_mismatches(docs / "benchmarks.md", docs) == [
-        "benchmarks.md, the table from results/ablation.json: row \"the paper's recipe (42 short gsm_symbolic "
-        'traces)" has 2 cells, the file 3'
+        "benchmarks.md, the table from results/equal-bytes.json: row 'unseen A' has 7 cells, the file 8"
     ]
 
 
