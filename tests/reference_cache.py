@@ -77,10 +77,20 @@ class ConcatenatingCache(EvictionCache):
         keep_every_query: bool = False,
         capacity=None,
         query_dtype=None,
+        stream_queries: bool = False,
     ):
-        super().__init__(num_layers, state_fields, group_size, query_window, keep_every_query, query_dtype=query_dtype)
+        super().__init__(
+            num_layers,
+            state_fields,
+            group_size,
+            query_window,
+            keep_every_query,
+            query_dtype=query_dtype,
+            stream_queries=stream_queries,
+        )
         self.layers = [
-            ConcatenatingLayer(state_fields, group_size, query_window, keep_every_query) for _ in range(num_layers)
+            ConcatenatingLayer(state_fields, group_size, query_window, keep_every_query, stream_queries=stream_queries)
+            for _ in range(num_layers)
         ]
 
     def compact(self, keep: torch.Tensor, width: int) -> None:

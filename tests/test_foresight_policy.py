@@ -155,7 +155,7 @@ def test_standardised_keep_scores_equal_independent_mlps_on_loop_features(llama,
     """A standardised policy's state and keep scores equal the per-(layer, head) MLP of
     [k/|k| || v/|v| || a] with loop-computed features standardised over each row's valid candidates."""
     scorer = random_scorer(llama, feature_set=feature_set)
-    policy = make_policy("foresight", scorer=scorer)
+    policy = make_policy("foresight", scorer=scorer, observation="window")
     assert [field.name for field in policy.state_fields] == ["cumulative", "decayed", "recent"]
     context = standardised_step(scorer)
     state = policy.observe(context)

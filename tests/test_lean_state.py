@@ -31,7 +31,7 @@ def test_every_field_is_held_at_its_declared_dtype(llama):
     field at its declared dtype (cumulative float32, the bounded sums float16), the ring float16 as asked."""
     scorer = random_scorer(llama, feature_set="standardised")
     assert make_policy("foresight", scorer=scorer).buffered_query_dtype == torch.float32  # the default
-    policy = make_policy("foresight", scorer=scorer, sums_dtype="float16", query_dtype="float16")
+    policy = make_policy("foresight", scorer=scorer, sums_dtype="float16", query_dtype="float16", observation="window")
     assert {f.name: f.dtype for f in policy.state_fields} == {
         "cumulative": torch.float32,
         "decayed": torch.float16,

@@ -84,7 +84,8 @@ class ForesightScorerPress(ScorerPress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._policy = Foresight(scorer=self.scorer, record=False)
+        # kvpress hands a press the window's queries at its step, so the press reads them there (no stream).
+        self._policy = Foresight(scorer=self.scorer, record=False, observation="window")
         self.scorer = self._policy.scorer
         budget, interval = self.budget, self.interval
         if not isinstance(self.sinks, int) or not 0 <= self.sinks <= budget - interval:

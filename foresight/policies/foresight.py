@@ -17,7 +17,7 @@ from foresight.models import ModelShape, float_dtype
 from foresight.policies import register
 from foresight.runtime.cache import StateField
 from foresight.runtime.capture import OBSERVATION_BLOCK, STEP_LOGITS, first_observed_query, sub_blocks
-from foresight.runtime.policy import EvictionContext, Policy, layers_as_rows
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, layers_as_rows
 from foresight.scorer import standardised_features as standardised
 from foresight.scorer.attention_features import FeatureSet, attention_features
 from foresight.scorer.eviction_sampling import EvictionDraw, check_temperature, draw_eviction, plackett_luce_logprob
@@ -33,14 +33,28 @@ observed count is derived from positions, `standardised.observed_queries`)."""
 
 
 def feature_state(
-    feature_set: str | FeatureSet, sums: torch.dtype = torch.float32, cumulative: torch.dtype = torch.float32
+    feature_set: str | FeatureSet,
+    sums: torch.dtype = torch.float32,
+    cumulative: torch.dtype = torch.float32,
+    streamed: bool = False,
 ) -> tuple[StateField, ...]:
     """The per-entry state a feature set keeps in the cache (only what it reads, so the older sets'
-    caches stay as they were), its cumulative sum stored at `cumulative` and its other sums at `sums`."""
+    caches stay as they were), its cumulative sum stored at `cumulative` and its other sums at `sums`; with
+    `streamed`, also the window sums of a streamed observation (`standardised.window_state`, float32: the
+    kept-set gate failed every 16-bit sum, docs/notes/lean-state.md)."""
     names = STANDARDISED_STATE if FeatureSet.parse(feature_set).standardised else FEATURE_STATE
-    return tuple(
+    fields = tuple(
         StateField(name, per_query_head=True, dtype=cumulative if name == CUMULATIVE else sums) for name in names
     )
+    windows = standardised.window_state(feature_set) if streamed else ()
+    return fields + tuple(StateField(name, per_query_head=True) for name in windows)
+
+
+class Observation(Choice):
+    """How the learned policy reads the attention of each eviction window (docs/algorithms.md section 5)."""
+
+    STREAM = ObservedQueries.STREAM.value
+    WINDOW = ObservedQueries.WINDOW.value
 
 
 def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -49,7 +63,10 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
 
     Shared by the learned policy and the supervised data maker, so that training and inference
     compute features from the same block attention and state in the same way, the standardised set's
-    standardisation over the valid candidates included."""
+    standardisation over the valid candidates included. A context without queries is a streamed step's
+    (`ObservedQueries.STREAM`): its window's sums are in the state already."""
+    if context.queries is None:
+        return _streamed_features(context, feature_set)
     blocks = _attention_blocks(
         context.queries, context.query_positions, context.keys, context.positions, context.scaling, feature_set
     )
@@ -64,6 +81,18 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
         feature_set,
         context.first_observed,
     )
+
+
+def _streamed_features(context: EvictionContext, feature_set: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`observe_features` at a streamed eviction step: the features from the state, the window sums reset."""
+    if context.first_observed is None:
+        raise ValueError("a streamed eviction step needs each row's first observed query position")
+    features, state = standardised.streamed_features(
+        context.state, context.positions, context.newest_position, context.first_observed, feature_set
+    )
+    candidates = slice(0, context.num_candidates)
+    valid = context.positions[..., candidates] >= 0
+    return standardised.standardise_candidates(features[..., candidates, :], valid), state
 
 
 def _attention_blocks(
@@ -187,6 +216,11 @@ class Foresight(Policy):
       "float16" halves a float32 model's ring (30% of its K/V bytes at B = 128, L = 32 to 15%) but failed the
       kept-set identity gate: 95.97% of kept sets identical on gsm-heldout, Δ loss ratio −0.0003
       [−0.0014, +0.0013] (docs/notes/lean-state.md).
+    observation: "stream" (default) observes each query of an eviction window right after the forward that made
+      it and keeps the window's sums per entry (`ObservedQueries.STREAM`), so no ring of L queries is held (30%
+      of the default model's K/V bytes at B = 128, L = 32); "window" reads a ring of the window's L queries at
+      the step, as kvpress's press must. The standardised sets only: the older sets' block max and min need the
+      whole block, so they always read the window.
 
     The scorer fits one model shape and one (B, L); both are checked against the cache at every
     eviction step. B is read from the valid candidates per row, which number exactly B at every
@@ -209,6 +243,7 @@ class Foresight(Policy):
     sums_dtype: str = "float32"
     cumulative_dtype: str = "float32"
     query_dtype: str = "float32"
+    observation: str = Observation.STREAM.value
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _pending: dict[int, tuple[EvictionContext, torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
@@ -222,6 +257,7 @@ class Foresight(Policy):
                 f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}"
             )
         self.mode = EvictionMode.parse(self.mode).value
+        self.observation = Observation.parse(self.observation).value
         check_temperature(self.temperature)
         for name in ("sums_dtype", "cumulative_dtype", "query_dtype"):
             float_dtype(name, getattr(self, name))
@@ -236,12 +272,24 @@ class Foresight(Policy):
                 )
 
     @property
+    def observed_queries(self) -> ObservedQueries:
+        """STREAM where `observation` asks for it and the feature set allows it (its statistics are sums)."""
+        streams = self.observation == Observation.STREAM.value and self._standardised
+        return ObservedQueries.STREAM if streams else ObservedQueries.WINDOW
+
+    @property
+    def _standardised(self) -> bool:
+        return FeatureSet.parse(self.scorer.config.feature_set).standardised
+
+    @property
     def state_fields(self) -> tuple[StateField, ...]:
-        """The per-entry state of the scorer's feature set, at `sums_dtype` and `cumulative_dtype`."""
+        """The per-entry state of the scorer's feature set, at `sums_dtype` and `cumulative_dtype`, and the window
+        sums of a streamed observation."""
         return feature_state(
             self.scorer.config.feature_set,
             float_dtype("sums_dtype", self.sums_dtype),
             float_dtype("cumulative_dtype", self.cumulative_dtype),
+            streamed=self.observed_queries is ObservedQueries.STREAM,
         )
 
     @property
@@ -282,7 +330,10 @@ class Foresight(Policy):
     def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         """The layers' features in few passes: block attention and the feature sums treat each batch row on
         its own, so consecutive layers of one softmax scale run as the rows of one batch, as many as keep
-        a pass's attention logits within `STEP_LOGITS` (usually all of them)."""
+        a pass's attention logits within `STEP_LOGITS` (usually all of them). A streamed block of queries (no
+        candidates) only adds to the sums."""
+        if contexts[0].evicts_after is not None:
+            return self._stream(contexts)
         if contexts[0].layer_idx == 0:
             self._check(contexts[0])
         states = []
@@ -293,6 +344,23 @@ class Foresight(Policy):
                 states.append({name: value[index] for name, value in state.items()})
         if contexts[-1].layer_idx == contexts[-1].num_layers - 1:
             self._steps += 1
+        return states
+
+    def _stream(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
+        """`standardised.stream_observe` of one forward's queries in every layer, in as few passes as
+        `step_observe`'s."""
+        states = []
+        for layers in _attention_batches(contexts):
+            merged = layers[0] if len(layers) == 1 else layers_as_rows(layers)
+            state = standardised.stream_observe(
+                merged.attention,
+                merged.state,
+                merged.query_positions,
+                merged.evicts_after,
+                self.scorer.config.feature_set,
+            )
+            by_layer = {name: value.unflatten(0, (len(layers), -1)) for name, value in state.items()}
+            states.extend({name: value[index] for name, value in by_layer.items()} for index in range(len(layers)))
         return states
 
     def _layer_features(self, contexts: Sequence[EvictionContext]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -391,12 +459,12 @@ class Foresight(Policy):
     def _check(self, context: EvictionContext) -> None:
         """One-line errors when the cache is not the model shape or the (B, L) the scorer was trained for."""
         scorer = self.scorer
-        if context.queries is None:
+        if context.queries is None and self.observed_queries is not ObservedQueries.STREAM:
             raise ValueError("the foresight policy needs the buffered queries of block attention")
         scorer.check_compatible(
             ModelShape(
                 num_layers=context.num_layers,
-                num_query_heads=context.queries.shape[1],
+                num_query_heads=context.keys.shape[1] * context.state[CUMULATIVE].shape[-1],
                 num_kv_heads=context.keys.shape[1],
                 head_dim=context.keys.shape[-1],
             )
@@ -441,8 +509,11 @@ def _attention_batches(contexts: Sequence[EvictionContext]) -> list[list[Evictio
     """Runs of consecutive layers of one softmax scale whose block attention logits [batch, Hq, l, N] stay
     within `STEP_LOGITS` together (at least one layer each)."""
     first = contexts[0]
-    per_layer = first.keys.shape[0] * first.queries.shape[1] * first.queries.shape[2] * first.keys.shape[2]
-    size = max(1, STEP_LOGITS // per_layer)
+    queries = first.queries
+    per_layer = (
+        0 if queries is None else first.keys.shape[0] * queries.shape[1] * queries.shape[2] * first.keys.shape[2]
+    )
+    size = max(1, STEP_LOGITS // per_layer) if per_layer else len(contexts)
     batches: list[list[EvictionContext]] = []
     for context in contexts:
         if batches and len(batches[-1]) < size and batches[-1][0].scaling == context.scaling:

@@ -10,7 +10,8 @@ Layout of one layer (N = entries held, the same for every row and head of a laye
 - state          {name: [batch, Hkv, N, *trailing]}  per-entry policy state at its field's declared dtype,
                                      gathered with K and V;
 - the post-RoPE queries the policy observes: a ring buffer of the last L queries and their positions,
-  or, for a policy that observes every query, each query until it has been handed out once; the ring
+  or, for a policy that observes every query, each query until it has been handed out once (for a policy
+  that streams its observation, each forward's latest L until handed out right after it); the ring
   at the policy's declared `query_dtype` when narrower than the model's (block attention reads it in float32).
 
 `entry_layouts` and `query_layouts` declare every tensor's shape and dtype once; the cache allocates
@@ -251,6 +252,7 @@ class EvictionLayer(CacheLayerMixin):
         query_dtype: torch.dtype | None = None,
         stack: LayerStack | None = None,
         index: int = 0,
+        stream_queries: bool = False,
     ):
         super().__init__()
         self.stack = LayerStack(1) if stack is None else stack
@@ -259,6 +261,7 @@ class EvictionLayer(CacheLayerMixin):
         self.group_size = group_size
         self.query_window = query_window
         self.keep_every_query = keep_every_query
+        self.stream_queries = stream_queries
         self.capacity = capacity
         self.query_dtype = query_dtype
         self.storage: EntryStorage | None = None
@@ -332,6 +335,7 @@ class EvictionLayer(CacheLayerMixin):
             self.query_dtype,
             self.stack,
             self.index,
+            self.stream_queries,
         )
 
     # -- eviction runtime --------------------------------------------------------------------------
@@ -364,6 +368,8 @@ class EvictionLayer(CacheLayerMixin):
         until `take_unobserved` hands it out (`keep_every_query`), else the last `query_window` in the ring buffer
         (at `ring_dtype`)."""
         if self.keep_every_query:
+            if self.stream_queries:  # only the latest `query_window` of a forward can be in an eviction window
+                queries, positions = queries[:, :, -self.query_window :], positions[:, -self.query_window :]
             self.unobserved.append((queries, positions.to(POSITION_DTYPE)))
             self.unobserved_count += queries.shape[2]
             return
@@ -443,7 +449,8 @@ class EvictionCache(Cache):
 
     `capacity`: the most entries a layer can hold in this run, for which every layer's storage is
     allocated at its first forward (None: grow as entries arrive). `query_dtype`: the dtype the query ring may
-    narrow to (`ring_dtype`; None: the model's)."""
+    narrow to (`ring_dtype`; None: the model's). `stream_queries` (with `keep_every_query`): record only each
+    forward's latest `query_window` queries, which a streaming policy observes right after the forward."""
 
     def __init__(
         self,
@@ -454,10 +461,21 @@ class EvictionCache(Cache):
         keep_every_query: bool = False,
         capacity: int | None = None,
         query_dtype: torch.dtype | None = None,
+        stream_queries: bool = False,
     ):
         stack = LayerStack(num_layers)
         layers = [
-            EvictionLayer(state_fields, group_size, query_window, keep_every_query, capacity, query_dtype, stack, index)
+            EvictionLayer(
+                state_fields,
+                group_size,
+                query_window,
+                keep_every_query,
+                capacity,
+                query_dtype,
+                stack,
+                index,
+                stream_queries,
+            )
             for index in range(num_layers)
         ]
         super().__init__(layers=layers)

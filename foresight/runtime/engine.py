@@ -29,7 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget, top_k_mask
-from foresight.runtime.cache import KEYS, POSITIONS, QUERIES, VALUES, EvictionCache, EvictionLayer
+from foresight.runtime.cache import KEYS, POSITION_DTYPE, POSITIONS, QUERIES, VALUES, EvictionCache, EvictionLayer
 from foresight.runtime.capture import ATTENTION_NAME, attention_implementation, first_observed_query
 from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.held_memory import keeps_every_query, query_window
@@ -284,7 +284,8 @@ class EvictionEngine:
         self.num_layers = text_config.num_hidden_layers
         self.group_size = text_config.num_attention_heads // text_config.num_key_value_heads
         self.evicts = policy.evicts and config is not None
-        self.observes_every_query = self.evicts and keeps_every_query(policy)
+        self.streams_queries = self.evicts and policy.observed_queries is ObservedQueries.STREAM
+        self.observes_every_query = self.evicts and keeps_every_query(policy) and not self.streams_queries
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
         self.last_cache: EvictionCache | None = None  # the cache of the latest run, for inspection
@@ -524,9 +525,10 @@ class EvictionEngine:
             state_fields=self.policy.state_fields,
             group_size=self.group_size,
             query_window=self._query_window(interval),
-            keep_every_query=self.observes_every_query,
+            keep_every_query=self.observes_every_query or self.streams_queries,
             capacity=min(width + new_tokens, max(cadence.limits)),  # the most entries a layer holds
             query_dtype=self.policy.buffered_query_dtype,
+            stream_queries=self.streams_queries,
         )
         self.last_cache = cache
         run = _Run(
@@ -537,12 +539,23 @@ class EvictionEngine:
             keep_counts=torch.tensor([left - interval for left in cadence.left], device=device),
             sinks=self.sinks,
             first_eviction=torch.full_like(lengths, -1),
-            first_observed=torch.full_like(lengths, -1),
+            first_observed=self._first_streamed(cadence, prompt_lengths, interval, like=lengths),
             next_positions=lengths.clone(),
         )
         run.stats.row_evictions = [0] * len(prompts)
         self.last_stats = run.stats
         return run, input_ids, positions, lengths
+
+    def _first_streamed(
+        self, cadence: HostCadence, prompt_lengths: Sequence[int], interval: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """[batch] each row's first observed query position for a streaming policy, known from the start: the
+        oldest of its first eviction window, L before the larger of its limit and its prompt (a prompt past the
+        limit evicts at its prefill); -1 for the others, whose first window sets it (`_first_observed`)."""
+        if not self.streams_queries:
+            return torch.full_like(like, -1)
+        first = [max(limit, length) - interval for limit, length in zip(cadence.limits, prompt_lengths)]
+        return torch.tensor(first, dtype=like.dtype, device=like.device)
 
     def _query_window(self, interval: int) -> int:
         """Queries each layer keeps for a WINDOW policy: the latest it reads (`Policy.latest_queries`),
@@ -646,6 +659,8 @@ class EvictionEngine:
         evicting = any(due_rows)
         if self.observes_every_query:
             self._observe_queries(run, complete_blocks_only=not evicting)
+        elif self.streams_queries:
+            self._stream_queries(run)
         if evicting:
             due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
             rows = None if all(due_rows) else _host_index([row for row, evicts in enumerate(due_rows) if evicts], due)
@@ -654,7 +669,8 @@ class EvictionEngine:
             width = run.cadence.evict(due_rows)
             cache = run.cache
             first_observed = self._first_observed(run, due, rows)
-            step = _step_layers(cache, _entry_positions(cache, lengths, rows), *self._window_queries(cache, rows), rows)
+            window = self._streamed_window(run, rows) if self.streams_queries else self._window_queries(cache, rows)
+            step = _step_layers(cache, _entry_positions(cache, lengths, rows), *window, rows)
             entries = cache.layers[0].get_seq_length()
             contexts = self._contexts(cache, step, entries - self.config.interval, tuple(candidates), first_observed)
             if not self.observes_every_query:  # every-query policies observed all their queries already
@@ -680,14 +696,34 @@ class EvictionEngine:
             contexts = self._contexts(cache, step, num_candidates=0)
             self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows=None)
 
+    def _stream_queries(self, run: _Run) -> None:
+        """ObservedQueries.STREAM: `observe` the queries of the forward just run, those inside their row's next
+        eviction window (the L queries before its step; the others get position -1, so they add nothing),
+        against the keys in the cache now, which are the ones they attended to. Each block knows where its rows'
+        next steps come (`EvictionContext.evicts_after`), from the host's cadence."""
+        cache, interval = run.cache, self.config.interval
+        blocks = cache.take_unobserved(complete_blocks_only=False)
+        if not blocks:
+            return
+        ahead = [max(0, limit - length) for limit, length in zip(run.cadence.limits, run.cadence.lengths)]
+        evicts_after = run.next_positions - 1 + _host_index(ahead, run.next_positions)
+        positions = _entry_positions(cache, run.cadence.lengths)
+        for queries, query_positions in blocks:
+            outside = (query_positions < 0) | (evicts_after[:, None] - query_positions >= interval)
+            step = _step_layers(cache, positions, queries, query_positions.masked_fill(outside, -1))
+            contexts = self._contexts(cache, step, num_candidates=0, evicts_after=evicts_after)
+            self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows=None)
+
     def _first_observed(self, run: _Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW policy
-        that reads attention: a row evicting for the first time observes its window's oldest query first (the
-        same in every layer), and every query after it at its later steps, L at a time."""
+        """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW or
+        STREAM policy that reads attention: a row evicting for the first time observes its window's oldest query
+        first (the same in every layer), and every query after it at its later steps, L at a time. A streaming
+        policy's are known from the start (`_first_streamed`)."""
         if not self.policy.needs_attention or self.observes_every_query:
             return None
-        oldest = first_observed_query(run.cache.layers[0].query_positions)
-        run.first_observed = torch.where(due & (run.first_observed < 0), oldest, run.first_observed)
+        if not self.streams_queries:
+            oldest = first_observed_query(run.cache.layers[0].query_positions)
+            run.first_observed = torch.where(due & (run.first_observed < 0), oldest, run.first_observed)
         return run.first_observed if rows is None else run.first_observed[rows]
 
     def _contexts(
@@ -697,9 +733,10 @@ class EvictionEngine:
         num_candidates: int,
         candidate_counts: tuple[int, ...] | None = None,
         first_observed: torch.Tensor | None = None,
+        evicts_after: torch.Tensor | None = None,
     ) -> list[EvictionContext]:
         """Every layer's context: its slices of the `step`'s tensors, with the rows' valid candidates
-        (`candidate_counts`) and `first_observed` query positions."""
+        (`candidate_counts`), `first_observed` query positions and, for a streamed block, `evicts_after`."""
         return [
             EvictionContext(
                 layer_idx=index,
@@ -714,6 +751,7 @@ class EvictionEngine:
                 query_positions=step.query_positions,
                 candidate_counts=candidate_counts,
                 first_observed=first_observed,
+                evicts_after=evicts_after,
                 step=step,
             )
             for index, layer in enumerate(cache.layers)
@@ -736,6 +774,13 @@ class EvictionEngine:
         if rows is not None:
             queries, positions = queries[:, rows], positions[rows]
         return queries, positions
+
+    def _streamed_window(self, run: _Run, rows: torch.Tensor | None) -> tuple[None, torch.Tensor]:
+        """A streaming policy's window at its step: no queries (it observed them as they ran), and their
+        positions [rows, L], the L before each evicting row's next position (what names the step)."""
+        ages = torch.arange(self.config.interval - 1, -1, -1, device=run.next_positions.device)
+        positions = (run.next_positions[:, None] - 1 - ages).to(POSITION_DTYPE)
+        return None, positions if rows is None else positions[rows]
 
     @staticmethod
     def _write_state(

@@ -8,7 +8,10 @@ Per layer and batch row, a policy that evicts every L tokens at budget B holds:
 - a WINDOW policy that reads attention: a ring of its latest queries (`query_window`: L, or fewer for
   SnapKV and TOVA), each one vector per query head and its position (`query_layouts`);
 - a policy that observes every query (H2O, LazyEviction, RaaS): the queries recorded but not yet
-  observed, at most L between two observations (`query_layouts`; the figure published is that peak).
+  observed, at most L between two observations (`query_layouts`; the figure published is that peak);
+- a policy that streams its observation (the learned scorer's standardised sets): the queries of the forward
+  in flight, observed right after it: one per decode forward (the figure published), up to L in a
+  teacher-forced chunk.
 
 `held_bytes` counts this from a model shape and a policy without running anything; the live cache's
 `EvictionCache.storage_bytes()` reads the same tensors after a run, and the tests check the two agree.
@@ -48,8 +51,17 @@ def query_window(policy: Policy, interval: int) -> int:
 
 
 def keeps_every_query(policy: Policy) -> bool:
-    """Whether the runtime records every query until the policy has observed it (DECODE and ALL policies)."""
+    """Whether the runtime records queries until the policy has observed them (DECODE, ALL and STREAM policies)
+    instead of holding a ring of the latest."""
     return policy.evicts and policy.observed_queries is not ObservedQueries.WINDOW
+
+
+def buffered_queries(policy: Policy, interval: int) -> int:
+    """Queries recorded and not yet observed at the most, per layer: L for a policy that observes every query
+    (observed a block of L at a time), one decode forward's for a streaming policy, none for a ring."""
+    if not keeps_every_query(policy):
+        return 0
+    return 1 if policy.observed_queries is ObservedQueries.STREAM else interval
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,7 @@ def held_bytes(
 
     `entries`: entries held (default B + L + `protected`, the most an evicting run holds; every token for
     a policy that does not evict, which then needs it). `buffered`: queries recorded and not yet observed
-    (default L, the most between two observations, for a policy that observes every query; 0 otherwise)."""
+    (default `buffered_queries`: L for a policy that observes every query, 1 for a streaming one, else 0)."""
     if entries is None:
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} keeps every token: give the entries it holds")
@@ -109,7 +121,7 @@ def held_bytes(
     state = sum(size for name, size in per_entry.items() if name not in (KEYS, VALUES, POSITIONS))
     every_query = keeps_every_query(policy)
     if buffered is None:
-        buffered = interval if every_query else 0
+        buffered = buffered_queries(policy, interval)
     if buffered and not every_query:
         raise ValueError(f"policy {policy.name!r} buffers no queries, got buffered={buffered}")
     per_query = sum(_bytes(layout) for layout in query_layouts(shape.num_query_heads, shape.head_dim, dtype).values())

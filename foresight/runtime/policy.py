@@ -30,11 +30,16 @@ class ObservedQueries(str, Enum):
     and in query order, in blocks of at most L, against the keys in the cache when the block is
     observed: after the forward that made it, or at the latest at the row's next eviction step, so
     every entry the query saw is still there and the causal mask hides the later ones. Per-step
-    rules (H2O, LazyEviction, RaaS) replay these blocks, which equals observing each query as it runs."""
+    rules (H2O, LazyEviction, RaaS) replay these blocks, which equals observing each query as it runs.
+    STREAM: the WINDOW's queries (the L before each eviction step), each observed after the forward that made
+    it, against the cache then (the same entries the step would show it), with the position of the query its
+    row's next step follows (`EvictionContext.evicts_after`); the step itself then sees no queries. A policy
+    whose window statistics are sums keeps them in its per-entry state, so no ring of L queries is held."""
 
     WINDOW = "window"
     DECODE = "decode"
     ALL = "all"
+    STREAM = "stream"
 
 
 def select_state_rows(state: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
@@ -50,6 +55,7 @@ _OBSERVED_IN_WORDS = {
     ObservedQueries.WINDOW: "",
     ObservedQueries.DECODE: " of every decode query",
     ObservedQueries.ALL: " of every query",
+    ObservedQueries.STREAM: ", streamed into per-entry sums",
 }
 
 
@@ -92,6 +98,7 @@ class EvictionContext:
     query_positions: torch.Tensor | None = None  # [batch, l], -1 for padding
     candidate_counts: tuple[int, ...] | None = None  # valid candidates per row, known on the host (None: unknown)
     first_observed: torch.Tensor | None = None  # [batch] each row's first observed query position (None: this block)
+    evicts_after: torch.Tensor | None = None  # [batch] a streamed block's: the query each row's next step follows
     step: StepLayers | None = None  # every layer's tensors of this step, of which this context's are slices
 
     @cached_property
@@ -252,4 +259,5 @@ def layers_as_rows(contexts: Sequence[EvictionContext]) -> EvictionContext | Non
         query_positions=None if first.query_positions is None else first.query_positions.repeat(layers, 1),
         candidate_counts=None if first.candidate_counts is None else first.candidate_counts * layers,
         first_observed=None if first.first_observed is None else first.first_observed.repeat(layers),
+        evicts_after=None if first.evicts_after is None else first.evicts_after.repeat(layers),
     )

@@ -109,37 +109,116 @@ def standardised_features(
     [batch, Hkv, N, F*G] (head-major, `FEATURE_NAMES`; log(x + LOG_EPS) of the sums, log1p of the age)
     and the new state in the dtypes it came in. `standardise_candidates` finishes them.
     """
-    feature_set = FeatureSet.parse(feature_set)
-    if not feature_set.standardised:
-        raise ValueError(f"feature_set must be a standardised set, got {feature_set.value!r}")
-    names = FEATURE_NAMES[feature_set]
+    names = _standardised_names(feature_set)
     check_state(block_attention, {name: state[name] for name in PER_QUERY_HEAD_STATE})
     if first_observed is None:
         first_observed = first_observed_query(query_positions)
     rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
+    new = _decayed_sums(rows, state)
+    sums = {name: window_sum(rows, size) for name, size in _windows(names).items()}
+    features = _columns(sums, new, positions, query_positions.amax(-1), first_observed, names)
+    return features, {name: value.to(state[name].dtype) for name, value in new.items()}
+
+
+def window_state(feature_set: str | FeatureSet) -> tuple[str, ...]:
+    """State fields of a streamed observation beside the three sums: one running window sum per window feature
+    of the set ("window_8" holds the attention the newest 8 queries before the next eviction step gave)."""
+    return tuple(f"window_{size}" for size in _windows(_standardised_names(feature_set)).values())
+
+
+def stream_observe(
+    block_attention: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    query_positions: torch.Tensor,
+    evicts_after: torch.Tensor,
+    feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
+) -> dict[str, torch.Tensor]:
+    """The state after a streamed observation of one forward's queries (docs/algorithms.md section 5): every sum
+    as `standardised_features` would leave it after a block ending at these queries, and each window sum plus the
+    attention of the queries that fall in its window of the next eviction step.
+
+    block_attention [batch, Hkv, G, l, N] of the forward's queries (query_positions [batch, l], oldest first; a
+    query outside the row's next eviction window is given position -1, so its row is 0); state: the sums and
+    window sums [batch, Hkv, N, G]; evicts_after [batch]: the position of the query after which each row's next
+    eviction step runs. The sums are block-size invariant, so observing L queries one forward at a time gives
+    the window's block sums up to float32 rounding, from a state of G sums per window instead of a ring of L
+    queries of every query head."""
+    names = _standardised_names(feature_set)
+    rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
+    new = _decayed_sums(rows, state)
+    before = evicts_after[:, None] - query_positions  # [batch, l] queries from each one to the eviction step
+    for size in _windows(names).values():
+        inside = (before < size).to(rows.dtype)[:, None, None, :, None]  # [batch, 1, 1, l, 1]
+        name = f"window_{size}"
+        new[name] = state[name].to(rows.dtype) + (rows @ inside).squeeze(-1).transpose(-1, -2)
+    return {name: value.to(state[name].dtype) for name, value in new.items()}
+
+
+def streamed_features(
+    state: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    newest: torch.Tensor,
+    first_observed: torch.Tensor,
+    feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`standardised_features` at an eviction step whose queries were streamed (`stream_observe`): the features
+    from the state alone, newest [batch] the step's newest query position, and the state the step changes (the
+    window sums, back to 0 for the next window; the three sums stay as they are)."""
+    names = _standardised_names(feature_set)
+    sums = {name: state[f"window_{size}"].float() for name, size in _windows(names).items()}
+    running = {name: state[name].float() for name in PER_QUERY_HEAD_STATE}
+    features = _columns(sums, running, positions, newest, first_observed, names)
+    return features, {name: torch.zeros_like(state[name]) for name in window_state(feature_set)}
+
+
+def _standardised_names(feature_set: str | FeatureSet) -> tuple[str, ...]:
+    feature_set = FeatureSet.parse(feature_set)
+    if not feature_set.standardised:
+        raise ValueError(f"feature_set must be a standardised set, got {feature_set.value!r}")
+    return FEATURE_NAMES[feature_set]
+
+
+def _windows(names: tuple[str, ...]) -> dict[str, int]:
+    """The set's window features and their sizes in queries (TOVA's "last_1" is a window of one)."""
+    windows = {**WINDOWS, "last_1": 1}
+    return {name: size for name, size in windows.items() if name in names}
+
+
+def _decayed_sums(rows: torch.Tensor, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The three sums after the block rows [batch, Hkv, G, N, l] (oldest first), in the block's dtype."""
     dtype, count = rows.dtype, rows.shape[-1]
 
     def decayed(name: str, factor: float, tokens: int) -> torch.Tensor:
         step, weights = token_decay(factor, tokens, count, rows)
         return step * state[name].to(dtype) + (rows @ weights).transpose(-1, -2)
 
-    new = {
+    return {
         CUMULATIVE: state[CUMULATIVE].to(dtype) + rows.sum(-1).transpose(-1, -2),
         DECAYED: decayed(DECAYED, DECAY, DECAY_TOKENS),
         RECENT: decayed(RECENT, RECENT_DECAY, RECENT_TOKENS),
     }
-    newest = query_positions.amax(-1)
+
+
+def _columns(
+    sums: dict[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    newest: torch.Tensor,
+    first_observed: torch.Tensor,
+    names: tuple[str, ...],
+) -> torch.Tensor:
+    """The features [batch, Hkv, N, F*G] of the window sums `sums` and the three sums `new` [batch, Hkv, N, G]
+    as of the newest query position `newest` [batch]."""
+    dtype = new[CUMULATIVE].dtype
     observed = observed_queries(positions, newest, first_observed).to(dtype)
-    sums = {name: window_sum(rows, size) for name, size in WINDOWS.items()}
-    sums.update(recent_128=new[RECENT], decayed=new[DECAYED])
-    heuristic = {"last_1": lambda: window_sum(rows, 1), "pooled_last_8": lambda: max_pool_slots(sums["last_8"])}
-    sums.update({name: compute() for name, compute in heuristic.items() if name in names})
+    sums = {**sums, "recent_128": new[RECENT], "decayed": new[DECAYED]}
+    if "pooled_last_8" in names:
+        sums["pooled_last_8"] = max_pool_slots(sums["last_8"])
     sums["cumulative_rate"] = new[CUMULATIVE] / observed.clamp_min(1)[..., None]
     age = (newest[:, None, None] - positions).clamp_min(0).to(dtype)
     columns = {name: torch.log(value + LOG_EPS) for name, value in sums.items()}
     columns["log_age"] = torch.log1p(age)[..., None].expand_as(sums["decayed"])
-    features = torch.stack([columns[name] for name in names], dim=-1).flatten(-2)  # [batch, Hkv, N, G*F]
-    return features, {name: value.to(state[name].dtype) for name, value in new.items()}
+    return torch.stack([columns[name] for name in names], dim=-1).flatten(-2)  # [batch, Hkv, N, G*F]
 
 
 def standardise_candidates(features: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
