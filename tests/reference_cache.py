@@ -77,7 +77,7 @@ class ConcatenatingCache(EvictionCache):
         keep_every_query: bool = False,
         capacity=None,
         query_dtype=None,
-        stream_queries: bool = False,
+        stream_queries: int = 0,
     ):
         super().__init__(
             num_layers,

@@ -69,7 +69,7 @@ def test_the_default_models_figures_match_the_issues_hand_count():
     """SmolLM2-135M in float32 at B = 128, L = 32, as the issue counted it with int32 positions and the
     observed count derived instead of stored: SnapKV +8% (an 8-query ring; +9% with int64 positions), the
     learned scorer reading a ring of the window +38% (positions 0.8%, state 7.0%: three float32 sums per query
-    head; ring 30%; +39% before), and streaming it +16% (six sums per query head, no ring, one decode query)."""
+    head; ring 30%; +39% before), and streaming it +19% (six sums per query head, no ring, a block of 4 queries)."""
     shape = ModelShape(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64)
     snapkv = held_bytes(shape, make_policy("snapkv"), 128, 32, torch.float32)
     positions, state, ring = _issue_count(shape, 128, 32, 4, 0, 8)
@@ -85,10 +85,10 @@ def test_the_default_models_figures_match_the_issues_hand_count():
     assert ringed.ring / ringed.kv == pytest.approx(ring, rel=1e-12)
     assert round(ringed.overhead, 2) == 0.38
     streamed = held_bytes(shape, make_policy("foresight", scorer=scorer), 128, 32, torch.float32)
-    _, state, query = _issue_count(shape, 128, 32, 4, 4 * 6 * shape.group_size, 1)
+    _, state, block = _issue_count(shape, 128, 32, 4, 4 * 6 * shape.group_size, 4)
     assert streamed.state / streamed.kv == pytest.approx(state, rel=1e-12) and streamed.ring == 0
-    assert streamed.buffered / streamed.kv == pytest.approx(query, rel=1e-12)
-    assert round(streamed.overhead, 3) == 0.158
+    assert streamed.buffered / streamed.kv == pytest.approx(block, rel=1e-12)
+    assert round(streamed.overhead, 3) == 0.186
 
 
 def test_the_table_of_bytes_per_entry_on_qwen3_4bs_shape():

@@ -81,6 +81,8 @@ def test_the_older_sets_read_the_window_and_stream_is_the_default_of_the_standar
     assert paper.observed_queries is ObservedQueries.WINDOW
     with pytest.raises(ValueError, match="observation"):
         make_policy("foresight", scorer=standardised, observation="ring")
+    with pytest.raises(ValueError, match="stream_block must be a positive number of queries, got 0"):
+        make_policy("foresight", scorer=standardised, stream_block=0)
 
 
 class Compactions:
@@ -102,6 +104,9 @@ class Compactions:
         return steps
 
 
+BLOCKS = [{"stream_block": 1}, {"stream_block": 3}, {}]  # every query, blocks across the windows, the default 4
+
+
 def _twins(llama, feature_set: str, run, **options):
     """`run(engine)` under the streaming policy and under the ring's: their outputs, kept sets and held bytes."""
     scorer = random_scorer(llama, feature_set=feature_set)
@@ -113,8 +118,9 @@ def _twins(llama, feature_set: str, run, **options):
     return results
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("feature_set", ["standardised", "standardised-heuristic"])
-def test_a_streamed_replay_keeps_what_the_ring_keeps(llama, monkeypatch, feature_set):
+def test_a_streamed_replay_keeps_what_the_ring_keeps(llama, monkeypatch, feature_set, block):
     """Ragged rows (prefills of 21, 7 and 12 tokens: the first past B + L, evicting at its prefill; the others'
     first windows begin inside the prefill or in a later chunk): the same kept (layer, row, head) sets at every
     step and the same losses, with less memory held."""
@@ -127,7 +133,7 @@ def test_a_streamed_replay_keeps_what_the_ring_keeps(llama, monkeypatch, feature
         kept.append(log.take())
         return output
 
-    (streamed, _, streamed_bytes), (ring, _, ring_bytes) = _twins(llama, feature_set, replay)
+    (streamed, _, streamed_bytes), (ring, _, ring_bytes) = _twins(llama, feature_set, replay, **block)
     assert streamed.stats.evictions == ring.stats.evictions >= 8
     assert len(kept[0]) == len(kept[1]) and all(torch.equal(a, b) for a, b in zip(*kept))
     for mine, theirs in zip(streamed.nll, ring.nll, strict=True):
@@ -135,8 +141,9 @@ def test_a_streamed_replay_keeps_what_the_ring_keeps(llama, monkeypatch, feature
     assert streamed_bytes < ring_bytes
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("options", [{}, {"mode": "sampled", "seed": 5}])
-def test_a_streamed_generation_keeps_what_the_ring_keeps(llama, monkeypatch, options):
+def test_a_streamed_generation_keeps_what_the_ring_keeps(llama, monkeypatch, options, block):
     """Generation from prompts of 5, 11 and 14 tokens (rows evicting at different forwards; the last's first window
     begins inside its prefill): the same tokens, kept sets and, in sampled mode, the same draws and pools."""
     log = Compactions(monkeypatch)
@@ -147,7 +154,7 @@ def test_a_streamed_generation_keeps_what_the_ring_keeps(llama, monkeypatch, opt
         kept.append(log.take())
         return output
 
-    (streamed, stream_policy, _), (ring, ring_policy, _) = _twins(llama, "standardised", generate, **options)
+    (streamed, stream_policy, _), (ring, ring_policy, _) = _twins(llama, "standardised", generate, **options, **block)
     assert streamed.tokens == ring.tokens and streamed.stats.evictions > 5
     assert len(kept[0]) == len(kept[1]) and all(torch.equal(a, b) for a, b in zip(*kept))
     assert len(stream_policy.records) == len(ring_policy.records)
@@ -156,29 +163,31 @@ def test_a_streamed_generation_keeps_what_the_ring_keeps(llama, monkeypatch, opt
         torch.testing.assert_close(mine.features, theirs.features, rtol=0, atol=1e-4)
 
 
-def test_held_bytes_of_a_streaming_policy_count_its_sums_and_one_buffered_query(llama):
-    """Six float32 sums per query head and entry, no ring, and the one query of a decode forward in flight: the
-    accounting equals the live cache's bytes while that query waits (between the forward and its observation)."""
+@pytest.mark.parametrize("block", [1, 4])
+def test_held_bytes_of_a_streaming_policy_count_its_sums_and_its_waiting_queries(llama, block):
+    """Six float32 sums per query head and entry, no ring, and the queries of one block waiting to be observed: the
+    accounting equals the live cache's bytes at B + L entries while a whole block waits (after the forward that
+    completes it, before its observation)."""
     scorer = random_scorer(llama, feature_set="standardised")
     shape = describe(llama)
-    stream = held_bytes(shape, make_policy("foresight", scorer=scorer), B, L, torch.float32)
+    policy = make_policy("foresight", scorer=scorer, stream_block=block)
+    stream = held_bytes(shape, policy, B, L, torch.float32)
     ring = held_bytes(shape, make_policy("foresight", scorer=scorer, observation="window"), B, L, torch.float32)
     group = shape.num_query_heads // shape.num_kv_heads
     entries = B + L
     assert stream.state == shape.num_layers * entries * shape.num_kv_heads * 6 * group * 4 == 2 * ring.state
     assert stream.ring == 0 and ring.ring > 0
     per_query = shape.num_query_heads * shape.head_dim * 4 + 4  # float32 vector per query head and its position
-    assert stream.buffered == shape.num_layers * per_query
-    policy = make_policy("foresight", scorer=scorer)
+    assert stream.buffered == shape.num_layers * block * per_query
     engine = EvictionEngine(llama, policy, EvictionConfig(B, L))
     waiting = []
     stream_queries = engine._stream_queries
 
-    def spy(run):
-        if engine.last_stats.evictions:  # a decode forward at B + L entries, its query not yet observed
+    def spy(run, complete_blocks_only):
+        if engine.last_stats.evictions and run.cache.layers[0].unobserved_count == block:
             waiting.append(run.cache.storage_bytes())
-        stream_queries(run)
+        stream_queries(run, complete_blocks_only)
 
     engine._stream_queries = spy
     engine.generate(random_prompts([6], seed=3), 24)
-    assert stream.total in waiting
+    assert stream.total in waiting and max(waiting) == stream.total

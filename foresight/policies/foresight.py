@@ -221,6 +221,10 @@ class Foresight(Policy):
       of the default model's K/V bytes at B = 128, L = 32); "window" reads a ring of the window's L queries at
       the step, as kvpress's press must. The standardised sets only: the older sets' block max and min need the
       whole block, so they always read the window.
+    stream_block: the queries a streaming policy is handed at once (default 4): each decode forward's query waits
+      until 4 have come (or until an eviction step), so the runtime holds up to 4 queries of every query head
+      (3.75% of the default model's K/V bytes) and the per-query work runs once per 4 tokens (1: none held
+      between forwards, the work at every forward; docs/notes/lean-state.md measures both).
 
     The scorer fits one model shape and one (B, L); both are checked against the cache at every
     eviction step. B is read from the valid candidates per row, which number exactly B at every
@@ -244,6 +248,7 @@ class Foresight(Policy):
     cumulative_dtype: str = "float32"
     query_dtype: str = "float32"
     observation: str = Observation.STREAM.value
+    stream_block: int = 4
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _pending: dict[int, tuple[EvictionContext, torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
@@ -258,6 +263,8 @@ class Foresight(Policy):
             )
         self.mode = EvictionMode.parse(self.mode).value
         self.observation = Observation.parse(self.observation).value
+        if not isinstance(self.stream_block, int) or self.stream_block < 1:
+            raise ValueError(f"stream_block must be a positive number of queries, got {self.stream_block!r}")
         check_temperature(self.temperature)
         for name in ("sums_dtype", "cumulative_dtype", "query_dtype"):
             float_dtype(name, getattr(self, name))
@@ -330,10 +337,7 @@ class Foresight(Policy):
     def step_observe(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
         """The layers' features in few passes: block attention and the feature sums treat each batch row on
         its own, so consecutive layers of one softmax scale run as the rows of one batch, as many as keep
-        a pass's attention logits within `STEP_LOGITS` (usually all of them). A streamed block of queries (no
-        candidates) only adds to the sums."""
-        if contexts[0].evicts_after is not None:
-            return self._stream(contexts)
+        a pass's attention logits within `STEP_LOGITS` (usually all of them)."""
         if contexts[0].layer_idx == 0:
             self._check(contexts[0])
         states = []
@@ -346,10 +350,10 @@ class Foresight(Policy):
             self._steps += 1
         return states
 
-    def _stream(self, contexts: Sequence[EvictionContext]) -> list[dict[str, torch.Tensor]]:
+    def stream_observe(self, contexts: Sequence[EvictionContext]) -> dict[str, torch.Tensor]:
         """`standardised.stream_observe` of one forward's queries in every layer, in as few passes as
-        `step_observe`'s."""
-        states = []
+        `step_observe`'s (usually one), stacked over the layers."""
+        passes = []
         for layers in _attention_batches(contexts):
             merged = layers[0] if len(layers) == 1 else layers_as_rows(layers)
             state = standardised.stream_observe(
@@ -359,9 +363,10 @@ class Foresight(Policy):
                 merged.evicts_after,
                 self.scorer.config.feature_set,
             )
-            by_layer = {name: value.unflatten(0, (len(layers), -1)) for name, value in state.items()}
-            states.extend({name: value[index] for name, value in by_layer.items()} for index in range(len(layers)))
-        return states
+            passes.append({name: value.unflatten(0, (len(layers), -1)) for name, value in state.items()})
+        if len(passes) == 1:
+            return passes[0]
+        return {name: torch.cat([state[name] for state in passes]) for name in passes[0]}
 
     def _layer_features(self, contexts: Sequence[EvictionContext]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`observe_features` of the layers [layers, batch, ...], as the rows of one batch (`layers_as_rows`: views

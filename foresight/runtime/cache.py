@@ -252,7 +252,7 @@ class EvictionLayer(CacheLayerMixin):
         query_dtype: torch.dtype | None = None,
         stack: LayerStack | None = None,
         index: int = 0,
-        stream_queries: bool = False,
+        stream_queries: int = 0,
     ):
         super().__init__()
         self.stack = LayerStack(1) if stack is None else stack
@@ -368,8 +368,8 @@ class EvictionLayer(CacheLayerMixin):
         until `take_unobserved` hands it out (`keep_every_query`), else the last `query_window` in the ring buffer
         (at `ring_dtype`)."""
         if self.keep_every_query:
-            if self.stream_queries:  # only the latest `query_window` of a forward can be in an eviction window
-                queries, positions = queries[:, :, -self.query_window :], positions[:, -self.query_window :]
+            if self.stream_queries:  # only a forward's latest L can be in an eviction window
+                queries, positions = queries[:, :, -self.stream_queries :], positions[:, -self.stream_queries :]
             self.unobserved.append((queries, positions.to(POSITION_DTYPE)))
             self.unobserved_count += queries.shape[2]
             return
@@ -450,7 +450,8 @@ class EvictionCache(Cache):
     `capacity`: the most entries a layer can hold in this run, for which every layer's storage is
     allocated at its first forward (None: grow as entries arrive). `query_dtype`: the dtype the query ring may
     narrow to (`ring_dtype`; None: the model's). `stream_queries` (with `keep_every_query`): record only each
-    forward's latest `query_window` queries, which a streaming policy observes right after the forward."""
+    forward's latest `stream_queries` queries (L), which a streaming policy observes in blocks of `query_window`
+    (0: every query)."""
 
     def __init__(
         self,
@@ -461,7 +462,7 @@ class EvictionCache(Cache):
         keep_every_query: bool = False,
         capacity: int | None = None,
         query_dtype: torch.dtype | None = None,
-        stream_queries: bool = False,
+        stream_queries: int = 0,
     ):
         stack = LayerStack(num_layers)
         layers = [

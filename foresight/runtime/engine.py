@@ -524,11 +524,11 @@ class EvictionEngine:
             self.num_layers,
             state_fields=self.policy.state_fields,
             group_size=self.group_size,
-            query_window=self._query_window(interval),
+            query_window=self.policy.stream_block if self.streams_queries else self._query_window(interval),
             keep_every_query=self.observes_every_query or self.streams_queries,
             capacity=min(width + new_tokens, max(cadence.limits)),  # the most entries a layer holds
             query_dtype=self.policy.buffered_query_dtype,
-            stream_queries=self.streams_queries,
+            stream_queries=interval if self.streams_queries else 0,
         )
         self.last_cache = cache
         run = _Run(
@@ -660,7 +660,7 @@ class EvictionEngine:
         if self.observes_every_query:
             self._observe_queries(run, complete_blocks_only=not evicting)
         elif self.streams_queries:
-            self._stream_queries(run)
+            self._stream_queries(run, complete_blocks_only=not evicting)
         if evicting:
             due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
             rows = None if all(due_rows) else _host_index([row for row, evicts in enumerate(due_rows) if evicts], due)
@@ -696,15 +696,17 @@ class EvictionEngine:
             contexts = self._contexts(cache, step, num_candidates=0)
             self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows=None)
 
-    def _stream_queries(self, run: _Run) -> None:
-        """ObservedQueries.STREAM: `observe` the queries of the forward just run, those inside their row's next
-        eviction window (the L queries before its step; the others get position -1, so they add nothing),
-        against the keys in the cache now, which are the ones they attended to. Each block knows where its rows'
-        next steps come (`EvictionContext.evicts_after`), from the host's cadence."""
+    def _stream_queries(self, run: _Run, complete_blocks_only: bool) -> None:
+        """ObservedQueries.STREAM: hand the policy the queries recorded since its last observation, in blocks of its
+        `stream_block` (with `complete_blocks_only`, a last shorter block waits; all of them before any row's
+        eviction step), those inside their row's next eviction window (the L queries before its step; the others
+        get position -1, so they add nothing), against the keys in the cache now, which are the ones they attended
+        to: no row evicted since they ran. Each block knows where its rows' next steps come
+        (`EvictionContext.evicts_after`), from the host's cadence."""
         cache, interval = run.cache, self.config.interval
-        blocks = cache.take_unobserved(complete_blocks_only=False)
-        if not blocks:
+        if cache.layers[0].unobserved_count < (self.policy.stream_block if complete_blocks_only else 1):
             return
+        blocks = cache.take_unobserved(complete_blocks_only)
         ahead = [max(0, limit - length) for limit, length in zip(run.cadence.limits, run.cadence.lengths)]
         evicts_after = run.next_positions - 1 + _host_index(ahead, run.next_positions)
         positions = _entry_positions(cache, run.cadence.lengths)
@@ -712,7 +714,8 @@ class EvictionEngine:
             outside = (query_positions < 0) | (evicts_after[:, None] - query_positions >= interval)
             step = _step_layers(cache, positions, queries, query_positions.masked_fill(outside, -1))
             contexts = self._contexts(cache, step, num_candidates=0, evicts_after=evicts_after)
-            self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows=None)
+            for name, value in self.policy.stream_observe(contexts).items():
+                cache.stacked(name).copy_(value)
 
     def _first_observed(self, run: _Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW or

@@ -9,9 +9,9 @@ Per layer and batch row, a policy that evicts every L tokens at budget B holds:
   SnapKV and TOVA), each one vector per query head and its position (`query_layouts`);
 - a policy that observes every query (H2O, LazyEviction, RaaS): the queries recorded but not yet
   observed, at most L between two observations (`query_layouts`; the figure published is that peak);
-- a policy that streams its observation (the learned scorer's standardised sets): the queries of the forward
-  in flight, observed right after it: one per decode forward (the figure published), up to L in a
-  teacher-forced chunk.
+- a policy that streams its observation (the learned scorer's standardised sets): the queries recorded since
+  its last observation, at most its `stream_block` between two decode forwards (the figure published; a
+  teacher-forced chunk of up to L is observed right after its forward).
 
 `held_bytes` counts this from a model shape and a policy without running anything; the live cache's
 `EvictionCache.storage_bytes()` reads the same tensors after a run, and the tests check the two agree.
@@ -58,10 +58,10 @@ def keeps_every_query(policy: Policy) -> bool:
 
 def buffered_queries(policy: Policy, interval: int) -> int:
     """Queries recorded and not yet observed at the most, per layer: L for a policy that observes every query
-    (observed a block of L at a time), one decode forward's for a streaming policy, none for a ring."""
+    (observed a block of L at a time), a streaming policy's block (`Policy.stream_block`), none for a ring."""
     if not keeps_every_query(policy):
         return 0
-    return 1 if policy.observed_queries is ObservedQueries.STREAM else interval
+    return policy.stream_block if policy.observed_queries is ObservedQueries.STREAM else interval
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def held_bytes(
 
     `entries`: entries held (default B + L + `protected`, the most an evicting run holds; every token for
     a policy that does not evict, which then needs it). `buffered`: queries recorded and not yet observed
-    (default `buffered_queries`: L for a policy that observes every query, 1 for a streaming one, else 0)."""
+    (default `buffered_queries`: L for a policy that observes every query, its block for a streaming one, else 0)."""
     if entries is None:
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} keeps every token: give the entries it holds")

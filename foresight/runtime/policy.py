@@ -193,6 +193,19 @@ class Policy:
         state = {name: value.unflatten(0, (len(contexts), -1)) for name, value in self.observe(merged).items()}
         return [{name: value[index] for name, value in state.items()} for index in range(len(contexts))]
 
+    @property
+    def stream_block(self) -> int:
+        """`ObservedQueries.STREAM`: how many queries the runtime hands the policy at once (at the latest at an
+        eviction step): the queries it holds meanwhile against the work per query."""
+        return 1
+
+    def stream_observe(self, contexts: Sequence[EvictionContext]) -> dict[str, torch.Tensor]:
+        """`ObservedQueries.STREAM`: the new per-entry state of every layer after one streamed block of queries
+        (`contexts`, every layer in order, each with `evicts_after`), stacked [layers, batch, Hkv, N, *trailing]
+        for the engine to write each field at once; the eviction step then calls `step_observe` on contexts
+        without queries."""
+        raise NotImplementedError(f"policy {self.name!r} does not stream its observation")
+
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         """KEEP score of each candidate: [batch, Hkv, num_candidates], higher = keep."""
         raise NotImplementedError

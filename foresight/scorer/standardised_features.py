@@ -133,7 +133,7 @@ def stream_observe(
     evicts_after: torch.Tensor,
     feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
 ) -> dict[str, torch.Tensor]:
-    """The state after a streamed observation of one forward's queries (docs/algorithms.md section 5): every sum
+    """The state after a streamed observation of one forward's queries (docs/algorithms.md section 2): every sum
     as `standardised_features` would leave it after a block ending at these queries, and each window sum plus the
     attention of the queries that fall in its window of the next eviction step.
 
@@ -142,16 +142,23 @@ def stream_observe(
     window sums [batch, Hkv, N, G]; evicts_after [batch]: the position of the query after which each row's next
     eviction step runs. The sums are block-size invariant, so observing L queries one forward at a time gives
     the window's block sums up to float32 rounding, from a state of G sums per window instead of a ring of L
-    queries of every query head."""
-    names = _standardised_names(feature_set)
+    queries of every query head. One product weighs the queries for every sum at once (a decode forward runs a
+    fixed handful of operations whatever the model's depth)."""
     rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
-    new = _decayed_sums(rows, state)
+    dtype, (batch, count) = rows.dtype, query_positions.shape
+    decayed_step, decayed_weights = token_decay(DECAY, DECAY_TOKENS, count, rows)
+    recent_step, recent_weights = token_decay(RECENT_DECAY, RECENT_TOKENS, count, rows)
+    sizes = tuple(_windows(_standardised_names(feature_set)).values())
     before = evicts_after[:, None] - query_positions  # [batch, l] queries from each one to the eviction step
-    for size in _windows(names).values():
-        inside = (before < size).to(rows.dtype)[:, None, None, :, None]  # [batch, 1, 1, l, 1]
-        name = f"window_{size}"
-        new[name] = state[name].to(rows.dtype) + (rows @ inside).squeeze(-1).transpose(-1, -2)
-    return {name: value.to(state[name].dtype) for name, value in new.items()}
+    inside = before[..., None] < torch.tensor(sizes, device=before.device)  # [batch, l, windows]
+    decays = torch.stack([torch.ones_like(decayed_weights), decayed_weights, recent_weights], -1)  # [l, 3]
+    weights = torch.cat([decays.expand(batch, count, 3), inside.to(dtype)], -1)  # [batch, l, 3 + windows]
+    added = (rows @ weights[:, None, None]).transpose(-2, -3).unbind(-1)  # each [batch, Hkv, N, G]
+    names = (*PER_QUERY_HEAD_STATE, *(f"window_{size}" for size in sizes))
+    factors = [1.0, decayed_step, recent_step, *(1.0 for _ in sizes)]
+    aged = torch._foreach_mul([state[name].to(dtype) for name in names], factors)
+    new = torch._foreach_add(aged, list(added))
+    return {name: value.to(state[name].dtype) for name, value in zip(names, new, strict=True)}
 
 
 def streamed_features(
