@@ -29,7 +29,8 @@ from foresight.data.trace_store import TraceStore
 from foresight.eval.replay import prefill_lengths
 from foresight.eval.stats import percentile_interval, resample_counts
 from foresight.models import load_model
-from foresight.policies import make_policy
+from foresight.policies import POLICIES, make_policy
+from foresight.policies.options import typed_options
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 
 IDENTITY_GATE, LOSS_GATE = 0.995, 0.002
@@ -60,7 +61,7 @@ def record(args: argparse.Namespace) -> None:
         (trace for folder in args.traces for trace in TraceStore(folder)), key=lambda t: t.input_ids.numel()
     )
     traces = [t for t in traces if t.input_ids.numel() > args.budget + args.interval]
-    options = dict(_option(text) for text in args.option)
+    options = typed_options(POLICIES["foresight"], dict(_option(text) for text in args.option))
     batches = []
     for start in range(0, len(traces), args.batch_size):
         batch = traces[start : start + args.batch_size]

@@ -72,6 +72,17 @@ class _PositionSpy(Policy):
     def buffered_query_dtype(self):
         return self.inner.buffered_query_dtype
 
+    @property
+    def observed_queries(self):
+        return self.inner.observed_queries
+
+    @property
+    def stream_block(self):
+        return self.inner.stream_block
+
+    def stream_observe(self, contexts):
+        return self.inner.stream_observe(contexts)
+
     def reset(self) -> None:
         self.inner.reset()
 

@@ -39,7 +39,7 @@ from foresight.policies import make_policy
 from foresight.policies.foresight import Foresight, feature_state, observe_features
 from foresight.runtime.cache import StateField
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from foresight.runtime.policy import EvictionContext, Policy
+from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy
 from foresight.scorer.attention_features import FeatureSet
 from foresight.scorer.model import ForesightScorer
 
@@ -128,6 +128,18 @@ class StepRecorder(Policy):
         """The per-entry state of the recorded feature set, as the `foresight` policy keeps it: the learned driver's
         own (its dtypes), so the features recorded are the ones it scored."""
         return self.driver.state_fields if isinstance(self.driver, Foresight) else feature_state(self.feature_set)
+
+    @property
+    def observed_queries(self) -> ObservedQueries:
+        """The learned driver's (it may stream its window, `ObservedQueries.STREAM`); the ring's for a golden one."""
+        return self.driver.observed_queries if isinstance(self.driver, Foresight) else ObservedQueries.WINDOW
+
+    @property
+    def stream_block(self) -> int:
+        return self.driver.stream_block
+
+    def stream_observe(self, contexts: Sequence[EvictionContext]) -> dict[str, torch.Tensor]:
+        return self.driver.stream_observe(contexts)
 
     @property
     def buffered_query_dtype(self) -> torch.dtype | None:
