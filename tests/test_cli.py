@@ -384,6 +384,25 @@ def test_policies_with_foresight_take_the_learned_policy_from_scorer(scorer_dir)
         policy_specs("h2o,foresight", [])
 
 
+def test_a_scorer_row_takes_the_learned_policys_own_options(scorer_dir):
+    """-o NAME.KEY=VALUE reaches the learned policy of that --scorer row, typed; its cadence keys, an unknown key and
+    a bad value are refused in one line naming the row."""
+    (spec,) = policy_specs("foresight", [f"mine={scorer_dir}"], ["mine.stream_block=1", "mine.observation=window"])[0]
+    assert spec.settings() == {"stream_block": 1, "observation": "window"}
+    policy = spec.build(None)
+    assert (policy.stream_block, policy.observation) == (1, "window")
+    (heuristic, learned) = policy_specs("foresight,h2o", [f"mine={scorer_dir}"], ["mine.stream_block=2"])[0]
+    assert heuristic.options == () and learned.build(None).stream_block == 2
+    for option, error in (
+        ("mine.sinks=4", "-o mine.sinks: only a heuristic that evicts takes it"),
+        ("mine.budget=4", "policy 'mine' has no option 'budget'"),
+        ("mine.stream_block=four", "policy 'mine' option stream_block expects"),
+        ("other.stream_block=1", "--policies names no heuristic to take options .* rows: mine"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            policy_specs("foresight", [f"mine={scorer_dir}"], [option])
+
+
 def test_eval_runs_foresight_and_a_heuristic_from_a_scorer_folder(traces_dir, scorer_dir, model, tmp_path, monkeypatch):
     monkeypatch.setattr("foresight.commands.eval.load_model", lambda name, **options: (model, None))
     out = tmp_path / "eval"

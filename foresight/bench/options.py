@@ -52,7 +52,8 @@ OPTION_HELP = (
     "the row of --policies it is for (left out where one policy runs; a row ROW=POLICY runs a policy under settings of "
     "its own), e.g. "
     "-o triattention.stats=checkpoints/triattention-default; the keys protect_prompt and sinks override the policy's "
-    "own defaults; repeat for several"
+    "own defaults; repeat for several (in `foresight eval` a --scorer NAME names a row too, e.g. "
+    "-o default.observation=window)"
 )
 
 

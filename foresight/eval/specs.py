@@ -103,7 +103,8 @@ class PolicySpec:
 @dataclass(frozen=True)
 class ScorerSpec(PolicySpec):
     """The learned `foresight` policy with one trained scorer, run at the B and L it was trained for,
-    with no sinks and no protected prompt (as in training)."""
+    with no sinks and no protected prompt (as in training); `options` are the policy's own (e.g. its
+    observation, `-o NAME.observation=window`), none of which changes what the scorer was trained for."""
 
     scorer: ForesightScorer = field(default=None, compare=False, repr=False)
 
@@ -125,7 +126,7 @@ class ScorerSpec(PolicySpec):
         return []
 
     def build(self, labels: Sequence[GoldenLabels] | None, trace_indices: Sequence[int] = ()) -> Policy:
-        return make_policy("foresight", scorer=self.scorer)
+        return make_policy("foresight", scorer=self.scorer, **dict(self.options))
 
     def config(self, budget: int, interval: int) -> EvictionConfig | None:
         return EvictionConfig(budget, interval, sinks=0, protect_prompt=False)
@@ -156,7 +157,13 @@ class SampledScorerSpec(ScorerSpec):
     @classmethod
     def of(cls, spec: ScorerSpec, seeds: int, temperature: float) -> SampledScorerSpec:
         """`spec`'s scorer sampled with seeds 0..seeds-1, its row named NAME-sampled."""
-        return cls(name=f"{spec.name}-sampled", scorer=spec.scorer, seeds=tuple(range(seeds)), temperature=temperature)
+        return cls(
+            name=f"{spec.name}-sampled",
+            options=spec.options,
+            scorer=spec.scorer,
+            seeds=tuple(range(seeds)),
+            temperature=temperature,
+        )
 
     def replays(self) -> list[PolicySpec]:
         return [replace(self, seeds=(seed,)) for seed in self.seeds]
@@ -168,11 +175,14 @@ class SampledScorerSpec(ScorerSpec):
         row_seeds = tuple(trace_seed(self.seeds[0], index) for index in trace_indices)
         return make_policy(
             "foresight",
-            scorer=self.scorer,
-            mode="sampled",
-            temperature=self.temperature,
-            row_seeds=row_seeds,
-            record=False,
+            **{
+                **dict(self.options),
+                "scorer": self.scorer,
+                "mode": "sampled",
+                "temperature": self.temperature,
+                "row_seeds": row_seeds,
+                "record": False,
+            },
         )
 
 
@@ -312,15 +322,25 @@ def policy_specs(policies: str, scorers: list[str], options: Sequence[str] = ())
         specs, notes = resolve_policies(policies, row_options)
         return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
     others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
+    learned = [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
+    learned = [replace(spec, options=_scorer_options(spec.name, row_options.pop(spec.name, {}))) for spec in learned]
     if row_options and not others.strip(","):
         raise ValueError(
-            f"-o {next(iter(row_options)) or 'KEY'}...: --policies names no heuristic to take options (a --scorer row takes none)"
+            f"-o {next(iter(row_options)) or 'KEY'}...: --policies names no heuristic to take options "
+            f"(a --scorer row takes -o NAME.KEY=VALUE; rows: {', '.join(spec.name for spec in learned)})"
         )
     specs, notes = resolve_policies(others, row_options) if others.strip(",") else ([], [])
     notes = [note for note in notes if not note.startswith("foresight:")]
-    specs += [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
+    specs += learned
     check_distinct_names(specs)
     return specs, notes
+
+
+def _scorer_options(row: str, texts: dict[str, str]) -> tuple[tuple[str, Any], ...]:
+    """A --scorer row's -o options, typed as the learned policy declares them; its cadence (no sinks, no protected
+    prompt, the scorer's B and L) is what it was trained for, so those keys are refused."""
+    cadence_overrides(row, texts, refused=bool(set(texts) & set(CADENCE_OPTIONS)))
+    return tuple(typed_options(POLICIES[LEARNED], texts, label=row).items())
 
 
 def check_distinct_names(specs: list[PolicySpec]) -> None:
