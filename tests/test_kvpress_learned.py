@@ -43,8 +43,10 @@ Snapshot = tuple[list[list[list[int]]], list[dict[str, torch.Tensor]]]
 
 def engine_run(model, scorer, ids: torch.Tensor) -> tuple[list[int], list[Snapshot]]:
     """Our engine's greedy tokens and, after each of its eviction steps, every layer's held positions
-    [layer][head] and per-entry state."""
-    engine = EvictionEngine(model, Foresight(scorer=scorer), EvictionConfig(BUDGET, INTERVAL))
+    [layer][head] and per-entry state. The engine reads the window's queries at the step, as the press does
+    (kvpress hands a press the window there); the engine's default, the window streamed into the state, keeps
+    the same sets (tests/test_streamed_observation.py) with three more state fields."""
+    engine = EvictionEngine(model, Foresight(scorer=scorer, observation="window"), EvictionConfig(BUDGET, INTERVAL))
     steps: list[Snapshot] = []
 
     def on_token(_: int) -> None:
