@@ -150,7 +150,7 @@ def stream_observe(
     recent_step, recent_weights = token_decay(RECENT_DECAY, RECENT_TOKENS, count, rows)
     sizes = tuple(_windows(_standardised_names(feature_set)).values())
     before = evicts_after[:, None] - query_positions  # [batch, l] queries from each one to the eviction step
-    inside = before[..., None] < torch.tensor(sizes, device=before.device)  # [batch, l, windows]
+    inside = torch.stack([before < size for size in sizes], -1)  # [batch, l, windows], no host-to-device copy
     decays = torch.stack([torch.ones_like(decayed_weights), decayed_weights, recent_weights], -1)  # [l, 3]
     weights = torch.cat([decays.expand(batch, count, 3), inside.to(dtype)], -1)  # [batch, l, 3 + windows]
     added = (rows @ weights[:, None, None]).transpose(-2, -3).unbind(-1)  # each [batch, Hkv, N, G]
