@@ -85,6 +85,9 @@ class Scale:
     capacity_budget: int = 1024
     capacity_interval: int = 256
     capacity_time_limit: float = 10.0
+    graph_rows: str = "1,16,101"
+    graph_prompt: int = 192  # past B + L = 160: every row evicts at its prefill and every 32 tokens after
+    graph_tokens: int = 96
 
 
 CUDA_SCALE = Scale(device="cuda", dtype="bfloat16")
@@ -106,6 +109,9 @@ DRY_SCALE = Scale(
     capacity_budget=32,
     capacity_interval=8,
     capacity_time_limit=1.0,
+    graph_rows="1,2",
+    graph_prompt=48,
+    graph_tokens=24,
 )
 SAMPLER_MODEL = "configs/models/qwen3-4b.json"
 WORK_MODEL = "configs/models/qwen3-1.7b.json"
@@ -218,6 +224,13 @@ def _one_test(name: str, what: str, cap_seconds: float, test: str) -> Step:
 STEPS = (
     Step(
         "imports", "every package the steps import, the device and the versions", 60, lambda c: c.figure_step("imports")
+    ),
+    Step(
+        "decode-graph",
+        f"ms per decode step, the static step in a CUDA graph against eager and a bare transformers loop, random-weight "
+        f"{SAMPLER_MODEL}, and the eviction steps' ms (CUDA events)",
+        180,
+        lambda c: c.figure_step("decode-graph"),
     ),
     Step(
         "gpu-tests",
@@ -401,6 +414,76 @@ def step_sampler(scale: Scale, work: Path) -> dict:
     }
 
 
+def step_decode_graph(scale: Scale, work: Path) -> dict:
+    """Per batch size of `graph_rows`: the median ms of a decode step (the device's: CUDA events) of SnapKV and the
+    learned policy (a random scorer of the model's shape) at B = budget, L = interval, eager and with the static step
+    in a CUDA graph (on the CPU, run eagerly), their ms per eviction step, and a bare transformers loop's (a full
+    DynamicCache, no eviction) over the same tokens. Every row evicts at its prefill and every L tokens after."""
+    import statistics
+
+    import torch
+    from transformers import DynamicCache
+
+    from foresight.bench.common import random_scorer
+    from foresight.cache_argument import cache_argument
+    from foresight.policies import make_policy
+    from foresight.runtime.engine import EvictionConfig, EvictionEngine
+
+    model = random_model_of(SAMPLER_MODEL, scale)
+    scorer = random_scorer(model, scale.budget, scale.interval)
+    config = EvictionConfig(scale.budget, scale.interval)
+    graph = "graph" if scale.device == "cuda" else "static"
+    generator = torch.Generator().manual_seed(0)
+    rows = {}
+    for batch in map(int, scale.graph_rows.split(",")):
+        prompts = torch.randint(3, model.config.vocab_size, (batch, scale.graph_prompt), generator=generator).tolist()
+        row = {"bare_ms": _bare_decode_ms(model, prompts, scale, DynamicCache, cache_argument)}
+        for name, options in (("snapkv", {}), ("foresight", {"scorer": scorer})):
+            for mode in ("eager", graph):
+                engine = EvictionEngine(model, make_policy(name, **options), config, decode_step=mode)
+                stats = engine.generate(prompts, scale.graph_tokens).stats
+                row[f"{name}_{mode}_ms"] = 1000 * statistics.median(stats.step_seconds[2:])
+                row[f"{name}_{mode}_eviction_ms"] = 1000 * stats.eviction_seconds / max(stats.evictions, 1)
+            row[f"{name}_speedup"] = row[f"{name}_eager_ms"] / row[f"{name}_{graph}_ms"]
+        rows[str(batch)] = row
+    return {
+        "model": SAMPLER_MODEL,
+        "dtype": scale.dtype,
+        "decode_step": graph,
+        "budget": scale.budget,
+        "interval": scale.interval,
+        "prompt": scale.graph_prompt,
+        "tokens": scale.graph_tokens,
+        "rows": rows,
+    }
+
+
+def random_model_of(config: str, scale: Scale):
+    from foresight.models import random_model
+
+    return random_model(ROOT / config, dtype=_model_dtype(scale), device=scale.device, **_shrunk(scale))
+
+
+def _bare_decode_ms(model, prompts: list[list[int]], scale: Scale, cache_class, cache_argument) -> float:
+    """Median ms of a decode step of a plain transformers loop (greedy, a full DynamicCache), timed on the host
+    after synchronising."""
+    import statistics
+
+    import torch
+
+    cache = cache_class(config=model.config)
+    tokens = torch.tensor(prompts, device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=tokens, **cache_argument(model, cache), use_cache=True).logits
+        seconds = []
+        for _ in range(scale.graph_tokens):
+            started = _synchronise(scale)
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            logits = model(input_ids=token, **cache_argument(model, cache), use_cache=True).logits
+            seconds.append(_synchronise(scale) - started)
+    return 1000 * statistics.median(seconds[2:])
+
+
 def _work_model_dir(work: Path) -> Path:
     return work / "model"
 
@@ -544,6 +627,7 @@ def step_capacity_flags(scale: Scale, work: Path) -> dict:
 
 FIGURE_STEPS = {
     "imports": step_imports,
+    "decode-graph": step_decode_graph,
     "capacity-flags": step_capacity_flags,
     "sampler": step_sampler,
     "prepare": step_prepare,

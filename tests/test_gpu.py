@@ -263,3 +263,20 @@ def test_decoding_never_calls_cudnn_attention():
     names = {event.key for event in profiler.key_averages()}
     assert any(name.startswith("aten::_scaled_dot_product") for name in names)
     assert not [name for name in names if "cudnn_attention" in name]
+
+
+@pytest.mark.parametrize("name", ["snapkv", "foresight"])
+def test_a_cuda_graph_decodes_as_the_eager_engine(name):
+    """The static step captured in a CUDA graph and replayed at every token (float32, ragged rows evicting at
+    different forwards): the eager engine's tokens and evictions, logits within float32 rounding."""
+    model = tiny_on_cuda("llama").float()
+    options = {"scorer": random_scorer(model, feature_set="standardised")} if name == "foresight" else {}
+    outputs = [
+        EvictionEngine(model, make_policy(name, **options), EvictionConfig(12, 4), decode_step=step).generate(
+            prompts([7, 19, 12], seed=1), 40, return_logits=True
+        )
+        for step in ("eager", "graph")
+    ]
+    assert outputs[1].tokens == outputs[0].tokens
+    assert outputs[1].stats.row_evictions == outputs[0].stats.row_evictions
+    torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=0, atol=1e-4)

@@ -13,6 +13,7 @@ from foresight.data.tasks import chat_prompt_ids
 from foresight.models import load_model
 from foresight.runtime.engine import EvictionEngine
 from foresight.runtime.sampling import SamplingConfig
+from foresight.runtime.static_decode import DecodeStep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_policy_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=512, help="most tokens generated per prompt")
+    parser.add_argument(
+        "--decode-step",
+        choices=[step.value for step in DecodeStep],
+        default=DecodeStep.EAGER.value,
+        help="how decode forwards run: eager; static, at fixed shapes over every slot; graph, that step in a CUDA "
+        "graph replayed at every token (CUDA only; docs/algorithms.md section 1)",
+    )
     add_sampling_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     parser.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
@@ -32,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [
         tokenizer.encode(text) if args.no_chat_template else chat_prompt_ids(tokenizer, text) for text in args.prompt
     ]
-    engine = EvictionEngine(model, policy, config)
+    engine = EvictionEngine(model, policy, config, decode_step=args.decode_step)
     with tqdm(total=args.max_new_tokens, desc=f"{policy.name} decode", unit="tok") as bar:
         output = engine.generate(
             prompts,

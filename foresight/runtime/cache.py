@@ -211,6 +211,29 @@ class EntryStorage:
         return torch.empty(shape, dtype=layout.dtype, device=self.device)
 
 
+@dataclass
+class StaticDecodeState:
+    """The counters a decode forward advances, on the device (`EvictionCache.start_static_decode`): with them a
+    decode forward runs the same operations on the same tensors at every token (what a CUDA graph replays), and
+    the host mirrors each counter between forwards (`EvictionCache.advance_static`) for the eager eviction step.
+
+    The queries of a streaming policy wait in `stream_queries` [layers, batch, Hq, S, D] and `stream_positions`
+    [batch, S] instead of a list of each forward's; a window policy's ring is the stack's, indexed here."""
+
+    cursor: torch.Tensor  # [1] long: the slot the next token's entry is written to, every layer's
+    query_slot: torch.Tensor  # [1] long: the next slot of the query ring or of the stream buffer
+    query_slots: int  # the ring's or the stream buffer's length: query_slot wraps at it
+    slot_index: torch.Tensor  # [slots] 0..slots-1, for the mask
+    stream_queries: torch.Tensor | None = None
+    stream_positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [batch, 1, 1, slots] the valid slots of this forward, made by layer 0
+
+    def after_forward(self) -> None:
+        """Advance the counters past one decode token (inside the captured step)."""
+        self.cursor.add_(1)
+        self.query_slot.add_(1).remainder_(self.query_slots)
+
+
 class LayerStack:
     """What the layers of one cache share, each layer reading its slice: the entry storage and the query ring
     ([layers, batch, Hq, L, D] and its positions [layers, batch, L]), allocated when the first layer needs them."""
@@ -220,6 +243,7 @@ class LayerStack:
         self.storage: EntryStorage | None = None
         self.queries: torch.Tensor | None = None
         self.query_positions: torch.Tensor | None = None
+        self.static: StaticDecodeState | None = None  # set by `EvictionCache.start_static_decode`
 
     def select_rows(self, rows: torch.Tensor) -> LayerStack:
         """A copy holding batch rows `rows` [R] of everything allocated."""
@@ -299,6 +323,8 @@ class EvictionLayer(CacheLayerMixin):
         """Append the new tokens' K/V with the positions announced by `EvictionCache.begin_forward`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.stack.static is not None:
+            return self._static_update(key_states, value_states)
         entries: dict[str, torch.Tensor | float] = {
             KEYS: key_states,
             VALUES: value_states,
@@ -309,6 +335,31 @@ class EvictionLayer(CacheLayerMixin):
         self.lengths = self.lengths + self.pending_valid
         self._refresh_views()
         return self.keys, self.values
+
+    def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`update` of a static decode forward (one token per row): write its entry at the device cursor, count it
+        in place, and return every slot's keys and values; layer 0 makes the forward's mask of valid slots, which
+        every layer's attention reads (`StaticDecodeState.mask`)."""
+        static, buffers = self.stack.static, self.storage.buffers
+        batch, heads = key_states.shape[:2]
+        new = {
+            KEYS: key_states,
+            VALUES: value_states,
+            POSITIONS: self.pending_positions.to(POSITION_DTYPE)[:, None, :].expand(batch, heads, 1),
+        }
+        fills = {field.name: float(field.fill) for field in self.state_fields}
+        for name, buffer in buffers.items():
+            target = buffer[self.index]
+            if name in fills:
+                target.index_fill_(2, static.cursor, fills[name])
+            else:
+                target.index_copy_(2, static.cursor, new[name].to(target.dtype))
+        self.lengths.add_(self.pending_valid)
+        if self.index == 0:
+            filled = static.cursor + 1
+            valid = (static.slot_index < filled) & (static.slot_index >= filled - self.lengths[:, None])
+            static.mask = valid[:, None, None, :]
+        return buffers[KEYS][self.index], buffers[VALUES][self.index]
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # transformers < 5.3 passes cache_position
@@ -366,7 +417,10 @@ class EvictionLayer(CacheLayerMixin):
     def record_queries(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Record a forward's post-RoPE queries [batch, Hq, q, D] and their positions [batch, q]: every one
         until `take_unobserved` hands it out (`keep_every_query`), else the last `query_window` in the ring buffer
-        (at `ring_dtype`)."""
+        (at `ring_dtype`); in a static decode forward, at the device's query slot."""
+        if self.stack.static is not None:
+            self._record_static(queries, positions)
+            return
         if self.keep_every_query:
             if self.stream_queries:  # only a forward's latest L can be in an eviction window
                 queries, positions = queries[:, :, -self.stream_queries :], positions[:, -self.stream_queries :]
@@ -389,6 +443,18 @@ class EvictionLayer(CacheLayerMixin):
         self.query_positions.index_copy_(1, slots, positions)
         self.query_cursor = (self.query_cursor + queries.shape[2]) % window
 
+    def _record_static(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """A static decode forward's one query [batch, Hq, 1, D] into the stream buffer or the ring, at the device's
+        query slot (the stream buffer's positions are every layer's: layer 0 writes them)."""
+        static = self.stack.static
+        if self.keep_every_query:
+            buffer, position_buffer = static.stream_queries[self.index], static.stream_positions
+        else:
+            buffer, position_buffer = self.queries, self.query_positions
+        buffer.index_copy_(2, static.query_slot, queries.to(buffer.dtype))
+        if self.index == 0 or not self.keep_every_query:
+            position_buffer.index_copy_(1, static.query_slot, positions.to(POSITION_DTYPE))
+
     def buffered_queries(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ring buffer in query order (oldest first): ([batch, Hq, L, D], [batch, L])."""
         order = (self.query_cursor + torch.arange(self.query_window, device=self.queries.device)) % self.query_window
@@ -398,8 +464,12 @@ class EvictionLayer(CacheLayerMixin):
         return queries, positions
 
     def kept(self, lengths: torch.Tensor) -> None:
-        """After the stack's compaction: the last `lengths` [batch] entries of each row are valid."""
-        self.lengths = lengths
+        """After the stack's compaction: the last `lengths` [batch] entries of each row are valid (in place in static
+        decode, whose forwards read this tensor)."""
+        if self.stack.static is not None:
+            self.lengths.copy_(lengths)
+        else:
+            self.lengths = lengths
         self._refresh_views()
 
     def select_rows(self, rows: torch.Tensor, stack: LayerStack) -> EvictionLayer:
@@ -518,6 +588,8 @@ class EvictionCache(Cache):
         self.layers[0].storage.compact(index)
         for layer, lengths in zip(self.layers, kept_per_row, strict=True):
             layer.kept(lengths)
+        if self.static is not None:
+            self.static.cursor.fill_(width)
 
     def stacked(self, name: str) -> torch.Tensor:
         """Every layer's entry field `name` (keys, values, positions or a state field), [layers, batch, Hkv, N,
@@ -538,6 +610,8 @@ class EvictionCache(Cache):
         `complete_blocks_only`, a last block shorter than L stays for later. One concatenation of every layer's
         queries, whatever the depth."""
         first = self.layers[0]
+        if self.static is not None:
+            return self._take_static(complete_blocks_only)
         if not first.unobserved:
             return []
         queries = torch.cat([chunk for layer in self.layers for chunk, _ in layer.unobserved], dim=2)
@@ -550,6 +624,70 @@ class EvictionCache(Cache):
             layer.unobserved = [(layer_queries[:, :, end:], positions[:, end:])] if end < count else []
             layer.unobserved_count = count - end
         return blocks
+
+    def _take_static(self, complete_blocks_only: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`take_unobserved` in static decode: the stream buffer holds at most one block (the engine takes each block
+        as it completes), handed out as views, and its slot goes back to 0."""
+        static, count = self.static, self.layers[0].unobserved_count
+        if count == 0 or (complete_blocks_only and count < static.query_slots):
+            return []
+        for layer in self.layers:
+            layer.unobserved_count = 0
+        static.query_slot.zero_()
+        return [(static.stream_queries[..., :count, :], static.stream_positions[:, :count])]
+
+    @property
+    def static(self) -> StaticDecodeState | None:
+        """The device counters of static decode, or None (eager forwards)."""
+        return self.layers[0].stack.static
+
+    def start_static_decode(self, query_heads: int, head_dim: int) -> None:
+        """From now on decode forwards run at fixed shapes (`foresight.runtime.static_decode`): each writes its
+        token's entry at a device cursor into storage that holds every slot the run can use, attends over all
+        slots under a mask of the valid ones, and records its query at a device slot (`StaticDecodeState`).
+        Between forwards the host advances its mirrors (`advance_static`) and the eager eviction step runs as
+        before, compacting in place. A streaming policy's queries not yet handed out move into the stream buffer.
+        Slots the run has not written are zeroed: masked out, they must still be finite for the attention."""
+        first, storage = self.layers[0], self.layers[0].storage
+        if storage.capacity is None or storage.slots != storage.capacity:
+            raise ValueError(
+                f"static decode needs storage of the run's capacity ({storage.capacity} entries), got {storage.slots}"
+            )
+        for buffer in storage.buffers.values():
+            buffer[:, :, :, storage.entries :].zero_()
+        device, window = storage.device, first.query_window
+        static = StaticDecodeState(
+            cursor=torch.tensor([storage.entries], device=device),
+            query_slot=torch.tensor([first.query_cursor if not first.keep_every_query else 0], device=device),
+            query_slots=max(window, 1),
+            slot_index=torch.arange(storage.slots, device=device),
+        )
+        if first.keep_every_query:
+            dtype = first.dtype
+            static.stream_queries = torch.zeros(
+                len(self.layers), storage.batch, query_heads, window, head_dim, dtype=dtype, device=device
+            )
+            static.stream_positions = torch.full((storage.batch, window), -1, dtype=POSITION_DTYPE, device=device)
+            blocks = self.take_unobserved(complete_blocks_only=False)  # fewer than one block: the prefill's rest
+            for queries, positions in blocks:
+                static.stream_queries[..., : queries.shape[3], :].copy_(queries)
+                static.stream_positions[:, : positions.shape[1]].copy_(positions)
+                static.query_slot.fill_(positions.shape[1])
+                for layer in self.layers:
+                    layer.unobserved_count = positions.shape[1]
+        first.stack.static = static
+
+    def advance_static(self) -> None:
+        """The host's mirrors after a static decode forward of one token per row: every layer holds one more
+        entry (its views follow), the ring's cursor or the stream buffer's count moves on."""
+        storage = self.layers[0].storage
+        storage.filled = [filled + 1 for filled in storage.filled]
+        for layer in self.layers:
+            layer._refresh_views()
+            if layer.keep_every_query:
+                layer.unobserved_count += 1
+            elif layer.query_window:
+                layer.query_cursor = (layer.query_cursor + 1) % layer.query_window
 
     def select_rows(self, rows: torch.Tensor) -> EvictionCache:
         """A copy of the cache holding batch rows `rows` [R] of every layer (indices on the cache's device,
@@ -571,5 +709,7 @@ class EvictionCache(Cache):
         return max(layer.get_seq_length() for layer in self.layers)
 
     def storage_bytes(self) -> int:
-        """Bytes held by every layer's entry storage and query ring buffer."""
-        return sum(layer.storage_bytes() for layer in self.layers)
+        """Bytes held by every layer's entry storage and query ring buffer, and static decode's stream buffer."""
+        static = self.static
+        buffered = [] if static is None else [static.stream_queries, static.stream_positions]
+        return sum(layer.storage_bytes() for layer in self.layers) + sum(t.nbytes for t in buffered if t is not None)

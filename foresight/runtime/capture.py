@@ -9,6 +9,8 @@ L recorded queries at a time. Kernels, best first:
 - CUDA otherwise: PyTorch SDPA; without padding it gets no mask (one query) or a lower-right causal
   bias, both of which SDPA's fused flash kernel runs; with padding, a boolean mask (SDPA's math kernel).
 - CPU: SDPA with the boolean padding-and-causal mask, or none for one query without padding.
+- Static decode (`foresight.runtime.static_decode`), any device: SDPA over every slot of the storage under the
+  forward's mask of valid slots, made on the device, so the shapes never change.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def eviction_attention(
         eviction_cache.recorder.add(module.layer_idx, query, key, value, scaling)
     if layer.query_window and eviction_cache.records_queries:
         layer.record_queries(query, layer.pending_positions)
+    static = eviction_cache.static
+    if static is not None:  # every slot, under the forward's mask of valid ones (`EvictionLayer._static_update`)
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=static.mask, scale=scaling, enable_gqa=True
+        )
+        return output.transpose(1, 2).contiguous(), None
     half = query.dtype in (torch.float16, torch.bfloat16)
     if HAS_FLASH_ATTENTION and query.is_cuda and half:
         return _flash_attention(query, key, value, layer, scaling, eviction_cache.has_padding), None

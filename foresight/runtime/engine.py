@@ -36,6 +36,7 @@ from foresight.runtime.held_memory import keeps_every_query, query_window
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, StepLayers, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
+from foresight.runtime.static_decode import DecodeStep, StaticDecode
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,8 @@ class EvictionEngine:
 
     `config=None` (or a policy that does not evict) keeps the full cache. The model runs with the
     runtime's attention function (`attention`, a name registered in AttentionInterface) during a
-    run only; its own implementation is restored afterwards."""
+    run only; its own implementation is restored afterwards. `decode_step`: how `generate` runs its decode
+    forwards (`DecodeStep`: "eager", or "static" and "graph", the fixed-shape step a CUDA graph holds)."""
 
     def __init__(
         self,
@@ -269,6 +271,7 @@ class EvictionEngine:
         config: EvictionConfig | None = None,
         attention: str = ATTENTION_NAME,
         step_observer: AbstractContextManager | None = None,
+        decode_step: str | DecodeStep = DecodeStep.EAGER,
     ):
         if policy.evicts and config is None:
             raise ValueError(f"policy {policy.name!r} evicts and needs a budget and an interval")
@@ -293,6 +296,24 @@ class EvictionEngine:
         self.attention = attention
         self.step_observer = step_observer or nullcontext()  # entered around every eviction step (`host_reads`)
         self.clock = DeviceClock(model.device)  # the run's seconds, settled at the end of `generate` and `advance`
+        self.decode_step = self._check_decode_step(DecodeStep.parse(decode_step))
+
+    def _check_decode_step(self, decode_step: DecodeStep) -> DecodeStep:
+        """A static step keeps queries in fixed buffers and runs no Python between its operations: refuse the policies
+        that keep a list of every query or read each forward's hidden states, and a graph off CUDA."""
+        if decode_step is DecodeStep.EAGER:
+            return decode_step
+        if self.observes_every_query or type(self.policy).on_forward is not Policy.on_forward:
+            raise ValueError(
+                f"decode_step={decode_step.value!r} runs fixed-shape forwards; policy {self.policy.name!r} observes every "
+                "query or reads each forward's hidden states, which only 'eager' runs"
+            )
+        if decode_step is DecodeStep.GRAPH and self.model.device.type != "cuda":
+            raise ValueError(
+                f"decode_step='graph' captures CUDA graphs; the model is on {self.model.device}: "
+                "'static' runs the same fixed-shape step eagerly"
+            )
+        return decode_step
 
     # -- public entry points -------------------------------------------------------------------------
     @torch.no_grad()
@@ -339,6 +360,7 @@ class EvictionEngine:
         new_tokens, all_logits = [], []
         ones = torch.ones(len(prompts), dtype=torch.long, device=logits.device)
         one_each = [1] * len(prompts)
+        static = None
         for _ in range(max_new_tokens):
             if return_logits:
                 all_logits.append(logits)
@@ -351,7 +373,10 @@ class EvictionEngine:
             if bool(finished.all()) or len(new_tokens) == max_new_tokens:
                 break
             start = self.clock.start()
-            logits = self._forward(run, token[:, None], run.next_positions[:, None], ones, one_each)[:, -1]
+            if static is None and self.decode_step is not DecodeStep.EAGER:
+                static = StaticDecode(self.model, run.cache, len(prompts), graph=self.decode_step is DecodeStep.GRAPH)
+            logits = self._forward(run, token[:, None], run.next_positions[:, None], ones, one_each, static=static)
+            logits = logits[:, -1]
             self.clock.stop(start, run.stats.step_seconds.append)
         tokens = _trim_after_eos(torch.stack(new_tokens, 1) if new_tokens else input_ids[:, :0], eos)
         stacked = torch.stack(all_logits, 1) if return_logits and all_logits else None
@@ -572,17 +597,23 @@ class EvictionEngine:
         inject: RecordedForward | None = None,
         record: RecordedForward | None = None,
         evict: bool = True,
+        static: StaticDecode | None = None,
     ) -> torch.Tensor | None:
         """Run the model on the tokens (recording into `record` if given), or `inject` a recorded run of
-        the same tokens (no logits then), and every policy hook and, with `evict`, the eviction step that follows.
-        `valid` [batch] and `counts` (its values on the host): each row's tokens that are not padding."""
+        the same tokens (no logits then), or run a `static` decode step on them, and every policy hook and, with
+        `evict`, the eviction step that follows. `valid` [batch] and `counts` (its values on the host): each row's
+        tokens that are not padding."""
         start = self.clock.start()
+        if static is not None:
+            input_ids, positions, valid = static.load(input_ids, positions)
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
         run.cadence.fed(counts)
         run.cache.begin_forward(positions, valid, run.cadence.lengths, record_queries=not skip_prompt)
         logits = None
         if inject is not None:
             self._inject(run, inject)
+        elif static is not None:
+            logits = static.forward()
         else:
             hooks = self._install_taps()
             run.cache.recorder = record
