@@ -193,3 +193,20 @@ def test_bench_serve_bad_input_is_one_line(tmp_path, patched_load, capsys):
         error = capsys.readouterr().err.strip()
         assert error.startswith("foresight bench: error: ") and message in error and "\n" not in error
     assert not (tmp_path / "b.md").exists()
+
+
+def test_a_decoder_that_cannot_hold_one_sequence_is_served_zero_rows(tmp_path, patched_load):
+    """A cap below one full-cache sequence at the longer length but above B + L entries: the full cache serves 0
+    rows there (no ratio against it), streaming its batch, and the run ends well."""
+    out = tmp_path / "bench.md"
+    prompt = len(chat_prompt_ids(char_tokenizer(CHAT_TEMPLATE), _bench_common.PROMPT))
+    cap = int(1.5 * 136 * ENTRY)  # one streaming sequence (B + L = 136 entries), less than prompt + 119 entries
+    assert prompt + 119 > 1.5 * 136
+    argv = ["bench", "serve", "--policies", "streaming", "-B", "128", "-L", "8", "--lengths", "120"]
+    argv += ["--kv-memory", str(cap), "--device", "cpu", "--out", str(out)]
+    assert cli.main(argv) == 0
+    lines = out.read_text().splitlines()
+    full, streaming = (next(line for line in lines if line.startswith(f"| {name} |")) for name in ("full", "streaming"))
+    assert full == "| full | 0 (–) | – |"
+    assert streaming.split(" | ")[1] == "1 (–)"
+    assert "| full | 120 | 0 | – | – | – | not one sequence fits the cap |" in out.read_text()

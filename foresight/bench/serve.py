@@ -128,14 +128,15 @@ class EngineDecoder:
 
 @dataclass
 class Search:
-    """The outcome of `max_batch`: the largest batch that fit (its run), and every run it took."""
+    """The outcome of `max_batch`: the largest batch that fit (its run; None where not one sequence fits the cap,
+    as the full cache's at a long generation), and every run it took."""
 
-    best: RunResult
+    best: RunResult | None
     runs: list[RunResult]
 
     @property
     def batch(self) -> int:
-        return self.best.batch
+        return 0 if self.best is None else self.best.batch
 
 
 def bytes_per_entry(decoder: Decoder, new_tokens: int) -> float:
@@ -271,17 +272,21 @@ def _measure(
     runs of our policies that have a kvpress counterpart, and of kvpress, at the shortest length (the
     best of BATCH_ONE_REPEATS alternating runs of each)."""
     per_entry = {decoder.name: bytes_per_entry(decoder, lengths[-1]) for decoder in decoders}
+    too_small = []
     for decoder in decoders:
-        check_one_sequence_fits(decoder, lengths[-1], cap, per_entry[decoder.name])
+        try:
+            check_one_sequence_fits(decoder, lengths[-1], cap, per_entry[decoder.name])
+        except CapTooSmall as error:
+            too_small.append(error)
+    if len(too_small) == len(decoders):
+        raise too_small[0]
     searches: dict[tuple[str, int], Search] = {}
     batch_one: dict[str, RunResult] = {}
     with tqdm(desc="serve", unit="run") as bar:
         for length in lengths:
             for decoder in decoders:
                 bar.set_postfix_str(f"{decoder.name} at {length}")
-                searches[decoder.name, length] = max_batch(
-                    decoder, length, cap, per_entry[decoder.name], on_run=lambda _: bar.update()
-                )
+                searches[decoder.name, length] = _search(decoder, length, cap, per_entry[decoder.name], bar.update)
         timed = [decoder for decoder in decoders if isinstance(decoder, KvpressDecoder) or decoder.name in paired]
         for _ in range(BATCH_ONE_REPEATS):  # alternating, so a change of machine load hits both sides
             for decoder in timed:
@@ -292,6 +297,23 @@ def _measure(
                     batch_one[decoder.name] = result
                 bar.update()
     return searches, batch_one
+
+
+def _search(decoder: Decoder, length: int, cap: int, per_entry: float, on_run: Callable[[], None]) -> Search:
+    """`max_batch`, or no batch at all where one sequence does not fit the cap (reported as 0, not an error: the
+    full cache of a long generation is what eviction is for)."""
+    if per_entry * decoder.held_entries(length) > cap:
+        return Search(None, [])
+    runs: list[RunResult] = []
+
+    def counted(result: RunResult) -> None:
+        runs.append(result)
+        on_run()
+
+    try:
+        return max_batch(decoder, length, cap, per_entry, on_run=counted)
+    except CapTooSmall:
+        return Search(None, runs)
 
 
 def _ratio(value: float | None, reference: float | None) -> str:
@@ -310,7 +332,7 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
         f"cap {format_bytes(cap)}; one prompt of {prompt_tokens} tokens copied over the batch, greedy, EOS "
         f"ignored. Load average (1, 5, 15 min) {_load(load[0])} before and {_load(load[1])} after the run. Max batch: "
         "the largest batch whose run kept the cache's tensors under the cap, found by running it (the next batch "
-        "passed the cap). Throughput: tokens/s summed over the batch at that batch, prefill included. Ratios are "
+        "passed the cap; 0 where one sequence needs more than the cap). Throughput: tokens/s summed over the batch at that batch, prefill included. Ratios are "
         "to the full cache in the same run." + settings.scorer_note(),
         "",
     ]
@@ -323,9 +345,10 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
     for decoder in decoders:
         batches, speeds = [], []
         for length in lengths:
-            best, full = searches[decoder.name, length].best, searches["full", length].best
-            batches.append(f"{best.batch} ({_ratio(best.batch, full.batch)})")
-            speeds.append(f"{best.tokens_per_second:.1f} ({_ratio(best.tokens_per_second, full.tokens_per_second)})")
+            search, full = searches[decoder.name, length], searches["full", length]
+            batches.append(f"{search.batch} ({_ratio(search.batch, full.batch)})")
+            speed, full_speed = (None if s.best is None else s.best.tokens_per_second for s in (search, full))
+            speeds.append("–" if speed is None else f"{speed:.1f} ({_ratio(speed, full_speed)})")
         lines.append("| " + " | ".join([decoder.name, *batches, *speeds]) + " |")
     lines += [
         "",
@@ -340,6 +363,9 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
         for length in lengths:
             search = searches[decoder.name, length]
             best = search.best
+            if best is None:
+                lines.append(f"| {decoder.name} | {length} | 0 | – | – | – | not one sequence fits the cap |")
+                continue
             device_peak = "–" if best.peak_device_bytes is None else f"{best.peak_device_bytes / MiB:.0f}"
             share = "–" if best.eviction_share is None else f"{100 * best.eviction_share:.2f}%"
             runs = ", ".join(
@@ -366,11 +392,12 @@ def _report(settings: Settings, cap, decoders, paired, searches, batch_one, shap
             ours, theirs = batch_one[name].tokens_per_second, batch_one[press].tokens_per_second
             cells = [name, PRESSES[name][0], f"{ours:.1f}", f"{theirs:.1f}", _ratio(ours, theirs)]
             for length in lengths:
-                a, b = searches[name, length].best, searches[press, length].best
-                cells += [
-                    f"{a.batch} / {b.batch}",
-                    f"{a.tokens_per_second:.1f} / {b.tokens_per_second:.1f} ({_ratio(a.tokens_per_second, b.tokens_per_second)})",
-                ]
+                a, b = searches[name, length], searches[press, length]
+                speeds = "–"
+                if a.best is not None and b.best is not None:
+                    ours, theirs = a.best.tokens_per_second, b.best.tokens_per_second
+                    speeds = f"{ours:.1f} / {theirs:.1f} ({_ratio(ours, theirs)})"
+                cells += [f"{a.batch} / {b.batch}", speeds]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
