@@ -5,7 +5,8 @@ process, then one table of the rows each decoder served and its throughput at th
         --scorer checkpoints/default --out runs/serve-caps --results docs/results/serving-caps.json
 
 Run it on an otherwise idle machine: the throughputs are wall-clock. Each run's own report and JSON stay in
-`--out`; the results file holds the table docs/benchmarks.md quotes.
+`--out`, and a run whose JSON is there already is read, not run again; the results file holds the table
+docs/benchmarks.md quotes.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from foresight.eval.published import this_run
 
 
 def serve(cap: int, args: argparse.Namespace, out: Path) -> list[dict]:
-    """One `foresight bench serve` at `cap` MiB; its runs (`RunResult.as_json`)."""
+    """One `foresight bench serve` at `cap` MiB; its runs (`RunResult.as_json`), read back instead where an earlier
+    sweep into the same folder finished it (so a stopped sweep resumes, and `--repeats` can grow)."""
     results = out.with_suffix(".json")
+    if results.exists():
+        return json.loads(results.read_text())
     command = [sys.executable, "-m", "foresight.cli", "bench", "serve", "--policies", args.policies]
     command += ["--scorer", args.scorer, "--budget", str(args.budget), "--interval", str(args.interval)]
     command += ["--kv-memory", f"{cap}MiB", "--lengths", str(args.length), "--device", "cpu", "--dtype", "float32"]

@@ -191,3 +191,22 @@ def test_held_bytes_of_a_streaming_policy_count_its_sums_and_its_waiting_queries
     engine._stream_queries = spy
     engine.generate(random_prompts([6], seed=3), 24)
     assert stream.total in waiting and max(waiting) == stream.total
+
+
+def test_queries_before_every_rows_first_window_are_not_recorded(llama, monkeypatch):
+    """Prompts of 5 and 7 tokens at B = 12, L = 4: each row's windows begin at its 13th token, so neither the prefill
+    nor the decode tokens before then record a query (each would add nothing to any sum, and the prefill's L would
+    be held at the cache's fullest): every block the policy observes holds a query of some window, and the first
+    comes with the 13th token of the longer row."""
+    policy = make_policy("foresight", scorer=random_scorer(llama, feature_set="standardised"))
+    observed = []
+    stream_observe = policy.stream_observe
+
+    def spy(contexts):
+        observed.append(contexts[0].query_positions.clone())
+        return stream_observe(contexts)
+
+    monkeypatch.setattr(policy, "stream_observe", spy)
+    EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([5, 7], seed=2), 30)
+    assert len(observed) > 4 and all(bool((block >= 0).any()) for block in observed)
+    assert int(observed[0].max()) >= B  # position 12 is a row's 13th token

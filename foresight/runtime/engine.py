@@ -571,6 +571,17 @@ class EvictionEngine:
         self.last_stats = run.stats
         return run, input_ids, positions, lengths
 
+    def _reaches_a_window(self, run: _Run) -> bool:
+        """Whether a forward just fed can hold a query a streaming policy observes: one in some row's eviction
+        window. A row's windows tile its tokens from L before its first limit on, so before every row gets there
+        (a prompt and the decode tokens after it, below B) the queries would add nothing to any sum and are not
+        recorded. Other policies record every forward's. (A static decode forward records always: its operations
+        must not change from one token to the next; what it records then adds nothing either.)"""
+        if not self.streams_queries or run.stats.evictions:
+            return True
+        window_starts = (limit - self.config.interval for limit in run.cadence.limits)
+        return any(length > start for length, start in zip(run.cadence.lengths, window_starts))
+
     def _first_streamed(
         self, cadence: HostCadence, prompt_lengths: Sequence[int], interval: int, like: torch.Tensor
     ) -> torch.Tensor:
@@ -608,7 +619,8 @@ class EvictionEngine:
             input_ids, positions, valid = static.load(input_ids, positions)
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
         run.cadence.fed(counts)
-        run.cache.begin_forward(positions, valid, run.cadence.lengths, record_queries=not skip_prompt)
+        records_queries = not skip_prompt and (static is not None or self._reaches_a_window(run))
+        run.cache.begin_forward(positions, valid, run.cadence.lengths, record_queries=records_queries)
         logits = None
         if inject is not None:
             self._inject(run, inject)
