@@ -5,7 +5,7 @@ process and kvpress's in its own environment (foresight.bench.kvpress_worker), s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,7 +39,7 @@ def _tensors(values) -> Iterator[torch.Tensor]:
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, dict):
+        elif isinstance(value, Mapping):  # a layer's state is a read-only mapping of its fields
             yield from _tensors(value.values())
         elif isinstance(value, (list, tuple)):
             yield from _tensors(value)
