@@ -18,7 +18,11 @@ evicts, B + L or the prompt if the prefill holds more), which gives a first gues
 batch is lowered until a run fits, then raised until a run does not. The largest batch that ran to the
 end is the answer, reported with that run's throughput (tokens/s summed over the batch, prefill
 included), its peak cache bytes, its peak device memory (CUDA) and, for our engine, the share of decode
-time spent evicting.
+time spent evicting. A decoder that cannot hold one sequence under the cap (the full cache of a long
+generation) serves 0 rows; the run is refused only when no decoder can.
+
+Size: the search, the decoders it drives and the report of what it found change together (each report
+column is a field the search records).
 """
 
 from __future__ import annotations
