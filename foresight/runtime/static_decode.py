@@ -24,7 +24,6 @@ import torch
 
 from foresight.cache_argument import cache_argument
 from foresight.choices import Choice
-from foresight.models import describe
 from foresight.runtime.cache import EvictionCache
 
 
@@ -42,8 +41,9 @@ class StaticDecode:
     graphs need) and the second captured, then replayed at every token."""
 
     def __init__(self, model: torch.nn.Module, cache: EvictionCache, batch: int, graph: bool):
-        shape = describe(model)
-        cache.start_static_decode(shape.num_query_heads, shape.head_dim)
+        text = model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        cache.start_static_decode(text.num_attention_heads, head_dim)
         device = model.device
         self.model, self.cache, self.graph = model, cache, graph
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
