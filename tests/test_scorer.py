@@ -102,12 +102,17 @@ def test_matmul_calls_do_not_grow_with_layers_or_heads(monkeypatch, layers, kv_h
         monkeypatch.setattr(
             torch, name, lambda *args, name=name, original=original: calls.append(name) or original(*args)
         )
+    accumulate = torch.Tensor.baddbmm_
+    monkeypatch.setattr(
+        torch.Tensor, "baddbmm_", lambda self, *args: calls.append("baddbmm_") or accumulate(self, *args)
+    )
     scorer = make_scorer(num_layers=layers, num_kv_heads=kv_heads, num_query_heads=2 * kv_heads)
     keys, values, features = random_inputs(scorer.config, layers, 2)
     scorer(keys, values, features)
     scorer.score_layer(layers - 1, keys[0], values[0], features[0])
-    # four per call: the feature, key and value blocks of the hidden layer, then the output layer
-    assert calls == ["baddbmm", "bmm", "bmm", "bmm"] * 2
+    # four per call: the feature, key and value blocks of the hidden layer (the last two accumulated in
+    # place), then the output layer
+    assert calls == ["baddbmm", "baddbmm_", "baddbmm_", "bmm"] * 2
 
 
 def test_init_is_linear_default_per_head():

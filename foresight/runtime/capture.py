@@ -133,10 +133,10 @@ def block_attention(
     queries [batch, Hq, L, D] in query order, query_positions [batch, L], keys [batch, Hkv, N, D],
     key_positions [batch, Hkv, N] (-1 marks an invalid entry). Returns [batch, Hkv, G, L, N];
     masked entries and the rows of padding queries (position -1, which see nothing) are exactly 0."""
-    logits = attention_logits(queries, keys, scaling)
+    logits = attention_logits(queries, keys, scaling)  # a fresh tensor: masked in place
     visible = _visible(query_positions, key_positions)
-    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    return weights.masked_fill((query_positions < 0)[:, None, None, :, None], 0.0)
+    weights = torch.softmax(logits.masked_fill_(~visible, float("-inf")), dim=-1)
+    return weights.masked_fill_((query_positions < 0)[:, None, None, :, None], 0.0)
 
 
 OBSERVATION_BLOCK = 32
