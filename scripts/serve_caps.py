@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from foresight.bench.watched_run import RunResult
 from foresight.eval.published import this_run
 
 
@@ -40,8 +41,8 @@ def served(runs: list[dict], decoder: str) -> tuple[int, float | None]:
     fits = [run for run in runs if run["decoder"] == decoder and run["fits"] and run["seconds"]]
     if not fits:
         return 0, None
-    best = max(fits, key=lambda run: run["batch"])
-    return best["batch"], best["batch"] * best["new_tokens"] / best["seconds"]
+    best = RunResult(**max(fits, key=lambda run: run["batch"]))
+    return best.batch, best.tokens_per_second
 
 
 def table(measured: dict[int, list[list[dict]]], decoders: list[str]) -> list[list[str]]:

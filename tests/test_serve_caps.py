@@ -14,7 +14,15 @@ spec.loader.exec_module(serve_caps)
 
 
 def run(decoder: str, batch: int, fits: bool, seconds: float | None = None) -> dict:
-    return {"decoder": decoder, "batch": batch, "new_tokens": 100, "fits": fits, "seconds": seconds}
+    return {
+        "decoder": decoder,
+        "batch": batch,
+        "new_tokens": 100,
+        "fits": fits,
+        "peak_bytes": 0,
+        "peak_entries": 0,
+        "seconds": seconds,
+    }
 
 
 def test_the_rows_served_are_the_largest_batch_that_ran_to_the_end():

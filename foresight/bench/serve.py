@@ -306,8 +306,6 @@ def _measure(
 def _search(decoder: Decoder, length: int, cap: int, per_entry: float, on_run: Callable[[], None]) -> Search:
     """`max_batch`, or no batch at all where one sequence does not fit the cap (reported as 0, not an error: the
     full cache of a long generation is what eviction is for)."""
-    if per_entry * decoder.held_entries(length) > cap:
-        return Search(None, [])
     runs: list[RunResult] = []
 
     def counted(result: RunResult) -> None:
@@ -315,6 +313,7 @@ def _search(decoder: Decoder, length: int, cap: int, per_entry: float, on_run: C
         on_run()
 
     try:
+        check_one_sequence_fits(decoder, length, cap, per_entry)
         return max_batch(decoder, length, cap, per_entry, on_run=counted)
     except CapTooSmall:
         return Search(None, runs)
