@@ -580,7 +580,6 @@ def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path,
     )
     assert "seeds: 0 and 1" in (out / "scorer" / "README.md").read_text()
     refused = [
-        (["--on-policy-rounds", "1"], "on-policy rounds (1) and a seed ensemble (2 members) do not combine"),
         (["--ckpt-path", "x.ckpt"], "resumes each member from its own last checkpoint: --ckpt-path last, not 'x.ckpt'"),
         (
             ["--set", "seed_everything=true"],
@@ -590,6 +589,40 @@ def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path,
     for extra, message in refused:
         assert cli.main([*args, *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_fit_ensemble_members_each_run_their_own_on_policy_rounds(tmp_path, tiny_dir, traces_dir, capsys):
+    """--ensemble 2 --on-policy-rounds 1: member i fits under seed_everything + i, then replays its own
+    golden fit's trajectory in member-i/round-1 and refits from it; --out/scorer is the mean of the
+    members' last rounds, and each member's training record is its last round's."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, feature_set="standardised")
+    out = tmp_path / "run"
+    args = [*fit_args(config, out, traces_dir, "trainer.max_steps=2"), "--ensemble", "2", "--on-policy-rounds", "1"]
+    args += ["--round-steps", "3"]
+    assert cli.main(args) == 0
+    assert f"{out / 'scorer'}: the mean of 2 fits (seed_everything 0 and 1)" in capsys.readouterr().out
+    members = [out / f"member-{member}" for member in (0, 1)]
+    golden = [load_scorer(member / "round-0" / "scorer").state_dict() for member in members]
+    assert any((golden[1][name] != tensor).any() for name, tensor in golden[0].items())  # seeds 0 and 1
+    for member in members:
+        trajectory = json.loads((member / "round-1" / "examples" / "examples.json").read_text())["trajectory"]
+        assert trajectory == scorer_trajectory(load_scorer(member / "round-0" / "scorer"))
+        refit = torch.load(member / "round-1" / "checkpoints" / "last.ckpt", weights_only=False)
+        assert refit["hyper_parameters"]["init_scorer"] == str(member / "round-0" / "scorer")
+        last = load_scorer(member / "round-1" / "scorer").state_dict()
+        for name, tensor in load_scorer(member / "scorer").state_dict().items():
+            torch.testing.assert_close(last[name], tensor, rtol=0, atol=0)
+        assert json.loads((member / "training.json").read_text())["optimisation steps"] == 3  # the round's record
+    first, second = (load_scorer(member / "scorer") for member in members)
+    merged = load_scorer(out / "scorer")
+    generator = torch.Generator().manual_seed(0)
+    shape = (merged.config.num_layers, 1, merged.config.num_kv_heads, 5)
+    inputs = [
+        torch.randn(*shape, width, generator=generator)
+        for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)
+    ]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(*inputs), (first(*inputs) + second(*inputs)) / 2, rtol=0, atol=1e-6)
 
 
 def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):

@@ -21,7 +21,7 @@ rounds whose scorer exists and, with --ckpt-path last, resumes the others.
 --out/member-i (checkpoints/, lightning_logs/, scorer/) with seed_everything + i, on the same traces and
 examples, and writes the mean of their keep scores to --out/scorer as one wider scorer
 (`foresight.scorer.ensemble`): fits that differ only in their seed rank entries differently, and their
-mean averages that out. A rerun skips the members whose scorer exists. Under a DDP strategy (--set trainer.strategy=ddp --set
+mean averages that out. With on-policy rounds, each member runs its own in member-i/round-r. A rerun skips the members whose scorer exists. Under a DDP strategy (--set trainer.strategy=ddp --set
 trainer.devices=N) every process runs this command; the steps run under a file lock in --out, so one
 process makes the data and the others find it made.
 """
@@ -182,36 +182,46 @@ def run(args: argparse.Namespace) -> int:
     rounds = _rounds_of(args, cli.config_init.get("on_policy"))
     members = args.ensemble or (cli.config_init.get("ensemble") or SeedEnsemble()).members
     if members > 1:
-        seed = _ensemble_seed(args, rounds, members)  # refused before any data is made
-        _fit_ensemble(args, prepare(args, cli), members, seed)
+        seed = _ensemble_seed(args, members)  # refused before any data is made
+        _fit_ensemble(args, prepare(args, cli), members, seed, rounds)
         return 0
     prepare(args, cli)
-    if rounds.rounds == 0:
-        _fit_and_export(cli, args.ckpt_path, args.out / "scorer")
-        return 0
-    if cli.datamodule.examples is None:
-        raise ValueError("on-policy rounds need the golden examples in a cache (data.examples_dir, not null)")
-    scorer = _round_scorer(args.out, 0)
-    if not (scorer / "config.json").is_file():
-        _fit_and_export(cli, args.ckpt_path, scorer)
-    cli.datamodule.setup("fit")
-    for round_ in range(1, rounds.rounds + 1):
-        scorer = _on_policy_round(args, cli.datamodule, round_, rounds.steps, cli.trainer.is_global_zero)
-    if cli.trainer.is_global_zero:
-        shutil.copytree(scorer, args.out / "scorer", dirs_exist_ok=True)
-        print(f"{args.out / 'scorer'}: the scorer of on-policy round {rounds.rounds}")
+    _fit_with_rounds(args, cli, rounds, args.out, args.ckpt_path)
     return 0
 
 
-def _ensemble_seed(args: argparse.Namespace, rounds: OnPolicyRounds, members: int) -> int:
+def _fit_with_rounds(
+    args: argparse.Namespace,
+    cli,
+    rounds: OnPolicyRounds,
+    out: Path,
+    ckpt_path: str | None,
+    member: tuple[str, ...] = (),
+) -> dict | None:
+    """The golden fit in `out`, then `rounds` on-policy rounds in out/round-r, the last scorer in out/scorer.
+    `member` holds a seed ensemble member's LightningCLI arguments, which every round's refit keeps.
+    Returns the last fit's training record (None on the processes that do not export)."""
+    if rounds.rounds == 0:
+        return _fit_and_export(cli, ckpt_path, out / "scorer")
+    if cli.datamodule.examples is None:
+        raise ValueError("on-policy rounds need the golden examples in a cache (data.examples_dir, not null)")
+    scorer, record = _round_scorer(out, 0), None
+    if not (scorer / "config.json").is_file():
+        record = _fit_and_export(cli, ckpt_path, scorer)
+    cli.datamodule.setup("fit")
+    for round_ in range(1, rounds.rounds + 1):
+        scorer, made = _on_policy_round(args, cli, out, round_, rounds.steps, member)
+        record = made or record
+    if cli.trainer.is_global_zero:
+        shutil.copytree(scorer, out / "scorer", dirs_exist_ok=True)
+        print(f"{out / 'scorer'}: the scorer of on-policy round {rounds.rounds}")
+    return record
+
+
+def _ensemble_seed(args: argparse.Namespace, members: int) -> int:
     """The seed of member 0 (member i's is + i), as the config and --set give it: a seed ensemble needs an
-    integer there (LightningCLI replaces `true` by a random one, which a rerun would not find again), no
-    on-policy rounds and no resume but from each member's last checkpoint."""
-    if rounds.rounds:
-        raise ValueError(
-            f"on-policy rounds ({rounds.rounds}) and a seed ensemble ({members} members) do not combine; "
-            "set --on-policy-rounds 0 or --ensemble 1"
-        )
+    integer there (LightningCLI replaces `true` by a random one, which a rerun would not find again) and no
+    resume but from each member's last checkpoint."""
     if args.ckpt_path not in (None, "last"):
         raise ValueError(
             f"a seed ensemble resumes each member from its own last checkpoint: --ckpt-path last, not {args.ckpt_path!r}"
@@ -228,23 +238,20 @@ def _ensemble_seed(args: argparse.Namespace, rounds: OnPolicyRounds, members: in
     return seed
 
 
-def _fit_ensemble(args: argparse.Namespace, cli, members: int, seed: int) -> None:
-    """Fit member i in --out/member-i with seed + i (skipped when its scorer exists; resumed with --ckpt-path
-    last), keeping its training record in member-i/training.json, then export the mean of the members'
-    keep scores to --out/scorer."""
+def _fit_ensemble(args: argparse.Namespace, cli, members: int, seed: int, rounds: OnPolicyRounds) -> None:
+    """Fit member i in --out/member-i with seed + i, its on-policy rounds in member-i/round-r (skipped when
+    its scorer exists; resumed with --ckpt-path last), keeping its training record in member-i/training.json,
+    then export the mean of the members' keep scores to --out/scorer."""
     folders = [args.out / f"member-{member}" for member in range(members)]
     for member, folder in enumerate(folders):
         if (folder / "scorer" / "config.json").is_file():
             continue
+        member_args = (f"--seed_everything={seed + member}",)
         member_cli = _built_cli(
             args,
-            [
-                f"--seed_everything={seed + member}",
-                f"--trainer.default_root_dir={folder}",
-                f"--checkpoint.dirpath={folder / 'checkpoints'}",
-            ],
+            [*member_args, f"--trainer.default_root_dir={folder}", f"--checkpoint.dirpath={folder / 'checkpoints'}"],
         )
-        record = _fit_and_export(member_cli, _resume_from(args, folder), folder / "scorer")
+        record = _fit_with_rounds(args, member_cli, rounds, folder, _resume_from(args, folder), member_args)
         if record is not None:
             (folder / TRAINING_RECORD).write_text(json.dumps(record, indent=1))
     if not cli.trainer.is_global_zero:
@@ -274,13 +281,16 @@ def _round_scorer(out: Path, round_: int) -> Path:
     return out / f"round-{round_}" / "scorer"
 
 
-def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | None, show: bool) -> Path:
-    """Round `round_`: the previous round's scorer replays the training traces, its states join the
-    training examples, and a refit starts from its weights. Returns the round's scorer folder."""
-    folder, scorer = args.out / f"round-{round_}", _round_scorer(args.out, round_)
+def _on_policy_round(
+    args: argparse.Namespace, cli, out: Path, round_: int, steps: int | None, member: tuple[str, ...]
+) -> tuple[Path, dict | None]:
+    """Round `round_` in out/round-r: the previous round's scorer replays the training traces, its states
+    join the training examples, and a refit starts from its weights. Returns the round's scorer folder and
+    its training record (None when it was made before, or on the processes that do not export)."""
+    folder, scorer = out / f"round-{round_}", _round_scorer(out, round_)
     if (scorer / "config.json").is_file():
-        return scorer
-    previous = _round_scorer(args.out, round_ - 1)
+        return scorer, None
+    previous, data, show = _round_scorer(out, round_ - 1), cli.datamodule, cli.trainer.is_global_zero
     driver = load_scorer(previous)
     cache = ExampleCache(
         folder / "examples", data.traces_dir, replace(data.examples.key, trajectory=scorer_trajectory(driver))
@@ -290,8 +300,9 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | N
             data.frozen, cache, driver, data.train_indices, replay_batch_size=data.replay_batch_size, progress=show
         )
         _report(f"round {round_} examples", made, show)
-    dirs = [str(args.out / f"round-{r}" / "examples") for r in range(1, round_ + 1)]
+    dirs = [str(out / f"round-{r}" / "examples") for r in range(1, round_ + 1)]
     round_args = [
+        *member,
         f"--trainer.default_root_dir={folder}",
         f"--checkpoint.dirpath={folder / 'checkpoints'}",
         f"--data.on_policy_dirs=[{','.join(dirs)}]",
@@ -299,9 +310,8 @@ def _on_policy_round(args: argparse.Namespace, data, round_: int, steps: int | N
     ]
     if steps is not None:
         round_args.append(f"--trainer.max_steps={steps}")
-    cli = _built_cli(args, round_args)
-    _fit_and_export(cli, _resume_from(args, folder), scorer)
-    return scorer
+    round_cli = _built_cli(args, round_args)
+    return scorer, _fit_and_export(round_cli, _resume_from(args, folder), scorer)
 
 
 def _resume_from(args: argparse.Namespace, folder: Path) -> str | None:
