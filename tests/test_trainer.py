@@ -25,7 +25,7 @@ from transformers import Qwen2Config, Qwen3Config
 
 from foresight import cli, data_stage
 from foresight.commands import fit
-from foresight.commands.fit import lightning_args
+from foresight.commands.fit import MEMBER_LOCK, lightning_args
 from foresight.data.trace_store import TraceStore
 from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelStore
@@ -623,6 +623,29 @@ def test_fit_ensemble_members_each_run_their_own_on_policy_rounds(tmp_path, tiny
     ]
     with torch.no_grad():
         torch.testing.assert_close(merged(*inputs), (first(*inputs) + second(*inputs)) / 2, rtol=0, atol=1e-6)
+
+
+def test_fit_ensemble_started_twice_shares_out_the_members(tmp_path, tiny_dir, traces_dir, capsys):
+    """While another process holds member 0's lock, `foresight fit --ensemble 2` fits member 1 first, then
+    waits for member 0 and, the other process having stopped without its scorer, fits it itself."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, feature_set="standardised")
+    out = tmp_path / "run"
+    (out / "member-0").mkdir(parents=True)
+    holder = f"""
+import pathlib, time
+from filelock import FileLock
+lock = FileLock({str(out / "member-0" / MEMBER_LOCK)!r})
+lock.acquire()
+print("held", flush=True)
+while not pathlib.Path({str(out / "member-1" / "scorer" / "config.json")!r}).is_file():
+    time.sleep(0.05)
+"""
+    with subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True) as other:
+        assert other.stdout.readline().strip() == "held"
+        assert cli.main([*fit_args(config, out, traces_dir, "trainer.max_steps=2"), "--ensemble", "2"]) == 0
+    printed = capsys.readouterr().out
+    first, second = (printed.index(f"{out / f'member-{m}' / 'scorer'}: scorer trained") for m in (1, 0))
+    assert first < second and (out / "scorer" / "config.json").is_file()
 
 
 def test_fit_errors_are_one_line(tmp_path, tiny_dir, traces_dir, capsys):

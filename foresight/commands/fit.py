@@ -34,11 +34,13 @@ import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from foresight.commands._training import (
     add_training_arguments,
@@ -60,6 +62,9 @@ log = logging.getLogger(__name__)
 
 TRAINING_RECORD = "training.json"
 """A seed ensemble's member keeps its training record here (member-i/), for the ensemble's model card."""
+
+MEMBER_LOCK = ".member.lock"
+"""The lock in member-i/ that the process fitting that member holds."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,19 +246,25 @@ def _ensemble_seed(args: argparse.Namespace, members: int) -> int:
 def _fit_ensemble(args: argparse.Namespace, cli, members: int, seed: int, rounds: OnPolicyRounds) -> None:
     """Fit member i in --out/member-i with seed + i, its on-policy rounds in member-i/round-r (skipped when
     its scorer exists; resumed with --ckpt-path last), keeping its training record in member-i/training.json,
-    then export the mean of the members' keep scores to --out/scorer."""
+    then export the mean of the members' keep scores to --out/scorer.
+
+    One process fits a member at a time, under a lock in its folder: the same command started in several
+    processes (one per core) shares out the members, then each waits for the members others hold (fitting
+    any whose process stopped) before the mean. Under DDP every rank fits every member together, so the
+    ranks take no member lock."""
     folders = [args.out / f"member-{member}" for member in range(members)]
-    for member, folder in enumerate(folders):
-        if (folder / "scorer" / "config.json").is_file():
-            continue
-        member_args = (f"--seed_everything={seed + member}",)
-        member_cli = _built_cli(
-            args,
-            [*member_args, f"--trainer.default_root_dir={folder}", f"--checkpoint.dirpath={folder / 'checkpoints'}"],
-        )
-        record = _fit_with_rounds(args, member_cli, rounds, folder, _resume_from(args, folder), member_args)
-        if record is not None:
-            (folder / TRAINING_RECORD).write_text(json.dumps(record, indent=1))
+    shared = cli.trainer.world_size == 1
+    for wait in (False, True) if shared else (True,):  # first the members no other process holds
+        for member, folder in enumerate(folders):
+            with _claimed(folder, shared, wait) as mine:
+                if not mine or _member_done(folder):
+                    continue
+                member_args = (f"--seed_everything={seed + member}",)
+                extra = [f"--trainer.default_root_dir={folder}", f"--checkpoint.dirpath={folder / 'checkpoints'}"]
+                member_cli = _built_cli(args, [*member_args, *extra])
+                record = _fit_with_rounds(args, member_cli, rounds, folder, _resume_from(args, folder), member_args)
+                if record is not None:
+                    (folder / TRAINING_RECORD).write_text(json.dumps(record, indent=1))
     if not cli.trainer.is_global_zero:
         return
     seeds = f"{seed}..{seed + members - 1}" if members > 2 else f"{seed} and {seed + 1}"
@@ -261,10 +272,36 @@ def _fit_ensemble(args: argparse.Namespace, cli, members: int, seed: int, rounds
         json.loads(path.read_text()) if path.is_file() else {} for path in (f / TRAINING_RECORD for f in folders)
     ]
     record = {**ensemble_record(records), "seeds": seeds}
-    export_scorer(
-        ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record
-    )
+    with FileLock(str(args.out / ".steps.lock")):  # every process that shared the members writes the same mean
+        export_scorer(
+            ensemble([load_scorer(folder / "scorer") for folder in folders]), args.out / "scorer", training=record
+        )
     print(f"{args.out / 'scorer'}: the mean of {members} fits (seed_everything {seeds})", flush=True)
+
+
+def _member_done(folder: Path) -> bool:
+    return (folder / "scorer" / "config.json").is_file()
+
+
+@contextmanager
+def _claimed(folder: Path, shared: bool, wait: bool) -> Iterator[bool]:
+    """Whether this process may fit the member, holding its lock until the block ends: at once, or after
+    the process holding it lets go (`wait`); False when another holds it and `wait` is off. Without
+    `shared` (the ranks of one DDP run, which fit every member together) no lock is taken."""
+    if not shared:
+        yield True
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder / MEMBER_LOCK))
+    try:
+        lock.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def _rounds_of(args: argparse.Namespace, configured: OnPolicyRounds | None) -> OnPolicyRounds:
@@ -295,7 +332,7 @@ def _on_policy_round(
     cache = ExampleCache(
         folder / "examples", data.traces_dir, replace(data.examples.key, trajectory=scorer_trajectory(driver))
     )
-    with FileLock(str(args.out / ".steps.lock")):
+    with FileLock(str(out / ".steps.lock")):
         made = make_on_policy_examples(
             data.frozen, cache, driver, data.train_indices, replay_batch_size=data.replay_batch_size, progress=show
         )
