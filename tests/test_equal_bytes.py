@@ -88,6 +88,38 @@ def test_equal_bytes_equals_the_slow_reference():
     assert result.share.low <= result.share.value <= result.share.high
 
 
+def test_the_learned_curve_meets_each_heuristic_at_its_own_points_bytes():
+    """The learned scorer at a second budget (a fit at B = 12 under the same row name) joins the common
+    tokens and meets the best heuristic at its own bytes; the headroom stays at B = 8, where golden is."""
+    losses, reference = synthetic()
+    generator = torch.Generator().manual_seed(1)
+    for index, n in LENGTHS.items():
+        extra = torch.rand(n, generator=generator) * 0.3
+        losses.append(TokenLosses("foresight", 12, index, 12 + L, reference[index] + extra))
+    held = HELD | {("foresight", 12): 1.40}
+    result = equal_bytes(losses, reference, held, "foresight", 8, ["snapkv", "tova"], resamples=50)
+    traces, start = [0, 2], 16 + L
+    ratio = {row: reference_ratio(losses, reference, *row, traces, start) for row in held}
+    assert result.learned_curve.budgets == (8, 12) and result.learned_curve.held_mib == (1.30, 1.40)
+    assert [r.value for r in result.learned_curve.loss_ratio] == pytest.approx(
+        [ratio["foresight", 8], ratio["foresight", 12]], rel=1e-12
+    )
+    expected = {}
+    for budget in (8, 12):
+        mib = held["foresight", budget]
+        at = {
+            policy: float(np.interp(mib, [held[policy, b] for b in bs], [ratio[policy, b] for b in bs]))
+            for policy, bs in SWEEPS.items()
+            if held[policy, bs[0]] <= mib <= held[policy, bs[-1]]
+        }
+        best = min(at, key=at.get)
+        expected[budget] = (best, at[best] - ratio["foresight", budget])
+    assert "tova" not in {m.best for m in result.meetings if m.budget == 12}  # tova's sweep stops at 1.38 MiB
+    assert {m.budget: (m.best, pytest.approx(m.gain.value, rel=1e-9)) for m in result.meetings} == expected
+    assert result.meetings[0].gain.value == pytest.approx(result.gain.value, rel=1e-12)
+    assert "foresight's curve at B = 12 (1.40 MiB): best heuristic at those bytes snapkv" in result.markdown()
+
+
 def test_a_sweep_that_does_not_reach_the_learned_bytes_gives_no_figure():
     losses, reference = synthetic()
     held = HELD | {("foresight", 8): 1.50}

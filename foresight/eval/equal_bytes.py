@@ -13,6 +13,9 @@ the bytes it holds per sequence, read at the learned scorer's bytes:
 - equal bytes: a heuristic's loss ratio is linearly interpolated between the two budgets of its sweep whose
   held bytes bracket the learned scorer's (no extrapolation: a sweep that does not reach them gives none).
 - headroom: best heuristic at those bytes (lowest interpolated ratio) − learned, over best − golden.
+- the learned scorer's own curve: when the folders hold it at other budgets too (fits of its recipe at
+  those budgets, under the same row name), each of its points is compared with the best heuristic at that
+  point's bytes, so the two curves meet on one axis; the headroom stays at `budget`, where golden is.
 
 Intervals resample traces as the headroom does (`RESAMPLES` paired resamples, a fixed seed): every row is
 pooled over the same resampled traces and the interpolation is redone on each resample; the held bytes are
@@ -134,6 +137,16 @@ class Curve:
 
 
 @dataclass(frozen=True)
+class Meeting:
+    """One point of the learned scorer's curve against the best heuristic at the bytes it holds there."""
+
+    budget: int
+    held_mib: float
+    best: str
+    gain: Estimate  # best heuristic at these bytes − learned
+
+
+@dataclass(frozen=True)
 class EqualBytes:
     """The learned scorer against every heuristic's sweep at its bytes, on common tokens."""
 
@@ -150,6 +163,8 @@ class EqualBytes:
     gain: Estimate | None  # best at equal bytes − learned
     best_entries: str | None  # the best heuristic at the learned scorer's budget, on the same common tokens
     share_entries: Estimate | None
+    learned_curve: Curve | None = None  # its points at every budget the folders hold it at, when more than one
+    meetings: tuple[Meeting, ...] = ()  # each such point against the best heuristic at its bytes
 
     def markdown(self) -> str:
         lines = [
@@ -160,7 +175,11 @@ class EqualBytes:
             "| policy | B | MiB / sequence | loss ratio |",
             "|---|---:|---:|---:|",
             f"| golden | {self.budget} | – | {self.golden_ratio} |",
-            f"| {self.learned} | {self.budget} | {self.held_mib:.2f} | {self.learned_ratio} |",
+        ]
+        own = self.learned_curve or Curve(self.learned, (self.budget,), (self.held_mib,), (self.learned_ratio,), None)
+        lines += [
+            f"| {self.learned} | {b} | {mib:.2f} | {ratio} |"
+            for b, mib, ratio in zip(own.budgets, own.held_mib, own.loss_ratio)
         ]
         for curve in self.curves:
             lines += [
@@ -180,6 +199,11 @@ class EqualBytes:
                 f"- at equal entries (B = {self.budget}, the same tokens): best heuristic {self.best_entries}; share "
                 f"of the headroom captured {percent(self.share_entries, 1)}"
             )
+        lines += [
+            f"- {self.learned}'s curve at B = {m.budget} ({m.held_mib:.2f} MiB): best heuristic at those bytes "
+            f"{m.best}; {m.best} − {self.learned} {m.gain}"
+            for m in self.meetings
+        ]
         return "\n".join(lines)
 
 
@@ -198,30 +222,53 @@ def equal_bytes(
     per sequence of every row (eval's `kv_mib`)."""
     available = {(loss.policy, loss.budget) for loss in losses}
     sweeps = {h: sorted(b for p, b in available if p == h) for h in heuristics}
-    rows = [(learned, budget), (ORACLE, budget), *((h, b) for h, bs in sweeps.items() for b in bs)]
-    missing = [f"{p} at B = {b}" for p, b in rows[:2] if (p, b) not in available] + [
+    required = [(learned, budget), (ORACLE, budget)]
+    missing = [f"{p} at B = {b}" for p, b in required if (p, b) not in available] + [
         h for h, bs in sweeps.items() if not bs
     ]
     if missing:
         raise ValueError(f"no per-token losses for {', '.join(missing)} in the folders given")
+    own = sorted(b for p, b in available if p == learned)
+    rows = [*required, *((learned, b) for b in own if b != budget), *((h, b) for h, bs in sweeps.items() for b in bs)]
     starts = common_starts(losses, rows)
     if not starts:
         return None
     weights = resample_weights(len(starts), resamples, seed)
     ratios = {row: pooled_ratio(*common_token_sums(losses, reference, starts, row), weights) for row in rows}
+
+    def heuristics_at(mib: float) -> dict[str, np.ndarray]:
+        """Each heuristic's ratio interpolated at `mib` along its sweep (those whose sweep reaches it)."""
+        at = {
+            h: interpolate([held_mib[h, b] for b in bs], np.stack([ratios[h, b] for b in bs]), mib)
+            for h, bs in sweeps.items()
+        }
+        return {h: ratio for h, ratio in at.items() if ratio is not None}
+
     target = held_mib[learned, budget]
-    curves, at_bytes = [], {}
-    for h, bs in sweeps.items():
-        xs = [held_mib[h, b] for b in bs]
-        at = interpolate(xs, np.stack([ratios[h, b] for b in bs]), target)
-        if at is not None:
-            at_bytes[h] = at
-        curve_ratios = tuple(estimate(ratios[h, b]) for b in bs)
-        curves.append(Curve(h, tuple(bs), tuple(xs), curve_ratios, None if at is None else estimate(at)))
+    at_bytes = heuristics_at(target)
+    curves = [
+        Curve(
+            h,
+            tuple(bs),
+            tuple(held_mib[h, b] for b in bs),
+            tuple(estimate(ratios[h, b]) for b in bs),
+            estimate(at_bytes[h]) if h in at_bytes else None,
+        )
+        for h, bs in sweeps.items()
+    ]
     ours, golden = ratios[learned, budget], ratios[ORACLE, budget]
     best = min(at_bytes, key=lambda h: at_bytes[h][0]) if at_bytes else None
     at_entries = {h: ratios[h, budget] for h, bs in sweeps.items() if budget in bs}
     best_entries = min(at_entries, key=lambda h: at_entries[h][0]) if at_entries else None
+    learned_curve, meetings = None, []
+    if len(own) > 1:
+        mibs = tuple(held_mib[learned, b] for b in own)
+        learned_curve = Curve(learned, tuple(own), mibs, tuple(estimate(ratios[learned, b]) for b in own), None)
+        for b, mib in zip(own, mibs):
+            there = heuristics_at(mib)
+            if there:
+                h = min(there, key=lambda h: there[h][0])
+                meetings.append(Meeting(b, mib, h, estimate(there[h] - ratios[learned, b])))
     return EqualBytes(
         learned=learned,
         budget=budget,
@@ -236,6 +283,8 @@ def equal_bytes(
         gain=None if best is None else estimate(at_bytes[best] - ours),
         best_entries=best_entries,
         share_entries=None if best_entries is None else estimate(_share(at_entries[best_entries], ours, golden)),
+        learned_curve=learned_curve,
+        meetings=tuple(meetings),
     )
 
 
