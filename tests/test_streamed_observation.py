@@ -119,7 +119,7 @@ def _twins(llama, feature_set: str, run, **options):
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("feature_set", ["standardised", "standardised-heuristic"])
+@pytest.mark.parametrize("feature_set", ["standardised", "standardised-heuristic", "standardised-grouped"])
 def test_a_streamed_replay_keeps_what_the_ring_keeps(llama, monkeypatch, feature_set, block):
     """Ragged rows (prefills of 21, 7 and 12 tokens: the first past B + L, evicting at its prefill; the others'
     first windows begin inside the prefill or in a later chunk): the same kept (layer, row, head) sets at every

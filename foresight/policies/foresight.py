@@ -42,12 +42,34 @@ def feature_state(
     caches stay as they were), its cumulative sum stored at `cumulative` and its other sums at `sums`; with
     `streamed`, also the window sums of a streamed observation (`standardised.window_state`, float32: the
     kept-set gate failed every 16-bit sum, docs/notes/lean-state.md)."""
-    names = STANDARDISED_STATE if FeatureSet.parse(feature_set).standardised else FEATURE_STATE
+    feature_set = FeatureSet.parse(feature_set)
+    names = STANDARDISED_STATE if feature_set.standardised else FEATURE_STATE
+    per_head = feature_set.per_query_head
     fields = tuple(
-        StateField(name, per_query_head=True, dtype=cumulative if name == CUMULATIVE else sums) for name in names
+        StateField(name, per_query_head=per_head, dtype=cumulative if name == CUMULATIVE else sums) for name in names
     )
     windows = standardised.window_state(feature_set) if streamed else ()
-    return fields + tuple(StateField(name, per_query_head=True) for name in windows)
+    return fields + tuple(StateField(name, per_query_head=per_head) for name in windows)
+
+
+def _summed_over_group(attention: torch.Tensor, feature_set: str) -> torch.Tensor:
+    """Block attention [batch, Hkv, G, l, N] as the feature functions read it: for the grouped set, the group's
+    query heads summed ([batch, Hkv, 1, l, N]); else as it is."""
+    return attention if FeatureSet.parse(feature_set).per_query_head else attention.sum(2, keepdim=True)
+
+
+def _readable(state: Mapping[str, torch.Tensor], feature_set: str) -> dict[str, torch.Tensor]:
+    """The state as the feature functions read it: the grouped set's sums [batch, Hkv, N] with a group dim of 1."""
+    if FeatureSet.parse(feature_set).per_query_head:
+        return dict(state)
+    return {name: value[..., None] for name, value in state.items()}
+
+
+def _stored(state: Mapping[str, torch.Tensor], feature_set: str) -> dict[str, torch.Tensor]:
+    """The state as the cache holds it (`_readable` undone)."""
+    if FeatureSet.parse(feature_set).per_query_head:
+        return dict(state)
+    return {name: value[..., 0] for name, value in state.items()}
 
 
 class Observation(Choice):
@@ -88,11 +110,15 @@ def _streamed_features(context: EvictionContext, feature_set: str) -> tuple[torc
     if context.first_observed is None:
         raise ValueError("a streamed eviction step needs each row's first observed query position")
     features, state = standardised.streamed_features(
-        context.state, context.positions, context.newest_position, context.first_observed, feature_set
+        _readable(context.state, feature_set),
+        context.positions,
+        context.newest_position,
+        context.first_observed,
+        feature_set,
     )
     candidates = slice(0, context.num_candidates)
     valid = context.positions[..., candidates] >= 0
-    return standardised.standardise_candidates(features[..., candidates, :], valid), state
+    return standardised.standardise_candidates(features[..., candidates, :], valid), _stored(state, feature_set)
 
 
 def _attention_blocks(
@@ -128,13 +154,18 @@ def _features(
     if FeatureSet.parse(feature_set).standardised:
         if first_observed is None:
             first_observed = first_observed_query(query_positions)
-        running = {name: value.float() for name, value in state.items()}
+        running = {name: value.float() for name, value in _readable(state, feature_set).items()}
         for attention, block_positions in blocks:
             features, running = standardised.standardised_features(
-                attention, running, positions, block_positions, feature_set, first_observed
+                _summed_over_group(attention, feature_set),
+                running,
+                positions,
+                block_positions,
+                feature_set,
+                first_observed,
             )
         valid = positions[..., candidates] >= 0
-        new_state = {name: value.to(state[name].dtype) for name, value in running.items()}
+        new_state = {name: value.to(state[name].dtype) for name, value in _stored(running, feature_set).items()}
         return standardised.standardise_candidates(features[..., candidates, :], valid), new_state
     ((attention, _),) = blocks
     features, cumulative, decayed = attention_features(attention, state[CUMULATIVE], state[DECAYED], feature_set)
@@ -353,16 +384,20 @@ class Foresight(Policy):
     def stream_observe(self, contexts: Sequence[EvictionContext]) -> dict[str, torch.Tensor]:
         """`standardised.stream_observe` of one forward's queries in every layer, in as few passes as
         `step_observe`'s (usually one), stacked over the layers."""
+        if contexts[0].layer_idx == 0:
+            self._check_shape(contexts[0])
         passes = []
         for layers in _attention_batches(contexts):
             merged = layers[0] if len(layers) == 1 else layers_as_rows(layers)
+            feature_set = self.scorer.config.feature_set
             state = standardised.stream_observe(
-                merged.attention,
-                merged.state,
+                _summed_over_group(merged.attention, feature_set),
+                _readable(merged.state, feature_set),
                 merged.query_positions,
                 merged.evicts_after,
-                self.scorer.config.feature_set,
+                feature_set,
             )
+            state = _stored(state, feature_set)
             passes.append({name: value.unflatten(0, (len(layers), -1)) for name, value in state.items()})
         if len(passes) == 1:
             return passes[0]
@@ -466,14 +501,7 @@ class Foresight(Policy):
         scorer = self.scorer
         if context.queries is None and self.observed_queries is not ObservedQueries.STREAM:
             raise ValueError("the foresight policy needs the buffered queries of block attention")
-        scorer.check_compatible(
-            ModelShape(
-                num_layers=context.num_layers,
-                num_query_heads=context.keys.shape[1] * context.state[CUMULATIVE].shape[-1],
-                num_kv_heads=context.keys.shape[1],
-                head_dim=context.keys.shape[-1],
-            )
-        )
+        self._check_shape(context)
         scorer.to(context.keys.device)
         config = scorer.config
         interval = context.keys.shape[2] - context.num_candidates
@@ -494,6 +522,20 @@ class Foresight(Policy):
                 f"sampled eviction removes exactly L={config.interval} of B={config.budget} candidates per step, "
                 f"but a row holds {most} candidates (a prompt longer than B + L); use deterministic mode"
             )
+
+    def _check_shape(self, context: EvictionContext) -> None:
+        """A one-line error unless the cache is the model shape the scorer was trained for. Its query heads come
+        from the context's queries, else from a per-query-head state's group dim; a grouped set's streamed step
+        holds neither, and its query heads were checked when its queries were streamed (`stream_observe`)."""
+        kv_heads = context.keys.shape[1]
+        if context.queries is not None:
+            query_heads = context.queries.shape[1]
+        elif FeatureSet.parse(self.scorer.config.feature_set).per_query_head:
+            query_heads = kv_heads * context.state[CUMULATIVE].shape[-1]
+        else:
+            query_heads = kv_heads * self.scorer.config.group_size
+        shape = ModelShape(context.num_layers, query_heads, kv_heads, context.keys.shape[-1])
+        self.scorer.check_compatible(shape)
 
 
 def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -25,6 +25,9 @@ head g of the group (head-major), with f following `FEATURE_NAMES`:
   max-pooled along the cache slots ("pooled_last_8"), transformed and standardised like the seven.
 - "standardised-norms" (F = 7, ours, issue 42): the standardised seven; its scorer also reads each entry's
   log‖k‖ and log‖v‖ beside the unit-norm key and value (`FeatureSet.key_value_norms`, `ForesightScorer`).
+- "standardised-grouped" (F = 7, ours, issue 41): the standardised seven of the attention the G query heads of
+  the group pay together (A summed over the group before any sum), so a_n has F numbers, not F*G, and the
+  per-entry state is one set of sums per KV head, G times smaller (`FeatureSet.per_query_head`).
 A window larger than L covers the whole block (it clamps to L), so with L < 32 some window sums equal
 the block sum.
 
@@ -60,12 +63,25 @@ class FeatureSet(Choice):
     STANDARDISED = "standardised"
     STANDARDISED_HEURISTIC = "standardised-heuristic"
     STANDARDISED_NORMS = "standardised-norms"
+    STANDARDISED_GROUPED = "standardised-grouped"
 
     @property
     def standardised(self) -> bool:
         """Whether the set is computed by `foresight.scorer.standardised_features` (token time scales,
         log then standardised over each step's candidates, a per-entry observed count in the state)."""
-        return self in (FeatureSet.STANDARDISED, FeatureSet.STANDARDISED_HEURISTIC, FeatureSet.STANDARDISED_NORMS)
+        return self in (
+            FeatureSet.STANDARDISED,
+            FeatureSet.STANDARDISED_HEURISTIC,
+            FeatureSet.STANDARDISED_NORMS,
+            FeatureSet.STANDARDISED_GROUPED,
+        )
+
+    @property
+    def per_query_head(self) -> bool:
+        """Whether a_n holds the F features of every query head of the group (F*G numbers, sums [.., N, G] in the
+        state), or, for the grouped set, F of the group's summed attention (sums [.., N]): what a learned
+        policy holds per entry beside K/V is most of its memory, and this divides it by G."""
+        return self != FeatureSet.STANDARDISED_GROUPED
 
     @property
     def key_value_norms(self) -> bool:
@@ -109,6 +125,7 @@ FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.STANDARDISED: STANDARDISED_NAMES,
     FeatureSet.STANDARDISED_HEURISTIC: (*STANDARDISED_NAMES, "last_1", "pooled_last_8"),
     FeatureSet.STANDARDISED_NORMS: STANDARDISED_NAMES,  # the norms are the scorer's inputs, not features
+    FeatureSet.STANDARDISED_GROUPED: STANDARDISED_NAMES,  # of the group's summed attention
 }
 """Per-query-head feature order of each set (see the module docstring)."""
 
@@ -119,8 +136,13 @@ POOL_WIDTH = 7
 
 
 def feature_dim(feature_set: str | FeatureSet) -> int:
-    """F, the number of features per query head."""
+    """F, the number of features per query head (per KV head for the grouped set)."""
     return len(FEATURE_NAMES[FeatureSet.parse(feature_set)])
+
+
+def feature_width(feature_set: str | FeatureSet, group_size: int) -> int:
+    """The width of a_n in a group of `group_size` query heads: F*G, or F for the grouped set."""
+    return feature_dim(feature_set) * (group_size if FeatureSet.parse(feature_set).per_query_head else 1)
 
 
 def cumulative_feature(feature_set: str | FeatureSet) -> int:

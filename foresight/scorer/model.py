@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from foresight.cadence import check_budget
-from foresight.scorer.attention_features import FeatureSet, feature_dim
+from foresight.scorer.attention_features import FeatureSet, feature_width
 
 
 class HasModelShape(Protocol):
@@ -117,8 +117,8 @@ class ScorerConfig:
 
     @property
     def feature_width(self) -> int:
-        """F*G, the width of a_n."""
-        return feature_dim(self.feature_set) * self.group_size
+        """F*G, the width of a_n (F for the grouped set)."""
+        return feature_width(self.feature_set, self.group_size)
 
     @property
     def norm_width(self) -> int:
