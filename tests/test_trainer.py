@@ -544,6 +544,19 @@ def test_fit_on_policy_rounds_add_the_scorers_own_states_and_resume(tmp_path, ti
     assert (plain / "scorer" / "config.json").is_file() and not list(plain.glob("round-*"))
 
 
+def assert_scores_the_mean(merged, members) -> None:
+    """The merged scorer's keep scores of random inputs equal the mean of the members'."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (merged.config.num_layers, 1, merged.config.num_kv_heads, 5)
+    inputs = [
+        torch.randn(*shape, width, generator=generator)
+        for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)
+    ]
+    with torch.no_grad():
+        mean = sum(member(*inputs) for member in members) / len(members)
+        torch.testing.assert_close(merged(*inputs), mean, rtol=0, atol=1e-6)
+
+
 def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path, tiny_dir, traces_dir, capsys):
     """--ensemble 2: member i fits with seed_everything + i in --out/member-i (member 0 is the plain fit of
     the same seed), and --out/scorer scores the mean of the two. A rerun skips the members made."""
@@ -559,14 +572,7 @@ def test_fit_ensemble_averages_fits_under_successive_seeds_and_resumes(tmp_path,
     assert any((members[1].state_dict()[name] != tensor).any() for name, tensor in members[0].state_dict().items())
     merged = load_scorer(out / "scorer")
     assert merged.config.hidden == 2 * members[0].config.hidden
-    generator = torch.Generator().manual_seed(0)
-    shape = (merged.config.num_layers, 1, merged.config.num_kv_heads, 5)
-    inputs = [
-        torch.randn(*shape, width, generator=generator)
-        for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)
-    ]
-    with torch.no_grad():
-        torch.testing.assert_close(merged(*inputs), (members[0](*inputs) + members[1](*inputs)) / 2, rtol=0, atol=1e-6)
+    assert_scores_the_mean(merged, members)
     assert "ensemble: the mean keep score of 2 fits of one recipe" in (out / "scorer" / "README.md").read_text()
     capsys.readouterr()
     assert cli.main(args) == 0
@@ -613,16 +619,7 @@ def test_fit_ensemble_members_each_run_their_own_on_policy_rounds(tmp_path, tiny
         for name, tensor in load_scorer(member / "scorer").state_dict().items():
             torch.testing.assert_close(last[name], tensor, rtol=0, atol=0)
         assert json.loads((member / "training.json").read_text())["optimisation steps"] == 3  # the round's record
-    first, second = (load_scorer(member / "scorer") for member in members)
-    merged = load_scorer(out / "scorer")
-    generator = torch.Generator().manual_seed(0)
-    shape = (merged.config.num_layers, 1, merged.config.num_kv_heads, 5)
-    inputs = [
-        torch.randn(*shape, width, generator=generator)
-        for width in (merged.config.head_dim, merged.config.head_dim, merged.config.feature_width)
-    ]
-    with torch.no_grad():
-        torch.testing.assert_close(merged(*inputs), (first(*inputs) + second(*inputs)) / 2, rtol=0, atol=1e-6)
+    assert_scores_the_mean(load_scorer(out / "scorer"), [load_scorer(member / "scorer") for member in members])
 
 
 def test_fit_ensemble_started_twice_shares_out_the_members(tmp_path, tiny_dir, traces_dir, capsys):
