@@ -120,6 +120,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         base_model=base if on_hub else None,
     )
     features = ", ".join(FEATURE_NAMES[config.feature_set])
+    heads = "per query head" if config.feature_set.per_query_head else "per KV head"
     sections = [
         f"# ForesightKV scorer for {base}",
         "Learned KV-cache eviction scores (ForesightKV, §3.1): one MLP per (layer, KV head), "
@@ -129,7 +130,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"| base model | `{config.base_model}` ({config.num_layers} layers, {config.num_query_heads} query heads, "
         f"{config.num_kv_heads} KV heads, head dim {config.head_dim}) |\n"
         f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
-        f"| features | `{config.feature_set.value}`: {features} (per query head, {config.feature_set.transform}) |\n"
+        f"| features | `{config.feature_set.value}`: {features} ({heads}, {config.feature_set.transform}) |\n"
         f"| hidden width H | {config.hidden} |\n"
         f"| training stage | {config.stage}{_started_from(config)} |"
         + (

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from foresight.export import export_scorer
 from foresight.models import describe
 from foresight.policies import make_policy
 from foresight.policies.foresight import observe_features
@@ -80,3 +81,11 @@ def test_the_grouped_set_holds_one_set_of_sums_per_kv_head(llama):
     }
     assert held[GROUPED].state * group == held["standardised"].state > 0
     assert held[GROUPED].total - held[GROUPED].state == held["standardised"].total - held["standardised"].state
+
+
+def test_a_grouped_scorers_card_says_its_features_are_per_kv_head(llama, tmp_path):
+    export_scorer(random_scorer(llama, feature_set=GROUPED), tmp_path)
+    (row,) = [line for line in (tmp_path / "README.md").read_text().splitlines() if line.startswith("| features")]
+    assert "(per KV head, the group's summed attention;" in row
+    export_scorer(random_scorer(llama, feature_set="standardised"), tmp_path / "per-head")
+    assert "(per query head, log(x + 1e-6)" in (tmp_path / "per-head" / "README.md").read_text()

@@ -101,6 +101,8 @@ class FeatureSet(Choice):
         """How the features are normalised, in words (an exported scorer's model card says it)."""
         if self.key_value_norms:
             return "log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values, their log norms"
+        if not self.per_query_head:
+            return "the group's summed attention; log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values"
         if self.standardised:
             return "log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values"
         return "log1p"
