@@ -634,12 +634,18 @@ from filelock import FileLock
 lock = FileLock({str(out / "member-0" / MEMBER_LOCK)!r})
 lock.acquire()
 print("held", flush=True)
-while not pathlib.Path({str(out / "member-1" / "scorer" / "config.json")!r}).is_file():
+deadline = time.monotonic() + 300
+while not pathlib.Path({str(out / "member-1" / "scorer" / "config.json")!r}).is_file() and time.monotonic() < deadline:
     time.sleep(0.05)
 """
-    with subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True) as other:
+    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:  # the holder goes when member 1 is made; if the fit fails instead, the test fails rather than waits
         assert other.stdout.readline().strip() == "held"
         assert cli.main([*fit_args(config, out, traces_dir, "trainer.max_steps=2"), "--ensemble", "2"]) == 0
+    finally:
+        other.kill()
+        other.wait()
+        other.stdout.close()
     printed = capsys.readouterr().out
     first, second = (printed.index(f"{out / f'member-{m}' / 'scorer'}: scorer trained") for m in (1, 0))
     assert first < second and (out / "scorer" / "config.json").is_file()
