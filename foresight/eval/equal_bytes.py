@@ -257,17 +257,16 @@ def equal_bytes(
         for h, bs in sweeps.items()
     ]
     ours, golden = ratios[learned, budget], ratios[ORACLE, budget]
-    best = min(at_bytes, key=lambda h: at_bytes[h][0]) if at_bytes else None
+    best = _lowest(at_bytes)
     at_entries = {h: ratios[h, budget] for h, bs in sweeps.items() if budget in bs}
-    best_entries = min(at_entries, key=lambda h: at_entries[h][0]) if at_entries else None
+    best_entries = _lowest(at_entries)
     learned_curve, meetings = None, []
     if len(own) > 1:
         mibs = tuple(held_mib[learned, b] for b in own)
         learned_curve = Curve(learned, tuple(own), mibs, tuple(estimate(ratios[learned, b]) for b in own), None)
         for b, mib in zip(own, mibs):
-            there = heuristics_at(mib)
-            if there:
-                h = min(there, key=lambda h: there[h][0])
+            there = at_bytes if b == budget else heuristics_at(mib)
+            if (h := _lowest(there)) is not None:
                 meetings.append(Meeting(b, mib, h, estimate(there[h] - ratios[learned, b])))
     return EqualBytes(
         learned=learned,
@@ -286,6 +285,11 @@ def equal_bytes(
         learned_curve=learned_curve,
         meetings=tuple(meetings),
     )
+
+
+def _lowest(ratios: dict[str, np.ndarray]) -> str | None:
+    """The policy of the lowest ratio (its full-sample value, [0]), or None when there is none."""
+    return min(ratios, key=lambda h: ratios[h][0]) if ratios else None
 
 
 def _share(heuristic: np.ndarray, learned: np.ndarray, golden: np.ndarray) -> np.ndarray:

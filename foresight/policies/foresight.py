@@ -384,12 +384,11 @@ class Foresight(Policy):
     def stream_observe(self, contexts: Sequence[EvictionContext]) -> dict[str, torch.Tensor]:
         """`standardised.stream_observe` of one forward's queries in every layer, in as few passes as
         `step_observe`'s (usually one), stacked over the layers."""
-        if contexts[0].layer_idx == 0:
+        if contexts[0].layer_idx == 0 and self._steps == 0:  # a run's first blocks: its steps check the rest
             self._check_shape(contexts[0])
-        passes = []
+        feature_set, passes = self.scorer.config.feature_set, []
         for layers in _attention_batches(contexts):
             merged = layers[0] if len(layers) == 1 else layers_as_rows(layers)
-            feature_set = self.scorer.config.feature_set
             state = standardised.stream_observe(
                 _summed_over_group(merged.attention, feature_set),
                 _readable(merged.state, feature_set),
