@@ -17,9 +17,11 @@ from foresight import cli
 from foresight.bench.common import random_scorer
 from foresight.data.trace_generation import token_losses
 from foresight.data.trace_store import Trace, TraceStore
+from foresight.eval import replay as replay_module
 from foresight.eval.equal_bytes import TOKEN_NLL, equal_bytes, load_token_losses
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
+from foresight.eval.replay_store import ReplayStore
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.eval.stats import bootstrap_interval
 from foresight.labels import LabelStore, compute_golden_labels, save_labels
@@ -497,6 +499,56 @@ def test_the_shared_prefix_changes_no_figure(evaluated, traces_dir, tmp_path, mo
         return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
 
     assert figures(unshared) == figures(shared)
+
+
+def eval_args(traces_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["eval", "--traces", str(traces_dir), "-B", str(B), "-L", str(L), "--out", str(out), *extra]
+
+
+def test_a_killed_eval_resumes_from_the_replays_it_kept(evaluated, traces_dir, tmp_path, model, monkeypatch, capsys):
+    """Killed after it kept one policy's replay of the first batch, a rerun replays only what was not kept and
+    reports the uninterrupted run's figures; a third run replays nothing; batches of other traces (another
+    --batch-size) are replayed, and a run with another label kind is refused, not mixed in."""
+    monkeypatch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
+    args = eval_args(traces_dir, tmp_path, "--policies", "full,snapkv,h2o,golden", "--batch-size")
+    replayed, tally_replay = [], replay_module._tally_replay
+
+    def counted(model, spec, *rest):
+        replayed.append(spec.name)
+        return tally_replay(model, spec, *rest)
+
+    monkeypatch.setattr(replay_module, "_tally_replay", counted)
+    kept, save = [], ReplayStore.save
+
+    def save_then_die(self, spec, *rest, **where):
+        save(self, spec, *rest, **where)
+        kept.append(spec.name)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
+        patch.setattr(ReplayStore, "save", save_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            cli.main([*args, "3"])
+    assert len(kept) == 1 and not (tmp_path / "results.json").exists()
+
+    def figures(rows):
+        return {row["policy"]: {k: v for k, v in row.items() if k != "seconds"} for row in rows if row["budget"] == B}
+
+    uninterrupted = figures(evaluated[0])
+    for replays in (2 * 3 - 1, 0):  # 3 evicting policies x 2 batches (3 + 1 of the 4 traces), less what was kept
+        replayed.clear()
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli.main([*args, "3"]) == 0
+        assert len(replayed) == replays and kept[0] not in replayed[:2]
+        resumed = figures(json.loads((tmp_path / "results.json").read_text()))
+        assert resumed == {policy: uninterrupted[policy] for policy in resumed} and len(resumed) == 4
+    replayed.clear()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main([*args, "2"]) == 0
+    assert len(replayed) == 3 * 2
+    capsys.readouterr()
+    assert cli.main([*args, "3", "--label-kind", "value"]) == 2
+    assert "made with other settings (label kind='alpha', not 'value')" in capsys.readouterr().err
 
 
 def test_cli_options_and_errors(traces_dir, tmp_path, patched_model, capsys):

@@ -14,6 +14,10 @@ budget; pass@1 and pass@k by the strict and the flexible answer rule, agreement 
 cache's answer on the same seed, mean length and the share of completions that end in a repetition
 loop. Completions are kept under OUT/completions, so a killed run resumes where it stopped.
 
+Teacher-forced, each evicting policy's replay of a batch of traces is kept under OUT/replays as soon as it
+ends, so a killed run resumes where it stopped too (a rerun with another model, dtype, device or label kind is
+refused, and a rerun's other policies or batches are replayed, not mixed in).
+
 Both write OUT/results.json, results.csv, results.md (every figure with its 95% bootstrap interval,
 over traces or problems) and one PNG per figure (budget on the x axis).
 """
@@ -41,6 +45,7 @@ from foresight.commands._policy import (
 )
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
 from foresight.eval.replay import evaluate
+from foresight.eval.replay_store import ReplayStore
 from foresight.eval.results import evaluation_table, write_evaluation
 from foresight.eval.specs import (
     RECOMMENDED_SEEDS,
@@ -196,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
             f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})"
         )
     model, _ = load_model(made_with, **model_options(args))
+    weight = next(model.parameters())
+    replays = ReplayStore(
+        args.out / "replays",
+        {"model": made_with, "dtype": str(weight.dtype), "device": weight.device.type, "label kind": args.label_kind},
+    )
     result = evaluate(
         model,
         traces,
@@ -206,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         label_kind=args.label_kind,
         batch_size=args.batch_size or TRACE_BATCH,
         share_prefix=args.share_prefix,
+        replays=replays,
     )
     result.notes[:0] = notes
     settings = {

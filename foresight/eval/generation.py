@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,9 +38,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from foresight.artifacts import ArtifactError, write_text
+from foresight.artifacts import write_text
 from foresight.data.tasks import AnswerRule, Problem, chat_prompt_ids, check_answer, extract_answer, stop_token_ids
 from foresight.eval.report import Column, markdown_table, set_interval, write_results
+from foresight.eval.run_store import RunStore
 from foresight.eval.specs import REFERENCE, PolicySpec
 from foresight.eval.stats import bootstrap_interval, pass_at_k
 from foresight.runtime.engine import EvictionEngine
@@ -132,44 +131,16 @@ def ends_in_loop(
     return False
 
 
-class CompletionStore:
+class CompletionStore(RunStore):
     """The completions of a run: per job a folder of batch files, each a JSON list of records
     {source, problem, sample, seed, tokens, text, hit_limit}, written atomically."""
 
     def __init__(self, folder: str | Path, settings: GenerationSettings):
-        self.folder = Path(folder)
+        super().__init__(folder, settings.as_json())
         self.settings = settings
-        settings_file = self.folder / "settings.json"
-        wanted = settings.as_json()
-        if settings_file.is_file():
-            stored = json.loads(settings_file.read_text())
-            differing = [
-                f"{key}={stored.get(key)!r}, not {value!r}" for key, value in wanted.items() if stored.get(key) != value
-            ]
-            if differing:
-                raise ArtifactError(
-                    f"the completions in {self.folder} were made with other settings ({'; '.join(differing)}); "
-                    "give another --out or the same settings"
-                )
-        else:
-            write_text(settings_file, json.dumps(wanted, indent=1))
 
     def job_folder(self, job: Job) -> Path:
-        """The job's folder; on first use it records what the policy is (for a learned scorer, a digest
-        of its weights), and a later job of the same name but another policy is refused."""
-        name = re.sub(r"[^\w.-]", "_", job.spec.name)
-        folder = self.folder / name / ("" if job.budget is None else f"B{job.budget}-L{job.interval}")
-        identity_file, identity = folder / "policy.json", _identity(job.spec)
-        if identity_file.is_file():
-            stored = json.loads(identity_file.read_text())
-            if stored != identity:
-                raise ArtifactError(
-                    f"the completions in {folder} were made by another {job.spec.name} ({stored}, not {identity}); "
-                    "give another --out"
-                )
-        else:
-            write_text(identity_file, json.dumps(identity))
-        return folder
+        return self.policy_folder(job.spec, job.budget, job.interval)
 
     def load(self, job: Job) -> dict[RowKey, dict[str, Any]]:
         records = {}
@@ -183,31 +154,6 @@ class CompletionStore:
         folder.mkdir(parents=True, exist_ok=True)
         number = len(list(folder.glob("batch-*.json")))
         write_text(folder / f"batch-{number:05d}.json", json.dumps(records))
-
-
-def _identity(spec: PolicySpec) -> dict[str, Any]:
-    """What makes a policy's completions: its name, the policy and options of a row that has them, and
-    the weights of a learned scorer."""
-    scorer = getattr(spec, "scorer", None)
-    if scorer is None:
-        identity: dict[str, Any] = {"policy": spec.name}
-        if spec.policy:
-            identity["runs"] = spec.policy_class.name
-        if settings := spec.settings():
-            identity["settings"] = {key: _option_identity(value) for key, value in settings.items()}
-        return identity
-    digest = hashlib.sha256()
-    for name, tensor in sorted(scorer.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return {"policy": spec.name, "scorer_sha256": digest.hexdigest()}
-
-
-def _option_identity(value: Any) -> Any:
-    """An option as it identifies completions: a folder by its absolute path, anything else as it is."""
-    if isinstance(value, (str, os.PathLike)) and Path(value).exists():
-        return str(Path(value).resolve())
-    return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclass(frozen=True)

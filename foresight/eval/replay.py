@@ -44,8 +44,9 @@ sums in `foresight.eval.tally` and the report in `foresight.eval.results`.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -53,6 +54,7 @@ from tqdm.auto import tqdm
 from foresight.cadence import check_budget, golden_prefill
 from foresight.data.trace_store import Trace
 from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
+from foresight.eval.replay_store import ReplayStore
 from foresight.eval.results import EvaluationResult
 from foresight.eval.specs import REFERENCE, PolicySpec, ScorerSpec
 from foresight.eval.tally import TraceTally
@@ -78,6 +80,7 @@ def evaluate(
     batch_size: int = 4,
     progress: bool = True,
     share_prefix: bool = True,
+    replays: ReplayStore | None = None,
 ) -> EvaluationResult:
     """Replay every trace under every policy and budget; one result row per (policy, budget).
 
@@ -85,7 +88,8 @@ def evaluate(
     (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces
     folder whose labels-B{B}-L{L} folders hold golden labels (None: no
     labels), of kind `label_kind` (golden then replays that kind's schedule). Golden runs, and the golden overlap is measured, only at budgets whose labels cover
-    every evaluated trace; elsewhere a note says so.
+    every evaluated trace; elsewhere a note says so. `replays`: where each evicting policy's replay of a batch is
+    kept as soon as it ends, and read instead of replayed when a rerun finds it (None: nothing kept).
     """
     if batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
@@ -124,8 +128,8 @@ def evaluate(
             tallies = {spec.name: TraceTally() for spec in budget_specs}
             for batch in batches:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
-                _evaluate_batch(
-                    model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix
+                _evaluate_or_resume(
+                    model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix, replays
                 )
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
@@ -214,6 +218,37 @@ def _work(batch: Sequence[Trace], budget: int, interval: int, spec: PolicySpec) 
     return len(batch) * max(t.input_ids.numel() - p for t, p in zip(batch, prefill))
 
 
+def _evaluate_or_resume(
+    model: torch.nn.Module,
+    batch: Sequence[Trace],
+    specs: Sequence[PolicySpec],
+    budget: int,
+    interval: int,
+    labels: Sequence[GoldenLabels] | None,
+    tallies: dict[str, TraceTally],
+    bar: tqdm,
+    share_prefix: bool,
+    store: ReplayStore | None,
+) -> None:
+    """`_evaluate_batch` for the policies whose replay of this batch `store` does not hold yet, each kept there as
+    it ends; the others read from it (the progress bar skips their work)."""
+    kept: dict[str, TraceTally] = {}
+    for spec in specs if store is not None else ():
+        if spec.evicts and (tally := store.load(spec, budget, interval, batch)) is not None:
+            kept[spec.name] = tally
+    missing = [spec for spec in specs if spec.name not in kept]
+
+    def work(replays: Sequence[PolicySpec]) -> int:
+        return sum(_work(batch, budget, interval, replay) for replay in replays)
+
+    bar.update(work(_replayed(specs)) - work(_replayed(missing)))
+    fresh = {spec.name: TraceTally() for spec in missing}
+    done = None if store is None else functools.partial(store.save, budget=budget, interval=interval, batch=batch)
+    _evaluate_batch(model, batch, missing, budget, interval, labels, fresh, bar, share_prefix, done)
+    for spec in specs:
+        tallies[spec.name].extend(kept[spec.name] if spec.name in kept else fresh[spec.name])
+
+
 def _evaluate_batch(
     model: torch.nn.Module,
     batch: Sequence[Trace],
@@ -224,8 +259,10 @@ def _evaluate_batch(
     tallies: dict[str, TraceTally],
     bar: tqdm,
     share_prefix: bool,
+    done: Callable[[PolicySpec, TraceTally], None] | None = None,
 ) -> None:
-    """One full-cache replay for the reference outputs, then the replays of every evicting policy."""
+    """One full-cache replay for the reference outputs, then the replays of every evicting policy, each handed to
+    `done` with its tally of the batch as soon as it ends."""
     num_layers = model.config.get_text_config().num_hidden_layers
     lengths = [t.input_ids.numel() for t in batch]
     reference = AttentionProbe(lengths, num_layers)
@@ -244,7 +281,10 @@ def _evaluate_batch(
             _tally_replay(model, replay, batch, budget, interval, labels, (reference, greedy), schedule, bar, prefixes)
             for replay in spec.replays()
         ]
-        tally.extend(TraceTally.mean(replays))
+        replayed = TraceTally.mean(replays)
+        tally.extend(replayed)
+        if done is not None:
+            done(spec, replayed)
 
 
 def _tally_replay(

@@ -73,6 +73,28 @@ class TraceTally:
         self.never_evicted += other.never_evicted
         self.seconds += other.seconds
 
+    def state(self) -> dict[str, Any]:
+        """What `from_state` rebuilds this tally from: tensors, numbers and trace indices (`torch.load`-safe)."""
+        return {
+            "traces": [trace.index for trace in self.traces],
+            "parts": self.parts,
+            "token_nll": self.token_nll,
+            "never_evicted": self.never_evicted,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], traces: Sequence[Trace]) -> TraceTally:
+        """The tally `state` describes, its traces looked up by index among `traces`."""
+        by_index = {trace.index: trace for trace in traces}
+        return cls(
+            [dict(parts) for parts in state["parts"]],
+            [by_index[index] for index in state["traces"]],
+            [(int(first), nll) for first, nll in state["token_nll"]],
+            int(state["never_evicted"]),
+            float(state["seconds"]),
+        )
+
     @staticmethod
     def mean(replays: Sequence[TraceTally]) -> TraceTally:
         """The per-trace means of replays of the same traces (a sampled policy under several seeds): every
