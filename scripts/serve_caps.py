@@ -22,13 +22,22 @@ from foresight.bench.watched_run import RunResult
 from foresight.eval.published import this_run
 
 
-def serve(cap: int, args: argparse.Namespace, out: Path) -> list[dict]:
-    """One `foresight bench serve` at `cap` MiB; its runs (`RunResult.as_json`), read back instead where an earlier
-    sweep into the same folder finished it (so a stopped sweep resumes, and `--repeats` can grow)."""
+def rotated(policies: str, repeat: int) -> str:
+    """The policies in the order repeat `repeat` (from 0) runs them: each repeat starts one later, so that no policy
+    always runs first in its process (a drift of the machine's speed within a run then hits each in turn)."""
+    names = policies.split(",")
+    shift = repeat % len(names)
+    return ",".join(names[shift:] + names[:shift])
+
+
+def serve(cap: int, args: argparse.Namespace, out: Path, repeat: int = 0) -> list[dict]:
+    """One `foresight bench serve` at `cap` MiB, the policies in repeat `repeat`'s order; its runs
+    (`RunResult.as_json`), read back instead where an earlier sweep into the same folder finished it (so a stopped
+    sweep resumes, and `--repeats` can grow)."""
     results = out.with_suffix(".json")
     if results.exists():
         return json.loads(results.read_text())
-    command = [sys.executable, "-m", "foresight.cli", "bench", "serve", "--policies", args.policies]
+    command = [sys.executable, "-m", "foresight.cli", "bench", "serve", "--policies", rotated(args.policies, repeat)]
     command += ["--scorer", args.scorer, "--budget", str(args.budget), "--interval", str(args.interval)]
     command += ["--kv-memory", f"{cap}MiB", "--lengths", str(args.length), "--device", "cpu", "--dtype", "float32"]
     command += ["--out", str(out.with_suffix(".md")), "--results", str(results)]
@@ -76,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = {cap: [] for cap in caps}
     for repeat in range(args.repeats):
         for cap in caps:
-            measured[cap].append(serve(cap, args, args.out / f"cap{cap}-run{repeat + 1}"))
+            measured[cap].append(serve(cap, args, args.out / f"cap{cap}-run{repeat + 1}", repeat))
     decoders = ["full", *args.policies.split(",")]
     columns = ["cap"] + [f"{decoder}: {what}" for decoder in decoders for what in ("rows", "tokens/s")]
     rows = table(measured, decoders)

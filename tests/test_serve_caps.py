@@ -41,3 +41,15 @@ def test_a_finished_run_is_read_back_not_run_again(tmp_path, monkeypatch):
     (tmp_path / "cap16-run1.json").write_text('[{"decoder": "snapkv", "batch": 2}]')
     monkeypatch.setattr(serve_caps.subprocess, "run", lambda *args, **kwargs: pytest.fail("ran the bench again"))
     assert serve_caps.serve(16, None, tmp_path / "cap16-run1") == [{"decoder": "snapkv", "batch": 2}]
+
+
+def test_each_repeat_starts_with_another_policy(tmp_path, monkeypatch):
+    commands = []
+
+    def bench(command, check):
+        commands.append(command[command.index("--policies") + 1])
+        Path(command[command.index("--results") + 1]).write_text("[]")
+
+    monkeypatch.setattr(serve_caps.subprocess, "run", bench)
+    serve_caps.main(["--caps", "16", "--repeats", "3", "--policies", "snapkv,foresight,tova", "--out", str(tmp_path)])
+    assert commands == ["snapkv,foresight,tova", "foresight,tova,snapkv", "tova,snapkv,foresight"]
