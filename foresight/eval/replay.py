@@ -44,9 +44,8 @@ sums in `foresight.eval.tally` and the report in `foresight.eval.results`.
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -128,7 +127,7 @@ def evaluate(
             tallies = {spec.name: TraceTally() for spec in budget_specs}
             for batch in batches:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
-                _evaluate_or_resume(
+                _evaluate_batch(
                     model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix, replays
                 )
             budget_rows = [
@@ -218,37 +217,6 @@ def _work(batch: Sequence[Trace], budget: int, interval: int, spec: PolicySpec) 
     return len(batch) * max(t.input_ids.numel() - p for t, p in zip(batch, prefill))
 
 
-def _evaluate_or_resume(
-    model: torch.nn.Module,
-    batch: Sequence[Trace],
-    specs: Sequence[PolicySpec],
-    budget: int,
-    interval: int,
-    labels: Sequence[GoldenLabels] | None,
-    tallies: dict[str, TraceTally],
-    bar: tqdm,
-    share_prefix: bool,
-    store: ReplayStore | None,
-) -> None:
-    """`_evaluate_batch` for the policies whose replay of this batch `store` does not hold yet, each kept there as
-    it ends; the others read from it (the progress bar skips their work)."""
-    kept: dict[str, TraceTally] = {}
-    for spec in specs if store is not None else ():
-        if spec.evicts and (tally := store.load(spec, budget, interval, batch)) is not None:
-            kept[spec.name] = tally
-    missing = [spec for spec in specs if spec.name not in kept]
-
-    def work(replays: Sequence[PolicySpec]) -> int:
-        return sum(_work(batch, budget, interval, replay) for replay in replays)
-
-    bar.update(work(_replayed(specs)) - work(_replayed(missing)))
-    fresh = {spec.name: TraceTally() for spec in missing}
-    done = None if store is None else functools.partial(store.save, budget=budget, interval=interval, batch=batch)
-    _evaluate_batch(model, batch, missing, budget, interval, labels, fresh, bar, share_prefix, done)
-    for spec in specs:
-        tallies[spec.name].extend(kept[spec.name] if spec.name in kept else fresh[spec.name])
-
-
 def _evaluate_batch(
     model: torch.nn.Module,
     batch: Sequence[Trace],
@@ -259,32 +227,46 @@ def _evaluate_batch(
     tallies: dict[str, TraceTally],
     bar: tqdm,
     share_prefix: bool,
-    done: Callable[[PolicySpec, TraceTally], None] | None = None,
+    store: ReplayStore | None = None,
 ) -> None:
-    """One full-cache replay for the reference outputs, then the replays of every evicting policy, each handed to
-    `done` with its tally of the batch as soon as it ends."""
+    """One full-cache replay for the reference outputs, then the replays of every evicting policy, each kept in
+    `store` as soon as it ends; a policy whose replay of this batch `store` holds already is read from it (and
+    the progress bar skips its work; the reference runs only when some evicting policy is replayed)."""
+    kept: dict[str, TraceTally] = {}
+    for spec in specs if store is not None else ():
+        if spec.evicts and (tally := store.load(spec, budget, interval, batch)) is not None:
+            kept[spec.name] = tally
+    missing = [spec for spec in specs if spec.name not in kept]
+
+    def work(replays: Sequence[PolicySpec]) -> int:
+        return sum(_work(batch, budget, interval, replay) for replay in replays)
+
+    bar.update(work(_replayed(specs)) - work(_replayed(missing)))
     num_layers = model.config.get_text_config().num_hidden_layers
-    lengths = [t.input_ids.numel() for t in batch]
-    reference = AttentionProbe(lengths, num_layers)
+    reference = AttentionProbe([t.input_ids.numel() for t in batch], num_layers)
     greedy = None  # the full cache's top-1 predictions per trace
-    if any(spec.evicts for spec in specs):
+    if any(spec.evicts for spec in missing):
         greedy = _replay(model, REFERENCE, batch, budget, interval, None, reference, bar).greedy
     schedule = None if labels is None else GoldenSchedule.stack(labels)
     prefixes = {} if share_prefix else None  # per prefill: the forwards before the first eviction
     for spec in specs:
         tally = tallies[spec.name]
-        if not spec.evicts:
+        if spec.name in kept:
+            tally.extend(kept[spec.name])
+        elif not spec.evicts:
             for trace in batch:
                 tally.add_trace(trace, trace.token_nll, budget + interval, None)
-            continue
-        replays = [
-            _tally_replay(model, replay, batch, budget, interval, labels, (reference, greedy), schedule, bar, prefixes)
-            for replay in spec.replays()
-        ]
-        replayed = TraceTally.mean(replays)
-        tally.extend(replayed)
-        if done is not None:
-            done(spec, replayed)
+        else:
+            replays = [
+                _tally_replay(
+                    model, replay, batch, budget, interval, labels, (reference, greedy), schedule, bar, prefixes
+                )
+                for replay in spec.replays()
+            ]
+            replayed = TraceTally.mean(replays)
+            tally.extend(replayed)
+            if store is not None:
+                store.save(spec, replayed, budget=budget, interval=interval, batch=batch)
 
 
 def _tally_replay(
