@@ -242,10 +242,10 @@ def _evaluate_batch(
         return sum(_work(batch, budget, interval, replay) for replay in replays)
 
     bar.update(work(_replayed(specs)) - work(_replayed(missing)))
-    num_layers = model.config.get_text_config().num_hidden_layers
-    reference = AttentionProbe([t.input_ids.numel() for t in batch], num_layers)
-    greedy = None  # the full cache's top-1 predictions per trace
+    reference, greedy = None, None  # the full cache's probe and top-1 predictions per trace
     if any(spec.evicts for spec in missing):
+        num_layers = model.config.get_text_config().num_hidden_layers
+        reference = AttentionProbe([t.input_ids.numel() for t in batch], num_layers)
         greedy = _replay(model, REFERENCE, batch, budget, interval, None, reference, bar).greedy
     schedule = None if labels is None else GoldenSchedule.stack(labels)
     prefixes = {} if share_prefix else None  # per prefill: the forwards before the first eviction

@@ -48,6 +48,7 @@ class RunStore:
 
     def __init__(self, folder: str | Path, settings: dict[str, Any]):
         self.folder = Path(folder)
+        self._checked: dict[tuple[int, int | None, int | None], tuple[PolicySpec, Path]] = {}  # by id(spec)
         settings_file = self.folder / "settings.json"
         if settings_file.is_file():
             stored = json.loads(settings_file.read_text())
@@ -66,7 +67,11 @@ class RunStore:
 
     def policy_folder(self, spec: PolicySpec, budget: int | None, interval: int | None) -> Path:
         """The folder of `spec`'s results at (budget, interval) (None: a policy that keeps everything); on first
-        use it records the policy's identity, and another policy under the same name is refused."""
+        use it records the policy's identity, and another policy under the same name is refused. Checked once per
+        spec object: a scorer's identity hashes its weights."""
+        key = (id(spec), budget, interval)
+        if key in self._checked and self._checked[key][0] is spec:  # the spec held, so its id is not reused
+            return self._checked[key][1]
         name = re.sub(r"[^\w.-]", "_", spec.name)
         folder = self.folder / name / ("" if budget is None else f"B{budget}-L{interval}")
         identity_file, identity = folder / "policy.json", spec_identity(spec)
@@ -79,4 +84,5 @@ class RunStore:
                 )
         else:
             write_text(identity_file, json.dumps(identity))
+        self._checked[key] = (spec, folder)
         return folder
