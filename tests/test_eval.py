@@ -835,7 +835,7 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(
         )
         == 0
     )
-    modes = json.loads(results.read_text())
+    modes = json.loads(results.read_text())["modes"]
     assert list(modes) == ["deterministic", "sampled (τ = 0.5, mean of 2 seeds)"]
     evaluated = {(s["policy"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
     for mode, policy in zip(modes, ("learned", "learned-sampled")):
@@ -865,6 +865,44 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(
         == 2
     )
     assert "--sample-temperature a finite number > 0, got 2 and 0.0" in capsys.readouterr().err
+
+
+def test_rl_heldout_pools_earlier_runs_as_one_run_over_their_traces(traces_dir, tmp_path, model, monkeypatch, capsys):
+    """Two runs over halves of the traces, pooled by --pool, give the point figures of one run over all of
+    them; a trace pooled twice, or a file comparing other scorers, is refused by name."""
+    torch.manual_seed(0)
+    first, second = spread_scorer(model, tmp_path / "first"), tmp_path / "second"
+    random_scorer(model, B, L, spread=8, base_model="tiny").save_pretrained(second)
+    monkeypatch.setattr("studies.rl_heldout.run.load_model", lambda name, **kw: (model, None))
+    scorers = ["--scorer", f"a={first}", "--scorer", f"b={second}", "--resamples", "50"]
+
+    def heldout(name: str, *words: str) -> tuple[int, str]:
+        report = tmp_path / f"{name}.md"
+        code = studies_main(["rl-heldout", *scorers, "--out", str(report), *words])
+        return code, report.read_text() if report.exists() else capsys.readouterr().err
+
+    def points(report: str) -> list[str]:
+        rows = [line for line in report.splitlines() if line.startswith(("| a |", "| b |"))]
+        return [cell.split(" [")[0] for row in rows for cell in row.split("|")[2:-1]]
+
+    halves = []
+    for name, excluded in (("low", "2,3"), ("high", "0,1")):
+        results = tmp_path / f"{name}.json"
+        code, _ = heldout(name, "--traces", str(traces_dir), "--exclude", excluded, "--results", str(results))
+        assert code == 0
+        halves.append(str(results))
+    code, whole = heldout("whole", "--traces", str(traces_dir))
+    code_pooled, pooled = heldout("pooled", "--pool", halves[0], "--pool", halves[1])
+    assert code == code_pooled == 0
+    assert len(points(whole)) == 6 and points(pooled) == points(whole)
+    assert "4 held-out traces (2 of arithmetic.jsonl, 2 of arithmetic.jsonl;" in pooled.replace(
+        str(DATA / "arithmetic.jsonl"), "arithmetic.jsonl"
+    )
+    code, error = heldout("twice", "--pool", halves[0], "--pool", halves[0])
+    assert code == 2 and "is in two pooled runs" in error
+    swapped = ["--scorer", f"a={second}", "--scorer", f"b={first}"]
+    assert studies_main(["rl-heldout", *swapped, "--pool", halves[0], "--out", str(tmp_path / "x.md")]) == 2
+    assert f"--pool {halves[0]} compares" in capsys.readouterr().err
 
 
 def test_rl_heldout_replays_share_the_forwards_before_the_first_eviction(traces_dir, tmp_path, model):

@@ -15,12 +15,17 @@ bottom-80%-entropy tokens (minus the reward of docs/algorithms.md §7), loss rat
 intervals: paired bootstrap over traces (resample the traces with replacement; both scorers on the
 same resample), percentile intervals, also for the relative change of −R and the loss-ratio
 difference. The report goes to a section of runs/studies/rl-heldout.md; per-trace figures to --results (JSON:
-{mode: {scorer: [per-trace figures]}}).
+the scorers' SHA-256, B, L, the traces folder and {mode: {scorer: [per-trace figures]}}).
+
+`--pool FILE` adds the per-trace figures of earlier runs' --results to this run's (or stands for it, without
+--traces), so one comparison can span trace folders replayed in separate processes or sessions: every file
+must compare the same two scorers by content at the same B and L, and no trace may be counted twice.
 
     python -m studies rl-heldout --traces runs/rl-default/traces --holdout 0.4 \\
         --scorer supervised=checkpoints/default --scorer reinforced=runs/rl-default/rl/scorer
     python -m studies rl-heldout --traces DIR --exclude 0,4,5 ...   # every trace but those trained on
     python -m studies rl-heldout ... --sampled-seeds 8 --sample-temperature 0.005   # and the sampled policy
+    python -m studies rl-heldout --scorer ... --pool gsm.json --pool b.json --pool c.json   # pooled
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from foresight.artifacts import write_text
-from foresight.bench.common import PlacedSettings, scorer_field, traces_field
+from foresight.bench.common import PlacedSettings, scorer_field
 from foresight.data.trace_store import TraceStore, select_traces
 from foresight.eval.specs import split_scorer, trace_seed
 from foresight.metrics import loss_ratio, low_entropy_damage, scored_tokens
@@ -42,7 +47,7 @@ from foresight.models import load_model
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.prefix import ReplayPrefix
-from foresight.scorer.model import load_scorer
+from foresight.scorer.model import load_scorer, weights_digest
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
 
@@ -54,7 +59,9 @@ FIELDS = ("evicted_nll", "full_nll", "low_entropy", "damaged", "squared_sum")
 class Settings(PlacedSettings):
     """The model is the one that made the traces."""
 
-    traces: Path = traces_field()
+    traces: Path | None = field(
+        default=None, metadata={"help": "traces folder (`foresight traces`) to replay; optional with --pool"}
+    )
     holdout: float | None = field(
         default=None,
         metadata={"help": "evaluate the held-out split of this share (the one both training stages left out)"},
@@ -81,6 +88,13 @@ class Settings(PlacedSettings):
     results: Path | None = field(
         default=None, metadata={"help": "also write the per-trace figures as JSON to this file"}
     )
+    pool: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "pool the per-trace figures of an earlier run's --results with this run's (repeatable)",
+            "metavar": "RESULTS.json",
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,6 +107,8 @@ class Settings(PlacedSettings):
                 f"--sampled-seeds must be at least 0 and --sample-temperature a finite number > 0, got "
                 f"{self.sampled_seeds} and {self.sample_temperature}"
             )
+        if self.traces is None and not self.pool:
+            raise ValueError("give --traces DIR to replay, or --pool RESULTS.json of earlier runs, or both")
         self.excluded  # a bad index list is refused before any model loads
 
     @property
@@ -161,11 +177,48 @@ def pooled(sums: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def run(settings: Settings) -> str:
-    """Replay the held-out traces under both scorers and compare them; the report's markdown section."""
+    """Replay the held-out traces under both scorers (and pool earlier runs' figures); the report's markdown
+    section."""
     names = [name for name, _ in settings.scorers]
     scorers = [load_scorer(folder) for _, folder in settings.scorers]
     if len({(s.config.budget, s.config.interval) for s in scorers}) != 1:
         raise ValueError("the two scorers were trained for different B, L")
+    config = scorers[0].config
+    identity = {
+        "scorers": {name: weights_digest(scorer) for name, scorer in zip(names, scorers)},
+        "budget": config.budget,
+        "interval": config.interval,
+    }
+    parts = [_pooled_part(Path(path), identity) for path in settings.pool]
+    seconds = None
+    if settings.traces is not None:
+        started = time.perf_counter()
+        part = {**identity, **_replayed(settings, names, scorers)}
+        seconds = time.perf_counter() - started
+        if settings.results is not None:
+            write_text(settings.results, json.dumps(part, indent=1))
+        parts.insert(0, part)
+    modes = _pooled_modes(parts, names)
+    low_entropy = int(sum(row["low_entropy"] for row in modes["deterministic"][names[0]]))
+    sets = ", ".join(f"{len(part['modes']['deterministic'][names[0]])} of {part['source']}" for part in parts)
+    timing = "" if seconds is None else f" Replays took {seconds:.0f} s."
+    lines = [
+        f"### Reinforced against supervised scorer on held-out traces ({parts[0]['device']})",
+        "",
+        f"Command: `{settings.command}`",
+        "",
+        f"{len(modes['deterministic'][names[0]])} held-out traces ({sets}; {low_entropy} "
+        f"low-entropy tokens after the first eviction), never used by either stage (held out, or outside what the "
+        f"stages read); B = {config.budget}, L = {config.interval}; 95% paired bootstrap intervals over traces "
+        f"({settings.resamples} resamples).{timing}",
+    ]
+    for mode, rows in modes.items():
+        lines += ["", *_comparison(mode, names, rows, settings.resamples)]
+    return "\n".join(lines)
+
+
+def _replayed(settings: Settings, names: list[str], scorers: list) -> dict[str, object]:
+    """This run's part: its traces folder and source, and the per-trace figures of every mode and scorer."""
     config = scorers[0].config
     store = TraceStore(settings.traces)
     minimum = config.budget + config.interval + 2
@@ -175,10 +228,7 @@ def run(settings: Settings) -> str:
         if t.input_ids.numel() >= minimum and t.index not in settings.excluded
     ]
     model, _ = load_model(store.settings["model"], device=settings.run_device, dtype=settings.run_dtype)
-    started = time.perf_counter()
-    prefixes: dict[
-        int, ReplayPrefix
-    ] = {}  # every replay of a batch of traces shares its forwards before the first eviction
+    prefixes: dict[int, ReplayPrefix] = {}  # every replay of a batch shares its forwards before the first eviction
     modes = {
         "deterministic": {
             name: per_trace(model, scorer, traces, settings.batch_size, prefixes=prefixes)
@@ -196,23 +246,42 @@ def run(settings: Settings) -> str:
             )
             for name, scorer in zip(names, scorers)
         }
-    seconds = time.perf_counter() - started
-    low_entropy = int(sum(row["low_entropy"] for row in modes["deterministic"][names[0]]))
-    lines = [
-        f"### Reinforced against supervised scorer on held-out traces ({model.device.type})",
-        "",
-        f"Command: `{settings.command}`",
-        "",
-        f"{len(traces)} held-out traces of {store.settings['source']} ({low_entropy} "
-        f"low-entropy tokens after the first eviction), never used by either stage (held out, or outside what the stages read); B = {config.budget}, "
-        f"L = {config.interval}; 95% paired bootstrap intervals over traces "
-        f"({settings.resamples} resamples). Replays took {seconds:.0f} s.",
-    ]
-    for mode, rows in modes.items():
-        lines += ["", *_comparison(mode, names, rows, settings.resamples)]
-    if settings.results is not None:
-        write_text(settings.results, json.dumps(modes, indent=1))
-    return "\n".join(lines)
+    return {
+        "traces": str(settings.traces),
+        "source": store.settings["source"],
+        "device": model.device.type,
+        "modes": modes,
+    }
+
+
+def _pooled_part(path: Path, identity: dict[str, object]) -> dict[str, object]:
+    """An earlier run's --results, refused unless it compares the same two scorers (by SHA-256) at the same B, L."""
+    try:
+        part = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--pool {path}: not a readable JSON file ({error})") from None
+    if not isinstance(part, dict) or "modes" not in part:
+        raise ValueError(f"--pool {path}: no per-trace figures with scorer digests; rerun it with --results")
+    seen = {key: part.get(key) for key in identity}
+    if seen != identity:
+        raise ValueError(f"--pool {path} compares {seen}, not this run's {identity}")
+    return part
+
+
+def _pooled_modes(parts: list[dict[str, object]], names: list[str]) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """The per-trace rows of every part, concatenated per mode and scorer: the modes every part has, each trace
+    (its folder and index) once."""
+    counted: set[tuple[str, int]] = set()
+    for part in parts:
+        for row in part["modes"]["deterministic"][names[0]]:
+            trace = (part["traces"], int(row["trace"]))
+            if trace in counted:
+                raise ValueError(f"trace {trace[1]} of {trace[0]} is in two pooled runs; pool each trace once")
+            counted.add(trace)
+    shared = [mode for mode in parts[0]["modes"] if all(mode in part["modes"] for part in parts)]
+    return {
+        mode: {name: [row for part in parts for row in part["modes"][mode][name]] for name in names} for mode in shared
+    }
 
 
 def _mean_rows(replays: list[list[dict[str, float]]]) -> list[dict[str, float]]:
