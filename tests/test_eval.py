@@ -1012,8 +1012,9 @@ def test_sampled_seeds_options_and_errors(traces_dir, tmp_path, patched_model, m
 
 def test_saved_token_losses_give_the_published_sums(evaluated):
     """token_nll.pt: every (policy, budget, trace) with its first eviction and every prediction's NLL, whose
-    scored part sums to traces.json's; the full cache's NLL per trace is the reference both divide by."""
-    _, _, out = evaluated
+    scored part sums to traces.json's; the full cache's NLL per trace is the reference both divide by. Its
+    per-trace Σ ΔL² pools to the row's −R (what a paired −R change resamples)."""
+    rows, _, out = evaluated
     losses, reference = load_token_losses(out / TOKEN_NLL)
     scores = {(s["policy"], s["budget"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
     assert len(losses) == len(scores)
@@ -1024,6 +1025,10 @@ def test_saved_token_losses_give_the_published_sums(evaluated):
         assert float(reference[loss.index][loss.first_eviction :].double().sum()) == pytest.approx(
             score["nll_full"], rel=1e-6
         )
+    for name, row in rows_of(rows, B).items():
+        per_trace = [score for score in scores.values() if score["policy"] == name and score["budget"] == B]
+        penalty = sum(s["squared_sum"] for s in per_trace) / sum(s["low_entropy"] for s in per_trace)
+        assert penalty == pytest.approx(row["low_entropy_penalty"], rel=1e-9, abs=1e-12)
     golden_cadence = [loss for loss in losses if loss.policy in ("h2o", "snapkv", "golden")]
     assert golden_cadence and all(loss.first_eviction == loss.budget + L for loss in golden_cadence)
 

@@ -107,9 +107,10 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
     assert len(merged) == len(base) + 6  # golden, scored twice alike, counts once
     report = ablation_report((("set", folders),), (("first", "a"), ("second", "b")), B)
     assert "best heuristic h2o" in report
+    table, paired = report.split("Paired against first")
     rows = {
         line.split(" | ")[0].strip("| "): line
-        for line in report.splitlines()
+        for line in table.splitlines()
         if line.startswith("| first") or line.startswith("| second")
     }
     assert "| 50.0% [" in rows["first"] and "| 0.0% [" in rows["second"]
@@ -117,12 +118,31 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
     assert "| -0.1000 [" in rows["second"]  # first − second: 1.2 − 1.3 on the same traces, paired
     gain = paired_gain(merged, B, "second", "first")
     assert gain.value == pytest.approx(0.1) and gain.low <= gain.value <= gain.high
+    (second,) = [line for line in paired.splitlines() if line.startswith("| second")]
+    assert second.startswith("| second | 0.1000 [") and second.endswith("| – | – |")  # no −R, no flips: dashes
     assert paired_gain(merged, B, "first", "raas") is None  # no trace scored on the same tokens
     _eval_folder(tmp_path / "other", scores("golden", (56.0, 22.0, 44.0)))  # not the same traces
     with pytest.raises(ValueError, match="golden at B = 128 on trace 0 differs"):
         merged_scores((tmp_path / "base", tmp_path / "other"))
     with pytest.raises(ValueError, match="holds no traces.json"):
         merged_scores((tmp_path / "missing",))
+
+
+def test_relative_change_of_a_figure_is_paired_over_the_same_resamples():
+    """−R's relative change: (Σ ΔL² / Σ low-entropy) of the other over the reference's, minus 1, on each resample;
+    by hand for the sample, and against a loop over the same resampled traces for the interval."""
+    from dataclasses import replace
+
+    from foresight.eval.headroom import paired_change
+
+    squared = {"first": (8.0, 2.0, 6.0), "second": (4.0, 3.0, 3.0)}
+    run = [replace(s, squared_sum=squared[name][s.index]) for name in squared for s in scores(name, FULL)]
+    change = paired_change(run, B, "first", "second", seed=1, resamples=300)
+    assert change.value == pytest.approx(10 / 16 - 1)
+    weights = resample_weights(3, 300, seed=1)[1:]
+    loop = [(weights_row @ squared["second"]) / (weights_row @ squared["first"]) - 1 for weights_row in weights]
+    assert (change.low, change.high) == pytest.approx(tuple(np.percentile(loop, [2.5, 97.5])))
+    assert paired_change(run, B, "first", "third") is None
 
 
 def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):

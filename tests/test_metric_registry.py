@@ -23,7 +23,7 @@ def test_paired_metrics_read_sums_every_trace_score_keeps():
     assert (
         list(FIGURES)
         == [m.name for m in METRICS if m.paired]
-        == ["loss_ratio", "low_entropy_damage", "low_entropy_flip_rate"]
+        == ["loss_ratio", "low_entropy_damage", "low_entropy_penalty", "low_entropy_flip_rate"]
     )
     for numerator, denominator in FIGURES.values():
         assert {numerator, denominator} <= kept

@@ -30,8 +30,9 @@ REFERENCE, ORACLE = "full", "golden"
 @dataclass(frozen=True)
 class TraceScore:
     """One trace replayed under one policy at one budget: its scored tokens' summed NLL with
-    eviction and with the full cache, and its low-entropy token counts: all, damaged, and top-1 flipped
-    (for a sampled policy, the NLL sum and the damaged and flipped counts are means over its seeds)."""
+    eviction and with the full cache, its low-entropy token counts (all, damaged, and top-1 flipped) and the
+    damaged tokens' Σ ΔL² (−R's numerator); for a sampled policy, the NLL sum, the damaged and flipped counts
+    and Σ ΔL² are means over its seeds."""
 
     policy: str
     budget: int
@@ -43,6 +44,7 @@ class TraceScore:
     low_entropy: int
     damaged: float
     flipped: float = math.nan  # nan: a traces.json written before the flip rate existed
+    squared_sum: float = math.nan  # nan: a traces.json written before −R was kept per trace
 
 
 @dataclass(frozen=True)
@@ -162,14 +164,40 @@ def paired_gain(
 ) -> Estimate | None:
     """`figure` (a key of FIGURES) of `reference` − `other` at `budget`, pooled and paired over the traces
     both scored on the same tokens (positive: `other` is better), or None when they share no such trace."""
+    pooled = _paired_figures(scores, budget, reference, other, figure, seed, resamples)
+    return None if pooled is None else estimate(pooled[0] - pooled[1])
+
+
+def paired_change(
+    scores: Sequence[TraceScore],
+    budget: int,
+    reference: str,
+    other: str,
+    figure: str = "low_entropy_penalty",
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+) -> Estimate | None:
+    """The relative change of `figure` from `reference` to `other` at `budget` (other / reference − 1; negative:
+    `other` is lower), pooled and paired as `paired_gain`, or None when they share no trace scored alike."""
+    pooled = _paired_figures(scores, budget, reference, other, figure, seed, resamples)
+    if pooled is None:
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return estimate(pooled[1] / pooled[0] - 1)
+
+
+def _paired_figures(
+    scores: Sequence[TraceScore], budget: int, reference: str, other: str, figure: str, seed: int, resamples: int
+) -> list[np.ndarray] | None:
+    """`figure` of `reference` and of `other` [1 + resamples] over the same resamples of the traces both scored
+    on the same tokens (row 0: the sample), or None when there are none."""
     tables = _by_policy([s for s in scores if s.budget == budget])
     first, second = tables.get(reference, {}), tables.get(other, {})
     traces = sorted(i for i in first.keys() & second.keys() if first[i].tokens == second[i].tokens)
     if not traces:
         return None
     weights = resample_weights(len(traces), resamples, seed)
-    pooled = [pooled_ratio(*_figure_sums(table, traces, figure), weights) for table in (first, second)]
-    return estimate(pooled[0] - pooled[1])
+    return [pooled_ratio(*_figure_sums(table, traces, figure), weights) for table in (first, second)]
 
 
 def pooled_figure(

@@ -159,7 +159,7 @@ METRICS: tuple[Metric, ...] = (
         paired=True,
     ),
     Metric("low_entropy_dl2", "squared_sum", "damaged", "mean ΔL² (damaged)", "{:.3f}", interval=True, plotted=True),
-    Metric("low_entropy_penalty", "squared_sum", "low_entropy", "−R", "{:.4f}", interval=True),
+    Metric("low_entropy_penalty", "squared_sum", "low_entropy", "−R", "{:.4f}", interval=True, paired=True),
     Metric(
         "low_entropy_flip_rate", "flipped", "low_entropy", "low-entropy flip rate", "{:.2%}", interval=True, paired=True
     ),

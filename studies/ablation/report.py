@@ -7,7 +7,8 @@ heuristics and golden evaluated once. A (policy, budget, trace) scored in two fo
 the last digit (the replay is deterministic); otherwise the folders are not of the same traces and
 the merge is refused. Per set and learned scorer: its loss ratio and low-entropy damage, its share of
 the headroom between the best heuristic and golden, and its loss-ratio gain over the best heuristic,
-and its loss-ratio gain over the first scorer of the table (the reference recipe), all with paired 95%
+and its loss-ratio gain over the first scorer of the table (the reference recipe), and a second table of every
+later scorer against the first (loss ratio, damage, relative change of −R, flip rate), all with paired 95%
 bootstrap intervals over traces (`foresight.eval.headroom`); the best heuristic is chosen among every
 non-learned policy of the set, the same for every scorer. `pooled` names sets whose traces one more
 table pools as one set (its best heuristic is the best over all of them).
@@ -19,12 +20,22 @@ table pools as one set (its best heuristic is the best over all of them).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, replace
 from pathlib import Path
 from typing import Any
 
-from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, paired_gain, percent
+from foresight.eval.headroom import (
+    ORACLE,
+    Estimate,
+    Headroom,
+    TraceScore,
+    headroom,
+    paired_change,
+    paired_gain,
+    percent,
+)
 
 TraceSets = Sequence[tuple[str, Sequence[Path]]]
 """(name, `foresight eval` folders of its traces) per trace set."""
@@ -84,7 +95,37 @@ def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str
             f"{percent(result.damage[result.learned])} | {percent(result.share, 1)} | {result.ratio_gain} | "
             f"{percent(result.damage_gain)} | {over_first or '–'} |"
         )
+    if len(results) > 1:
+        lines += ["", *paired_table(scores, [result.learned for _, result in results], budget)]
     return "\n".join(lines)
+
+
+def paired_table(scores: list[TraceScore], names: Sequence[str], budget: int) -> list[str]:
+    """Every later scorer against the first, paired over the traces both scored alike: the differences in loss
+    ratio, low-entropy damage and flip rate (later − first) and the relative change of −R (negative: lower)."""
+    first = names[0]
+    lines = [
+        f"Paired against {first} (later − {first}; negative is better):",
+        "",
+        "| scorer | loss ratio | low-entropy damage | −R, relative change | low-entropy flip rate |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in names[1:]:
+        ratio, damage, flips = (
+            paired_gain(scores, budget, name, first, figure)
+            for figure in ("loss_ratio", "low_entropy_damage", "low_entropy_flip_rate")
+        )
+        penalty = paired_change(scores, budget, first, name)
+        cells = [_or_dash(ratio, str), _or_dash(damage, percent), _or_dash(penalty, percent), _or_dash(flips, percent)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _or_dash(estimate: Estimate | None, text: Callable[[Estimate], str]) -> str:
+    """The estimate as `text` writes it, or a dash where there is none: no trace scored alike, or a figure the
+    folders' traces.json do not hold (NaN: written before it was kept per trace; `foresight eval` rewrites it from
+    its kept replays when rerun)."""
+    return "–" if estimate is None or math.isnan(estimate.value) else text(estimate)
 
 
 SET_STRIDE = 1_000_000
