@@ -133,16 +133,14 @@ def test_relative_change_of_a_figure_is_paired_over_the_same_resamples():
     by hand for the sample, and against a loop over the same resampled traces for the interval."""
     from dataclasses import replace
 
-    from foresight.eval.headroom import paired_change
-
     squared = {"first": (8.0, 2.0, 6.0), "second": (4.0, 3.0, 3.0)}
     run = [replace(s, squared_sum=squared[name][s.index]) for name in squared for s in scores(name, FULL)]
-    change = paired_change(run, B, "first", "second", seed=1, resamples=300)
+    change = paired_gain(run, B, "first", "second", "low_entropy_penalty", seed=1, resamples=300, relative=True)
     assert change.value == pytest.approx(10 / 16 - 1)
     weights = resample_weights(3, 300, seed=1)[1:]
     loop = [(weights_row @ squared["second"]) / (weights_row @ squared["first"]) - 1 for weights_row in weights]
     assert (change.low, change.high) == pytest.approx(tuple(np.percentile(loop, [2.5, 97.5])))
-    assert paired_change(run, B, "first", "third") is None
+    assert paired_gain(run, B, "first", "third", relative=True) is None
 
 
 def test_ablation_pools_sets_whose_trace_indices_collide(tmp_path):

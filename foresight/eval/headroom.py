@@ -161,43 +161,23 @@ def paired_gain(
     figure: str = "loss_ratio",
     seed: int = 0,
     resamples: int = RESAMPLES,
+    relative: bool = False,
 ) -> Estimate | None:
     """`figure` (a key of FIGURES) of `reference` − `other` at `budget`, pooled and paired over the traces
-    both scored on the same tokens (positive: `other` is better), or None when they share no such trace."""
-    pooled = _paired_figures(scores, budget, reference, other, figure, seed, resamples)
-    return None if pooled is None else estimate(pooled[0] - pooled[1])
-
-
-def paired_change(
-    scores: Sequence[TraceScore],
-    budget: int,
-    reference: str,
-    other: str,
-    figure: str = "low_entropy_penalty",
-    seed: int = 0,
-    resamples: int = RESAMPLES,
-) -> Estimate | None:
-    """The relative change of `figure` from `reference` to `other` at `budget` (other / reference − 1; negative:
-    `other` is lower), pooled and paired as `paired_gain`, or None when they share no trace scored alike."""
-    pooled = _paired_figures(scores, budget, reference, other, figure, seed, resamples)
-    if pooled is None:
-        return None
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return estimate(pooled[1] / pooled[0] - 1)
-
-
-def _paired_figures(
-    scores: Sequence[TraceScore], budget: int, reference: str, other: str, figure: str, seed: int, resamples: int
-) -> list[np.ndarray] | None:
-    """`figure` of `reference` and of `other` [1 + resamples] over the same resamples of the traces both scored
-    on the same tokens (row 0: the sample), or None when there are none."""
+    both scored on the same tokens (positive: `other` is better), or None when they share no such trace; with
+    `relative`, the relative change other / reference − 1 instead (negative: `other` is lower, as −R's change
+    is quoted)."""
     tables = _by_policy([s for s in scores if s.budget == budget])
     first, second = tables.get(reference, {}), tables.get(other, {})
     traces = sorted(i for i in first.keys() & second.keys() if first[i].tokens == second[i].tokens)
     if not traces:
         return None
     weights = resample_weights(len(traces), resamples, seed)
-    return [pooled_ratio(*_figure_sums(table, traces, figure), weights) for table in (first, second)]
+    ours, theirs = (pooled_ratio(*_figure_sums(table, traces, figure), weights) for table in (first, second))
+    if not relative:
+        return estimate(ours - theirs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return estimate(theirs / ours - 1)
 
 
 def pooled_figure(

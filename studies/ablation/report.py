@@ -32,7 +32,6 @@ from foresight.eval.headroom import (
     Headroom,
     TraceScore,
     headroom,
-    paired_change,
     paired_gain,
     percent,
 )
@@ -115,7 +114,7 @@ def paired_table(scores: list[TraceScore], names: Sequence[str], budget: int) ->
             paired_gain(scores, budget, name, first, figure)
             for figure in ("loss_ratio", "low_entropy_damage", "low_entropy_flip_rate")
         )
-        penalty = paired_change(scores, budget, first, name)
+        penalty = paired_gain(scores, budget, first, name, "low_entropy_penalty", relative=True)
         cells = [_or_dash(ratio, str), _or_dash(damage, percent), _or_dash(penalty, percent), _or_dash(flips, percent)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
