@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -121,6 +124,11 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
     (second,) = [line for line in paired.splitlines() if line.startswith("| second")]
     assert second.startswith("| second | 0.1000 [") and second.endswith("| – | – |")  # no −R, no flips: dashes
     assert paired_gain(merged, B, "first", "raas") is None  # no trace scored on the same tokens
+    older = tmp_path / "older"  # a traces.json written before −R's sums were kept: NaN there, taken from the other
+    _eval_folder(older, [replace(s, squared_sum=math.nan) for s in scores("golden", (55.0, 22.0, 44.0))])
+    _eval_folder(tmp_path / "newer", [replace(s, squared_sum=2.0) for s in scores("golden", (55.0, 22.0, 44.0))])
+    for order in ((older, tmp_path / "newer"), (tmp_path / "newer", older)):
+        assert {s.squared_sum for s in merged_scores(order) if s.policy == "golden"} == {2.0}
     _eval_folder(tmp_path / "other", scores("golden", (56.0, 22.0, 44.0)))  # not the same traces
     with pytest.raises(ValueError, match="golden at B = 128 on trace 0 differs"):
         merged_scores((tmp_path / "base", tmp_path / "other"))
@@ -131,8 +139,6 @@ def test_ablation_merges_evaluations_and_compares_every_scorer_with_one_best_heu
 def test_relative_change_of_a_figure_is_paired_over_the_same_resamples():
     """−R's relative change: (Σ ΔL² / Σ low-entropy) of the other over the reference's, minus 1, on each resample;
     by hand for the sample, and against a loop over the same resampled traces for the interval."""
-    from dataclasses import replace
-
     squared = {"first": (8.0, 2.0, 6.0), "second": (4.0, 3.0, 3.0)}
     run = [replace(s, squared_sum=squared[name][s.index]) for name in squared for s in scores(name, FULL)]
     change = paired_gain(run, B, "first", "second", "low_entropy_penalty", seed=1, resamples=300, relative=True)

@@ -56,13 +56,25 @@ def merged_scores(folders: Sequence[Path]) -> list[TraceScore]:
         for entry in eval_entries(folder, "traces.json"):
             score = TraceScore(**entry)
             key = (score.policy, score.budget, score.index)
-            if key in merged and astuple(merged[key]) != astuple(score):
-                raise ValueError(
-                    f"{score.policy} at B = {score.budget} on trace {score.index} differs between {folder} and an "
-                    "earlier folder: merge only evaluations of the same traces"
-                )
+            if key in merged:
+                score = _agreed(merged[key], score, folder)
             merged[key] = score
     return list(merged.values())
+
+
+def _agreed(earlier: TraceScore, later: TraceScore, folder: Path) -> TraceScore:
+    """One trace score from two folders' copies: every field both hold must agree; a field one of them does not
+    hold (NaN: a traces.json written before the field existed) is taken from the other."""
+    values = []
+    for first, second in zip(astuple(earlier), astuple(later), strict=True):
+        missing = [isinstance(value, float) and math.isnan(value) for value in (first, second)]
+        if not any(missing) and first != second:
+            raise ValueError(
+                f"{later.policy} at B = {later.budget} on trace {later.index} differs between {folder} and an "
+                "earlier folder: merge only evaluations of the same traces"
+            )
+        values.append(second if missing[0] else first)
+    return TraceScore(*values)
 
 
 def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str], ...], budget: int) -> str:
