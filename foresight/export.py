@@ -9,6 +9,7 @@ needs neither Lightning, nor the trainer's module layout, nor the training data.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -145,7 +146,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
     sections.append(
         "## Use\n```python\nfrom foresight.models import load_model\nfrom foresight.policies import make_policy\n"
         "from foresight.runtime.engine import EvictionConfig, EvictionEngine\n\n"
-        f"model, tokenizer = load_model({config.base_model!r})\n"
+        f"model, tokenizer = load_model({json.dumps(config.base_model)})\n"  # double quotes, as the formatter writes
         'policy = make_policy("foresight", scorer="PATH_OR_REPO_ID")\n'
         f"engine = EvictionEngine(model, policy, EvictionConfig(budget={config.budget}, interval={config.interval}))\n"
         "```\n"

@@ -59,6 +59,7 @@ def test_export_writes_a_complete_folder_from_a_checkpoint(checkpoint, tmp_path,
         "| val/overlap |",
         "| foresight | 1.0123 |",
         'make_policy("foresight", scorer="PATH_OR_REPO_ID")',
+        'model, tokenizer = load_model("',  # double quotes: the card passes `ruff format --check`
         "EvictionConfig(budget=16, interval=4)",
     ):
         assert text in card, text
