@@ -20,6 +20,10 @@ Run it with the python of an environment that has vLLM and this repository's lig
     PYTHONPATH=. ../vllm-venv/bin/python scripts/vllm_traces.py --model default \\
         --prompts reasoning-gym:gsm_symbolic --num 32 --max-new-tokens 512 --out runs/vllm-pairs.jsonl
 vLLM is imported only in `main`, so the row rules are tested without it (tests/test_vllm_traces.py).
+
+Resumable: with `--chunk N` the problems are sampled N at a time and the file is rewritten (one rename) after
+each chunk, so a run stopped at any point keeps every finished chunk; run the same command again and it checks
+the rows it finds are those problems' (same prompt ids, in order) and samples only the rest.
 """
 
 from __future__ import annotations
@@ -108,6 +112,23 @@ def write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
         temporary.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
 
+def resumed_rows(path: Path, problems: Sequence[Problem], prompts: Sequence[list[int]]) -> list[dict[str, Any]]:
+    """The rows an earlier run of the same command wrote to `path` (none when it does not exist), checked to be
+    the first problems' rows in order, so a resumed run never mixes two commands' problems in one file."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(rows) > len(problems):
+        raise ValueError(f"{path} holds {len(rows)} rows, more than the {len(problems)} problems asked for")
+    for index, (row, problem, ids) in enumerate(zip(rows, problems, prompts)):
+        if row.get("prompt_token_ids") != ids or row.get("source") != problem.source:
+            raise ValueError(
+                f"{path} row {index} is not problem {index} of this command (its prompt ids or source differ): "
+                "another command wrote it; give a new --out"
+            )
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -118,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, required=True, help="most tokens generated per completion")
     parser.add_argument("--seed", type=int, default=0, help="picks the problems and, with each index, its seed")
     add_sampling_arguments(parser)
-    parser.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
+    parser.add_argument("--out", type=Path, required=True, help="the JSONL file to write (resumed where it exists)")
+    parser.add_argument(
+        "--chunk", type=int, default=None, help="problems sampled between two writes of the file (default: all at once)"
+    )
     parser.add_argument(
         "--dtype", default="auto", help="vLLM's weight dtype (auto: the model config's; float32 matches a CPU import)"
     )
@@ -145,14 +169,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.chunk is not None and args.chunk < 1:
+        raise SystemExit(f"--chunk {args.chunk}: must be at least 1")
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     model = model_folder(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     problems = load_problems(args.prompts, args.num, args.seed)
     prompts = [chat_prompt_ids(tokenizer, problem.prompt) for problem in problems]
+    rows = resumed_rows(args.out, problems, prompts)
+    if len(rows) < len(problems):
+        seconds, tokens = _sample(args, model, tokenizer, problems, prompts, rows)
+        print(f"sampled {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s)")
+    finished = Counter(row["finish_reason"] for row in rows)
+    print(
+        f"{len(rows)} completions ({finished['stop']} stop, {finished['length']} length) in {args.out}: "
+        f"{sum(len(row['completion_token_ids']) for row in rows)} completion tokens"
+    )
+    return 0
+
+
+def _sample(args, model: str, tokenizer, problems, prompts, rows: list[dict[str, Any]]) -> tuple[float, int]:
+    """Sample the problems `rows` lacks, a chunk at a time, appending to `rows` and rewriting the file after each
+    chunk; the seconds spent sampling (the engine's start left out) and the tokens sampled."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
     started = time.perf_counter()
     llm = LLM(
         model=model,
@@ -166,35 +208,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         generation_config="vllm",  # the model's sampling defaults are not read, as in foresight traces
         logprobs_mode="raw_logprobs",  # the model's own distribution, before temperature and filters
     )
-    loaded = time.perf_counter()
+    print(f"engine start {time.perf_counter() - started:.0f} s, {len(rows)} of {len(problems)} rows found")
     stops = stop_ids(model, tokenizer)
-    params = [
-        SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            max_tokens=args.max_new_tokens,
-            seed=problem_seed(args.seed, problem.index),
-            stop_token_ids=stops,
-            logprobs=0,
-        )
-        for problem in problems
-    ]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params)
-    sampled = time.perf_counter()
-    rows = []
-    for problem, ids, output in zip(problems, prompts, outputs):
-        sample = output.outputs[0]
-        logprobs = sampled_logprobs(sample.token_ids, sample.logprobs)
-        rows.append(import_row(problem, ids, sample.token_ids, sample.text, sample.finish_reason, logprobs))
-    write_rows(args.out, rows)
-    tokens = sum(len(row["completion_token_ids"]) for row in rows)
-    finished = Counter(row["finish_reason"] for row in rows)
-    print(
-        f"{len(rows)} completions ({finished['stop']} stop, {finished['length']} length) to {args.out}: {tokens} tokens "
-        f"in {sampled - loaded:.1f} s ({tokens / (sampled - loaded):.1f} tokens/s), engine start {loaded - started:.0f} s"
-    )
-    return 0
+    chunk = args.chunk or len(problems)
+    seconds, tokens = 0.0, 0
+    for start in range(len(rows), len(problems), chunk):
+        todo = range(start, min(start + chunk, len(problems)))
+        params = [
+            SamplingParams(
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                max_tokens=args.max_new_tokens,
+                seed=problem_seed(args.seed, problems[i].index),
+                stop_token_ids=stops,
+                logprobs=0,
+            )
+            for i in todo
+        ]
+        began = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in todo], params)
+        seconds += time.perf_counter() - began
+        for i, output in zip(todo, outputs):
+            sample = output.outputs[0]
+            logprobs = sampled_logprobs(sample.token_ids, sample.logprobs)
+            rows.append(
+                import_row(problems[i], prompts[i], sample.token_ids, sample.text, sample.finish_reason, logprobs)
+            )
+            tokens += len(sample.token_ids)
+        write_rows(args.out, rows)
+        print(f"{len(rows)} of {len(problems)} rows written to {args.out}", flush=True)
+    return seconds, tokens
 
 
 if __name__ == "__main__":  # LLM starts its engine in a spawned process, which re-imports this file
