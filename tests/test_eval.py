@@ -178,7 +178,7 @@ def test_every_registered_metric_is_in_every_row_the_table_and_the_plots(evaluat
 def test_each_row_pools_the_per_trace_sums_it_reports(evaluated):
     """A paired metric's row value is Σ numerator / Σ denominator of the per-trace sums in traces.json."""
     rows, _, out = evaluated
-    scores = json.loads((out / "traces.json").read_text())
+    scores = [s for s in json.loads((out / "traces.json").read_text()) if s["token_set"] == "all"]
     for row in rows:
         mine = [s for s in scores if s["policy"] == row["policy"] and s["budget"] == row["budget"]]
         for metric in (m for m in METRICS if m.paired):
@@ -613,7 +613,9 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     assert "- foresight trained on: not recorded in its config" in report
     assert "## The learned scorer against the best heuristic" in report and "best heuristic: h2o" in report
     headroom = {
-        row["statistic"]: row for row in json.loads((out / "headroom.json").read_text()) if row["policy"] == "foresight"
+        row["statistic"]: row
+        for row in json.loads((out / "headroom.json").read_text())
+        if row["policy"] == "foresight" and row["token_set"] == "all"
     }
     ratios = rows_of(rows, B)
     golden = ratios["golden"]["loss_ratio"]
@@ -624,13 +626,20 @@ def test_scorer_runs_as_the_learned_policy_only_at_its_own_budget(traces_dir, tm
     )
     per_trace = json.loads((out / "traces.json").read_text())
     assert {(s["policy"], s["budget"]) for s in per_trace} >= {("foresight", B), ("h2o", B), ("golden", B)}
-    assert sum(s["tokens"] for s in per_trace if s["policy"] == "foresight") == learned[0]["tokens"]
+    learned_tokens = {
+        t: sum(s["tokens"] for s in per_trace if s["policy"] == "foresight" and s["token_set"] == t)
+        for t in ("all", "prompt", "generated")
+    }
+    assert learned_tokens["all"] == learned[0]["tokens"] == learned_tokens["prompt"] + learned_tokens["generated"]
+    assert learned[0]["tokens:generated"] == learned_tokens["generated"]
     # h2o's sweep of two budgets gives the headroom at equal bytes, from the saved per-token losses
     losses, reference = load_token_losses(out / TOKEN_NLL)
     held = {(row["policy"], row["budget"]): row["kv_mib"] for row in rows}
     at_bytes = equal_bytes(losses, reference, held, "foresight", B, ["h2o"])
     assert f"## The learned scorer at equal bytes\n\n{at_bytes.markdown()}" in report
-    assert at_bytes.traces == len([s for s in per_trace if (s["policy"], s["budget"]) == ("h2o", UNLABELLED_B)])
+    assert at_bytes.traces == len(
+        [s for s in per_trace if (s["policy"], s["budget"], s["token_set"]) == ("h2o", UNLABELLED_B, "all")]
+    )
 
 
 def test_several_scorers_get_the_rows_they_are_named(traces_dir, tmp_path, patched_model, model, capsys):
@@ -765,11 +774,17 @@ def test_sampled_row_is_the_mean_of_single_seed_replays(traces_dir, tmp_path, pa
     assert row["attn_cosine"] == pytest.approx(sum(cosine for _, cosine, _, _ in seeds) / 3, abs=1e-4)
     assert row["golden_overlap"] == pytest.approx(sum(overlap for _, _, overlap, _ in seeds) / 3, abs=1e-9)
     per_trace = {
-        s["index"]: s for s in json.loads((out / "traces.json").read_text()) if s["policy"] == "learned-sampled"
+        s["index"]: s
+        for s in json.loads((out / "traces.json").read_text())
+        if s["policy"] == "learned-sampled" and s["token_set"] == "all"
     }
     for trace, expected in zip(traces, evicted):
         assert per_trace[trace.index]["nll_evicted"] == pytest.approx(expected, rel=1e-5)
-    headroom = {(r["policy"], r["statistic"]): r for r in json.loads((out / "headroom.json").read_text())}
+    headroom = {
+        (r["policy"], r["statistic"]): r
+        for r in json.loads((out / "headroom.json").read_text())
+        if r["token_set"] == "all"
+    }
     assert headroom[("learned-sampled", "headroom_share")]["against"] == "h2o"
     assert headroom[("learned", "headroom_share")]["against"] == "h2o"  # the sampled row is no heuristic
     report = (out / "results.md").read_text()
@@ -837,7 +852,9 @@ def test_rl_heldout_compares_both_modes_with_the_replays_of_eval(
     )
     modes = json.loads(results.read_text())["modes"]
     assert list(modes) == ["deterministic", "sampled (τ = 0.5, mean of 2 seeds)"]
-    evaluated = {(s["policy"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
+    evaluated = {
+        (s["policy"], s["index"]): s for s in json.loads((out / "traces.json").read_text()) if s["token_set"] == "all"
+    }
     for mode, policy in zip(modes, ("learned", "learned-sampled")):
         assert modes[mode]["a"] == modes[mode]["b"]
         for row in modes[mode]["a"]:
@@ -1016,7 +1033,11 @@ def test_saved_token_losses_give_the_published_sums(evaluated):
     per-trace Σ ΔL² pools to the row's −R (what a paired −R change resamples)."""
     rows, _, out = evaluated
     losses, reference = load_token_losses(out / TOKEN_NLL)
-    scores = {(s["policy"], s["budget"], s["index"]): s for s in json.loads((out / "traces.json").read_text())}
+    scores = {
+        (s["policy"], s["budget"], s["index"]): s
+        for s in json.loads((out / "traces.json").read_text())
+        if s["token_set"] == "all"
+    }
     assert len(losses) == len(scores)
     for loss in losses:
         score = scores[loss.policy, loss.budget, loss.index]

@@ -81,13 +81,55 @@ def test_nothing_to_compare_gives_none():
     assert headroom([s for s in RUN if s.policy in ("golden", "foresight", "raas")], B, "foresight") is None
 
 
-def test_other_learned_scorers_are_never_the_best_heuristic():
-    """A second scorer's row (named freely by `--scorer NAME=DIR`) beats h2o; it must not count as a heuristic."""
-    run = [*RUN, *scores("shipped", (58.0, 23.0, 46.0))]  # 127 / 110: better than every heuristic
-    assert headroom(run, B, "foresight").best_heuristic == "shipped"  # what counting it as one would do
+def test_rows_off_the_reference_list_are_never_the_best_heuristic():
+    """A second scorer's row (named freely by `--scorer NAME=DIR`) and a heuristic off the fixed list (knorm)
+    beat h2o; neither counts, on any set: the reference is one list, not the set's best row after the fact."""
+    run = [*RUN, *scores("shipped", (58.0, 23.0, 46.0)), *scores("knorm", (57.0, 23.0, 46.0))]
     result = headroom(run, B, "foresight", other_learned=("shipped", "foresight"))
     assert (result.best_heuristic, result.share.value) == ("h2o", pytest.approx(0.5))
-    assert "shipped" in result.loss_ratio  # still reported beside the others
+    assert "shipped" in result.loss_ratio and "knorm" in result.loss_ratio  # still reported beside the others
+    assert headroom(run, B, "foresight", reference=("knorm",)).best_heuristic == "knorm"
+    assert "tova" in result.missing_reference and "not run: " in result.markdown()
+    assert headroom(run, B, "foresight", reference=("tova",)) is None  # nothing of the list was run
+
+
+def test_the_best_heuristic_is_chosen_again_in_every_resample():
+    """h2o is best on trace 0, snapkv on traces 1 and 2: a resample's best is whichever pools lower on its
+    draws, so the interval of the share is that of a loop choosing the best per resample."""
+    run = [
+        *scores("golden", (55.0, 22.0, 44.0)),
+        *scores("h2o", (60.0, 40.0, 70.0)),  # 170 / 110
+        *scores("snapkv", (90.0, 24.0, 48.0)),  # 162 / 110: best on the sample
+        *scores("foresight", (58.0, 23.0, 47.0)),
+    ]
+    result = headroom(run, B, "foresight", seed=1, resamples=400)
+    assert result.best_heuristic == "snapkv"
+    table = {(s.policy, s.index): s for s in run}
+    shares, held = [], []
+    for row in resample_weights(3, 400, seed=1)[1:]:
+        drawn = [i for i in range(3) for _ in range(int(row[i]))]
+
+        def ratio(policy):
+            return sum(table[policy, i].nll_evicted for i in drawn) / sum(table[policy, i].nll_full for i in drawn)
+
+        best = min(ratio("h2o"), ratio("snapkv"))
+        shares.append((best - ratio("foresight")) / (best - ratio("golden")))
+        held.append((ratio("snapkv") - ratio("foresight")) / (ratio("snapkv") - ratio("golden")))
+    assert (result.share.low, result.share.high) == pytest.approx(tuple(np.percentile(shares, [2.5, 97.5])))
+    assert sum(a != pytest.approx(b) for a, b in zip(shares, held)) > 40  # h2o wins many resamples
+
+
+def test_each_token_set_is_compared_on_its_own_scores():
+    """Scores of the generated tokens alone give their own headroom; the all-token scores are not read."""
+    generated = [
+        replace(s, token_set="generated", nll_evicted=s.nll_full + (s.nll_evicted - s.nll_full) / 2) for s in RUN
+    ]
+    result = headroom([*RUN, *generated], B, "foresight", token_set="generated")
+    assert result.token_set.value == "generated" and result.share.value == pytest.approx(0.5)
+    assert result.loss_ratio["golden"].value == pytest.approx(1.05)  # half the all-token damage
+    assert headroom(RUN, B, "foresight", token_set="prompt") is None
+    with pytest.raises(ValueError, match="unknown token set 'reasoning'; allowed: 'all', 'prompt', 'generated'"):
+        headroom(RUN, B, "foresight", token_set="reasoning")
 
 
 def _eval_folder(path, entries) -> None:

@@ -4,12 +4,17 @@ confidence intervals over traces (docs/algorithms.md section 8).
 At one budget, the headroom is the gap between the best heuristic's loss ratio and the golden
 oracle's; the learned scorer captures the share (best heuristic − learned) / (best heuristic −
 golden): 0 is no better than the heuristic, 1 is as good as the oracle. The best heuristic is the
-evicting policy, neither golden nor learned, with the lowest pooled loss ratio among those scored on
-exactly golden's tokens (policies that protect the prompt score fewer tokens and are left out).
+policy of one fixed list (`REFERENCE_HEURISTICS`, docs/algorithms.md §8, the same for every set) with the
+lowest pooled loss ratio among those scored on exactly golden's tokens; a heuristic off the list never
+enters, whatever its figure, so no set picks its reference from its own rows after the fact.
 
 Intervals: traces are resampled with replacement (`RESAMPLES` times, a fixed seed); every policy is
-pooled over the same resampled traces (paired), the best heuristic stays the one of the full sample,
-and an interval is the 2.5th to 97.5th percentile of the statistic over the resamples.
+pooled over the same resampled traces (paired), the best heuristic is chosen again inside every resample
+(so the interval includes the choice), and an interval is the 2.5th to 97.5th percentile of the statistic
+over the resamples.
+
+Token sets: every function reads one `TokenSet` of the scores (all scored predictions unless told), the
+predictions of prompt tokens or of generated tokens (`foresight.eval.metric_registry`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from foresight.eval.metric_registry import METRICS
+from foresight.eval.metric_registry import METRICS, TokenSet
 from foresight.eval.stats import CONFIDENCE, RESAMPLES, percentile_interval, resample_counts
 
 REFERENCE, ORACLE = "full", "golden"
+REFERENCE_HEURISTICS = ("snapkv", "tova", "h2o", "rkv", "vase", "streaming", "lagkv")
+"""The heuristics the headroom's best is chosen from, on every set (docs/algorithms.md §8)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class TraceScore:
     damaged: float
     flipped: float = math.nan  # nan: a traces.json written before the flip rate existed
     squared_sum: float = math.nan  # nan: a traces.json written before −R was kept per trace
+    token_set: str = TokenSet.ALL.value  # the scored predictions these sums run over
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,11 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Headroom:
-    """The learned policy against the best heuristic and golden at one budget."""
+    """The learned policy against the best heuristic and golden at one budget, over one token set."""
 
     budget: int
     learned: str
-    best_heuristic: str
+    best_heuristic: str  # the best of the full sample (each resample chooses its own)
     traces: int
     least_damaging_heuristic: str
     loss_ratio: dict[str, Estimate]  # every compared policy, pooled over the traces
@@ -71,11 +79,15 @@ class Headroom:
     share: Estimate  # of the headroom captured by the learned policy
     ratio_gain: Estimate  # best heuristic − learned, loss ratio (paired)
     damage_gain: Estimate  # least damaging heuristic − learned, low-entropy damage (paired)
+    token_set: TokenSet = TokenSet.ALL
+    missing_reference: tuple[str, ...] = ()  # heuristics of REFERENCE_HEURISTICS with no row on golden's tokens
 
     def markdown(self) -> str:
         """The comparison as a markdown table with a line stating the share of headroom captured."""
+        missing = f" (not run: {', '.join(self.missing_reference)})" if self.missing_reference else ""
         lines = [
-            f"B = {self.budget}, {self.traces} traces; best heuristic: {self.best_heuristic}; "
+            f"B = {self.budget}, {self.traces} traces, {self.token_set.value} scored predictions; best heuristic: "
+            f"{self.best_heuristic}, of the fixed reference list{missing}, chosen again in every resample; "
             f"{CONFIDENCE:.0%} bootstrap intervals over traces ({RESAMPLES} resamples, paired).",
             "",
             "| policy | loss ratio | low-entropy damage |",
@@ -105,12 +117,14 @@ def headroom(
     other_learned: Collection[str] = (),
     seed: int = 0,
     resamples: int = RESAMPLES,
+    token_set: TokenSet | str = TokenSet.ALL,
+    reference: Collection[str] = REFERENCE_HEURISTICS,
 ) -> Headroom | None:
-    """The learned policy's headroom at `budget`, or None when golden, the learned policy or a
-    heuristic on golden's tokens is missing there. `other_learned` names the other learned scorers'
-    rows, which are not heuristics (a row's name says nothing: `--scorer NAME=DIR` picks it)."""
-    at_budget = [s for s in scores if s.budget == budget]
-    tables = _by_policy(at_budget)
+    """The learned policy's headroom at `budget` over `token_set`, or None when golden, the learned policy or
+    every heuristic of `reference` on golden's tokens is missing there. `other_learned` names the other learned
+    scorers' rows, never heuristics (a row's name says nothing: `--scorer NAME=DIR` picks it)."""
+    token_set = TokenSet.parse(token_set)
+    tables = _by_policy(_selected(scores, budget, token_set))
     if ORACLE not in tables or learned not in tables:
         return None
     traces = sorted(tables[ORACLE])
@@ -120,7 +134,7 @@ def headroom(
         for policy, table in tables.items()
         if policy != REFERENCE and sorted(table) == traces and [table[i].tokens for i in traces] == tokens
     }
-    heuristics = [p for p in comparable if p not in (ORACLE, learned, *other_learned)]
+    heuristics = [p for p in reference if p in comparable and p not in (ORACLE, learned, *other_learned)]
     if learned not in comparable or not heuristics:
         return None
     weights = resample_weights(len(traces), resamples, seed)  # [1 + resamples, traces]; row 0: the sample itself
@@ -131,9 +145,10 @@ def headroom(
     ratios, damages = pooled["loss_ratio"], pooled["low_entropy_damage"]
     best = min(heuristics, key=lambda p: ratios[p][0])
     least_damaging = min(heuristics, key=lambda p: damages[p][0])
-    gap = ratios[best] - ratios[ORACLE]
+    best_ratio = np.min([ratios[p] for p in heuristics], axis=0)  # chosen again in every resample
+    least_damage = np.min([damages[p] for p in heuristics], axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        share = (ratios[best] - ratios[learned]) / gap
+        share = (best_ratio - ratios[learned]) / (best_ratio - ratios[ORACLE])
     return Headroom(
         budget=budget,
         learned=learned,
@@ -143,8 +158,10 @@ def headroom(
         loss_ratio={p: estimate(v) for p, v in ratios.items()},
         damage={p: estimate(v) for p, v in damages.items()},
         share=estimate(share),
-        ratio_gain=estimate(ratios[best] - ratios[learned]),
-        damage_gain=estimate(damages[least_damaging] - damages[learned]),
+        ratio_gain=estimate(best_ratio - ratios[learned]),
+        damage_gain=estimate(least_damage - damages[learned]),
+        token_set=token_set,
+        missing_reference=tuple(p for p in reference if p not in comparable),
     )
 
 
@@ -162,12 +179,13 @@ def paired_gain(
     seed: int = 0,
     resamples: int = RESAMPLES,
     relative: bool = False,
+    token_set: TokenSet | str = TokenSet.ALL,
 ) -> Estimate | None:
     """`figure` (a key of FIGURES) of `reference` − `other` at `budget`, pooled and paired over the traces
     both scored on the same tokens (positive: `other` is better), or None when they share no such trace; with
     `relative`, the relative change other / reference − 1 instead (negative: `other` is lower, as −R's change
-    is quoted)."""
-    tables = _by_policy([s for s in scores if s.budget == budget])
+    is quoted). `token_set`: the scored predictions compared (module docstring)."""
+    tables = _by_policy(_selected(scores, budget, TokenSet.parse(token_set)))
     first, second = tables.get(reference, {}), tables.get(other, {})
     traces = sorted(i for i in first.keys() & second.keys() if first[i].tokens == second[i].tokens)
     if not traces:
@@ -187,9 +205,11 @@ def pooled_figure(
     figure: str = "loss_ratio",
     seed: int = 0,
     resamples: int = RESAMPLES,
+    token_set: TokenSet | str = TokenSet.ALL,
 ) -> Estimate | None:
-    """`figure` of one policy at `budget`, pooled over its traces with a bootstrap interval (None: not scored)."""
-    table = _by_policy([s for s in scores if s.budget == budget]).get(policy, {})
+    """`figure` of one policy at `budget` over `token_set`, pooled over its traces with a bootstrap interval
+    (None: not scored)."""
+    table = _by_policy(_selected(scores, budget, TokenSet.parse(token_set))).get(policy, {})
     if not table:
         return None
     traces = sorted(table)
@@ -201,6 +221,11 @@ def _figure_sums(table: dict[int, TraceScore], traces: Sequence[int], figure: st
     if figure not in FIGURES:
         raise ValueError(f"figure {figure!r} is not one of: {', '.join(FIGURES)}")
     return [np.array([getattr(table[i], name) for i in traces], dtype=np.float64) for name in FIGURES[figure]]
+
+
+def _selected(scores: Sequence[TraceScore], budget: int, token_set: TokenSet) -> list[TraceScore]:
+    """The scores at `budget` over `token_set` (a trace with none of that set's predictions left out)."""
+    return [s for s in scores if s.budget == budget and s.token_set == token_set.value and s.tokens]
 
 
 def _by_policy(scores: Sequence[TraceScore]) -> dict[str, dict[int, TraceScore]]:
@@ -231,13 +256,15 @@ def estimate(values: np.ndarray) -> Estimate:
 def headroom_rows(result: Headroom) -> list[dict[str, Any]]:
     """The estimates as plain rows (for JSON)."""
     rows = [
-        {"budget": result.budget, "policy": p, "statistic": statistic, **vars(estimate)}
+        {"budget": result.budget, "token_set": result.token_set.value, "policy": p, "statistic": statistic}
+        | vars(estimate)
         for statistic, table in (("loss_ratio", result.loss_ratio), ("low_entropy_damage", result.damage))
         for p, estimate in table.items()
     ]
     rows += [
         {
             "budget": result.budget,
+            "token_set": result.token_set.value,
             "policy": result.learned,
             "statistic": statistic,
             "against": against,

@@ -6,6 +6,12 @@ the confidence interval resamples the traces, the results table and plots take t
 and the paired comparisons (`foresight.eval.headroom`) read the sums of the metrics marked `paired`.
 A new metric is one `Metric` in `METRICS` (plus a `Sum` in `SUMS` if it pools a new quantity);
 docs/extending.md walks through one.
+
+Token sets: every sum of a trace is kept per scored token (a count is a 0/1 tensor), so a figure can be read
+over all scored predictions or over one `TokenSet`: the predictions of prompt tokens (what a streaming replay
+scores while it reads a long prompt through the window) or of generated tokens (what a user's generation
+sees). The two partition the scored predictions, so their sums add up to the all-token ones; a token's
+low-entropy status is that of the trace's scored tokens as a whole.
 """
 
 from __future__ import annotations
@@ -16,11 +22,32 @@ from functools import cached_property
 
 import torch
 
+from foresight.choices import Choice
 from foresight.data.trace_store import Trace
-from foresight.metrics import EntropyDamage, low_entropy_damage, low_entropy_tokens
+from foresight.metrics import TokenDamage, low_entropy_tokens, token_damage
 
 Part = torch.Tensor | float
-"""What one trace contributes to a sum: its per-token terms (a tensor) or a count."""
+"""What one trace contributes to a sum: its per-token terms (a tensor) or a count (a per-trace quantity)."""
+
+
+class TokenSet(Choice):
+    """Which scored predictions a figure sums over (module docstring)."""
+
+    ALL = "all"
+    PROMPT = "prompt"  # predictions of prompt tokens
+    GENERATED = "generated"  # predictions of generated tokens
+
+    def mask(self, first_scored: int, scored: int, prompt_length: int) -> torch.Tensor:
+        """[scored] bool over a trace's scored predictions j = first_scored, first_scored + 1, ...: those of
+        this set (prediction j is of token j + 1, a prompt token when j + 1 < prompt_length)."""
+        predicted = torch.arange(first_scored, first_scored + scored) + 1
+        if self is TokenSet.ALL:
+            return torch.ones(scored, dtype=torch.bool)
+        return (predicted < prompt_length) if self is TokenSet.PROMPT else (predicted >= prompt_length)
+
+
+SPLIT_SETS = (TokenSet.GENERATED, TokenSet.PROMPT)
+"""The token sets reported beside all scored predictions, in the order the tables show them."""
 
 
 @dataclass(frozen=True)
@@ -40,14 +67,15 @@ class ScoredTrace:
     flipped: torch.Tensor
 
     @cached_property
-    def damage(self) -> EntropyDamage:
-        return low_entropy_damage(self.evicted_nll, self.full_nll, self.full_entropy)
+    def damage(self) -> TokenDamage:
+        """Per token: low-entropy, damaged (ΔL > η) and ΔL² where damaged."""
+        return token_damage(self.evicted_nll, self.full_nll, self.full_entropy)
 
     @property
-    def low_entropy_flips(self) -> int:
-        """Bottom-80%-entropy tokens whose top-1 prediction eviction changed: the error the paper's reward
-        targets, counted without a loss threshold."""
-        return int((self.flipped & low_entropy_tokens(self.full_entropy)).sum())
+    def low_entropy_flips(self) -> torch.Tensor:
+        """Per token, whether it is a bottom-80%-entropy token whose top-1 prediction eviction changed: the error
+        the paper's reward targets, counted without a loss threshold."""
+        return self.flipped & low_entropy_tokens(self.full_entropy)
 
 
 @dataclass(frozen=True)
@@ -60,6 +88,10 @@ class Sum:
     name: str
     part: Callable[[ScoredTrace], Part]
     shared: bool = False
+
+    def select(self, part: Part, mask: torch.Tensor) -> Part:
+        """One trace's part over the scored tokens of `mask`; a per-trace count is kept whole."""
+        return part[mask] if isinstance(part, torch.Tensor) else part
 
     def of_trace(self, part: Part) -> float:
         """One trace's sum."""
@@ -82,14 +114,19 @@ class Sum:
         return sum(parts) / len(parts)
 
 
+def _counted(mask: torch.Tensor) -> torch.Tensor:
+    """A per-token 0/1 count (float64, so a mean over seeds stays exact to the last bit of a count)."""
+    return mask.to(torch.float64)
+
+
 SUMS: tuple[Sum, ...] = (
-    Sum("tokens", lambda s: s.evicted_nll.numel(), shared=True),
+    Sum("tokens", lambda s: _counted(torch.ones_like(s.evicted_nll, dtype=torch.bool)), shared=True),
     Sum("nll_evicted", lambda s: s.evicted_nll),
     Sum("nll_full", lambda s: s.full_nll, shared=True),
-    Sum("low_entropy", lambda s: s.damage.low_entropy, shared=True),  # bottom-80%-entropy tokens
-    Sum("damaged", lambda s: s.damage.damaged),  # of those, ΔL > η
-    Sum("squared_sum", lambda s: s.damage.squared_sum),  # Σ ΔL² over the damaged tokens
-    Sum("flipped", lambda s: s.low_entropy_flips),  # low-entropy tokens whose top-1 prediction changed
+    Sum("low_entropy", lambda s: _counted(s.damage.low_entropy), shared=True),  # bottom-80%-entropy tokens
+    Sum("damaged", lambda s: _counted(s.damage.damaged)),  # of those, ΔL > η
+    Sum("squared_sum", lambda s: s.damage.terms),  # ΔL² on the damaged tokens
+    Sum("flipped", lambda s: _counted(s.low_entropy_flips)),  # low-entropy tokens whose top-1 prediction changed
     Sum("cosine", lambda s: s.cosine),
     Sum("overlap_hits", lambda s: s.overlap_hits),
     Sum("overlap_kept", lambda s: s.overlap_kept, shared=True),

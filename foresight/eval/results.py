@@ -15,7 +15,7 @@ import torch
 from foresight.artifacts import write_text
 from foresight.eval.equal_bytes import TOKEN_NLL, EqualBytes, TokenLosses, equal_bytes, save_token_losses
 from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, headroom_rows
-from foresight.eval.metric_registry import METRICS
+from foresight.eval.metric_registry import METRICS, SPLIT_SETS, TokenSet
 from foresight.eval.report import Column, markdown_table, write_results
 from foresight.eval.specs import REFERENCE
 
@@ -45,6 +45,22 @@ COLUMNS: tuple[Column, ...] = (
 )
 
 
+def split_columns(token_set: TokenSet) -> tuple[Column, ...]:
+    """The columns of the table over one token set: the paired figures of its predictions (keys NAME:SET)."""
+    split = tuple((f"{m.name}:{token_set.value}", m.label, m.fmt) for m in METRICS if m.paired)
+    return (*COLUMNS[:3], *split, ("traces", "traces", "{}"), (f"tokens:{token_set.value}", "tokens", "{}"))
+
+
+def split_tables(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A results.md section per token set of `SPLIT_SETS`: the rows' figures over those predictions only."""
+    return [
+        f"## {token_set.value.capitalize()} tokens\n\nThe scored predictions of {token_set.value} tokens only "
+        f"(the table above pools every scored prediction).\n\n{markdown_table(by_loss_ratio(rows), split_columns(token_set))}"
+        for token_set in SPLIT_SETS
+        if any(row.get(f"tokens:{token_set.value}") for row in rows)
+    ]
+
+
 def by_loss_ratio(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """By budget, then loss ratio (best first; rows without one last)."""
     return sorted(rows, key=lambda r: (r["budget"], math.inf if r["loss_ratio"] is None else r["loss_ratio"]))
@@ -63,7 +79,8 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
     budgets on common tokens: `foresight.eval.equal_bytes`) and, for each learned scorer, its share of the headroom
     over the best heuristic (a results.md section and headroom.json). Returns the paths written."""
     comparisons = learned_headroom(result)
-    sections = [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
+    sections = split_tables(result.rows)
+    sections += [f"## The learned scorer against the best heuristic\n\n{c.markdown()}" for c in comparisons]
     sections += [f"## The learned scorer at equal bytes\n\n{c.markdown()}" for c in equal_bytes_headroom(result)]
     paths = write_results(
         out_dir,
@@ -104,7 +121,12 @@ def equal_bytes_headroom(result: EvaluationResult) -> list[EqualBytes]:
 
 
 def learned_headroom(result: EvaluationResult) -> list[Headroom]:
-    """`foresight.eval.headroom.headroom` of every learned policy at every budget where it can be measured."""
+    """`foresight.eval.headroom.headroom` of every learned policy at every budget and over every token set
+    (generated tokens first) where it can be measured."""
     runs = sorted({(row["budget"], row["policy"]) for row in result.rows if row["policy"] in result.learned})
-    comparisons = (headroom(result.trace_scores, budget, policy, result.learned) for budget, policy in runs)
+    comparisons = (
+        headroom(result.trace_scores, budget, policy, result.learned, token_set=token_set)
+        for budget, policy in runs
+        for token_set in (*SPLIT_SETS, TokenSet.ALL)
+    )
     return [c for c in comparisons if c is not None]

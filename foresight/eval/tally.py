@@ -15,13 +15,16 @@ import torch
 from foresight.data.trace_store import Trace
 from foresight.eval.equal_bytes import TokenLosses
 from foresight.eval.headroom import TraceScore
-from foresight.eval.metric_registry import METRICS, SUM, SUMS, Part, ScoredTrace
+from foresight.eval.metric_registry import METRICS, SPLIT_SETS, SUM, SUMS, Metric, Part, ScoredTrace, TokenSet
 from foresight.eval.report import set_interval
 from foresight.eval.stats import bootstrap_interval
 from foresight.metrics import scored_tokens
 
-_TRACE_SCORE_SUMS = tuple(f.name for f in fields(TraceScore))[4:]
-"""The sums `TraceScore` keeps per trace (after policy, budget, index and source)."""
+_TRACE_SCORE_SUMS = tuple(f.name for f in fields(TraceScore) if f.name in SUM)
+"""The sums `TraceScore` keeps per trace (its other fields name the row, the trace and the token set)."""
+_COUNTS = ("tokens", "low_entropy")  # sums that count tokens: integers in a TraceScore and a row
+SPLIT_METRICS = tuple(m for m in METRICS if m.paired)
+"""The figures a row also reports per token set (`row`), each under NAME:SET with its interval."""
 
 
 # -- the replay loop -----------------------------------------------------------------------------
@@ -116,20 +119,36 @@ class TraceTally:
         seconds = sum(r.seconds for r in replays)
         return TraceTally(parts, first.traces, token_nll, first.never_evicted, seconds)
 
-    def _scored(self) -> list[tuple[int, int]]:
+    def _scored(self) -> list[tuple[int, float]]:
         """(trace index, scored tokens) of every scored trace."""
-        return [(trace.index, parts["tokens"]) for trace, parts in zip(self.traces, self.parts)]
+        return [(trace.index, SUM["tokens"].of_trace(parts["tokens"])) for trace, parts in zip(self.traces, self.parts)]
 
-    def sums(self, name: str) -> list[float]:
-        """Each scored trace's sum `name` (a `Sum` of `SUMS`)."""
-        return [SUM[name].of_trace(parts[name]) for parts in self.parts]
+    def _parts(self, token_set: TokenSet) -> list[dict[str, Part]]:
+        """Each scored trace's parts over the scored tokens of `token_set`."""
+        if token_set is TokenSet.ALL:
+            return self.parts
+        selected = []
+        for trace, parts, (first, _) in zip(self.traces, self.parts, self.token_nll):
+            if not isinstance(parts["tokens"], torch.Tensor):
+                raise ValueError("a tally kept before per-token sums cannot be split by token set; replay it again")
+            mask = token_set.mask(first, parts["tokens"].numel(), trace.prompt_length)
+            selected.append({s.name: s.select(parts[s.name], mask) for s in SUMS})
+        return selected
+
+    def sums(self, name: str, token_set: TokenSet = TokenSet.ALL) -> list[float]:
+        """Each scored trace's sum `name` (a `Sum` of `SUMS`) over the scored tokens of `token_set`."""
+        return [SUM[name].of_trace(parts[name]) for parts in self._parts(token_set)]
 
     def trace_scores(self, policy: str, budget: int) -> list[TraceScore]:
-        """Each scored trace's sums, for intervals over traces (`foresight.eval.headroom`)."""
-        sums = zip(*(self.sums(name) for name in _TRACE_SCORE_SUMS))
-        return [
-            TraceScore(policy, budget, trace.index, trace.source, *values) for trace, values in zip(self.traces, sums)
-        ]
+        """Each scored trace's sums, for intervals over traces (`foresight.eval.headroom`): one score per trace
+        and token set (all scored predictions, then each set of `SPLIT_SETS`)."""
+        scores = []
+        for token_set in (TokenSet.ALL, *SPLIT_SETS):
+            columns = [self.sums(name, token_set) for name in _TRACE_SCORE_SUMS]
+            for trace, values in zip(self.traces, zip(*columns)):
+                sums = {n: int(v) if n in _COUNTS else v for n, v in zip(_TRACE_SCORE_SUMS, values)}
+                scores.append(TraceScore(policy, budget, trace.index, trace.source, **sums, token_set=token_set.value))
+        return scores
 
     def token_losses(self, policy: str, budget: int) -> list[TokenLosses]:
         """Each scored trace's per-token NLL and first eviction, for scoring budgets on common tokens."""
@@ -142,21 +161,36 @@ class TraceTally:
         """The result row: every metric of `METRICS` pooled over the scored traces (None where undefined:
         no scored token; the golden overlap without `overlap`, i.e. no labels or a policy that keeps
         everything), then each one's interval over traces."""
-        pooled = {s.name: s.pooled([parts[s.name] for parts in self.parts]) for s in SUMS}
-        tokens = pooled["tokens"]
         row: dict[str, Any] = {
             "policy": policy,
             "budget": budget,
             "interval": interval,
             "traces": len(self.parts),
-            "tokens": tokens,
+            "tokens": int(self._pooled(TokenSet.ALL)["tokens"]),
         }
-        for metric in METRICS:
-            undefined = (metric.denominator is not None and not tokens) or (metric.golden and not overlap)
-            row[metric.name] = None if undefined else metric.value(pooled)
+        row |= self._figures(METRICS, TokenSet.ALL, overlap)
         row |= {"never_evicted": self.never_evicted, "seconds": round(self.seconds, 3)}
-        for metric in METRICS:
-            if metric.interval:
-                parts = (self.sums(metric.numerator), self.sums(metric.denominator))
-                set_interval(row, metric.name, None if row[metric.name] is None else bootstrap_interval(*parts))
+        for token_set in SPLIT_SETS:
+            row[f"tokens:{token_set.value}"] = int(self._pooled(token_set)["tokens"])
+            row |= self._figures(SPLIT_METRICS, token_set, overlap)
         return row
+
+    def _pooled(self, token_set: TokenSet) -> dict[str, float]:
+        return {s.name: s.pooled([parts[s.name] for parts in self._parts(token_set)]) for s in SUMS}
+
+    def _figures(self, metrics: Sequence[Metric], token_set: TokenSet, overlap: bool) -> dict[str, Any]:
+        """`metrics` pooled over the scored tokens of `token_set` (keyed NAME, or NAME:SET for a split set), then
+        each one's interval over traces (None where undefined: no scored token; the golden overlap without
+        `overlap`)."""
+        pooled = self._pooled(token_set)
+        keys = {m.name: m.name if token_set is TokenSet.ALL else f"{m.name}:{token_set.value}" for m in metrics}
+        figures: dict[str, Any] = {}
+        for metric in metrics:
+            undefined = (metric.denominator is not None and not pooled["tokens"]) or (metric.golden and not overlap)
+            figures[keys[metric.name]] = None if undefined else metric.value(pooled)
+        for metric in metrics:
+            if metric.interval:
+                key = keys[metric.name]
+                parts = (self.sums(metric.numerator, token_set), self.sums(metric.denominator, token_set))
+                set_interval(figures, key, None if figures[key] is None else bootstrap_interval(*parts))
+        return figures

@@ -51,11 +51,11 @@ def eval_entries(folder: Path, name: str) -> list[dict[str, Any]]:
 
 def merged_scores(folders: Sequence[Path]) -> list[TraceScore]:
     """The trace scores of several evaluation folders of the same traces, each (policy, budget, trace) once."""
-    merged: dict[tuple[str, int, int], TraceScore] = {}
+    merged: dict[tuple[str, int, int, str], TraceScore] = {}
     for folder in folders:
         for entry in eval_entries(folder, "traces.json"):
             score = TraceScore(**entry)
-            key = (score.policy, score.budget, score.index)
+            key = (score.policy, score.budget, score.index, score.token_set)
             if key in merged:
                 score = _agreed(merged[key], score, folder)
             merged[key] = score
