@@ -9,6 +9,13 @@
 - a batch replayed on that cadence prefills the same `golden_prefill` tokens in every row, so every
   row's step t falls after p_t whatever its prompt length.
 
+Two regimes place the steps (`Regime`, docs/algorithms.md §1). **streaming** (the paper's): the cadence above
+from the first token, the prompt streamed through the window. **decode** (what `foresight generate` runs): the
+whole prompt of P tokens prefilled; when P > B + L, one compression step right after it (position P - 1) keeps
+the L newest and B - L of the P - L older entries, and step t follows at p_t = P - 1 + tL; a prompt of at most
+B + L tokens runs the streaming cadence, since no step falls inside it. Both are the cadence above moved by a
+per-trace `shift` (`regime_shift`: 0, or P - B after a compression), which every function here takes.
+
 The labels, the golden policy, the runtime, the evaluation and the trainer all call these functions,
 so changing the cadence means editing this file only.
 """
@@ -19,10 +26,29 @@ from collections.abc import Sequence
 
 import torch
 
+from foresight.choices import Choice
+
 DEFAULT_BUDGET = 128
 DEFAULT_INTERVAL = 32
 """B and L wherever a command line leaves them out (every verb, benchmark and study): the shipped scorer's, trained
 for the default model. A learned scorer runs only at the B and L it was trained for (its config says them)."""
+
+
+class Regime(Choice):
+    """Where the eviction steps of a trace fall (module docstring)."""
+
+    STREAMING = "streaming"  # the paper's: from the first token, the prompt streamed through the window
+    DECODE = "decode"  # foresight generate's: the whole prompt prefilled, one compression step, then every L
+
+
+def regime_shift(prompt_length: int, budget: int, interval: int, regime: Regime | str) -> int:
+    """How far a trace's steps lie after the streaming cadence's: P - B in the decode regime when the prompt
+    of P tokens ends with a compression step (P > B + L), else 0. Step t then follows p_t = B + tL - 1 + shift,
+    and the compression (step 0) follows P - 1 = B - 1 + shift."""
+    check_budget(budget, interval)
+    if Regime.parse(regime) is Regime.DECODE and prompt_length > budget + interval:
+        return prompt_length - budget
+    return 0
 
 
 class TraceTooShort(ValueError):
@@ -40,24 +66,25 @@ def check_budget(budget: int, interval: int) -> None:
         raise ValueError(f"budget B={budget} must be larger than the interval L={interval}")
 
 
-def eviction_steps(num_tokens: int, budget: int, interval: int) -> int:
-    """M = floor((T - B) / L): the steps whose position p_t = B + tL - 1 lies inside a trace of T tokens."""
+def eviction_steps(num_tokens: int, budget: int, interval: int, shift: int = 0) -> int:
+    """M = floor((T - B - shift) / L): the steps whose position p_t = B + tL - 1 + shift lies inside a trace of T
+    tokens (after a decode regime's compression step, which is not counted)."""
     check_budget(budget, interval)
-    if num_tokens < budget + interval:
-        raise TraceTooShort(
-            f"trace of {num_tokens} tokens is shorter than B + L = {budget + interval}: no eviction step"
-        )
-    return (num_tokens - budget) // interval
+    if num_tokens < budget + interval + shift:
+        needed = f"B + L = {budget + interval}" if not shift else f"its prompt + L = {budget + shift + interval}"
+        raise TraceTooShort(f"trace of {num_tokens} tokens is shorter than {needed}: no eviction step")
+    return (num_tokens - budget - shift) // interval
 
 
-def step_position(step: int, budget: int, interval: int) -> int:
-    """p_t = B + tL - 1: the newest position in the cache when step t (1-based) runs."""
-    return budget + step * interval - 1
+def step_position(step: int, budget: int, interval: int, shift: int = 0) -> int:
+    """p_t = B + tL - 1 + shift: the newest position in the cache when step t (1-based) runs."""
+    return budget + step * interval - 1 + shift
 
 
-def step_of(newest: torch.Tensor, budget: int, interval: int) -> torch.Tensor:
-    """Step t of an eviction whose newest cached position is `newest` (0 where it is off the cadence)."""
-    offset = newest + 1 - budget
+def step_of(newest: torch.Tensor, budget: int, interval: int, shift: int | torch.Tensor = 0) -> torch.Tensor:
+    """Step t of an eviction whose newest cached position is `newest` (0 where it is off the cadence, and at a
+    decode regime's compression step); `shift` per trace, an int or a tensor broadcastable to `newest`."""
+    offset = newest + 1 - budget - shift
     on_cadence = (offset % interval == 0) & (offset >= interval)
     return torch.where(on_cadence, offset // interval, 0)
 

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from foresight.artifacts import MISSING, claimed
-from foresight.cadence import TraceTooShort, eviction_steps
+from foresight.cadence import Regime, TraceTooShort, eviction_steps, regime_shift
 from foresight.data.tasks import recorded_source
 from foresight.data.trace_generation import generate_traces
 from foresight.data.trace_store import Trace, TraceRunSummary, TraceSettings, TraceStore, finished_run
@@ -130,9 +130,10 @@ def make_labels(
     chunk_size: int = 256,
     progress: bool = True,
     kind: LabelKind | str = LabelKind.ALPHA,
+    regime: Regime | str = Regime.STREAMING,
 ) -> StepSummary:
-    """`foresight labels`: the golden labels (of label kind `kind`) of every trace of `traces_dir` long enough
-    to have an eviction step.
+    """`foresight labels`: the golden labels (of label kind `kind`, on the steps of `regime`) of every trace of
+    `traces_dir` long enough to have an eviction step.
 
     Processes started on one folder (or the ranks of a `torchrun` launch) share its traces by per-trace claims
     (`foresight.artifacts.claimed`): each trace is labelled by one of them, a trace claimed by a killed process
@@ -140,12 +141,12 @@ def make_labels(
     started = time.perf_counter()
     traces = TraceStore(traces_dir)
     traces.require_model(frozen.name)
-    store = LabelStore(traces_dir, budget, interval, kind)
+    store = LabelStore(traces_dir, budget, interval, kind, regime)
 
     def problem(trace: Trace) -> str | None:
         return store.problem(trace.index, num_tokens=trace.input_ids.numel())
 
-    plan = StepPlan.of(traces, budget, interval, problem)
+    plan = StepPlan.of(traces, budget, interval, problem, store.regime)
     made = []
     mine = claimed(plan.todo, lambda trace: store.claim_path(trace.index), lambda trace: problem(trace) is None)
     for trace in tqdm(mine, total=len(plan.todo), desc="labels", unit="trace", disable=not progress):
@@ -158,6 +159,8 @@ def make_labels(
             model_name=frozen.name,
             chunk_size=chunk_size,
             kind=store.kind,
+            regime=store.regime,
+            prompt_length=trace.prompt_length,
         )
         save_labels(labels, store.path(trace.index))
         made.append(trace.index)
@@ -176,12 +179,18 @@ class StepPlan:
 
     @classmethod
     def of(
-        cls, traces: Sequence[Trace], budget: int, interval: int, problem: Callable[[Trace], str | None]
+        cls,
+        traces: Sequence[Trace],
+        budget: int,
+        interval: int,
+        problem: Callable[[Trace], str | None],
+        regime: Regime = Regime.STREAMING,
     ) -> StepPlan:
         plan = cls([], 0, 0, 0, budget + interval)
         for trace in traces:
             try:
-                eviction_steps(trace.input_ids.numel(), budget, interval)
+                shift = regime_shift(trace.prompt_length, budget, interval, regime)
+                eviction_steps(trace.input_ids.numel(), budget, interval, shift)
             except TraceTooShort:
                 plan.too_short += 1
                 continue

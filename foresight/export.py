@@ -33,7 +33,7 @@ DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 def scorer_config_dict(config: ScorerConfig) -> dict[str, Any]:
     """A `ScorerConfig` as plain values (the config of `SCORER_KEY`)."""
-    return {**asdict(config), "feature_set": config.feature_set.value}
+    return {**asdict(config), "feature_set": config.feature_set.value, "regime": config.regime.value}
 
 
 def checkpoint_entries(scorer: ForesightScorer, training: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +131,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"| base model | `{config.base_model}` ({config.num_layers} layers, {config.num_query_heads} query heads, "
         f"{config.num_kv_heads} KV heads, head dim {config.head_dim}) |\n"
         f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
+        f"| eviction regime | {config.regime.value} (docs/algorithms.md §1) |\n"
         f"| features | `{config.feature_set.value}`: {features} ({heads}, {config.feature_set.transform}) |\n"
         f"| hidden width H | {config.hidden} |\n"
         f"| training stage | {config.stage}{_started_from(config)} |"

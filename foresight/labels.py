@@ -38,6 +38,14 @@ attention weight a_{q,h,i} by what the entry does to the output, and those that 
 `gradient-magnitude`, `removal`) need one backward pass of the low-entropy NLL through the same capture
 (`_gradient_forward`). The kind is in the file's metadata and the folder's name.
 
+Regimes (`foresight.cadence.Regime`): in the decode regime a trace whose prompt of P tokens is longer than
+B + L starts with a compression step after position P - 1: its candidates are positions 0..P-L-1 and it keeps
+the B - L of them with the largest α of that step (block: the L queries after P - 1); that kept set is stored
+as `prefill_kept`, and steps t = 1..M follow at p_t = P - 1 + tL, B candidates each, exactly as in the
+streaming cadence moved by shift = P - B. The future scores are those of the streaming cadence with budget
+P - L, whose step 1 is the compression. The regime and the shift are in the file's metadata, the regime in
+the folder's name.
+
 Size: one algorithm (§4) end to end: the capture forward, block and future scores, the greedy
 schedule and the label file; splitting it would spread one equation over several files.
 """
@@ -54,7 +62,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from foresight.artifacts import check_metadata, file_problem, read_tensors, save_tensors
-from foresight.cadence import check_budget, eviction_steps, keep_top
+from foresight.cadence import Regime, check_budget, eviction_steps, keep_top, regime_shift
 from foresight.choices import Choice
 from foresight.metrics import low_entropy_tokens
 from foresight.models import ModelShape, describe
@@ -145,6 +153,9 @@ class GoldenLabels:
     model_name: str = ""
     model_shape: ModelShape | None = None
     kind: LabelKind = LabelKind.ALPHA  # what `alpha` holds: α or another kind's score (`LabelKind`)
+    regime: Regime = Regime.STREAMING
+    shift: int = 0  # step t follows p_t = B + tL - 1 + shift (`foresight.cadence.regime_shift`)
+    prefill_kept: torch.Tensor | None = None  # [layers, Hkv, B - L] int32: a decode compression's kept set
 
     @property
     def num_steps(self) -> int:
@@ -161,20 +172,25 @@ class GoldenLabels:
         return keep_top(self.candidates, self.alpha, self.budget - self.interval)
 
 
-def golden_schedule(future: torch.Tensor, budget: int, interval: int) -> tuple[torch.Tensor, torch.Tensor]:
+def golden_schedule(
+    future: torch.Tensor, budget: int, interval: int, kept: torch.Tensor | None = None, shift: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the greedy golden schedule for a batch of heads.
 
-    future: [M, heads, N] future scores α_{i,t} of positions 0..N-1, N >= B + (M - 1)L.
+    future: [M, heads, N] future scores α_{i,t} of positions 0..N-1, N >= B + (M - 1)L + shift.
     Returns candidates [M, heads, B] int64 (ascending) and their α [M, heads, B].
     kept_0 is taken as 0..B-L-1 and the window leaving at step 1 as B-L..B-1, so step 1's
-    candidates are 0..B-1 like every later step's are kept_{t-1} plus the L that left the window.
+    candidates are 0..B-1 like every later step's are kept_{t-1} plus the L that left the window. After a
+    decode regime's compression step, `kept` [heads, B - L] is its kept set and the window leaving at step 1
+    is B-L+shift..B-1+shift.
     """
     num_steps, heads, _ = future.shape
     device = future.device
     candidates = torch.empty(num_steps, heads, budget, dtype=torch.long, device=device)
-    kept = torch.arange(budget - interval, device=device).expand(heads, -1)
+    if kept is None:
+        kept = torch.arange(budget - interval, device=device).expand(heads, -1)
     for step in range(num_steps):
-        left_window = budget + (step - 1) * interval
+        left_window = budget + (step - 1) * interval + shift
         leaving = torch.arange(left_window, left_window + interval, device=device).expand(heads, -1)
         candidates[step] = torch.cat([kept, leaving], dim=-1)
         kept = keep_top(candidates[step], future[step].gather(-1, candidates[step]), budget - interval)
@@ -391,16 +407,32 @@ def compute_golden_labels(
     model_name: str | None = None,
     chunk_size: int = 256,
     kind: LabelKind | str = LabelKind.ALPHA,
+    regime: Regime | str = Regime.STREAMING,
+    prompt_length: int | None = None,
 ) -> GoldenLabels:
-    """Golden Eviction labels of one trace (1-D token ids, prompt + completion), of label kind `kind`.
+    """Golden Eviction labels of one trace (1-D token ids, prompt + completion), of label kind `kind`, on the
+    steps of `regime` (the decode regime reads the trace's `prompt_length`).
 
-    Raises TraceTooShort when T < B + L. chunk_size only bounds the forward's working memory.
-    model_name defaults to the model config's name_or_path.
+    Raises TraceTooShort when T < B + L (decode, after a compression: T < P + L). chunk_size only bounds the
+    forward's working memory. model_name defaults to the model config's name_or_path.
     """
-    kind = LabelKind.parse(kind)
-    table = _future_table(model, input_ids, budget, interval, chunk_size, model.device, kind)
+    kind, regime = LabelKind.parse(kind), Regime.parse(regime)
+    if regime is Regime.DECODE and prompt_length is None:
+        raise ValueError("decode-regime labels need the trace's prompt length (prompt_length)")
+    shift = 0 if prompt_length is None else regime_shift(prompt_length, budget, interval, regime)
+    eviction_steps(input_ids.numel(), budget, interval, shift)
+    start = (
+        budget + shift - interval if shift else budget
+    )  # the step-1 positions of the table: P - L after a compression
+    table = _future_table(model, input_ids, start, interval, chunk_size, model.device, kind)
     num_steps, layers, heads, width = table.shape
-    candidates, alpha = golden_schedule(table.view(num_steps, layers * heads, width), budget, interval)
+    flat = table.view(num_steps, layers * heads, width)
+    prefill_kept = None
+    if shift:  # the compression step: keep the B - L of positions 0..P-L-1 with the largest α
+        older = torch.arange(start, device=flat.device).expand(layers * heads, -1)
+        prefill_kept = keep_top(older, flat[0, :, :start], budget - interval)
+        flat, num_steps = flat[1:], num_steps - 1
+    candidates, alpha = golden_schedule(flat, budget, interval, prefill_kept, shift)
     return GoldenLabels(
         candidates=candidates.view(num_steps, layers, heads, budget).to("cpu", torch.int32),
         alpha=alpha.view(num_steps, layers, heads, budget).cpu(),
@@ -411,6 +443,9 @@ def compute_golden_labels(
         model_name=model.config.name_or_path if model_name is None else model_name,
         model_shape=describe(model),
         kind=kind,
+        regime=regime,
+        shift=shift,
+        prefill_kept=None if prefill_kept is None else prefill_kept.view(layers, heads, -1).to("cpu", torch.int32),
     )
 
 
@@ -443,7 +478,8 @@ def _future_table(
     kind: LabelKind = LabelKind.ALPHA,
 ) -> torch.Tensor:
     """One capture forward, then the future scores of one layer at a time, stacked into [M, layers, Hkv, N] on
-    `device`; each layer's queries and keys are freed once read, so the layers' scores grow as they shrink."""
+    `device`; each layer's queries and keys are freed once read, so the layers' scores grow as they shrink.
+    `budget` places the steps only (p_t = budget + tL - 1): a decode regime's table is that of budget P - L."""
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D (one trace), got shape {tuple(input_ids.shape)}")
     if chunk_size < 1:
@@ -459,13 +495,18 @@ def _future_table(
 
 
 def labels_dir(
-    traces_dir: str | os.PathLike, budget: int, interval: int, kind: LabelKind | str = LabelKind.ALPHA
+    traces_dir: str | os.PathLike,
+    budget: int,
+    interval: int,
+    kind: LabelKind | str = LabelKind.ALPHA,
+    regime: Regime | str = Regime.STREAMING,
 ) -> Path:
-    """Where the labels of a traces folder live for one (B, L) and kind: TRACES_DIR/labels-B{B}-L{L} for α,
-    TRACES_DIR/labels-B{B}-L{L}-{kind} for another kind."""
+    """Where the labels of a traces folder live for one (B, L), kind and regime: TRACES_DIR/labels-B{B}-L{L} for
+    α in the streaming regime, with -{kind} for another kind and -decode for the decode regime."""
     check_budget(budget, interval)
-    kind = LabelKind.parse(kind)
+    kind, regime = LabelKind.parse(kind), Regime.parse(regime)
     suffix = "" if kind == LabelKind.ALPHA else f"-{kind.value}"
+    suffix += "" if regime is Regime.STREAMING else f"-{regime.value}"
     return Path(traces_dir) / f"labels-B{budget}-L{interval}{suffix}"
 
 
@@ -481,17 +522,27 @@ def save_labels(labels: GoldenLabels, path: str | os.PathLike) -> None:
         "trace_index": str(labels.trace_index),
         "model": labels.model_name,
         "kind": labels.kind.value,
+        "regime": labels.regime.value,
+        "shift": str(labels.shift),
         **{key: str(value) for key, value in asdict(labels.model_shape).items()},
     }
-    save_tensors(path, {"candidates": labels.candidates, "alpha": labels.alpha}, metadata)
+    tensors = {"candidates": labels.candidates, "alpha": labels.alpha}
+    if labels.prefill_kept is not None:
+        tensors["prefill_kept"] = labels.prefill_kept
+    save_tensors(path, tensors, metadata)
 
 
 def labels_command(
-    traces_dir: str | os.PathLike, budget: int, interval: int, kind: LabelKind | str = LabelKind.ALPHA
+    traces_dir: str | os.PathLike,
+    budget: int,
+    interval: int,
+    kind: LabelKind | str = LabelKind.ALPHA,
+    regime: Regime | str = Regime.STREAMING,
 ) -> str:
-    """The command that makes (or remakes) the labels of a traces folder for one (B, L) and kind."""
-    kind = LabelKind.parse(kind)
+    """The command that makes (or remakes) the labels of a traces folder for one (B, L), kind and regime."""
+    kind, regime = LabelKind.parse(kind), Regime.parse(regime)
     option = "" if kind == LabelKind.ALPHA else f" --kind {kind.value}"
+    option += "" if regime is Regime.STREAMING else f" --regime {regime.value}"
     return f"`foresight labels --traces {traces_dir} --budget {budget} --interval {interval}{option}`"
 
 
@@ -503,13 +554,14 @@ def load_labels(
     expect_num_tokens: int,
     expect_trace_index: int,
     expect_kind: LabelKind | str = LabelKind.ALPHA,
+    expect_regime: Regime | str = Regime.STREAMING,
 ) -> GoldenLabels:
-    """Read labels and check they were made for this trace, this (B, L) and this kind (a file without a
-    kind holds α: it predates the kinds); a missing, damaged or mismatched file is a one-line
-    `ArtifactError` naming the command that remakes it."""
-    path, kind = Path(path), LabelKind.parse(expect_kind)
-    remake = labels_command(path.parent.parent, expect_budget, expect_interval, kind)
-    metadata, tensors = read_tensors(path, remake, names=("candidates", "alpha"))
+    """Read labels and check they were made for this trace, this (B, L), this kind and this regime (a file
+    without a kind holds α and one without a regime the streaming cadence: they predate them); a missing,
+    damaged or mismatched file is a one-line `ArtifactError` naming the command that remakes it."""
+    path, kind, regime = Path(path), LabelKind.parse(expect_kind), Regime.parse(expect_regime)
+    remake = labels_command(path.parent.parent, expect_budget, expect_interval, kind, regime)
+    metadata, tensors = read_tensors(path, remake)
     expected = {
         "format": FORMAT,
         "budget": expect_budget,
@@ -517,8 +569,11 @@ def load_labels(
         "num_tokens": expect_num_tokens,
         "trace_index": expect_trace_index,
         "kind": kind.value,
+        "regime": regime.value,
     }
-    check_metadata(path, {"kind": LabelKind.ALPHA.value, **metadata}, expected, remake)
+    defaults = {"kind": LabelKind.ALPHA.value, "regime": Regime.STREAMING.value, "shift": "0"}
+    metadata = defaults | metadata
+    check_metadata(path, metadata, expected, remake)
     return GoldenLabels(
         candidates=tensors["candidates"],
         alpha=tensors["alpha"],
@@ -529,6 +584,9 @@ def load_labels(
         model_name=metadata["model"],
         model_shape=ModelShape(**{f.name: int(metadata[f.name]) for f in fields(ModelShape)}),
         kind=kind,
+        regime=regime,
+        shift=int(metadata["shift"]),
+        prefill_kept=tensors.get("prefill_kept"),
     )
 
 
@@ -536,13 +594,19 @@ class LabelStore:
     """The golden labels of a traces folder for one (B, L) and label kind, read by trace index."""
 
     def __init__(
-        self, traces_dir: str | os.PathLike, budget: int, interval: int, kind: LabelKind | str = LabelKind.ALPHA
+        self,
+        traces_dir: str | os.PathLike,
+        budget: int,
+        interval: int,
+        kind: LabelKind | str = LabelKind.ALPHA,
+        regime: Regime | str = Regime.STREAMING,
     ):
         self.traces_dir = Path(traces_dir)
         self.budget = budget
         self.interval = interval
         self.kind = LabelKind.parse(kind)
-        self.directory = labels_dir(traces_dir, budget, interval, self.kind)
+        self.regime = Regime.parse(regime)
+        self.directory = labels_dir(traces_dir, budget, interval, self.kind, self.regime)
 
     def path(self, trace_index: int) -> Path:
         return self.directory / f"trace-{trace_index:06d}.safetensors"
@@ -567,13 +631,15 @@ class LabelStore:
         }
         if self.kind != LabelKind.ALPHA:  # α files made before the kinds carry none
             expected["kind"] = self.kind.value
+        if self.regime is not Regime.STREAMING:  # streaming files made before the regimes carry none
+            expected["regime"] = self.regime.value
         return file_problem(self.path(trace_index), expected)
 
     def require(self, trace_index: int, *, num_tokens: int) -> None:
         """A one-line ValueError naming the command that makes the labels, unless they are usable."""
         problem = self.problem(trace_index, num_tokens=num_tokens)
         if problem is not None:
-            command = labels_command(self.traces_dir, self.budget, self.interval, self.kind)
+            command = labels_command(self.traces_dir, self.budget, self.interval, self.kind, self.regime)
             path = self.path(trace_index)
             raise ValueError(
                 f"the golden labels of trace {trace_index} ({path}) are {problem}; make them with {command}"
@@ -588,4 +654,5 @@ class LabelStore:
             expect_num_tokens=num_tokens,
             expect_trace_index=trace_index,
             expect_kind=self.kind,
+            expect_regime=self.regime,
         )

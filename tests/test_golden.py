@@ -122,7 +122,7 @@ def test_step_of_reads_the_cadence():
     )
     schedule = GoldenSchedule.stack([labels])
     newest = torch.tensor([19, 23, 27, 31, 18, 20, 15])
-    assert schedule.step_of(newest).tolist() == [1, 2, 3, 4, 0, 0, 0]
+    assert schedule.step_of(newest, torch.zeros(7, dtype=torch.long)).tolist() == [1, 2, 3, 4, 0, 0, 0]
 
 
 def test_rows_past_their_trace_score_zero(model, traces, labels, monkeypatch):

@@ -145,6 +145,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
         "started_from": None,
         "training_sources": [],
         "key_values": True,
+        "regime": "streaming",
     }
     loaded = ForesightScorer.from_pretrained(tmp_path)
     assert loaded.config == scorer.config

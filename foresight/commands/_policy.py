@@ -25,6 +25,7 @@ from foresight.bench.options import (
     SCORER_METAVAR,
     int_list,
 )
+from foresight.cadence import Regime
 from foresight.eval.specs import LEARNED, cadence_overrides, one_scorer, options_by_row, options_of
 from foresight.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
 from foresight.policies.options import describe_type, required_options, settable_options, typed_options
@@ -47,6 +48,18 @@ def add_cadence_arguments(
     else:
         parser.add_argument(*BUDGET_FLAGS, type=int, default=budget, required=budget is None, help=BUDGET_HELP)
     parser.add_argument(*INTERVAL_FLAGS, type=int, default=interval, required=interval is None, help=INTERVAL_HELP)
+
+
+def add_regime_argument(parser: argparse.ArgumentParser) -> None:
+    """--regime: where the eviction steps fall (`foresight.cadence.Regime`), streaming unless given."""
+    parser.add_argument(
+        "--regime",
+        type=Regime.parse,
+        default=Regime.STREAMING,
+        help="where the eviction steps fall: streaming (the paper's: the prompt streamed through the window from "
+        "the first token) or decode (as `foresight generate`: the whole prompt prefilled, one compression step to "
+        "B, then a step every L tokens); docs/algorithms.md §1 (default: streaming)",
+    )
 
 
 def add_scorer_argument(parser: argparse.ArgumentParser, required: bool = False, what: str = "") -> None:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from foresight.cadence import Regime
 from foresight.commands import _generation
 from foresight.commands._model import (
     add_model_arguments,
@@ -41,6 +42,7 @@ from foresight.commands._policy import (
     add_cadence_arguments,
     add_option_argument,
     add_policies_argument,
+    add_regime_argument,
     add_scorer_argument,
 )
 from foresight.data.trace_store import TraceStore, describe_traces, select_traces
@@ -70,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "every registered policy that can run; golden where labels exist, foresight with --scorer"
     )
     add_cadence_arguments(parser, budget=REQUIRED, interval=REQUIRED, several_budgets=True)
+    add_regime_argument(parser)
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json/.csv/.md and the plots")
     add_model_arguments(parser, made_traces=True)
     parser.add_argument(
@@ -166,6 +169,17 @@ def sampled_settings(seeds: int, temperature: float) -> dict[str, str]:
     }
 
 
+def regime_notes(specs: Sequence[PolicySpec], regime: Regime) -> list[str]:
+    """A warning per learned scorer trained for another regime than the one evaluated (it still runs: comparing
+    regimes is a user's experiment, not a mistake)."""
+    return [
+        f"warning: {spec.name} was trained for the {spec.scorer.config.regime.value} regime and runs here in the "
+        f"{regime.value} regime"
+        for spec in specs
+        if isinstance(spec, ScorerSpec) and spec.scorer.config.regime is not regime
+    ]
+
+
 def trained_on(specs: list[PolicySpec], evaluated: set[str]) -> dict[str, str]:
     """Per learned scorer: the sources it was trained on (from its config) and which evaluated ones it never saw."""
     lines = {}
@@ -204,7 +218,13 @@ def run(args: argparse.Namespace) -> int:
     weight = next(model.parameters())
     replays = ReplayStore(
         args.out / "replays",
-        {"model": made_with, "dtype": str(weight.dtype), "device": weight.device.type, "label kind": args.label_kind},
+        {
+            "model": made_with,
+            "dtype": str(weight.dtype),
+            "device": weight.device.type,
+            "label kind": args.label_kind,
+            "regime": args.regime.value,
+        },
     )
     result = evaluate(
         model,
@@ -217,8 +237,9 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or TRACE_BATCH,
         share_prefix=args.share_prefix,
         replays=replays,
+        regime=args.regime,
     )
-    result.notes[:0] = notes
+    result.notes[:0] = notes + regime_notes(specs, args.regime)
     settings = {
         "traces": str(args.traces),
         "model": made_with,
@@ -226,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": ", ".join(spec.name for spec in specs),
         "budgets": ", ".join(map(str, args.budgets)),
         "interval": args.interval,
+        "regime": args.regime.value,
         **option_settings(specs),
         **sampled_settings(args.sampled_seeds, args.sample_temperature),
         **trained_on(specs, {t.source for t in traces}),

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
-from foresight.commands._policy import REQUIRED, add_cadence_arguments
+from foresight.commands._policy import REQUIRED, add_cadence_arguments, add_regime_argument
 from foresight.data.trace_store import TraceStore
 from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelKind
@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="label kind: alpha (Eq. 5), value, gradient, gradient-magnitude or removal (docs/algorithms.md §4); "
         "in the folder's name",
     )
+    add_regime_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +46,13 @@ def run(args: argparse.Namespace) -> int:
     frozen = FrozenModel(made_with, **rank_placement(model_options(args)))
     print(
         make_labels(
-            frozen, args.traces, args.budget, args.interval, chunk_size=args.chunk_size, kind=args.kind
+            frozen,
+            args.traces,
+            args.budget,
+            args.interval,
+            chunk_size=args.chunk_size,
+            kind=args.kind,
+            regime=args.regime,
         ).describe()
     )
     return 0

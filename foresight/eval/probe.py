@@ -87,18 +87,22 @@ class AttentionProbe:
             self._count_overlap(layer, positions, entries)
 
     def _count_overlap(self, layer: int, positions: torch.Tensor, entries: torch.Tensor) -> None:
-        """Golden step t is read at the forward that processes position p_t + 1 = B + tL."""
+        """Golden step t is read at the forward that processes position p_t + 1 = B + tL + shift (each row's
+        shift: 0 but after a decode compression)."""
         schedule = self.schedule
         budget, interval = schedule.budget, schedule.interval
-        steps = step_of(positions - 1, budget, interval)
+        shift = schedule.shift.to(positions.device)[:, None]
+        steps = step_of(positions - 1, budget, interval, shift)
         for step in steps[steps > 0].unique().tolist():
-            start = step_position(step, budget, interval) + 1
-            reached = (positions == start).any(dim=1).cpu() & (step <= schedule.num_steps) & (start < self.lengths)
+            starts = step_position(step, budget, interval) + 1 + schedule.shift  # [rows]
+            reached = (positions == starts.to(positions.device)[:, None]).any(dim=1).cpu()
+            reached &= (step <= schedule.num_steps) & (starts < self.lengths)
             rows = reached.nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue
             held = entries[rows.to(entries.device)]
-            kept = held.masked_fill(held > start - 1 - interval, -1)  # older than the recent window
+            newest_old = (starts[rows] - 1 - interval).to(held.device)[:, None, None]
+            kept = held.masked_fill(held > newest_old, -1)  # older than the recent window
             golden = schedule.kept[rows, step - 1, layer].to(held.device)
             hits, count = golden_overlap(kept, golden)
             self.overlap_hits.index_add_(0, rows, hits.sum(-1).cpu())

@@ -17,13 +17,16 @@ the metrics of `foresight.metrics` compare it with the full cache:
   policy on the golden cadence these are exactly the candidates it kept at its own step t; the
   overlap pools hits / kept over every step, layer and KV head.
 
-Cadence. The golden schedule counts steps from the first token (p_t = B + tL - 1, prompt
-included), so every policy that does not protect the prompt is replayed on that cadence: a batch
-prefills the same min(B + L, shortest prompt) tokens in every row and feeds the rest in chunks that
-end at the evictions, so all rows evict together and every row's step t follows position p_t
-(golden needs this; for the others it is the same computation as decoding token by token). Policies
-that protect the prompt (raas, epikv) are replayed with their true prompt lengths: their budget
-applies after the prompt, so their steps fall at P + B + tL - 1 and they hold P more entries.
+Cadence (`foresight.cadence.Regime`). In the streaming regime (the paper's) the golden schedule counts
+steps from the first token (p_t = B + tL - 1, prompt included), so every policy that does not protect the
+prompt is replayed on that cadence: a batch prefills the same min(B + L, shortest prompt) tokens in every
+row and feeds the rest in chunks that end at the evictions, so all rows evict together and every row's
+step t follows position p_t (golden needs this; for the others it is the same computation as decoding
+token by token). In the decode regime every row prefills its whole prompt, as `foresight generate` does:
+a prompt longer than B + L ends with a compression step, and the row's steps follow every L tokens after
+it, so rows evict on their own schedules; its labels are the decode regime's (`labels-B*-L*-decode`).
+Policies that protect the prompt (raas, epikv) are replayed with their true prompt lengths in both: their
+budget applies after the prompt, so their steps fall at P + B + tL - 1 and they hold P more entries.
 
 Shared prefix: the evicting replays of a batch with the same prefill reuse the forwards before the first
 eviction, recorded by the first of them (`foresight.runtime.prefix`); every figure is the same as
@@ -33,9 +36,10 @@ Sampled learned policy (`SampledScorerSpec`): the batch is replayed once per see
 figures are the means over the seeds (`TraceTally.mean`): the same tokens are scored under every
 seed, so its row pools per-trace means, with intervals over traces as for any other row.
 
-Scored tokens: predictions made after a row's first eviction (`metrics.scored_tokens`). A policy
-that never evicts (full) is the reference itself: loss ratio 1, no damage, cosine 1, scored on the
-golden cadence's tokens (j >= B + L). Traces shorter than B + L never evict and are skipped with a
+Scored tokens: predictions made after a row's first eviction (`metrics.scored_tokens`), reported over all
+of them and apart for prompt and generated tokens (`TokenSet`). A policy that never evicts (full) is the
+reference itself: loss ratio 1, no damage, cosine 1, scored on the golden cadence's tokens (j >= B + L,
+or j >= P after a decode compression). Traces shorter than B + L never evict and are skipped with a
 count, per budget.
 
 The probe lives in `foresight.eval.probe`, the metrics in `foresight.eval.metric_registry`, the per-trace
@@ -46,11 +50,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from foresight.cadence import check_budget, golden_prefill
+from foresight.cadence import Regime, check_budget, golden_prefill, regime_shift
 from foresight.data.trace_store import Trace
 from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
 from foresight.eval.replay_store import ReplayStore
@@ -80,8 +85,10 @@ def evaluate(
     progress: bool = True,
     share_prefix: bool = True,
     replays: ReplayStore | None = None,
+    regime: Regime | str = Regime.STREAMING,
 ) -> EvaluationResult:
-    """Replay every trace under every policy and budget; one result row per (policy, budget).
+    """Replay every trace under every policy and budget, on the steps of `regime`; one result row per
+    (policy, budget).
 
     `share_prefix`: the policies of a batch reuse each other's forwards before the first eviction
     (`foresight.runtime.prefix`; the same results, less model work). `labels_root` is the traces
@@ -92,6 +99,7 @@ def evaluate(
     """
     if batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    regime = Regime.parse(regime)
     for budget in budgets:
         check_budget(budget, interval)
     notes: list[str] = []
@@ -105,7 +113,7 @@ def evaluate(
             notes.append(
                 f"B={budget}: skipped {short} of {len(traces)} traces shorter than B + L = {budget + interval} tokens"
             )
-        store = None if labels_root is None else LabelStore(labels_root, budget, interval, label_kind)
+        store = None if labels_root is None else LabelStore(labels_root, budget, interval, label_kind, regime)
         batch_labels = _labels_for(store, eligible, budget, interval, notes)
         budget_specs = [s for s in specs if not (s.needs_labels and batch_labels is None)]
         if len(budget_specs) < len(specs):
@@ -115,7 +123,7 @@ def evaluate(
         batches = [eligible[i : i + batch_size] for i in range(0, len(eligible), batch_size)]
         plans.append((budget, budget_specs, batches, batch_labels))
     total = sum(
-        _work(batch, budget, interval, spec)
+        _work(batch, budget, interval, spec, regime)
         for budget, budget_specs, batches, _ in plans
         for batch in batches
         for spec in _replayed(budget_specs)
@@ -128,11 +136,19 @@ def evaluate(
             for batch in batches:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
                 _evaluate_batch(
-                    model, batch, budget_specs, budget, interval, schedule_labels, tallies, bar, share_prefix, replays
+                    model,
+                    batch,
+                    budget_specs,
+                    Cadence(budget, interval, regime),
+                    schedule_labels,
+                    tallies,
+                    bar,
+                    share_prefix,
+                    replays,
                 )
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
-                | kv_memory(spec, budget, interval, tallies[spec.name].traces, shape, dtype, batch_labels)
+                | kv_memory(spec, budget, interval, tallies[spec.name].traces, shape, dtype, batch_labels, regime)
                 for spec in budget_specs
             ]
             notes += [
@@ -159,23 +175,29 @@ def kv_memory(
     shape: Shape,
     dtype: torch.dtype,
     labels: dict[int, GoldenLabels] | None = None,
+    regime: Regime | str = Regime.STREAMING,
 ) -> dict[str, float | None]:
     """The row's peak KV memory per sequence (the x axis of the field's accuracy-against-memory curves), the mean
     over the traces its figures come from: entries min(T, B + L), plus the prompt for a policy that protects it
-    (the full cache holds every token of a trace), and MiB of everything the policy holds with them
-    (`foresight.runtime.held_memory`: K/V, positions, per-entry state, query ring, buffered queries).
-    `labels`: golden's, by trace index. None without traces."""
+    and the whole prompt where a decode regime prefills more (the full cache holds every token of a trace), and
+    MiB of everything the policy holds with them (`foresight.runtime.held_memory`: K/V, positions, per-entry
+    state, query ring, buffered queries). `labels`: golden's, by trace index. None without traces."""
     if not traces:
         return {"kv_entries": None, "kv_mib": None}
     policy = spec.replays()[0].build(
         [labels[traces[0].index]] if spec.needs_labels else None, [t.index for t in traces]
     )
-    peaks = [
-        t.input_ids.numel()
-        if not spec.evicts
-        else min(t.input_ids.numel(), budget + interval + (t.prompt_length if spec.protects_prompt else 0))
-        for t in traces
-    ]
+    regime = Regime.parse(regime)
+
+    def peak(trace: Trace) -> int:
+        if not spec.evicts:
+            return trace.input_ids.numel()
+        if spec.protects_prompt:
+            return min(trace.input_ids.numel(), budget + interval + trace.prompt_length)
+        prefilled = trace.prompt_length if regime is Regime.DECODE else 0
+        return min(trace.input_ids.numel(), max(budget + interval, prefilled))
+
+    peaks = [peak(t) for t in traces]
     held = [held_bytes(shape, policy, budget, interval, dtype, entries=peak).total for peak in peaks]
     return {"kv_entries": sum(peaks) / len(peaks), "kv_mib": sum(held) / len(held) / MIB}
 
@@ -196,12 +218,32 @@ def _labels_for(
     return {t.index: store.load(t.index, num_tokens=t.input_ids.numel()) for t in traces}
 
 
-def prefill_lengths(batch: Sequence[Trace], budget: int, interval: int, protects_prompt: bool) -> list[int]:
-    """Prompt lengths handed to the replay (see the module docstring: the golden cadence, or the
-    true prompts for policies that protect them)."""
-    if protects_prompt:
-        return [t.prompt_length for t in batch]
-    return [golden_prefill([t.prompt_length for t in batch], budget, interval)] * len(batch)
+@dataclass(frozen=True)
+class Cadence:
+    """B, L and the regime one budget's replays run on."""
+
+    budget: int
+    interval: int
+    regime: Regime = Regime.STREAMING
+
+    def prefill_lengths(self, batch: Sequence[Trace], protects_prompt: bool) -> list[int]:
+        """Prompt lengths handed to the replay (see the module docstring: the streaming regime's golden cadence,
+        or the true prompts in the decode regime and for policies that protect them)."""
+        if protects_prompt or self.regime is Regime.DECODE:
+            return [t.prompt_length for t in batch]
+        return [golden_prefill([t.prompt_length for t in batch], self.budget, self.interval)] * len(batch)
+
+    def first_scored(self, trace: Trace) -> int:
+        """The first prediction made after golden's first eviction: B + L, or P after a decode compression."""
+        shift = regime_shift(trace.prompt_length, self.budget, self.interval, self.regime)
+        return trace.prompt_length if shift else self.budget + self.interval
+
+
+def prefill_lengths(
+    batch: Sequence[Trace], budget: int, interval: int, protects_prompt: bool, regime: Regime = Regime.STREAMING
+) -> list[int]:
+    """`Cadence.prefill_lengths` of one (B, L, regime)."""
+    return Cadence(budget, interval, regime).prefill_lengths(batch, protects_prompt)
 
 
 def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
@@ -211,9 +253,11 @@ def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
     return [REFERENCE, *evicting] if evicting else []
 
 
-def _work(batch: Sequence[Trace], budget: int, interval: int, spec: PolicySpec) -> int:
+def _work(
+    batch: Sequence[Trace], budget: int, interval: int, spec: PolicySpec, regime: Regime = Regime.STREAMING
+) -> int:
     """Token columns x rows a replay of the batch feeds after its prefill (the progress bar's unit)."""
-    prefill = prefill_lengths(batch, budget, interval, spec.protects_prompt)
+    prefill = prefill_lengths(batch, budget, interval, spec.protects_prompt, regime)
     return len(batch) * max(t.input_ids.numel() - p for t, p in zip(batch, prefill))
 
 
@@ -221,8 +265,7 @@ def _evaluate_batch(
     model: torch.nn.Module,
     batch: Sequence[Trace],
     specs: Sequence[PolicySpec],
-    budget: int,
-    interval: int,
+    cadence: Cadence,
     labels: Sequence[GoldenLabels] | None,
     tallies: dict[str, TraceTally],
     bar: tqdm,
@@ -232,6 +275,7 @@ def _evaluate_batch(
     """One full-cache replay for the reference outputs, then the replays of every evicting policy, each kept in
     `store` as soon as it ends; a policy whose replay of this batch `store` holds already is read from it (and
     the progress bar skips its work; the reference runs only when some evicting policy is replayed)."""
+    budget, interval = cadence.budget, cadence.interval
     kept: dict[str, TraceTally] = {}
     for spec in specs if store is not None else ():
         if spec.evicts and (tally := store.load(spec, budget, interval, batch)) is not None:
@@ -239,14 +283,14 @@ def _evaluate_batch(
     missing = [spec for spec in specs if spec.name not in kept]
 
     def work(replays: Sequence[PolicySpec]) -> int:
-        return sum(_work(batch, budget, interval, replay) for replay in replays)
+        return sum(_work(batch, budget, interval, replay, cadence.regime) for replay in replays)
 
     bar.update(work(_replayed(specs)) - work(_replayed(missing)))
     reference, greedy = None, None  # the full cache's probe and top-1 predictions per trace
     if any(spec.evicts for spec in missing):
         num_layers = model.config.get_text_config().num_hidden_layers
         reference = AttentionProbe([t.input_ids.numel() for t in batch], num_layers)
-        greedy = _replay(model, REFERENCE, batch, budget, interval, None, reference, bar).greedy
+        greedy = _replay(model, REFERENCE, batch, cadence, None, reference, bar).greedy
     schedule = None if labels is None else GoldenSchedule.stack(labels)
     prefixes = {} if share_prefix else None  # per prefill: the forwards before the first eviction
     for spec in specs:
@@ -255,12 +299,10 @@ def _evaluate_batch(
             tally.extend(kept[spec.name])
         elif not spec.evicts:
             for trace in batch:
-                tally.add_trace(trace, trace.token_nll, budget + interval, None)
+                tally.add_trace(trace, trace.token_nll, cadence.first_scored(trace), None)
         else:
             replays = [
-                _tally_replay(
-                    model, replay, batch, budget, interval, labels, (reference, greedy), schedule, bar, prefixes
-                )
+                _tally_replay(model, replay, batch, cadence, labels, (reference, greedy), schedule, bar, prefixes)
                 for replay in spec.replays()
             ]
             replayed = TraceTally.mean(replays)
@@ -273,8 +315,7 @@ def _tally_replay(
     model: torch.nn.Module,
     spec: PolicySpec,
     batch: Sequence[Trace],
-    budget: int,
-    interval: int,
+    cadence: Cadence,
     labels: Sequence[GoldenLabels] | None,
     full: tuple[AttentionProbe, list[torch.Tensor]],
     schedule: GoldenSchedule | None,
@@ -288,7 +329,7 @@ def _tally_replay(
     probe = AttentionProbe(
         [t.input_ids.numel() for t in batch], num_layers, reference=reference.outputs, schedule=schedule
     )
-    output = _replay(model, spec, batch, budget, interval, labels, probe, bar, prefixes)
+    output = _replay(model, spec, batch, cadence, labels, probe, bar, prefixes)
     tally = TraceTally(seconds=output.stats.forward_seconds + output.stats.eviction_seconds)
     for row, trace in enumerate(batch):
         predictions = trace.input_ids.numel() - 1
@@ -304,8 +345,7 @@ def _replay(
     model: torch.nn.Module,
     spec: PolicySpec,
     batch: Sequence[Trace],
-    budget: int,
-    interval: int,
+    cadence: Cadence,
     labels: Sequence[GoldenLabels] | None,
     probe: AttentionProbe,
     bar: tqdm,
@@ -314,9 +354,9 @@ def _replay(
     """One replay of the batch; evicting policies with the same prefill share the forwards before their
     first eviction through `prefixes` (`foresight.runtime.prefix`: the same results, the model run once)."""
     policy = spec.build(labels, [t.index for t in batch])
-    engine = EvictionEngine(model, policy, spec.config(budget, interval), attention=PROBE_ATTENTION)
-    bar.set_postfix_str(f"B={budget} {spec.name}")
-    prefill = prefill_lengths(batch, budget, interval, engine.protect_prompt)
+    engine = EvictionEngine(model, policy, spec.config(cadence.budget, cadence.interval), attention=PROBE_ATTENTION)
+    bar.set_postfix_str(f"B={cadence.budget} {spec.name}")
+    prefill = cadence.prefill_lengths(batch, engine.protect_prompt)
     chunk = None if spec.evicts else REFERENCE_CHUNK
     prefix = None if prefixes is None else prefixes.setdefault(tuple(prefill), ReplayPrefix())
     with probe.active():

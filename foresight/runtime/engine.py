@@ -715,7 +715,9 @@ class EvictionEngine:
             window = self._streamed_window(run, rows) if self.streams_queries else self._window_queries(cache, rows)
             step = _step_layers(cache, _entry_positions(cache, lengths, rows), *window, rows)
             entries = cache.layers[0].get_seq_length()
-            contexts = self._contexts(cache, step, entries - self.config.interval, tuple(candidates), first_observed)
+            contexts = self._contexts(
+                cache, step, entries - self.config.interval, tuple(candidates), first_observed, rows=rows
+            )
             if not self.observes_every_query:  # every-query policies observed all their queries already
                 self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows)
             scores = self.policy.step_keep_scores(contexts)
@@ -780,9 +782,11 @@ class EvictionEngine:
         candidate_counts: tuple[int, ...] | None = None,
         first_observed: torch.Tensor | None = None,
         evicts_after: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> list[EvictionContext]:
         """Every layer's context: its slices of the `step`'s tensors, with the rows' valid candidates
-        (`candidate_counts`), `first_observed` query positions and, for a streamed block, `evicts_after`."""
+        (`candidate_counts`), `first_observed` query positions, for a streamed block `evicts_after`, and which
+        of the run's rows they are (`rows`, None: all)."""
         return [
             EvictionContext(
                 layer_idx=index,
@@ -799,6 +803,7 @@ class EvictionEngine:
                 first_observed=first_observed,
                 evicts_after=evicts_after,
                 step=step,
+                rows=rows,
             )
             for index, layer in enumerate(cache.layers)
         ]

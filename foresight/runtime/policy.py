@@ -100,6 +100,7 @@ class EvictionContext:
     first_observed: torch.Tensor | None = None  # [batch] each row's first observed query position (None: this block)
     evicts_after: torch.Tensor | None = None  # [batch] a streamed block's: the query each row's next step follows
     step: StepLayers | None = None  # every layer's tensors of this step, of which this context's are slices
+    rows: torch.Tensor | None = None  # [batch] which rows of the run these are (None: every row, in order)
 
     @cached_property
     def attention(self) -> torch.Tensor:
@@ -273,4 +274,5 @@ def layers_as_rows(contexts: Sequence[EvictionContext]) -> EvictionContext | Non
         candidate_counts=None if first.candidate_counts is None else first.candidate_counts * layers,
         first_observed=None if first.first_observed is None else first.first_observed.repeat(layers),
         evicts_after=None if first.evicts_after is None else first.evicts_after.repeat(layers),
+        rows=None if first.rows is None else first.rows.repeat(layers),
     )

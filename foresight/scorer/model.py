@@ -35,7 +35,7 @@ from huggingface_hub.errors import HFValidationError
 from safetensors import SafetensorError
 from torch import nn
 
-from foresight.cadence import check_budget
+from foresight.cadence import Regime, check_budget
 from foresight.scorer.attention_features import FeatureSet, feature_width
 
 
@@ -77,7 +77,8 @@ class ScorerConfig:
     training_sources: the prompt sources of the traces it was trained on (informative; empty when not
     recorded). key_values: whether x_n holds the entry's key and value (True, the paper's x_n) or only its
     attention features (False: an ablation whose scorer cannot key on token content or on the absolute
-    position that RoPE rotates into the keys).
+    position that RoPE rotates into the keys). regime: the eviction regime whose steps its training examples
+    came from (`foresight.cadence.Regime`; scorers written before the regimes hold none and are streaming).
     """
 
     num_layers: int
@@ -93,9 +94,11 @@ class ScorerConfig:
     started_from: str | None = None
     training_sources: list[str] = field(default_factory=list)
     key_values: bool = True
+    regime: Regime = Regime.STREAMING
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)
+        self.regime = Regime.parse(self.regime)
         if self.stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(map(repr, STAGES))}, got {self.stage!r}")
         for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "hidden"):
