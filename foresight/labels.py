@@ -458,14 +458,21 @@ def future_score_table(
     *,
     chunk_size: int = 256,
     kind: LabelKind | str = LabelKind.ALPHA,
+    regime: Regime | str = Regime.STREAMING,
+    prompt_length: int | None = None,
 ) -> torch.Tensor:
     """α_{i,t} (or another kind's score) of every position that can be a candidate, [M, layers, Hkv, N]
-    float32 on the CPU.
+    float32 on the CPU, for steps t = 1..M of `regime` (a decode compression's row left out).
 
     What an entry's target is does not depend on which entries a policy kept before (α reads the
     full-cache attention only), so this table labels the states of any trajectory on the cadence, the
     learned scorer's own included (on-policy examples, `trainers.examples`)."""
-    return _future_table(model, input_ids, budget, interval, chunk_size, torch.device("cpu"), LabelKind.parse(kind))
+    shift = 0 if prompt_length is None else regime_shift(prompt_length, budget, interval, regime)
+    if Regime.parse(regime) is Regime.DECODE and prompt_length is None:
+        raise ValueError("a decode-regime table needs the trace's prompt length (prompt_length)")
+    start = budget + shift - interval if shift else budget
+    table = _future_table(model, input_ids, start, interval, chunk_size, torch.device("cpu"), LabelKind.parse(kind))
+    return table[1:] if shift else table
 
 
 def _future_table(

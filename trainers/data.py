@@ -30,7 +30,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from foresight.cadence import TraceTooShort, eviction_steps
+from foresight.cadence import Regime, TraceTooShort, eviction_steps, regime_shift
 from foresight.data.trace_store import (
     Trace,
     TraceStore,
@@ -134,6 +134,9 @@ class GoldenDataModule(TraceSplitDataModule):
     storage_dtype: dtype of the cached keys, values and features (α stays float32).
     label_kind: the labels the targets come from (`foresight labels --kind`: alpha or another `LabelKind`);
       part of the example cache's key, so the examples of one kind are never read as another's.
+    regime: the eviction regime whose steps the examples follow (`foresight.cadence.Regime`: streaming or
+      decode); its labels are those of that regime, it is part of the example cache's key, and the scorer's
+      config records it.
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
       of the cache's key) or the replay.
     replay_batch_size: traces replayed together through the frozen model.
@@ -167,6 +170,7 @@ class GoldenDataModule(TraceSplitDataModule):
         num_workers: int | None = None,
         pin_memory: bool | None = None,
         label_kind: str = LabelKind.ALPHA.value,
+        regime: str = Regime.STREAMING.value,
     ) -> None:
         super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size)
         if replay_batch_size < 1:
@@ -175,7 +179,17 @@ class GoldenDataModule(TraceSplitDataModule):
             raise ValueError(f"num_workers must be at least 0 (or null for the default), got {num_workers}")
         self.feature_set = FeatureSet.parse(feature_set).value
         self.frozen = FrozenModel(model, device=device, dtype=float_dtype("dtype", dtype))
-        key = ExampleKey(model, dtype, budget, interval, self.feature_set, storage_dtype, label_kind=label_kind)
+        self.regime = Regime.parse(regime)
+        key = ExampleKey(
+            model,
+            dtype,
+            budget,
+            interval,
+            self.feature_set,
+            storage_dtype,
+            label_kind=label_kind,
+            regime=self.regime.value,
+        )
         self.examples = None if examples_dir is None else ExampleCache(examples_dir, traces_dir, key)
         self.on_policy = [ExampleCache.of_trajectory(folder, traces_dir, key) for folder in on_policy_dirs or []]
         if self.on_policy and self.examples is None:
@@ -184,7 +198,7 @@ class GoldenDataModule(TraceSplitDataModule):
         self.shuffle = shuffle
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self._resumed_epoch = 0  # the sampler epoch of a run resumed from a checkpoint (`load_state_dict`)
-        self.labels = LabelStore(self.traces_dir, budget, interval, label_kind)
+        self.labels = LabelStore(self.traces_dir, budget, interval, label_kind, self.regime)
         self.train: Dataset | None = None
         self.train_indices: list[int] = []  # the training split, after `setup`
         self.val: Dataset | None = None
@@ -202,6 +216,7 @@ class GoldenDataModule(TraceSplitDataModule):
             "base_model": self.model_name,
             "feature_set": self.feature_set,
             "training_sources": sources,
+            "regime": self.regime.value,
         }
 
     def setup(self, stage: str | None = None) -> None:
@@ -300,9 +315,10 @@ class GoldenDataModule(TraceSplitDataModule):
         return {"num_workers": workers, "pin_memory": pin, "persistent_workers": workers > 0}
 
     def _num_steps(self, trace: Trace) -> int:
-        """Eviction steps of a trace; 0 for one shorter than B + L."""
+        """Eviction steps of a trace in the regime; 0 for one too short for one."""
         try:
-            return eviction_steps(trace.input_ids.numel(), self.budget, self.interval)
+            shift = regime_shift(trace.prompt_length, self.budget, self.interval, self.regime)
+            return eviction_steps(trace.input_ids.numel(), self.budget, self.interval, shift)
         except TraceTooShort:
             return 0
 

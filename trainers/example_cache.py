@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from foresight.artifacts import MISSING, file_problem, save_tensors, write_text
-from foresight.cadence import check_budget
+from foresight.cadence import Regime, check_budget
 from foresight.data.trace_store import Trace
 from foresight.labels import LabelKind
 from foresight.models import float_dtype
@@ -35,6 +35,8 @@ from foresight.scorer.attention_features import FeatureSet
 FORMAT = "foresight-golden-steps/2"
 KEY_FILE = "examples.json"
 GOLDEN_TRAJECTORY = "golden"
+LEGACY_DEFAULTS = {"label_kind": LabelKind.ALPHA.value, "regime": Regime.STREAMING.value}
+"""Key fields a cache made before they existed does not store, with the value such a cache holds."""
 
 
 @dataclass(frozen=True)
@@ -50,20 +52,24 @@ class ExampleKey:
     format: str = FORMAT
     trajectory: str = GOLDEN_TRAJECTORY
     label_kind: str = LabelKind.ALPHA.value  # the labels' kind (`foresight labels --kind`) the targets are
+    regime: str = Regime.STREAMING.value  # the regime whose steps the examples are (`foresight.cadence.Regime`)
 
     def __post_init__(self) -> None:
         check_budget(self.budget, self.interval)
         FeatureSet.parse(self.feature_set)
         LabelKind.parse(self.label_kind)
+        Regime.parse(self.regime)
         float_dtype("model_dtype", self.model_dtype)
         float_dtype("storage_dtype", self.storage_dtype)
 
     def metadata(self) -> dict[str, str]:
-        """The key as stored with the cache and each file; α's kind is left out, so caches made before the
-        kinds stay valid and are never read as another kind's (whose key names it)."""
+        """The key as stored with the cache and each file; α's kind and the streaming regime are left out, so
+        caches made before the kinds and regimes stay valid and are never read as another kind's or regime's
+        (whose key names it)."""
         stored = {name: str(value) for name, value in asdict(self).items()}
-        if self.label_kind == LabelKind.ALPHA.value:
-            del stored["label_kind"]
+        for name, default in LEGACY_DEFAULTS.items():
+            if stored[name] == default:
+                del stored[name]
         return stored
 
 
@@ -83,6 +89,7 @@ class ExampleCache:
             f"`foresight examples --traces {self.traces_dir} --budget {key.budget} --interval {key.interval} "
             f"--feature-set {key.feature_set} --storage-dtype {key.storage_dtype} --dtype {key.model_dtype} "
             f"{'' if key.label_kind == LabelKind.ALPHA.value else f'--label-kind {key.label_kind} '}"
+            f"{'' if key.regime == Regime.STREAMING.value else f'--regime {key.regime} '}"
             f"--out {self.directory}`"
         )
 
@@ -106,8 +113,8 @@ class ExampleCache:
         file = self.directory / KEY_FILE
         if not file.is_file():
             return False
-        # caches made before on-policy rounds name no trajectory, those made before the label kinds no kind
-        stored = {"trajectory": GOLDEN_TRAJECTORY, "label_kind": LabelKind.ALPHA.value, **json.loads(file.read_text())}
+        # caches made before on-policy rounds name no trajectory, those made before the kinds or regimes none
+        stored = {"trajectory": GOLDEN_TRAJECTORY, **LEGACY_DEFAULTS, **json.loads(file.read_text())}
         wanted = {name: str(value) for name, value in asdict(self.key).items()}
         differing = [
             f"{name} {stored.get(name)!r} (asked: {value!r})"

@@ -18,10 +18,12 @@ One example is one trace, as the paper batches (App. E.1): its M eviction steps,
 values [M, layers, Hkv, B, D], features [M, layers, Hkv, B, F*G] and alpha [M, layers, Hkv, B],
 candidates in ascending position.
 
-The labels' cadence (step t after position B + tL - 1) holds from the first token, whatever the
-trace's prompt length, so a replay batch prefills the same `foresight.cadence.golden_prefill` tokens
-in every row (as `foresight eval` replays golden): its rows evict together, and a row that ends early
-replays padding, which is not recorded.
+In the streaming regime the labels' cadence (step t after position B + tL - 1) holds from the first
+token, whatever the trace's prompt length, so a replay batch prefills the same
+`foresight.cadence.golden_prefill` tokens in every row (as `foresight eval` replays golden): its rows evict
+together, and a row that ends early replays padding, which is not recorded. In the decode regime each row
+prefills its whole prompt and its steps follow its own shift (`foresight.cadence.regime_shift`), so rows
+evict apart; a compression step (step 0) is driven but not recorded: its labels hold only its kept set.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from foresight.cadence import eviction_steps, golden_prefill, step_of
+from foresight.cadence import Regime, eviction_steps, golden_prefill, regime_shift, step_of
 from foresight.data.trace_store import Trace
 from foresight.labels import GoldenLabels
 from foresight.policies import make_policy
@@ -52,6 +54,8 @@ class StepTargets(Protocol):
     budget: int
     interval: int
     num_steps: torch.Tensor  # [rows]
+    shift: torch.Tensor  # [rows] each row's `regime_shift`
+    regime: Regime
 
     def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """α [len(rows), Hkv, B] of the candidates at `positions` [len(rows), Hkv, B] (steps are 1-based)."""
@@ -63,7 +67,12 @@ class LabelTargets:
 
     def __init__(self, labels: Sequence[GoldenLabels]) -> None:
         self.budget, self.interval = labels[0].budget, labels[0].interval
+        regimes = {item.regime for item in labels}
+        if len(regimes) > 1:
+            raise ValueError(f"the labels of one batch must share one regime, got {sorted(r.value for r in regimes)}")
+        self.regime = regimes.pop()
         self.num_steps = torch.tensor([item.num_steps for item in labels])
+        self.shift = torch.tensor([item.shift for item in labels])
         self._alpha = torch.zeros(len(labels), int(self.num_steps.max()), *labels[0].alpha.shape[1:])
         for row, item in enumerate(labels):
             self._alpha[row, : item.num_steps] = item.alpha
@@ -75,9 +84,17 @@ class LabelTargets:
 class FutureTargets:
     """α from each row's table of future scores [M, layers, Hkv, N]: any trajectory on the cadence."""
 
-    def __init__(self, tables: Sequence[torch.Tensor], budget: int, interval: int) -> None:
-        self.tables, self.budget, self.interval = list(tables), budget, interval
+    def __init__(
+        self,
+        tables: Sequence[torch.Tensor],
+        budget: int,
+        interval: int,
+        shifts: Sequence[int] = (),
+        regime: Regime = Regime.STREAMING,
+    ) -> None:
+        self.tables, self.budget, self.interval, self.regime = list(tables), budget, interval, regime
         self.num_steps = torch.tensor([table.shape[0] for table in self.tables])
+        self.shift = torch.tensor(list(shifts) or [0] * len(self.tables))
 
     def alpha(self, rows: torch.Tensor, steps: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         positions = positions.cpu().long()
@@ -178,21 +195,24 @@ class StepRecorder(Policy):
     def _record(self, context: EvictionContext) -> None:
         """Write this step's candidates of the rows still inside their trace into the step buffers."""
         targets = self.targets
-        steps = step_of(context.positions.amax(dim=(1, 2)).cpu(), targets.budget, targets.interval)
-        rows = ((steps >= 1) & (steps <= self.num_steps)).nonzero().squeeze(1)
+        batch_rows = torch.arange(context.positions.shape[0]) if context.rows is None else context.rows.cpu()
+        newest = context.positions.amax(dim=(1, 2)).cpu()
+        steps = step_of(newest, targets.budget, targets.interval, targets.shift[batch_rows])
+        local = ((steps >= 1) & (steps <= self.num_steps[batch_rows])).nonzero().squeeze(1)
         features = self._features.pop(context.layer_idx)  # the candidates', as the scorer reads them
-        if rows.numel() == 0:
+        if local.numel() == 0:
             return
-        candidates = slice(0, context.num_candidates)
+        candidates = slice(0, targets.budget)  # a compression step (more candidates) is never recorded
         keys, values = context.keys[..., candidates, :], context.values[..., candidates, :]
-        inputs = {"keys": keys, "values": values, "features": features}
+        inputs = {"keys": keys, "values": values, "features": features[..., candidates, :]}
         if not self.buffers:
             self._allocate(context, inputs)
-        index = (rows, steps[rows] - 1, context.layer_idx)
+        rows = batch_rows[local]
+        index = (rows, steps[local] - 1, context.layer_idx)
         for name, value in inputs.items():
-            self.buffers[name][index] = value[rows.to(value.device)].to("cpu", self.storage_dtype)
-        positions = context.candidate_positions[rows.to(context.keys.device)]
-        self.buffers["alpha"][index] = targets.alpha(rows, steps[rows], context.layer_idx, positions)
+            self.buffers[name][index] = value[local.to(value.device)].to("cpu", self.storage_dtype)
+        positions = context.candidate_positions[local.to(context.keys.device), :, candidates]
+        self.buffers["alpha"][index] = targets.alpha(rows, steps[local], context.layer_idx, positions)
 
     def _allocate(self, context: EvictionContext, inputs: dict[str, torch.Tensor]) -> None:
         """Buffers [rows, M_max, layers, Hkv, B, *] and the α [rows, M_max, layers, Hkv, B]."""
@@ -210,11 +230,14 @@ class StepRecorder(Policy):
 
 
 def _replay(model, traces: Sequence[Trace], recorder: StepRecorder) -> list[dict[str, torch.Tensor]]:
-    """Replay `traces` as one batch on the labels' cadence (no sinks, no protected prompt, one prefill)."""
-    budget, interval = recorder.targets.budget, recorder.targets.interval
+    """Replay `traces` as one batch on the labels' cadence (no sinks, no protected prompt; one prefill in the
+    streaming regime, each whole prompt in the decode regime)."""
+    targets = recorder.targets
+    budget, interval = targets.budget, targets.interval
     engine = EvictionEngine(model, recorder, EvictionConfig(budget, interval, sinks=0, protect_prompt=False))
-    prefill = golden_prefill([trace.prompt_length for trace in traces], budget, interval)
-    engine.replay([trace.input_ids for trace in traces], [prefill] * len(traces))
+    prompts = [trace.prompt_length for trace in traces]
+    prefill = prompts if targets.regime is Regime.DECODE else [golden_prefill(prompts, budget, interval)] * len(traces)
+    engine.replay([trace.input_ids for trace in traces], prefill)
     return recorder.examples()
 
 
@@ -238,17 +261,20 @@ def scorer_steps(
     tables: Sequence[torch.Tensor],
     scorer: ForesightScorer,
     storage_dtype: torch.dtype = torch.float16,
+    regime: Regime = Regime.STREAMING,
 ) -> list[dict[str, torch.Tensor]]:
-    """Replay `traces` as one batch under `scorer`'s own (deterministic) evictions; the on-policy
-    training examples of each, α read from its table of future scores (`future_score_table`)."""
+    """Replay `traces` as one batch under `scorer`'s own (deterministic) evictions on the steps of `regime`; the
+    on-policy training examples of each, α read from its table of future scores (`future_score_table`)."""
     config = scorer.config
-    for trace, table in zip(traces, tables, strict=True):
-        steps = eviction_steps(trace.input_ids.numel(), config.budget, config.interval)
+    shifts = [regime_shift(trace.prompt_length, config.budget, config.interval, regime) for trace in traces]
+    for trace, table, shift in zip(traces, tables, shifts, strict=True):
+        steps = eviction_steps(trace.input_ids.numel(), config.budget, config.interval, shift)
         if table.shape[0] != steps:
             raise ValueError(
                 f"the future scores of trace {trace.index} hold {table.shape[0]} steps, but the scorer's "
-                f"B={config.budget}, L={config.interval} give its {trace.input_ids.numel()} tokens {steps} steps"
+                f"B={config.budget}, L={config.interval} give its {trace.input_ids.numel()} tokens {steps} steps "
+                f"in the {regime.value} regime"
             )
-    targets = FutureTargets(list(tables), config.budget, config.interval)
+    targets = FutureTargets(list(tables), config.budget, config.interval, shifts, regime)
     recorder = StepRecorder(make_policy("foresight", scorer=scorer), targets, config.feature_set, storage_dtype)
     return _replay(model, traces, recorder)

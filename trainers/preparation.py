@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
+from foresight.cadence import Regime
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.data_stage import FrozenModel, StepPlan, StepSummary
 from foresight.labels import LabelStore, future_score_table
@@ -66,8 +67,8 @@ def make_examples(
     started = time.perf_counter()
     key = cache.key
     traces = _opened_traces(frozen, cache, replay_batch_size)
-    labels = LabelStore(cache.traces_dir, key.budget, key.interval, key.label_kind)
-    plan = StepPlan.of(traces, key.budget, key.interval, cache.problem)
+    labels = LabelStore(cache.traces_dir, key.budget, key.interval, key.label_kind, key.regime)
+    plan = StepPlan.of(traces, key.budget, key.interval, cache.problem, labels.regime)
     for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay
         labels.require(trace.index, num_tokens=trace.input_ids.numel())
     storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
@@ -105,7 +106,8 @@ def make_on_policy_examples(
         )
     wanted = set(trace_indices)
     traces = [trace for trace in _opened_traces(frozen, cache, replay_batch_size) if trace.index in wanted]
-    plan = StepPlan.of(traces, key.budget, key.interval, cache.problem)
+    regime = Regime.parse(key.regime)
+    plan = StepPlan.of(traces, key.budget, key.interval, cache.problem, regime)
     storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
     for group in tqdm(
         _length_groups(plan.todo, replay_batch_size), desc="on-policy", unit="batch", disable=not progress
@@ -113,11 +115,18 @@ def make_on_policy_examples(
         model = frozen.load()[0]
         tables = [
             future_score_table(
-                model, trace.input_ids, key.budget, key.interval, chunk_size=chunk_size, kind=key.label_kind
+                model,
+                trace.input_ids,
+                key.budget,
+                key.interval,
+                chunk_size=chunk_size,
+                kind=key.label_kind,
+                regime=regime,
+                prompt_length=trace.prompt_length,
             )
             for trace in group
         ]
-        for trace, tensors in zip(group, scorer_steps(model, group, tables, scorer, storage_dtype)):
+        for trace, tensors in zip(group, scorer_steps(model, group, tables, scorer, storage_dtype, regime)):
             cache.write(trace, tensors)
     action = "made the on-policy examples of"
     return plan.summary(cache.directory, action, "already made", time.perf_counter() - started)

@@ -50,15 +50,19 @@ def add_cadence_arguments(
     parser.add_argument(*INTERVAL_FLAGS, type=int, default=interval, required=interval is None, help=INTERVAL_HELP)
 
 
-def add_regime_argument(parser: argparse.ArgumentParser) -> None:
-    """--regime: where the eviction steps fall (`foresight.cadence.Regime`), streaming unless given."""
+def add_regime_argument(
+    parser: argparse.ArgumentParser, default: Regime | None = Regime.STREAMING, config_key: str | None = None
+) -> None:
+    """--regime: where the eviction steps fall (`foresight.cadence.Regime`); `config_key` names the config value
+    a training verb's flag sets (its default: the config's)."""
+    fallback = f"the config's {config_key}, else streaming" if config_key else "streaming"
     parser.add_argument(
         "--regime",
         type=Regime.parse,
-        default=Regime.STREAMING,
+        default=default,
         help="where the eviction steps fall: streaming (the paper's: the prompt streamed through the window from "
         "the first token) or decode (as `foresight generate`: the whole prompt prefilled, one compression step to "
-        "B, then a step every L tokens); docs/algorithms.md §1 (default: streaming)",
+        f"B, then a step every L tokens); docs/algorithms.md §1 (default: {fallback})",
     )
 
 

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
-from foresight.commands._policy import REQUIRED, add_cadence_arguments
+from foresight.commands._policy import REQUIRED, add_cadence_arguments, add_regime_argument
 from foresight.data.trace_store import TraceStore
 from foresight.data_stage import FrozenModel
 from foresight.labels import LabelKind
@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[member.value for member in LabelKind],
         help="the labels the targets come from (`foresight labels --kind`); part of the cache's key",
     )
+    add_regime_argument(parser)
     add_model_arguments(parser, made_traces=True)
     parser.add_argument("--replay-batch-size", type=int, default=4, help="traces replayed together")
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         args.feature_set,
         args.storage_dtype,
         label_kind=args.label_kind,
+        regime=args.regime.value,
     )
     summary = make_examples(frozen, ExampleCache(args.out, args.traces, key), replay_batch_size=args.replay_batch_size)
     print(summary.describe())

@@ -42,6 +42,7 @@ from pathlib import Path
 import yaml
 from filelock import FileLock, Timeout
 
+from foresight.commands._policy import add_regime_argument
 from foresight.commands._training import (
     add_training_arguments,
     checked_config,
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
+    add_regime_argument(parser, default=None, config_key="data.regime")
     parser.add_argument(
         "--on-policy-rounds",
         type=_checked_by(OnPolicyRounds, "rounds"),
@@ -134,6 +136,8 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
     if args.traces is not None:
         checked_traces(args.traces)
         cli_args.append("--traces=null")
+    if args.regime is not None:
+        cli_args.append(f"--data.regime={args.regime.value}")
     return cli_args + override_args(args.overrides)  # `run` hands --ckpt-path to trainer.fit
 
 
@@ -159,7 +163,13 @@ def prepare(args: argparse.Namespace, cli=None):
             _report("traces", make_traces(data.frozen, recipe, data.traces_dir, progress=show), show)
             record_sources(cli.model.scorer.config, data.traces_dir)
         labels = make_labels(
-            data.frozen, data.traces_dir, data.budget, data.interval, progress=show, kind=data.labels.kind
+            data.frozen,
+            data.traces_dir,
+            data.budget,
+            data.interval,
+            progress=show,
+            kind=data.labels.kind,
+            regime=data.regime,
         )
         _report("labels", labels, show)
         if data.examples is not None:

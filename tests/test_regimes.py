@@ -1,0 +1,103 @@
+"""The two eviction regimes (foresight.cadence.Regime): the decode regime's replay is `foresight generate`'s run
+on the same tokens, its golden labels follow the compression step, and a bad regime is named in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foresight.cadence import Regime, eviction_steps, regime_shift, step_of, step_position
+from foresight.data.trace_store import Trace
+from foresight.eval.replay import Cadence
+from foresight.labels import compute_golden_labels, future_score_table, golden_schedule
+from foresight.models import tiny_model
+from foresight.policies import make_policy
+from foresight.policies.golden import GoldenEviction
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+
+B, L = 16, 4
+PROMPT = 31  # longer than B + L: the decode regime compresses after it
+
+
+def kept_positions(engine: EvictionEngine) -> list[torch.Tensor]:
+    """Every layer's sorted cached positions [Hkv, entries] of row 0 of the engine's last run."""
+    return [layer.entry_positions()[0].sort(-1).values for layer in engine.last_cache.layers]
+
+
+def trace_of(ids: list[int], prompt_length: int) -> Trace:
+    zeros = torch.zeros(len(ids) - 1)
+    return Trace(0, "src", torch.tensor(ids), prompt_length, zeros, zeros, None, None, "", "")
+
+
+def test_regime_shift_moves_the_steps_after_a_compression_only():
+    assert regime_shift(PROMPT, B, L, "decode") == PROMPT - B
+    assert regime_shift(B + L, B, L, "decode") == 0  # no step falls inside a prompt of at most B + L tokens
+    assert regime_shift(PROMPT, B, L, "streaming") == 0
+    shift = PROMPT - B
+    assert step_position(1, B, L, shift) == PROMPT - 1 + L  # step 1: L tokens after the compression
+    newest = torch.tensor([PROMPT - 1, PROMPT - 1 + L, PROMPT - 1 + 2 * L, PROMPT + L])
+    assert step_of(newest, B, L, shift).tolist() == [0, 1, 2, 0]
+    assert eviction_steps(PROMPT + 9, B, L, shift) == 2
+    with pytest.raises(ValueError, match="unknown regime 'prefill'; allowed: 'streaming', 'decode'"):
+        Regime.parse("prefill")
+
+
+@pytest.mark.parametrize("policy_name", ["snapkv", "tova", "h2o"])
+def test_the_decode_replay_is_the_generation_it_replays(policy_name):
+    """Greedy generation from a long prompt, then its tokens replayed with the decode regime's prefill: every
+    layer ends holding the same positions, and the replay's loss of each generated token is the generation's.
+    The streaming regime's prefill, which skips the compression after the prompt, ends elsewhere."""
+    model = tiny_model("llama", seed=0)
+    prompt = torch.randint(3, model.config.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine = EvictionEngine(model, make_policy(policy_name), EvictionConfig(B, L, sinks=0, protect_prompt=False))
+    generated = engine.generate([prompt], max_new_tokens=3 * L + 2, return_logits=True)
+    tokens = generated.tokens[0]
+    assert generated.stats.evictions == 4  # the compression, then three steps
+    after_generation = kept_positions(engine)
+    trace = trace_of(prompt + tokens[:-1], PROMPT)  # what the generation fed: its last token never was
+    ids = [trace.input_ids]
+
+    decode_prefill = Cadence(B, L, Regime.DECODE).prefill_lengths([trace], protects_prompt=False)
+    replayed = engine.replay(ids, decode_prefill)
+    for layer, (replay, generation) in enumerate(zip(kept_positions(engine), after_generation)):
+        assert torch.equal(replay, generation), f"layer {layer}"
+    logits = generated.logits[0, 1 : len(tokens) - 1].float()  # predictions of the fed tokens after the first
+    nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:-1])[:, None])[:, 0]
+    assert torch.allclose(replayed.nll[0][PROMPT:], nll, atol=1e-4)
+
+    streaming_prefill = Cadence(B, L, Regime.STREAMING).prefill_lengths([trace], protects_prompt=False)
+    assert streaming_prefill == [B + L]
+    engine.replay(ids, streaming_prefill)
+    assert any(not torch.equal(a, b) for a, b in zip(kept_positions(engine), after_generation))
+
+
+def test_decode_labels_keep_the_compression_by_its_future_score_and_golden_replays_them():
+    """The compression step keeps the B - L of positions 0..P-L-1 with the largest α of the block after the
+    prompt; the later steps are the streaming schedule moved by the shift, from that kept set; golden replays
+    the labels in the decode regime with its overlap at 1 and refuses the streaming one."""
+    model = tiny_model("llama", seed=0)
+    ids = torch.randint(3, model.config.vocab_size, (PROMPT + 3 * L + 1,), generator=torch.Generator().manual_seed(2))
+    labels = compute_golden_labels(model, ids, B, L, regime="decode", prompt_length=PROMPT)
+    shift = PROMPT - B
+    assert (labels.regime, labels.shift, labels.num_steps) == (Regime.DECODE, shift, 3)
+    table = future_score_table(model, ids, PROMPT - L, L)  # its step 1 is the compression
+    older = torch.arange(PROMPT - L)
+    for layer in range(table.shape[1]):
+        for head in range(table.shape[2]):
+            alpha = table[0, layer, head, : PROMPT - L]
+            order = sorted(older.tolist(), key=lambda i: (-float(alpha[i]), i))[: B - L]
+            assert labels.prefill_kept[layer, head].tolist() == sorted(order)
+    flat = table[1:].flatten(1, 2)
+    candidates, _ = golden_schedule(flat, B, L, labels.prefill_kept.flatten(0, 1).long(), shift)
+    assert torch.equal(candidates.view_as(labels.candidates), labels.candidates.long())
+    assert labels.candidates[0, 0, 0, -L:].tolist() == list(range(PROMPT - L, PROMPT))  # the window leaving
+
+    trace = trace_of(ids.tolist(), PROMPT)
+    engine = EvictionEngine(model, GoldenEviction(labels=[labels]), EvictionConfig(B, L, sinks=0, protect_prompt=False))
+    engine.replay([ids], Cadence(B, L, Regime.DECODE).prefill_lengths([trace], False))
+    final = kept_positions(engine)
+    expected = labels.kept(3)
+    for layer, held in enumerate(final):
+        assert set(expected[layer].tolist()[0]) <= set(held[0].tolist())
+    with pytest.raises(ValueError, match="golden"):
+        engine.replay([ids], Cadence(B, L, Regime.STREAMING).prefill_lengths([trace], False))
