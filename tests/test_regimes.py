@@ -3,13 +3,25 @@ on the same tokens, its golden labels follow the compression step, and a bad reg
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
+from foresight.artifacts import ArtifactError
 from foresight.cadence import Regime, eviction_steps, regime_shift, step_of, step_position
-from foresight.data.trace_store import Trace
+from foresight.cli import main
+from foresight.data.trace_store import Trace, TraceStore
 from foresight.eval.replay import Cadence
-from foresight.labels import compute_golden_labels, future_score_table, golden_schedule
+from foresight.labels import (
+    LabelStore,
+    compute_golden_labels,
+    future_score_table,
+    golden_schedule,
+    labels_command,
+    save_labels,
+)
 from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.policies.golden import GoldenEviction
@@ -101,3 +113,45 @@ def test_decode_labels_keep_the_compression_by_its_future_score_and_golden_repla
         assert set(expected[layer].tolist()[0]) <= set(held[0].tolist())
     with pytest.raises(ValueError, match="golden"):
         engine.replay([ids], Cadence(B, L, Regime.STREAMING).prefill_lengths([trace], False))
+
+
+def test_eval_in_the_decode_regime_scores_generated_tokens_only(fresh_traces, tmp_path, start_scorer, caplog):
+    """`foresight labels --regime decode` then `foresight eval --regime decode`: every prompt of the tiny traces is
+    longer than B + L, so every scored prediction is of a generated token, golden replays its own labels (overlap
+    1), and a scorer trained for the streaming regime runs with a one-line warning naming both regimes."""
+    store = TraceStore(fresh_traces)
+    assert all(trace.prompt_length > B + L for trace in store)
+    assert main(["labels", "--traces", str(fresh_traces), "-B", str(B), "-L", str(L), "--regime", "decode"]) == 0
+    assert (fresh_traces / f"labels-B{B}-L{L}-decode").is_dir()
+    out = tmp_path / "eval"
+    command = ["eval", "--traces", str(fresh_traces), "--policies", "golden,snapkv,full", "--scorer", str(start_scorer)]
+    assert main([*command, "-B", str(B), "-L", str(L), "--regime", "decode", "--out", str(out)]) == 0
+    rows = {row["policy"]: row for row in json.loads((out / "results.json").read_text())}
+    generated = sum(trace.input_ids.numel() - 1 - trace.prompt_length for trace in store)  # predictions j >= P
+    for policy in ("golden", "snapkv", "full", "foresight"):
+        assert rows[policy]["tokens"] == rows[policy]["tokens:generated"] == generated, policy
+        assert rows[policy]["tokens:prompt"] == 0
+    assert rows["golden"]["golden_overlap"] == 1.0
+    assert rows["golden"]["loss_ratio:generated"] == rows["golden"]["loss_ratio"]
+    warning = "foresight was trained for the streaming regime and runs here in the decode regime"
+    assert any(warning in record.getMessage() for record in caplog.records)
+    assert warning in (out / "results.md").read_text()
+
+
+def test_labels_of_one_regime_are_refused_where_the_other_is_read(fresh_traces):
+    """A decode labels file where the streaming regime's are read (a folder copied by hand) is named in one line
+    with both regimes; a bad regime name is refused before anything runs."""
+    ids = TraceStore(fresh_traces)[0]
+    model = tiny_model("llama")
+    decode = compute_golden_labels(model, ids.input_ids, B, L, regime="decode", prompt_length=ids.prompt_length)
+    streaming = LabelStore(fresh_traces, B, L)
+    streaming.directory.mkdir(parents=True)
+    save_labels(replace(decode, trace_index=ids.index), streaming.path(ids.index))
+    with pytest.raises(ArtifactError, match="regime.*'decode'.*'streaming'") as error:
+        streaming.load(ids.index, num_tokens=ids.input_ids.numel())
+    assert "\n" not in str(error.value)
+    assert "--regime" not in labels_command(fresh_traces, B, L) and "--regime decode" in labels_command(
+        fresh_traces, B, L, regime="decode"
+    )
+    with pytest.raises(SystemExit):
+        main(["labels", "--traces", str(fresh_traces), "-B", str(B), "-L", str(L), "--regime", "prefill"])

@@ -173,8 +173,8 @@ def regime_notes(specs: Sequence[PolicySpec], regime: Regime) -> list[str]:
     """A warning per learned scorer trained for another regime than the one evaluated (it still runs: comparing
     regimes is a user's experiment, not a mistake)."""
     return [
-        f"warning: {spec.name} was trained for the {spec.scorer.config.regime.value} regime and runs here in the "
-        f"{regime.value} regime"
+        f"{spec.name} was trained for the {spec.scorer.config.regime.value} regime and runs here in the "
+        f"{regime.value} regime (--regime {spec.scorer.config.regime.value} evaluates it as trained)"
         for spec in specs
         if isinstance(spec, ScorerSpec) and spec.scorer.config.regime is not regime
     ]
@@ -239,7 +239,10 @@ def run(args: argparse.Namespace) -> int:
         replays=replays,
         regime=args.regime,
     )
-    result.notes[:0] = notes + regime_notes(specs, args.regime)
+    warnings = regime_notes(specs, args.regime)
+    for warning in warnings:
+        log.warning(warning)
+    result.notes[:0] = notes + warnings
     settings = {
         "traces": str(args.traces),
         "model": made_with,
