@@ -322,17 +322,32 @@ class ShardWriter:
 
     def _write_manifest(self) -> None:
         """Rebuild manifest.json from the complete shards (call with the lock held)."""
-        shards = [_read_json(path) for path in sorted(self.out_dir.glob(f"shard-*/{SHARD_RECORD}"))]
-        total = sum(map(TraceCounts.from_record, shards), TraceCounts())
-        manifest = {
-            "settings": asdict(self.settings),
-            "num_shards": self.settings.num_shards,
-            "complete": len(shards) == self.settings.num_shards,
-            "total": asdict(total),
-            "sources": {source: asdict(counts) for source, counts in _by_source(shards).items()},
-            "shards": shards,
-        }
-        write_text(self.out_dir / MANIFEST, json.dumps(manifest, indent=1))
+        write_manifest(self.out_dir, asdict(self.settings), self.settings.num_shards)
+
+
+def write_manifest(out_dir: Path, settings: dict[str, Any], num_shards: int) -> None:
+    """manifest.json of a traces folder, from its complete shards' records and the settings it was made with."""
+    shards = [_read_json(path) for path in sorted(out_dir.glob(f"shard-*/{SHARD_RECORD}"))]
+    total = sum(map(TraceCounts.from_record, shards), TraceCounts())
+    manifest = {
+        "settings": settings,
+        "num_shards": num_shards,
+        "complete": len(shards) == num_shards,
+        "total": asdict(total),
+        "sources": {source: asdict(counts) for source, counts in _by_source(shards).items()},
+        "shards": shards,
+    }
+    write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def rebuild_manifest(out_dir: str | os.PathLike) -> None:
+    """manifest.json again from the shards (after a shard was rewritten), with the settings it records."""
+    out_dir = Path(out_dir)
+    manifest = _read_json(out_dir / MANIFEST)
+    if manifest is None:
+        raise ValueError(f"{out_dir} holds no {MANIFEST}: not a traces folder")
+    with FileLock(str(out_dir / ".lock")):
+        write_manifest(out_dir, manifest["settings"], manifest["num_shards"])
 
 
 def _by_source(records: Sequence[dict[str, Any]]) -> dict[str, TraceCounts]:
