@@ -4,6 +4,7 @@ token set, the pooled ratios on it and the linear interpolation along each heuri
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,10 +15,12 @@ from foresight.eval.equal_bytes import (
     TOKEN_NLL,
     TokenLosses,
     common_starts,
+    common_token_sums,
     equal_bytes,
     interpolate,
     save_token_losses,
 )
+from foresight.eval.metric_registry import TokenSet
 
 L = 4
 LENGTHS = {0: 60, 1: 45, 2: 52}  # predictions per trace
@@ -155,3 +158,27 @@ def test_the_benchmark_reads_eval_folders(tmp_path):
     )
     direct = equal_bytes(losses, reference, HELD, "foresight", 8, ["snapkv", "tova"])
     assert direct.markdown() in text and f"{direct.share.value:.1%}" in text
+
+
+def test_the_token_sets_split_the_common_tokens_and_add_up():
+    """With prompts ending inside the common tokens, the generated and prompt sums of every row are its
+    predictions of j + 1 >= P and < P (a loop over the tokens), and they add up to the all-token sums."""
+    prompts = {0: 30, 1: 24, 2: 60}  # trace 2's prompt outlasts its predictions: no generated token
+    losses, reference = synthetic()
+    losses = [replace(loss, prompt_length=prompts[loss.index]) for loss in losses]
+    rows = [("foresight", 8), ("golden", 8), ("snapkv", 8), ("snapkv", 12), ("snapkv", 16), ("tova", 8)]
+    starts = common_starts(losses, rows)
+    for row in rows:
+        parts = {
+            s: common_token_sums(losses, reference, starts, row, TokenSet(s)) for s in ("all", "prompt", "generated")
+        }
+        for i, (index, start) in enumerate(starts.items()):
+            loss = next(x for x in losses if (x.policy, x.budget, x.index) == (*row, index))
+            generated = sum(float(loss.nll[j]) for j in range(start, loss.nll.numel()) if j + 1 >= prompts[index])
+            assert parts["generated"][0][i] == pytest.approx(generated)
+            assert parts["prompt"][0][i] + parts["generated"][0][i] == pytest.approx(parts["all"][0][i])
+            assert parts["prompt"][1][i] + parts["generated"][1][i] == pytest.approx(parts["all"][1][i])
+    result = equal_bytes(losses, reference, HELD, "foresight", 8, list(SWEEPS), token_set="generated")
+    assert result.token_set is TokenSet.GENERATED and result.traces == 1  # 1: no tova at B = 16; 2: no generated
+    with pytest.raises(ValueError, match="written before the token sets"):
+        equal_bytes(synthetic()[0], reference, HELD, "foresight", 8, list(SWEEPS), token_set="prompt")

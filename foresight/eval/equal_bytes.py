@@ -12,7 +12,10 @@ the bytes it holds per sequence, read at the learned scorer's bytes:
   larger B no longer drops early tokens from its mean, so the sweep's ratios differ only by the budget.
 - equal bytes: a heuristic's loss ratio is linearly interpolated between the two budgets of its sweep whose
   held bytes bracket the learned scorer's (no extrapolation: a sweep that does not reach them gives none).
-- headroom: best heuristic at those bytes (lowest interpolated ratio) − learned, over best − golden.
+- headroom: best heuristic at those bytes (lowest interpolated ratio, chosen again in every resample) −
+  learned, over best − golden.
+- token sets: every figure over all the common predictions, or those of prompt or of generated tokens only
+  (`TokenSet`; a saved row holds its trace's prompt length).
 - the learned scorer's own curve: when the folders hold it at other budgets too (fits of its recipe at
   those budgets, under the same row name), each of its points is compared with the best heuristic at that
   point's bytes, so the two curves meet on one axis; the headroom stays at `budget`, where golden is.
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from foresight.eval.headroom import ORACLE, Estimate, estimate, percent, pooled_ratio, resample_weights
+from foresight.eval.metric_registry import TokenSet
 from foresight.eval.stats import CONFIDENCE, RESAMPLES
 
 
@@ -50,6 +54,7 @@ class TokenLosses:
     index: int
     first_eviction: int
     nll: torch.Tensor
+    prompt_length: int | None = None  # None: a token_nll.pt written before the token sets
 
 
 TOKEN_NLL = "token_nll.pt"
@@ -104,13 +109,28 @@ def common_starts(losses: Sequence[TokenLosses], rows: Sequence[Row]) -> dict[in
 
 
 def common_token_sums(
-    losses: Sequence[TokenLosses], reference: dict[int, torch.Tensor], starts: dict[int, int], row: Row
+    losses: Sequence[TokenLosses],
+    reference: dict[int, torch.Tensor],
+    starts: dict[int, int],
+    row: Row,
+    token_set: TokenSet = TokenSet.ALL,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The row's NLL and the full cache's, summed per trace over the common tokens (in the order of `starts`)."""
-    by_index = {loss.index: loss.nll for loss in losses if (loss.policy, loss.budget) == row}
-    evicted = [float(by_index[i][start:].double().sum()) for i, start in starts.items()]
-    full = [float(reference[i][start:].double().sum()) for i, start in starts.items()]
+    """The row's NLL and the full cache's, summed per trace over the common tokens of `token_set` (in the order
+    of `starts`)."""
+    by_index = {loss.index: loss for loss in losses if (loss.policy, loss.budget) == row}
+    evicted, full = [], []
+    for i, start in starts.items():
+        mask = _token_mask(by_index[i], start, token_set)
+        evicted.append(float(by_index[i].nll[start:][mask].double().sum()))
+        full.append(float(reference[i][start:][mask].double().sum()))
     return np.array(evicted), np.array(full)
+
+
+def _token_mask(loss: TokenLosses, start: int, token_set: TokenSet) -> torch.Tensor:
+    """The predictions from `start` on that belong to `token_set`."""
+    if token_set is not TokenSet.ALL and loss.prompt_length is None:
+        raise ValueError(f"{TOKEN_NLL} was written before the token sets; run that `foresight eval` again")
+    return token_set.mask(start, loss.nll.numel() - start, loss.prompt_length or 0)
 
 
 def interpolate(xs: Sequence[float], ys: np.ndarray, x: float) -> np.ndarray | None:
@@ -158,18 +178,20 @@ class EqualBytes:
     learned_ratio: Estimate
     golden_ratio: Estimate
     curves: tuple[Curve, ...]
-    best: str | None  # the best heuristic at the learned scorer's bytes
+    best: str | None  # the best heuristic at the learned scorer's bytes (of the full sample; resamples choose again)
     share: Estimate | None  # of the headroom (best at equal bytes − golden) the learned scorer captures
     gain: Estimate | None  # best at equal bytes − learned
     best_entries: str | None  # the best heuristic at the learned scorer's budget, on the same common tokens
     share_entries: Estimate | None
     learned_curve: Curve | None = None  # its points at every budget the folders hold it at, when more than one
     meetings: tuple[Meeting, ...] = ()  # each such point against the best heuristic at its bytes
+    token_set: TokenSet = TokenSet.ALL
 
     def markdown(self) -> str:
         lines = [
             f"{self.learned} at B = {self.budget} holds {self.held_mib:.2f} MiB per sequence; {self.traces} traces, "
-            f"{self.tokens} common tokens (after the largest budget's first eviction); {CONFIDENCE:.0%} bootstrap "
+            f"{self.tokens} common tokens (after the largest budget's first eviction; {self.token_set.value} "
+            f"predictions); {CONFIDENCE:.0%} bootstrap "
             f"intervals over traces ({RESAMPLES} resamples, paired). Loss ratios on the common tokens.",
             "",
             "| policy | B | MiB / sequence | loss ratio |",
@@ -216,10 +238,12 @@ def equal_bytes(
     heuristics: Sequence[str],
     seed: int = 0,
     resamples: int = RESAMPLES,
+    token_set: TokenSet | str = TokenSet.ALL,
 ) -> EqualBytes | None:
     """The headroom at equal bytes of `learned` at `budget` over `heuristics` (each with every budget it was
-    evaluated at), on common tokens, or None when no trace was scored by every compared row. `held_mib`: MiB
-    per sequence of every row (eval's `kv_mib`)."""
+    evaluated at), on the common tokens of `token_set`, or None when no trace was scored by every compared row
+    or none holds a prediction of that set. `held_mib`: MiB per sequence of every row (eval's `kv_mib`)."""
+    token_set = TokenSet.parse(token_set)
     available = {(loss.policy, loss.budget) for loss in losses}
     sweeps = {h: sorted(b for p, b in available if p == h) for h in heuristics}
     required = [(learned, budget), (ORACLE, budget)]
@@ -231,10 +255,13 @@ def equal_bytes(
     own = sorted(b for p, b in available if p == learned)
     rows = [*required, *((learned, b) for b in own if b != budget), *((h, b) for h, bs in sweeps.items() for b in bs)]
     starts = common_starts(losses, rows)
+    if token_set is not TokenSet.ALL:  # traces with none of the set's predictions after their start left out
+        own_rows = {loss.index: loss for loss in losses if (loss.policy, loss.budget) == (learned, budget)}
+        starts = {i: start for i, start in starts.items() if bool(_token_mask(own_rows[i], start, token_set).any())}
     if not starts:
         return None
     weights = resample_weights(len(starts), resamples, seed)
-    ratios = {row: pooled_ratio(*common_token_sums(losses, reference, starts, row), weights) for row in rows}
+    ratios = {row: pooled_ratio(*common_token_sums(losses, reference, starts, row, token_set), weights) for row in rows}
 
     def heuristics_at(mib: float) -> dict[str, np.ndarray]:
         """Each heuristic's ratio interpolated at `mib` along its sweep (those whose sweep reaches it)."""
@@ -256,10 +283,14 @@ def equal_bytes(
         )
         for h, bs in sweeps.items()
     ]
+    first_rows = {loss.index: loss for loss in losses if (loss.policy, loss.budget) == (learned, budget)}
     ours, golden = ratios[learned, budget], ratios[ORACLE, budget]
     best = _lowest(at_bytes)
     at_entries = {h: ratios[h, budget] for h, bs in sweeps.items() if budget in bs}
     best_entries = _lowest(at_entries)
+    best_at_bytes, best_at_entries = (
+        np.min(list(at.values()), axis=0) if at else None for at in (at_bytes, at_entries)
+    )
     learned_curve, meetings = None, []
     if len(own) > 1:
         mibs = tuple(held_mib[learned, b] for b in own)
@@ -273,17 +304,18 @@ def equal_bytes(
         budget=budget,
         held_mib=target,
         traces=len(starts),
-        tokens=sum(reference[i].numel() - start for i, start in starts.items()),
+        tokens=sum(int(_token_mask(first_rows[i], start, token_set).sum()) for i, start in starts.items()),
         learned_ratio=estimate(ours),
         golden_ratio=estimate(golden),
         curves=tuple(curves),
         best=best,
-        share=None if best is None else estimate(_share(at_bytes[best], ours, golden)),
-        gain=None if best is None else estimate(at_bytes[best] - ours),
+        share=None if best is None else estimate(_share(best_at_bytes, ours, golden)),
+        gain=None if best is None else estimate(best_at_bytes - ours),
         best_entries=best_entries,
-        share_entries=None if best_entries is None else estimate(_share(at_entries[best_entries], ours, golden)),
+        share_entries=None if best_entries is None else estimate(_share(best_at_entries, ours, golden)),
         learned_curve=learned_curve,
         meetings=tuple(meetings),
+        token_set=token_set,
     )
 
 

@@ -148,7 +148,7 @@ def evaluate(
                 )
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
-                | kv_memory(spec, budget, interval, tallies[spec.name].traces, shape, dtype, batch_labels, regime)
+                | kv_memory(spec, budget, interval, tallies[spec.name].traces, shape, dtype, batch_labels)
                 for spec in budget_specs
             ]
             notes += [
@@ -175,29 +175,24 @@ def kv_memory(
     shape: Shape,
     dtype: torch.dtype,
     labels: dict[int, GoldenLabels] | None = None,
-    regime: Regime | str = Regime.STREAMING,
 ) -> dict[str, float | None]:
     """The row's peak KV memory per sequence (the x axis of the field's accuracy-against-memory curves), the mean
     over the traces its figures come from: entries min(T, B + L), plus the prompt for a policy that protects it
-    and the whole prompt where a decode regime prefills more (the full cache holds every token of a trace), and
-    MiB of everything the policy holds with them (`foresight.runtime.held_memory`: K/V, positions, per-entry
-    state, query ring, buffered queries). `labels`: golden's, by trace index. None without traces."""
+    (the full cache holds every token of a trace; a decode regime's prefill holds a long prompt for a moment,
+    alike under every policy, and is not counted), and MiB of everything the policy holds with them
+    (`foresight.runtime.held_memory`: K/V, positions, per-entry state, query ring, buffered queries). `labels`:
+    golden's, by trace index. None without traces."""
     if not traces:
         return {"kv_entries": None, "kv_mib": None}
     policy = spec.replays()[0].build(
         [labels[traces[0].index]] if spec.needs_labels else None, [t.index for t in traces]
     )
-    regime = Regime.parse(regime)
-
-    def peak(trace: Trace) -> int:
-        if not spec.evicts:
-            return trace.input_ids.numel()
-        if spec.protects_prompt:
-            return min(trace.input_ids.numel(), budget + interval + trace.prompt_length)
-        prefilled = trace.prompt_length if regime is Regime.DECODE else 0
-        return min(trace.input_ids.numel(), max(budget + interval, prefilled))
-
-    peaks = [peak(t) for t in traces]
+    peaks = [
+        t.input_ids.numel()
+        if not spec.evicts
+        else min(t.input_ids.numel(), budget + interval + (t.prompt_length if spec.protects_prompt else 0))
+        for t in traces
+    ]
     held = [held_bytes(shape, policy, budget, interval, dtype, entries=peak).total for peak in peaks]
     return {"kv_entries": sum(peaks) / len(peaks), "kv_mib": sum(held) / len(held) / MIB}
 

@@ -14,7 +14,7 @@ import torch
 
 from foresight.artifacts import write_text
 from foresight.eval.equal_bytes import TOKEN_NLL, EqualBytes, TokenLosses, equal_bytes, save_token_losses
-from foresight.eval.headroom import ORACLE, Headroom, TraceScore, headroom, headroom_rows
+from foresight.eval.headroom import ORACLE, REFERENCE_HEURISTICS, Headroom, TraceScore, headroom, headroom_rows
 from foresight.eval.metric_registry import METRICS, SPLIT_SETS, TokenSet
 from foresight.eval.report import Column, markdown_table, write_results
 from foresight.eval.specs import REFERENCE
@@ -108,15 +108,20 @@ def write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike, setti
 
 def equal_bytes_headroom(result: EvaluationResult) -> list[EqualBytes]:
     """`foresight.eval.equal_bytes.equal_bytes` of every learned row at a budget with golden, against every
-    heuristic evaluated at two budgets or more on the golden cadence (B + L entries: no protected prompt)."""
+    heuristic of the reference list evaluated at two budgets or more on the golden cadence (B + L entries: no
+    protected prompt), over every token set (generated tokens first)."""
     held = {(r["policy"], r["budget"]): r["kv_mib"] for r in result.rows if r.get("kv_mib") is not None}
     cadence = {(r["policy"], r["budget"]) for r in result.rows if r.get("kv_entries") == r["budget"] + r["interval"]}
-    policies = {policy for policy, _ in cadence} - {REFERENCE.name, ORACLE, *result.learned}
+    policies = {policy for policy, _ in cadence} & set(REFERENCE_HEURISTICS)
     sweeps = sorted(p for p in policies if sum(1 for q, _ in cadence if q == p) >= 2)
     runs = sorted((b, p) for p, b in held if p in result.learned and (ORACLE, b) in held)
     if not sweeps:
         return []
-    found = (equal_bytes(result.token_losses, result.reference_nll, held, p, b, sweeps) for b, p in runs)
+    found = (
+        equal_bytes(result.token_losses, result.reference_nll, held, p, b, sweeps, token_set=token_set)
+        for b, p in runs
+        for token_set in (*SPLIT_SETS, TokenSet.ALL)
+    )
     return [c for c in found if c is not None]
 
 

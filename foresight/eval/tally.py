@@ -153,7 +153,7 @@ class TraceTally:
     def token_losses(self, policy: str, budget: int) -> list[TokenLosses]:
         """Each scored trace's per-token NLL and first eviction, for scoring budgets on common tokens."""
         return [
-            TokenLosses(policy, budget, trace.index, first, nll)
+            TokenLosses(policy, budget, trace.index, first, nll, trace.prompt_length)
             for trace, (first, nll) in zip(self.traces, self.token_nll)
         ]
 
