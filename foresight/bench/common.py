@@ -25,12 +25,14 @@ from foresight.bench.options import (
     OPTION_FLAGS,
     OPTION_HELP,
     OPTION_METAVAR,
+    REGIME_HELP,
     SCORER_FLAGS,
     SCORER_HELP,
     SCORER_METAVAR,
     command_line,
     declaring_module,
 )
+from foresight.cadence import Regime
 from foresight.data.tasks import chat_prompt_ids
 from foresight.eval.specs import one_scorer
 from foresight.models import DEFAULT_MODEL, ModelShape, check_device, describe, load_for_benchmark, placement
@@ -78,6 +80,11 @@ def budgets_field(default: tuple[int, ...]) -> Any:
 
 def interval_field(default: int = DEFAULT_CADENCE[1]) -> Any:
     return field(default=default, metadata={"help": INTERVAL_HELP, "flags": INTERVAL_FLAGS})
+
+
+def regime_field() -> Any:
+    """--regime: where the eviction steps fall (`foresight.cadence.Regime`), as every verb spells it."""
+    return field(default=Regime.STREAMING.value, metadata={"help": REGIME_HELP})
 
 
 def scorer_field(what: str = "", default: tuple[str, ...] = (), required: bool = False) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -21,6 +22,7 @@ from foresight.bench.common import (
     budgets_field,
     interval_field,
     policies_field,
+    regime_field,
     threads_note,
     traces_field,
 )
@@ -41,6 +43,7 @@ class Settings(PlacedSettings):
     policies: str = policies_field("every registered policy that can run; golden where labels exist")
     budgets: tuple[int, ...] = budgets_field((128, 256))
     interval: int = interval_field()
+    regime: Literal["streaming", "decode"] = regime_field()
 
 
 def run(settings: Settings) -> str:
@@ -61,6 +64,7 @@ def run(settings: Settings) -> str:
             labels_root=settings.traces,
             progress=False,
             share_prefix=shared,
+            regime=settings.regime,
         )
         timings[shared] = (time.perf_counter() - wall, time.process_time() - cpu)
         tables[shared] = [{k: v for k, v in row.items() if k != "seconds"} for row in result.rows]

@@ -39,6 +39,11 @@ DEFAULT_CADENCE = (DEFAULT_BUDGET, DEFAULT_INTERVAL)
 """-B and -L where a command leaves them out (`foresight.cadence`); a command that makes or reads an artifact of one
 B and L (labels, examples, an evaluation) requires them instead."""
 
+REGIME_HELP = (
+    "where the eviction steps fall: streaming (the paper's: the prompt streamed through the window from the first "
+    "token) or decode (as `foresight generate`: the whole prompt prefilled, one compression step to B, then a step "
+    "every L tokens); docs/algorithms.md §1"
+)
 SCORER_FLAGS = ("--scorer",)
 SCORER_METAVAR = "[NAME=]DIR_OR_HUB_ID"
 SCORER_HELP = (

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -55,10 +55,11 @@ from foresight.bench.common import (
     interval_field,
     option_field,
     policies_field,
+    regime_field,
     scorer_field,
     traces_field,
 )
-from foresight.cadence import check_budget
+from foresight.cadence import Regime, check_budget
 from foresight.data.trace_store import Trace, TraceStore, describe_traces, select_traces
 from foresight.eval.replay import prefill_lengths
 from foresight.eval.specs import PolicySpec, policy_specs
@@ -87,6 +88,7 @@ class Settings(PlacedSettings):
     option: tuple[str, ...] = option_field()
     budgets: tuple[int, ...] = budgets_field((128, 256))
     interval: int = interval_field()
+    regime: Literal["streaming", "decode"] = regime_field()
     page_sizes: tuple[int, ...] = field(
         default=(16, 32, 64), metadata={"help": "page sizes P (positions per page), comma-separated"}
     )
@@ -176,12 +178,20 @@ class HeldPositions:
 
 
 def held_after_steps(
-    model: torch.nn.Module, spec: PolicySpec, trace: Trace, budget: int, interval: int, labels: GoldenLabels | None
+    model: torch.nn.Module,
+    spec: PolicySpec,
+    trace: Trace,
+    budget: int,
+    interval: int,
+    labels: GoldenLabels | None,
+    regime: Regime | str = Regime.STREAMING,
 ) -> list[torch.Tensor]:
-    """The held masks [layers, Hkv, T] right after every eviction step of one replay (none if it never evicts)."""
+    """The held masks [layers, Hkv, T] right after every eviction step of one replay in `regime` (none if it never
+    evicts)."""
     recorder = HeldPositions(spec.build(None if labels is None else [labels]))
     engine = EvictionEngine(model, recorder, spec.config(budget, interval))  # type: ignore[arg-type]  # a Policy by delegation
-    engine.replay([trace.input_ids], prefill_lengths([trace], budget, interval, engine.protect_prompt))
+    prefill = prefill_lengths([trace], budget, interval, engine.protect_prompt, Regime.parse(regime))
+    engine.replay([trace.input_ids], prefill)
     if not recorder.steps:
         return []
     final = torch.stack([layer.entry_positions()[0].cpu() for layer in engine.last_cache.layers])
@@ -202,7 +212,7 @@ def run(settings: Settings) -> str:
         eligible = [t for t in traces if t.input_ids.numel() >= budget + settings.interval]
         if len(eligible) < len(traces):
             notes.append(f"B={budget}: skipped {len(traces) - len(eligible)} traces shorter than B + L")
-        labels = _labels(settings.traces, eligible, budget, settings.interval)
+        labels = _labels(settings.traces, eligible, budget, settings.interval, settings.regime)
         for spec in specs:
             reason = _skip_reason(spec, budget, settings.interval, labels is not None)
             if reason:
@@ -211,7 +221,7 @@ def run(settings: Settings) -> str:
             never = 0
             for trace in tqdm(eligible, desc=f"B={budget} {spec.name}", unit="trace"):
                 golden = labels[trace.index] if spec.needs_labels else None
-                states = held_after_steps(model, spec, trace, budget, settings.interval, golden)
+                states = held_after_steps(model, spec, trace, budget, settings.interval, golden, settings.regime)
                 never += not states
                 for held in states:
                     for size in settings.page_sizes:
@@ -275,9 +285,11 @@ def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _labels(traces_dir: Path, traces: Sequence[Trace], budget: int, interval: int) -> dict[int, GoldenLabels] | None:
-    """The golden labels of every trace by index, or None when some trace has none at (B, L)."""
-    store = LabelStore(traces_dir, budget, interval)
+def _labels(
+    traces_dir: Path, traces: Sequence[Trace], budget: int, interval: int, regime: str
+) -> dict[int, GoldenLabels] | None:
+    """The golden labels of every trace by index in `regime`, or None when some trace has none at (B, L)."""
+    store = LabelStore(traces_dir, budget, interval, regime=regime)
     if not traces or not all(t.index in store for t in traces):
         return None
     return {t.index: store.load(t.index, num_tokens=t.input_ids.numel()) for t in traces}

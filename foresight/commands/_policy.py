@@ -20,6 +20,7 @@ from foresight.bench.options import (
     OPTION_FLAGS,
     OPTION_HELP,
     OPTION_METAVAR,
+    REGIME_HELP,
     SCORER_FLAGS,
     SCORER_HELP,
     SCORER_METAVAR,
@@ -60,9 +61,7 @@ def add_regime_argument(
         "--regime",
         type=Regime.parse,
         default=default,
-        help="where the eviction steps fall: streaming (the paper's: the prompt streamed through the window from "
-        "the first token) or decode (as `foresight generate`: the whole prompt prefilled, one compression step to "
-        f"B, then a step every L tokens); docs/algorithms.md §1 (default: {fallback})",
+        help=f"{REGIME_HELP} (default: {fallback})",
     )
 
 
