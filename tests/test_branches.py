@@ -127,7 +127,8 @@ def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):
 
 def test_branch_steps_are_drawn_among_the_steps_that_change_a_prediction():
     # B + L = 20 tokens prefilled: step j runs after position 19 + 4j and must precede position T - 2.
-    assert [changing_steps(length, B, L_) for length in (21, 22, 25, 26, 27)] == [0, 1, 1, 2, 2]
+    assert [changing_steps(length, B + L_ - 1, L_) for length in (21, 22, 25, 26, 27)] == [0, 1, 1, 2, 2]
+    assert changing_steps(40, 30, L_) == 2  # after a decode compression at P - 1 = 30: steps after 30 and 34
     points = [branch_points(10, 3, seed=0, round_index=r, trace_index=1) for r in range(20)]
     assert all(p == sorted(set(p)) and len(p) == 3 and all(0 <= s < 10 for s in p) for p in points)
     assert len({tuple(p) for p in points}) > 5 and branch_points(2, 5, 0, 0, 0) == [0, 1]

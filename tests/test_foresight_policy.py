@@ -383,14 +383,21 @@ def test_another_model_or_cadence_is_a_one_line_error(llama, scorer_overrides, c
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_sampled_mode_refuses_a_prefill_beyond_the_budget(llama):
-    policy = make_policy("foresight", scorer=random_scorer(llama), mode="sampled")
-    with pytest.raises(
-        ValueError,
-        match=r"sampled eviction removes exactly L=4 of B=12 candidates per step, but a row "
-        r"holds 16 candidates",
-    ):
-        EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([20]), 4)
+def test_sampled_mode_takes_a_compression_step_deterministically_and_records_only_the_later_steps(llama):
+    """A prompt longer than B + L is compressed right after its prefill (the decode regime's step): the sampled mode
+    keeps there what the deterministic one keeps and records no draw of it; its later steps sample and record."""
+    ids = torch.tensor(random_prompts([20 + 2 * L + 1])[0])
+    held = {}
+    for mode in ("deterministic", "sampled"):
+        policy = make_policy("foresight", scorer=random_scorer(llama), mode=mode, seed=3)
+        engine = EvictionEngine(llama, policy, EvictionConfig(B, L, sinks=0, protect_prompt=False))
+        engine.replay([ids[:21]], [20])  # the compression only
+        held[mode] = [layer.entry_positions()[0] for layer in engine.last_cache.layers]
+        if mode == "sampled":
+            assert policy.records == []
+            engine.replay([ids], [20])  # two more steps, sampled
+            assert len(policy.records) == 2 * llama.config.num_hidden_layers
+    assert all(torch.equal(a, b) for a, b in zip(held["deterministic"], held["sampled"]))
 
 
 def test_policy_loads_a_saved_scorer_and_refuses_bad_input(llama, tmp_path):

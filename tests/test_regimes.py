@@ -26,6 +26,9 @@ from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.policies.golden import GoldenEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from tests.scorers import random_scorer
+from trainers.branches import BranchSettings, roll_out_branches
+from trainers.rollouts import roll_out_together
 
 B, L = 16, 4
 PROMPT = 31  # longer than B + L: the decode regime compresses after it
@@ -155,3 +158,20 @@ def test_labels_of_one_regime_are_refused_where_the_other_is_read(fresh_traces):
     )
     with pytest.raises(SystemExit):
         main(["labels", "--traces", str(fresh_traces), "-B", str(B), "-L", str(L), "--regime", "prefill"])
+
+
+def test_decode_regime_rollouts_sample_the_steps_after_the_compression():
+    """A scorer of the decode regime rolls out from its prompt's compression: no draw is recorded there (it is
+    taken deterministically), the sampled steps follow it every L tokens, sharing the prefill changes nothing,
+    and a branch group never branches at the compression."""
+    model = tiny_model("llama")
+    scorer = random_scorer(model, B, L)
+    scorer.config.regime = Regime.DECODE
+    ids = torch.randint(3, 100, (60,), generator=torch.Generator().manual_seed(0))
+    trace = trace_of(ids.tolist(), PROMPT)
+    shared, alone = (roll_out_together(model, scorer, [trace], [(1, 2)], share_prefix=share)[0] for share in (1, 0))
+    assert shared.actions.after.tolist() == list(range(PROMPT - 1 + L, ids.numel() - 2, L))  # 34, 38, ..., 54
+    assert shared.eviction_steps == 1 + eviction_steps(ids.numel(), B, L, PROMPT - B)  # the compression, then 7
+    torch.testing.assert_close(shared.scores.reward, alone.scores.reward)
+    groups = roll_out_branches(model, scorer, trace, BranchSettings(rows=2, chunks=2, steps=7), range(2))
+    assert all(int(group.actions.after[0]) >= PROMPT - 1 + L for group in groups)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from foresight.cadence import regime_prefill, regime_shift
 from foresight.data.trace_store import Trace
 from foresight.metrics import (
     DAMAGE_EXPONENT,
@@ -71,10 +72,11 @@ class BranchSettings:
             )
 
 
-def changing_steps(length: int, budget: int, interval: int) -> int:
-    """Eviction steps of a replay of `length` tokens that prefills B + L tokens whose eviction changes a
-    prediction: step j runs after position B + L − 1 + jL, and the last prediction is made at T − 2."""
-    return max(0, (length - 3 - (budget + interval - 1)) // interval + 1)
+def changing_steps(length: int, first: int, interval: int) -> int:
+    """Eviction steps of a replay of `length` tokens whose first eviction runs after position `first`
+    (B + L − 1, or P − 1 before a decode compression) that change a prediction: step j runs after position
+    first + jL, and the last prediction is made at T − 2."""
+    return max(0, (length - 3 - first) // interval + 1)
 
 
 def _generator(*keys: int) -> np.random.Generator:
@@ -180,17 +182,19 @@ def _branched(
     layers) per branch point, the backbone and the model's layer count."""
     config = scorer.config
     length = trace.input_ids.numel()
-    steps = changing_steps(length, config.budget, config.interval)
+    prefill = regime_prefill(trace.prompt_length, config.budget, config.interval, config.regime)
+    compressed = int(regime_shift(trace.prompt_length, config.budget, config.interval, config.regime) > 0)
+    steps = changing_steps(length, prefill - 1, config.interval) - compressed  # a compression is never sampled
     if steps < 1:
         raise ValueError(
             f"trace {trace.index} has {length} tokens, too few for an eviction that changes a prediction "
-            f"(needs at least B + L + 2 = {config.budget + config.interval + 2})"
+            f"in the {config.regime.value} regime (needs at least {prefill + 2})"
         )
     cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
     engine = EvictionEngine(model, make_policy("foresight", scorer=scorer, record=False), cadence)
-    backbone = engine.start_replay([trace.input_ids], [config.budget + config.interval])
+    backbone = engine.start_replay([trace.input_ids], [prefill])
     branched = []
-    for step in branch_points(steps, settings.steps, seed, round_index, trace.index):
+    for step in (compressed + point for point in branch_points(steps, settings.steps, seed, round_index, trace.index)):
         engine.advance(backbone, stop_before_step=step)
         layers = branch_layers(engine.num_layers, settings.layers, seed, round_index, trace.index, step)
         policy = make_policy(

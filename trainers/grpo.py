@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torchmetrics import MeanMetric
 
+from foresight.cadence import Regime
 from foresight.data.trace_store import Trace
 from foresight.data_stage import FrozenModel
 from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_OFFSET, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
@@ -108,6 +109,8 @@ class GRPOScorer(ScorerModule):
       one below kl_target / 1.5, never below `beta`); None: β fixed. kl_stop: stop the run at the end of the
       first step whose KL per set exceeds it (a stopping rule fixed before any evaluation); None: never.
     seed: seeds every rollout's sampling with (seed, round, trace, row) (and the branch step).
+    regime: where the rollouts' eviction steps fall (`foresight.cadence.Regime`: streaming or decode); None: the
+      starting scorer's own. The refined scorer's config records it.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class GRPOScorer(ScorerModule):
         kl_target: float | None = None,
         kl_stop: float | None = None,
         seed: int = 0,
+        regime: str | None = None,
     ) -> None:
         super().__init__()
         self.rollout = Rollout.parse(rollout)
@@ -189,7 +193,12 @@ class GRPOScorer(ScorerModule):
                 f"L={interval}; train one for them or set data.budget and data.interval to match"
             )
         start.check_compatible(describe(load_config(model)))
-        config = dataclasses.replace(start.config, stage="reinforcement", started_from=named_by_content(start, scorer))
+        config = dataclasses.replace(
+            start.config,
+            stage="reinforcement",
+            started_from=named_by_content(start, scorer),
+            regime=start.config.regime if regime is None else Regime.parse(regime),
+        )
         self.scorer = ForesightScorer(config)
         self.scorer.load_state_dict(start.state_dict())
         self.reference = copy.deepcopy(self.scorer).requires_grad_(False)

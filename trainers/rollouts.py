@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from foresight.cadence import eviction_steps
+from foresight.cadence import eviction_steps, regime_prefill, regime_shift
 from foresight.choices import Choice
 from foresight.data.trace_store import Trace
 from foresight.metrics import (
@@ -51,7 +51,7 @@ from foresight.policies.foresight import SampledEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.prefix import ReplayPrefix
 from foresight.scorer.eviction_sampling import plackett_luce_logprob
-from foresight.scorer.model import ForesightScorer
+from foresight.scorer.model import ForesightScorer, ScorerConfig
 
 CLIP_EPSILON = 0.2
 """ε of Eq. 10 (App. E.1)."""
@@ -332,8 +332,9 @@ def roll_out_together(
     trained for and at `temperature`; record the evictions and score each row. A group's rollouts are
     those it would have alone: its rows draw from their own generators and see only their own tokens.
 
-    Every row prefills the first B + L tokens of its trace (the cadence of §1 from the first token on, as
-    in the supervised stage and `foresight eval`), so the rows of every trace evict after the same
+    Every row prefills the first B + L tokens of its trace (the streaming cadence of §1 from the first token on,
+    as in the supervised stage and `foresight eval`), or in the scorer's decode regime its whole prompt when a
+    compression follows it (`foresight.cadence.regime_prefill`), so the rows of every trace evict after the same
     tokens; a row past its trace's end replays padding, whose steps and losses its group drops. Until
     the first eviction the rows of a group hold the same tokens, so with `share_prefix` the model runs
     that prefill on one row per trace and the groups reuse it (`foresight.runtime.prefix`; the same
@@ -353,22 +354,22 @@ def roll_out_together(
     references = [None] * len(traces) if reference_nll is None else list(reference_nll)
     if len(references) != len(traces):
         raise ValueError(f"give one reference (or None) per trace: got {len(references)} for {len(traces)} traces")
-    for trace in traces:
-        if trace.input_ids.numel() < config.budget + config.interval + 2:
+    prefills = [regime_prefill(trace.prompt_length, config.budget, config.interval, config.regime) for trace in traces]
+    for trace, prefill in zip(traces, prefills):
+        if trace.input_ids.numel() < prefill + 2:
             raise ValueError(
                 f"trace {trace.index} has {trace.input_ids.numel()} tokens, too few for an eviction that changes a "
-                f"prediction (needs at least B + L + 2 = {config.budget + config.interval + 2})"
+                f"prediction in the {config.regime.value} regime (needs at least {prefill + 2})"
             )
     started = time.perf_counter()
     size = groups.pop()
     seeds = tuple(seed for group in row_seeds for seed in group)
     policy = make_policy("foresight", scorer=scorer, mode="sampled", temperature=temperature, row_seeds=seeds)
     cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
-    prefill = config.budget + config.interval
-    prefix = _groups_prefix(model, traces, cadence) if share_prefix else None
+    prefix = _groups_prefix(model, traces, cadence, prefills) if share_prefix else None
     engine = EvictionEngine(model, policy, cadence, step_observer=step_observer)
     sequences = [trace.input_ids for trace in traces for _ in range(size)]
-    output = engine.replay(sequences, [prefill] * len(sequences), prefix=prefix)
+    output = engine.replay(sequences, [prefill for prefill in prefills for _ in range(size)], prefix=prefix)
     scored = []
     for index, (trace, reference) in enumerate(zip(traces, references, strict=True)):
         rows = slice(index * size, (index + 1) * size)
@@ -396,7 +397,7 @@ def roll_out_together(
             trace_index=trace.index,
             actions=actions,
             scores=scores,
-            eviction_steps=eviction_steps(trace.input_ids.numel(), config.budget, config.interval),
+            eviction_steps=_evictions(trace, config),
             forward_seconds=output.stats.forward_seconds * portion,
             seconds=seconds * portion,
             forward_tokens=round(output.stats.tokens * portion),
@@ -421,16 +422,23 @@ def full_cache_losses(model: torch.nn.Module, trace: Trace) -> torch.Tensor:
     return engine.replay([trace.input_ids], [trace.prompt_length]).nll[0].float().cpu()
 
 
-def _groups_prefix(model: torch.nn.Module, traces: Sequence[Trace], cadence: EvictionConfig) -> ReplayPrefix:
-    """The prefill of B + L tokens after which a replay first evicts, recorded on one row per trace. The
+def _groups_prefix(
+    model: torch.nn.Module, traces: Sequence[Trace], cadence: EvictionConfig, prefills: Sequence[int]
+) -> ReplayPrefix:
+    """The prefill after which each trace's replay first evicts (`prefills`), recorded on one row per trace. The
     policy is immaterial: before an eviction the forwards depend on the tokens only. One token more is
     fed, so the recorded forward's token losses read their true targets (nothing after the first
     eviction is recorded)."""
     prefix = ReplayPrefix()
-    prefill = cadence.budget + cadence.interval
     engine = EvictionEngine(model, make_policy("streaming"), cadence)
-    engine.replay([trace.input_ids[: prefill + 1] for trace in traces], [prefill] * len(traces), prefix=prefix)
+    engine.replay([trace.input_ids[: p + 1] for trace, p in zip(traces, prefills)], list(prefills), prefix=prefix)
     return prefix
+
+
+def _evictions(trace: Trace, config: ScorerConfig) -> int:
+    """Eviction steps of a trace's replay: the steps of its regime, plus a decode compression."""
+    shift = regime_shift(trace.prompt_length, config.budget, config.interval, config.regime)
+    return eviction_steps(trace.input_ids.numel(), config.budget, config.interval, shift) + bool(shift)
 
 
 def equal_reward_groups(rewards: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -17,7 +17,7 @@ import argparse
 import warnings
 from pathlib import Path
 
-from foresight.commands._policy import add_scorer_argument
+from foresight.commands._policy import add_regime_argument, add_scorer_argument
 from foresight.commands._training import (
     add_training_arguments,
     checked_config,
@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--traces", type=Path, default=None, help="traces folder to roll out (default: the config's data.traces_dir)"
     )
+    add_regime_argument(parser, default=None, config_key="model.regime (null: the scorer's own)")
 
 
 def lightning_args(args: argparse.Namespace) -> list[str]:
@@ -54,6 +55,8 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
     if args.traces is not None:
         checked_traces(args.traces)
         cli_args.append(f"--data.traces_dir={args.traces}")
+    if args.regime is not None:
+        cli_args.append(f"--model.regime={args.regime.value}")
     return cli_args + override_args(args.overrides, args.ckpt_path)
 
 

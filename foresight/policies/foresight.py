@@ -223,7 +223,9 @@ class Foresight(Policy):
     mode: "deterministic" (default) evicts the L lowest-scoring candidates; "sampled" draws the
       L evictions from the 2L lowest by Eq. 2 (softmax over the negated scores, without
       replacement), using a generator seeded with `seed` at the start of every run, and records
-      each layer's draw in `records` (a list of `SampledEviction`) for the reinforcement stage.
+      each layer's draw in `records` (a list of `SampledEviction`) for the reinforcement stage. A step with
+      more than B candidates (the decode regime's compression after a long prompt) is taken
+      deterministically in either mode and not recorded.
     temperature: τ of the sampled mode: Eq. 2's softmax reads the negated scores divided by τ (default 1,
       the paper's). A smaller τ sharpens the draw towards the deterministic policy (τ -> 0 evicts the
       L lowest); the pool, the 2L lowest, does not depend on it.
@@ -436,8 +438,8 @@ class Foresight(Policy):
         keys = _stacked([context.keys[..., candidates, :] for context in contexts])
         values = _stacked([context.values[..., candidates, :] for context in contexts])
         scores = self.scorer.score_layers(first, keys, values, features)
-        if self.mode == EvictionMode.DETERMINISTIC.value:
-            return scores
+        if self.mode == EvictionMode.DETERMINISTIC.value or contexts[0].num_candidates != self.scorer.config.budget:
+            return scores  # a decode compression (more than B candidates) is taken deterministically, unrecorded
         return self._sample(contexts, scores, keys, values, features)
 
     def _sample(self, contexts, scores, keys, values, features) -> torch.Tensor:
@@ -515,11 +517,6 @@ class Foresight(Policy):
             raise ValueError(
                 f"scorer trained for {config.base_model} with B={config.budget}, L={config.interval} does not fit "
                 f"this cache (B={seen}, L={interval})"
-            )
-        if self.mode == EvictionMode.SAMPLED.value and most != config.budget:
-            raise ValueError(
-                f"sampled eviction removes exactly L={config.interval} of B={config.budget} candidates per step, "
-                f"but a row holds {most} candidates (a prompt longer than B + L); use deterministic mode"
             )
 
     def _check_shape(self, context: EvictionContext) -> None:
