@@ -28,6 +28,7 @@ from foresight.policies.golden import GoldenEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests.scorers import random_scorer
 from trainers.branches import BranchSettings, roll_out_branches
+from trainers.example_cache import ExampleCache, ExampleKey
 from trainers.rollouts import roll_out_together
 
 B, L = 16, 4
@@ -175,3 +176,18 @@ def test_decode_regime_rollouts_sample_the_steps_after_the_compression():
     torch.testing.assert_close(shared.scores.reward, alone.scores.reward)
     groups = roll_out_branches(model, scorer, trace, BranchSettings(rows=2, chunks=2, steps=7), range(2))
     assert all(int(group.actions.after[0]) >= PROMPT - 1 + L for group in groups)
+
+
+def test_examples_of_one_regime_are_refused_by_a_fit_of_the_other(tmp_path):
+    """A streaming example cache keeps the key it had before the regimes; a decode fit names both regimes when it
+    finds it, and the command that remakes its own."""
+    key = ExampleKey("tiny", "float32", B, L, "standardised", "float16")
+    assert "regime" not in key.metadata()
+    ExampleCache(tmp_path, tmp_path, key).claim()
+    decode = ExampleCache(tmp_path, tmp_path, replace(key, regime="decode"))
+    assert "--regime decode" in decode.remake_command
+    with pytest.raises(ValueError, match=r"regime 'streaming' \(asked: 'decode'\)") as error:
+        decode.check_key()
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="unknown regime 'prefill'"):
+        replace(key, regime="prefill")
