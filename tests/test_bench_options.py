@@ -70,7 +70,7 @@ def test_every_benchmark_module_is_a_sub_command_with_its_fields_as_options():
             declared[module.NAME] = module
     offered = subcommands()
     assert set(declared) == set(benchmarks()) == set(offered) - set(MOVED_TO_STUDIES) and len(declared) >= 12
-    assert set(MOVED_TO_STUDIES) == set(STUDIES) and not set(STUDIES) & set(declared)
+    assert set(MOVED_TO_STUDIES) <= set(STUDIES) and not set(STUDIES) & set(declared)  # studies born as studies too
     for name, module in declared.items():
         strings = {s for action in offered[name]._actions for s in action.option_strings}
         assert {flag for option in options(module.Settings) for flag in flags(option)} <= strings, name

@@ -137,6 +137,8 @@ class GoldenDataModule(TraceSplitDataModule):
     regime: the eviction regime whose steps the examples follow (`foresight.cadence.Regime`: streaming or
       decode); its labels are those of that regime, it is part of the example cache's key, and the scorer's
       config records it.
+    exclude_sources: prompt sources whose traces are never read (`TraceSplitDataModule`); the example cache
+      still holds them, so every fold of a fold study reads one cache.
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
       of the cache's key) or the replay.
     replay_batch_size: traces replayed together through the frozen model.
@@ -171,8 +173,9 @@ class GoldenDataModule(TraceSplitDataModule):
         pin_memory: bool | None = None,
         label_kind: str = LabelKind.ALPHA.value,
         regime: str = Regime.STREAMING.value,
+        exclude_sources: list[str] | None = None,
     ) -> None:
-        super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size)
+        super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size, exclude_sources)
         if replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be at least 1, got {replay_batch_size}")
         if num_workers is not None and num_workers < 0:
@@ -208,7 +211,7 @@ class GoldenDataModule(TraceSplitDataModule):
         """The `ScorerConfig` fields the data fixes (model shape, B, L, features, base model, the
         traces' prompt sources when the folder already holds traces)."""
         shape = describe(load_config(self.model_name))
-        sources = folder_sources(self.traces_dir)
+        sources = [source for source in folder_sources(self.traces_dir) if source not in self.excluded_sources]
         return {
             **asdict(shape),
             "budget": self.budget,
@@ -223,7 +226,7 @@ class GoldenDataModule(TraceSplitDataModule):
         if self.train is not None:
             return
         store = self.open_store()
-        traces = [trace for trace in store if self._num_steps(trace)]
+        traces = [trace for trace in store if self._num_steps(trace) and self.reads(trace)]
         if not traces:
             raise ValueError(
                 f"no trace of {self.traces_dir} reaches B + L = {self.budget + self.interval} tokens, so none has an "
@@ -265,6 +268,8 @@ class GoldenDataModule(TraceSplitDataModule):
         }
         if self.on_policy:
             self._summary["on-policy examples"] = f"{len(self.on_policy)} round(s) of the scorer's own trajectories"
+        if self.excluded_sources:
+            self._summary["sources never read"] = ", ".join(sorted(self.excluded_sources))
         self.train_indices = [trace.index for trace in splits["train"]]
 
     def train_dataloader(self) -> DataLoader:

@@ -41,6 +41,7 @@ class RolloutDataModule(TraceSplitDataModule):
       sees; use the same values as the supervised stage so both stages leave the same traces out.
     batch_size: traces per optimisation step (each rolled out G times).
     shuffle, seed: visit the traces in a new seeded order every epoch.
+    exclude_sources: prompt sources whose traces are never rolled out (`TraceSplitDataModule`).
     """
 
     def __init__(
@@ -54,8 +55,9 @@ class RolloutDataModule(TraceSplitDataModule):
         batch_size: int = 4,
         shuffle: bool = True,
         seed: int = 0,
+        exclude_sources: list[str] | None = None,
     ) -> None:
-        super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size)
+        super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size, exclude_sources)
         self.shuffle, self.seed = shuffle, seed
         self.train: TraceView | None = None
 
@@ -65,7 +67,7 @@ class RolloutDataModule(TraceSplitDataModule):
         store = self.open_store()
         train, held_out = store.split(self.holdout, self.split_seed) if self.holdout else (store, None)
         shortest = self.budget + self.interval + 2
-        rows = [row for row, trace in enumerate(train) if trace.input_ids.numel() >= shortest]
+        rows = [row for row, trace in enumerate(train) if trace.input_ids.numel() >= shortest and self.reads(trace)]
         if not rows:
             raise ValueError(
                 f"no training trace of {self.traces_dir} reaches B + L + 2 = {shortest} tokens, so none has an "

@@ -11,14 +11,24 @@ from pathlib import Path
 import lightning as L
 
 from foresight.cadence import check_budget
-from foresight.data.trace_store import TraceStore
+from foresight.data.trace_store import Trace, TraceStore
 
 
 class TraceSplitDataModule(L.LightningDataModule):
-    """traces_dir, budget, interval, model, holdout, split_seed, batch_size: see the subclasses."""
+    """traces_dir, budget, interval, model, holdout, split_seed, batch_size: see the subclasses. exclude_sources:
+    prompt sources (families, as a trace's `source` names them) whose traces the stage never reads, neither to
+    train nor to validate: the held-out families of a fold (`python -m studies folds`)."""
 
     def __init__(
-        self, traces_dir: str, budget: int, interval: int, model: str, holdout: float, split_seed: int, batch_size: int
+        self,
+        traces_dir: str,
+        budget: int,
+        interval: int,
+        model: str,
+        holdout: float,
+        split_seed: int,
+        batch_size: int,
+        exclude_sources: list[str] | None = None,
     ) -> None:
         super().__init__()
         check_budget(budget, interval)
@@ -29,7 +39,12 @@ class TraceSplitDataModule(L.LightningDataModule):
         self.traces_dir = Path(traces_dir)
         self.budget, self.interval, self.model_name = budget, interval, model
         self.holdout, self.split_seed, self.batch_size = holdout, split_seed, batch_size
+        self.excluded_sources = frozenset(exclude_sources or ())
         self._summary: dict[str, str] = {}
+
+    def reads(self, trace: Trace) -> bool:
+        """Whether the stage may read the trace (its source is not excluded)."""
+        return trace.source not in self.excluded_sources
 
     def open_store(self) -> TraceStore:
         """The traces folder, refused when another model made it."""

@@ -87,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split")
     parser.add_argument(
+        "--sources",
+        type=lambda text: [source for source in text.split(",") if source],
+        default=None,
+        metavar="SOURCE,...",
+        help="evaluate only the traces of these prompt sources, as their `source` names them (a fold's held-out "
+        "families) (default: every source)",
+    )
+    parser.add_argument(
         "--label-kind",
         default=LabelKind.ALPHA.value,
         choices=[member.value for member in LabelKind],
@@ -209,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     store = TraceStore(args.traces)
     made_with = model_of_traces(args, args.traces, store.settings["model"])
-    traces = list(select_traces(store, args.holdout, args.holdout_seed, args.max_traces))
+    traces = list(select_traces(store, args.holdout, args.holdout_seed, args.max_traces, args.sources))
     if not traces:
         raise ValueError(
             f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})"

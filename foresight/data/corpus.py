@@ -19,7 +19,7 @@ from pathlib import Path
 
 import datasets
 
-from foresight.data.trace_store import SHARD_RECORD, TRACE_SCHEMA, TraceStore, rebuild_manifest
+from foresight.data.trace_store import SHARD_RECORD, TRACE_SCHEMA, TraceStore, folder_sources, rebuild_manifest
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,27 @@ def shared_prompts(
         if len(names) > 1 and names not in allowed:
             shared.append(SharedPrompt(tuple(found)))
     return shared
+
+
+TEST_SET_PREFIX = "unseen-"
+"""The corpus folders that are test sets (data/corpus/unseen-*): no training trace may be of one of their families."""
+
+
+def test_set_folders(corpus: str | os.PathLike) -> list[Path]:
+    """The test sets of a corpus folder: its `unseen-*` trace folders."""
+    return sorted(path for path in Path(corpus).glob(f"{TEST_SET_PREFIX}*") if (path / "manifest.json").is_file())
+
+
+def refuse_test_families(traces: str | os.PathLike, test_sets: Iterable[str | os.PathLike]) -> None:
+    """A one-line ValueError naming the first trace of `traces` whose prompt source (family) a test set holds (the
+    test sets' families read from their manifests): called before any fit reads the corpus."""
+    held = {source: Path(folder).name for folder in test_sets for source in folder_sources(folder)}
+    for trace in TraceStore(traces):
+        if trace.source in held:
+            raise ValueError(
+                f"trace {trace.index} of {traces} is of {trace.source}, a family of test set {held[trace.source]}; "
+                "a training corpus holds no test family (remove its traces, or leave the family out of the recipe)"
+            )
 
 
 def drop_traces(folder: str | os.PathLike, indices: Collection[int], reason: str) -> None:

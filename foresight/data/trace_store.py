@@ -37,7 +37,7 @@ import json
 import math
 import os
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -499,10 +499,22 @@ class TraceStore(TraceView):
             raise ValueError(f"the traces in {self.out_dir} were made by {made_with!r}, not by the model {name!r}")
 
 
-def select_traces(store: TraceView, holdout: float | None, seed: int, max_traces: int | None) -> TraceView:
-    """The held-out split (or every trace), cut to the first `max_traces`: what `foresight eval` and the
-    benchmarks that compare on held-out traces read."""
+def select_traces(
+    store: TraceView,
+    holdout: float | None,
+    seed: int,
+    max_traces: int | None,
+    sources: Collection[str] | None = None,
+) -> TraceView:
+    """The held-out split (or every trace), of the prompt `sources` only when given (the held-out families of a
+    fold), cut to the first `max_traces`: what `foresight eval` and the benchmarks that compare on held-out
+    traces read."""
     view: TraceView = store if holdout is None else store.split(holdout, seed)[1]
+    if sources is not None:
+        held = set(store.sources())
+        if unknown := sorted(set(sources) - held):
+            raise ValueError(f"no trace of source {', '.join(unknown)}; the folder holds {', '.join(sorted(held))}")
+        view = view.where(lambda trace: trace.source in sources)
     if max_traces is not None:
         if max_traces < 1:
             raise ValueError(f"--max-traces must be at least 1, got {max_traces}")

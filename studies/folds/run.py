@@ -1,0 +1,187 @@
+"""Recipes chosen by held-out families: k-fold by family over a training corpus (issue 55).
+
+The corpus's families (its traces' prompt sources) are dealt into k folds (seeded, sizes differing by at most
+one). For fold k, every variant of the recipe is fitted on the traces of the other folds' families
+(`data.exclude_sources`), then fold k's traces are replayed under the full cache, golden, the heuristics of the
+reference list and every variant, in each regime. Every trace is thus scored once, by scorers that never saw
+its family (a cross-fit). The figure a variant is chosen by is its share of the headroom on **generated
+tokens**, pooled over the held-out traces of every fold, with its 95% bootstrap interval over traces, per
+regime; the all-token share and each fold's own share stand beside it. No test set is read: a corpus trace of
+a family that a test set (data/corpus/unseen-*) holds is refused before any fit.
+
+A variant is NAME=OVERRIDES, the fit config's overrides joined by `;` (`wide=model.hidden=32;ensemble.members=1`;
+`base=` for the config as it is). Fits and evaluations land under --work, one folder per (regime, variant, fold),
+and a finished one is read again, never redone, so a stopped study resumes.
+
+    python -m studies folds --traces data/corpus/train66 --folds 5 --config configs/default.yaml \\
+        --variant base= --variant one=ensemble.members=1 --regime decode --regime streaming
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from foresight.bench.common import ReportSettings
+from foresight.cli import main as foresight
+from foresight.data.corpus import refuse_test_families, test_set_folders
+from foresight.data.trace_store import TraceStore, folder_sources
+from foresight.eval.headroom import REFERENCE_HEURISTICS, TraceScore, headroom, percent
+from foresight.eval.metric_registry import TokenSet
+from foresight.scorer.model import read_scorer_config
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
+
+NAME = "folds"
+CORPUS = Path("data/corpus")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(ReportSettings):
+    traces: Path = field(metadata={"help": "the training corpus (a traces folder of several prompt sources)"})
+    folds: int = field(default=5, metadata={"help": "folds k: the families are dealt into k groups"})
+    fold_seed: int = field(default=0, metadata={"help": "seed of the deal of families into folds"})
+    config: Path = field(default=Path("configs/default.yaml"), metadata={"help": "the fit config (the recipe)"})
+    variant: tuple[str, ...] = field(
+        default=("base=",),
+        metadata={"help": "NAME=KEY=VALUE;KEY=VALUE: a variant of the recipe by its config overrides (repeat)"},
+    )
+    regime: tuple[str, ...] = field(
+        default=("decode", "streaming"), metadata={"help": "a regime to fit and score in (repeat)"}
+    )
+    test_sets: Path = field(default=CORPUS, metadata={"help": "the folder whose unseen-* trace folders are test sets"})
+    work: Path = field(default=Path("runs/folds"), metadata={"help": "folder of the fits and evaluations"})
+    batch_size: int = field(default=4, metadata={"help": "traces replayed together by each evaluation"})
+
+    def __post_init__(self) -> None:
+        self.variants  # a malformed variant is refused here
+        if self.folds < 2:
+            raise ValueError(f"--folds {self.folds}: a fold study needs at least 2 folds")
+
+    @property
+    def variants(self) -> dict[str, list[str]]:
+        """{name: its `--set` overrides} of every variant (NAME= alone: the config as it is)."""
+        found: dict[str, list[str]] = {}
+        for text in self.variant:
+            name, sep, overrides = text.partition("=")
+            if not sep or not name.strip() or name.strip() in found:
+                raise ValueError(f"--variant {text!r} must look like NAME=KEY=VALUE;KEY=VALUE, each NAME once")
+            found[name.strip()] = [override.strip() for override in overrides.split(";") if override.strip()]
+        return found
+
+
+def deal_folds(families: list[str], folds: int, seed: int) -> dict[str, int]:
+    """Each family's fold: the families in a seeded order dealt round-robin, so fold sizes differ by at most one; a
+    one-line error when there are fewer families than folds."""
+    if folds > len(families):
+        raise ValueError(
+            f"--folds {folds} is more than the corpus's {len(families)} families ({', '.join(families)}): "
+            "every fold must hold out at least one family"
+        )
+    order = np.random.default_rng(seed).permutation(len(families))
+    return {families[i]: rank % folds for rank, i in enumerate(order)}
+
+
+def run(settings: Settings) -> str:
+    refuse_test_families(settings.traces, test_set_folders(settings.test_sets))
+    families = folder_sources(settings.traces)
+    assignment = deal_folds(families, settings.folds, settings.fold_seed)
+    sections = [f"Command: `{settings.command}`", "", _fold_table(assignment, settings.traces)]
+    for regime in settings.regime:
+        scores = []
+        for fold in range(settings.folds):
+            held = sorted(family for family, k in assignment.items() if k == fold)
+            scorers = {
+                name: _fitted(settings, regime, name, overrides, fold, held)
+                for name, overrides in settings.variants.items()
+            }
+            scores += _evaluated(settings, regime, fold, held, scorers)
+        sections.append(_regime_table(regime, scores, list(settings.variants), assignment))
+    return "\n\n".join(sections)
+
+
+def _fitted(settings: Settings, regime: str, name: str, overrides: list[str], fold: int, held: list[str]) -> Path:
+    """The scorer of one variant fitted without fold `fold`'s families (a finished fit is read, not redone)."""
+    out = settings.work / regime / name / f"fold-{fold}"
+    scorer = out / "scorer"
+    if not (scorer / "config.json").is_file():
+        sets = [
+            f"data.exclude_sources={json.dumps(held)}",
+            f"data.examples_dir={settings.work / regime / name / 'examples'}",  # one cache for every fold
+            *overrides,
+        ]
+        words = ["fit", "--config", str(settings.config), "--traces", str(settings.traces), "--out", str(out)]
+        _run([*words, "--regime", regime, *(word for s in sets for word in ("--set", s))])
+    return scorer
+
+
+def _evaluated(
+    settings: Settings, regime: str, fold: int, held: list[str], scorers: dict[str, Path]
+) -> list[TraceScore]:
+    """Fold `fold`'s traces replayed under the reference list, golden and every variant; their trace scores."""
+    out = settings.work / regime / f"eval-fold-{fold}"
+    if not (out / "traces.json").is_file():
+        config = read_scorer_config(next(iter(scorers.values())) / "config.json")
+        policies = ",".join(["full", "golden", *REFERENCE_HEURISTICS])
+        words = ["eval", "--traces", str(settings.traces), "--sources", ",".join(held), "--regime", regime]
+        words += ["-B", str(config.budget), "-L", str(config.interval), "--policies", policies, "--out", str(out)]
+        words += [
+            "--batch-size",
+            str(settings.batch_size),
+            *(w for n, s in scorers.items() for w in ("--scorer", f"{n}={s}")),
+        ]
+        _run(
+            [
+                "labels",
+                "--traces",
+                str(settings.traces),
+                "-B",
+                str(config.budget),
+                "-L",
+                str(config.interval),
+                "--regime",
+                regime,
+            ]
+        )
+        _run(words)
+    return [TraceScore(**entry) for entry in json.loads((out / "traces.json").read_text())]
+
+
+def _run(words: list[str]) -> None:
+    if foresight(words) != 0:
+        raise RuntimeError(f"`foresight {' '.join(words)}` failed (its error is above)")
+
+
+def _fold_table(assignment: dict[str, int], traces: Path) -> str:
+    counts = TraceStore(traces).sources()
+    lines = ["| fold | families | traces |", "|---:|---|---:|"]
+    for fold in sorted(set(assignment.values())):
+        held = sorted(f for f, k in assignment.items() if k == fold)
+        lines.append(f"| {fold} | {', '.join(held)} | {sum(counts[f] for f in held)} |")
+    return "\n".join(lines)
+
+
+def _regime_table(regime: str, scores: list[TraceScore], variants: list[str], assignment: dict[str, int]) -> str:
+    """Per variant: the share of the headroom on generated and all tokens over every held-out trace, then per fold."""
+    budgets = sorted({s.budget for s in scores})
+    lines = [
+        f"### {regime} regime, held-out families",
+        "",
+        "| variant | generated tokens | all tokens | per fold (generated) |",
+        "|---|---:|---:|---|",
+    ]
+    for name in variants:
+        cells = []
+        for token_set in (TokenSet.GENERATED, TokenSet.ALL):
+            found = headroom(scores, budgets[0], name, variants, token_set=token_set)
+            cells.append("–" if found is None else percent(found.share, 1))
+        folds = []
+        for fold in sorted(set(assignment.values())):
+            own = [s for s in scores if assignment.get(s.source) == fold]
+            found = headroom(own, budgets[0], name, variants, token_set=TokenSet.GENERATED)
+            folds.append("–" if found is None else f"{found.share.value:.1%}")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {', '.join(folds)} |")
+    return "\n".join(lines)

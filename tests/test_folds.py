@@ -1,0 +1,98 @@
+"""The fold study (`python -m studies folds`): families dealt into folds, every held-out trace scored once by
+scorers fitted without its family, test families refused before any fit, and too many folds named in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from foresight.data.trace_generation import generate_traces
+from foresight.models import tiny_model
+from foresight.scorer.model import load_scorer
+from studies.folds.run import Settings, deal_folds, run
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.test_trainer import tiny_config
+
+FAMILIES = 3
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tiny_dir) -> Path:
+    """Twelve traces of the tiny model from three prompt files, four each: a corpus of three families."""
+    folder = tmp_path_factory.mktemp("corpus")
+    lines = (DATA / "arithmetic.jsonl").read_text().splitlines()
+    files = []
+    for family in range(FAMILIES):
+        path = folder / f"family{family}.jsonl"
+        path.write_text("\n".join(lines[family::FAMILIES]) + "\n")
+        files.append(f"{path}=1")
+    out = folder / "traces"
+    generate_traces(
+        tiny_model("llama"),
+        char_tokenizer(CHAT_TEMPLATE),
+        ",".join(files),
+        out_dir=out,
+        num=4 * FAMILIES,
+        max_new_tokens=40,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        progress=False,
+        model_name=str(tiny_dir),
+    )
+    return out
+
+
+def test_families_are_dealt_into_folds_of_near_equal_size():
+    families = [f"f{i}" for i in range(7)]
+    folds = deal_folds(families, 3, seed=0)
+    assert sorted(folds) == families and sorted(list(folds.values()).count(k) for k in range(3)) == [2, 2, 3]
+    assert deal_folds(families, 3, seed=0) == folds != deal_folds(families, 3, seed=1)
+    with pytest.raises(ValueError, match=r"--folds 8 is more than the corpus's 7 families \(f0, f1"):
+        deal_folds(families, 8, seed=0)
+
+
+def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(corpus, tmp_path, tiny_dir):
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0)
+    settings = Settings(
+        traces=corpus,
+        folds=FAMILIES,
+        config=config,
+        variant=("base=", "wide=model.hidden=8"),
+        regime=("decode",),
+        test_sets=tmp_path / "no-test-sets",
+        work=tmp_path / "work",
+        out=tmp_path / "folds.md",
+    )
+    report = run(settings)
+    scored = []
+    for fold in range(FAMILIES):
+        entries = json.loads((tmp_path / "work" / "decode" / f"eval-fold-{fold}" / "traces.json").read_text())
+        for name in ("base", "wide"):
+            trained = set(
+                load_scorer(tmp_path / "work" / "decode" / name / f"fold-{fold}" / "scorer").config.training_sources
+            )
+            held = {e["source"] for e in entries if e["policy"] == name}
+            assert held and not held & trained and len(trained) == FAMILIES - 1
+        scored += [e["index"] for e in entries if e["policy"] == "base" and e["token_set"] == "all"]
+    assert sorted(scored) == sorted(set(scored))  # each trace once, in the fold of its family
+    assert "| base | " in report and "| wide | " in report and "### decode regime, held-out families" in report
+    assert run(settings) == report  # finished fits and evaluations are read again, not redone
+
+
+def test_a_corpus_holding_a_test_family_is_refused_before_any_fit(corpus, tmp_path, tiny_dir):
+    test_sets = tmp_path / "corpus"
+    shutil.copytree(corpus, test_sets / "unseen-x")  # a test set of the same families
+    settings = Settings(
+        traces=corpus,
+        folds=FAMILIES,
+        config=tiny_config(tmp_path / "tiny.yaml", tiny_dir),
+        test_sets=test_sets,
+        work=tmp_path / "work",
+    )
+    with pytest.raises(ValueError, match=r"trace \d+ of .* is of .*family\d\.jsonl, a family of test set unseen-x"):
+        run(settings)
+    assert not (tmp_path / "work").exists()
