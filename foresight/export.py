@@ -33,7 +33,8 @@ DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 def scorer_config_dict(config: ScorerConfig) -> dict[str, Any]:
     """A `ScorerConfig` as plain values (the config of `SCORER_KEY`)."""
-    return {**asdict(config), "feature_set": config.feature_set.value, "regime": config.regime.value}
+    plain = {"feature_set": config.feature_set.value, "regime": config.regime.value, "scale": config.scale.value}
+    return {**asdict(config), **plain}
 
 
 def checkpoint_entries(scorer: ForesightScorer, training: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +133,7 @@ def model_card(config: ScorerConfig, training: dict[str, Any], evaluation: str |
         f"{config.num_kv_heads} KV heads, head dim {config.head_dim}) |\n"
         f"| budget B | {config.budget} |\n| interval L | {config.interval} |\n"
         f"| eviction regime | {config.regime.value} (docs/algorithms.md §1) |\n"
+        f"| score scale | {config.scale.value} |\n"
         f"| features | `{config.feature_set.value}`: {features} ({heads}, {config.feature_set.transform}) |\n"
         f"| hidden width H | {config.hidden} |\n"
         f"| training stage | {config.stage}{_started_from(config)} |"

@@ -146,6 +146,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
         "training_sources": [],
         "key_values": True,
         "regime": "streaming",
+        "scale": "ordinal",
     }
     loaded = ForesightScorer.from_pretrained(tmp_path)
     assert loaded.config == scorer.config

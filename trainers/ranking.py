@@ -171,6 +171,24 @@ def kept_overlap(scores: torch.Tensor, alpha: torch.Tensor, count: int) -> torch
     return (top_k_mask(scores, count) & top_k_mask(alpha, count)).sum(-1) / count
 
 
+def pooled_overlap(scores: torch.Tensor, alpha: torch.Tensor, count: int) -> torch.Tensor:
+    """`kept_overlap` of one budget spent across a layer's heads: scores and α [..., Hkv, N] pooled over the heads,
+    the Hkv * `count` largest kept. High only when scores compare across heads as α does."""
+    heads = scores.shape[-2]
+    return kept_overlap(scores.flatten(-2), alpha.flatten(-2), heads * count)
+
+
+LOG_TARGET_EPS = 1e-6
+"""ε of the calibration's target log(α + ε): below the attention any entry of a 135M-to-7B model's window
+receives that still matters, so the log of a zero α stays finite."""
+
+
+def calibration_loss(scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Mean squared error [...] per problem between the scores and log(α + ε): trains the scores (output bias
+    included) to one scale across heads and layers (`foresight.scorer.model.ScoreScale`)."""
+    return (scores - (alpha + LOG_TARGET_EPS).log()).square().mean(-1)
+
+
 def average_ranks(values: torch.Tensor) -> torch.Tensor:
     """1-based ranks along the last dim, tied values sharing their mean rank (batched)."""
     ordered = values.sort(dim=-1).values.contiguous()

@@ -20,14 +20,16 @@ import torch
 from torchmetrics import MeanMetric
 
 from foresight.scorer.attention_features import cumulative_feature, feature_dim
-from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
+from foresight.scorer.model import ForesightScorer, ScorerConfig, ScoreScale, load_scorer
 from trainers.ranking import (
     DEFAULT_MARGIN,
     PAIR_BLOCK_ELEMENTS,
     PairWeight,
     RankingPairs,
+    calibration_loss,
     kept_overlap,
     pairwise_ranking_loss,
+    pooled_overlap,
     spearman,
 )
 from trainers.scorer_module import ScorerModule
@@ -49,6 +51,10 @@ class SupervisedScorer(ScorerModule):
       cache; null builds every problem of the batch at once, the layout before blocks).
     init_scorer: a scorer folder to start from instead of a fresh initialisation (an on-policy round
       refits from the previous round's scorer); its config must match this one's.
+    calibration: weight λ of an auxiliary loss, the squared error of each score against log(α + ε), added to
+      the ranking loss (0: none, the paper's). With λ > 0 the output bias b2 trains too and the scorer's
+      scale is "log-target": its scores compare across heads and layers (`ScoreScale`), which a budget spent
+      across heads needs; `val/pooled_overlap` measures it (the kept set of one budget per layer).
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class SupervisedScorer(ScorerModule):
         pair_chunk: int = 256,
         pair_block: int | None = PAIR_BLOCK_ELEMENTS,
         init_scorer: str | None = None,
+        calibration: float = 0.0,
     ) -> None:
         super().__init__()
         pairs, pair_weight = RankingPairs.parse(pairs).value, PairWeight.parse(pair_weight).value
@@ -72,20 +79,24 @@ class SupervisedScorer(ScorerModule):
                 raise ValueError(
                     f"{name} must be a positive number of pairs{' or null' if name == 'pair_block' else ''}, got {value}"
                 )
-        if lr <= 0 or margin < 0 or weight_decay < 0:
+        if lr <= 0 or margin < 0 or weight_decay < 0 or calibration < 0:
             raise ValueError(
-                f"need lr > 0, margin >= 0 and weight_decay >= 0, got lr={lr}, margin={margin}, weight_decay={weight_decay}"
+                f"need lr > 0, margin >= 0, weight_decay >= 0 and calibration >= 0, got lr={lr}, margin={margin}, "
+                f"weight_decay={weight_decay}, calibration={calibration}"
             )
         self.save_hyperparameters()
-        self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden, key_values=key_values))
+        scale = ScoreScale.LOG_TARGET if calibration else ScoreScale.ORDINAL
+        self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden, key_values=key_values, scale=scale))
         if init_scorer is not None:
             self.scorer.load_state_dict(_matching_weights(load_scorer(init_scorer), self.scorer.config, init_scorer))
-        self.freeze_untrained()
+        if not calibration:  # the calibration's target moves every score of a head: b2 trains then
+            self.freeze_untrained()
         # Means over every ranking problem of the validation set, synced across ranks; a problem whose
         # Spearman correlation is undefined (NaN: all α equal) is left out.
         self.val_overlap = MeanMetric(nan_strategy="ignore")
         self.val_spearman = MeanMetric(nan_strategy="ignore")
         self.val_overlap_cumulative = MeanMetric(nan_strategy="ignore")
+        self.val_pooled_overlap = MeanMetric(nan_strategy="ignore")
         feature_set = self.scorer.config.feature_set
         self._cumulative, self._features_per_head = cumulative_feature(feature_set), feature_dim(feature_set)
 
@@ -94,8 +105,11 @@ class SupervisedScorer(ScorerModule):
         hparams = self.hparams
         pairs = "every pair" if hparams.pairs == RankingPairs.ALL.value else "the pairs of a golden-evicted entry"
         weight = "each weighted by α_j − α_i" if hparams.pair_weight == PairWeight.GAP.value else "each alike (Eq. 6)"
+        calibrated = (
+            f", plus {hparams.calibration} × the squared error against log(α + ε)" if hparams.calibration else ""
+        )
         return {
-            "ranking loss": f"hinge with margin {hparams.margin} over {pairs} with α_i < α_j, {weight}",
+            "ranking loss": f"hinge with margin {hparams.margin} over {pairs} with α_i < α_j, {weight}{calibrated}",
             "optimiser": f"AdamW, lr {hparams.lr} annealed by a cosine to 0, weight decay {hparams.weight_decay}",
         }
 
@@ -116,6 +130,8 @@ class SupervisedScorer(ScorerModule):
             PairWeight.parse(self.hparams.pair_weight),
             self.hparams.pair_block,
         )
+        if self.hparams.calibration:
+            per_problem = per_problem + self.hparams.calibration * calibration_loss(scores, alpha)
         count = torch.tensor(float(per_problem.numel()), device=per_problem.device)
         world = self.trainer.world_size
         total = self.trainer.strategy.reduce(count, reduce_op="sum") if world > 1 else count
@@ -129,7 +145,7 @@ class SupervisedScorer(ScorerModule):
     def on_validation_epoch_start(self) -> None:
         """Fresh metric states made in this loop's grad mode: a standalone `validate` runs under
         inference mode, and the states it leaves cannot be updated in place by `fit`'s validation."""
-        for metric in (self.val_overlap, self.val_spearman, self.val_overlap_cumulative):
+        for metric in (self.val_overlap, self.val_spearman, self.val_overlap_cumulative, self.val_pooled_overlap):
             metric.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -140,7 +156,9 @@ class SupervisedScorer(ScorerModule):
         self.val_overlap.update(kept_overlap(scores, alpha, keep))
         self.val_spearman.update(spearman(scores, alpha))
         self.val_overlap_cumulative.update(kept_overlap(self.cumulative_attention(batch), alpha, keep))
+        self.val_pooled_overlap.update(pooled_overlap(scores, alpha, keep))
         self.log("val/overlap", self.val_overlap, prog_bar=True, batch_size=size)
+        self.log("val/pooled_overlap", self.val_pooled_overlap, batch_size=size)
         self.log("val/spearman", self.val_spearman, batch_size=size)
         self.log("val/overlap_cumulative", self.val_overlap_cumulative, batch_size=size)
 
@@ -163,7 +181,7 @@ class SupervisedScorer(ScorerModule):
 
 def _matching_weights(start: ForesightScorer, config: ScorerConfig, source: str) -> dict[str, torch.Tensor]:
     """The weights of the starting scorer, refused when its architecture or inputs differ from `config`."""
-    informative = {"base_model", "stage", "started_from", "training_sources"}
+    informative = {"base_model", "stage", "started_from", "training_sources", "regime", "scale"}
     differing = [
         f"{name} {value!r} (this run: {getattr(config, name)!r})"
         for name, value in asdict(start.config).items()

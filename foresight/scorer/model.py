@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from foresight.cadence import Regime, check_budget
+from foresight.choices import Choice
 from foresight.scorer.attention_features import FeatureSet, feature_width
 
 
@@ -61,6 +62,18 @@ STAGES = ("supervised", "reinforcement")
 """The training stages that make a scorer (ForesightKV §3.2 and §3.3)."""
 
 
+class ScoreScale(Choice):
+    """What a scorer's keep scores mean beyond their order inside one (layer, KV head).
+
+    "ordinal": trained by the ranking loss alone, whose pairs never leave a head, so scores of two heads do not
+    compare (the output bias is never trained). "log-target": also regressed on log(α + ε) of each candidate
+    (`trainers.supervised`), output bias included, so a score estimates the log of the entry's future attention
+    on one scale for every head and layer: what spending one budget across heads needs."""
+
+    ORDINAL = "ordinal"
+    LOG_TARGET = "log-target"
+
+
 @dataclass
 class ScorerConfig:
     """Everything needed to rebuild a scorer and to refuse a model it was not trained for.
@@ -79,6 +92,7 @@ class ScorerConfig:
     attention features (False: an ablation whose scorer cannot key on token content or on the absolute
     position that RoPE rotates into the keys). regime: the eviction regime whose steps its training examples
     came from (`foresight.cadence.Regime`; scorers written before the regimes hold none and are streaming).
+    scale: what its scores mean across heads (`ScoreScale`; older scorers hold none and are ordinal).
     """
 
     num_layers: int
@@ -95,10 +109,12 @@ class ScorerConfig:
     training_sources: list[str] = field(default_factory=list)
     key_values: bool = True
     regime: Regime = Regime.STREAMING
+    scale: ScoreScale = ScoreScale.ORDINAL
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)
         self.regime = Regime.parse(self.regime)
+        self.scale = ScoreScale.parse(self.scale)
         if self.stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(map(repr, STAGES))}, got {self.stage!r}")
         for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "hidden"):
