@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from foresight.data.trace_generation import generate_traces
 from foresight.models import tiny_model
-from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer, sampled_tiny_traces
 from tests.rl_runs import L_, B
 from tests.scorers import random_scorer
 
@@ -47,19 +46,7 @@ def traces_dir(tmp_path_factory, tiny_dir) -> Path:
     """Ten sampled traces of the tiny model (about 60-120 tokens each), without labels. Tests that label
     them do so for B=16, L=4 only; a test that needs the folder as it was copies it first."""
     out = tmp_path_factory.mktemp("traces")
-    generate_traces(
-        tiny_model("llama"),
-        char_tokenizer(CHAT_TEMPLATE),
-        str(DATA / "arithmetic.jsonl"),
-        out_dir=out,
-        num=10,
-        max_new_tokens=40,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        progress=False,
-        model_name=str(tiny_dir),
-    )
+    sampled_tiny_traces(str(DATA / "arithmetic.jsonl"), out, num=10, model_name=str(tiny_dir))
     return out
 
 

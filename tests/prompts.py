@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from foresight.data.trace_generation import generate_traces
+from foresight.models import tiny_model
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CHAT_TEMPLATE = (
@@ -36,6 +37,26 @@ def arithmetic_traces(model, out: Path, num: int, max_new_tokens: int) -> Path:
     path = str(DATA / "arithmetic.jsonl")
     generate_traces(
         model, tokenizer, path, out_dir=out, num=num, max_new_tokens=max_new_tokens, progress=False, model_name="tiny"
+    )
+    return out
+
+
+def sampled_tiny_traces(source: str, out: Path, num: int, model_name: str) -> Path:
+    """`num` traces of `source` that the tiny Llama samples at temperature 1 (no filtering), at most 40 new tokens,
+    written to `out` as the traces of `model_name` (the folder the tiny model was saved to)."""
+    model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
+    generate_traces(
+        model,
+        tokenizer,
+        source,
+        out_dir=out,
+        num=num,
+        max_new_tokens=40,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        progress=False,
+        model_name=model_name,
     )
     return out
 

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from foresight.data.trace_generation import generate_traces
-from foresight.models import tiny_model
 from foresight.scorer.model import load_scorer
 from studies.folds.run import Settings, deal_folds, run
-from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
+from tests.prompts import DATA, sampled_tiny_traces
 from tests.test_trainer import tiny_config
 
 FAMILIES = 3
@@ -30,19 +28,7 @@ def corpus(tmp_path_factory, tiny_dir) -> Path:
         path.write_text("\n".join(lines[family::FAMILIES]) + "\n")
         files.append(f"{path}=1")
     out = folder / "traces"
-    generate_traces(
-        tiny_model("llama"),
-        char_tokenizer(CHAT_TEMPLATE),
-        ",".join(files),
-        out_dir=out,
-        num=4 * FAMILIES,
-        max_new_tokens=40,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        progress=False,
-        model_name=str(tiny_dir),
-    )
+    sampled_tiny_traces(",".join(files), out, num=4 * FAMILIES, model_name=str(tiny_dir))
     return out
 
 
