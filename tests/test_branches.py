@@ -185,6 +185,8 @@ def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir
         ("model.rollout=vine", "unknown rollout 'vine'; allowed: 'episode', 'branch'"),
         ("model.advantage_rule=self_critical", "advantage_rule self_critical needs rollout: branch"),
         ("model.kl_stop=0", "kl_target and kl_stop must be finite numbers > 0 or null, got None, 0.0"),
+        ("model.kl_target=-1", "kl_target and kl_stop must be finite numbers > 0 or null, got -1.0, None"),
+        ("model.beta_floor=0.5", "beta_floor=0.5 must be > 0 and at most beta=0.05: β halves down to it"),
         ("model.branch_rows=1", "need branch_rows >= 2, branch_chunks >= 1, branch_steps >= 1 and branch_layers >= 1"),
         ("model.reward_rule=dense9", "unknown reward_rule 'dense9'; allowed: 'thresholded'"),
         ("model.advantage_rule=none", "unknown advantage_rule 'none'; allowed: 'group_normalised'"),
@@ -329,6 +331,20 @@ def test_adaptive_beta_doubles_above_the_band_halves_below_it_and_resumes(tiny_d
     assert module.current_beta() == 0.32
     module.on_load_checkpoint({})
     assert module.current_beta() == 0.01
+
+
+def test_a_beta_floor_lets_a_kl_far_below_its_target_loosen_the_anchor(tiny_dir, start_scorer):
+    """With beta_floor below β, steps far under the KL target halve β down to the floor (and no further); the
+    model card states the floor."""
+    module = GRPOScorer(
+        str(start_scorer), B, L_, model=str(tiny_dir), beta=1.0, kl_target=0.5, beta_floor=0.01, rollout="branch"
+    )
+    seen = []
+    for _ in range(9):
+        module._control_kl(0.01)
+        seen.append(module.current_beta())
+    assert seen == pytest.approx([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.01, 0.01, 0.01])
+    assert "never below 0.01" in module.stage_settings()["KL control"]
 
 
 def test_self_critical_scales_every_group_of_a_step_by_the_batch_rms(tiny_dir, start_scorer):

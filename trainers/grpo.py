@@ -106,7 +106,9 @@ class GRPOScorer(ScorerModule):
       `train/paper_reward` whatever the reward rule.
     kl_target: adapt β to hold the KL per (layer, KV head) set near this many nats (PPO's adaptive penalty,
       Schulman et al. 2017 §4: β doubles after a step whose KL per set exceeds 1.5·kl_target and halves after
-      one below kl_target / 1.5, never below `beta`); None: β fixed. kl_stop: stop the run at the end of the
+      one below kl_target / 1.5, never below `beta_floor`); None: β fixed. beta_floor: the lowest β the
+      adaptation may halve to (None: `beta` itself, the behaviour before 0.9.0, which lets β only rise; at most
+      `beta`), so a KL far below its target can loosen the anchor. kl_stop: stop the run at the end of the
       first step whose KL per set exceeds it (a stopping rule fixed before any evaluation); None: never.
     seed: seeds every rollout's sampling with (seed, round, trace, row) (and the branch step).
     regime: where the rollouts' eviction steps fall (`foresight.cadence.Regime`: streaming or decode); None: the
@@ -147,6 +149,7 @@ class GRPOScorer(ScorerModule):
         damage_offset: float = DAMAGE_OFFSET,
         damage_gate_width: float = GATE_WIDTH,
         kl_target: float | None = None,
+        beta_floor: float | None = None,
         kl_stop: float | None = None,
         seed: int = 0,
         regime: str | None = None,
@@ -164,6 +167,8 @@ class GRPOScorer(ScorerModule):
             raise ValueError(f"kl_target and kl_stop must be finite numbers > 0 or null, got {kl_target}, {kl_stop}")
         if kl_target is not None and beta <= 0:
             raise ValueError(f"kl_target adapts β from beta, which must then be > 0, got beta={beta}")
+        if beta_floor is not None and not 0 < beta_floor <= beta:
+            raise ValueError(f"beta_floor={beta_floor} must be > 0 and at most beta={beta}: β halves down to it")
         if group_size < 2:
             raise ValueError(
                 f"group_size G must be at least 2 (the advantage normalises rewards within a group), got {group_size}"
@@ -382,6 +387,12 @@ class GRPOScorer(ScorerModule):
         kl_steps = self.hparams.kl_steps
         return 0.0 if kl_steps is not None and self.global_step >= kl_steps else self.beta
 
+    @property
+    def beta_floor(self) -> float:
+        """The lowest β the KL adaptation halves to."""
+        floor = self.hparams.get("beta_floor")
+        return self.hparams.beta if floor is None else floor
+
     def _control_kl(self, kl: float) -> None:
         """After a step whose rollouts' policy was `kl` nats per set from the start: adapt β (kl_target) and
         stop the run past kl_stop (`GRPOScorer`'s docstring)."""
@@ -390,7 +401,7 @@ class GRPOScorer(ScorerModule):
             if kl > 1.5 * target:
                 self.beta *= 2
             elif kl < target / 1.5:
-                self.beta = max(self.beta / 2, self.hparams.beta)
+                self.beta = max(self.beta / 2, self.beta_floor)
         if stop is not None and kl > stop:
             self.trainer.should_stop = True
 
@@ -484,7 +495,7 @@ class GRPOScorer(ScorerModule):
         hparams, trainer = self.hparams, self._trainer
         beta = (
             f"β adapted from {hparams.beta} to hold the KL per (layer, KV head) set near {hparams.kl_target} nats "
-            f"(×2 above {1.5 * hparams.kl_target:g}, ÷2 below {hparams.kl_target / 1.5:g}, never below {hparams.beta})"
+            f"(×2 above {1.5 * hparams.kl_target:g}, ÷2 below {hparams.kl_target / 1.5:g}, never below {self.beta_floor})"
             if hparams.kl_target is not None
             else f"β fixed at {hparams.beta}"
         )
