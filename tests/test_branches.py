@@ -187,7 +187,10 @@ def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir
         ("model.kl_stop=0", "kl_target and kl_stop must be finite numbers > 0 or null, got None, 0.0"),
         ("model.kl_target=-1", "kl_target and kl_stop must be finite numbers > 0 or null, got -1.0, None"),
         ("model.beta_floor=0.5", "beta_floor=0.5 must be > 0 and at most beta=0.05: β halves down to it"),
-        ("model.branch_rows=1", "need branch_rows >= 2, branch_chunks >= 1, branch_steps >= 1 and branch_layers >= 1"),
+        (
+            "model.branch_rows=1",
+            "need branch_rows >= 2, branch_chunks >= 1 (or null), branch_steps >= 1 and branch_layers >= 1",
+        ),
         ("model.reward_rule=dense9", "unknown reward_rule 'dense9'; allowed: 'thresholded'"),
         ("model.advantage_rule=none", "unknown advantage_rule 'none'; allowed: 'group_normalised'"),
         ("model.logprob_rule=sets", "unknown logprob_rule 'sets'; allowed: 'order'"),
@@ -220,6 +223,12 @@ def test_window_agreement_reads_each_branch_over_its_window_and_the_whole_rest(l
             if chunks == 40:  # 160 tokens: past the end of a 90-token trace
                 torch.testing.assert_close(agreement.rest, group.scores.reward, rtol=0, atol=1e-6)
                 assert agreement.spearman == pytest.approx(1.0) or math.isnan(agreement.spearman)
+    to_the_end = roll_out_branches(
+        llama, scorer, trace, BranchSettings(3, None, 2), range(3), seed=1, threshold=0.0, terms=rules["dense"]
+    )  # branch_chunks null: rewarded over the whole rest of the trace
+    rests = [a.rest for a in agreements if a.rule == "dense" and a.chunks == 40]
+    for group, rest in zip(to_the_end, rests, strict=True):
+        torch.testing.assert_close(group.scores.reward, rest, rtol=0, atol=1e-6)
 
 
 def test_window_agreement_spearman_by_hand():

@@ -56,18 +56,24 @@ from trainers.rollouts import Backbone, EvictionActions, GroupRollout, RolloutSc
 @dataclass(frozen=True)
 class BranchSettings:
     """rows: K, branches per group. chunks: W, the chunks of L tokens each branch continues for after its
-    step. steps: branch groups per trace and round. layers: layers that sample a group's step (drawn per
-    group; None: every layer)."""
+    step (None: to the trace's end, so a decision whose cost comes late, a prompt fact needed at the answer,
+    is rewarded too). steps: branch groups per trace and round. layers: layers that sample a group's step
+    (drawn per group; None: every layer)."""
 
     rows: int = 8
-    chunks: int = 4
+    chunks: int | None = 4
     steps: int = 2
     layers: int | None = None
 
+    def tokens(self, interval: int) -> int | None:
+        """Predictions a branch continues for after its step (None: to the trace's end)."""
+        return None if self.chunks is None else self.chunks * interval
+
     def __post_init__(self) -> None:
-        if self.rows < 2 or self.chunks < 1 or self.steps < 1 or (self.layers is not None and self.layers < 1):
+        short = self.chunks is not None and self.chunks < 1
+        if self.rows < 2 or short or self.steps < 1 or (self.layers is not None and self.layers < 1):
             raise ValueError(
-                f"need branch_rows >= 2, branch_chunks >= 1, branch_steps >= 1 and branch_layers >= 1 (or null), got "
+                f"need branch_rows >= 2, branch_chunks >= 1 (or null), branch_steps >= 1 and branch_layers >= 1 (or null), got "
                 f"branch_rows={self.rows}, branch_chunks={self.chunks}, branch_steps={self.steps}, branch_layers={self.layers}"
             )
 
@@ -129,7 +135,7 @@ def roll_out_branches(
     config = scorer.config
     started = time.perf_counter()
     branched, backbone, num_layers = _branched(
-        model, scorer, trace, settings, rows, seed, round_index, temperature, settings.chunks * config.interval
+        model, scorer, trace, settings, rows, seed, round_index, temperature, settings.tokens(config.interval)
     )
     length = trace.input_ids.numel()
     branched = [
@@ -154,7 +160,7 @@ def roll_out_branches(
         GroupRollout(
             trace_index=trace.index,
             actions=actions,
-            scores=window_scores.of(branch, int(actions.after[0]), settings.chunks * config.interval),
+            scores=window_scores.of(branch, int(actions.after[0]), settings.tokens(config.interval)),
             eviction_steps=branch.evictions - step,
             forward_seconds=forward_seconds * portion,
             seconds=seconds * portion,
@@ -313,10 +319,12 @@ class _WindowScores:
         delta = nll[window].double() - self.reference[window].double()
         return -float((self.terms if terms is None else terms)(delta, self.threshold, self.exponent)[low].mean())
 
-    def of(self, branch: Replay, after: int, size: int) -> RolloutScores:
+    def of(self, branch: Replay, after: int, size: int | None) -> RolloutScores:
         """d_k, loss ratio and damaged share of the low-entropy tokens of each branch row over the `size`
-        predictions after position `after` (fewer at the trace's end), and d_k by the paper's damage term."""
-        window = slice(after + 1, min(after + 1 + size, self.nll.numel()))
+        predictions after position `after` (fewer at the trace's end; None: to the end), and d_k by the paper's
+        damage term."""
+        end = self.nll.numel() if size is None else min(after + 1 + size, self.nll.numel())
+        window = slice(after + 1, end)
         backbone = self.reward(self.nll, window)
         rows = branch.output().nll
         low = self.low[window]

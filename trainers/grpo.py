@@ -94,7 +94,7 @@ class GRPOScorer(ScorerModule):
     rollout: "episode" (the paper's): G rollouts per trace sampling every step; "branch": step-level branch
       groups (`trainers.branches`): one deterministic backbone replay per trace, and at branch_steps of its
       eviction steps, branch_rows rows (K) copied from its state that draw that step by Eq. 2 (on
-      branch_layers layers per group, null: all) and continue deterministically for branch_chunks chunks
+      branch_layers layers per group, null: all) and continue deterministically for branch_chunks chunks (null: to the trace's end)
       (W), rewarded by the backbone's damage minus their own over those W·L tokens. group_size and
       traces_per_replay apply to episodes only.
     reward_rule, advantage_rule, logprob_rule: the estimator's rules by name (`trainers.estimators`):
@@ -140,7 +140,7 @@ class GRPOScorer(ScorerModule):
         traces_per_replay: int = 1,
         rollout: str = Rollout.EPISODE.value,
         branch_rows: int = 8,
-        branch_chunks: int = 4,
+        branch_chunks: int | None = 4,
         branch_steps: int = 2,
         branch_layers: int | None = None,
         reward_rule: str = "thresholded",
@@ -481,7 +481,8 @@ class GRPOScorer(ScorerModule):
                 **control,
                 "rollouts": (
                     f"step-level branch groups: K = {branches.rows} rows at {branches.steps} eviction steps per trace, "
-                    f"sampled on {layers}, continued deterministically for W = {branches.chunks} chunks"
+                    f"sampled on {layers}, continued deterministically "
+                    + ("to the trace's end" if branches.chunks is None else f"for W = {branches.chunks} chunks")
                 ),
             }
         return {
