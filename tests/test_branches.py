@@ -186,6 +186,7 @@ def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir
         ("model.advantage_rule=self_critical", "advantage_rule self_critical needs rollout: branch"),
         ("model.kl_stop=0", "kl_target and kl_stop must be finite numbers > 0 or null, got None, 0.0"),
         ("model.kl_target=-1", "kl_target and kl_stop must be finite numbers > 0 or null, got -1.0, None"),
+        ("model.branch_layers=99", "branch_layers=99 is more layers than the model's 2: give 1..2, or null"),
         ("model.beta_floor=0.5", "beta_floor=0.5 must be > 0 and at most beta=0.05: β halves down to it"),
         (
             "model.branch_rows=1",

@@ -197,7 +197,13 @@ class GRPOScorer(ScorerModule):
                 f"scorer {scorer} was trained for B={trained[0]}, L={trained[1]}, but the rollouts use B={budget}, "
                 f"L={interval}; train one for them or set data.budget and data.interval to match"
             )
-        start.check_compatible(describe(load_config(model)))
+        shape = describe(load_config(model))
+        start.check_compatible(shape)
+        if branch_layers is not None and branch_layers > shape.num_layers:
+            raise ValueError(
+                f"branch_layers={branch_layers} is more layers than the model's {shape.num_layers}: give 1.."
+                f"{shape.num_layers}, or null for every layer"
+            )
         config = dataclasses.replace(
             start.config,
             stage="reinforcement",
