@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kind",
         type=LabelKind.parse,
-        default=LabelKind.ALPHA,
+        default=LabelKind.ALPHA.value,
         help="label kind: alpha (Eq. 5), value, gradient, gradient-magnitude or removal (docs/algorithms.md §4); "
         "in the folder's name",
     )
