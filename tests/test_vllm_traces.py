@@ -127,3 +127,20 @@ def test_recorded_vllm_rows_import_as_vllm_sampled_them(tmp_path, name, make):
         assert prompt == chat_prompt_ids(tokenizer, row["prompt"])
         assert trace.input_ids.tolist() == prompt + completion and trace.prompt_length == len(prompt)
         assert_engine_logprobs(trace.token_nll, row)
+
+
+def test_a_resumed_run_keeps_the_rows_of_its_own_problems_and_refuses_another_commands(tmp_path):
+    """--chunk's resume: the rows a file holds are kept when they are the first problems' (same prompt ids and
+    source); a row of another problem, or more rows than problems, is named in one line."""
+    problems = [Problem(i, f"What is {i} + 1?", str(i + 1), "reasoning-gym:chain_sum") for i in range(3)]
+    prompts = [[1, 2, i] for i in range(3)]
+    rows = [vllm_traces.import_row(p, ids, [7, 8], "x", "stop", [-0.1, -0.2]) for p, ids in zip(problems, prompts)]
+    path = tmp_path / "rows.jsonl"
+    assert vllm_traces.resumed_rows(path, problems, prompts) == []
+    vllm_traces.write_rows(path, rows[:2])
+    assert vllm_traces.resumed_rows(path, problems, prompts) == rows[:2]
+    with pytest.raises(ValueError, match="row 1 is not problem 1 of this command"):
+        vllm_traces.resumed_rows(path, problems, [prompts[0], [9, 9], prompts[2]])
+    vllm_traces.write_rows(path, rows + rows[:1])
+    with pytest.raises(ValueError, match="holds 4 rows, more than the 3 problems asked for"):
+        vllm_traces.resumed_rows(path, problems, prompts)
