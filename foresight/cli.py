@@ -39,8 +39,18 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+PIPELINE_ORDER = (
+    "traces", "labels", "examples", "fit", "rl", "eval", "export",
+    "generate", "replay", "calibrate", "policies", "curves", "bench", "demo",
+)  # fmt: skip
+"""The verbs as `foresight --help` lists them: the training pipeline in its order, then the tools around it."""
+
+
 def _verbs() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
+    """Every verb module, in `PIPELINE_ORDER` (a verb the order does not name yet comes last)."""
+    found = {m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")}
+    ordered = [name for name in PIPELINE_ORDER if name in found]
+    return ordered + sorted(found - set(ordered))
 
 
 def build_parser() -> ArgumentParser:

@@ -548,7 +548,7 @@ def labels_command(
 ) -> str:
     """The command that makes (or remakes) the labels of a traces folder for one (B, L), kind and regime."""
     kind, regime = LabelKind.parse(kind), Regime.parse(regime)
-    option = "" if kind == LabelKind.ALPHA else f" --kind {kind.value}"
+    option = "" if kind == LabelKind.ALPHA else f" --label-kind {kind.value}"
     option += "" if regime is Regime.STREAMING else f" --regime {regime.value}"
     return f"`foresight labels --traces {traces_dir} --budget {budget} --interval {interval}{option}`"
 

@@ -191,3 +191,15 @@ def test_examples_of_one_regime_are_refused_by_a_fit_of_the_other(tmp_path):
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="unknown regime 'prefill'"):
         replace(key, regime="prefill")
+
+
+def test_fit_takes_the_regime_and_label_kind_as_config_overrides_and_labels_its_old_spelling_is_answered(capsys):
+    from foresight.cli import build_parser
+    from foresight.commands.fit import lightning_args
+
+    words = ["fit", "--config", "configs/default.yaml", "--out", "o", "--label-kind", "value", "--regime", "decode"]
+    overrides = [word for word in lightning_args(build_parser().parse_args(words)) if word.startswith("--data.")]
+    assert overrides[-2:] == ["--data.regime=decode", "--data.label_kind=value"]
+    with pytest.raises(SystemExit) as exit_status:
+        main(["labels", "--traces", "x", "-B", "16", "-L", "4", "--kind", "value"])
+    assert exit_status.value.code == 2 and "--kind is spelled --label-kind now" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""The main job on the embedded default model: a generation with eviction, then a teacher-forced
-comparison of every heuristic policy on that generation, both at -B and -L.
+"""A short tour on the embedded default model (the main job is `scripts/main.sh`): a generation with eviction,
+then a teacher-forced comparison of every heuristic policy on that generation, both at -B and -L.
 
 The prompt is that of the first shipped reasoning trace (data/corpus/gsm-main), a grade-school problem the
 default model reasons about for a few hundred tokens, so the generation evicts at B = 128, L = 32."""

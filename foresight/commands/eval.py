@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--label-kind",
         default=LabelKind.ALPHA.value,
         choices=[member.value for member in LabelKind],
-        help="the labels golden replays and the golden overlap reads (`foresight labels --kind`): its oracle "
+        help="the labels golden replays and the golden overlap reads (`foresight labels --label-kind`): its oracle "
         "is the golden schedule of that kind's score (default: alpha, Eq. 5)",
     )
     parser.add_argument(

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--label-kind",
         default=LabelKind.ALPHA.value,
         choices=[member.value for member in LabelKind],
-        help="the labels the targets come from (`foresight labels --kind`); part of the cache's key",
+        help="the labels the targets come from (`foresight labels --label-kind`); part of the cache's key",
     )
     add_regime_argument(parser)
     add_model_arguments(parser, made_traces=True)

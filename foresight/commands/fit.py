@@ -53,6 +53,7 @@ from foresight.commands._training import (
 from foresight.data.trace_store import folder_sources
 from foresight.data_stage import make_labels, make_traces
 from foresight.export import ensemble_record, export_scorer, reported_metrics
+from foresight.labels import LabelKind
 from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import ScorerConfig, load_scorer
 from trainers.example_cache import ExampleCache
@@ -82,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use this existing traces folder (labels are made in it if missing) instead of generating traces",
     )
     add_regime_argument(parser, default=None, config_key="data.regime")
+    parser.add_argument(
+        "--label-kind",
+        type=LabelKind.parse,
+        default=None,
+        help="the labels the targets come from (`foresight labels --label-kind`) (default: the config's "
+        "data.label_kind, else alpha)",
+    )
     parser.add_argument(
         "--on-policy-rounds",
         type=_checked_by(OnPolicyRounds, "rounds"),
@@ -138,6 +146,8 @@ def lightning_args(args: argparse.Namespace) -> list[str]:
         cli_args.append("--traces=null")
     if args.regime is not None:
         cli_args.append(f"--data.regime={args.regime.value}")
+    if args.label_kind is not None:
+        cli_args.append(f"--data.label_kind={args.label_kind.value}")
     return cli_args + override_args(args.overrides)  # `run` hands --ckpt-path to trainer.fit
 
 

@@ -2,7 +2,7 @@
 
 Each trace is teacher-forced once through the model that made it, with the full cache; per eviction
 step and (layer, KV head) the labels hold the B candidates of the golden schedule and their future
-score α (`--kind`: another label kind's score, into TRACES/labels-B{B}-L{L}-{kind}/). They go to
+score α (`--label-kind`: another label kind's score, into TRACES/labels-B{B}-L{L}-{kind}/). They go to
 TRACES/labels-B{B}-L{L}/trace-{index:06d}.safetensors; a rerun skips traces
 already labelled and replaces damaged files (one that does not open, or was made for another trace),
 and traces shorter than B + L (no eviction step) are skipped and counted.
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
-from foresight.commands._policy import REQUIRED, add_cadence_arguments, add_regime_argument
+from foresight.commands._policy import REQUIRED, add_cadence_arguments, add_regime_argument, refuse_old_spelling
 from foresight.data.trace_store import TraceStore
 from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelKind
@@ -32,13 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, made_traces=True)
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per forward chunk (bounds working memory)")
     parser.add_argument(
-        "--kind",
+        "--label-kind",
+        dest="kind",
         type=LabelKind.parse,
         default=LabelKind.ALPHA.value,
         help="label kind: alpha (Eq. 5), value, gradient, gradient-magnitude or removal (docs/algorithms.md §4); "
         "in the folder's name",
     )
     add_regime_argument(parser)
+    refuse_old_spelling(parser, "--kind", "--label-kind")
 
 
 def run(args: argparse.Namespace) -> int:
