@@ -11,8 +11,8 @@ import pytest
 
 from foresight.scorer.model import load_scorer
 from studies.folds.run import Settings, deal_folds, run
+from tests.fit_configs import tiny_config
 from tests.prompts import DATA, sampled_tiny_traces
-from tests.test_trainer import tiny_config
 
 FAMILIES = 3
 

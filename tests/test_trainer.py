@@ -31,6 +31,7 @@ from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelStore
 from foresight.models import load_model
 from foresight.scorer.model import load_scorer
+from tests.fit_configs import tiny_config
 from tests.prompts import DATA
 from tests.scorers import default_shaped_config, quiet_trainer, scorer_spec, synthetic_traces
 from trainers import data as data_module
@@ -262,35 +263,6 @@ def test_cached_batches_come_from_workers_in_the_samplers_order_and_the_storage_
 
 
 # -- LightningCLI: configs, fit, resume, DDP --------------------------------------------------------
-def tiny_config(path: Path, tiny_dir: Path, traces: dict | None = None, **data) -> Path:
-    """A config of the tiny model; its example cache is redirected into --out by `foresight fit`."""
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_steps": 4,
-            "log_every_n_steps": 1,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-        },
-        "model": {"lr": 0.01},
-        "data": {
-            "model": str(tiny_dir),
-            "traces_dir": str(path.parent / "unused"),
-            "budget": B,
-            "interval": L_,
-            "examples_dir": str(path.parent / "unused-features"),
-            "batch_size": 2,
-            "holdout": 0.2,
-            **data,
-        },
-        "traces": traces,
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 PAPER_MODELS = {
     "qwen3-4b.yaml": (
         "Qwen/Qwen3-4B",
