@@ -54,11 +54,7 @@ def regime_shift(prompt_length: int, budget: int, interval: int, regime: Regime 
 def regime_prefill(prompt_length: int, budget: int, interval: int, regime: Regime | str) -> int:
     """Tokens a one-trace replay prefills so that its first eviction runs where the regime puts it: B + L in the
     streaming regime (the cache fills there), the whole prompt after which a decode compression runs."""
-    return (
-        max(prompt_length, budget + interval)
-        if regime_shift(prompt_length, budget, interval, regime)
-        else budget + interval
-    )
+    return prompt_length if regime_shift(prompt_length, budget, interval, regime) else budget + interval
 
 
 class TraceTooShort(ValueError):

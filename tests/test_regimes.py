@@ -203,3 +203,24 @@ def test_fit_takes_the_regime_and_label_kind_as_config_overrides_and_labels_its_
     with pytest.raises(SystemExit) as exit_status:
         main(["labels", "--traces", "x", "-B", "16", "-L", "4", "--kind", "value"])
     assert exit_status.value.code == 2 and "--kind is spelled --label-kind now" in capsys.readouterr().err
+
+
+def test_golden_replays_a_batch_whose_rows_evict_apart():
+    """Decode-regime rows of other prompt lengths evict at other steps (a compression, or none): golden serves the
+    rows each step evicts, and the row that never pads ends holding what it holds replayed alone."""
+    model = tiny_model("llama", seed=0)
+    generator = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, model.config.vocab_size, (n,), generator=generator) for n in (49, 57, 40)]
+    prompts = [PROMPT, B + 2, B + L + 3]  # a compression, none (P <= B + L), a compression after a shorter prompt
+    labels = [compute_golden_labels(model, i, B, L, regime="decode", prompt_length=p) for i, p in zip(ids, prompts)]
+    config = EvictionConfig(B, L, sinks=0, protect_prompt=False)
+    together = EvictionEngine(model, GoldenEviction(labels=labels), config)
+    together.replay(ids, prompts)
+    alone = EvictionEngine(model, GoldenEviction(labels=labels[1:2]), config)
+    alone.replay(ids[1:2], prompts[1:2])
+    for layer, (batch, single) in enumerate(zip(together.last_cache.layers, alone.last_cache.layers)):
+        held, expected = batch.entry_positions()[1], single.entry_positions()[0]
+        for head in range(held.shape[0]):
+            assert sorted(p for p in held[head].tolist() if p >= 0) == sorted(
+                p for p in expected[head].tolist() if p >= 0
+            ), f"layer {layer}, head {head}"

@@ -111,7 +111,7 @@ class GoldenEviction(Policy):
         positions = context.candidate_positions
         device = positions.device
         steps = self._steps(newest, rows, compressing)
-        active = (steps >= 1) & (steps <= schedule.num_steps)
+        active = (steps >= 1) & (steps <= schedule.num_steps[rows])
         index = (torch.minimum(steps, schedule.num_steps[rows]) - 1).clamp(min=0)
         budget = schedule.budget
         expected = schedule.candidates[rows, index, context.layer_idx].to(device)
