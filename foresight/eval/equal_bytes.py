@@ -255,9 +255,9 @@ def equal_bytes(
     own = sorted(b for p, b in available if p == learned)
     rows = [*required, *((learned, b) for b in own if b != budget), *((h, b) for h, bs in sweeps.items() for b in bs)]
     starts = common_starts(losses, rows)
+    learned_rows = {loss.index: loss for loss in losses if (loss.policy, loss.budget) == (learned, budget)}
     if token_set is not TokenSet.ALL:  # traces with none of the set's predictions after their start left out
-        own_rows = {loss.index: loss for loss in losses if (loss.policy, loss.budget) == (learned, budget)}
-        starts = {i: start for i, start in starts.items() if bool(_token_mask(own_rows[i], start, token_set).any())}
+        starts = {i: start for i, start in starts.items() if bool(_token_mask(learned_rows[i], start, token_set).any())}
     if not starts:
         return None
     weights = resample_weights(len(starts), resamples, seed)
@@ -283,7 +283,6 @@ def equal_bytes(
         )
         for h, bs in sweeps.items()
     ]
-    first_rows = {loss.index: loss for loss in losses if (loss.policy, loss.budget) == (learned, budget)}
     ours, golden = ratios[learned, budget], ratios[ORACLE, budget]
     best = _lowest(at_bytes)
     at_entries = {h: ratios[h, budget] for h, bs in sweeps.items() if budget in bs}
@@ -304,7 +303,7 @@ def equal_bytes(
         budget=budget,
         held_mib=target,
         traces=len(starts),
-        tokens=sum(int(_token_mask(first_rows[i], start, token_set).sum()) for i, start in starts.items()),
+        tokens=sum(int(_token_mask(learned_rows[i], start, token_set).sum()) for i, start in starts.items()),
         learned_ratio=estimate(ours),
         golden_ratio=estimate(golden),
         curves=tuple(curves),

@@ -137,14 +137,15 @@ class TraceTally:
 
     def sums(self, name: str, token_set: TokenSet = TokenSet.ALL) -> list[float]:
         """Each scored trace's sum `name` (a `Sum` of `SUMS`) over the scored tokens of `token_set`."""
-        return [SUM[name].of_trace(parts[name]) for parts in self._parts(token_set)]
+        return _trace_sums(self._parts(token_set), name)
 
     def trace_scores(self, policy: str, budget: int) -> list[TraceScore]:
         """Each scored trace's sums, for intervals over traces (`foresight.eval.headroom`): one score per trace
         and token set (all scored predictions, then each set of `SPLIT_SETS`)."""
         scores = []
         for token_set in (TokenSet.ALL, *SPLIT_SETS):
-            columns = [self.sums(name, token_set) for name in _TRACE_SCORE_SUMS]
+            parts = self._parts(token_set)
+            columns = [_trace_sums(parts, name) for name in _TRACE_SCORE_SUMS]
             for trace, values in zip(self.traces, zip(*columns)):
                 sums = {n: int(v) if n in _COUNTS else v for n, v in zip(_TRACE_SCORE_SUMS, values)}
                 scores.append(TraceScore(policy, budget, trace.index, trace.source, **sums, token_set=token_set.value))
@@ -176,13 +177,14 @@ class TraceTally:
         return row
 
     def _pooled(self, token_set: TokenSet) -> dict[str, float]:
-        return {s.name: s.pooled([parts[s.name] for parts in self._parts(token_set)]) for s in SUMS}
+        return _pooled(self._parts(token_set))
 
     def _figures(self, metrics: Sequence[Metric], token_set: TokenSet, overlap: bool) -> dict[str, Any]:
         """`metrics` pooled over the scored tokens of `token_set` (keyed NAME, or NAME:SET for a split set), then
         each one's interval over traces (None where undefined: no scored token; the golden overlap without
         `overlap`)."""
-        pooled = self._pooled(token_set)
+        parts = self._parts(token_set)  # split once, read by every figure
+        pooled = _pooled(parts)
         keys = {m.name: m.name if token_set is TokenSet.ALL else f"{m.name}:{token_set.value}" for m in metrics}
         figures: dict[str, Any] = {}
         for metric in metrics:
@@ -191,6 +193,16 @@ class TraceTally:
         for metric in metrics:
             if metric.interval:
                 key = keys[metric.name]
-                parts = (self.sums(metric.numerator, token_set), self.sums(metric.denominator, token_set))
-                set_interval(figures, key, None if figures[key] is None else bootstrap_interval(*parts))
+                sums = (_trace_sums(parts, metric.numerator), _trace_sums(parts, metric.denominator))
+                set_interval(figures, key, None if figures[key] is None else bootstrap_interval(*sums))
         return figures
+
+
+def _trace_sums(parts: Sequence[dict[str, Part]], name: str) -> list[float]:
+    """Each trace's sum `name` of its `parts`."""
+    return [SUM[name].of_trace(trace[name]) for trace in parts]
+
+
+def _pooled(parts: Sequence[dict[str, Part]]) -> dict[str, float]:
+    """Every sum of `SUMS` pooled over the traces' `parts`."""
+    return {s.name: s.pooled([trace[s.name] for trace in parts]) for s in SUMS}
