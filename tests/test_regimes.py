@@ -224,3 +224,20 @@ def test_golden_replays_a_batch_whose_rows_evict_apart():
             assert sorted(p for p in held[head].tolist() if p >= 0) == sorted(
                 p for p in expected[head].tolist() if p >= 0
             ), f"layer {layer}, head {head}"
+
+
+def test_decode_examples_record_each_rows_labelled_steps_in_a_ragged_batch():
+    """The supervised examples of decode labels, rows evicting apart: every row records exactly its labels' steps
+    (the compression is driven, not recorded), each step's targets its labels' α."""
+    from trainers.examples import golden_steps
+
+    model = tiny_model("llama", seed=0)
+    generator = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, model.config.vocab_size, (n,), generator=generator) for n in (49, 57)]
+    prompts = [PROMPT, B + 2]
+    labels = [compute_golden_labels(model, i, B, L, regime="decode", prompt_length=p) for i, p in zip(ids, prompts)]
+    traces = [replace(trace_of(i.tolist(), p), index=row) for row, (i, p) in enumerate(zip(ids, prompts))]
+    examples = golden_steps(model, traces, labels, "standardised", storage_dtype=torch.float32)
+    for example, label in zip(examples, labels, strict=True):
+        assert example["alpha"].shape[0] == label.num_steps
+        torch.testing.assert_close(example["alpha"], label.alpha)
