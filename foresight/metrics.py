@@ -139,7 +139,7 @@ def token_damage(
     All three tensors hold the trace's scored tokens. Low-entropy tokens are the bottom `share` by
     full-cache entropy among them (`low_entropy_tokens`); a low-entropy token is damaged when
     ΔL = evicted_nll - full_nll > threshold, and its damage term is `terms` of its ΔL (ΔL^exponent when
-    damaged, the paper's; the reinforcement stage may train on another, `trainers.estimators`)."""
+    damaged, the paper's; the reinforcement stage may train on another, `trainers.reinforcement.estimators`)."""
     _check_same_tokens(evicted_nll, full_nll)
     _check_same_tokens(full_entropy, full_nll)
     low = low_entropy_tokens(full_entropy, share)

@@ -493,9 +493,9 @@ def step_prepare(scale: Scale, work: Path) -> dict:
     from it to `trace_tokens` new tokens (no EOS) and their golden labels at (budget, interval)."""
     sys.path.insert(0, str(ROOT))
     from foresight.data.trace_generation import generate_traces
-    from foresight.data_stage import FrozenModel, make_labels
     from foresight.models import random_model
     from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
+    from trainers.data_stage import FrozenModel, make_labels
 
     folder = _work_model_dir(work)
     started = time.perf_counter()
@@ -588,7 +588,7 @@ def step_rl(scale: Scale, work: Path) -> dict:
     from foresight.bench.common import random_scorer
     from foresight.bench.pipeline import _rollout_row
     from foresight.data.trace_store import TraceStore
-    from foresight.data_stage import FrozenModel
+    from trainers.data_stage import FrozenModel
 
     settings = _pipeline_settings(scale, work)
     model = FrozenModel(str(_work_model_dir(work)), scale.device, settings.run_dtype).load()[0]

@@ -323,6 +323,7 @@ def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
 
     from foresight.commands import rl
     from studies.rl_step.run import RL_CONFIG, Settings
+    from trainers.reinforcement.stage import lightning_args
 
     settings = Settings(traces=tmp_path, scorer=("checkpoints/default",), steps=3, group_size=4)
     parser = argparse.ArgumentParser()
@@ -348,7 +349,7 @@ def test_rl_step_runs_what_foresight_rl_runs(tmp_path):
         str(tmp_path),
         *(word for text in overrides for word in ("--set", text)),
     ]
-    assert settings.lightning_args(tmp_path / "s") == rl.lightning_args(parser.parse_args(argv))[1:]
+    assert settings.lightning_args(tmp_path / "s") == lightning_args(rl.request(parser.parse_args(argv)))[1:]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 
 from foresight.bench.pipeline import ForwardTimer
 from foresight.cli import main
-from foresight.data_stage import FrozenModel, make_labels
+from trainers.data_stage import FrozenModel, make_labels
 
 B, L_ = 16, 4
 STAGES = [

@@ -1,4 +1,4 @@
-"""Step-level branch groups (trainers/branches.py) against replays run from the first token with the branch's
+"""Step-level branch groups (trainers/reinforcement/branches.py) against replays run from the first token with the branch's
 eviction scripted at its step, rewards by loops, and the choice of steps, layers and seeds."""
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from safetensors.torch import load_file
 
 from foresight import cli
 from foresight.commands.curves import read_scalars
-from foresight.commands.rl import lightning_args as rl_lightning_args
+from foresight.commands.rl import request as rl_request
 from foresight.metrics import thresholded_terms
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from studies.__main__ import main as studies_main
 from tests.rl_runs import L_, B, KillAtStep, Killed, random_trace, rl_args, rl_config
 from tests.scorers import random_scorer
-from trainers.branches import (
+from trainers.cli import rl_cli_main
+from trainers.reinforcement.branches import (
     BranchSettings,
     WindowAgreement,
     branch_points,
@@ -29,10 +30,10 @@ from trainers.branches import (
     roll_out_branches,
     window_agreement,
 )
-from trainers.cli import rl_cli_main
-from trainers.estimators import Estimator
-from trainers.grpo import GRPOScorer
-from trainers.rollouts import group_advantages
+from trainers.reinforcement.estimators import Estimator
+from trainers.reinforcement.grpo import GRPOScorer
+from trainers.reinforcement.rollouts import group_advantages
+from trainers.reinforcement.stage import lightning_args as rl_lightning_args
 
 
 @dataclass
@@ -170,7 +171,7 @@ def test_rl_with_branch_groups_trains_records_its_settings_and_resumes(
     assert any(not torch.equal(tensor, start[name]) for name, tensor in final.items())
     split = tmp_path / "split"
     args = rl_args(config, start_scorer, split)
-    killed = rl_cli_main(rl_lightning_args(cli.build_parser().parse_args(args))[1:], run=False)
+    killed = rl_cli_main(rl_lightning_args(rl_request(cli.build_parser().parse_args(args)))[1:], run=False)
     killed.trainer.callbacks.append(KillAtStep(2))
     with pytest.raises(Killed):
         killed.trainer.fit(killed.model, datamodule=killed.datamodule)

@@ -235,7 +235,7 @@ def scorer_dir(tmp_path_factory, model) -> Path:
 
 MODEL_VERBS = ("generate", "replay", "demo", "bench", "traces", "labels", "examples", "eval", "calibrate")
 PIPELINE_VERBS = ("traces", "labels", "examples")
-"""The verbs that run a step of the data stage (`foresight.data_stage`), which loads the model for them."""
+"""The verbs that run a step of the data stage (`trainers.data_stage`), which loads the model for them."""
 
 
 def model_verb_args(traces_dir: Path, tmp_path: Path) -> dict[str, list[str]]:
@@ -297,12 +297,12 @@ def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, mo
 
     if verb == "examples":  # the features step needs labelled traces
         shutil.copytree(traces_dir, tmp_path / "labelled")
-        monkeypatch.setattr("foresight.data_stage.load_model", lambda name, **options: (model, None))
+        monkeypatch.setattr("trainers.data_stage.load_model", lambda name, **options: (model, None))
         assert main(["labels", "--traces", str(tmp_path / "labelled"), "-B", "8", "-L", "4"]) == 0
     if verb == "bench":  # benchmarks also build models from architecture configs
         monkeypatch.setattr("foresight.bench.common.load_for_benchmark", load_model)
     else:
-        module = "foresight.data_stage" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
+        module = "trainers.data_stage" if verb in PIPELINE_VERBS else f"foresight.commands.{verb}"
         monkeypatch.setattr(f"{module}.load_model", load_model)
     argv = model_verb_args(traces_dir, tmp_path)[verb]
     with pytest.raises(Loaded):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from foresight.cli import build_parser
-from foresight.commands._training import override_args
+from trainers.run_config import override_args
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 PLACEHOLDERS = {"N": "2", "M": "4"}  # a header's stand-ins for counts the user picks

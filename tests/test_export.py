@@ -10,10 +10,10 @@ import yaml
 from torch.utils.data import DataLoader
 
 from foresight import cli
-from foresight.export import SCORER_KEY, read_checkpoint
 from foresight.scorer.model import load_scorer
 from tests.scorers import quiet_trainer, scorer_spec, synthetic_traces
 from trainers.data import concat_steps
+from trainers.export import SCORER_KEY, read_checkpoint
 from trainers.supervised import SupervisedScorer
 
 FILES = {"README.md", "config.json", "model.safetensors"}
@@ -105,7 +105,7 @@ def test_export_reexports_a_scorer_folder(checkpoint, tmp_path):
 
 def test_push_without_a_token_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("foresight.export.get_token", lambda: None)
+    monkeypatch.setattr("trainers.export.get_token", lambda: None)
     out = tmp_path / "export"
     args = ["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"]
     assert cli.main(args) == 2
@@ -117,7 +117,7 @@ def test_push_without_a_token_fails_in_one_line_and_keeps_the_folder(checkpoint,
 
 def test_push_offline_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("foresight.export.get_token", lambda: "hf_not_a_real_token")
+    monkeypatch.setattr("trainers.export.get_token", lambda: "hf_not_a_real_token")
     out = tmp_path / "export"
     assert (
         cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"])

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from foresight.export import export_scorer
 from foresight.models import describe
 from foresight.policies import make_policy
 from foresight.policies.foresight import observe_features
@@ -18,6 +17,7 @@ from foresight.scorer.attention_features import FeatureSet, feature_width
 from foresight.scorer.standardised_features import PER_QUERY_HEAD_STATE
 from tests.reference_features import STANDARDISED_NAMES, loop_standardise, loop_standardised_features
 from tests.scorers import random_scorer
+from trainers.export import export_scorer
 
 GROUPED = "standardised-grouped"
 

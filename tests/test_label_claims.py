@@ -1,5 +1,5 @@
 """Labelling that scales out: processes on one traces folder share its traces by per-trace claims
-(`foresight.artifacts.claimed` in `foresight.data_stage.make_labels`)."""
+(`foresight.artifacts.claimed` in `trainers.data_stage.make_labels`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 from foresight.artifacts import claimed
 from foresight.commands.labels import rank_placement
 from foresight.data.trace_store import TraceStore
-from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelStore
+from trainers.data_stage import FrozenModel, make_labels
 
 B, L_ = 16, 4
 HOLD_A_CLAIM = """
@@ -37,7 +37,7 @@ time.sleep(600)
 LABELLER = """
 import json, sys, time
 from pathlib import Path
-from foresight import data_stage
+from trainers import data_stage
 
 traces, model, me, other = sys.argv[1:]
 compute = data_stage.compute_golden_labels

@@ -329,7 +329,7 @@ def test_cli_labels_a_traces_folder_and_resumes(tmp_path, monkeypatch, capsys):
     short = sum(length < budget + interval for length in lengths.values())
     loads = []
     monkeypatch.setattr(
-        "foresight.data_stage.load_model", lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1]
+        "trainers.data_stage.load_model", lambda name, **kwargs: (loads.append(name), (model, tokenizer))[1]
     )
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0
@@ -379,7 +379,7 @@ def test_sliding_window_layers_are_refused_and_attention_is_restored():
 def test_a_damaged_label_file_is_named_with_its_command_and_relabelled(tmp_path, monkeypatch, capsys):
     model, tokenizer = tiny_model("llama"), char_tokenizer(CHAT_TEMPLATE)
     arithmetic_traces(model, tmp_path, num=2, max_new_tokens=12)
-    monkeypatch.setattr("foresight.data_stage.load_model", lambda name, **kwargs: (model, tokenizer))
+    monkeypatch.setattr("trainers.data_stage.load_model", lambda name, **kwargs: (model, tokenizer))
     budget, interval = 8, 4
     args = ["labels", "--traces", str(tmp_path), "--budget", str(budget), "--interval", str(interval)]
     assert cli.main(args) == 0

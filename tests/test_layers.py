@@ -67,8 +67,14 @@ def test_an_import_against_the_layers_breaks_the_contract(tmp_path):
 @pytest.mark.parametrize(
     "importer, line",
     [
-        ("foresight/eval/replay.py", "import trainers.rollouts  # the library reaching into the trainers"),
-        ("foresight/bench/serve.py", "import trainers.grpo  # a product benchmark importing the trainers"),
+        (
+            "foresight/eval/replay.py",
+            "import trainers.reinforcement.rollouts  # the library reaching into the trainers",
+        ),
+        (
+            "foresight/bench/serve.py",
+            "import trainers.reinforcement.grpo  # a product benchmark importing the trainers",
+        ),
     ],
 )
 def test_only_the_command_layer_and_the_pipeline_bench_reach_the_trainers(tmp_path, importer, line):

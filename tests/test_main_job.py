@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from foresight.data.trace_store import finished_run
-from foresight.data_stage import TraceRecipe
+from trainers.data_stage import TraceRecipe
 
 REPO = Path(__file__).resolve().parents[1]
 

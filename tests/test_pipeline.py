@@ -1,4 +1,4 @@
-"""The steps that make the supervised stage's data (`foresight.data_stage`, `trainers.preparation`) and their verbs: resuming,
+"""The steps that make the supervised stage's data (`trainers.data_stage`, `trainers.preparation`) and their verbs: resuming,
 replacing damaged files, refusing a example cache made with another key, and loading no model when
 there is nothing to do."""
 
@@ -13,13 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from foresight import cli, data_stage
+from foresight import cli
 from foresight.data.trace_store import TraceStore
-from foresight.data_stage import FrozenModel, TraceRecipe, make_labels
 from foresight.labels import LabelStore
 from foresight.models import load_model
 from tests.prompts import DATA
+from trainers import data_stage
 from trainers.data import GoldenDataModule
+from trainers.data_stage import FrozenModel, TraceRecipe, make_labels
 from trainers.example_cache import ExampleCache, ExampleKey
 from trainers.examples import golden_steps
 from trainers.preparation import make_examples

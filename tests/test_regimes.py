@@ -27,9 +27,9 @@ from foresight.policies import make_policy
 from foresight.policies.golden import GoldenEviction
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests.scorers import random_scorer
-from trainers.branches import BranchSettings, roll_out_branches
 from trainers.example_cache import ExampleCache, ExampleKey
-from trainers.rollouts import roll_out_together
+from trainers.reinforcement.branches import BranchSettings, roll_out_branches
+from trainers.reinforcement.rollouts import roll_out_together
 
 B, L = 16, 4
 PROMPT = 31  # longer than B + L: the decode regime compresses after it
@@ -195,10 +195,13 @@ def test_examples_of_one_regime_are_refused_by_a_fit_of_the_other(tmp_path):
 
 def test_fit_takes_the_regime_and_label_kind_as_config_overrides_and_labels_its_old_spelling_is_answered(capsys):
     from foresight.cli import build_parser
-    from foresight.commands.fit import lightning_args
+    from foresight.commands.fit import request
+    from trainers.fitting import lightning_args
 
     words = ["fit", "--config", "configs/default.yaml", "--out", "o", "--label-kind", "value", "--regime", "decode"]
-    overrides = [word for word in lightning_args(build_parser().parse_args(words)) if word.startswith("--data.")]
+    overrides = [
+        word for word in lightning_args(request(build_parser().parse_args(words))) if word.startswith("--data.")
+    ]
     assert overrides[-2:] == ["--data.regime=decode", "--data.label_kind=value"]
     with pytest.raises(SystemExit) as exit_status:
         main(["labels", "--traces", "x", "-B", "16", "-L", "4", "--kind", "value"])

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen3Config
 
 from foresight import cli
-from foresight.commands.rl import lightning_args as rl_lightning_args
+from foresight.commands.rl import request as rl_request
 from foresight.data.trace_store import Trace, folder_sources
 from foresight.models import tiny_model
 from foresight.policies import make_policy
@@ -41,9 +41,9 @@ from tests.rl_runs import (
     rl_config,
 )
 from tests.scorers import default_shaped_config, random_scorer
-from trainers import grpo as grpo_module
 from trainers.cli import rl_cli_main
-from trainers.rollouts import (
+from trainers.reinforcement import grpo as grpo_module
+from trainers.reinforcement.rollouts import (
     EvictionActions,
     equal_reward_groups,
     full_cache_losses,
@@ -55,6 +55,7 @@ from trainers.rollouts import (
     rollout_seeds,
     score_rollouts,
 )
+from trainers.reinforcement.stage import lightning_args as rl_lightning_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -496,7 +497,9 @@ def test_rl_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir,
     # Killed after the checkpoint of step 2, then resumed from last.ckpt: the same batches, the same weights.
     split = tmp_path / "split"
     args = rl_args(config, start_scorer, split)
-    killed = rl_cli_main(rl_lightning_args(cli.build_parser().parse_args(args))[1:], run=False)  # no subcommand
+    killed = rl_cli_main(
+        rl_lightning_args(rl_request(cli.build_parser().parse_args(args)))[1:], run=False
+    )  # no subcommand
     killed.trainer.callbacks.append(KillAtStep(2))
     with pytest.raises(Killed):
         killed.trainer.fit(killed.model, datamodule=killed.datamodule)

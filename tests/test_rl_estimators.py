@@ -22,7 +22,7 @@ from studies.__main__ import main as studies_main
 from studies.rl_signal.run import chunk_noise_scale, noise_scale
 from tests.rl_runs import enumerated_order_probabilities, random_trace, rl_args, rl_config
 from tests.scorers import random_scorer
-from trainers.estimators import (
+from trainers.reinforcement.estimators import (
     ADVANTAGE_RULES,
     BATCH_ADVANTAGE_RULES,
     LOGPROB_RULES,
@@ -32,7 +32,7 @@ from trainers.estimators import (
     leave_one_out_advantages,
     self_critical_advantages,
 )
-from trainers.rollouts import group_advantages, roll_out, rollout_seeds
+from trainers.reinforcement.rollouts import group_advantages, roll_out, rollout_seeds
 
 
 # -- the evicted set's log-probability --------------------------------------------------------------

@@ -351,7 +351,7 @@ def test_bad_options_are_refused_before_writing(tmp_path):
 
 
 def test_cli_writes_the_same_shards_and_states_the_result(reference, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("foresight.data_stage.load_model", lambda name, **options: (eos_prone_model(), TOKENIZER))
+    monkeypatch.setattr("trainers.data_stage.load_model", lambda name, **options: (eos_prone_model(), TOKENIZER))
     args = ["traces", "--model", "tiny", "--prompts", PROMPTS, "--num", "7", "--max-new-tokens", "16"]
     args += ["--out", str(tmp_path)]
     assert cli.main([*args, "--shard-size", "3", "--batch-size", "2"]) == 0

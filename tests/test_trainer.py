@@ -23,11 +23,9 @@ from torch.utils.data import DataLoader
 from torchmetrics.functional import spearman_corrcoef
 from transformers import Qwen2Config, Qwen3Config
 
-from foresight import cli, data_stage
+from foresight import cli
 from foresight.commands import fit
-from foresight.commands.fit import MEMBER_LOCK, lightning_args
 from foresight.data.trace_store import TraceStore
-from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelStore
 from foresight.models import load_model
 from foresight.scorer.model import load_scorer
@@ -35,10 +33,12 @@ from tests.fit_configs import tiny_config
 from tests.prompts import DATA
 from tests.scorers import default_shaped_config, quiet_trainer, scorer_spec, synthetic_traces
 from trainers import data as data_module
-from trainers import supervised
+from trainers import data_stage, supervised
 from trainers.cli import cli_main
 from trainers.data import GoldenDataModule, concat_steps
+from trainers.data_stage import FrozenModel, make_labels
 from trainers.example_cache import ExampleCache, ExampleKey
+from trainers.fitting import MEMBER_LOCK, lightning_args, prepare
 from trainers.preparation import make_examples, scorer_trajectory
 from trainers.ranking import PairWeight, average_ranks, kept_overlap, pairwise_ranking_loss, spearman
 from trainers.supervised import SupervisedScorer
@@ -305,7 +305,7 @@ def test_paper_configs_hold_the_papers_settings_and_build(name, monkeypatch, tmp
     assert built.datamodule.examples is None and built.datamodule.frozen.dtype == torch.bfloat16
     # `foresight fit` keeps a replaying config replaying (at B = 1024 a cache would take terabytes).
     args = cli.build_parser().parse_args(["fit", "--config", str(path), "--out", str(tmp_path)])
-    assert not any(arg.startswith("--data.examples_dir") for arg in lightning_args(args))
+    assert not any(arg.startswith("--data.examples_dir") for arg in lightning_args(fit.request(args)))
 
 
 def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
@@ -322,8 +322,8 @@ def test_default_config_builds_for_the_default_model(monkeypatch, tmp_path):
     args = cli.build_parser().parse_args(
         ["fit", "--config", str(REPO / "configs" / "default.yaml"), "--out", str(tmp_path), "--set", "traces.num=24"]
     )
-    assert f"--data.examples_dir={tmp_path / 'examples'}" in lightning_args(args)
-    assert "--traces.num=24" in lightning_args(args)  # scripts/main.sh's overrides
+    assert f"--data.examples_dir={tmp_path / 'examples'}" in lightning_args(fit.request(args))
+    assert "--traces.num=24" in lightning_args(fit.request(args))  # scripts/main.sh's overrides
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -374,7 +374,7 @@ def test_fit_trains_exports_and_resumes_from_last(tmp_path, tiny_dir, traces_dir
     # The same run stopped after its first epoch (as if killed), then resumed from last.ckpt: the same weights.
     split = tmp_path / "split"
     args = fit_args(config, split, traces_dir, *two_epochs)
-    interrupted = fit.prepare(cli.build_parser().parse_args(args))
+    interrupted = prepare(fit.request(cli.build_parser().parse_args(args)))
     interrupted.trainer.callbacks.append(StopAfterFirstEpoch())
     interrupted.trainer.fit(interrupted.model, datamodule=interrupted.datamodule)
     assert interrupted.trainer.global_step == steps // 2

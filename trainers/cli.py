@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from foresight.data_stage import TraceRecipe
 from trainers.data import GoldenDataModule
-from trainers.grpo import GRPOScorer
+from trainers.data_stage import TraceRecipe
 from trainers.preparation import OnPolicyRounds, SeedEnsemble
 from trainers.process import keep_freed_memory, quiet_third_party_notices
-from trainers.rl_data import RolloutDataModule
+from trainers.reinforcement.data import RolloutDataModule
+from trainers.reinforcement.grpo import GRPOScorer
 from trainers.supervised import SupervisedScorer
 
 

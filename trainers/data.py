@@ -38,10 +38,10 @@ from foresight.data.trace_store import (
     folder_sources,
     trace_origin,
 )
-from foresight.data_stage import FrozenModel
 from foresight.labels import LabelKind, LabelStore
 from foresight.models import DEFAULT_MODEL, describe, float_dtype, load_config
 from foresight.scorer.attention_features import FeatureSet
+from trainers.data_stage import FrozenModel
 from trainers.example_cache import ExampleCache, ExampleKey
 from trainers.examples import TENSORS, golden_steps
 from trainers.trace_split import TraceSplitDataModule

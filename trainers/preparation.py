@@ -1,6 +1,6 @@
 """The supervised stage's own data: training examples from labelled traces, and the fit's recipe options.
 
-Traces and golden labels are the data stage's (`foresight.data_stage`); `foresight examples` runs the examples
+Traces and golden labels are the data stage's (`trainers.data_stage`); `foresight examples` runs the examples
 step, and `foresight fit` runs all three in order before it trains, so its data is made by the same functions
 as the verbs'. Like the data stage's steps, every step here resumes and returns a `StepSummary`.
 """
@@ -17,10 +17,10 @@ from tqdm.auto import tqdm
 
 from foresight.cadence import Regime
 from foresight.data.trace_store import Trace, TraceStore
-from foresight.data_stage import FrozenModel, StepPlan, StepSummary
 from foresight.labels import LabelStore, future_score_table
 from foresight.models import dtype_name, float_dtype
 from foresight.scorer.model import ForesightScorer
+from trainers.data_stage import FrozenModel, StepPlan, StepSummary
 from trainers.example_cache import ExampleCache
 from trainers.examples import golden_steps, scorer_steps
 

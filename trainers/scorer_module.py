@@ -1,7 +1,7 @@
 """The LightningModule base of both training stages: a scorer whose checkpoints carry what made it.
 
 Every checkpoint either stage writes holds the scorer's config and its training record
-(`foresight.export.checkpoint_entries`), so `foresight export` needs only the file, whichever Trainer
+(`trainers.export.checkpoint_entries`), so `foresight export` needs only the file, whichever Trainer
 saved it.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from foresight.export import checkpoint_entries
 from foresight.scorer.model import ForesightScorer
+from trainers.export import checkpoint_entries
 
 UNTRAINED = "b2"
 """The scorer parameter neither stage trains (`ScorerModule.freeze_untrained`)."""

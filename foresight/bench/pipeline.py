@@ -56,7 +56,6 @@ from foresight.bench.common import (
 )
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.trace_store import Trace, TraceStore, describe_traces
-from foresight.data_stage import FrozenModel
 from foresight.eval.replay import evaluate, prefill_lengths
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.labels import compute_golden_labels
@@ -66,11 +65,12 @@ from foresight.runtime.device_ops import DeviceOps
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.host_reads import HostReads
 from foresight.scorer.model import ForesightScorer
+from trainers.data_stage import FrozenModel
 from trainers.example_cache import ExampleCache
 from trainers.preparation import make_examples
 from trainers.process import keep_freed_memory
 from trainers.ranking import PairWeight
-from trainers.rollouts import full_cache_losses, packs, roll_out, roll_out_together
+from trainers.reinforcement.rollouts import full_cache_losses, packs, roll_out, roll_out_together
 
 if TYPE_CHECKING:
     from trainers.data import GoldenDataModule

@@ -16,10 +16,10 @@ from pathlib import Path
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import REQUIRED, add_cadence_arguments, add_regime_argument
 from foresight.data.trace_store import TraceStore
-from foresight.data_stage import FrozenModel
 from foresight.labels import LabelKind
 from foresight.models import dtype_name
 from foresight.scorer.attention_features import FeatureSet
+from trainers.data_stage import FrozenModel
 from trainers.example_cache import ExampleCache, ExampleKey
 from trainers.preparation import make_examples
 

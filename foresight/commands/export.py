@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from foresight.export import ensemble_record, export_scorer, push_folder, read_checkpoint
 from foresight.scorer.ensemble import ensemble
+from trainers.export import ensemble_record, export_scorer, push_folder, read_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 from foresight.commands._model import add_model_arguments, model_of_traces, model_options
 from foresight.commands._policy import REQUIRED, add_cadence_arguments, add_regime_argument, refuse_old_spelling
 from foresight.data.trace_store import TraceStore
-from foresight.data_stage import FrozenModel, make_labels
 from foresight.labels import LabelKind
+from trainers.data_stage import FrozenModel, make_labels
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

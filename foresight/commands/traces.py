@@ -24,9 +24,9 @@ from foresight.commands._model import add_model_arguments, model_options
 from foresight.commands._sampling import add_sampling_arguments
 from foresight.data.engine_logprobs import DEFAULT_TOLERANCE
 from foresight.data.trace_import import import_traces
-from foresight.data_stage import FrozenModel, TraceRecipe, make_traces
 from foresight.models import load_model
 from foresight.runtime.sampling import Draws
+from trainers.data_stage import FrozenModel, TraceRecipe, make_traces
 
 AUTO = "auto"
 

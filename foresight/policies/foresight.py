@@ -235,7 +235,7 @@ class Foresight(Policy):
       depend on which rows share its batch (rollouts split across processes sample as on one).
     sampled_layers: the layers that sample in sampled mode (None: all); the others evict their L lowest as
       the deterministic mode does, and only the sampled layers' draws are recorded (a branch group of the
-      reinforcement stage may sample a few layers of a step, `trainers.branches`).
+      reinforcement stage may sample a few layers of a step, `trainers.reinforcement.branches`).
     record: keep each sampled draw in `records` (default true, what the reinforcement stage learns from);
       false when only the evictions matter (`foresight eval`, `foresight generate`), as the records of
       a long run hold the pool's keys, values and features of every step and layer.

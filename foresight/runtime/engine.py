@@ -175,7 +175,7 @@ class Replay:
     its last forward is still to run (`pending_eviction`), and the policy's `run_state`. `select_rows`
     copies it into other rows mid-replay: the copy continues exactly as the selected rows would have,
     which is what branching K rollouts from one replay's state needs (the reinforcement stage's
-    branch groups, `trainers.branches`)."""
+    branch groups, `trainers.reinforcement.branches`)."""
 
     run: _Run
     prefill: (

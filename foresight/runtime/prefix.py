@@ -14,7 +14,7 @@ equal the recorded forward's with each recorded row repeated over an equal run o
 to one, or a single recorded row for every row), and when the policy reads no hidden states (those come
 from the model); anything else runs the model. A recording of one row per trace serves a batch of G
 rows per trace: the G rollouts of each trace of the reinforcement stage run the model once on the tokens
-before their first eviction (`trainers.rollouts.roll_out_together`).
+before their first eviction (`trainers.reinforcement.rollouts.roll_out_together`).
 """
 
 from __future__ import annotations

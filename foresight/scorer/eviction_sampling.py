@@ -4,7 +4,7 @@ The GRPO stage differentiates the Plackett-Luce log-probability of a sampled evi
 and its log-probability share one masking of the eligible entries and one temperature check. The
 log-probability is that of the drawn order (`plackett_luce_logprob`) or of the evicted set whatever its
 order (`plackett_luce_set_logprob`, Kool, van Hoof and Welling 2020); the reinforcement stage chooses by
-name (`trainers.estimators.LOGPROB_RULES`).
+name (`trainers.reinforcement.estimators.LOGPROB_RULES`).
 """
 
 from __future__ import annotations

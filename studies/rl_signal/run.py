@@ -1,9 +1,9 @@
 """Signal of the reinforcement stage's policy-gradient estimators: gradient noise scale per forward token, planted reward.
 
-Every choice of `trainers.estimators.Estimator` (the log-probability of the drawn order or of the evicted
+Every choice of `trainers.reinforcement.estimators.Estimator` (the log-probability of the drawn order or of the evicted
 set, Eq. 9's advantages or leave-one-out ones, the thresholded or the dense damage term) is measured on the
-same episode rollouts (`trainers.rollouts.roll_out`: G rows of a trace, every eviction sampled by Eq. 2),
-and on the same step-level branch groups (`trainers.branches.roll_out_branches`: K rows off one
+same episode rollouts (`trainers.reinforcement.rollouts.roll_out`: G rows of a trace, every eviction sampled by Eq. 2),
+and on the same step-level branch groups (`trainers.reinforcement.branches.roll_out_branches`: K rows off one
 deterministic replay, differing at one eviction step):
 
 - The gradient noise scale B_noise = tr(Σ) / |G|² (McCandlish et al. 2018, "An empirical model of
@@ -53,9 +53,9 @@ from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logp
 from foresight.scorer.model import ForesightScorer, load_scorer
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
-from trainers.branches import BranchSettings, roll_out_branches
-from trainers.estimators import ADVANTAGE_RULES, LOGPROB_RULES, Estimator, LogprobRule
-from trainers.rollouts import EvictionActions, GroupRollout, roll_out, rollout_seeds
+from trainers.reinforcement.branches import BranchSettings, roll_out_branches
+from trainers.reinforcement.estimators import ADVANTAGE_RULES, LOGPROB_RULES, Estimator, LogprobRule
+from trainers.reinforcement.rollouts import EvictionActions, GroupRollout, roll_out, rollout_seeds
 
 NAME = "rl-signal"
 PER_ROW = ("keys", "values", "features", "eligible", "order", "evicted")

@@ -1,7 +1,7 @@
 """Window check of the reinforcement stage's branch groups: does d_k over W chunks rank branches as the whole rest does?
 
 A branch group's reward d_k = R_k − R_backbone is measured over the W·L predictions after its step
-(`trainers.branches`); damage its decision causes later (a long-range copy of an evicted entry) falls
+(`trainers.reinforcement.branches`); damage its decision causes later (a long-range copy of an evicted entry) falls
 outside the window. On the first COUNT traces of a folder (whole traces), the branch groups of one round
 (`model.branch_steps` per trace, K rows, the run's τ) are continued to each trace's end, and each group's
 d_k over W chunks (each W of --chunks) is compared with d_k over the whole rest of the trace: Spearman
@@ -27,8 +27,8 @@ from foresight.data.trace_store import TraceStore
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
 from studies.rl_signal.run import model_and_scorer
-from trainers.branches import BranchSettings, WindowAgreement, window_agreement
-from trainers.estimators import GATE_WIDTH, REWARD_RULES, Estimator
+from trainers.reinforcement.branches import BranchSettings, WindowAgreement, window_agreement
+from trainers.reinforcement.estimators import GATE_WIDTH, REWARD_RULES, Estimator
 
 NAME = "rl-window"
 AGREEMENT = 0.5

@@ -1,8 +1,8 @@
 """The reinforcement stage as a LightningModule: GRPO on the learned scorer (ForesightKV §3.3 Eqs. 7-10,
 App. E.1; docs/algorithms.md §7).
 
-Every training step takes a batch of traces (`trainers.rl_data`), rolls each out G times with the
-current scorer sampling its evictions (`trainers.rollouts.roll_out_together`, the frozen model under
+Every training step takes a batch of traces (`trainers.reinforcement.data`), rolls each out G times with the
+current scorer sampling its evictions (`trainers.reinforcement.rollouts.roll_out_together`, the frozen model under
 no_grad, `traces_per_replay` traces' groups per replay),
 normalises the rewards within each trace's group (Eq. 9), then minimises minus Eq. 10: the clipped
 ratio objective with the advantage broadcast to every eviction (step, layer, KV head) of the rollout
@@ -36,14 +36,14 @@ from torchmetrics import MeanMetric
 
 from foresight.cadence import Regime
 from foresight.data.trace_store import Trace
-from foresight.data_stage import FrozenModel
 from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_OFFSET, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
 from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer, named_by_content
-from trainers.branches import BranchSettings, roll_out_branches
-from trainers.estimators import GATE_WIDTH, Estimator, LogprobRule
-from trainers.rollouts import (
+from trainers.data_stage import FrozenModel
+from trainers.reinforcement.branches import BranchSettings, roll_out_branches
+from trainers.reinforcement.estimators import GATE_WIDTH, Estimator, LogprobRule
+from trainers.reinforcement.rollouts import (
     CLIP_EPSILON,
     LOG_RATIO_CLAMP,
     Credit,
@@ -87,17 +87,17 @@ class GRPOScorer(ScorerModule):
       sampled). dtype: of the frozen model, which runs on the module's device.
     loss_reference: what the rollouts' token losses are compared with: "stored" (the trace's full-cache
       losses) or "replay" (the frozen model's own, in `dtype`, replayed once per trace and kept; with a
-      dtype other than the one the traces were sampled in, `trainers.rollouts.LossReference`).
+      dtype other than the one the traces were sampled in, `trainers.reinforcement.rollouts.LossReference`).
     traces_per_replay: the groups of this many traces of a batch replay together as the rows of one
-      batch (`trainers.rollouts.roll_out_together`; 1: one trace per replay). The same rollouts either
+      batch (`trainers.reinforcement.rollouts.roll_out_together`; 1: one trace per replay). The same rollouts either
       way; more rows per forward suit a GPU, where a replay of G rows leaves it idle.
     rollout: "episode" (the paper's): G rollouts per trace sampling every step; "branch": step-level branch
-      groups (`trainers.branches`): one deterministic backbone replay per trace, and at branch_steps of its
+      groups (`trainers.reinforcement.branches`): one deterministic backbone replay per trace, and at branch_steps of its
       eviction steps, branch_rows rows (K) copied from its state that draw that step by Eq. 2 (on
       branch_layers layers per group, null: all) and continue deterministically for branch_chunks chunks (null: to the trace's end)
       (W), rewarded by the backbone's damage minus their own over those W·L tokens. group_size and
       traces_per_replay apply to episodes only.
-    reward_rule, advantage_rule, logprob_rule: the estimator's rules by name (`trainers.estimators`):
+    reward_rule, advantage_rule, logprob_rule: the estimator's rules by name (`trainers.reinforcement.estimators`):
       "thresholded" (the damage term ΔL^p·1[ΔL > η]), "group_normalised" (Eq. 9), "order" (Plackett-Luce of
       the sampled order), the paper's; or "dense" ((ΔL − δ)₊^p, δ = damage_offset), "gated" ((ΔL)₊^p·σ((ΔL −
       η) / w), w = damage_gate_width), "leave_one_out" (RLOO, unscaled), "self_critical" (branch groups only:

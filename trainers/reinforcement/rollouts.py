@@ -75,7 +75,7 @@ class LossReference(Choice):
 
 class Rollout(Choice):
     """How the reinforcement stage rolls out a trace: G episodes sampling every eviction step (the paper's),
-    or step-level branch groups off one deterministic replay (`trainers.branches`)."""
+    or step-level branch groups off one deterministic replay (`trainers.reinforcement.branches`)."""
 
     EPISODE = "episode"
     BRANCH = "branch"
@@ -99,7 +99,7 @@ class EvictionActions:
     newest token when the step ran (the eviction changes the cache of every later token); temperature:
     the τ the policy sampled at (Eq. 2 reads the keep scores divided by it); layers: the model layers
     the records hold, in order on the first dim (None: all; a subset when only some layers sampled,
-    `trainers.branches`).
+    `trainers.reinforcement.branches`).
     """
 
     keys: torch.Tensor
@@ -180,7 +180,7 @@ class EvictionActions:
     def logprob(self, scores: torch.Tensor, rule: Callable[..., torch.Tensor] = plackett_luce_logprob) -> torch.Tensor:
         """Log-probability [rows, layers, steps, Hkv] of every recorded eviction (the action probability of
         Eq. 10) under the keep scores `scores` of `self.scores`, at the sampling temperature, by `rule`
-        (`trainers.estimators.LOGPROB_RULES`; the default is Plackett-Luce of the sampled order)."""
+        (`trainers.reinforcement.estimators.LOGPROB_RULES`; the default is Plackett-Luce of the sampled order)."""
         pool = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
         order, eligible = self.order.to(scores.device), self.eligible.to(scores.device)
         logprob = rule(scores, pool, order, eligible, self.temperature)
@@ -202,7 +202,7 @@ class RolloutScores:
     ratio and the share of low-entropy tokens damaged (docs/algorithms.md §8), all over the predictions after
     the first eviction; the reward-to-go [rows, steps] of every recorded eviction step (`rewards_to_go`); and
     the reward by the paper's damage term whatever the training reward (`paper_reward`: for an episode R of
-    §7, what `foresight eval` reports as −R; for a branch group its d_k, `trainers.branches`)."""
+    §7, what `foresight eval` reports as −R; for a branch group its d_k, `trainers.reinforcement.branches`)."""
 
     reward: torch.Tensor
     loss_ratio: torch.Tensor
@@ -231,7 +231,7 @@ def score_rollouts(
     tokens S predicted after the first eviction whose full-cache entropy is in their bottom `share`
     (`token_damage`); `after` [steps]: the position of each recorded eviction step. `reference_nll` [T - 1]:
     the full-cache losses to compare with (`LossReference`; None: the trace's stored ones). `terms`: the
-    reward's damage term per token (`trainers.estimators.REWARD_RULES`; the default is the paper's, above);
+    reward's damage term per token (`trainers.reinforcement.estimators.REWARD_RULES`; the default is the paper's, above);
     the damage share counts ΔL > η whatever it is, and the paper reward is the paper's."""
     reference = trace.token_nll if reference_nll is None else reference_nll
     rewards, ratios, shares, to_go, paper = [], [], [], [], []
@@ -277,7 +277,7 @@ class Backbone:
 
 @dataclass(frozen=True)
 class GroupRollout:
-    """The rollouts of one trace on this process (or one branch group of it, `trainers.branches`): their
+    """The rollouts of one trace on this process (or one branch group of it, `trainers.reinforcement.branches`): their
     recorded evictions and scores, the eviction steps and tokens the model ran for them (`forward_tokens`,
     row by row), and timings (seconds of the frozen model's forward passes, and of the whole replay).
     `backbone`: a branch group's deterministic replay's figures over its whole trace (None for episodes)."""

@@ -14,7 +14,7 @@ is the backbone's damage minus its own over the same W·L predictions,
     d_k = R_k − R_backbone,  R = −(1/|S_w|) Σ_{t∈S_w} term(ΔL_t),
 
 S_w being the window's low-entropy tokens (the trace's bottom share of scored tokens by full-cache entropy,
-the rollout reward's S), term the run's reward rule (`trainers.estimators`; ΔL^p·1[ΔL > η] by default).
+the rollout reward's S), term the run's reward rule (`trainers.reinforcement.estimators`; ΔL^p·1[ΔL > η] by default).
 The rows differ only at step s, so d_k is step s's own effect, and only step s's sampled actions carry a
 log-probability: a group is an `EvictionActions` of one step.
 
@@ -50,7 +50,7 @@ from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, Replay
 from foresight.scorer.model import ForesightScorer
 from trainers.ranking import spearman
-from trainers.rollouts import Backbone, EvictionActions, GroupRollout, RolloutScores
+from trainers.reinforcement.rollouts import Backbone, EvictionActions, GroupRollout, RolloutScores
 
 
 @dataclass(frozen=True)

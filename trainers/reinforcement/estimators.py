@@ -28,7 +28,7 @@ import torch
 
 from foresight.metrics import DAMAGE_OFFSET, DamageTerms, dense_terms, thresholded_terms
 from foresight.scorer.eviction_sampling import plackett_luce_logprob, plackett_luce_set_logprob
-from trainers.rollouts import ADVANTAGE_EPSILON, equal_reward_groups, group_advantages
+from trainers.reinforcement.rollouts import ADVANTAGE_EPSILON, equal_reward_groups, group_advantages
 
 GATE_WIDTH = 0.25
 """w of the sigmoid gate σ((ΔL − η) / w) (nats): the weight is 0.5 at η, 0.12 at η − 0.5, 0.018 at η − 1."""
