@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import pkgutil
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -33,9 +34,17 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, `foresight VERB: error: MESSAGE`, with exit status 2."""
+    """An argument parser whose errors are one line, `foresight VERB: error: MESSAGE`, with exit status 2; a
+    config key given as LightningCLI spells it (`--trainer.devices 2`) is answered with the verbs' `--set`."""
 
     def error(self, message: str) -> NoReturn:
+        unknown = message.removeprefix("unrecognized arguments: ").split()
+        dotted = next((word for word in unknown if re.fullmatch(r"--\w+(\.\w+)+(=.*)?", word)), None)
+        if message.startswith("unrecognized arguments: ") and dotted is not None:
+            key, _, value = dotted[2:].partition("=")
+            following = unknown[unknown.index(dotted) + 1 : unknown.index(dotted) + 2]
+            value = value or (following[0] if following and not following[0].startswith("-") else "VALUE")
+            message = f"{dotted} is spelled --set {key}={value} (config keys are set with --set KEY=VALUE)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

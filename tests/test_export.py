@@ -40,7 +40,7 @@ def test_export_writes_a_complete_folder_from_a_checkpoint(checkpoint, tmp_path,
     evaluation = tmp_path / "eval.md"
     evaluation.write_text("| policy | loss ratio |\n|---|---|\n| foresight | 1.0123 |\n")
     out = tmp_path / "export"
-    assert cli.main(["export", "--checkpoint", str(path), "--out", str(out), "--evaluation", str(evaluation)]) == 0
+    assert cli.main(["export", "--scorer", str(path), "--out", str(out), "--evaluation", str(evaluation)]) == 0
     assert capsys.readouterr().out.strip() == f"{out}: scorer for tiny (B=16, L=4, paper features)"
     assert FILES <= {p.name for p in out.iterdir()}
     scorer = load_scorer(out)
@@ -75,15 +75,12 @@ def test_several_checkpoints_export_the_mean_of_their_keep_scores_with_a_shared_
         loaded.w2.mul_(-1)
         loaded.save_pretrained(other)
     out = tmp_path / "mean"
-    assert cli.main(["export", "--checkpoint", str(path), "--checkpoint", str(path), "--out", str(out)]) == 0
+    assert cli.main(["export", "--scorer", str(path), "--scorer", str(path), "--out", str(out)]) == 0
     card = (out / "README.md").read_text()
     assert "ensemble: the mean keep score of 2 fits of one recipe" in card and "optimisation steps: 3" in card
     assert "| val/overlap |" in card
     assert load_scorer(out).config.hidden == 2 * module.scorer.config.hidden
-    assert (
-        cli.main(["export", "--checkpoint", str(path), "--checkpoint", str(other), "--out", str(tmp_path / "zero")])
-        == 0
-    )
+    assert cli.main(["export", "--scorer", str(path), "--scorer", str(other), "--out", str(tmp_path / "zero")]) == 0
     generator = torch.Generator().manual_seed(0)
     config = module.scorer.config
     inputs = [
@@ -98,8 +95,8 @@ def test_several_checkpoints_export_the_mean_of_their_keep_scores_with_a_shared_
 
 def test_export_reexports_a_scorer_folder(checkpoint, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    assert cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(first)]) == 0
-    assert cli.main(["export", "--checkpoint", str(first), "--out", str(second)]) == 0
+    assert cli.main(["export", "--scorer", str(checkpoint[0]), "--out", str(first)]) == 0
+    assert cli.main(["export", "--scorer", str(first), "--out", str(second)]) == 0
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
 
 
@@ -107,7 +104,7 @@ def test_push_without_a_token_fails_in_one_line_and_keeps_the_folder(checkpoint,
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr("trainers.export.get_token", lambda: None)
     out = tmp_path / "export"
-    args = ["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"]
+    args = ["export", "--scorer", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"]
     assert cli.main(args) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("foresight export: error: cannot push to someone/scorer: no Hugging Face token")
@@ -120,8 +117,7 @@ def test_push_offline_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_pat
     monkeypatch.setattr("trainers.export.get_token", lambda: "hf_not_a_real_token")
     out = tmp_path / "export"
     assert (
-        cli.main(["export", "--checkpoint", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"])
-        == 2
+        cli.main(["export", "--scorer", str(checkpoint[0]), "--out", str(out), "--push-to-hub", "someone/scorer"]) == 2
     )
     error = capsys.readouterr().err.strip()
     assert error.startswith("foresight export: error: cannot push to someone/scorer: ")
@@ -131,7 +127,7 @@ def test_push_offline_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_pat
 def test_checkpoints_that_are_not_the_scorers_are_refused(tmp_path, capsys):
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {}}, other)
-    assert cli.main(["export", "--checkpoint", str(other), "--out", str(tmp_path / "x")]) == 2
+    assert cli.main(["export", "--scorer", str(other), "--out", str(tmp_path / "x")]) == 2
     assert (
         f"{other} is not a checkpoint of a scorer training stage (no {SCORER_KEY!r} entry)" in capsys.readouterr().err
     )
@@ -139,5 +135,5 @@ def test_checkpoints_that_are_not_the_scorers_are_refused(tmp_path, capsys):
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="garbage.ckpt is not a readable checkpoint"):
         read_checkpoint(garbage)
-    assert cli.main(["export", "--checkpoint", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")]) == 2
+    assert cli.main(["export", "--scorer", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")]) == 2
     assert "no checkpoint at" in capsys.readouterr().err

@@ -115,15 +115,19 @@ def test_budgets_and_intervals_are_B_and_L_defaulting_to_the_one_place(prog):
                 if action.dest == "budgets"
                 else (words.BUDGET_FLAGS, words.BUDGET_HELP)
             )
-            assert (tuple(action.option_strings), action.help) == (flags, help_text), prog
+            from_config = action.help == f"{help_text} (default: the config's data.budget)"  # fit, rl
+            assert tuple(action.option_strings) == flags and (action.help == help_text or from_config), prog
             default = action.default
             if action.dest == "budget":
-                assert default in (DEFAULT_BUDGET, None) and (default is None) == action.required, prog
+                assert default in (DEFAULT_BUDGET, None) and (default is None) == (action.required or from_config), prog
             elif default is not None:  # a sweep: the default budget among its budgets
                 assert DEFAULT_BUDGET in (int(b) for b in str(default).replace(",", " ").split()), prog
         if action.dest == "interval" or "interval" in spelled:
-            assert (tuple(action.option_strings), action.help) == (words.INTERVAL_FLAGS, words.INTERVAL_HELP), prog
-            assert action.default in (DEFAULT_INTERVAL, None) and (action.default is None) == action.required, prog
+            from_config = f"{words.INTERVAL_HELP} (default: the config's data.interval)"  # fit, rl
+            assert tuple(action.option_strings) == words.INTERVAL_FLAGS, prog
+            assert action.help in (words.INTERVAL_HELP, from_config), prog
+            required = action.required or action.help == from_config
+            assert action.default in (DEFAULT_INTERVAL, None) and (action.default is None) == required, prog
             assert option(PARSERS[prog], "-B") is not None, f"{prog}: an interval without a budget"
 
 
@@ -180,6 +184,13 @@ def test_a_policy_option_names_its_row_or_the_one_policy():
         (["demo", "--replay-budget", "64"], "--replay-budget is spelled -B/--budget"),
         (["demo", "--replay-interval", "16"], "--replay-interval is spelled -L/--interval"),
         (["bench", "rl-step"], "run `python -m studies rl-step`"),
+        (["labels", "--traces", "t", "-B", "16", "-L", "4", "--kind", "value"], "--kind is spelled --label-kind"),
+        (["export", "--checkpoint", "a.ckpt", "--out", "o"], "--checkpoint is spelled --scorer"),
+        (["fit", "--config", "c.yaml", "--out", "o", "--trainer.devices", "2"], "--set trainer.devices=2"),
+        (
+            ["rl", "--config", "c.yaml", "--scorer", "s", "--out", "o", "--trainer.strategy=ddp"],
+            "--set trainer.strategy=ddp",
+        ),
         (["python -m studies", "rl-signal", "--temperature", "0.005"], "--temperature is spelled --sample-temperature"),
     ],
 )

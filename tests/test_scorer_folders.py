@@ -122,7 +122,7 @@ def _verb_args(verb: str, scorer: Path, good: Path, tiny_dir: Path, traces: Path
             "--out",
             str(out / "eval"),
         ],
-        "export": ["export", "--checkpoint", str(scorer), "--out", str(out / "export")],
+        "export": ["export", "--scorer", str(scorer), "--out", str(out / "export")],
         "generate": ["generate", *learned, "--max-new-tokens", "30", "hi"],
         "replay": ["replay", *learned, str(text)],
         "bench paged-reclaim": [

@@ -46,12 +46,12 @@ def checkpoint_entries(scorer: ForesightScorer, training: dict[str, Any]) -> dic
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[ForesightScorer, dict[str, Any]]:
     """The scorer and its training record from a supervised-stage Lightning checkpoint (.ckpt), or from
-    a scorer folder (whose record is empty)."""
+    a scorer folder or Hub id (whose record is empty)."""
     path = Path(path)
-    if path.is_dir():
+    if not path.suffix == ".ckpt" and not path.is_file():
         return load_scorer(path), {}
     if not path.is_file():
-        raise ValueError(f"no checkpoint at {path}: expected a Lightning .ckpt file or a scorer folder")
+        raise ValueError(f"no checkpoint at {path}: expected a Lightning .ckpt file, a scorer folder or a Hub id")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several unrelated types for a file that is not a checkpoint

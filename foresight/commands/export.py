@@ -1,7 +1,7 @@
 """Export a trained scorer as a Hugging Face Hub folder (config.json, model.safetensors, README.md model card).
 
---checkpoint is a Lightning checkpoint of the supervised stage (e.g. RUN/checkpoints/last.ckpt) or a
-scorer folder; given several times, the exported scorer is the mean of their keep scores
+--scorer is a scorer folder (`foresight fit` OUT/scorer), a Hub id, or a Lightning checkpoint of the
+supervised stage (e.g. RUN/checkpoints/last.ckpt); given several times, the exported scorer is the mean of their keep scores
 (`foresight.scorer.ensemble`: e.g. fits of one recipe under other seeds). --evaluation adds a markdown file (e.g. the table of `foresight eval`) to the card.
 --push-to-hub uploads the folder through huggingface_hub; without a token or a network it stops
 with a one-line error and the folder stays complete.
@@ -12,18 +12,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from foresight.commands._policy import add_scorer_argument, refuse_old_spelling
+from foresight.eval.specs import split_scorer
 from foresight.scorer.ensemble import ensemble
 from trainers.export import ensemble_record, export_scorer, push_folder, read_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        action="append",
+    add_scorer_argument(
+        parser,
         required=True,
-        help="a supervised-stage .ckpt file or a scorer folder; repeated: export the mean of their keep scores",
+        what="here also a supervised-stage .ckpt file; repeated: export the mean of their keep scores",
     )
+    refuse_old_spelling(parser, "--checkpoint", "--scorer")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     parser.add_argument(
         "--evaluation", type=Path, default=None, help="markdown file with an evaluation table for the card"
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.evaluation is not None and not args.evaluation.is_file():
         raise ValueError(f"--evaluation {args.evaluation} does not exist")
-    members = [read_checkpoint(path) for path in args.checkpoint]
+    members = [read_checkpoint(split_scorer(text)[1]) for text in args.scorer]
     if len(members) == 1:
         scorer, training = members[0]
     else:
