@@ -6,6 +6,9 @@ The public API, as kvpress exports its presses::
     model, tokenizer = load_model("default")
     engine = EvictionEngine(model, make_policy("snapkv"), EvictionConfig(budget=128, interval=32))
 
+Training lives in the `trainers` package (`trainers.fit`, `trainers.rl`, docs/training.md); `evaluate`
+replays traces under policies as `foresight eval` does.
+
 Names resolve on first use (PEP 562), so `import foresight` and the CLI's start stay light.
 """
 
@@ -31,6 +34,7 @@ _EXPORTS = {
     "load_model": "foresight.models",
     "compute_golden_labels": "foresight.labels",
     "TraceStore": "foresight.data.trace_store",
+    "evaluate": "foresight.eval.replay",
 }
 __all__ = sorted(_EXPORTS)
 

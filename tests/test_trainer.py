@@ -295,6 +295,10 @@ def test_paper_configs_hold_the_papers_settings_and_build(name, monkeypatch, tmp
     assert config["model"]["lr"] == 1e-2 and config["model"]["margin"] == 0.01
     assert config["trainer"]["max_steps"] == 1000
     assert config["traces"]["only_correct"] and config["traces"]["min_tokens"] == 4096
+    shipped = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())  # the recipe the project ships
+    assert config["data"]["feature_set"] == shipped["data"]["feature_set"]
+    assert config["model"]["pair_weight"] == shipped["model"]["pair_weight"]
+    assert "--ensemble 5" in path.read_text().split("\nseed_everything")[0]  # the header says why one fit
     built = cli_main(["--config", str(path), "--trainer.accelerator=cpu"], run=False)  # no GPU here
     scorer = built.model.scorer.config
     assert (scorer.budget, scorer.interval, scorer.base_model) == (1024, 256, model_id)
