@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import io
 import json
+import os
+import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,7 @@ from foresight.bench.common import random_scorer
 from foresight.data.trace_generation import token_losses
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.eval import replay as replay_module
+from foresight.eval import replay_store as replay_store_module
 from foresight.eval.equal_bytes import TOKEN_NLL, equal_bytes, load_token_losses
 from foresight.eval.metric_registry import METRICS
 from foresight.eval.replay import evaluate
@@ -1076,3 +1082,56 @@ def test_the_flip_rate_equals_a_token_by_token_reference(evaluated, traces_dir, 
     assert row["low_entropy_flip_rate_low"] <= row["low_entropy_flip_rate"] <= row["low_entropy_flip_rate_high"]
     assert name != "random" or flipped > 0
     assert rows_of(rows, B)["full"]["low_entropy_flip_rate"] == 0.0
+
+
+def test_processes_on_one_out_share_its_batches_by_claims(evaluated, traces_dir, tmp_path, model, monkeypatch):
+    """While another process holds the claim of the first batch, this one replays the second, then waits; the
+    other keeps its replays of the first batch and lets go, and this one reads them instead of replaying: each
+    batch is replayed once over the two, and the figures are a single run's."""
+    monkeypatch.setattr("foresight.commands.eval.load_model", lambda name, **kw: (model, None))
+    args = [*eval_args(traces_dir, tmp_path / "shared", "--policies", "full,snapkv,h2o,golden"), "--batch-size", "3"]
+    alone = tmp_path / "alone"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert (
+            cli.main([*eval_args(traces_dir, alone, "--policies", "full,snapkv,h2o,golden"), "--batch-size", "3"]) == 0
+        )
+    traces = sorted(TraceStore(traces_dir), key=lambda t: -t.input_ids.numel())
+    first, second = traces[:3], traces[3:]
+    shared = tmp_path / "shared" / "replays"
+    (shared / "claims").mkdir(parents=True)
+    replayed, tally_replay = [], replay_module._tally_replay
+
+    def counted(model, spec, batch, *rest):
+        replayed.append((spec.name, tuple(t.index for t in batch)))
+        return tally_replay(model, spec, batch, *rest)
+
+    monkeypatch.setattr(replay_module, "_tally_replay", counted)
+    digest = replay_store_module.batch_digest(first)
+    claim = os.open(shared / "claims" / f"B{B}-L{L}-batch-{digest}.claim", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(claim, fcntl.LOCK_EX)  # the other process, replaying the first batch
+
+    def other_process_finishes() -> None:
+        second_kept = [shared / name / f"B{B}-L{L}" / f"batch-{replay_store_module.batch_digest(second)}.pt"
+                       for name in ("snapkv", "h2o", "golden")]  # fmt: skip
+        while not all(path.is_file() for path in second_kept):
+            time.sleep(0.05)
+        for name in ("snapkv", "h2o", "golden"):
+            kept = f"{name}/B{B}-L{L}/batch-{digest}.pt"
+            shutil.copy(alone / "replays" / kept, shared / kept)
+        fcntl.flock(claim, fcntl.LOCK_UN)
+        os.close(claim)
+
+    other = threading.Thread(target=other_process_finishes)
+    other.start()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(args) == 0
+    other.join()
+    assert replayed and {batch for _, batch in replayed} == {tuple(t.index for t in second)}
+
+    def figures(out):
+        return {
+            row["policy"]: {k: v for k, v in row.items() if k != "seconds"}
+            for row in json.loads((out / "results.json").read_text())
+        }
+
+    assert figures(tmp_path / "shared") == figures(alone)

@@ -16,7 +16,8 @@ loop. Completions are kept under OUT/completions, so a killed run resumes where 
 
 Teacher-forced, each evicting policy's replay of a batch of traces is kept under OUT/replays as soon as it
 ends, so a killed run resumes where it stopped too (a rerun with another model, dtype, device or label kind is
-refused, and a rerun's other policies or batches are replayed, not mixed in).
+refused, and a rerun's other policies or batches are replayed, not mixed in); several processes started on one
+OUT (one per core or GPU) share its batches by claims, and each writes the whole results once all are kept.
 
 Both write OUT/results.json, results.csv, results.md (every figure with its 95% bootstrap interval,
 over traces or problems) and one PNG per figure (budget on the x axis).

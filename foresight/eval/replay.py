@@ -49,12 +49,13 @@ sums in `foresight.eval.tally` and the report in `foresight.eval.results`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from foresight.artifacts import claimed
 from foresight.cadence import Regime, check_budget, golden_prefill, regime_shift
 from foresight.data.trace_store import Trace
 from foresight.eval.probe import PROBE_ATTENTION, AttentionProbe
@@ -132,20 +133,22 @@ def evaluate(
     shape, dtype = describe(model), next(model.parameters()).dtype
     with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
         for budget, budget_specs, batches, batch_labels in plans:
-            tallies = {spec.name: TraceTally() for spec in budget_specs}
-            for batch in batches:
+            cadence = Cadence(budget, interval, regime)
+
+            def run_batch(batch: Sequence[Trace], tallies: dict[str, TraceTally], bar: tqdm) -> None:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
                 _evaluate_batch(
-                    model,
-                    batch,
-                    budget_specs,
-                    Cadence(budget, interval, regime),
-                    schedule_labels,
-                    tallies,
-                    bar,
-                    share_prefix,
-                    replays,
+                    model, batch, budget_specs, cadence, schedule_labels, tallies, bar, share_prefix, replays
                 )
+
+            replayed_here = set()
+            if replays is not None:  # claim and replay first; every batch is then in the store, read in order below
+                for batch in _claimed_batches(replays, batches, budget_specs, budget, interval):
+                    run_batch(batch, {spec.name: TraceTally() for spec in budget_specs}, bar)
+                    replayed_here.add(id(batch))
+            tallies = {spec.name: TraceTally() for spec in budget_specs}
+            for batch in batches:
+                run_batch(batch, tallies, _SILENT if id(batch) in replayed_here else bar)
             budget_rows = [
                 tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
                 | kv_memory(spec, budget, interval, tallies[spec.name].traces, shape, dtype, batch_labels)
@@ -239,6 +242,22 @@ def prefill_lengths(
 ) -> list[int]:
     """`Cadence.prefill_lengths` of one (B, L, regime)."""
     return Cadence(budget, interval, regime).prefill_lengths(batch, protects_prompt)
+
+
+def _claimed_batches(
+    replays: ReplayStore, batches: Sequence[Sequence[Trace]], specs: Sequence[PolicySpec], budget: int, interval: int
+) -> Iterator[Sequence[Trace]]:
+    """The batches this process replays: those it claims and finds not yet kept; with several processes on one
+    folder, each batch goes to one of them, and each returns once every batch is kept."""
+    return claimed(
+        batches,
+        lambda batch: replays.claim_path(budget, interval, batch),
+        lambda batch: replays.holds(specs, budget, interval, batch),
+    )
+
+
+_SILENT = tqdm(disable=True)
+"""The progress bar of a batch read back after this process replayed it (its work was counted then)."""
 
 
 def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:

@@ -3,7 +3,9 @@
 `OUT/replays/settings.json` records the model, its dtype and device and the label kind; each evicting policy's
 tally of one batch is `OUT/replays/POLICY/B{B}-L{L}/batch-DIGEST.pt`, written atomically once the batch is
 replayed. DIGEST names the batch by its traces' indices and tokens, so a batch of other traces (another
-`--batch-size`, another traces folder) is replayed again, never read as this one.
+`--batch-size`, another traces folder) is replayed again, never read as this one. Several processes started on
+one OUT share its batches: each claims a batch before replaying it (`OUT/replays/claims/`), as the label
+processes share a traces folder.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ class ReplayStore(RunStore):
 
     def _path(self, spec: PolicySpec, budget: int, interval: int, batch: Sequence[Trace]) -> Path:
         return self.policy_folder(spec, budget, interval) / f"batch-{batch_digest(batch)}.pt"
+
+    def holds(self, specs: Sequence[PolicySpec], budget: int, interval: int, batch: Sequence[Trace]) -> bool:
+        """Whether every evicting policy of `specs` has its replay of this batch kept (nothing left to replay)."""
+        return all(self._path(spec, budget, interval, batch).is_file() for spec in specs if spec.evicts)
+
+    def claim_path(self, budget: int, interval: int, batch: Sequence[Trace]) -> Path:
+        """The file a process holds while it replays this batch (`foresight.artifacts.claimed`)."""
+        return self.folder / "claims" / f"B{budget}-L{interval}-batch-{batch_digest(batch)}.claim"
 
     def load(self, spec: PolicySpec, budget: int, interval: int, batch: Sequence[Trace]) -> TraceTally | None:
         """The tally an earlier run kept for this batch, or None."""
