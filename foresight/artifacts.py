@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -181,7 +181,7 @@ def _take(item: Item, path: Path, is_done: Callable[[Item], bool], wait: bool) -
 def file_problem(path: str | os.PathLike, expected: Mapping[str, object]) -> str | None:
     """Why the safetensors file at `path` is not the artifact `expected` (metadata) describes: MISSING,
     damaged (its header does not open: safetensors checks that the header covers the whole file), or
-    made for something else; None when it is. The verbs that make artifacts remake a file with a problem."""
+    made with other settings; None when it is. The verbs that make artifacts remake a file with a problem."""
     path = Path(path)
     if not path.is_file():
         return MISSING
@@ -190,8 +190,8 @@ def file_problem(path: str | os.PathLike, expected: Mapping[str, object]) -> str
             stored = handle.metadata() or {}
     except SafetensorError as error:
         return f"damaged ({error})"
-    differing = _differences(stored, expected)
-    return f"made for something else ({'; '.join(differing)})" if differing else None
+    differing = settings_differences(stored, _as_metadata(expected))
+    return f"made with other settings ({'; '.join(differing)})" if differing else None
 
 
 def read_tensors(
@@ -217,14 +217,23 @@ def check_metadata(
     path: str | os.PathLike, stored: Mapping[str, str], expected: Mapping[str, object], remake: str
 ) -> None:
     """One-line ArtifactError when the metadata stored with an artifact differs from what is expected."""
-    differing = _differences(stored, expected)
+    check_settings(str(path), stored, _as_metadata(expected), f"make it again with {remake}")
+
+
+def settings_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """Each setting `wanted` names whose stored value differs, as `key=STORED, not WANTED`: the one format of every
+    refusal of an artifact made with other settings (labels, example caches, statistics, traces, evaluations)."""
+    return [f"{key}={stored.get(key)!r}, not {value!r}" for key, value in wanted.items() if stored.get(key) != value]
+
+
+def check_settings(what: str, stored: Mapping[str, Any], wanted: Mapping[str, Any], remedy: str) -> None:
+    """One-line ArtifactError `WHAT: made with other settings (key=STORED, not WANTED; ...); REMEDY` when the
+    settings an artifact was made with differ from the ones asked for."""
+    differing = settings_differences(stored, wanted)
     if differing:
-        raise ArtifactError(f"{path} was made for something else ({'; '.join(differing)}); make it again with {remake}")
+        raise ArtifactError(f"{what}: made with other settings ({'; '.join(differing)}); {remedy}")
 
 
-def _differences(stored: Mapping[str, str], expected: Mapping[str, object]) -> list[str]:
-    return [
-        f"{key}={stored.get(key)!r}, not {str(value)!r}"
-        for key, value in expected.items()
-        if stored.get(key) != str(value)
-    ]
+def _as_metadata(expected: Mapping[str, object]) -> dict[str, str]:
+    """Expected values as safetensors metadata holds them: strings."""
+    return {key: str(value) for key, value in expected.items()}

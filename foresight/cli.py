@@ -22,12 +22,13 @@ from trainers.process import quiet_third_party_notices
 
 class HelpFormatter(argparse.HelpFormatter):
     """States each option's default once: appends "(default: X)" unless the help already says it, the
-    option is required, or there is nothing to state (None, an off flag, an empty list)."""
+    option is required, or there is nothing to state (None, a switch, an empty list)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
         default = action.default
-        silent = default is None or default is False or default is argparse.SUPPRESS or default == []
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))  # off unless given
+        silent = switch or default is None or default is False or default is argparse.SUPPRESS or default == []
         if "(default" in help_text or action.required or not action.option_strings or silent:
             return help_text
         return f"{help_text} (default: %(default)s)".lstrip()

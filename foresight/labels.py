@@ -627,7 +627,7 @@ class LabelStore:
         return file_problem(self.path(trace_index), {"format": FORMAT}) is None
 
     def problem(self, trace_index: int, *, num_tokens: int) -> str | None:
-        """Why the labels file of a trace is not usable (missing, damaged, made for something else), or None;
+        """Why the labels file of a trace is not usable (missing, damaged, made with other settings), or None;
         reads only its header."""
         expected = {
             "format": FORMAT,

@@ -17,9 +17,11 @@ from foresight.artifacts import (
     atomic_file,
     atomic_folder,
     check_metadata,
+    check_settings,
     file_problem,
     read_tensors,
     save_tensors,
+    settings_differences,
     write_text,
 )
 
@@ -116,7 +118,7 @@ def test_file_problem_names_what_the_file_was_made_for(tmp_path: Path) -> None:
     path = tmp_path / "trace-000001.safetensors"
     save_tensors(path, {"alpha": torch.zeros(3)}, {"budget": "128", "interval": "32"})
     assert file_problem(path, {"budget": 128}) is None
-    assert file_problem(path, {"budget": 64, "interval": 32}) == "made for something else (budget='128', not '64')"
+    assert file_problem(path, {"budget": 64, "interval": 32}) == "made with other settings (budget='128', not '64')"
 
 
 def test_check_metadata_names_every_difference(tmp_path: Path) -> None:
@@ -156,3 +158,13 @@ def test_a_header_of_another_length_is_rewritten_with_the_data_moved(tmp_path: P
     path.write_bytes(padded)  # a header 16 bytes longer, as another writer might pad it
     _sort_header(path)
     assert path.read_bytes() == canonical
+
+
+def test_a_mismatch_of_settings_is_one_line_in_one_format():
+    """Labels, example caches, statistics, traces and evaluation runs refuse through `check_settings`: every
+    differing setting as key=STORED, not WANTED, then the remedy; equal settings pass."""
+    stored, wanted = {"a": 1, "b": "q", "c": 3}, {"a": 2, "b": "r", "c": 3}
+    with pytest.raises(ArtifactError) as refused:
+        check_settings("the thing", stored, wanted, "make it again")
+    assert str(refused.value) == "the thing: made with other settings (a=1, not 2; b='q', not 'r'); make it again"
+    assert settings_differences(stored, {"c": 3}) == [] and check_settings("x", stored, {"c": 3}, "") is None

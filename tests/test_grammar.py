@@ -220,3 +220,11 @@ def test_help_of_each_verb_uses_the_shared_words(prog):
     text = " ".join(PARSERS[prog].format_help().split())
     for phrase in (words.SCORER_METAVAR, " ".join(words.SCORER_HELP.split())):
         assert phrase in text, (prog, phrase)
+
+
+@pytest.mark.parametrize("prog", sorted(PARSERS))
+def test_a_switch_states_no_default(prog):
+    """A switch is off unless given: `--no-shared-prefix` printed "(default: True)", the opposite of its meaning."""
+    assert (
+        "(default: True)" not in PARSERS[prog].format_help() and "(default: False)" not in PARSERS[prog].format_help()
+    )

@@ -278,7 +278,7 @@ def test_stats_folder_refuses_missing_and_torn_files(tmp_path):
     torch.testing.assert_close(load_stats(tmp_path).q_mean, stats.q_mean)
     config = (tmp_path / "config.json").read_text().replace('"tokens": 0', '"tokens": 7')
     (tmp_path / "config.json").write_text(config)
-    with pytest.raises(ValueError, match="made for something else"):
+    with pytest.raises(ValueError, match="made with other settings"):
         load_stats(tmp_path)
 
 

@@ -210,7 +210,7 @@ def test_a_complete_traces_folder_loads_no_model(tmp_path, tiny_dir, loads, caps
     assert cli.main(args) == 0
     assert "0 shard(s) written, 2 already complete" in capsys.readouterr().out
     assert cli.main([*args, "--seed", "1"]) == 2  # other settings are refused, before any load
-    assert "holds traces made with other settings (seed 0 -> 1)" in capsys.readouterr().err
+    assert "made with other settings (seed=0, not 1)" in capsys.readouterr().err
     assert loads == [str(tiny_dir)]
     recipe = TraceRecipe(str(DATA / "arithmetic.jsonl"), num=3, max_new_tokens=8, shard_size=2)
     assert recipe.settings(str(tiny_dir)).__dict__ == TraceStore(tmp_path / "traces").settings

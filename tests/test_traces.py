@@ -264,7 +264,7 @@ def test_rerun_skips_complete_shards_and_refuses_other_settings(reference, tmp_p
     assert (summary.shards_written, summary.shards_skipped, summary.counts.kept) == (0, 3, 7)
     assert leftovers(out_dir) == []
     assert {path: path.stat().st_mtime_ns for path in out_dir.glob("shard-*/*")} == before
-    others = [({"seed": 1}, "seed 0 -> 1"), ({"num": 8}, "num 7 -> 8"), ({"top_p": 0.9}, "top_p 0.95 -> 0.9")]
+    others = [({"seed": 1}, "seed=0, not 1"), ({"num": 8}, "num=7, not 8"), ({"top_p": 0.9}, "top_p=0.95, not 0.9")]
     for override, expected in others:
         with pytest.raises(ValueError, match=expected) as error:
             generate(out_dir, **override)
@@ -281,7 +281,7 @@ def test_a_folder_made_before_draws_were_recorded_resumes_as_generator_draws(ref
     assert old["settings"].pop("draws") == "generator"
     (out_dir / "manifest.json").write_text(json.dumps(old))
     assert generate(out_dir).shards_skipped == 3
-    with pytest.raises(ValueError, match=r"draws 'generator' -> 'counter'.*\(--draws generator keeps its draws\)"):
+    with pytest.raises(ValueError, match=r"draws='generator', not 'counter'.*\(--draws generator keeps its draws\)"):
         generate(out_dir, draws="counter")
     greedy = tmp_path / "greedy"
     generate(greedy, draws="counter", temperature=0.0)

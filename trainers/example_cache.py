@@ -136,7 +136,7 @@ class ExampleCache:
         write_text(self.directory / KEY_FILE, text)
 
     def problem(self, trace: Trace) -> str | None:
-        """Why the file of `trace` cannot be read as its examples (MISSING, damaged, made for something else)."""
+        """Why the file of `trace` cannot be read as its examples (MISSING, damaged, made with other settings)."""
         return file_problem(self.path(trace.index), self._metadata(trace))
 
     def paths(self, traces: Sequence[Trace]) -> list[Path]:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from foresight.artifacts import atomic_folder, remove_leftovers, write_text
+from foresight.artifacts import atomic_folder, check_settings, remove_leftovers, write_text
 from foresight.data.tasks import source_names
 from foresight.runtime.sampling import Draws
 
@@ -376,17 +376,9 @@ def _with_defaults(stored: dict[str, Any], settings: Sharded) -> dict[str, Any]:
 
 
 def _check_same_settings(out_dir: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
-    differing = [
-        f"{name} {stored.get(name)!r} -> {wanted.get(name)!r}"
-        for name in dict.fromkeys([*wanted, *stored])
-        if stored.get(name) != wanted.get(name)
-    ]
-    if differing:
-        draws = f" (--draws {stored['draws']} keeps its draws)" if stored.get("draws") != wanted.get("draws") else ""
-        raise ValueError(
-            f"{out_dir} holds traces made with other settings ({', '.join(differing)}); "
-            f"use another output folder or the same settings{draws}"
-        )
+    every = {name: wanted.get(name) for name in dict.fromkeys([*wanted, *stored])}  # a setting on one side counts
+    draws = f" (--draws {stored['draws']} keeps its draws)" if stored.get("draws") != wanted.get("draws") else ""
+    check_settings(f"the traces in {out_dir}", stored, every, f"use another output folder or the same settings{draws}")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

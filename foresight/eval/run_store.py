@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from foresight.artifacts import ArtifactError, write_text
+from foresight.artifacts import check_settings, write_text
 from foresight.eval.specs import PolicySpec, SampledScorerSpec
 from foresight.scorer.model import weights_digest
 
@@ -52,16 +52,7 @@ class RunStore:
         settings_file = self.folder / "settings.json"
         if settings_file.is_file():
             stored = json.loads(settings_file.read_text())
-            differing = [
-                f"{key}={stored.get(key)!r}, not {value!r}"
-                for key, value in settings.items()
-                if stored.get(key) != value
-            ]
-            if differing:
-                raise ArtifactError(
-                    f"the results in {self.folder} were made with other settings ({'; '.join(differing)}); "
-                    "give another --out or the same settings"
-                )
+            check_settings(f"the results in {self.folder}", stored, settings, "give another --out or the same settings")
         else:
             write_text(settings_file, json.dumps(settings, indent=1))
 
@@ -77,11 +68,7 @@ class RunStore:
         identity_file, identity = folder / "policy.json", spec_identity(spec)
         if identity_file.is_file():
             stored = json.loads(identity_file.read_text())
-            if stored != identity:
-                raise ArtifactError(
-                    f"the results in {folder} were made by another {spec.name} ({stored}, not {identity}); "
-                    "give another --out"
-                )
+            check_settings(f"the results of {spec.name} in {folder}", stored, identity, "give another --out")
         else:
             write_text(identity_file, json.dumps(identity))
         self._checked[key] = (spec, folder)
