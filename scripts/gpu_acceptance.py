@@ -611,8 +611,8 @@ def step_rl(scale: Scale, work: Path) -> dict:
 
 def step_capacity_flags(scale: Scale, work: Path) -> dict:
     """The capacity step's command parsed by the CLI and turned into the benchmark's settings, not run (it needs CUDA)."""
-    from foresight.bench.options import settings_from
     from foresight.cli import build_parser
+    from foresight.commands._grammar import settings_from
 
     command = _capacity(Context(scale, True, work, work))
     args = build_parser().parse_args(command[command.index("foresight.cli") + 1 :])

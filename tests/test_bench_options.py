@@ -18,7 +18,8 @@ import pytest
 import foresight.bench
 from foresight import cli
 from foresight.bench.common import trace_sets
-from foresight.bench.options import flags, options, settings_from
+from foresight.bench.options import flags, options
+from foresight.commands._grammar import settings_from
 from foresight.commands.bench import MOVED_TO_STUDIES, benchmarks
 from studies.__main__ import build_parser as studies_parser
 from studies.__main__ import main as studies_main

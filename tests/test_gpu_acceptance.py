@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from foresight.bench.options import settings_from
 from foresight.cli import build_parser
+from foresight.commands._grammar import settings_from
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpu_acceptance", ROOT / "scripts" / "gpu_acceptance.py")

@@ -17,6 +17,7 @@ it is not a scorer option and must not be spelled like one (`--scorer` there wou
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,14 @@ def test_a_switch_states_no_default(prog):
     assert (
         "(default: True)" not in PARSERS[prog].format_help() and "(default: False)" not in PARSERS[prog].format_help()
     )
+
+
+def test_argparse_lives_in_the_command_layer_only():
+    """The grammar's home is `foresight.commands._grammar`: the benchmarks declare their options as fields."""
+    library = Path(__file__).resolve().parents[1] / "foresight"
+    importing = [
+        str(path.relative_to(library))
+        for path in sorted(library.rglob("*.py"))
+        if re.search(r"^\s*import argparse|^\s*from argparse", path.read_text(), re.MULTILINE)
+    ]
+    assert importing and all(name.startswith("commands/") or name == "cli.py" for name in importing), importing

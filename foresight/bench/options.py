@@ -1,32 +1,29 @@
-"""A benchmark's options, declared once as the fields of its frozen `Settings` dataclass: the command line's
-options and the command that reproduces a report are both made from those fields, as a policy's -o options
-are made from its own (`foresight.policies.options`).
+"""A benchmark's options, declared once as the fields of its frozen `Settings` dataclass, and the shared words of
+every verb, benchmark and study (flags and help of -B, -L, --scorer, -o, --regime). The command layer's grammar
+(`foresight.commands._grammar`) turns the fields into argparse options; the command that reproduces a report
+is made here from the same fields, as a policy's -o options are made from its own (`foresight.policies.options`).
 
 A field `name: T = field(default=..., metadata={"help": "..."})` is the option --name (underscores become
-dashes; metadata "flags" spells it otherwise, e.g. ("--budget", "-B"), "metavar" names its value, and
-"report": True puts it after the others, where a reader looks for where the report went). A field without a
+dashes; metadata "flags" overrides the spelling, "metavar" the placeholder); a field without a
 default is a required option; a field without help is no option. Its type says how text
-becomes a value:
+is read:
 - bool: a switch (the option alone sets it);
-- tuple[int, ...]: integers, comma- or space-separated (--batch-sizes 1,8 or --lengths 64 96);
+- tuple[int, ...]: integers, comma- or space-separated (--budgets 64,128 or --budgets 64 128);
 - tuple[str, ...]: an option given once per value (--scorer A --scorer B);
-- Literal[...]: one of its values;
+- Literal[...]: one of the values listed;
 - int, float, str, Path, or one of them | None: read as `foresight.policies.options.parse_value` reads it.
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 import typing
-from collections.abc import Sequence
 from dataclasses import MISSING, Field, fields
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 from foresight.cadence import DEFAULT_BUDGET, DEFAULT_INTERVAL
-from foresight.policies.options import describe_type, parse_value
 
 # -- the shared words: every verb, benchmark and study spells these options so (tests/test_grammar.py) ---------
 BUDGET_FLAGS = ("--budget", "-B")
@@ -73,40 +70,6 @@ def flags(option: Field) -> tuple[str, ...]:
     return tuple(option.metadata.get("flags", ("--" + option.name.replace("_", "-"),)))
 
 
-def add_options(parser: argparse.ArgumentParser, settings_class: type) -> None:
-    """One argparse option per option field of `settings_class`, stored under the field's name."""
-    hints = typing.get_type_hints(settings_class)
-    for option in options(settings_class):
-        kind, required = hints[option.name], option.default is MISSING and option.default_factory is MISSING
-        keywords: dict[str, Any] = dict(dest=option.name, help=option.metadata["help"], required=required)
-        default = None if required else _default(option)
-        if "metavar" in option.metadata:
-            keywords["metavar"] = option.metadata["metavar"]
-        if kind is bool:
-            keywords.update(action="store_true", default=False)
-        elif _element(kind) is int:
-            keywords.update(nargs="+", type=int_list, action=_Joined, default=None if required else _text(default))
-        elif _element(kind) is str:
-            keywords.update(action="append", default=None)
-        elif typing.get_origin(kind) is Literal:
-            keywords.update(choices=[str(value) for value in typing.get_args(kind)], default=default)
-        else:
-            keywords.update(type=_reader(kind), default=default)
-        parser.add_argument(*flags(option), **keywords)
-
-
-def settings_from(settings_class: type, namespace: argparse.Namespace) -> Any:
-    """The settings that parsed options ask for (a dataclass check of their values raises ValueError)."""
-    hints = typing.get_type_hints(settings_class)
-    values = {}
-    for option in options(settings_class):
-        value = getattr(namespace, option.name)
-        if _element(hints[option.name]) is not None:
-            value = _default(option) if value is None else tuple(value)
-        values[option.name] = value
-    return settings_class(**values)
-
-
 def command_line(settings: Any) -> str:
     """The `foresight bench NAME ...` command (a study's `python -m studies NAME ...`: its module's COMMAND)
     that parses back into `settings`: every option but those left at an empty default (None, off, nothing
@@ -138,10 +101,10 @@ def option_words(settings_class: type, values: dict[str, Any]) -> list[str]:
         flag, kind = flags(option)[0], hints[option.name]
         if kind is bool:
             words += [flag] if value else []
-        elif _element(kind) is str:
+        elif element_type(kind) is str:
             words += [word for item in _items(value) for word in (flag, str(item))]
         else:
-            words += [flag, _text(tuple(value) if isinstance(value, list) else value)]
+            words += [flag, option_text(tuple(value) if isinstance(value, list) else value)]
     return words
 
 
@@ -156,11 +119,11 @@ def _items(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _default(option: Field) -> Any:
+def option_default(option: Field) -> Any:
     return option.default_factory() if option.default is MISSING else option.default
 
 
-def _text(value: Any) -> Any:
+def option_text(value: Any) -> Any:
     """How a value is written on the command line (None stays None: argparse's unset default)."""
     if value is None:
         return "none"
@@ -169,40 +132,10 @@ def _text(value: Any) -> Any:
     return str(value)
 
 
-def _element(kind: Any) -> type | None:
+def element_type(kind: Any) -> type | None:
     """int or str for tuple[int, ...] or tuple[str, ...]; None for any other type."""
     if typing.get_origin(kind) is tuple:
         element, *rest = typing.get_args(kind)
         if rest == [Ellipsis] and element in (int, str):
             return element
     return None
-
-
-def _reader(kind: Any):
-    """argparse type of one value of `kind`, with a one-line error naming what it accepts."""
-
-    def read(text: str) -> Any:
-        try:
-            return parse_value(text, kind)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {describe_type(kind)}, got {text!r}") from None
-
-    return read
-
-
-def int_list(text: str) -> list[int]:
-    """argparse type of a comma-separated list of integers, e.g. 64,128 (every command's budgets)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 64,128, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    return values
-
-
-class _Joined(argparse.Action):
-    """Stores the integers of every value given (space-separated words, each comma-separated) as one tuple."""
-
-    def __call__(self, parser, namespace, values: Sequence[list[int]], option_string=None) -> None:
-        setattr(namespace, self.dest, tuple(value for part in values for value in part))

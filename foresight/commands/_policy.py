@@ -24,9 +24,9 @@ from foresight.bench.options import (
     SCORER_FLAGS,
     SCORER_HELP,
     SCORER_METAVAR,
-    int_list,
 )
 from foresight.cadence import Regime
+from foresight.commands._grammar import int_list
 from foresight.eval.specs import LEARNED, cadence_overrides, one_scorer, options_by_row, options_of
 from foresight.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
 from foresight.policies.options import describe_type, required_options, settable_options, typed_options

@@ -21,7 +21,7 @@ import torch
 
 import foresight.bench
 from foresight.bench.common import ReportSettings, default_report
-from foresight.bench.options import add_options, settings_from
+from foresight.commands._grammar import add_options, settings_from
 from foresight.eval.report import write_section
 
 
