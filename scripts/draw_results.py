@@ -2,7 +2,7 @@
 report's style (`foresight.eval.report.plot_metric`: the learned scorer and golden bold, the three strongest
 heuristics in colour, the rest grey), with no run folder and no model:
 
-    python scripts/draw_results.py              # every figure below, into docs/
+    python scripts/draw_results.py              # every figure below, into docs/figures/
 
 A figure whose data no results file holds (unseen A's budget sweep, the paged-reclaim and RL curves) is
 drawn by its own command in docs/benchmarks.md's Figures table.
@@ -17,6 +17,7 @@ from foresight.eval.published import ResultsFile
 from foresight.eval.report import MEMORY, numeric_rows, plot_metric
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+FIGURES_DIR = DOCS / "figures"
 LOSS = {"policy": "policy", "KV MiB / sequence": MEMORY, "loss ratio": "loss_ratio"}
 
 FIGURES = (  # (results file, PNG, column titles -> row keys, keys every row shares, the learned rows)
@@ -33,7 +34,7 @@ FIGURES = (  # (results file, PNG, column titles -> row keys, keys every row sha
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DOCS, help="folder of the PNGs (default: docs/)")
+    parser.add_argument("--out", type=Path, default=FIGURES_DIR, help="folder of the PNGs (default: docs/figures/)")
     out = parser.parse_args().out
     for name, png, keys, fixed, learned in FIGURES:
         rows = numeric_rows(ResultsFile.load(DOCS / "results" / name), keys, fixed)

@@ -37,6 +37,7 @@ REQUIRED = {  # values of the options without a default, by field name
     "sets": ("a b=runs/x,runs/y", "c=runs/z"),
     "learned": ("shipped=paper features", "std=standardised"),
     "scorer": ("sl=checkpoints/default", "rl=runs/rl"),
+    "run": ("alpha=runs/eval a", "value=runs/v"),
 }
 ONE_OF = {"rl-heldout": "traces"}  # a study that needs one of several optional options: the one the test gives
 

@@ -1,20 +1,14 @@
-"""scripts/label_agreement.py: Spearman's correlation against the textbook formula, and a kind against
-itself or a reversed copy."""
+"""The label-agreement and label-oracles studies: Spearman's correlation against the textbook formula, a kind
+against itself or a reversed copy, and the oracle table's pooling."""
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from foresight.labels import GoldenLabels
-
-spec = importlib.util.spec_from_file_location(
-    "label_agreement", Path(__file__).parent.parent / "scripts" / "label_agreement.py"
-)
-label_agreement = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(label_agreement)
+from studies.label_agreement import run as label_agreement
+from studies.label_oracles import run as label_oracles
 
 
 def test_spearman_is_one_minus_six_sum_of_squared_rank_gaps():
@@ -41,26 +35,21 @@ def test_a_kind_agrees_with_itself_and_not_with_its_reverse():
     assert rhos == pytest.approx([-1.0] * 3) and max(overlaps) < 1.0
 
 
-def test_the_oracle_table_pools_every_kind_over_the_traces_all_scored(tmp_path, capsys):
-    """scripts/label_oracles.py: golden rows only, on the traces every folder scored, paired against the first."""
+def test_the_oracle_table_pools_every_kind_over_the_traces_all_scored(tmp_path):
+    """label-oracles: golden rows only, on the traces every folder scored, paired against the first."""
     import json
     from dataclasses import asdict
 
     from foresight.eval.headroom import TraceScore
 
-    oracle_spec = importlib.util.spec_from_file_location(
-        "label_oracles", Path(__file__).parent.parent / "scripts" / "label_oracles.py"
-    )
-    label_oracles = importlib.util.module_from_spec(oracle_spec)
-    oracle_spec.loader.exec_module(label_oracles)
     runs = {"alpha": (3, 1.0), "value": (2, 1.5)}  # (traces scored, evicted NLL per trace)
     for kind, (count, nll) in runs.items():
         (tmp_path / kind).mkdir()
         scores = [TraceScore("golden", 8, i, "src", 10, nll * (i + 1), i + 1.0, 5, 0, 1) for i in range(count)]
         scores.append(TraceScore("h2o", 8, 0, "src", 10, 9.0, 1.0, 5, 0, 1))
         (tmp_path / kind / "traces.json").write_text(json.dumps([asdict(s) for s in scores]))
-    label_oracles.main([f"{kind}={tmp_path / kind}" for kind in runs])
-    rows = capsys.readouterr().out.splitlines()[2:]
+    report = label_oracles.run(label_oracles.Settings(run=tuple(f"{kind}={tmp_path / kind}" for kind in runs)))
+    rows = report.splitlines()[4:]
     assert rows[0].startswith("| golden-alpha | 2 | 1.0000 [1.0000, 1.0000] |") and rows[0].endswith("| – |")
     assert rows[1].startswith("| golden-value | 2 | 1.5000 [1.5000, 1.5000] |")
     assert rows[1].endswith("| +0.5000 [+0.5000, +0.5000] |")

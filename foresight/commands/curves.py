@@ -6,7 +6,7 @@ and draws one panel per tag: each logged value and its rolling mean over --windo
 tags are the reinforcement stage's (reward, KL to the reference, first-draw entropy, share of groups
 with zero advantage, clip fraction).
 
-    foresight curves runs/rl-default --out docs/rl-curves.png
+    foresight curves runs/rl-default --out docs/figures/rl-curves.png
     foresight curves runs/fit-default --tags train/loss,val/overlap --out runs/fit-default/curves.png
 """
 

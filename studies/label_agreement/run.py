@@ -1,22 +1,37 @@
 """Is a label kind a different target from α? Spearman's rank correlation of its scores with α's
-(docs/notes/loss-aligned-labels.md; issue 42: above 0.9 it is the same target).
+(docs/notes/loss-aligned-labels.md: above 0.9 it is the same target).
 
 For each trace, eviction step and (layer, KV head): the correlation over the candidates both schedules
 hold at that step (at step 1 every kind's candidates are positions 0..B − 1, so there it is over all B),
 and the share of the kept set the two schedules agree on. Means over (trace, step, layer, head); steps
 where either score is constant over the shared candidates (an empty last block) are left out.
 
-    python scripts/label_agreement.py --traces runs/a -B 128 -L 32 --kinds value,gradient --max-traces 10
+    python -m studies label-agreement --traces runs/a -B 128 -L 32 --kinds value,gradient --max-traces 10
 """
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from foresight.bench.common import ReportSettings, budget_field, interval_field, traces_field
 from foresight.data.trace_store import TraceStore
 from foresight.labels import GoldenLabels, LabelKind, LabelStore
+from studies import COMMAND as COMMAND  # how its report names it, where it goes
+from studies import REPORTS as REPORTS
+
+NAME = "label-agreement"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(ReportSettings):
+    traces: Path = traces_field("traces folder with labels of α and of every kind at B and L (`foresight labels`)")
+    budget: int = budget_field()
+    interval: int = interval_field()
+    kinds: str = field(default="value,gradient", metadata={"help": "label kinds compared with α, comma-separated"})
+    max_traces: int = field(default=10, metadata={"help": "the first this many traces"})
 
 
 def ranks(values: torch.Tensor) -> torch.Tensor:
@@ -54,20 +69,17 @@ def agreement(alpha: GoldenLabels, other: GoldenLabels) -> tuple[list[float], li
     return correlations, first_step, overlaps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", required=True)
-    parser.add_argument("-B", "--budget", type=int, default=128)
-    parser.add_argument("-L", "--interval", type=int, default=32)
-    parser.add_argument("--kinds", default="value,gradient")
-    parser.add_argument("--max-traces", type=int, default=10)
-    args = parser.parse_args()
-    traces = list(TraceStore(args.traces))[: args.max_traces]
-    alpha_store = LabelStore(args.traces, args.budget, args.interval)
-    print("| kind | traces | Spearman with α (shared candidates) | step 1 (all B) | kept-set overlap with α-golden |")
-    print("|---|---:|---:|---:|---:|")
-    for kind in (LabelKind.parse(k) for k in args.kinds.split(",")):
-        store = LabelStore(args.traces, args.budget, args.interval, kind)
+def run(settings: Settings) -> str:
+    traces = list(TraceStore(settings.traces))[: settings.max_traces]
+    alpha_store = LabelStore(settings.traces, settings.budget, settings.interval)
+    lines = [
+        f"Command: `{settings.command}`",
+        "",
+        "| kind | traces | Spearman with α (shared candidates) | step 1 (all B) | kept-set overlap with α-golden |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for kind in (LabelKind.parse(k) for k in settings.kinds.split(",")):
+        store = LabelStore(settings.traces, settings.budget, settings.interval, kind)
         rhos, first, overlaps = [], [], []
         for trace in traces:
             length = trace.input_ids.numel()
@@ -77,12 +89,11 @@ def main() -> None:
             rhos += parts[0]
             first += parts[1]
             overlaps += parts[2]
+        lines.append(
+            f"| {kind.value} | {len(traces)} | {_mean(rhos):.3f} | {_mean(first):.3f} | {_mean(overlaps):.3f} |"
+        )
+    return "\n".join(lines)
 
-        def mean(values: list[float]) -> float:
-            return sum(values) / len(values)
 
-        print(f"| {kind.value} | {len(traces)} | {mean(rhos):.3f} | {mean(first):.3f} | {mean(overlaps):.3f} |")
-
-
-if __name__ == "__main__":
-    main()
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
