@@ -24,6 +24,7 @@ from tests.scorers import random_scorer
 from trainers.cli import rl_cli_main
 from trainers.reinforcement.branches import (
     BranchSettings,
+    RewardSettings,
     WindowAgreement,
     branch_points,
     changing_steps,
@@ -79,7 +80,9 @@ def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama,
     the backbone being the plain deterministic replay; only the branch step's sampled layers are recorded."""
     trace, scorer = random_trace(llama, 90, seed=4), random_scorer(llama, B, L_)
     settings = BranchSettings(rows=3, chunks=2, steps=2, layers=layers)
-    groups = roll_out_branches(llama, scorer, trace, settings, rows=range(3), seed=1, threshold=0.0)
+    groups = roll_out_branches(
+        llama, scorer, trace, settings, rows=range(3), seed=1, reward=RewardSettings(threshold=0.0)
+    )
     assert len(groups) == 2
     cadence = EvictionConfig(B, L_, sinks=0, protect_prompt=False)
     ids, prefill = trace.input_ids, B + L_
@@ -118,8 +121,12 @@ def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):
     across processes); the steps and layers branched at depend on (seed, round, trace) only."""
     trace, scorer = random_trace(llama, 80, seed=5), random_scorer(llama, B, L_)
     settings = BranchSettings(rows=4, chunks=1, steps=2, layers=1)
-    whole = roll_out_branches(llama, scorer, trace, settings, rows=range(4), seed=3, round_index=2, threshold=0.0)
-    part = roll_out_branches(llama, scorer, trace, settings, rows=[2, 3], seed=3, round_index=2, threshold=0.0)
+    whole = roll_out_branches(
+        llama, scorer, trace, settings, rows=range(4), seed=3, round_index=2, reward=RewardSettings(threshold=0.0)
+    )
+    part = roll_out_branches(
+        llama, scorer, trace, settings, rows=[2, 3], seed=3, round_index=2, reward=RewardSettings(threshold=0.0)
+    )
     for mine, theirs in zip(whole, part, strict=True):
         assert torch.equal(mine.actions.after, theirs.actions.after) and mine.actions.layers == theirs.actions.layers
         assert torch.equal(mine.actions.order[:, :, 2:], theirs.actions.order)
@@ -211,12 +218,20 @@ def test_window_agreement_reads_each_branch_over_its_window_and_the_whole_rest(l
     trace, scorer = random_trace(llama, 90, seed=4), random_scorer(llama, B, L_)
     settings = BranchSettings(rows=3, chunks=2, steps=2)
     rules = {"thresholded": thresholded_terms, "dense": Estimator("dense").damage_terms}
-    agreements = window_agreement(llama, scorer, trace, settings, (1, 2, 40), rules, seed=1, threshold=0.0)
+    agreements = window_agreement(
+        llama, scorer, trace, settings, (1, 2, 40), rules, seed=1, reward=RewardSettings(threshold=0.0)
+    )
     assert [(a.rule, a.chunks) for a in agreements[:3]] == [("thresholded", 1), ("thresholded", 2), ("thresholded", 40)]
     assert len(agreements) == 2 * 2 * 3  # rules × branch groups × windows
     for chunks in (1, 2, 40):
         groups = roll_out_branches(
-            llama, scorer, trace, BranchSettings(3, chunks, 2), range(3), seed=1, threshold=0.0, terms=rules["dense"]
+            llama,
+            scorer,
+            trace,
+            BranchSettings(3, chunks, 2),
+            range(3),
+            seed=1,
+            reward=RewardSettings(threshold=0.0, terms=rules["dense"]),
         )
         chosen = [a for a in agreements if a.rule == "dense" and a.chunks == chunks]
         for group, agreement in zip(groups, chosen, strict=True):
@@ -226,7 +241,13 @@ def test_window_agreement_reads_each_branch_over_its_window_and_the_whole_rest(l
                 torch.testing.assert_close(agreement.rest, group.scores.reward, rtol=0, atol=1e-6)
                 assert agreement.spearman == pytest.approx(1.0) or math.isnan(agreement.spearman)
     to_the_end = roll_out_branches(
-        llama, scorer, trace, BranchSettings(3, None, 2), range(3), seed=1, threshold=0.0, terms=rules["dense"]
+        llama,
+        scorer,
+        trace,
+        BranchSettings(3, None, 2),
+        range(3),
+        seed=1,
+        reward=RewardSettings(threshold=0.0, terms=rules["dense"]),
     )  # branch_chunks null: rewarded over the whole rest of the trace
     rests = [a.rest for a in agreements if a.rule == "dense" and a.chunks == 40]
     for group, rest in zip(to_the_end, rests, strict=True):

@@ -53,7 +53,7 @@ from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logp
 from foresight.scorer.model import ForesightScorer, load_scorer
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
-from trainers.reinforcement.branches import BranchSettings, roll_out_branches
+from trainers.reinforcement.branches import BranchSettings, RewardSettings, roll_out_branches
 from trainers.reinforcement.estimators import ADVANTAGE_RULES, LOGPROB_RULES, Estimator, LogprobRule
 from trainers.reinforcement.rollouts import EvictionActions, GroupRollout, roll_out, rollout_seeds
 
@@ -182,7 +182,10 @@ def run(settings: Settings) -> str:
                 range(settings.branch_rows),
                 seed=settings.seed,
                 round_index=index,
-                **scoring,
+                temperature=scoring["temperature"],
+                reward=RewardSettings(
+                    threshold=scoring["threshold"], exponent=scoring["exponent"], terms=scoring["terms"]
+                ),
             )
         ]
         for trace in tqdm(traces if settings.branch_rounds else [], desc="branch groups", leave=False)

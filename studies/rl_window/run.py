@@ -27,7 +27,7 @@ from foresight.data.trace_store import TraceStore
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
 from studies.rl_signal.run import model_and_scorer
-from trainers.reinforcement.branches import BranchSettings, WindowAgreement, window_agreement
+from trainers.reinforcement.branches import BranchSettings, RewardSettings, WindowAgreement, window_agreement
 from trainers.reinforcement.estimators import GATE_WIDTH, REWARD_RULES, Estimator
 
 NAME = "rl-window"
@@ -90,8 +90,7 @@ def run(settings: Settings) -> str:
             rules,
             seed=settings.seed,
             temperature=settings.sample_temperature,
-            threshold=settings.damage_threshold,
-            exponent=settings.damage_exponent,
+            reward=RewardSettings(threshold=settings.damage_threshold, exponent=settings.damage_exponent),
         )
     ]
     tokens = sum(trace.input_ids.numel() for trace in traces)

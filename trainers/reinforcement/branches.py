@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -78,6 +78,18 @@ class BranchSettings:
             )
 
 
+@dataclass(frozen=True)
+class RewardSettings:
+    """What a branch row's reward d_k reads, bundled: the low-entropy share of the scored tokens, the damage
+    threshold η, the exponent p and the per-token damage term (`trainers.reinforcement.estimators.REWARD_RULES`;
+    the default is the paper's thresholded ΔL^p·1[ΔL > η])."""
+
+    share: float = LOW_ENTROPY_SHARE
+    threshold: float = DAMAGE_THRESHOLD
+    exponent: float = DAMAGE_EXPONENT
+    terms: DamageTerms = thresholded_terms
+
+
 def changing_steps(length: int, first: int, interval: int) -> int:
     """Eviction steps of a replay of `length` tokens whose first eviction runs after position `first`
     (B + L − 1, or P − 1 before a decode compression) that change a prediction: step j runs after position
@@ -121,10 +133,7 @@ def roll_out_branches(
     seed: int = 0,
     round_index: int = 0,
     temperature: float = 1.0,
-    share: float = LOW_ENTROPY_SHARE,
-    threshold: float = DAMAGE_THRESHOLD,
-    exponent: float = DAMAGE_EXPONENT,
-    terms: DamageTerms = thresholded_terms,
+    reward: RewardSettings = RewardSettings(),
     storage_dtype: torch.dtype = torch.float32,
     reference_nll: torch.Tensor | None = None,
 ) -> list[GroupRollout]:
@@ -150,7 +159,7 @@ def roll_out_branches(
         for step, branch, forked, policy, layers in branched
     ]
     reference = trace.token_nll if reference_nll is None else reference_nll
-    window_scores = _WindowScores(backbone, trace, reference, share, threshold, exponent, terms)
+    window_scores = _WindowScores(backbone, trace, reference, reward)
     forward_seconds = backbone.run.stats.forward_seconds + sum(
         branch.run.stats.forward_seconds - forked[0] for _, branch, forked, _ in branched
     )
@@ -249,9 +258,7 @@ def window_agreement(
     seed: int = 0,
     round_index: int = 0,
     temperature: float = 1.0,
-    share: float = LOW_ENTROPY_SHARE,
-    threshold: float = DAMAGE_THRESHOLD,
-    exponent: float = DAMAGE_EXPONENT,
+    reward: RewardSettings = RewardSettings(),
 ) -> list[WindowAgreement]:
     """Whether W chunks see what a branch decision costs: the branch groups of one trace and round (those
     `roll_out_branches` makes), each row continued to the trace's end, and its d_k by each reward rule of
@@ -263,7 +270,7 @@ def window_agreement(
     )
     agreements = []
     for name, terms in rules.items():
-        scores = _WindowScores(backbone, trace, trace.token_nll, share, threshold, exponent, terms)
+        scores = _WindowScores(backbone, trace, trace.token_nll, replace(reward, terms=terms))
         for step, branch, _, policy, _ in branched:
             after = int(policy.records[0].query_positions[0, -1])  # the step ran after this position
             rest = scores.of(branch, after, trace.input_ids.numel()).reward
@@ -289,26 +296,17 @@ class _WindowScores:
         backbone: Replay,
         trace: Trace,
         reference: torch.Tensor,
-        share: float,
-        threshold: float,
-        exponent: float,
-        terms: DamageTerms,
+        reward: RewardSettings,
     ) -> None:
         output = backbone.output()
-        self.nll, self.reference, self.threshold, self.exponent, self.terms = (
-            output.nll[0],
-            reference,
-            threshold,
-            exponent,
-            terms,
-        )
+        self.nll, self.reference, self.settings = output.nll[0], reference, reward
         scored = scored_tokens(self.nll.numel(), output.first_eviction[0])
         paper = token_damage(self.nll[scored], reference[scored], trace.token_entropy[scored])  # η = 1.5, p = 2
         self.backbone = Backbone(  # the reported R and loss ratio, whatever the training reward
             reward=-paper.counts().penalty, loss_ratio=loss_ratio(self.nll[scored], reference[scored])
         )
         self.low = torch.zeros(self.nll.numel(), dtype=torch.bool)
-        self.low[scored] = low_entropy_tokens(trace.token_entropy[scored], share)
+        self.low[scored] = low_entropy_tokens(trace.token_entropy[scored], reward.share)
 
     def reward(self, nll: torch.Tensor, window: slice, terms: DamageTerms | None = None) -> float:
         """−(1/|S_w|) Σ_{t∈S_w} term(ΔL_t) of one row's losses over `window` (0 without low-entropy tokens), by
@@ -317,7 +315,8 @@ class _WindowScores:
         if not low.any():
             return 0.0
         delta = nll[window].double() - self.reference[window].double()
-        return -float((self.terms if terms is None else terms)(delta, self.threshold, self.exponent)[low].mean())
+        rule = self.settings.terms if terms is None else terms
+        return -float(rule(delta, self.settings.threshold, self.settings.exponent)[low].mean())
 
     def of(self, branch: Replay, after: int, size: int | None) -> RolloutScores:
         """d_k, loss ratio and damaged share of the low-entropy tokens of each branch row over the `size`
@@ -332,7 +331,8 @@ class _WindowScores:
         ratios = torch.tensor([loss_ratio(row[window], self.reference[window]) for row in rows])
         damaged = torch.tensor(
             [
-                float(((row[window] - self.reference[window] > self.threshold) & low).sum()) / max(int(low.sum()), 1)
+                float(((row[window] - self.reference[window] > self.settings.threshold) & low).sum())
+                / max(int(low.sum()), 1)
                 for row in rows
             ]
         )

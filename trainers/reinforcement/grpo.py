@@ -41,7 +41,7 @@ from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer, named_by_content
 from trainers.data_stage import FrozenModel
-from trainers.reinforcement.branches import BranchSettings, roll_out_branches
+from trainers.reinforcement.branches import BranchSettings, RewardSettings, roll_out_branches
 from trainers.reinforcement.estimators import GATE_WIDTH, Estimator, LogprobRule
 from trainers.reinforcement.rollouts import (
     CLIP_EPSILON,
@@ -264,13 +264,11 @@ class GRPOScorer(ScorerModule):
         traces of similar length together (a row past its trace's end replays padding); one replay's
         groups at a time, so only their recorded evictions are held while they are used."""
         round_index = self.global_step // self.hparams.epochs
-        scoring = dict(
-            share=self.hparams.low_entropy_share,
-            threshold=self.hparams.damage_threshold,
-            exponent=self.hparams.damage_exponent,
-            terms=self.estimator.damage_terms,
-            storage_dtype=self.storage_dtype,
-            temperature=self.hparams.temperature,
+        reward = RewardSettings(
+            self.hparams.low_entropy_share,
+            self.hparams.damage_threshold,
+            self.hparams.damage_exponent,
+            self.estimator.damage_terms,
         )
         if self.rollout is Rollout.BRANCH:
             for trace in traces:
@@ -282,10 +280,20 @@ class GRPOScorer(ScorerModule):
                     self.rollout_rows(),
                     seed=self.hparams.seed,
                     round_index=round_index,
+                    temperature=self.hparams.temperature,
+                    reward=reward,
+                    storage_dtype=self.storage_dtype,
                     reference_nll=self._reference_nll(trace),
-                    **scoring,
                 )
             return
+        scoring = dict(
+            share=reward.share,
+            threshold=reward.threshold,
+            exponent=reward.exponent,
+            terms=reward.terms,
+            storage_dtype=self.storage_dtype,
+            temperature=self.hparams.temperature,
+        )
         for packed in packs(traces, self.hparams.traces_per_replay):
             seeds = [
                 rollout_seeds(self.hparams.seed, round_index, trace.index, self.rollout_rows()) for trace in packed
