@@ -12,7 +12,8 @@ import torch
 from foresight.models import tiny_model
 from foresight.policies import make_policy
 from foresight.runtime.device_ops import DeviceOps
-from foresight.runtime.engine import EvictionConfig, EvictionEngine, _entry_positions
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.eviction_step import _entry_positions
 from tests.prompts import prompts
 from tests.scorers import random_scorer
 
@@ -36,7 +37,7 @@ def test_every_layers_positions_and_latest_queries_equal_the_layers_own(finished
     index = None if rows is None else torch.tensor(rows)
     lengths = cache.lengths.tolist() if rows is None else [int(cache.lengths[row]) for row in rows]
     positions = _entry_positions(cache, lengths, index)
-    queries, query_positions = engine._window_queries(cache, index)
+    queries, query_positions = engine.evict._window_queries(cache, index)
     for layer, layer_positions, layer_queries in zip(cache.layers, positions, queries, strict=True):
         expected = layer.entry_positions() if index is None else layer.entry_positions()[index]
         assert torch.equal(layer_positions, expected)

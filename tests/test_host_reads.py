@@ -16,6 +16,7 @@ from foresight.policies import foresight as foresight_policy
 from foresight.policies import make_policy
 from foresight.runtime.device_ops import DeviceOps
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.eviction_step import EvictionStep
 from foresight.runtime.host_reads import HostReads
 from tests.policy_lists import constructible_policies
 from tests.prompts import prompts
@@ -102,15 +103,15 @@ class LengthsAgree:
 
     def __init__(self, monkeypatch) -> None:
         self.checked = 0
-        step = EvictionEngine._eviction_step
+        step = EvictionStep._eviction_step
 
-        def checking(engine, run) -> None:
+        def checking(eviction_step, run) -> None:
             assert run.cadence.lengths == run.cache.lengths.tolist()
             self.checked += 1
-            step(engine, run)
+            step(eviction_step, run)
             assert run.cadence.lengths == run.cache.lengths.tolist()
 
-        monkeypatch.setattr(EvictionEngine, "_eviction_step", checking)
+        monkeypatch.setattr(EvictionStep, "_eviction_step", checking)
 
 
 @pytest.mark.parametrize("protect_prompt", [None, True, False])

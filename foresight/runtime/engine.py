@@ -12,8 +12,11 @@ this engine or another on the same model and cadence, and a paused replay can be
 (`Replay.select_rows`): the copy continues exactly as those rows would have, which is how the
 reinforcement stage branches K rollouts off one replay's state without running its forwards again.
 
-Size: the one cadence loop (prefill, decode, replay, the observation of every query and the eviction
-step) kept in one place on purpose: it is the rule every policy runs under.
+The eviction step itself (observation, contexts, keep scores, top-k, compaction) is `eviction_step.py`'s; this
+module drives it: prefill, decode and replay, and when each row is due (`HostCadence`).
+
+Size: the one cadence loop (prefill, decode, replay, pausing and copying replays) kept in one place on purpose:
+it is the rule every policy runs under.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cache_argument import cache_argument
-from foresight.cadence import check_budget, top_k_mask
-from foresight.runtime.cache import KEYS, POSITION_DTYPE, POSITIONS, QUERIES, VALUES, EvictionCache, EvictionLayer
-from foresight.runtime.capture import ATTENTION_NAME, attention_implementation, first_observed_query
+from foresight.cadence import check_budget
+from foresight.runtime.cache import EvictionCache
+from foresight.runtime.capture import ATTENTION_NAME, attention_implementation
 from foresight.runtime.device_clock import DeviceClock, adding_to
+from foresight.runtime.eviction_step import EvictionStep
 from foresight.runtime.held_memory import keeps_every_query, query_window
-from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, StepLayers, select_state_rows
+from foresight.runtime.policy import ObservedQueries, Policy, select_state_rows
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
 from foresight.runtime.static_decode import DecodeStep, StaticDecode
@@ -125,7 +129,7 @@ class HostCadence:
 
 
 @dataclass
-class _Run:
+class Run:
     """Per-run bookkeeping: the cache and each row's cadence (on the device for the masks, on the host
     for the decisions)."""
 
@@ -141,14 +145,14 @@ class _Run:
     prefilled: bool = False
     stats: RunStats = field(default_factory=RunStats)
 
-    def select_rows(self, rows: Sequence[int]) -> _Run:
+    def select_rows(self, rows: Sequence[int]) -> Run:
         """A copy of the run holding batch rows `rows` (repeats allowed), its counters carried over."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.protected.device)
         return dataclasses.replace(
             self,
             cache=self.cache.select_rows(index),
             cadence=self.cadence.select_rows(rows),
-            **{name: getattr(self, name)[index] for name in _Run.ROW_TENSORS},
+            **{name: getattr(self, name)[index] for name in Run.ROW_TENSORS},
             stats=dataclasses.replace(
                 self.stats,
                 step_seconds=list(self.stats.step_seconds),
@@ -177,7 +181,7 @@ class Replay:
     which is what branching K rollouts from one replay's state needs (the reinforcement stage's
     branch groups, `trainers.reinforcement.branches`)."""
 
-    run: _Run
+    run: Run
     prefill: (
         tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     )  # the prompts' ids, positions, valid counts; None once fed
@@ -297,6 +301,15 @@ class EvictionEngine:
         self.step_observer = step_observer or nullcontext()  # entered around every eviction step (`host_reads`)
         self.clock = DeviceClock(model.device)  # the run's seconds, settled at the end of `generate` and `advance`
         self.decode_step = self._check_decode_step(DecodeStep.parse(decode_step))
+        self.evict = EvictionStep(  # the step of the rows due, after every forward
+            policy,
+            0 if config is None else config.interval,
+            self.num_layers,
+            self.clock,
+            self.step_observer,
+            self.streams_queries,
+            self.observes_every_query,
+        )
 
     def _check_decode_step(self, decode_step: DecodeStep) -> DecodeStep:
         """A static step keeps queries in fixed buffers and runs no Python between its operations: refuse the policies
@@ -466,7 +479,7 @@ class EvictionEngine:
             if stop_before_step == replay.evictions:
                 return
             replay.pending_eviction = False
-            self._evict_due_rows(run)
+            self.evict(run)
         left = rest.shape[1] if tokens is None else tokens
         if replay.prefill is not None:
             input_ids, positions, valid = replay.prefill
@@ -503,10 +516,10 @@ class EvictionEngine:
         if any(replay.run.cadence.due()) and (stop or stop_before_step == replay.evictions):
             replay.pending_eviction = True
             return True
-        self._evict_due_rows(replay.run)
+        self.evict(replay.run)
         return False
 
-    def _replay_forward(self, run: _Run, input_ids, positions, valid, counts, targets, forwards: _PrefixForwards):
+    def _replay_forward(self, run: Run, input_ids, positions, valid, counts, targets, forwards: _PrefixForwards):
         """One forward of a replay: the NLL of its targets and its top-1 predictions, recorded or reused per
         `forwards` (the eviction step it may make due is the replay loop's to run: `_pause`)."""
         if run.stats.evictions:
@@ -556,7 +569,7 @@ class EvictionEngine:
             stream_queries=interval if self.streams_queries else 0,
         )
         self.last_cache = cache
-        run = _Run(
+        run = Run(
             cache=cache,
             cadence=cadence,
             protected=torch.tensor(protected, device=device),
@@ -571,7 +584,7 @@ class EvictionEngine:
         self.last_stats = run.stats
         return run, input_ids, positions, lengths
 
-    def _reaches_a_window(self, run: _Run) -> bool:
+    def _reaches_a_window(self, run: Run) -> bool:
         """Whether a forward just fed can hold a query a streaming policy observes: one in some row's eviction
         window. A row's windows tile its tokens from L before its first limit on, so before every row gets there
         (a prompt and the decode tokens after it, below B) the queries would add nothing to any sum and are not
@@ -600,7 +613,7 @@ class EvictionEngine:
 
     def _forward(
         self,
-        run: _Run,
+        run: Run,
         input_ids,
         positions,
         valid,
@@ -648,10 +661,10 @@ class EvictionEngine:
         self.clock.stop(start, adding_to(run.stats, "forward_seconds"))
         run.stats.max_entries = max(run.stats.max_entries, run.cache.max_entries())
         if self.evicts and evict:
-            self._evict_due_rows(run)
+            self.evict(run)
         return logits
 
-    def _inject(self, run: _Run, recorded: RecordedForward) -> None:
+    def _inject(self, run: Run, recorded: RecordedForward) -> None:
         """What each attention layer of a forward does to the cache, from a recording of that forward:
         append the new keys and values, then the attention function on the recorded queries."""
         attention = ALL_ATTENTION_FUNCTIONS[self.attention]
@@ -680,7 +693,7 @@ class EvictionEngine:
 
         return [layers[i].register_forward_hook(tap(i)) for i in self._tap_layers]
 
-    def _store_token_state(self, run: _Run, positions: torch.Tensor) -> None:
+    def _store_token_state(self, run: Run, positions: torch.Tensor) -> None:
         token_state = self.policy.on_forward(self._taps, positions)
         if not token_state:
             return
@@ -688,243 +701,6 @@ class EvictionEngine:
         for layer in run.cache.layers:
             for name, values in token_state.items():
                 layer.state[name][:, :, -count:] = values[:, None, :].to(layer.state[name].dtype)
-
-    def _evict_due_rows(self, run: _Run) -> None:
-        """Hand every-query policies their complete query blocks (all that is left when a row evicts),
-        then run an eviction step for the rows that reached their limit."""
-        start = self.clock.start()
-        with self.step_observer:
-            self._eviction_step(run)
-        self.clock.stop(start, adding_to(run.stats, "eviction_seconds"))
-
-    def _eviction_step(self, run: _Run) -> None:
-        due_rows = run.cadence.due()
-        evicting = any(due_rows)
-        if self.observes_every_query:
-            self._observe_queries(run, complete_blocks_only=not evicting)
-        elif self.streams_queries:
-            self._stream_queries(run, complete_blocks_only=not evicting)
-        if evicting:
-            due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
-            rows = None if all(due_rows) else _host_index([row for row, evicts in enumerate(due_rows) if evicts], due)
-            lengths = [length for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
-            candidates = [length - self.config.interval for length in lengths]
-            width = run.cadence.evict(due_rows)
-            cache = run.cache
-            first_observed = self._first_observed(run, due, rows)
-            window = self._streamed_window(run, rows) if self.streams_queries else self._window_queries(cache, rows)
-            step = _step_layers(cache, _entry_positions(cache, lengths, rows), *window, rows)
-            entries = cache.layers[0].get_seq_length()
-            contexts = self._contexts(
-                cache, step, entries - self.config.interval, tuple(candidates), first_observed, rows=rows
-            )
-            if not self.observes_every_query:  # every-query policies observed all their queries already
-                self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows)
-            scores = self.policy.step_keep_scores(contexts)
-            keep = self._keep_top(run, rows, scores, step.positions[..., : contexts[0].num_candidates])
-            cache.compact(keep if rows is None else _with_rows(cache.layers[0], keep, rows), width)
-            run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
-            run.stats.evictions += 1
-            run.stats.row_evictions = [count + evicts for count, evicts in zip(run.stats.row_evictions, due_rows)]
-
-    def _observe_queries(self, run: _Run, complete_blocks_only: bool) -> None:
-        """docs/algorithms.md sections 2-3: `observe` each recorded query once, in query order, in blocks of at
-        most L, for every row, against the keys in the cache now. No row has evicted since those queries
-        ran (this runs before every eviction step), so each still sees exactly the entries it attended to:
-        the causal mask hides the later ones."""
-        if run.cache.layers[0].unobserved_count < (self.config.interval if complete_blocks_only else 1):
-            return
-        cache = run.cache
-        positions = _entry_positions(cache, run.cadence.lengths)
-        for queries, query_positions in cache.take_unobserved(complete_blocks_only):
-            step = _step_layers(cache, positions, queries, query_positions)
-            contexts = self._contexts(cache, step, num_candidates=0)
-            self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows=None)
-
-    def _stream_queries(self, run: _Run, complete_blocks_only: bool) -> None:
-        """ObservedQueries.STREAM: hand the policy the queries recorded since its last observation, in blocks of its
-        `stream_block` (with `complete_blocks_only`, a last shorter block waits; all of them before any row's
-        eviction step), those inside their row's next eviction window (the L queries before its step; the others
-        get position -1, so they add nothing), against the keys in the cache now, which are the ones they attended
-        to: no row evicted since they ran. Each block knows where its rows' next steps come
-        (`EvictionContext.evicts_after`), from the host's cadence."""
-        cache, interval = run.cache, self.config.interval
-        if cache.layers[0].unobserved_count < (self.policy.stream_block if complete_blocks_only else 1):
-            return
-        blocks = cache.take_unobserved(complete_blocks_only)
-        ahead = [max(0, limit - length) for limit, length in zip(run.cadence.limits, run.cadence.lengths)]
-        evicts_after = run.next_positions - 1 + _host_index(ahead, run.next_positions)
-        positions = _entry_positions(cache, run.cadence.lengths)
-        for queries, query_positions in blocks:
-            outside = (query_positions < 0) | (evicts_after[:, None] - query_positions >= interval)
-            step = _step_layers(cache, positions, queries, query_positions.masked_fill(outside, -1))
-            contexts = self._contexts(cache, step, num_candidates=0, evicts_after=evicts_after)
-            for name, value in self.policy.stream_observe(contexts).items():
-                cache.stacked(name).copy_(value)
-
-    def _first_observed(self, run: _Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW or
-        STREAM policy that reads attention: a row evicting for the first time observes its window's oldest query
-        first (the same in every layer), and every query after it at its later steps, L at a time. A streaming
-        policy's are known from the start (`_first_streamed`)."""
-        if not self.policy.needs_attention or self.observes_every_query:
-            return None
-        if not self.streams_queries:
-            oldest = first_observed_query(run.cache.layers[0].query_positions)
-            run.first_observed = torch.where(due & (run.first_observed < 0), oldest, run.first_observed)
-        return run.first_observed if rows is None else run.first_observed[rows]
-
-    def _contexts(
-        self,
-        cache: EvictionCache,
-        step: StepLayers,
-        num_candidates: int,
-        candidate_counts: tuple[int, ...] | None = None,
-        first_observed: torch.Tensor | None = None,
-        evicts_after: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
-    ) -> list[EvictionContext]:
-        """Every layer's context: its slices of the `step`'s tensors, with the rows' valid candidates
-        (`candidate_counts`), `first_observed` query positions, for a streamed block `evicts_after`, and which
-        of the run's rows they are (`rows`, None: all)."""
-        return [
-            EvictionContext(
-                layer_idx=index,
-                num_layers=self.num_layers,
-                keys=step.keys[index],
-                values=step.values[index],
-                positions=step.positions[index],
-                num_candidates=num_candidates,
-                scaling=layer.scaling,
-                state={name: value[index] for name, value in step.state.items()},
-                queries=None if step.queries is None else step.queries[index],
-                query_positions=step.query_positions,
-                candidate_counts=candidate_counts,
-                first_observed=first_observed,
-                evicts_after=evicts_after,
-                step=step,
-                rows=rows,
-            )
-            for index, layer in enumerate(cache.layers)
-        ]
-
-    def _window_queries(
-        self, cache: EvictionCache, rows: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-        """Every layer's ring of the latest queries a WINDOW policy reads, in query order (oldest first), for the
-        evicting rows: ([layers, rows, Hq, W, D], [rows, W]), or Nones for a policy that reads none. The stacked
-        rings are read as they are when they start at their first slot and every row evicts; else rotated and
-        their rows selected for every layer at once. The layers record the same positions and advance their
-        rings together, so layer 0's cursor and positions are every layer's."""
-        if not self.policy.needs_attention or self.observes_every_query:
-            return None, None
-        first = cache.layers[0]
-        queries, positions, cursor = cache.stacked(QUERIES), first.query_positions, first.query_cursor
-        if cursor:
-            queries, positions = queries.roll(-cursor, dims=3), positions.roll(-cursor, dims=1)
-        if rows is not None:
-            queries, positions = queries[:, rows], positions[rows]
-        return queries, positions
-
-    def _streamed_window(self, run: _Run, rows: torch.Tensor | None) -> tuple[None, torch.Tensor]:
-        """A streaming policy's window at its step: no queries (it observed them as they ran), and their
-        positions [rows, L], the L before each evicting row's next position (what names the step)."""
-        ages = torch.arange(self.config.interval - 1, -1, -1, device=run.next_positions.device)
-        positions = (run.next_positions[:, None] - 1 - ages).to(POSITION_DTYPE)
-        return None, positions if rows is None else positions[rows]
-
-    @staticmethod
-    def _write_state(
-        cache: EvictionCache,
-        step: StepLayers,
-        contexts: Sequence[EvictionContext],
-        states: Sequence[dict[str, torch.Tensor]],
-        rows: torch.Tensor | None,
-    ) -> None:
-        """Hand each layer's new per-entry state to its context and write it to the cache: for every layer and
-        field in one multi-tensor copy when every row evicts (the step's state views the storage, so it reads
-        the new state too), else one stack and one write of the evicting `rows` per field (the new state the
-        step's then)."""
-        for context, state in zip(contexts, states, strict=True):
-            context.state.update(state)
-        if rows is None:
-            targets = [layer.state[name] for layer, state in zip(cache.layers, states) for name in state]
-            if targets:
-                torch._foreach_copy_(targets, [value for state in states for value in state.values()])
-            return
-        for name in states[0]:
-            step.state[name] = torch.stack([state[name] for state in states])
-            cache.write_state(name, step.state[name], rows)
-
-    def _keep_top(
-        self, run: _Run, rows: torch.Tensor | None, scores: torch.Tensor, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """[layers, rows, Hkv, N] entries every layer keeps, in one pass over the layers' stacked keep
-        scores and candidate positions [layers, rows, Hkv, C]: the recent window, sinks, the protected
-        prompt and the top candidates by keep score."""
-
-        def select(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if rows is None else tensor[rows]
-
-        scores = scores.float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
-        protected = (candidates >= 0) & ((candidates < run.sinks) | (candidates < select(run.protected)[:, None, None]))
-        scores = scores.masked_fill(protected, float("inf")).masked_fill(candidates < 0, float("-inf"))
-        keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
-        recent = torch.ones_like(keep_candidates[..., : self.config.interval])
-        return torch.cat([keep_candidates, recent], dim=-1)
-
-
-def _host_index(indices: list[int], like: torch.Tensor) -> torch.Tensor:
-    """`indices` as a long tensor on `like`'s device, copied from the host without waiting for the device (pinned
-    memory, a non-blocking copy on CUDA): a ragged step's rows, known to the host's cadence."""
-    index = torch.tensor(indices, dtype=torch.long)
-    if like.device.type == "cuda":
-        return index.pin_memory().to(like.device, non_blocking=True)
-    return index.to(like.device)
-
-
-def _step_layers(
-    cache: EvictionCache,
-    positions: torch.Tensor,
-    queries: torch.Tensor | None,
-    query_positions: torch.Tensor | None,
-    rows: torch.Tensor | None = None,
-) -> StepLayers:
-    """Every layer's tensors of a step for the batch rows `rows` (None: all): their keys, values and state, views of
-    the cache's stacked storage when every row takes part (else one gather per field), with their entry
-    `positions` and the `queries` they observe."""
-
-    def select(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if rows is None else tensor[:, rows]
-
-    return StepLayers(
-        keys=select(cache.stacked(KEYS)),
-        values=select(cache.stacked(VALUES)),
-        positions=positions,
-        state={field.name: select(cache.stacked(field.name)) for field in cache.layers[0].state_fields},
-        queries=queries,
-        query_positions=query_positions,
-    )
-
-
-def _entry_positions(cache: EvictionCache, lengths: Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Every layer's entry positions [layers, rows, Hkv, N] with -1 on invalid slots, for the batch rows `rows`
-    (None: all) whose valid entries are `lengths` (from the host's cadence). Where every such row fills the slots
-    they are the stored positions themselves (a view); else one mask of the invalid slots, which every layer
-    shares (their rows hold the same valid slots), marks them all."""
-    positions, first = cache.stacked(POSITIONS), cache.layers[0]
-    if min(lengths) < first.get_seq_length():
-        positions = positions.masked_fill(~first.valid[None, :, None, :], -1)
-    return positions if rows is None else positions[:, rows]
-
-
-def _with_rows(layer: EvictionLayer, keep_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[layers, batch, Hkv, N]: `keep_rows` [layers, len(rows), Hkv, N] for the evicting `rows`, every valid
-    entry for the others (`layer`: any layer; their valid slots are the same)."""
-    layers, _, heads, _ = keep_rows.shape
-    keep = layer.valid[None, :, None, :].expand(layers, -1, heads, -1).clone()
-    keep[:, rows] = keep_rows
-    return keep
 
 
 class _PrefixForwards:
