@@ -14,8 +14,7 @@ Names resolve on first use (PEP 562), so `import foresight` and the CLI's start 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from foresight.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "EvictionEngine": "foresight.runtime.engine",
@@ -39,11 +38,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'foresight' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("foresight", _EXPORTS)

@@ -14,8 +14,7 @@ Names resolve on first use (PEP 562), so importing a module of the package loads
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from foresight.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "make_traces": "trainers.api",
@@ -29,11 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'trainers' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("trainers", _EXPORTS)

@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +35,6 @@ from pathlib import Path
 import yaml
 from filelock import FileLock, Timeout
 
-from foresight.cadence import Regime
 from foresight.data.trace_store import folder_sources
 from foresight.labels import LabelKind
 from foresight.scorer.ensemble import ensemble
@@ -44,39 +43,23 @@ from trainers.data_stage import make_labels, make_traces
 from trainers.example_cache import ExampleCache
 from trainers.export import ensemble_record, export_scorer, reported_metrics
 from trainers.preparation import OnPolicyRounds, SeedEnsemble, make_examples, make_on_policy_examples, scorer_trajectory
-from trainers.run_config import checked_config, checked_traces, data_args, one_line_config_errors, override_args
+from trainers.run_config import RunRequest, one_line_config_errors, override_args
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class FitRequest:
-    """One supervised run: its config and folder, and the settings that override the config's (None: the
-    config's own). `overrides` are `KEY=VALUE` pairs of dotted config keys, applied last."""
+@dataclass(frozen=True, kw_only=True)
+class FitRequest(RunRequest):
+    """One supervised run: a `RunRequest` and the fit's own settings (None: the config's), checked by the
+    settings classes the config sections use."""
 
-    config: Path
-    out: Path
-    traces: Path | None = None
-    model: str | None = None
-    budget: int | None = None
-    interval: int | None = None
-    regime: Regime | None = None
     label_kind: LabelKind | None = None
     on_policy_rounds: int | None = None
     round_steps: int | None = None
     ensemble: int | None = None
-    ckpt_path: str | None = None
-    overrides: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        """Checked here, by the settings classes the config sections use, so a bad value stops before any
-        trace is sampled, whichever door it came through."""
-        object.__setattr__(self, "config", Path(self.config))
-        object.__setattr__(self, "out", Path(self.out))
-        if self.traces is not None:
-            object.__setattr__(self, "traces", Path(self.traces))
-        if self.regime is not None:
-            object.__setattr__(self, "regime", Regime.parse(self.regime))
+        super().__post_init__()
         if self.label_kind is not None:
             object.__setattr__(self, "label_kind", LabelKind.parse(self.label_kind))
         if self.on_policy_rounds is not None:
@@ -85,7 +68,6 @@ class FitRequest:
             OnPolicyRounds(steps=self.round_steps)
         if self.ensemble is not None:
             SeedEnsemble(members=self.ensemble)
-        object.__setattr__(self, "overrides", tuple(self.overrides))
 
 
 TRAINING_RECORD = "training.json"
@@ -97,25 +79,17 @@ MEMBER_LOCK = ".member.lock"
 
 def lightning_args(request: FitRequest) -> list[str]:
     """The LightningCLI arguments of a fit (no subcommand: `prepare` drives the trainer)."""
-    checked_config(request.config)
     out = request.out
-    cli_args = [
-        f"--config={request.config}",
-        f"--trainer.default_root_dir={out}",
-        f"--checkpoint.dirpath={out / 'checkpoints'}",
-        f"--data.traces_dir={request.traces or out / 'traces'}",
-    ]
+    cli_args = [*request.common_args(), f"--data.traces_dir={request.traces or out / 'traces'}"]
     data = (yaml.safe_load(request.config.read_text()) or {}).get("data") or {}
     if data.get("examples_dir") is not None:  # a config that replays (null) keeps doing so
         cli_args.append(f"--data.examples_dir={out / 'examples'}")
     if request.traces is not None:
-        checked_traces(request.traces)
         cli_args.append("--traces=null")
     if request.regime is not None:
         cli_args.append(f"--data.regime={request.regime.value}")
     if request.label_kind is not None:
         cli_args.append(f"--data.label_kind={request.label_kind.value}")
-    cli_args += data_args(request.model, request.budget, request.interval)
     return cli_args + override_args(request.overrides)  # `fit_scorer` hands ckpt_path to trainer.fit
 
 

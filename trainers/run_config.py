@@ -7,7 +7,49 @@ import argparse
 import contextlib
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from foresight.cadence import Regime
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRequest:
+    """What every training run is given: its config and folder, and the settings that override the config's
+    (None: the config's own): the traces, the frozen model, B, L and the regime, a checkpoint to resume from
+    ("last" or a path), and `overrides`, `KEY=VALUE` pairs of dotted config keys applied last. Paths and names
+    given as text are parsed here, so a bad one stops before any work, whichever door it came through."""
+
+    config: Path
+    out: Path
+    traces: Path | None = None
+    model: str | None = None
+    budget: int | None = None
+    interval: int | None = None
+    regime: Regime | None = None
+    ckpt_path: str | None = None
+    overrides: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", Path(self.config))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.traces is not None:
+            object.__setattr__(self, "traces", Path(self.traces))
+        if self.regime is not None:
+            object.__setattr__(self, "regime", Regime.parse(self.regime))
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+
+    def common_args(self) -> list[str]:
+        """The LightningCLI arguments every run takes from its request: config, folders, model, B and L."""
+        checked_config(self.config)
+        cli_args = [
+            f"--config={self.config}",
+            f"--trainer.default_root_dir={self.out}",
+            f"--checkpoint.dirpath={self.out / 'checkpoints'}",
+        ]
+        if self.traces is not None:
+            checked_traces(self.traces)
+        return cli_args + data_args(self.model, self.budget, self.interval)
 
 
 def checked_config(path: Path) -> Path:

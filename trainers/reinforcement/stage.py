@@ -15,60 +15,38 @@ replays G / N rollouts of every trace.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from foresight.cadence import Regime
 from foresight.data.trace_store import folder_sources
 from trainers.export import export_scorer, reported_metrics
-from trainers.run_config import checked_config, checked_traces, data_args, one_line_config_errors, override_args
+from trainers.run_config import RunRequest, one_line_config_errors, override_args
 
 
-@dataclass(frozen=True)
-class RLRequest:
-    """One reinforcement run: its config, the scorer it starts from, its folder, and the settings that
-    override the config's (None: the config's own; `regime` None: the scorer's own)."""
+@dataclass(frozen=True, kw_only=True)
+class RLRequest(RunRequest):
+    """One reinforcement run: a `RunRequest` and the scorer it starts from (a folder or Hub id), which is also
+    its frozen KL reference; `regime` None runs the scorer's own."""
 
-    config: Path
     scorer: str
-    out: Path
-    traces: Path | None = None
-    model: str | None = None
-    budget: int | None = None
-    interval: int | None = None
-    regime: Regime | None = None
-    ckpt_path: str | None = None
-    overrides: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "config", Path(self.config))
+        super().__post_init__()
         object.__setattr__(self, "scorer", str(self.scorer))
-        object.__setattr__(self, "out", Path(self.out))
-        if self.traces is not None:
-            object.__setattr__(self, "traces", Path(self.traces))
-        if self.regime is not None:
-            object.__setattr__(self, "regime", Regime.parse(self.regime))
-        object.__setattr__(self, "overrides", tuple(self.overrides))
 
 
 def lightning_args(request: RLRequest) -> list[str]:
     """The LightningCLI arguments of a reinforcement run."""
-    checked_config(request.config)
     cli_args = [
         "fit",
-        f"--config={request.config}",
-        f"--trainer.default_root_dir={request.out}",
-        f"--checkpoint.dirpath={request.out / 'checkpoints'}",
+        *request.common_args(),
         f"--epoch_checkpoint.dirpath={request.out / 'checkpoints'}",
         f"--model.scorer={request.scorer}",
     ]
     if request.traces is not None:
-        checked_traces(request.traces)
         cli_args.append(f"--data.traces_dir={request.traces}")
     if request.regime is not None:
         cli_args.append(f"--model.regime={request.regime.value}")
-    cli_args += data_args(request.model, request.budget, request.interval)
     return cli_args + override_args(request.overrides, request.ckpt_path)
 
 
