@@ -63,6 +63,11 @@ def _verbs() -> list[str]:
     return ordered + sorted(found - set(ordered))
 
 
+def owns_help(module) -> bool:
+    """Whether a verb's help comes in parts (`HELP_PARTS`), so that it adds its own -h/--help."""
+    return hasattr(module, "HELP_PARTS")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="foresight", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -70,7 +75,9 @@ def build_parser() -> ArgumentParser:
         module = importlib.import_module(f"foresight.commands.{name}")
         doc = (module.__doc__ or name).strip()
         summary = " ".join(doc.split("\n\n")[0].split())  # the docstring's first paragraph
-        verb = sub.add_parser(name, help=summary, description=doc, formatter_class=HelpFormatter)
+        verb = sub.add_parser(
+            name, help=summary, description=doc, formatter_class=HelpFormatter, add_help=not owns_help(module)
+        )
         module.add_arguments(verb)
         verb.set_defaults(run=module.run)
     return parser

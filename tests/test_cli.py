@@ -19,7 +19,7 @@ import torch
 
 from foresight.bench.common import random_scorer
 from foresight.choices import Choice
-from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main
+from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main, owns_help
 from foresight.commands._model import model_options
 from foresight.commands._policy import policy_options
 from foresight.commands.bench import MOVED_TO_STUDIES
@@ -321,8 +321,9 @@ def test_device_and_dtype_reach_load_model(verb, model, traces_dir, tmp_path, mo
 def verb_parsers(verb: str) -> list[argparse.ArgumentParser]:
     """The parser of a verb and those of its sub-commands (bench decode, bench serve; not the studies' old names,
     which only answer with their new spelling)."""
-    parser = ArgumentParser(prog=f"foresight {verb}", formatter_class=HelpFormatter)
-    importlib.import_module(f"foresight.commands.{verb}").add_arguments(parser)
+    module = importlib.import_module(f"foresight.commands.{verb}")
+    parser = ArgumentParser(prog=f"foresight {verb}", formatter_class=HelpFormatter, add_help=not owns_help(module))
+    module.add_arguments(parser)
     subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     moved = tuple(f" {name}" for name in MOVED_TO_STUDIES)
     return [parser, *(sub for action in subparsers for sub in action.choices.values() if not sub.prog.endswith(moved))]

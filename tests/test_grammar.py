@@ -240,3 +240,21 @@ def test_argparse_lives_in_the_command_layer_only():
         if re.search(r"^\s*import argparse|^\s*from argparse", path.read_text(), re.MULTILINE)
     ]
     assert importing and all(name.startswith("commands/") or name == "cli.py" for name in importing), importing
+
+
+def test_eval_help_comes_in_parts_that_hold_every_option(capsys):
+    """`foresight eval --help` is the common options (under 60 lines); each part shows its own; together with
+    the common ones they are every option of the verb."""
+    from foresight.commands.eval import HELP_PARTS
+
+    shown = {}
+    for part in (None, *HELP_PARTS):
+        with pytest.raises(SystemExit) as exit:
+            cli.main(["eval", "--help", *([part] if part else [])])
+        assert exit.value.code == 0
+        shown[part] = capsys.readouterr().out
+    assert len(shown[None].splitlines()) < 60 and "--help traces" in shown[None]
+    assert "--max-traces" in shown["traces"] and "--samples" in shown["prompts"] and "--scorer" in shown["policies"]
+    parser = PARSERS["foresight eval"]
+    flags = {action.option_strings[0] for action in actions(parser)}
+    assert all(any(flag in text for text in shown.values()) for flag in flags), flags

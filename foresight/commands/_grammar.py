@@ -77,3 +77,58 @@ class _Joined(argparse.Action):
 
     def __call__(self, parser, namespace, values: Sequence[list[int]], option_string=None) -> None:
         setattr(namespace, self.dest, tuple(value for part in values for value in part))
+
+
+HelpParts = dict[str, tuple[str, tuple[int, ...], tuple[str, ...]]]
+"""A verb's help split by mode: part name -> (its title, the docstring paragraphs that explain it, the
+destinations of its options). The options of no part are the verb's common ones."""
+
+
+class PartedHelp(argparse.Action):
+    """-h/--help [PART]: a long help in parts. Alone: the verb's first paragraph and its common options, with the
+    parts named; with a PART: that part's paragraph and options; `all`: the whole help."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, parts: HelpParts, **kwargs: Any) -> None:
+        names = ", ".join([*parts, "all"])
+        super().__init__(
+            option_strings,
+            dest,
+            nargs="?",
+            choices=[*parts, "all"],
+            default=argparse.SUPPRESS,
+            metavar="PART",
+            help=f"show the common options and exit; with a PART ({names}) its options and what they do",
+            **kwargs,
+        )
+        self.parts = parts
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values == "all":
+            parser.print_help()
+        else:
+            print(parted_help(parser, self.parts, values), end="")
+        parser.exit()
+
+
+def parted_help(parser: argparse.ArgumentParser, parts: HelpParts, part: str | None) -> str:
+    """The help of one part of `parser`'s options (None: the common ones, the parts named at the end)."""
+    paragraphs = (parser.description or "").split("\n\n")
+    in_parts = {dest for _, _, dests in parts.values() for dest in dests}
+    if part is None:
+        title, paragraph = "common options", paragraphs[0]
+        actions = [action for action in parser._actions if action.dest not in in_parts]
+    else:
+        title, indices, dests = parts[part]
+        paragraph = "\n\n".join(paragraphs[index] for index in indices)
+        actions = [action for action in parser._actions if action.dest in dests]
+    formatter = parser._get_formatter()
+    formatter.add_usage(parser.usage, actions, [])
+    for text in paragraph.split("\n\n"):
+        formatter.add_text(" ".join(text.split()))
+    formatter.start_section(title)
+    formatter.add_arguments(actions)
+    formatter.end_section()
+    if part is None:
+        named = "; ".join(f"--help {name}: {part_title}" for name, (part_title, _, _) in parts.items())
+        formatter.add_text(f"{named}; --help all: the whole help")
+    return formatter.format_help()

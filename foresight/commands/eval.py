@@ -33,6 +33,7 @@ from pathlib import Path
 
 from foresight.cadence import Regime
 from foresight.commands import _generation
+from foresight.commands._grammar import HelpParts, PartedHelp
 from foresight.commands._model import (
     add_model_arguments,
     model_of_traces,
@@ -67,7 +68,33 @@ log = logging.getLogger(__name__)
 TRACE_BATCH = 4
 
 
+HELP_PARTS: HelpParts = {
+    "traces": (
+        "teacher-forced on stored traces (--traces)",
+        (1, 3),
+        (
+            "max_traces",
+            "holdout",
+            "holdout_seed",
+            "sources",
+            "label_kind",
+            "share_prefix",
+            "sampled_seeds",
+            "sample_temperature",
+        ),
+    ),
+    "prompts": (
+        "accuracy of sampled completions (--prompts)",
+        (2, 4),
+        ("num", "problem_seed", "samples", "max_new_tokens", "temperature", "top_k", "top_p", "seed"),
+    ),
+    "policies": ("learned scorers and policy options", (), ("option", "scorer")),
+}
+"""`foresight eval --help PART`: the verb's options by mode (its whole help is over a hundred lines)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-h", "--help", action=PartedHelp, parts=HELP_PARTS)
     parser.add_argument("--traces", type=Path, help="traces folder written by `foresight traces` (or give --prompts)")
     add_policies_argument(
         parser, "every registered policy that can run; golden where labels exist, foresight with --scorer"
