@@ -9,22 +9,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from foresight.bench.options import (
-    BUDGET_FLAGS,
-    BUDGET_HELP,
-    BUDGETS_FLAGS,
-    BUDGETS_HELP,
-    DEFAULT_CADENCE,
-    INTERVAL_FLAGS,
-    INTERVAL_HELP,
-    OPTION_FLAGS,
-    OPTION_HELP,
-    OPTION_METAVAR,
-    REGIME_HELP,
-    SCORER_FLAGS,
-    SCORER_HELP,
-    SCORER_METAVAR,
-)
+from foresight.bench import options as words
 from foresight.cadence import Regime
 from foresight.commands._grammar import int_list
 from foresight.eval.specs import LEARNED, cadence_overrides, one_scorer, options_by_row, options_of
@@ -38,17 +23,23 @@ REQUIRED = None
 
 def add_cadence_arguments(
     parser: argparse.ArgumentParser,
-    budget: int | None = DEFAULT_CADENCE[0],
-    interval: int | None = DEFAULT_CADENCE[1],
+    budget: int | None = words.DEFAULT_CADENCE[0],
+    interval: int | None = words.DEFAULT_CADENCE[1],
     several_budgets: bool = False,
 ) -> None:
     """-B/--budget and -L/--interval (a default of `REQUIRED` makes them required); with `several_budgets`,
     -B/--budgets takes a comma-separated list."""
     if several_budgets:
-        parser.add_argument(*BUDGETS_FLAGS, type=int_list, default=budget, required=budget is None, help=BUDGETS_HELP)
+        parser.add_argument(
+            *words.BUDGETS_FLAGS, type=int_list, default=budget, required=budget is None, help=words.BUDGETS_HELP
+        )
     else:
-        parser.add_argument(*BUDGET_FLAGS, type=int, default=budget, required=budget is None, help=BUDGET_HELP)
-    parser.add_argument(*INTERVAL_FLAGS, type=int, default=interval, required=interval is None, help=INTERVAL_HELP)
+        parser.add_argument(
+            *words.BUDGET_FLAGS, type=int, default=budget, required=budget is None, help=words.BUDGET_HELP
+        )
+    parser.add_argument(
+        *words.INTERVAL_FLAGS, type=int, default=interval, required=interval is None, help=words.INTERVAL_HELP
+    )
 
 
 def add_regime_argument(
@@ -61,7 +52,7 @@ def add_regime_argument(
         "--regime",
         type=Regime.parse,
         default=default,
-        help=f"{REGIME_HELP} (default: {fallback})",
+        help=f"{words.REGIME_HELP} (default: {fallback})",
     )
 
 
@@ -69,18 +60,20 @@ def add_scorer_argument(parser: argparse.ArgumentParser, required: bool = False,
     """--scorer [NAME=]DIR_OR_HUB_ID, repeatable (a verb that runs one scorer refuses a second); `what` adds
     what the verb does with it to the shared help."""
     parser.add_argument(
-        *SCORER_FLAGS,
+        *words.SCORER_FLAGS,
         action="append",
         default=[],
         required=required,
-        metavar=SCORER_METAVAR,
-        help=SCORER_HELP + (f"; {what}" if what else ""),
+        metavar=words.SCORER_METAVAR,
+        help=words.SCORER_HELP + (f"; {what}" if what else ""),
     )
 
 
 def add_option_argument(parser: argparse.ArgumentParser) -> None:
     """-o [ROW.]KEY=VALUE, repeatable."""
-    parser.add_argument(*OPTION_FLAGS, action="append", default=[], metavar=OPTION_METAVAR, help=OPTION_HELP)
+    parser.add_argument(
+        *words.OPTION_FLAGS, action="append", default=[], metavar=words.OPTION_METAVAR, help=words.OPTION_HELP
+    )
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +157,7 @@ def policy_options(cls: type[Policy], texts: dict[str, str], given: Sequence[str
     options = typed_options(cls, texts)
     missing = [key for key in required_options(cls) if key not in options and key not in given]
     if "scorer" in missing:
-        raise ValueError(f"policy {name!r} needs a trained scorer: give --scorer {SCORER_METAVAR}")
+        raise ValueError(f"policy {name!r} needs a trained scorer: give --scorer {words.SCORER_METAVAR}")
     unsettable = [key for key in missing if key not in settable]
     if unsettable:
         raise ValueError(f"policy {name!r} needs {', '.join(unsettable)}, which cannot be given on the command line")
