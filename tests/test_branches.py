@@ -223,16 +223,13 @@ def test_window_agreement_reads_each_branch_over_its_window_and_the_whole_rest(l
     )
     assert [(a.rule, a.chunks) for a in agreements[:3]] == [("thresholded", 1), ("thresholded", 2), ("thresholded", 40)]
     assert len(agreements) == 2 * 2 * 3  # rules × branch groups × windows
+    dense = RewardSettings(threshold=0.0, terms=rules["dense"])
+
+    def branch_groups(chunks: int | None):
+        return roll_out_branches(llama, scorer, trace, BranchSettings(3, chunks, 2), range(3), seed=1, reward=dense)
+
     for chunks in (1, 2, 40):
-        groups = roll_out_branches(
-            llama,
-            scorer,
-            trace,
-            BranchSettings(3, chunks, 2),
-            range(3),
-            seed=1,
-            reward=RewardSettings(threshold=0.0, terms=rules["dense"]),
-        )
+        groups = branch_groups(chunks)
         chosen = [a for a in agreements if a.rule == "dense" and a.chunks == chunks]
         for group, agreement in zip(groups, chosen, strict=True):
             assert agreement.step == int(group.actions.after[0] - (B + L_ - 1)) // L_
@@ -240,15 +237,7 @@ def test_window_agreement_reads_each_branch_over_its_window_and_the_whole_rest(l
             if chunks == 40:  # 160 tokens: past the end of a 90-token trace
                 torch.testing.assert_close(agreement.rest, group.scores.reward, rtol=0, atol=1e-6)
                 assert agreement.spearman == pytest.approx(1.0) or math.isnan(agreement.spearman)
-    to_the_end = roll_out_branches(
-        llama,
-        scorer,
-        trace,
-        BranchSettings(3, None, 2),
-        range(3),
-        seed=1,
-        reward=RewardSettings(threshold=0.0, terms=rules["dense"]),
-    )  # branch_chunks null: rewarded over the whole rest of the trace
+    to_the_end = branch_groups(None)  # branch_chunks null: rewarded over the whole rest of the trace
     rests = [a.rest for a in agreements if a.rule == "dense" and a.chunks == 40]
     for group, rest in zip(to_the_end, rests, strict=True):
         torch.testing.assert_close(group.scores.reward, rest, rtol=0, atol=1e-6)
