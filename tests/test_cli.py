@@ -446,50 +446,19 @@ def test_generate_samples_the_learned_policy_through_its_options(scorer_dir, mod
 
     monkeypatch.setattr("foresight.commands.generate.load_model", lambda name, **kw: (model, char_tokenizer()))
     monkeypatch.setattr("foresight.commands.generate.EvictionEngine", Kept)
+
+    def generate(option: str) -> int:
+        words = ["generate", "--policy", "foresight", *options, "-o", option, "-B", str(B), "-L", str(L)]
+        return main([*words, "--max-new-tokens", "40", "--no-chat-template", "12+34="])
+
     for seed in (3, 3, 4):
-        argv = [
-            "generate",
-            "--policy",
-            "foresight",
-            *options,
-            "-o",
-            f"seed={seed}",
-            "-B",
-            str(B),
-            "-L",
-            str(L),
-            "--max-new-tokens",
-            "40",
-            "--no-chat-template",
-            "12+34=",
-        ]
-        assert main(argv) == 0
+        assert generate(f"seed={seed}") == 0
         assert " 0 eviction steps" not in capsys.readouterr().out.strip().splitlines()[-1]
     draws = [[record.order for record in engine.policy.records] for engine in engines]
     assert draws[0] and all(record.temperature == 0.5 for record in engines[0].policy.records)
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[1], strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(draws[0], draws[2]))
-    assert (
-        main(
-            [
-                "generate",
-                "--policy",
-                "foresight",
-                *options,
-                "-o",
-                "record=false",
-                "-B",
-                str(B),
-                "-L",
-                str(L),
-                "--max-new-tokens",
-                "40",
-                "--no-chat-template",
-                "12+34=",
-            ]
-        )
-        == 0
-    )
+    assert generate("record=false") == 0
     assert engines[-1].policy.records == []  # sampled, but nothing kept
 
 
