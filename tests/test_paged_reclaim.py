@@ -2,6 +2,7 @@
 checked by hand, the recorded states of a replay, and the benchmark end to end on the tiny model's traces."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from foresight.bench.paged_reclaim import (
     held_after_steps,
     held_mask,
     page_reclaim,
+    plot_reclaim,
 )
 from foresight.cadence import eviction_steps
 from foresight.cli import main
@@ -135,3 +137,24 @@ def test_the_benchmark_reports_one_row_per_policy_page_size_and_budget(traces_di
         sequence, layer, per_head = (float(cell.rstrip("%")) for cell in row[4:7])
         assert int(row[3]) > 0 and 0 <= sequence <= layer <= per_head <= 100
     assert (tmp_path / "paged-reclaim.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_committed_reclaim_tables_redraw_their_figures(tmp_path):
+    """scripts/draw_results.py reads a paged-reclaim results file as the benchmark's plot reads its rows: every row,
+    its percentages as shares, in the layouts' order."""
+    import importlib.util
+
+    from foresight.eval.published import ResultsFile
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("draw_results", root / "scripts" / "draw_results.py")
+    draw_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw_results)
+    table = ResultsFile.load(root / "docs" / "figures" / "paged-reclaim.json")
+    rows = draw_results.reclaim_rows(table)
+    assert len(rows) == len(table.rows) and {row["budget"] for row in rows} == {128, 256}
+    streaming = next(r for r in rows if (r["policy"], r["budget"], r["page_size"]) == ("streaming", 128, 16))
+    cells = next(r for r in table.rows if r[:3] == ["streaming", "128", "16"])
+    assert streaming["shares"] == [float(cell.rstrip("%")) / 100 for cell in cells[4:7]]
+    plot_reclaim(rows, tmp_path / "reclaim.png", interval=32)
+    assert (tmp_path / "reclaim.png").read_bytes().startswith(b"\x89PNG")

@@ -235,7 +235,7 @@ def run(settings: Settings) -> str:
     rows = [_row(key, figures[key]) for key in sorted(figures, key=lambda key: (order[key[0]], *key[1:]))]
     if not rows:
         raise ValueError(f"nothing evicted in {settings.traces} at B={list(settings.budgets)}: " + "; ".join(notes))
-    _plot(rows, settings.plot_path, settings.interval)
+    plot_reclaim(rows, settings.plot_path, settings.interval)
     described = (
         f"{describe_traces(traces)}; L = {settings.interval}. Mean over the time points right after every eviction "
         "step of every trace (foresight/bench/paged_reclaim.py states the definition): the share of the evicted "
@@ -316,7 +316,7 @@ def _row(key: tuple[str, int, int], points: Sequence[Reclaim]) -> dict[str, Any]
     }
 
 
-def _plot(rows: Sequence[dict[str, Any]], path: Path, interval: int) -> None:
+def plot_reclaim(rows: Sequence[dict[str, Any]], path: Path, interval: int) -> None:
     """Reclaimed share against page size, one line per policy; a panel per budget (rows) and layout (columns)."""
     import matplotlib
 
