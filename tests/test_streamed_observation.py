@@ -181,14 +181,14 @@ def test_held_bytes_of_a_streaming_policy_count_its_sums_and_its_waiting_queries
     assert stream.buffered == shape.num_layers * block * per_query
     engine = EvictionEngine(llama, policy, EvictionConfig(B, L))
     waiting = []
-    stream_queries = engine._stream_queries
+    stream_queries = engine.evict._stream_queries
 
     def spy(run, complete_blocks_only):
         if engine.last_stats.evictions and run.cache.layers[0].unobserved_count == block:
             waiting.append(run.cache.storage_bytes())
         stream_queries(run, complete_blocks_only)
 
-    engine._stream_queries = spy
+    engine.evict._stream_queries = spy
     engine.generate(random_prompts([6], seed=3), 24)
     assert stream.total in waiting and max(waiting) == stream.total
 
