@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +19,7 @@ from foresight.runtime.cache import KEYS, POSITION_DTYPE, POSITIONS, QUERIES, VA
 from foresight.runtime.capture import first_observed_query
 from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.policy import EvictionContext, Policy, StepLayers
-
-if TYPE_CHECKING:
-    from foresight.runtime.engine import Run
+from foresight.runtime.run_state import Run
 
 
 class EvictionStep:
