@@ -46,10 +46,10 @@ def planted(tmp_path: Path, old: str, new: str) -> Path:
 
 
 def test_a_changed_cell_fails(tmp_path):
-    docs = planted(tmp_path, "| 1.3128 [1.1703, 1.5694] |", "| 1.3129 [1.1703, 1.5694] |")
+    docs = planted(tmp_path, "| 1.1865 [1.1458, 1.2343] |", "| 1.1866 [1.1458, 1.2343] |")
     assert page_mismatches(docs / "benchmarks.md", docs) == [
-        "benchmarks.md, the table from results/shipped-scorer.json: row 'unseen A', 'loss ratio' reads "
-        "'1.3129 [1.1703, 1.5694]', the file '1.3128 [1.1703, 1.5694]'"
+        "benchmarks.md, the table from results/shipped-scorer.json: row 'unseen B', 'loss ratio' reads "
+        "'1.1866 [1.1458, 1.2343]', the file '1.1865 [1.1458, 1.2343]'"
     ]
 
 
