@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import datasets
 import pytest
@@ -116,6 +119,32 @@ def test_reasoning_gym_options_set_the_task_config_and_its_scorer_still_checks()
 def test_bad_reasoning_gym_sources_are_named(source, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_problems(source, 2)
+
+
+def test_reasoning_gym_problems_do_not_follow_the_interpreters_hash_seed():
+    """acre and isomorphic_strings iterate over sets of strings: under two hash seeds the same seed must still
+    give the same problems, or a resumed sampling run would not find its own rows."""
+    code = (
+        "import json; from foresight.data.tasks import load_problems; "
+        "print(json.dumps([p.prompt for p in load_problems("
+        "'reasoning-gym:acre=1,reasoning-gym:isomorphic_strings=1', 6, seed=6)]))"
+    )
+    prompts = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                env={**os.environ, "PYTHONHASHSEED": hash_seed},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for hash_seed in ("1", "2")
+    ]
+    assert prompts[0] == prompts[1]
+    assert prompts[0] == [
+        p.prompt for p in load_problems("reasoning-gym:acre=1,reasoning-gym:isomorphic_strings=1", 6, 6)
+    ]
 
 
 def test_check_answer_uses_reasoning_gym_scorer():

@@ -42,7 +42,11 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import pickle
 import re
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -183,6 +187,8 @@ def load_problems(source: str, num: int, seed: int = 0) -> list[Problem]:
     if num < 1:
         raise ValueError(f"num must be at least 1, got {num}")
     sources = parse_sources(source)
+    if sys.flags.hash_randomization and any(s.source.startswith(REASONING_GYM) for s in sources):
+        return _under_hash_seed_zero(source, num, seed)
     if len(sources) == 1:
         return _source_problems(sources[0].source, num, seed)
     counts = mixture_counts(num, [s.weight for s in sources])
@@ -191,6 +197,40 @@ def load_problems(source: str, num: int, seed: int = 0) -> list[Problem]:
         raise ValueError(f"{num} problems leave none for {', '.join(empty)}; ask for more problems or raise its weight")
     pools = [iter(_source_problems(s.source, count, seed)) for s, count in zip(sources, counts)]
     return [replace(next(pools[s]), index=index) for index, s in enumerate(mixture_order(counts))]
+
+
+def _under_hash_seed_zero(source: str, num: int, seed: int) -> list[Problem]:
+    """`load_problems` in a child interpreter run with PYTHONHASHSEED=0. Some reasoning-gym tasks (acre,
+    isomorphic_strings) iterate over sets of strings, whose order follows the interpreter's hash seed, so
+    the same seed would give other problems in another process and a resumed sampling run would not
+    find its own rows."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; from foresight.data import tasks; tasks._answer_child(sys.stdin.buffer)"],
+        input=pickle.dumps((source, num, seed)),
+        capture_output=True,
+        env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(paths)},
+        check=False,
+    )
+    if child.returncode != 0:
+        raise RuntimeError(
+            f"making the problems of {source!r} failed in its child interpreter:\n{child.stderr.decode()}"
+        )
+    problems = pickle.loads(child.stdout)
+    if isinstance(problems, Exception):
+        raise problems
+    return problems
+
+
+def _answer_child(request) -> None:
+    """The child's side of `_under_hash_seed_zero`: the problems, or the error they raised, pickled to stdout."""
+    source, num, seed = pickle.load(request)
+    try:
+        answer: list[Problem] | Exception = load_problems(source, num, seed)
+    except (ValueError, ImportError) as error:
+        answer = error
+    sys.stdout.buffer.write(pickle.dumps(answer))
 
 
 def _source_problems(source: str, num: int, seed: int) -> list[Problem]:
