@@ -1,4 +1,4 @@
-"""Redraw the plots of docs/benchmarks.md from the committed results files (docs/results/*.json) in the
+"""Redraw the plots of docs/benchmarks.md and its notes from the committed results files (docs/results/*.json) in the
 report's style (`foresight.eval.report.plot_metric`: the learned scorer and golden bold, the three strongest
 heuristics in colour, the rest grey), with no run folder and no model:
 

@@ -1,4 +1,5 @@
-"""Every table README.md, docs/benchmarks.md, docs/rl.md and docs/serving.md cite from a results file (docs/results/*.json) reads as the
+"""Every table README.md, docs/benchmarks.md, docs/rl.md, docs/serving.md and the notes that keep an older results
+table cite from a results file (docs/results/*.json) reads as the
 file holds it, cell by cell, with the prose figures the file lists; a page that drifts fails."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from foresight.eval.report import numeric_rows, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = (ROOT / "README.md", DOCS / "benchmarks.md", DOCS / "rl.md", DOCS / "serving.md")
+NOTE = DOCS / "notes" / "baselines-2026.md"
+PAGES = (ROOT / "README.md", DOCS / "benchmarks.md", DOCS / "rl.md", DOCS / "serving.md", NOTE)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
@@ -35,40 +37,46 @@ def test_every_table_of_the_results_page_is_cited():
     assert [header for header in headers if header not in cited] == [["figure", "what it draws", "command", "device"]]
 
 
-def planted(tmp_path: Path, old: str, new: str) -> Path:
-    """A copy of docs/benchmarks.md and docs/results/ with `old` replaced by `new` once on the page."""
+def planted(tmp_path: Path, old: str, new: str, page: Path = DOCS / "benchmarks.md") -> tuple[Path, Path]:
+    """A copy of docs/results/ and of `page` (docs/benchmarks.md or a note) with `old` replaced by `new` once
+    on the page: the copied docs folder and page."""
     docs = tmp_path / "docs"
     shutil.copytree(DOCS / "results", docs / "results")
-    text = (DOCS / "benchmarks.md").read_text()
+    text = page.read_text()
     assert text.count(old) == 1, old
-    (docs / "benchmarks.md").write_text(text.replace(old, new))
-    return docs
+    copy = docs / page.relative_to(DOCS)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(text.replace(old, new))
+    return docs, copy
 
 
 def test_a_changed_cell_fails(tmp_path):
-    docs = planted(tmp_path, "| 1.1865 [1.1458, 1.2343] |", "| 1.1866 [1.1458, 1.2343] |")
-    assert page_mismatches(docs / "benchmarks.md", docs) == [
+    docs, page = planted(tmp_path, "| 1.1865 [1.1458, 1.2343] |", "| 1.1866 [1.1458, 1.2343] |")
+    assert page_mismatches(page, docs) == [
         "benchmarks.md, the table from results/shipped-scorer.json: row 'unseen B', 'loss ratio' reads "
         "'1.1866 [1.1458, 1.2343]', the file '1.1865 [1.1458, 1.2343]'"
     ]
 
 
 def test_a_missing_cell_fails(tmp_path):
-    docs = planted(tmp_path, "| 23.9% [−0.9%, 41.6%] | 39.7% [23.8%, 52.6%] |", "| 23.9% [−0.9%, 41.6%] |")
-    assert page_mismatches(docs / "benchmarks.md", docs) == [
+    docs, page = planted(tmp_path, "| 23.9% [−0.9%, 41.6%] | 39.7% [23.8%, 52.6%] |", "| 23.9% [−0.9%, 41.6%] |")
+    assert page_mismatches(page, docs) == [
         "benchmarks.md, the table from results/equal-bytes.json: row 'unseen A' has 7 cells, the file 8"
     ]
 
 
 def test_a_dropped_row_and_a_changed_prose_figure_fail(tmp_path):
-    docs = planted(tmp_path, "0.1167 [0.0637, 0.1954] of loss ratio", "0.1168 [0.0637, 0.1954] of loss ratio")
-    text = (docs / "benchmarks.md").read_text()
+    """On a note, whose links climb to docs/results/ (../results/), as on the results page."""
+    docs, page = planted(
+        tmp_path, "0.1167 [0.0637, 0.1954] of loss ratio", "0.1168 [0.0637, 0.1954] of loss ratio", NOTE
+    )
+    text = page.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| random | – | 2.5636"))
-    (docs / "benchmarks.md").write_text(text.replace(row + "\n", ""))
-    problems = page_mismatches(docs / "benchmarks.md", docs)
-    assert "benchmarks.md, the table from results/unseen-a.json: 19 rows, the file has 20" in problems
+    page.write_text(text.replace(row + "\n", ""))
+    problems = page_mismatches(page, docs)
+    assert "baselines-2026.md, the table from ../results/unseen-a.json: 19 rows, the file has 20" in problems
     assert (
-        "benchmarks.md, the table from results/unseen-a.json: the figure 'snapkv − gap-s600, loss ratio' "
+        "baselines-2026.md, the table from ../results/unseen-a.json: the figure 'snapkv − gap-s600, loss ratio' "
         "(0.1167 [0.0637, 0.1954] of loss ratio on A (snapkv)) is not on the page"
     ) in problems
 

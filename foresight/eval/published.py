@@ -20,8 +20,9 @@ import torch
 
 from foresight.artifacts import write_text
 
-RESULTS_LINK = re.compile(r"\]\(((?:docs/)?results/[\w.-]+\.json)\)")
-"""A link to a results file, relative to the page (docs/benchmarks.md) or the repository (README.md)."""
+RESULTS_LINK = re.compile(r"\]\(((?:docs/|\.\./)?results/[\w.-]+\.json)\)")
+"""A link to a results file, relative to the page (docs/benchmarks.md, a note under docs/notes/) or the repository
+(README.md)."""
 
 
 @dataclass
@@ -120,7 +121,7 @@ def page_mismatches(page: Path, docs: Path) -> list[str]:
     text, problems = page.read_text(), []
     prose = " ".join(text.split())  # a figure quoted in prose may wrap
     for link, header, rows in cited_tables(text):
-        source = ResultsFile.load(docs / link.removeprefix("docs/"))
+        source = ResultsFile.load(results_path(docs, link))
         where = f"{page.name}, {'the table from' if header else 'citing'} {link}"  # no header: cited in prose
         if header and header != source.columns:
             problems.append(f"{where}: header {header} != {source.columns}")
@@ -142,4 +143,9 @@ def page_mismatches(page: Path, docs: Path) -> list[str]:
 
 def cited_files(pages: Sequence[Path], docs: Path) -> set[Path]:
     """The results files `pages` cite."""
-    return {docs / link.removeprefix("docs/") for page in pages for link, _, _ in cited_tables(page.read_text())}
+    return {results_path(docs, link) for page in pages for link, _, _ in cited_tables(page.read_text())}
+
+
+def results_path(docs: Path, link: str) -> Path:
+    """The file a results link names, whichever folder the page citing it is in."""
+    return docs / link.removeprefix("docs/").removeprefix("../")
