@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from foresight.data.trace_store import TraceStore
-from foresight.eval.replay import prefill_lengths
+from foresight.eval.replay import Cadence
 from foresight.eval.stats import percentile_interval, resample_counts
 from foresight.models import load_model
 from foresight.policies import POLICIES, make_policy
 from foresight.policies.options import typed_options
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.engine import EvictionEngine
 
 IDENTITY_GATE, LOSS_GATE = 0.995, 0.002
 
@@ -67,9 +67,10 @@ def record(args: argparse.Namespace) -> None:
         batch = traces[start : start + args.batch_size]
         policy = make_policy("foresight", scorer=args.scorer, record=False, **options)
         kept = KeptSets()
-        engine = EvictionEngine(model, policy, EvictionConfig(args.budget, args.interval), step_observer=kept)
+        cadence = Cadence(args.budget, args.interval)
+        engine = EvictionEngine(model, policy, cadence.eviction, step_observer=kept)
         kept.engine = engine
-        prefill = prefill_lengths(batch, args.budget, args.interval, engine.protect_prompt)
+        prefill = cadence.prefill_lengths(batch, engine.protect_prompt)
         output = engine.replay([t.input_ids for t in batch], prefill)
         batches.append(
             {

@@ -380,7 +380,12 @@ def test_policy_options_run_one_policy_under_two_settings(traces_dir, stats_dir,
 
 def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
     spec = resolve_policies("tri=triattention", {"tri": {"stats": str(stats_dir), "protect_prompt": "no"}})[0][0]
-    assert (spec.name, spec.policy_class.name, spec.protects_prompt, spec.config(B, L).protect_prompt) == (
+    assert (
+        spec.name,
+        spec.policy_class.name,
+        spec.protects_prompt,
+        spec.config(EvictionConfig(B, L)).protect_prompt,
+    ) == (
         "tri",
         "triattention",
         False,
@@ -411,7 +416,7 @@ def test_policy_options_refuse_bad_rows_keys_and_values(stats_dir):
         resolve_policies("h2o", {"h2o": {"sinks": "x"}})
     with pytest.raises(ValueError, match=r"-o h2o.sinks must be 0 or more, got -1"):
         resolve_policies("h2o", {"h2o": {"sinks": "-1"}})
-    assert resolve_policies("h2o", {"h2o": {"sinks": "4"}})[0][0].config(B, L).sinks == 4
+    assert resolve_policies("h2o", {"h2o": {"sinks": "4"}})[0][0].config(EvictionConfig(B, L)).sinks == 4
     with pytest.raises(ValueError, match="policy 'tri' has no option 'nope'; its options are: .*protect_prompt, sinks"):
         resolve_policies("tri=triattention", {"tri": {"nope": "1"}})
     notes = resolve_policies("all")[1]

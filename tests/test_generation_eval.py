@@ -33,6 +33,7 @@ from foresight.eval.generation import (
 from foresight.eval.specs import PolicySpec
 from foresight.eval.stats import pass_at_k
 from foresight.models import tiny_model
+from foresight.runtime.engine import EvictionConfig
 from tests.prompts import CHAT_TEMPLATE, DATA, char_tokenizer
 
 B, L = 16, 4
@@ -260,7 +261,7 @@ def test_figures_from_hand_made_completions(tmp_path):
 
 def test_plans_leave_out_golden_and_a_scorer_at_another_budget():
     plans, notes = plan_jobs([PolicySpec("full"), PolicySpec("golden"), PolicySpec("tova")], [24, B], L)
-    assert [plan.budget for plan in plans] == [B, 24]
+    assert [plan.eviction.budget for plan in plans] == [B, 24]
     assert [[job.label for job in plan.jobs] for plan in plans] == [["full", f"tova B={B}"], ["full", "tova B=24"]]
     assert notes == ["golden: skipped, it replays stored golden labels, which generation has none of"]
     assert Job(PolicySpec("full")).label == "full"
@@ -371,20 +372,24 @@ def test_a_row_under_other_options_is_not_mixed_in(tmp_path):
     are refused in a folder made by the first, and the plain policy's identity is its name alone."""
     store = CompletionStore(tmp_path, settings(max_new_tokens=30, samples=1))
     plain = PolicySpec("random-prompt")
-    assert Job(plain, B, L).label and store.job_folder(Job(plain, B, L)).is_dir()
-    assert json.loads((store.job_folder(Job(plain, B, L)) / "policy.json").read_text()) == {"policy": "random-prompt"}
+    assert Job(plain, EvictionConfig(B, L)).label and store.job_folder(Job(plain, EvictionConfig(B, L))).is_dir()
+    assert json.loads((store.job_folder(Job(plain, EvictionConfig(B, L))) / "policy.json").read_text()) == {
+        "policy": "random-prompt"
+    }
     for other in (
         PolicySpec("random-prompt", protect_prompt=False),
         PolicySpec("random-prompt", options=(("seed", 3),)),
         PolicySpec("random-prompt", policy="random"),
     ):
         with pytest.raises(ArtifactError, match="results of random-prompt in .*: made with other settings"):
-            store.job_folder(Job(other, B, L))
+            store.job_folder(Job(other, EvictionConfig(B, L)))
     # A resumed run names the same row alike: its default protect_prompt spelled out, or a folder by a
     # relative or an absolute path, is the same row.
-    assert store.job_folder(Job(PolicySpec("random-prompt", protect_prompt=True), B, L)).is_dir()
+    assert store.job_folder(Job(PolicySpec("random-prompt", protect_prompt=True), EvictionConfig(B, L))).is_dir()
     folder = tmp_path / "stats"
     folder.mkdir()
-    store.job_folder(Job(PolicySpec("tri", policy="random", options=(("stats", str(folder)),)), B, L))
+    store.job_folder(Job(PolicySpec("tri", policy="random", options=(("stats", str(folder)),)), EvictionConfig(B, L)))
     relative = Path(os.path.relpath(folder))
-    assert store.job_folder(Job(PolicySpec("tri", policy="random", options=(("stats", relative),)), B, L)).is_dir()
+    assert store.job_folder(
+        Job(PolicySpec("tri", policy="random", options=(("stats", relative),)), EvictionConfig(B, L))
+    ).is_dir()

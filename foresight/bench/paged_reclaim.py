@@ -61,11 +61,11 @@ from foresight.bench.common import (
 )
 from foresight.cadence import Regime, check_budget
 from foresight.data.trace_store import Trace, TraceStore, describe_traces, select_traces
-from foresight.eval.replay import prefill_lengths
+from foresight.eval.replay import Cadence
 from foresight.eval.specs import PolicySpec, policy_specs
 from foresight.labels import GoldenLabels, LabelStore
 from foresight.models import dtype_name, load_model
-from foresight.runtime.engine import EvictionEngine
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.policy import EvictionContext, Policy
 
 NAME = "paged-reclaim"
@@ -189,8 +189,9 @@ def held_after_steps(
     """The held masks [layers, Hkv, T] right after every eviction step of one replay in `regime` (none if it never
     evicts)."""
     recorder = HeldPositions(spec.build(None if labels is None else [labels]))
-    engine = EvictionEngine(model, recorder, spec.config(budget, interval))  # type: ignore[arg-type]  # a Policy by delegation
-    prefill = prefill_lengths([trace], budget, interval, engine.protect_prompt, Regime.parse(regime))
+    cadence = Cadence(budget, interval, Regime.parse(regime))
+    engine = EvictionEngine(model, recorder, spec.config(cadence.eviction))  # type: ignore[arg-type]  # a Policy by delegation
+    prefill = cadence.prefill_lengths([trace], engine.protect_prompt)
     engine.replay([trace.input_ids], prefill)
     if not recorder.steps:
         return []
@@ -300,7 +301,7 @@ def _skip_reason(spec: PolicySpec, budget: int, interval: int, has_labels: bool)
     scorer was trained for another (B, L)."""
     if spec.needs_labels and not has_labels:
         return f"B={budget}: {spec.name} skipped (no labels for every trace at B={budget}, L={interval})"
-    return spec.skip_reason(budget, interval)
+    return spec.skip_reason(EvictionConfig(budget, interval))
 
 
 def _row(key: tuple[str, int, int], points: Sequence[Reclaim]) -> dict[str, Any]:

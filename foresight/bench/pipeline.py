@@ -56,13 +56,13 @@ from foresight.bench.common import (
 )
 from foresight.cadence import TraceTooShort, eviction_steps
 from foresight.data.trace_store import Trace, TraceStore, describe_traces
-from foresight.eval.replay import evaluate, prefill_lengths
+from foresight.eval.replay import Cadence, evaluate
 from foresight.eval.specs import PolicySpec, resolve_policies
 from foresight.labels import compute_golden_labels
 from foresight.models import dtype_name
 from foresight.policies import DEFAULT_POLICY, make_policy
 from foresight.runtime.device_ops import DeviceOps
-from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.engine import EvictionEngine
 from foresight.runtime.host_reads import HostReads
 from foresight.scorer.model import ForesightScorer
 from trainers.data_stage import FrozenModel
@@ -315,14 +315,14 @@ def _step_counts(model, scorer: ForesightScorer, trace: Trace, settings: Setting
     eval stage's policy and the learned scorer (deterministic), each on one row prefilled as `foresight
     eval` prefills it, and G sampled rollout rows of the scorer evicting together."""
     seeds, spec = list(range(settings.group_size)), settings.eval_policy
-    counts = {}
+    counts, cadence = {}, Cadence(settings.budget, settings.interval)
     for name, policy, config in (
-        (spec.name, spec.build(None), spec.config(settings.budget, settings.interval)),
-        ("foresight", make_policy("foresight", scorer=scorer), EvictionConfig(settings.budget, settings.interval)),
+        (spec.name, spec.build(None), spec.config(cadence.eviction)),
+        ("foresight", make_policy("foresight", scorer=scorer), cadence.eviction),
     ):
         counted = StepCounts()
         engine = EvictionEngine(model, policy, config, step_observer=counted)
-        prefill = prefill_lengths([trace], settings.budget, settings.interval, engine.protect_prompt)
+        prefill = cadence.prefill_lengths([trace], engine.protect_prompt)
         steps = engine.replay([trace.input_ids], prefill).stats.evictions
         counts[name] = counted.per_step(steps)
     counted = StepCounts()

@@ -44,7 +44,7 @@ from foresight.eval.report import Column, markdown_table, set_interval, write_re
 from foresight.eval.run_store import RunStore
 from foresight.eval.specs import REFERENCE, PolicySpec
 from foresight.eval.stats import bootstrap_interval, pass_at_k
-from foresight.runtime.engine import EvictionEngine
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.sampling import REASONING_SAMPLING, SamplingConfig
 
 LOOP_MAX_PERIOD = 256  # longest repeated block looked for, in tokens
@@ -88,15 +88,14 @@ class Job:
     """One policy at one budget (the full cache has none)."""
 
     spec: PolicySpec
-    budget: int | None = None
-    interval: int | None = None
+    eviction: EvictionConfig | None = None
 
     @property
     def label(self) -> str:
-        return self.spec.name if self.budget is None else f"{self.spec.name} B={self.budget}"
+        return self.spec.name if self.eviction is None else f"{self.spec.name} B={self.eviction.budget}"
 
     def engine(self, model: torch.nn.Module) -> EvictionEngine:
-        config = self.spec.config(self.budget, self.interval) if self.spec.evicts else None
+        config = self.spec.config(self.eviction) if self.spec.evicts else None
         return EvictionEngine(model, self.spec.build(None), config)
 
 
@@ -140,7 +139,7 @@ class CompletionStore(RunStore):
         self.settings = settings
 
     def job_folder(self, job: Job) -> Path:
-        return self.policy_folder(job.spec, job.budget, job.interval)
+        return self.policy_folder(job.spec, job.eviction)
 
     def load(self, job: Job) -> dict[RowKey, dict[str, Any]]:
         records = {}
@@ -161,8 +160,7 @@ class BudgetPlan:
     """The jobs of one budget: the full cache first (it runs once, then is found done), then every
     policy that runs at this budget."""
 
-    budget: int
-    interval: int
+    eviction: EvictionConfig
     jobs: tuple[Job, ...]
 
 
@@ -177,9 +175,10 @@ def plan_jobs(specs: Sequence[PolicySpec], budgets: Sequence[int], interval: int
     evicting = [s for s in specs if s.evicts and not s.needs_labels]
     plans = []
     for budget in sorted(set(budgets)):
-        notes += [reason for s in evicting if (reason := s.skip_reason(budget, interval))]
-        runnable = [Job(s, budget, interval) for s in evicting if s.skip_reason(budget, interval) is None]
-        plans.append(BudgetPlan(budget, interval, (Job(REFERENCE), *runnable)))
+        eviction = EvictionConfig(budget, interval)
+        notes += [reason for s in evicting if (reason := s.skip_reason(eviction))]
+        runnable = [Job(s, eviction) for s in evicting if s.skip_reason(eviction) is None]
+        plans.append(BudgetPlan(eviction, (Job(REFERENCE), *runnable)))
     return plans, notes
 
 
@@ -277,7 +276,7 @@ def summarize(problems: Sequence[Problem], plans: Sequence[BudgetPlan], store: C
     rows = []
     for plan in plans:
         for job in plan.jobs:
-            outcomes = reference if job.budget is None else _outcomes(store, job, by_key)
+            outcomes = reference if job.eviction is None else _outcomes(store, job, by_key)
             per_problem = []
             for problem in problems:
                 keys = [_key(problem, sample) for sample in range(k)]
@@ -292,7 +291,7 @@ def _outcomes(store: CompletionStore, job: Job, problems: dict[tuple[str, int], 
 
 
 def _row(policy: str, plan: BudgetPlan, per_problem: list[list[tuple[_Outcome, _Outcome]]], k: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"policy": policy, "budget": plan.budget, "interval": plan.interval}
+    row: dict[str, Any] = {"policy": policy, "budget": plan.eviction.budget, "interval": plan.eviction.interval}
     return {**row, **_figures(per_problem, k)}
 
 

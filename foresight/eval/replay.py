@@ -66,7 +66,7 @@ from foresight.eval.tally import TraceTally
 from foresight.labels import GoldenLabels, LabelKind, LabelStore
 from foresight.models import describe
 from foresight.policies.golden import GoldenSchedule
-from foresight.runtime.engine import EvictionEngine, ReplayOutput
+from foresight.runtime.engine import EvictionConfig, EvictionEngine, ReplayOutput
 from foresight.runtime.held_memory import MIB, Shape, held_bytes
 from foresight.runtime.prefix import ReplayPrefix
 
@@ -106,6 +106,7 @@ def evaluate(
     notes: list[str] = []
     plans = []
     for budget in sorted(set(budgets)):
+        cadence = Cadence(budget, interval, regime)
         eligible = sorted(
             (t for t in traces if t.input_ids.numel() >= budget + interval), key=lambda t: -t.input_ids.numel()
         )
@@ -115,25 +116,25 @@ def evaluate(
                 f"B={budget}: skipped {short} of {len(traces)} traces shorter than B + L = {budget + interval} tokens"
             )
         store = None if labels_root is None else LabelStore(labels_root, budget, interval, label_kind, regime)
-        batch_labels = _labels_for(store, eligible, budget, interval, notes)
+        batch_labels = _labels_for(store, eligible, cadence.eviction, notes)
         budget_specs = [s for s in specs if not (s.needs_labels and batch_labels is None)]
         if len(budget_specs) < len(specs):
             notes.append(f"B={budget}: golden skipped (no labels for every trace at B={budget}, L={interval})")
-        notes += [reason for s in budget_specs if (reason := s.skip_reason(budget, interval))]
-        budget_specs = [s for s in budget_specs if s.skip_reason(budget, interval) is None]
+        notes += [reason for s in budget_specs if (reason := s.skip_reason(cadence.eviction))]
+        budget_specs = [s for s in budget_specs if s.skip_reason(cadence.eviction) is None]
         batches = [eligible[i : i + batch_size] for i in range(0, len(eligible), batch_size)]
-        plans.append((budget, budget_specs, batches, batch_labels))
+        plans.append((cadence, budget_specs, batches, batch_labels))
     total = sum(
-        _work(batch, budget, interval, spec, regime)
-        for budget, budget_specs, batches, _ in plans
+        _work(batch, cadence, spec)
+        for cadence, budget_specs, batches, _ in plans
         for batch in batches
         for spec in _replayed(budget_specs)
     )
     rows, scores, losses = [], [], []
     shape, dtype = describe(model), next(model.parameters()).dtype
     with tqdm(total=total, disable=not progress, unit="tok", desc="eval") as bar:
-        for budget, budget_specs, batches, batch_labels in plans:
-            cadence = Cadence(budget, interval, regime)
+        for cadence, budget_specs, batches, batch_labels in plans:
+            budget = cadence.budget
 
             def run_batch(batch: Sequence[Trace], tallies: dict[str, TraceTally], bar: tqdm) -> None:
                 schedule_labels = None if batch_labels is None else [batch_labels[t.index] for t in batch]
@@ -143,15 +144,15 @@ def evaluate(
 
             replayed_here = set()
             if replays is not None:  # claim and replay first; every batch is then in the store, read in order below
-                for batch in _claimed_batches(replays, batches, budget_specs, budget, interval):
+                for batch in _claimed_batches(replays, batches, budget_specs, cadence.eviction):
                     run_batch(batch, {spec.name: TraceTally() for spec in budget_specs}, bar)
                     replayed_here.add(id(batch))
             tallies = {spec.name: TraceTally() for spec in budget_specs}
-            for batch in batches:
-                run_batch(batch, tallies, _SILENT if id(batch) in replayed_here else bar)
+            for batch in batches:  # a batch replayed above is read back here: its work was counted then
+                run_batch(batch, tallies, tqdm(disable=True) if id(batch) in replayed_here else bar)
             budget_rows = [
-                tallies[spec.name].row(spec.name, budget, interval, overlap=batch_labels is not None and spec.evicts)
-                | kv_memory(spec, budget, interval, tallies[spec.name].traces, shape, dtype, batch_labels)
+                tallies[spec.name].row(spec.name, cadence.eviction, overlap=batch_labels is not None and spec.evicts)
+                | kv_memory(spec, cadence.eviction, tallies[spec.name].traces, shape, dtype, batch_labels)
                 for spec in budget_specs
             ]
             notes += [
@@ -172,8 +173,7 @@ def evaluate(
 
 def kv_memory(
     spec: PolicySpec,
-    budget: int,
-    interval: int,
+    eviction: EvictionConfig,
     traces: Sequence[Trace],
     shape: Shape,
     dtype: torch.dtype,
@@ -190,6 +190,7 @@ def kv_memory(
     policy = spec.replays()[0].build(
         [labels[traces[0].index]] if spec.needs_labels else None, [t.index for t in traces]
     )
+    budget, interval = eviction.budget, eviction.interval
     peaks = [
         t.input_ids.numel()
         if not spec.evicts
@@ -201,7 +202,7 @@ def kv_memory(
 
 
 def _labels_for(
-    store: LabelStore | None, traces: Sequence[Trace], budget: int, interval: int, notes: list[str]
+    store: LabelStore | None, traces: Sequence[Trace], eviction: EvictionConfig, notes: list[str]
 ) -> dict[int, GoldenLabels] | None:
     """Labels of every trace by index, or None (with a note) when some trace has none."""
     if store is None or not traces:
@@ -209,8 +210,8 @@ def _labels_for(
     missing = [t.index for t in traces if not store.path(t.index).is_file()]  # a damaged file fails in load
     if missing:
         notes.append(
-            f"B={budget}: no golden labels for {len(missing)} of {len(traces)} traces in {store.directory} "
-            f"(make them with `foresight labels --traces {store.traces_dir} -B {budget} -L {interval}`)"
+            f"B={eviction.budget}: no golden labels for {len(missing)} of {len(traces)} traces in {store.directory} "
+            f"(make them with `foresight labels --traces {store.traces_dir} -B {eviction.budget} -L {eviction.interval}`)"
         )
         return None
     return {t.index: store.load(t.index, num_tokens=t.input_ids.numel()) for t in traces}
@@ -236,28 +237,22 @@ class Cadence:
         shift = regime_shift(trace.prompt_length, self.budget, self.interval, self.regime)
         return trace.prompt_length if shift else self.budget + self.interval
 
-
-def prefill_lengths(
-    batch: Sequence[Trace], budget: int, interval: int, protects_prompt: bool, regime: Regime = Regime.STREAMING
-) -> list[int]:
-    """`Cadence.prefill_lengths` of one (B, L, regime)."""
-    return Cadence(budget, interval, regime).prefill_lengths(batch, protects_prompt)
+    @property
+    def eviction(self) -> EvictionConfig:
+        """B and L as the engine takes them; each policy's spec adds its sinks and prompt rule (`PolicySpec.config`)."""
+        return EvictionConfig(self.budget, self.interval)
 
 
 def _claimed_batches(
-    replays: ReplayStore, batches: Sequence[Sequence[Trace]], specs: Sequence[PolicySpec], budget: int, interval: int
+    replays: ReplayStore, batches: Sequence[Sequence[Trace]], specs: Sequence[PolicySpec], eviction: EvictionConfig
 ) -> Iterator[Sequence[Trace]]:
     """The batches this process replays: those it claims and finds not yet kept; with several processes on one
     folder, each batch goes to one of them, and each returns once every batch is kept."""
     return claimed(
         batches,
-        lambda batch: replays.claim_path(budget, interval, batch),
-        lambda batch: replays.holds(specs, budget, interval, batch),
+        lambda batch: replays.claim_path(eviction, batch),
+        lambda batch: replays.holds(specs, eviction, batch),
     )
-
-
-_SILENT = tqdm(disable=True)
-"""The progress bar of a batch read back after this process replayed it (its work was counted then)."""
 
 
 def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
@@ -267,11 +262,9 @@ def _replayed(specs: Sequence[PolicySpec]) -> list[PolicySpec]:
     return [REFERENCE, *evicting] if evicting else []
 
 
-def _work(
-    batch: Sequence[Trace], budget: int, interval: int, spec: PolicySpec, regime: Regime = Regime.STREAMING
-) -> int:
+def _work(batch: Sequence[Trace], cadence: Cadence, spec: PolicySpec) -> int:
     """Token columns x rows a replay of the batch feeds after its prefill (the progress bar's unit)."""
-    prefill = prefill_lengths(batch, budget, interval, spec.protects_prompt, regime)
+    prefill = cadence.prefill_lengths(batch, spec.protects_prompt)
     return len(batch) * max(t.input_ids.numel() - p for t, p in zip(batch, prefill))
 
 
@@ -289,15 +282,14 @@ def _evaluate_batch(
     """One full-cache replay for the reference outputs, then the replays of every evicting policy, each kept in
     `store` as soon as it ends; a policy whose replay of this batch `store` holds already is read from it (and
     the progress bar skips its work; the reference runs only when some evicting policy is replayed)."""
-    budget, interval = cadence.budget, cadence.interval
     kept: dict[str, TraceTally] = {}
     for spec in specs if store is not None else ():
-        if spec.evicts and (tally := store.load(spec, budget, interval, batch)) is not None:
+        if spec.evicts and (tally := store.load(spec, cadence.eviction, batch)) is not None:
             kept[spec.name] = tally
     missing = [spec for spec in specs if spec.name not in kept]
 
     def work(replays: Sequence[PolicySpec]) -> int:
-        return sum(_work(batch, budget, interval, replay, cadence.regime) for replay in replays)
+        return sum(_work(batch, cadence, replay) for replay in replays)
 
     bar.update(work(_replayed(specs)) - work(_replayed(missing)))
     reference, greedy = None, None  # the full cache's probe and top-1 predictions per trace
@@ -322,7 +314,7 @@ def _evaluate_batch(
             replayed = TraceTally.mean(replays)
             tally.extend(replayed)
             if store is not None:
-                store.save(spec, replayed, budget=budget, interval=interval, batch=batch)
+                store.save(spec, replayed, cadence.eviction, batch)
 
 
 def _tally_replay(
@@ -368,7 +360,7 @@ def _replay(
     """One replay of the batch; evicting policies with the same prefill share the forwards before their
     first eviction through `prefixes` (`foresight.runtime.prefix`: the same results, the model run once)."""
     policy = spec.build(labels, [t.index for t in batch])
-    engine = EvictionEngine(model, policy, spec.config(cadence.budget, cadence.interval), attention=PROBE_ATTENTION)
+    engine = EvictionEngine(model, policy, spec.config(cadence.eviction), attention=PROBE_ATTENTION)
     bar.set_postfix_str(f"B={cadence.budget} {spec.name}")
     prefill = cadence.prefill_lengths(batch, engine.protect_prompt)
     chunk = None if spec.evicts else REFERENCE_CHUNK

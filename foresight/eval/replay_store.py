@@ -21,6 +21,7 @@ from foresight.data.trace_store import Trace
 from foresight.eval.run_store import RunStore
 from foresight.eval.specs import PolicySpec
 from foresight.eval.tally import TraceTally
+from foresight.runtime.engine import EvictionConfig
 
 
 def batch_digest(batch: Sequence[Trace]) -> str:
@@ -35,24 +36,24 @@ def batch_digest(batch: Sequence[Trace]) -> str:
 class ReplayStore(RunStore):
     """Each (evicting policy, budget, batch)'s `TraceTally`, kept as soon as its replay ends."""
 
-    def _path(self, spec: PolicySpec, budget: int, interval: int, batch: Sequence[Trace]) -> Path:
-        return self.policy_folder(spec, budget, interval) / f"batch-{batch_digest(batch)}.pt"
+    def _path(self, spec: PolicySpec, eviction: EvictionConfig, batch: Sequence[Trace]) -> Path:
+        return self.policy_folder(spec, eviction) / f"batch-{batch_digest(batch)}.pt"
 
-    def holds(self, specs: Sequence[PolicySpec], budget: int, interval: int, batch: Sequence[Trace]) -> bool:
+    def holds(self, specs: Sequence[PolicySpec], eviction: EvictionConfig, batch: Sequence[Trace]) -> bool:
         """Whether every evicting policy of `specs` has its replay of this batch kept (nothing left to replay)."""
-        return all(self._path(spec, budget, interval, batch).is_file() for spec in specs if spec.evicts)
+        return all(self._path(spec, eviction, batch).is_file() for spec in specs if spec.evicts)
 
-    def claim_path(self, budget: int, interval: int, batch: Sequence[Trace]) -> Path:
+    def claim_path(self, eviction: EvictionConfig, batch: Sequence[Trace]) -> Path:
         """The file a process holds while it replays this batch (`foresight.artifacts.claimed`)."""
-        return self.folder / "claims" / f"B{budget}-L{interval}-batch-{batch_digest(batch)}.claim"
+        return self.folder / "claims" / f"B{eviction.budget}-L{eviction.interval}-batch-{batch_digest(batch)}.claim"
 
-    def load(self, spec: PolicySpec, budget: int, interval: int, batch: Sequence[Trace]) -> TraceTally | None:
+    def load(self, spec: PolicySpec, eviction: EvictionConfig, batch: Sequence[Trace]) -> TraceTally | None:
         """The tally an earlier run kept for this batch, or None."""
-        path = self._path(spec, budget, interval, batch)
+        path = self._path(spec, eviction, batch)
         if not path.is_file():
             return None
         return TraceTally.from_state(torch.load(path, weights_only=True), batch)
 
-    def save(self, spec: PolicySpec, tally: TraceTally, *, budget: int, interval: int, batch: Sequence[Trace]) -> None:
-        with atomic_file(self._path(spec, budget, interval, batch)) as temporary:
+    def save(self, spec: PolicySpec, tally: TraceTally, eviction: EvictionConfig, batch: Sequence[Trace]) -> None:
+        with atomic_file(self._path(spec, eviction, batch)) as temporary:
             torch.save(tally.state(), temporary)

@@ -17,6 +17,7 @@ from typing import Any
 
 from foresight.artifacts import check_settings, write_text
 from foresight.eval.specs import PolicySpec, SampledScorerSpec
+from foresight.runtime.engine import EvictionConfig
 from foresight.scorer.model import weights_digest
 
 
@@ -56,10 +57,11 @@ class RunStore:
         else:
             write_text(settings_file, json.dumps(settings, indent=1))
 
-    def policy_folder(self, spec: PolicySpec, budget: int | None, interval: int | None) -> Path:
-        """The folder of `spec`'s results at (budget, interval) (None: a policy that keeps everything); on first
+    def policy_folder(self, spec: PolicySpec, eviction: EvictionConfig | None) -> Path:
+        """The folder of `spec`'s results at `eviction`'s B and L (None: a policy that keeps everything); on first
         use it records the policy's identity, and another policy under the same name is refused. Checked once per
         spec object: a scorer's identity hashes its weights."""
+        budget, interval = (None, None) if eviction is None else (eviction.budget, eviction.interval)
         key = (id(spec), budget, interval)
         if key in self._checked and self._checked[key][0] is spec:  # the spec held, so its id is not reused
             return self._checked[key][1]

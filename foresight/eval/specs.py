@@ -86,16 +86,16 @@ class PolicySpec:
         policy: one per seed)."""
         return [self]
 
-    def config(self, budget: int, interval: int) -> EvictionConfig | None:
-        """The eviction config: the policy's own defaults; golden's cadence has no sinks and no
-        protected prompt (its labels assume neither)."""
+    def config(self, eviction: EvictionConfig) -> EvictionConfig | None:
+        """`eviction`'s B and L with this policy's sinks and prompt rule (its own defaults); golden's cadence has
+        no sinks and no protected prompt (its labels assume neither)."""
         if not self.evicts:
             return None
         if self.needs_labels:
-            return EvictionConfig(budget, interval, sinks=0, protect_prompt=False)
-        return EvictionConfig(budget, interval, sinks=self.sinks, protect_prompt=self.protect_prompt)
+            return replace(eviction, sinks=0, protect_prompt=False)
+        return replace(eviction, sinks=self.sinks, protect_prompt=self.protect_prompt)
 
-    def skip_reason(self, budget: int, interval: int) -> str | None:
+    def skip_reason(self, eviction: EvictionConfig) -> str | None:
         """Why the policy cannot run at this budget and interval (a learned scorer runs only at its own)."""
         return None
 
@@ -128,14 +128,17 @@ class ScorerSpec(PolicySpec):
     def build(self, labels: Sequence[GoldenLabels] | None, trace_indices: Sequence[int] = ()) -> Policy:
         return make_policy("foresight", scorer=self.scorer, **dict(self.options))
 
-    def config(self, budget: int, interval: int) -> EvictionConfig | None:
-        return EvictionConfig(budget, interval, sinks=0, protect_prompt=False)
+    def config(self, eviction: EvictionConfig) -> EvictionConfig | None:
+        return replace(eviction, sinks=0, protect_prompt=False)
 
-    def skip_reason(self, budget: int, interval: int) -> str | None:
+    def skip_reason(self, eviction: EvictionConfig) -> str | None:
         trained = (self.scorer.config.budget, self.scorer.config.interval)
-        if (budget, interval) == trained:
+        if (eviction.budget, eviction.interval) == trained:
             return None
-        return f"{self.name} skipped at B={budget}, L={interval}: its scorer was trained for B={trained[0]}, L={trained[1]}"
+        return (
+            f"{self.name} skipped at B={eviction.budget}, L={eviction.interval}: its scorer was trained for "
+            f"B={trained[0]}, L={trained[1]}"
+        )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from foresight.eval.metric_registry import METRICS, SPLIT_SETS, SUM, SUMS, Metri
 from foresight.eval.report import set_interval
 from foresight.eval.stats import bootstrap_interval
 from foresight.metrics import scored_tokens
+from foresight.runtime.engine import EvictionConfig
 
 _TRACE_SCORE_SUMS = tuple(f.name for f in fields(TraceScore) if f.name in SUM)
 """The sums `TraceScore` keeps per trace (its other fields name the row, the trace and the token set)."""
@@ -158,14 +159,14 @@ class TraceTally:
             for trace, (first, nll) in zip(self.traces, self.token_nll)
         ]
 
-    def row(self, policy: str, budget: int, interval: int, overlap: bool) -> dict[str, Any]:
+    def row(self, policy: str, eviction: EvictionConfig, overlap: bool) -> dict[str, Any]:
         """The result row: every metric of `METRICS` pooled over the scored traces (None where undefined:
         no scored token; the golden overlap without `overlap`, i.e. no labels or a policy that keeps
         everything), then each one's interval over traces."""
         row: dict[str, Any] = {
             "policy": policy,
-            "budget": budget,
-            "interval": interval,
+            "budget": eviction.budget,
+            "interval": eviction.interval,
             "traces": len(self.parts),
             "tokens": int(self._pooled(TokenSet.ALL)["tokens"]),
         }
