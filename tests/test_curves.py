@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -44,6 +45,13 @@ def test_curves_draws_the_tags_and_refuses_what_was_not_logged(tmp_path, capsys)
     out = tmp_path / "curves.png"
     assert cli.main(["curves", str(tmp_path / "run"), "--tags", "train/loss", "--out", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and "over 20 steps" in capsys.readouterr().out
+    series = tmp_path / "curves.json"  # beside the PNG: the figure redraws after its run folder is gone
+    redrawn_scalars = read_scalars(series)  # TensorBoard logs float32: the values to its precision
+    assert list(redrawn_scalars) == ["train/loss"]
+    assert redrawn_scalars["train/loss"] == pytest.approx({step: 1 / (step + 1) for step in range(20)}, rel=1e-6)
+    redrawn = tmp_path / "redrawn.png"
+    assert cli.main(["curves", str(series), "--tags", "train/loss", "--out", str(redrawn)]) == 0
+    assert redrawn.read_bytes().startswith(b"\x89PNG") and json.loads(series.read_text())["window"] == 10
     assert cli.main(["curves", str(tmp_path / "run"), "--out", str(tmp_path / "rl.png")]) == 2
     assert "logged no train/reward, train/kl_per_set" in capsys.readouterr().err and not (tmp_path / "rl.png").exists()
     assert cli.main(["curves", str(tmp_path / "empty"), "--out", str(out)]) == 2

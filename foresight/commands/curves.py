@@ -4,7 +4,9 @@ Reads every TensorBoard event file under RUN (a `foresight fit` or `foresight rl
 with --ckpt-path last writes a new file, and where two files log the same step the later one counts),
 and draws one panel per tag: each logged value and its rolling mean over --window steps. The default
 tags are the reinforcement stage's (reward, KL to the reference, first-draw entropy, share of groups
-with zero advantage, clip fraction).
+with zero advantage, clip fraction). The drawn series are written beside the PNG (OUT with .json), so a
+figure outlives its run folder: RUN may be such a file, and `scripts/draw_results.py` redraws every
+docs/figures/*-curves.json.
 
     foresight curves runs/rl-default --out docs/figures/rl-curves.png
     foresight curves runs/fit-default --tags train/loss,val/overlap --out runs/fit-default/curves.png
@@ -13,6 +15,8 @@ with zero advantage, clip fraction).
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +27,10 @@ EVENTS = "events.out.tfevents.*"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "folder", type=Path, metavar="RUN", help="a run folder (`foresight fit` or `foresight rl` --out)"
+        "folder",
+        type=Path,
+        metavar="RUN",
+        help="a run folder (`foresight fit` or `foresight rl` --out), or the .json series an earlier drawing wrote",
     )
     parser.add_argument("--tags", default=",".join(RL_TAGS), help="comma-separated logged scalars to draw")
     parser.add_argument("--window", type=int, default=10, help="steps of the rolling mean drawn over the values")
@@ -31,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_scalars(run: Path) -> dict[str, dict[int, float]]:
-    """Every scalar tag logged under `run`: {tag: {step: value}}, event files read oldest first."""
+    """Every scalar tag logged under `run`: {tag: {step: value}}, event files read oldest first; or the series
+    a drawing wrote, when `run` is its .json file."""
+    if run.suffix == ".json" and run.is_file():
+        series = json.loads(run.read_text())["tags"]
+        return {tag: {int(step): float(value) for step, value in points} for tag, points in series.items()}
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     files = sorted(run.rglob(EVENTS), key=lambda path: path.stat().st_mtime)
@@ -65,6 +76,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{args.folder} logged no {', '.join(missing) or 'tag'}; it logged {', '.join(sorted(scalars))}"
         )
+    draw_curves(scalars, tags, args.window, str(args.folder), args.out)
+    series = args.out.with_suffix(".json")
+    if series.resolve() != args.folder.resolve():
+        points = {tag: sorted(scalars[tag].items()) for tag in tags}
+        series.write_text(json.dumps({"run": str(args.folder), "window": args.window, "tags": points}) + "\n")
+    print(f"{args.out}: {', '.join(tags)} over {len(scalars[tags[0]])} steps of {args.folder} (series: {series})")
+    return 0
+
+
+def draw_curves(scalars: dict[str, dict[int, float]], tags: Sequence[str], window: int, title: str, out: Path) -> None:
+    """One panel per tag: each value against its step and the rolling mean over `window` steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,15 +97,13 @@ def run(args: argparse.Namespace) -> int:
         steps = np.array(sorted(scalars[tag]))
         values = np.array([scalars[tag][step] for step in steps])
         axis.plot(steps, values, ".", markersize=3, alpha=0.4, label="logged")
-        axis.plot(steps, rolling_mean(values, args.window), "-", label=f"mean of {args.window}")
+        axis.plot(steps, rolling_mean(values, window), "-", label=f"mean of {window}")
         axis.set_ylabel(tag.split("/")[-1])
         axis.grid(alpha=0.3)
     axes[0, 0].legend(loc="best", fontsize="small")
     axes[-1, 0].set_xlabel("optimisation step")
-    figure.suptitle(str(args.folder))
+    figure.suptitle(title)
     figure.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(args.out, dpi=110)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
     plt.close(figure)
-    print(f"{args.out}: {', '.join(tags)} over {len(scalars[tags[0]])} steps of {args.folder}")
-    return 0
