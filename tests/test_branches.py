@@ -4,6 +4,7 @@ eviction scripted at its step, rewards by loops, and the choice of steps, layers
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 from foresight import cli
 from foresight.commands.curves import read_scalars
 from foresight.commands.rl import request as rl_request
+from foresight.labels import compute_golden_labels
 from foresight.metrics import thresholded_terms
 from foresight.policies.foresight import Foresight
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
@@ -22,6 +24,7 @@ from studies.__main__ import main as studies_main
 from tests.rl_runs import L_, B, KillAtStep, Killed, random_trace, rl_args, rl_config
 from tests.scorers import random_scorer
 from trainers.cli import rl_cli_main
+from trainers.data_stage import FrozenModel, make_labels
 from trainers.reinforcement.branches import (
     BranchSettings,
     RewardSettings,
@@ -116,6 +119,53 @@ def test_branch_rewards_equal_replays_that_differ_only_at_the_branch_step(llama,
         assert group.backbone.loss_ratio == pytest.approx(ratio, rel=1e-5)  # the deployed policy's own
 
 
+def test_golden_swap_rows_keep_what_golden_keeps_and_score_like_any_row(llama):
+    """The last row of each group evicts, in every sampled layer, no more of golden's kept set of that step than any
+    sampled row (it drops golden's discards in the pool first); it is the same at any temperature, and its reward is that
+    of its eviction replayed from the first token (as for a sampled row). Without labels, one line names what is missing."""
+    trace, scorer = random_trace(llama, 90, seed=4), random_scorer(llama, B, L_)
+    labels = compute_golden_labels(llama, trace.input_ids, B, L_, trace_index=trace.index)
+    settings = BranchSettings(rows=4, chunks=2, steps=2, golden_swaps=1)
+    groups = roll_out_branches(
+        llama, scorer, trace, settings, rows=range(4), seed=1, reward=RewardSettings(threshold=0.0), labels=labels
+    )
+    colder = roll_out_branches(llama, scorer, trace, settings, rows=range(4), seed=1, temperature=0.3, labels=labels)
+    kept = labels.kept_positions()
+    cadence = EvictionConfig(B, L_, sinks=0, protect_prompt=False)
+    for group in groups:
+        actions, step = group.actions, (int(group.actions.after[0]) - (B + L_ - 1)) // L_
+        swap = next(g for g in colder if torch.equal(g.actions.after, actions.after)).actions
+        assert torch.equal(actions.evicted[:, :, 3], swap.evicted[:, :, 3])  # the swap row draws nothing
+        for layer in range(2):
+            overlaps = [
+                sum(
+                    int(position) in set(kept[step, layer, head].tolist())
+                    for position in actions.evicted[layer, 0, row, head]
+                )
+                for row in range(4)
+                for head in range(2)
+            ]
+            per_row = [sum(overlaps[row * 2 : row * 2 + 2]) for row in range(4)]
+            assert per_row[3] <= min(per_row[:3]), (step, layer, per_row)
+        evicted = {layer: actions.evicted[layer, 0, 3][None] for layer in range(2)}
+        replay = EvictionEngine(llama, ScriptedStep(scorer=scorer, step=step, evicted=evicted), cadence)
+        nll = replay.replay([trace.input_ids], [B + L_]).nll[0]
+        window = range(int(actions.after[0]) + 1, min(int(actions.after[0]) + 1 + 2 * L_, trace.input_ids.numel() - 1))
+        full, entropy = trace.token_nll.tolist(), trace.token_entropy.tolist()
+        backbone = EvictionEngine(llama, Foresight(scorer=scorer), cadence).replay([trace.input_ids], [B + L_]).nll[0]
+        expected = loop_window_reward(nll.tolist(), full, entropy, B + L_, window, 0.0) - loop_window_reward(
+            backbone.tolist(), full, entropy, B + L_, window, 0.0
+        )
+        assert math.isclose(float(group.scores.reward[3]), expected, rel_tol=1e-3, abs_tol=1e-6)
+    assert any(
+        (group.actions.evicted[:, :, 3] != group.actions.evicted[:, :, 0]).any() for group in groups
+    )  # the swap changed some eviction
+    with pytest.raises(ValueError, match="branch_golden_swaps=1 needs golden labels for trace 4"):
+        roll_out_branches(llama, scorer, trace, settings, rows=range(4))
+    with pytest.raises(ValueError, match="branch_golden_swaps=4 must be 0..3"):
+        BranchSettings(rows=4, golden_swaps=4)
+
+
 def test_a_branch_row_is_the_same_in_any_split_of_the_group(llama):
     """Rows 2 and 3 of a group of 4 rolled out alone equal those rows of the whole group (how a group splits
     across processes); the steps and layers branched at depend on (seed, round, trace) only."""
@@ -187,6 +237,18 @@ def test_rl_with_branch_groups_trains_records_its_settings_and_resumes(
         torch.testing.assert_close(tensor, final[name], rtol=0, atol=1e-6)
 
 
+def test_rl_with_golden_swaps_reads_the_traces_labels(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
+    """Once the training traces have labels, a branch run with a golden-swap row trains and records the option."""
+    labelled = tmp_path / "traces"
+    shutil.copytree(traces_dir, labelled, ignore=shutil.ignore_patterns("labels-*"))
+    make_labels(FrozenModel(str(tiny_dir)), labelled, B, L_, progress=False)
+    swaps = {"rollout": "branch", "branch_rows": 3, "branch_chunks": 1, "branch_steps": 1, "branch_golden_swaps": 1}
+    config = rl_config(tmp_path / "rl.yaml", tiny_dir, labelled, trainer={"max_steps": 1}, model=swaps)
+    assert cli.main(rl_args(config, start_scorer, tmp_path / "out")) == 0
+    hparams = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert hparams["branch_golden_swaps"] == 1 and "scorer refined by GRPO for 1 steps" in capsys.readouterr().out
+
+
 def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, traces_dir)
     cases = [
@@ -203,10 +265,16 @@ def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir
         ("model.reward_rule=dense9", "unknown reward_rule 'dense9'; allowed: 'thresholded'"),
         ("model.advantage_rule=none", "unknown advantage_rule 'none'; allowed: 'group_normalised'"),
         ("model.logprob_rule=sets", "unknown logprob_rule 'sets'; allowed: 'order'"),
+        ("model.branch_golden_swaps=1", "branch_golden_swaps=1 needs rollout: branch, got episode"),
+        ("model.rollout=branch model.branch_golden_swaps=8", "branch_golden_swaps=8 must be 0..7"),
+        (
+            "model.rollout=branch model.branch_golden_swaps=1",
+            "branch_golden_swaps=1 needs golden labels for every training trace;",
+        ),
     ]
     capsys.readouterr()
     for override, message in cases:
-        assert cli.main(rl_args(config, start_scorer, tmp_path / "out", override)) == 2, message
+        assert cli.main(rl_args(config, start_scorer, tmp_path / "out", *override.split())) == 2, message
         error = capsys.readouterr().err.strip()
         assert message in error and error.count("\n") == 0, error
 

@@ -13,6 +13,7 @@ from foresight.scorer.eviction_sampling import (
     draw_eviction,
     evict_lowest,
     eviction_pool,
+    guided_eviction,
     plackett_luce_logprob,
     sample_eviction,
 )
@@ -300,6 +301,27 @@ def test_logprob_matches_sequential_reference():
         draw = draw_eviction(scores, 3, torch.Generator().manual_seed(5), eligible=mask)  # the same draw, with its pool
         assert torch.equal(draw.pool, pool) and torch.equal(draw.order, order) and torch.equal(draw.logprob, logprob)
         assert torch.equal(pool.gather(-1, draw.picks), order)
+
+
+def test_a_guided_eviction_evicts_what_the_guide_drops_first_within_the_pool():
+    """By a loop: the pool's eligible entries sorted by (kept by the guide, score), the first L evicted; its
+    log-probability is the sequential Plackett-Luce one of that order; an ineligible slot is never evicted."""
+    generator = torch.Generator().manual_seed(8)
+    scores = torch.randn(3, 4, 10, generator=generator, dtype=torch.float64)
+    keeps = torch.rand(3, 4, 10, generator=generator) > 0.5
+    eligible = torch.rand(3, 4, 10, generator=generator) > 0.15
+    eligible[..., :6] = True
+    for mask in (None, eligible):
+        draw = guided_eviction(scores, 3, keeps, mask, temperature=0.5)
+        pool = eviction_pool(scores, 3, mask)
+        assert torch.equal(draw.pool, pool) and torch.equal(pool.gather(-1, draw.picks), draw.order)
+        for row in itertools.product(range(3), range(4)):
+            members = [int(c) for c in pool[row] if mask is None or bool(mask[row][c])]
+            expected = sorted(members, key=lambda c: (bool(keeps[row][c]), float(scores[row][c])))[:3]
+            assert draw.order[row].tolist() == expected, row
+        torch.testing.assert_close(
+            draw.logprob, sequential_logprob(scores / 0.5, pool, draw.order, mask), rtol=0, atol=1e-10
+        )
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,19 @@ import torch
 from foresight.choices import Choice
 from foresight.models import ModelShape, float_dtype
 from foresight.policies import register
+from foresight.policies.golden import GoldenEviction
 from foresight.runtime.cache import StateField
 from foresight.runtime.capture import OBSERVATION_BLOCK, STEP_LOGITS, first_observed_query, sub_blocks
 from foresight.runtime.policy import EvictionContext, ObservedQueries, Policy, layers_as_rows
 from foresight.scorer import standardised_features as standardised
 from foresight.scorer.attention_features import FeatureSet, attention_features
-from foresight.scorer.eviction_sampling import EvictionDraw, check_temperature, draw_eviction, plackett_luce_logprob
+from foresight.scorer.eviction_sampling import (
+    EvictionDraw,
+    check_temperature,
+    draw_eviction,
+    guided_eviction,
+    plackett_luce_logprob,
+)
 from foresight.scorer.model import ForesightScorer, load_scorer
 
 CUMULATIVE = "cumulative"
@@ -236,6 +243,10 @@ class Foresight(Policy):
     sampled_layers: the layers that sample in sampled mode (None: all); the others evict their L lowest as
       the deterministic mode does, and only the sampled layers' draws are recorded (a branch group of the
       reinforcement stage may sample a few layers of a step, `trainers.reinforcement.branches`).
+    guide, guided_rows: sampled mode with `row_seeds`: the batch rows in `guided_rows` do not sample; in the sampled
+      layers they evict what golden (`guide`, a `GoldenEviction` over the same rows' labels) proposes among the same
+      pool (`foresight.scorer.eviction_sampling.guided_eviction`), recorded with its log-probability under the
+      scorer like any draw (the reinforcement stage's golden-swap rows, `trainers.reinforcement.branches`).
     record: keep each sampled draw in `records` (default true, what the reinforcement stage learns from);
       false when only the evictions matter (`foresight eval`, `foresight generate`), as the records of
       a long run hold the pool's keys, values and features of every step and layer.
@@ -276,6 +287,8 @@ class Foresight(Policy):
     seed: int = 0
     row_seeds: tuple[int, ...] | None = None
     sampled_layers: tuple[int, ...] | None = None
+    guide: GoldenEviction | None = field(default=None, repr=False)
+    guided_rows: tuple[int, ...] = ()
     record: bool = True
     sums_dtype: str = "float32"
     cumulative_dtype: str = "float32"
@@ -303,6 +316,13 @@ class Foresight(Policy):
             float_dtype(name, getattr(self, name))
         if self.row_seeds is not None:
             self.row_seeds = tuple(int(seed) for seed in self.row_seeds)
+        self.guided_rows = tuple(sorted({int(row) for row in self.guided_rows}))
+        if self.guided_rows and (
+            self.guide is None or self.row_seeds is None or self.mode != EvictionMode.SAMPLED.value
+        ):
+            raise ValueError("guided_rows need a guide (golden over the rows' labels), row_seeds and mode 'sampled'")
+        if self.guided_rows and not all(0 <= row < len(self.row_seeds) for row in self.guided_rows):
+            raise ValueError(f"guided_rows must name rows 0..{len(self.row_seeds) - 1}, got {self.guided_rows}")
         if self.sampled_layers is not None:
             self.sampled_layers = tuple(sorted({int(layer) for layer in self.sampled_layers}))
             layers = self.scorer.config.num_layers
@@ -462,6 +482,8 @@ class Foresight(Policy):
                 tensor.index_select(0, index) for tensor in (scores, keys, values, features, positions, eligible)
             )
         draw = self._draw(scores, eligible)
+        if self.guided_rows:
+            draw = self._guided(draw, [contexts[at] for at in picked], scores, eligible)
         if self.record:
             inputs = [_pooled(tensor, draw.pool) for tensor in (positions, keys, values, features, eligible)]
             # Every layer's ring holds the same positions; a copy, as the ring itself is overwritten later.
@@ -481,6 +503,25 @@ class Foresight(Policy):
         if len(picked) == len(layers):
             return sampled  # the engine keeps the B - L entries scored 1
         return every_layer.index_copy(0, index, sampled)
+
+    def _guided(
+        self, draw: EvictionDraw, contexts: Sequence[EvictionContext], scores: torch.Tensor, eligible: torch.Tensor
+    ) -> EvictionDraw:
+        """`draw` ([layers, batch, ...]) with the `guided_rows` replaced by the guide's proposal."""
+        keeps = torch.stack([self.guide.golden_keeps(context) for context in contexts])
+        proposal = guided_eviction(scores, self.scorer.config.interval, keeps, eligible, self.temperature)
+        guided = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+        guided[list(self.guided_rows)] = True
+
+        def chosen(drawn: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+            return torch.where(guided.view(1, -1, *[1] * (drawn.dim() - 2)), proposed, drawn)
+
+        return EvictionDraw(
+            chosen(draw.pool, proposal.pool),
+            chosen(draw.picks, proposal.picks),
+            chosen(draw.order, proposal.order),
+            chosen(draw.logprob, proposal.logprob),
+        )
 
     def _draw(self, scores: torch.Tensor, eligible: torch.Tensor) -> EvictionDraw:
         """`draw_eviction` over [layers, batch, ...]; per-row generators index the batch dim."""

@@ -103,6 +103,13 @@ class GoldenEviction(Policy):
         self.schedule = GoldenSchedule.stack(self.labels)
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
+        return self.golden_keeps(context, own_schedule=True).float()
+
+    def golden_keeps(self, context: EvictionContext, own_schedule: bool = False) -> torch.Tensor:
+        """Whether golden's kept set at this context's step holds each candidate -> bool [batch, Hkv, C]. With
+        `own_schedule` (golden replaying its labels) a cache holding other candidates than golden's at this step is
+        refused; without, another policy's cache on the same cadence reads which of its candidates golden keeps
+        (the reinforcement stage's golden swap)."""
         schedule = self.schedule
         rows = self._rows(context)
         newest = context.positions.amax(dim=(1, 2)).cpu()
@@ -117,7 +124,7 @@ class GoldenEviction(Policy):
         expected = schedule.candidates[rows, index, context.layer_idx].to(device)
         stepping = active.to(device)[:, None, None]
         differs = stepping & ((positions[..., :budget] != expected) | (positions[..., budget:] >= 0).any(-1, True))
-        if bool(differs.any()):
+        if own_schedule and bool(differs.any()):
             row = int(differs.flatten(1).any(1).nonzero()[0])
             raise ValueError(
                 f"golden: at step {int(steps[row])} of layer {context.layer_idx} the cache of row {row} holds other "
@@ -131,7 +138,7 @@ class GoldenEviction(Policy):
         ).to(device)  # ascending positions
         slot = torch.searchsorted(kept, positions.contiguous()).clamp(max=kept.shape[-1] - 1)
         keep = (kept.gather(-1, slot) == positions) & (positions >= 0)
-        return (keep & (stepping | compressing.to(device)[:, None, None])).float()
+        return keep & (stepping | compressing.to(device)[:, None, None])
 
     def _rows(self, context: EvictionContext) -> torch.Tensor:
         """The labelled traces of the context's rows (the run's rows, or the evicting subset)."""

@@ -130,6 +130,28 @@ def draw_eviction(
     return EvictionDraw(pool, picks, pool.gather(-1, picks), logprob)
 
 
+def guided_eviction(
+    scores: torch.Tensor,
+    num_evict: int,
+    guide_keeps: torch.Tensor,
+    eligible: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> EvictionDraw:
+    """The eviction a guide proposes within the pool Eq. 2 draws from: the pool's entries the guide does not keep
+    (`guide_keeps`, bool like `scores`) first, lowest score first within each kind, the first `num_evict` evicted;
+    with its Plackett-Luce log-probability under the scores. The reinforcement stage's golden swap: an entry scored
+    far below the boundary is evicted by every draw at a small τ, and only a proposal that keeps it tells the
+    update what keeping it is worth."""
+    masked = _masked(scores, num_evict, eligible)
+    pool = _pool(masked, num_evict)  # lowest score first: a stable sort keeps that order within each kind
+    logits = _logits(masked, temperature).gather(-1, pool)
+    protected = guide_keeps.gather(-1, pool) | torch.isinf(logits)  # an ineligible slot is never drawn
+    picks = torch.sort(protected.to(torch.int8), dim=-1, stable=True).indices[..., :num_evict]
+    drawn = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, picks, True)
+    logprob = _plackett_luce(logits, logits.gather(-1, picks), drawn)
+    return EvictionDraw(pool, picks, pool.gather(-1, picks), logprob)
+
+
 def _uniform(logits: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
     """U(0, 1) noise shaped like `logits`, from one generator or from one per row of the first dim."""
     options = {"dtype": logits.dtype, "device": logits.device}

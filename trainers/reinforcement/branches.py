@@ -35,6 +35,7 @@ import torch
 
 from foresight.cadence import regime_prefill, regime_shift
 from foresight.data.trace_store import Trace
+from foresight.labels import GoldenLabels
 from foresight.metrics import (
     DAMAGE_EXPONENT,
     DAMAGE_THRESHOLD,
@@ -58,12 +59,16 @@ class BranchSettings:
     """rows: K, branches per group. chunks: W, the chunks of L tokens each branch continues for after its
     step (None: to the trace's end, so a decision whose cost comes late, a prompt fact needed at the answer,
     is rewarded too). steps: branch groups per trace and round. layers: layers that sample a group's step
-    (drawn per group; None: every layer)."""
+    (drawn per group; None: every layer). golden_swaps: how many of the K rows (the last ones) do not sample
+    but evict, in the sampled layers, what golden keeps least among the same pool (golden's kept set of that
+    step decides, the scorer's order within it): the counterfactual a draw at a small τ never makes. They
+    need the traces' golden labels."""
 
     rows: int = 8
     chunks: int | None = 4
     steps: int = 2
     layers: int | None = None
+    golden_swaps: int = 0
 
     def tokens(self, interval: int) -> int | None:
         """Predictions a branch continues for after its step (None: to the trace's end)."""
@@ -76,6 +81,15 @@ class BranchSettings:
                 f"need branch_rows >= 2, branch_chunks >= 1 (or null), branch_steps >= 1 and branch_layers >= 1 (or null), got "
                 f"branch_rows={self.rows}, branch_chunks={self.chunks}, branch_steps={self.steps}, branch_layers={self.layers}"
             )
+        if not 0 <= self.golden_swaps < self.rows:
+            raise ValueError(
+                f"branch_golden_swaps={self.golden_swaps} must be 0..{self.rows - 1}: at least one of the "
+                f"branch_rows={self.rows} rows samples"
+            )
+
+    def guided_rows(self, rows: Sequence[int]) -> tuple[int, ...]:
+        """The positions in `rows` (this process's rows of the K) that are golden-swap rows."""
+        return tuple(at for at, row in enumerate(rows) if row >= self.rows - self.golden_swaps)
 
 
 @dataclass(frozen=True)
@@ -136,15 +150,22 @@ def roll_out_branches(
     reward: RewardSettings = RewardSettings(),
     storage_dtype: torch.dtype = torch.float32,
     reference_nll: torch.Tensor | None = None,
+    labels: GoldenLabels | None = None,
 ) -> list[GroupRollout]:
     """The branch groups of one trace in one round (module docstring), one `GroupRollout` per branch step, of
     this process's `rows` of the K (all of `range(settings.rows)` on one process): their step's recorded
     evictions and the rewards d_k. `reference_nll`: the full-cache losses ΔL compares with (None: the
-    trace's stored ones). The backbone's time is shared equally among the groups."""
+    trace's stored ones). `labels`: the trace's golden labels, which golden-swap rows need. The backbone's time
+    is shared equally among the groups."""
     config = scorer.config
     started = time.perf_counter()
+    if settings.golden_swaps and labels is None:
+        raise ValueError(
+            f"branch_golden_swaps={settings.golden_swaps} needs golden labels for trace {trace.index}: make them "
+            f"with `foresight labels -B {config.budget} -L {config.interval} --regime {config.regime.value}`"
+        )
     branched, backbone, num_layers = _branched(
-        model, scorer, trace, settings, rows, seed, round_index, temperature, settings.tokens(config.interval)
+        model, scorer, trace, settings, rows, seed, round_index, temperature, settings.tokens(config.interval), labels
     )
     length = trace.input_ids.numel()
     branched = [
@@ -190,11 +211,12 @@ def _branched(
     round_index: int,
     temperature: float,
     tokens: int | None,
+    labels: GoldenLabels | None = None,
 ) -> tuple[list[tuple], Replay, int]:
     """The backbone's replay of `trace` to its end and, at each branch point, its state copied into the
     `rows`, step s sampled, then `tokens` more fed deterministically (None: to the trace's end). Returns
     (step, branch replay, its (forward seconds, tokens) when forked, the sampling policy, its sampled
-    layers) per branch point, the backbone and the model's layer count."""
+    layers) per branch point, the backbone and the model's layer count. Golden-swap rows read `labels`."""
     config = scorer.config
     length = trace.input_ids.numel()
     prefill = regime_prefill(trace.prompt_length, config.budget, config.interval, config.regime)
@@ -208,6 +230,8 @@ def _branched(
     cadence = EvictionConfig(config.budget, config.interval, sinks=0, protect_prompt=False)
     engine = EvictionEngine(model, make_policy("foresight", scorer=scorer, record=False), cadence)
     backbone = engine.start_replay([trace.input_ids], [prefill])
+    guided = settings.guided_rows(rows)
+    guide = make_policy("golden", labels=[labels] * len(rows)) if guided else None
     branched = []
     for step in (compressed + point for point in branch_points(steps, settings.steps, seed, round_index, trace.index)):
         engine.advance(backbone, stop_before_step=step)
@@ -219,6 +243,8 @@ def _branched(
             temperature=temperature,
             sampled_layers=layers,
             row_seeds=branch_seeds(seed, round_index, trace.index, step, rows),
+            guide=guide,
+            guided_rows=guided,
         )
         branch = backbone.select_rows([0] * len(rows))
         forked = (branch.run.stats.forward_seconds, branch.run.stats.tokens)

@@ -36,6 +36,7 @@ from torchmetrics import MeanMetric
 
 from foresight.cadence import Regime
 from foresight.data.trace_store import Trace
+from foresight.labels import LabelKind, LabelStore
 from foresight.metrics import DAMAGE_EXPONENT, DAMAGE_OFFSET, DAMAGE_THRESHOLD, LOW_ENTROPY_SHARE
 from foresight.models import describe, float_dtype, load_config
 from foresight.scorer.eviction_sampling import check_temperature
@@ -95,8 +96,11 @@ class GRPOScorer(ScorerModule):
       groups (`trainers.reinforcement.branches`): one deterministic backbone replay per trace, and at branch_steps of its
       eviction steps, branch_rows rows (K) copied from its state that draw that step by Eq. 2 (on
       branch_layers layers per group, null: all) and continue deterministically for branch_chunks chunks (null: to the trace's end)
-      (W), rewarded by the backbone's damage minus their own over those W·L tokens. group_size and
-      traces_per_replay apply to episodes only.
+      (W), rewarded by the backbone's damage minus their own over those W·L tokens; the last
+      branch_golden_swaps of the K rows do not sample but evict, in the sampled layers, what golden's kept set
+      of that step keeps least among the same pool (`BranchSettings.golden_swaps`; the traces' α labels at B, L
+      and the regime must exist, checked before the first rollout). group_size and traces_per_replay apply to
+      episodes only.
     reward_rule, advantage_rule, logprob_rule: the estimator's rules by name (`trainers.reinforcement.estimators`):
       "thresholded" (the damage term ΔL^p·1[ΔL > η]), "group_normalised" (Eq. 9), "order" (Plackett-Luce of
       the sampled order), the paper's; or "dense" ((ΔL − δ)₊^p, δ = damage_offset), "gated" ((ΔL)₊^p·σ((ΔL −
@@ -143,6 +147,7 @@ class GRPOScorer(ScorerModule):
         branch_chunks: int | None = 4,
         branch_steps: int = 2,
         branch_layers: int | None = None,
+        branch_golden_swaps: int = 0,
         reward_rule: str = "thresholded",
         advantage_rule: str = "group_normalised",
         logprob_rule: str = "order",
@@ -156,7 +161,11 @@ class GRPOScorer(ScorerModule):
     ) -> None:
         super().__init__()
         self.rollout = Rollout.parse(rollout)
-        self.branches = BranchSettings(branch_rows, branch_chunks, branch_steps, branch_layers)
+        self.branches = BranchSettings(branch_rows, branch_chunks, branch_steps, branch_layers, branch_golden_swaps)
+        if branch_golden_swaps and self.rollout is not Rollout.BRANCH:
+            raise ValueError(
+                f"branch_golden_swaps={branch_golden_swaps} needs rollout: branch, got {self.rollout.value}"
+            )
         self.estimator = Estimator(reward_rule, advantage_rule, logprob_rule, damage_offset, damage_gate_width)
         if self.estimator.batch_wide and self.rollout is not Rollout.BRANCH:
             raise ValueError(
@@ -219,6 +228,7 @@ class GRPOScorer(ScorerModule):
         self.model_dtype = float_dtype("dtype", dtype)
         self._frozen: FrozenModel | None = None
         self._full_cache_nll: dict[int, torch.Tensor] = {}  # by trace index, with loss_reference "replay"
+        self._golden: LabelStore | None = None  # the golden-swap rows' labels, opened by on_fit_start
         names = (
             "reward",
             "loss_ratio",
@@ -284,6 +294,9 @@ class GRPOScorer(ScorerModule):
                     reward=reward,
                     storage_dtype=self.storage_dtype,
                     reference_nll=self._reference_nll(trace),
+                    labels=None
+                    if self._golden is None
+                    else self._golden.load(trace.index, num_tokens=trace.input_ids.numel()),
                 )
             return
         scoring = dict(
@@ -306,6 +319,21 @@ class GRPOScorer(ScorerModule):
                 reference_nll=[self._reference_nll(trace) for trace in packed],
                 **scoring,
             )
+
+    def on_fit_start(self) -> None:
+        """The golden-swap rows' labels, every training trace's checked before the first rollout."""
+        if not self.branches.golden_swaps:
+            return
+        data, config = self.trainer.datamodule, self.scorer.config
+        store = LabelStore(data.traces_dir, config.budget, config.interval, LabelKind.ALPHA, config.regime)
+        missing = [trace.index for trace in data.train if trace.index not in store]
+        if missing:
+            raise ValueError(
+                f"branch_golden_swaps={self.branches.golden_swaps} needs golden labels for every training trace; "
+                f"{len(missing)} of {len(data.train)} have none in {store.directory} (make them with `foresight labels "
+                f"--traces {data.traces_dir} -B {config.budget} -L {config.interval} --regime {config.regime.value}`)"
+            )
+        self._golden = store
 
     def _reference_nll(self, trace: Trace) -> torch.Tensor | None:
         """The full-cache losses a trace's rollouts are scored against: None (its stored ones) or, with
