@@ -430,9 +430,19 @@ def test_rl_signal_on_a_tiny_model(tmp_path, tiny_dir, traces_dir, start_scorer,
     reference = float(text.split("cosine of its two halves: ")[1].split(")")[0])
     assert reference > 0.9
     planted = {cells[0]: cells[1:] for cells in lines if len(cells) == 10}  # 6 episode counts, 2 targets, B_noise
-    for name in ("order / group_normalised", "order / leave_one_out", "set / group_normalised", "set / leave_one_out"):
-        cosines = [float(cell) for cell in planted[name][:6]]  # n = 4 .. 128 episodes per trace
+    branches = "order / group_normalised, per-layer branch groups (K = 8"
+    for name in (
+        "order / group_normalised",
+        "order / leave_one_out",
+        "set / group_normalised",
+        "set / leave_one_out",
+        f"{branches})",
+    ):
+        cosines = [float(cell) for cell in planted[name][:6]]  # n = 4 .. 128 episodes (or groups) per trace
         assert cosines[-1] > max(cosines[0], 0.3), (name, cosines)
+    episode, branch = (float(planted[name][5]) for name in ("order / group_normalised", f"{branches})"))
+    assert branch > episode  # per-layer credit: closer to the truth at equal groups than whole-episode credit
+    assert len(planted[f"{branches}, 1 golden swap)"]) == 9
     assert f"wrote the rl-signal section of {out}" in capsys.readouterr().out
 
 

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from foresight.bench.common import OneScorer, PlacedSettings, machine, scorer_field, threads_note
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.models import describe, load_model
-from foresight.scorer.eviction_sampling import draw_eviction, plackett_luce_logprob
+from foresight.scorer.eviction_sampling import draw_eviction, guided_eviction, plackett_luce_logprob
 from foresight.scorer.model import ForesightScorer, load_scorer
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
@@ -199,7 +199,8 @@ def run(settings: Settings) -> str:
         kind: float(np.mean([group.forward_tokens for trace_groups in groups for group in trace_groups]))
         for kind, groups in kinds
     }
-    planted = planted_check(scorer, [trace_groups[0].actions for trace_groups in episodes], settings)
+    branch_tokens = tokens.get("branch groups", math.nan)
+    planted = planted_check(scorer, [trace_groups[0].actions for trace_groups in episodes], settings, branch_tokens)
     seconds = time.perf_counter() - started
     return report(settings, traces, noise, tokens, planted, seconds)
 
@@ -329,6 +330,7 @@ class PlantedFigures:
     advantage: str
     cosines: list[float]
     groups: float
+    group_tokens: float | None = None  # forward tokens of one group, where not an episode group's
 
 
 @dataclass(frozen=True)
@@ -342,9 +344,12 @@ class Planted:
     rows: list[PlantedFigures]
 
 
-def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], settings: Settings) -> Planted:
+def planted_check(
+    scorer: ForesightScorer, recorded: Sequence[EvictionActions], settings: Settings, branch_tokens: float
+) -> Planted:
     """The planted reward's true gradient and each estimator's approach to it (module docstring), on the
-    states of the first rollout row of each trace's `recorded` evictions, held fixed."""
+    states of the first rollout row of each trace's `recorded` evictions, held fixed; then per-layer branch
+    groups (`planted_branches`), with and without a golden-swap row, costed at `branch_tokens` a group."""
     states = dataclasses.replace(
         recorded[0],
         **{name: torch.cat([getattr(row(actions, 0), name) for actions in recorded], dim=2) for name in PER_ROW},
@@ -412,8 +417,63 @@ def planted_check(scorer: ForesightScorer, recorded: Sequence[EvictionActions], 
                 )
             )
         del per_episode
+    for swaps in (0, 1):
+        figures = planted_branches(fixed, eligible, planted, num_evict, settings, generator, swaps, weights_of, truth)
+        rows.append(dataclasses.replace(figures, group_tokens=branch_tokens))
     reference = float(torch.nn.functional.cosine_similarity(true_a, true_b, dim=0))
     return Planted(ladder, reference, actions, rows)
+
+
+def planted_branches(
+    fixed: torch.Tensor,
+    eligible: torch.Tensor,
+    planted: torch.Tensor,
+    num_evict: int,
+    settings: Settings,
+    generator: torch.Generator,
+    swaps: int,
+    weights_of,
+    truth: torch.Tensor,
+) -> PlantedFigures:
+    """Per-layer branch groups on the planted reward: each group one state (a layer at a step) of every trace, its
+    K rows drawing that layer's eviction (every KV head) by Eq. 2, the last `swaps` of them instead evicting the
+    pool's unpenalised entries first (the golden swap: golden keeps what costs to evict); reward −(penalised
+    entries evicted) at that state alone, group-normalised advantages, order log-probability. The cosine of the
+    mean group gradient to the true one after n groups per trace, n as the episodes' ladder."""
+    layers, steps, traces = fixed.shape[:3]
+    rows, size = settings.branch_rows, settings.group_size
+    ladder = [size * 2**k for k in range(int(math.log2(settings.planted_groups)) + 1)]
+    every = torch.arange(traces, device=fixed.device)
+    total = torch.zeros_like(fixed, dtype=torch.float64)
+    parts = [torch.zeros_like(total) for _ in range(CHUNKS)]
+    cosines = []
+    for group in range(ladder[-1]):
+        layer = torch.randint(layers, (traces,), generator=generator, device=fixed.device)
+        step = torch.randint(steps, (traces,), generator=generator, device=fixed.device)
+        scores, allowed, costly = (tensor[layer, step, every] for tensor in (fixed, eligible, planted))
+        temperature = settings.sample_temperature
+        orders = draw_eviction(scores.expand(rows - swaps, *scores.shape), num_evict, generator, allowed, temperature)
+        order = orders.order
+        if swaps:
+            swap = guided_eviction(scores, num_evict, costly, allowed, temperature).order
+            order = torch.cat([order, swap.expand(swaps, *swap.shape)])
+        rewards = -costly.expand(rows, *costly.shape).gather(-1, order).sum((-1, -2)).double()  # [K, traces]
+        weight = ADVANTAGE_RULES["group_normalised"](rewards[None], dim=1)[0]
+        leaf = scores.expand(rows, *scores.shape).clone().requires_grad_()
+        pool = torch.arange(scores.shape[-1], device=fixed.device).expand_as(leaf)
+        logprob = plackett_luce_logprob(leaf, pool, order, allowed, temperature).sum(-1)  # [K, traces]
+        (gradient,) = torch.autograd.grad((logprob * weight.to(logprob.dtype)).sum() / rows, leaf)
+        contribution = torch.zeros_like(total)
+        contribution[layer, step, every] = gradient.sum(0).double()
+        total += contribution
+        parts[group % CHUNKS] += contribution
+        if group + 1 in ladder:
+            mean = weights_of((total / ((group + 1) * traces)).to(fixed.dtype))
+            cosines.append(float(torch.nn.functional.cosine_similarity(mean, truth, dim=0)))
+    per_part = ladder[-1] // CHUNKS * traces
+    means = [weights_of((part / per_part).to(fixed.dtype)) for part in parts]
+    name = f"per-layer branch groups (K = {rows}" + (f", {swaps} golden swap)" if swaps else ")")
+    return PlantedFigures("order", f"group_normalised, {name}", cosines, chunk_noise_scale(means, ladder[-1] * traces))
 
 
 def reference_gradient(
@@ -545,6 +605,6 @@ def report(
             + " | ".join(f"{value:.3f}" for value in figures.cosines)
             + " | "
             + " | ".join(reached)
-            + f" | {tokens_text(figures.groups, today_tokens)} |"
+            + f" | {tokens_text(figures.groups, figures.group_tokens or today_tokens)} |"
         )
     return "\n".join(lines)
