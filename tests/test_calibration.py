@@ -40,7 +40,7 @@ def test_pooled_overlap_spends_one_budget_across_a_layers_heads():
 
 def test_calibrating_trains_the_output_bias_and_records_the_scale():
     scorer = random_scorer(tiny_model("llama"), 16, 4)
-    spec = {k: v for k, v in vars(scorer.config).items() if k not in ("hidden", "key_values", "scale")}
+    spec = {k: v for k, v in vars(scorer.config).items() if k not in ("hidden", "key_values", "scale", "residual")}
     plain, calibrated = SupervisedScorer(dict(spec)), SupervisedScorer(dict(spec), calibration=0.1)
     assert plain.scorer.config.scale is ScoreScale.ORDINAL and not plain.scorer.get_parameter("b2").requires_grad
     assert (
@@ -49,6 +49,17 @@ def test_calibrating_trains_the_output_bias_and_records_the_scale():
     assert "log(α + ε)" in calibrated.stage_settings()["ranking loss"]
     with pytest.raises(ValueError, match="calibration >= 0"):
         SupervisedScorer(dict(spec), calibration=-1.0)
+
+
+def test_a_residual_fit_starts_from_its_feature():
+    scorer = random_scorer(tiny_model("llama"), 16, 4)
+    spec = {k: v for k, v in vars(scorer.config).items() if k not in ("hidden", "key_values", "scale", "residual")}
+    module = SupervisedScorer(dict(spec, feature_set="standardised-heuristic"), residual="last_1")
+    assert module.scorer.config.residual == "last_1" and not module.scorer.w2.any() and not module.scorer.b2.any()
+    with pytest.raises(
+        ValueError, match=f"residual 'last_1' is not a feature of the {scorer.config.feature_set.value} set"
+    ):
+        SupervisedScorer(dict(spec), residual="last_1")
 
 
 def test_a_scale_this_version_cannot_read_is_named_in_one_line(tmp_path):

@@ -10,12 +10,17 @@ from foresight.scorer.model import load_scorer
 from tests.scorers import make_scorer, random_inputs
 
 
-@pytest.mark.parametrize("feature_set", ["official-8", "standardised"])
-def test_the_ensemble_scores_the_mean_of_its_members_and_round_trips(tmp_path, feature_set):
+@pytest.mark.parametrize(
+    "feature_set, residual", [("official-8", None), ("standardised", None), ("standardised-heuristic", "last_1")]
+)
+def test_the_ensemble_scores_the_mean_of_its_members_and_round_trips(tmp_path, feature_set, residual):
     members = [
-        make_scorer(seed, feature_set=feature_set, hidden=hidden, training_sources=[source])
+        make_scorer(seed, feature_set=feature_set, hidden=hidden, training_sources=[source], residual=residual)
         for seed, hidden, source in ((0, 16, "a"), (1, 8, "b"), (2, 16, "a"))
     ]
+    with torch.no_grad():  # a residual scorer's output layer starts at 0: trained members differ
+        for seed, member in enumerate(members):
+            member.w2.normal_(generator=torch.Generator().manual_seed(seed))
     merged = ensemble(members)
     assert merged.config.hidden == 40 and merged.config.training_sources == ["a", "b"]
     keys, values, features = random_inputs(merged.config, 3, 2)
@@ -38,3 +43,6 @@ def test_members_that_read_other_inputs_are_refused():
         ensemble([make_scorer(), make_scorer(budget=32)])
     with pytest.raises(ValueError, match="feature_set 'official-8' vs 'paper'"):
         ensemble([make_scorer(), make_scorer(feature_set="paper")])
+    heuristic = "standardised-heuristic"
+    with pytest.raises(ValueError, match="residual None vs 'last_1'"):
+        ensemble([make_scorer(feature_set=heuristic), make_scorer(feature_set=heuristic, residual="last_1")])

@@ -74,6 +74,29 @@ def test_a_standardised_scorer_reads_unit_norm_keys_and_values_and_older_ones_ra
     assert torch.equal(ForesightScorer.from_pretrained(tmp_path)(keys, values, features), scores)
 
 
+def test_a_residual_scorer_starts_as_its_feature_and_adds_its_mlp(tmp_path):
+    """With residual last_1 the output layer starts at 0, so the scores start as the mean of the group's last_1
+    columns (head-major: column g·F + 7); trained, they are that mean plus the per-(layer, head) MLP, by a loop;
+    the option survives a save and load, and a feature the set lacks is named in one line."""
+    scorer = make_scorer(feature_set="standardised-heuristic", residual="last_1")
+    config = scorer.config
+    keys, values, features = random_inputs(config, config.num_layers, 2)
+    base = features[..., [7, 9 + 7]].mean(-1)  # F = 9 features per query head, G = 2
+    torch.testing.assert_close(scorer(keys, values, features), base, rtol=0, atol=0)
+    with torch.no_grad():
+        scorer.w2.normal_(generator=torch.Generator().manual_seed(3))
+    scores = scorer(keys, values, features)
+    unit = [torch.nn.functional.normalize(tensor, dim=-1) for tensor in (keys, values)]
+    for layer, head in itertools.product(range(config.num_layers), range(config.num_kv_heads)):
+        x = torch.cat([unit[0][layer, :, head], unit[1][layer, :, head], features[layer, :, head]], -1)
+        expected = independent_mlp(scorer, layer, head)(x).squeeze(-1) + base[layer, :, head]
+        torch.testing.assert_close(scores[layer, :, head], expected, rtol=0, atol=1e-6)
+    scorer.save_pretrained(tmp_path)
+    assert torch.equal(ForesightScorer.from_pretrained(tmp_path)(keys, values, features), scores)
+    with pytest.raises(ValueError, match="residual 'last_2' is not a feature of the standardised set; its features:"):
+        make_config(feature_set="standardised", residual="last_2")
+
+
 def test_a_norms_scorer_reads_unit_keys_and_values_and_their_log_norms(tmp_path):
     """ "standardised-norms": x_n = [k / |k| || v / |v| || a_n || log|k| || log|v|], so a per-entry rescaling
     now changes the score, through the two norm columns only."""
@@ -148,6 +171,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
         "key_values": True,
         "regime": "streaming",
         "scale": "ordinal",
+        "residual": None,
     }
     loaded = ForesightScorer.from_pretrained(tmp_path)
     assert loaded.config == scorer.config

@@ -55,6 +55,8 @@ class SupervisedScorer(ScorerModule):
       the ranking loss (0: none, the paper's). With λ > 0 the output bias b2 trains too and the scorer's
       scale is "log-target": its scores compare across heads and layers (`ScoreScale`), which a budget spent
       across heads needs; `val/pooled_overlap` measures it (the kept set of one budget per layer).
+    residual: a feature the scorer adds to its MLP's output and starts from (`ScorerConfig.residual`; "last_1",
+      TOVA's statistic, with the standardised-heuristic set): the fit trains a correction to that heuristic.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class SupervisedScorer(ScorerModule):
         pair_block: int | None = PAIR_BLOCK_ELEMENTS,
         init_scorer: str | None = None,
         calibration: float = 0.0,
+        residual: str | None = None,
     ) -> None:
         super().__init__()
         pairs, pair_weight = RankingPairs.parse(pairs).value, PairWeight.parse(pair_weight).value
@@ -86,7 +89,8 @@ class SupervisedScorer(ScorerModule):
             )
         self.save_hyperparameters()
         scale = ScoreScale.LOG_TARGET if calibration else ScoreScale.ORDINAL
-        self.scorer = ForesightScorer(ScorerConfig(**scorer, hidden=hidden, key_values=key_values, scale=scale))
+        config = ScorerConfig(**scorer, hidden=hidden, key_values=key_values, scale=scale, residual=residual)
+        self.scorer = ForesightScorer(config)
         if init_scorer is not None:
             self.scorer.load_state_dict(_matching_weights(load_scorer(init_scorer), self.scorer.config, init_scorer))
         if not calibration:  # the calibration's target moves every score of a head: b2 trains then

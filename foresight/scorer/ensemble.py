@@ -26,8 +26,10 @@ SHARED_FIELDS = (
     "feature_set",
     "key_values",
     "base_model",
+    "residual",
 )
-"""What the members must agree on: the model, the cadence and the inputs they read."""
+"""What the members must agree on: the model, the cadence, the inputs they read and the feature they correct (the
+mean of k scorers that add one residual is that residual plus the mean of their MLPs)."""
 
 
 def ensemble(scorers: Sequence[ForesightScorer]) -> ForesightScorer:

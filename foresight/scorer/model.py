@@ -37,7 +37,7 @@ from torch import nn
 
 from foresight.cadence import Regime, check_budget
 from foresight.choices import Choice
-from foresight.scorer.attention_features import FeatureSet, feature_width
+from foresight.scorer.attention_features import FEATURE_NAMES, FeatureSet, feature_width
 
 
 class HasModelShape(Protocol):
@@ -93,6 +93,10 @@ class ScorerConfig:
     position that RoPE rotates into the keys). regime: the eviction regime whose steps its training examples
     came from (`foresight.cadence.Regime`; scorers written before the regimes hold none and are streaming).
     scale: what its scores mean across heads (`ScoreScale`; older scorers hold none and are ordinal).
+    residual: a feature of the set ("last_1": TOVA's statistic, the newest query's attention) whose columns'
+    mean over the group's query heads is added to the MLP's output, the output layer starting at 0: the scorer
+    starts as that heuristic's order (per KV head, on the standardised log scale) and trains as a correction to
+    it, so off its training distribution it stays near the heuristic rather than below it (None: the MLP alone).
     """
 
     num_layers: int
@@ -110,9 +114,16 @@ class ScorerConfig:
     key_values: bool = True
     regime: Regime = Regime.STREAMING
     scale: ScoreScale = ScoreScale.ORDINAL
+    residual: str | None = None
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)
+        names = FEATURE_NAMES[self.feature_set]
+        if self.residual is not None and self.residual not in names:
+            raise ValueError(
+                f"residual {self.residual!r} is not a feature of the {self.feature_set.value} set; its features: "
+                f"{', '.join(names)}"
+            )
         self.regime = Regime.parse(self.regime)
         self.scale = ScoreScale.parse(self.scale)
         if self.stage not in STAGES:
@@ -143,6 +154,14 @@ class ScorerConfig:
     def norm_width(self) -> int:
         """2 when x_n ends with log‖k_n‖ and log‖v_n‖ (`FeatureSet.key_value_norms`), else 0."""
         return 2 * (self.key_values and self.feature_set.key_value_norms)
+
+    @property
+    def residual_columns(self) -> slice | None:
+        """The columns of a_n holding the residual feature, one per query head of the group (head-major layout)."""
+        if self.residual is None:
+            return None
+        names = FEATURE_NAMES[self.feature_set]
+        return slice(names.index(self.residual), None, len(names))
 
     @property
     def input_dim(self) -> int:
@@ -190,12 +209,16 @@ class ForesightScorer(
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default init, per (layer, head): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        """nn.Linear's default init, per (layer, head): U(-1/sqrt(fan_in), 1/sqrt(fan_in)); with a residual the
+        output layer starts at 0, so the scores start as the residual feature's."""
         layers = ((self.w1, self.b1, self.config.input_dim), (self.w2, self.b2, self.config.hidden))
         with torch.no_grad():
             for weight, bias, fan_in in layers:
                 weight.uniform_(-(fan_in**-0.5), fan_in**-0.5)
                 bias.uniform_(-(fan_in**-0.5), fan_in**-0.5)
+            if self.config.residual is not None:
+                self.w2.zero_()
+                self.b2.zero_()
 
     def check_compatible(self, shape: HasModelShape) -> None:
         """Raise a one-line ValueError naming both shapes when `shape` is not the model this scorer is for."""
@@ -292,7 +315,10 @@ class ForesightScorer(
         if config.norm_width:  # log‖k_n‖, log‖v_n‖: the scale the unit vectors leave out
             hidden.baddbmm_(torch.cat(norms, dim=-1), blocks[-1])
         scores = torch.bmm(nn.functional.gelu(hidden), w2.unsqueeze(-1)).squeeze(-1) + b2.unsqueeze(-1)
-        return scores.unflatten(0, (count, heads)).unflatten(-1, (batch, entries)).permute(0, 2, 1, 3)
+        scores = scores.unflatten(0, (count, heads)).unflatten(-1, (batch, entries)).permute(0, 2, 1, 3)
+        if config.residual_columns is None:
+            return scores
+        return scores + parts[2][..., config.residual_columns].to(scores.dtype).mean(-1)
 
     @classmethod
     def _from_pretrained(
