@@ -132,6 +132,17 @@ def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp
     assert float(rows["| full"][4].rstrip("%")) == 0 and float(rows["| foresight"][4].rstrip("%")) > 0
 
 
+def test_interleaved_bench_reports_every_policy_against_the_first(shrunk_config, tmp_path):
+    out = tmp_path / "bench.md"
+    argv = ["bench", "interleaved", "--model", str(shrunk_config), "--policies", "snapkv,streaming,foresight"]
+    argv += ["-B", "32", "-L", "8", "--new-tokens", "96", "--slice-tokens", "8", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0] for row in rows[1:]] == ["| snapkv", "| streaming", "| foresight"]
+    assert rows[1][2] == "– |" and all("[" in row[2] for row in rows[2:])
+    assert main(["bench", "interleaved", "--policies", "snapkv", "--out", str(out)]) == 2
+
+
 def test_eviction_step_counts_and_times_every_policys_steps_beside_snapkv(shrunk_config, tmp_path):
     """Each evicting policy's row: operations and host reads per step from the counted run (no read-backs: every
     row evicts together), ms per step and the share from the timed run, the share over SnapKV's (1 for SnapKV)."""
@@ -213,6 +224,7 @@ def test_largest_batch_says_when_even_a_small_batch_does_not_fit():
 
 BENCHMARKS = (
     "decode",
+    "interleaved",
     "memory",
     "capacity",
     "serve",

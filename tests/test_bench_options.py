@@ -32,6 +32,7 @@ RUNNER = {**dict.fromkeys(benchmarks(), "foresight bench"), **dict.fromkeys(STUD
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {  # values of the options without a default, by field name
     "traces": Path("runs/traces dir"),
+    "eval": Path("runs/eval dir"),
     "kv_memory": "512MiB",
     "heuristics": "snapkv,tova",
     "sets": ("a b=runs/x,runs/y", "c=runs/z"),

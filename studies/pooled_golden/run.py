@@ -50,8 +50,6 @@ class Settings(ReportSettings):
 
     def __post_init__(self) -> None:
         Regime.parse(self.regime)
-        if not (self.eval / "traces.json").is_file():
-            raise ValueError(f"--eval {self.eval} holds no traces.json: give a `foresight eval --traces` folder")
 
 
 def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
@@ -76,6 +74,8 @@ def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
 
 
 def run(settings: Settings) -> str:
+    if not (settings.eval / "traces.json").is_file():
+        raise ValueError(f"--eval {settings.eval} holds no traces.json: give a `foresight eval --traces` folder")
     evaluated = [TraceScore(**entry) for entry in json.loads((settings.eval / "traces.json").read_text())]
     evaluated = [score for score in evaluated if score.budget == settings.budget]
     indices = sorted({score.index for score in evaluated if score.policy == ORACLE})[: settings.max_traces]

@@ -1,0 +1,191 @@
+"""Decode throughput of each policy against the first, in turns of a few tokens inside one process.
+
+Runs in separate processes, or one after another in one, see the machine at different moments: on a shared
+CPU the median of three runs places a throughput ratio no closer than about ±10%. Here every policy decodes the
+same batch on a thread of its own and the threads take strict turns (`Turns`): policy 1 decodes `slice_tokens`
+tokens, then policy 2 as many, and so on round after round, so a drift of the machine's speed reaches every
+policy within one round. A round's slices are paired: policy p's throughput against the first's is Σ (first's
+slice times) / Σ (p's slice times) over the rounds after every policy's first eviction (the cycle decode pays
+then), with a 95% bootstrap interval over rounds.
+
+    foresight bench interleaved --policies snapkv,foresight --scorer checkpoints/default --batch 4 \\
+        --new-tokens 2048 --slice-tokens 32
+
+Size: the turn taking, the run it drives and its report change together.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark_model, machine, prompt_ids
+from foresight.eval.headroom import Estimate
+from foresight.eval.stats import percentile_interval, resample_counts
+from foresight.models import describe
+from foresight.runtime.engine import EvictionEngine
+
+NAME = "interleaved"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(RuntimeSettings):
+    policies: str = field(
+        default="snapkv,foresight",
+        metadata={"help": "comma-separated policies, the first the reference (full is not added)", "metavar": "LIST"},
+    )
+    batch: int = field(default=1, metadata={"help": "rows every policy decodes at once"})
+    new_tokens: int = field(default=2048, metadata={"help": "tokens each policy decodes (EOS ignored)"})
+    slice_tokens: int = field(default=32, metadata={"help": "tokens of one turn"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch < 1 or self.slice_tokens < 1 or self.new_tokens < 2 * self.slice_tokens:
+            raise ValueError(
+                f"need batch >= 1, slice_tokens >= 1 and new_tokens >= 2 * slice_tokens, got batch={self.batch}, "
+                f"slice_tokens={self.slice_tokens}, new_tokens={self.new_tokens}"
+            )
+        if len(self.decoders) < 2:
+            raise ValueError(f"--policies {self.policies!r}: give at least two, the first the reference")
+
+    @property
+    def decoders(self) -> list[str]:
+        """The policies that take turns, as given (the full cache only where named)."""
+        named = [name.strip() for name in self.policies.split(",") if name.strip()]
+        return [name for name in named if name in self.policy_names or name == "full"]
+
+
+class Turns:
+    """Strict turns between decoders on threads: one decodes at a time, `slice_tokens` tokens a turn, in the
+    order of `names`; a decoder that ends leaves the rotation. `clock` times each turn (its seconds are kept
+    per decoder, in order)."""
+
+    def __init__(self, names: Sequence[str], slice_tokens: int, clock: Callable[[], float] = time.perf_counter):
+        self.names, self.slice_tokens, self.clock = list(names), slice_tokens, clock
+        self.slices: dict[str, list[float]] = {name: [] for name in names}
+        self._condition = threading.Condition()
+        self._turn, self._ended, self._started = 0, set(), 0.0
+
+    def wait(self, name: str) -> None:
+        """Block until it is `name`'s turn; its turn's clock starts then."""
+        with self._condition:
+            self._condition.wait_for(lambda: self.names[self._turn] == name)
+            self._started = self.clock()
+
+    def on_token(self, name: str) -> Callable[[int], None]:
+        """The `EvictionEngine.generate` callback of decoder `name`: every `slice_tokens` tokens, its turn ends."""
+
+        def tick(count: int) -> None:
+            if count % self.slice_tokens == 0:
+                self.slices[name].append(self.clock() - self._started)
+                self._pass(name)
+                self.wait(name)
+
+        return tick
+
+    def end(self, name: str) -> None:
+        """`name` decoded its last token (or failed): the others go on without it."""
+        with self._condition:
+            self._ended.add(name)
+            if self.names[self._turn] == name:
+                self._advance()
+
+    def _pass(self, name: str) -> None:
+        with self._condition:
+            self._advance()
+
+    def _advance(self) -> None:
+        if len(self._ended) == len(self.names):
+            return
+        self._turn = (self._turn + 1) % len(self.names)
+        while self.names[self._turn] in self._ended:
+            self._turn = (self._turn + 1) % len(self.names)
+        self._condition.notify_all()
+
+
+def take_turns(decoders: dict[str, Callable[[Callable[[int], None]], None]], turns: Turns) -> None:
+    """Run every decoder (called with its token callback) on a thread of its own, in `turns`; re-raise the first
+    error once all have ended."""
+    errors: list[BaseException] = []
+
+    def run(name: str, decode: Callable[[Callable[[int], None]], None]) -> None:
+        try:
+            turns.wait(name)
+            decode(turns.on_token(name))
+        except BaseException as error:  # noqa: BLE001  # handed to the caller, after the others end
+            errors.append(error)
+        finally:
+            turns.end(name)
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in decoders.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def paired_ratio(reference: Sequence[float], other: Sequence[float], seed: int = 0) -> Estimate:
+    """Throughput of `other` over `reference` from their paired turn times (equal tokens a turn): Σ reference /
+    Σ other, with a 95% bootstrap interval over the pairs."""
+    first, second = np.asarray(reference, dtype=np.float64), np.asarray(other, dtype=np.float64)
+    if first.shape != second.shape or first.size < 2:
+        raise ValueError(f"need two equally long series of at least 2 turns, got {first.size} and {second.size}")
+    counts = resample_counts(first.size, seed=seed)
+    low, high = percentile_interval((counts @ first) / (counts @ second))
+    return Estimate(float(first.sum() / second.sum()), low, high)
+
+
+def run(settings: Settings) -> str:
+    model, tokenizer = load_benchmark_model(settings)
+    prompt = prompt_ids(tokenizer, model.config.vocab_size)
+    scorer = settings.learned_scorer(model)
+    names = settings.decoders
+    engines = {
+        name: EvictionEngine(model, policy, settings.eviction if policy.evicts else None)
+        for name in names
+        for policy in [bench_policy(name, scorer)]
+    }
+    turns = Turns(names, settings.slice_tokens)
+    prompts = [prompt] * settings.batch
+    take_turns(
+        {
+            name: lambda tick, engine=engine: engine.generate(prompts, settings.new_tokens, on_token=tick)
+            for name, engine in engines.items()
+        },
+        turns,
+    )
+    first_eviction = max(0, settings.budget + settings.interval - len(prompt))
+    skipped = -(-first_eviction // settings.slice_tokens) + 1  # the turns before it, and the one with the prefill
+    rounds = min(len(slices) for slices in turns.slices.values())
+    steady = {name: slices[skipped:rounds] for name, slices in turns.slices.items()}
+    return _report(settings, steady, describe(model), model.dtype)
+
+
+def _report(settings: Settings, steady: dict[str, list[float]], shape, dtype) -> str:
+    reference, *_ = settings.decoders
+    rows = len(steady[reference])
+    lines = [
+        f"### Interleaved decode throughput ({settings.run_device})",
+        "",
+        f"Command: `{settings.command}`",
+        "",
+        f"Model {settings.model} ({shape}), {dtype}, on {machine(settings.run_device)}; B = {settings.budget}, "
+        f"L = {settings.interval}, batch {settings.batch}, {settings.new_tokens} new tokens (EOS ignored), turns of "
+        f"{settings.slice_tokens} tokens in one process; {rows} paired rounds after every policy's first eviction. "
+        f"Ratio: tokens/s against {reference}, 95% bootstrap over rounds." + settings.scorer_note(),
+        "",
+        "| policy | tokens/s (steady) | ratio to " + reference + " |",
+        "|---|---:|---:|",
+    ]
+    tokens = settings.slice_tokens * settings.batch
+    for name, slices in steady.items():
+        rate = tokens * len(slices) / sum(slices)
+        ratio = "–" if name == reference else str(paired_ratio(steady[reference], slices))
+        lines.append(f"| {name} | {rate:.1f} | {ratio} |")
+    return "\n".join(lines) + "\n"
