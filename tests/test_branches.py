@@ -238,12 +238,17 @@ def test_rl_with_branch_groups_trains_records_its_settings_and_resumes(
 
 
 def test_rl_with_golden_swaps_reads_the_traces_labels(tmp_path, tiny_dir, traces_dir, start_scorer, capsys):
-    """Once the training traces have labels, a branch run with a golden-swap row trains and records the option."""
+    """Without the training traces' labels a branch run with a golden-swap row stops before any rollout, in one
+    line; once they are made it trains and records the option."""
     labelled = tmp_path / "traces"
     shutil.copytree(traces_dir, labelled, ignore=shutil.ignore_patterns("labels-*"))
-    make_labels(FrozenModel(str(tiny_dir)), labelled, B, L_, progress=False)
     swaps = {"rollout": "branch", "branch_rows": 3, "branch_chunks": 1, "branch_steps": 1, "branch_golden_swaps": 1}
     config = rl_config(tmp_path / "rl.yaml", tiny_dir, labelled, trainer={"max_steps": 1}, model=swaps)
+    capsys.readouterr()
+    assert cli.main(rl_args(config, start_scorer, tmp_path / "refused")) == 2
+    error = capsys.readouterr().err.strip()
+    assert "branch_golden_swaps=1 needs golden labels for every training trace;" in error and "\n" not in error
+    make_labels(FrozenModel(str(tiny_dir)), labelled, B, L_, progress=False)
     assert cli.main(rl_args(config, start_scorer, tmp_path / "out")) == 0
     hparams = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
     assert hparams["branch_golden_swaps"] == 1 and "scorer refined by GRPO for 1 steps" in capsys.readouterr().out
@@ -267,10 +272,6 @@ def test_bad_branch_and_estimator_options_are_one_line_errors(tmp_path, tiny_dir
         ("model.logprob_rule=sets", "unknown logprob_rule 'sets'; allowed: 'order'"),
         ("model.branch_golden_swaps=1", "branch_golden_swaps=1 needs rollout: branch, got episode"),
         ("model.rollout=branch model.branch_golden_swaps=8", "branch_golden_swaps=8 must be 0..7"),
-        (
-            "model.rollout=branch model.branch_golden_swaps=1",
-            "branch_golden_swaps=1 needs golden labels for every training trace;",
-        ),
     ]
     capsys.readouterr()
     for override, message in cases:
