@@ -409,6 +409,32 @@ def test_fit_without_a_cache_replays_the_traces_each_pass(tmp_path, tiny_dir, tr
         assert math.isclose(value, 0.005 * (1 + math.cos(math.pi * step / 3)), rel_tol=1e-6)
 
 
+def test_a_distilled_fit_ranks_by_its_teacher_and_logs_the_agreement(
+    tmp_path, tiny_dir, traces_dir, start_scorer, capsys
+):
+    """With model.teacher the loss orders candidates by the teacher's scores: after the fit the student misses at
+    most 3/4 of what the same run barely moved (lr 1e-9) misses of the teacher's kept sets (two random scorers of
+    the tiny model's features already agree on most); the card names the teacher; a teacher of other inputs, or
+    one beside calibration, is refused in one line."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
+    teacher = (f"model.teacher={start_scorer}", "trainer.max_steps=24")
+
+    def agreement(name: str, lr: str) -> float:
+        assert cli.main(fit_args(config, tmp_path / name, traces_dir, *teacher, f"model.lr={lr}")) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        return float(last.split("val/teacher_overlap ")[1].split()[0].rstrip(","))
+
+    assert 1 - agreement("student", "0.05") < 0.75 * (1 - agreement("unmoved", "1e-9"))
+    assert f"the teacher {start_scorer}" in (tmp_path / "student" / "scorer" / "README.md").read_text()
+    for override, message in (
+        ("data.budget=24", f"teacher {start_scorer} reads other inputs: budget 16 (this run: 24)"),
+        ("model.calibration=0.1", "calibration=0.1 regresses on log α, while a distilled fit"),
+    ):
+        assert cli.main(fit_args(config, tmp_path / "refused", traces_dir, *teacher, override)) == 2
+        error = capsys.readouterr().err.strip()
+        assert message in error and "\n" not in error, error
+
+
 def test_fit_on_another_label_kind_makes_and_reads_its_own_labels_and_examples(tmp_path, tiny_dir, traces_dir):
     """`data.label_kind: value`: the fit makes the value labels beside α's and an example cache keyed to them."""
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)

@@ -57,6 +57,10 @@ class SupervisedScorer(ScorerModule):
       across heads needs; `val/pooled_overlap` measures it (the kept set of one budget per layer).
     residual: a feature the scorer adds to its MLP's output and starts from (`ScorerConfig.residual`; "last_1",
       TOVA's statistic, with the standardised-heuristic set): the fit trains a correction to that heuristic.
+    teacher: a scorer folder to distil (the shipped ensemble into one member): the ranking loss orders each
+      problem's candidates by the teacher's keep scores on the same inputs instead of by α, and
+      `val/teacher_overlap` is the share of the teacher's kept set the student keeps (α still scores
+      `val/overlap`). The teacher must read what the student reads (model, B, L, features).
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class SupervisedScorer(ScorerModule):
         init_scorer: str | None = None,
         calibration: float = 0.0,
         residual: str | None = None,
+        teacher: str | None = None,
     ) -> None:
         super().__init__()
         pairs, pair_weight = RankingPairs.parse(pairs).value, PairWeight.parse(pair_weight).value
@@ -87,6 +92,11 @@ class SupervisedScorer(ScorerModule):
                 f"need lr > 0, margin >= 0, weight_decay >= 0 and calibration >= 0, got lr={lr}, margin={margin}, "
                 f"weight_decay={weight_decay}, calibration={calibration}"
             )
+        if teacher is not None and calibration:
+            raise ValueError(
+                f"calibration={calibration} regresses on log α, while a distilled fit (teacher={teacher}) ranks by the "
+                "teacher's scores: give one of them"
+            )
         self.save_hyperparameters()
         scale = ScoreScale.LOG_TARGET if calibration else ScoreScale.ORDINAL
         config = ScorerConfig(**scorer, hidden=hidden, key_values=key_values, scale=scale, residual=residual)
@@ -95,12 +105,15 @@ class SupervisedScorer(ScorerModule):
             self.scorer.load_state_dict(_matching_weights(load_scorer(init_scorer), self.scorer.config, init_scorer))
         if not calibration:  # the calibration's target moves every score of a head: b2 trains then
             self.freeze_untrained()
+        # A tuple, so the teacher is no submodule: never trained, saved or exported with the student.
+        self._teacher = () if teacher is None else (_teacher(teacher, self.scorer.config),)
         # Means over every ranking problem of the validation set, synced across ranks; a problem whose
         # Spearman correlation is undefined (NaN: all α equal) is left out.
         self.val_overlap = MeanMetric(nan_strategy="ignore")
         self.val_spearman = MeanMetric(nan_strategy="ignore")
         self.val_overlap_cumulative = MeanMetric(nan_strategy="ignore")
         self.val_pooled_overlap = MeanMetric(nan_strategy="ignore")
+        self.val_teacher_overlap = MeanMetric(nan_strategy="ignore")
         feature_set = self.scorer.config.feature_set
         self._cumulative, self._features_per_head = cumulative_feature(feature_set), feature_dim(feature_set)
 
@@ -112,8 +125,10 @@ class SupervisedScorer(ScorerModule):
         calibrated = (
             f", plus {hparams.calibration} × the squared error against log(α + ε)" if hparams.calibration else ""
         )
+        distilled = f"; α is the keep score of the teacher {hparams.teacher}" if hparams.teacher else ""
         return {
-            "ranking loss": f"hinge with margin {hparams.margin} over {pairs} with α_i < α_j, {weight}{calibrated}",
+            "ranking loss": f"hinge with margin {hparams.margin} over {pairs} with α_i < α_j, {weight}{calibrated}"
+            + distilled,
             "optimiser": f"AdamW, lr {hparams.lr} annealed by a cosine to 0, weight decay {hparams.weight_decay}",
         }
 
@@ -141,22 +156,40 @@ class SupervisedScorer(ScorerModule):
         total = self.trainer.strategy.reduce(count, reduce_op="sum") if world > 1 else count
         return per_problem.sum() * world / total
 
+    def targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the ranking loss orders the candidates by: α, or the teacher's keep scores on the same inputs."""
+        if not self._teacher:
+            return batch["alpha"].float()
+        (teacher,) = self._teacher
+        inputs = [batch[name].transpose(0, 1) for name in ("keys", "values", "features")]
+        with torch.no_grad():
+            return teacher.to(self.device)(*inputs).transpose(0, 1).float()
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(self(batch), batch["alpha"].float())
+        loss = self._loss(self(batch), self.targets(batch))
         self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["alpha"].shape[0])
         return loss
 
     def on_validation_epoch_start(self) -> None:
         """Fresh metric states made in this loop's grad mode: a standalone `validate` runs under
         inference mode, and the states it leaves cannot be updated in place by `fit`'s validation."""
-        for metric in (self.val_overlap, self.val_spearman, self.val_overlap_cumulative, self.val_pooled_overlap):
+        for metric in (
+            self.val_overlap,
+            self.val_spearman,
+            self.val_overlap_cumulative,
+            self.val_pooled_overlap,
+            self.val_teacher_overlap,
+        ):
             metric.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         scores, alpha = self(batch), batch["alpha"].float()
         size = alpha.shape[0]
-        self.log("val/loss", self._loss(scores, alpha), prog_bar=True, sync_dist=True, batch_size=size)
+        self.log("val/loss", self._loss(scores, self.targets(batch)), prog_bar=True, sync_dist=True, batch_size=size)
         keep = self.scorer.config.budget - self.scorer.config.interval
+        if self._teacher:
+            self.val_teacher_overlap.update(kept_overlap(scores, self.targets(batch), keep))
+            self.log("val/teacher_overlap", self.val_teacher_overlap, prog_bar=True, batch_size=size)
         self.val_overlap.update(kept_overlap(scores, alpha, keep))
         self.val_spearman.update(spearman(scores, alpha))
         self.val_overlap_cumulative.update(kept_overlap(self.cumulative_attention(batch), alpha, keep))
@@ -181,6 +214,20 @@ class SupervisedScorer(ScorerModule):
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
         # The name is the tag under which the CLI's LearningRateMonitor logs the learning rate.
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
+
+
+def _teacher(source: str, config: ScorerConfig) -> ForesightScorer:
+    """The teacher scorer, frozen, refused in one line when it reads other inputs than the student."""
+    teacher = load_scorer(source).eval().requires_grad_(False)
+    shared = ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "budget", "interval", "feature_set")
+    differing = [
+        f"{name} {getattr(teacher.config, name)!r} (this run: {getattr(config, name)!r})"
+        for name in shared
+        if getattr(teacher.config, name) != getattr(config, name)
+    ]
+    if differing:
+        raise ValueError(f"teacher {source} reads other inputs: {', '.join(differing)}")
+    return teacher
 
 
 def _matching_weights(start: ForesightScorer, config: ScorerConfig, source: str) -> dict[str, torch.Tensor]:
