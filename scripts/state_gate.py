@@ -1,4 +1,4 @@
-"""The kept-set identity gate of a state change (issue 41 §2; docs/notes/lean-state.md): replay held-out traces
+"""The gate of a state change (issue 41 §2, one-sided since issue 58; docs/notes/lean-state.md): replay held-out traces
 teacher-forced under one state configuration, record every eviction step's kept (layer, KV head, position) sets
 and every trace's losses, then compare two recordings.
 

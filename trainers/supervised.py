@@ -60,7 +60,8 @@ class SupervisedScorer(ScorerModule):
     teacher: a scorer folder to distil (the shipped ensemble into one member): the ranking loss orders each
       problem's candidates by the teacher's keep scores on the same inputs instead of by α, and
       `val/teacher_overlap` is the share of the teacher's kept set the student keeps (α still scores
-      `val/overlap`). The teacher must read what the student reads (model, B, L, features).
+      `val/overlap`); with pair_weight gap the pairs are weighted by the gaps of the teacher's scores. The teacher must
+      read what the student reads (model shape, B, L, features).
     """
 
     def __init__(
@@ -185,10 +186,11 @@ class SupervisedScorer(ScorerModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         scores, alpha = self(batch), batch["alpha"].float()
         size = alpha.shape[0]
-        self.log("val/loss", self._loss(scores, self.targets(batch)), prog_bar=True, sync_dist=True, batch_size=size)
+        targets = self.targets(batch)
+        self.log("val/loss", self._loss(scores, targets), prog_bar=True, sync_dist=True, batch_size=size)
         keep = self.scorer.config.budget - self.scorer.config.interval
         if self._teacher:
-            self.val_teacher_overlap.update(kept_overlap(scores, self.targets(batch), keep))
+            self.val_teacher_overlap.update(kept_overlap(scores, targets, keep))
             self.log("val/teacher_overlap", self.val_teacher_overlap, prog_bar=True, batch_size=size)
         self.val_overlap.update(kept_overlap(scores, alpha, keep))
         self.val_spearman.update(spearman(scores, alpha))

@@ -22,11 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark_model, machine, prompt_ids
 from foresight.eval.headroom import Estimate
 from foresight.eval.stats import percentile_interval, resample_counts
 from foresight.models import describe
+from foresight.runtime.capture import attention_implementation
 from foresight.runtime.engine import EvictionEngine
 
 NAME = "interleaved"
@@ -44,28 +46,37 @@ class Settings(RuntimeSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.batch < 1 or self.slice_tokens < 1 or self.new_tokens < 2 * self.slice_tokens:
+        if self.batch < 1 or self.slice_tokens < 1 or self.new_tokens % self.slice_tokens:
             raise ValueError(
-                f"need batch >= 1, slice_tokens >= 1 and new_tokens >= 2 * slice_tokens, got batch={self.batch}, "
+                f"need batch >= 1 and new_tokens a multiple of slice_tokens >= 1 (whole turns), got batch={self.batch}, "
                 f"slice_tokens={self.slice_tokens}, new_tokens={self.new_tokens}"
             )
-        if len(self.decoders) < 2:
-            raise ValueError(f"--policies {self.policies!r}: give at least two, the first the reference")
+        named = self.decoders
+        if len(named) < 2 or len(set(named)) < len(named):
+            raise ValueError(
+                f"--policies {self.policies!r}: give at least two different policies by name, the first the reference"
+            )
 
     @property
     def decoders(self) -> list[str]:
         """The policies that take turns, as given (the full cache only where named)."""
-        named = [name.strip() for name in self.policies.split(",") if name.strip()]
-        return [name for name in named if name in self.policy_names or name == "full"]
+        return [name.strip() for name in self.policies.split(",") if name.strip()]
 
 
 class Turns:
     """Strict turns between decoders on threads: one decodes at a time, `slice_tokens` tokens a turn, in the
     order of `names`; a decoder that ends leaves the rotation. `clock` times each turn (its seconds are kept
-    per decoder, in order)."""
+    per decoder, in order), after `sync` (on a GPU: the device's queued work, which belongs to the turn that
+    queued it)."""
 
-    def __init__(self, names: Sequence[str], slice_tokens: int, clock: Callable[[], float] = time.perf_counter):
-        self.names, self.slice_tokens, self.clock = list(names), slice_tokens, clock
+    def __init__(
+        self,
+        names: Sequence[str],
+        slice_tokens: int,
+        clock: Callable[[], float] = time.perf_counter,
+        sync: Callable[[], None] = lambda: None,
+    ):
+        self.names, self.slice_tokens, self.clock, self.sync = list(names), slice_tokens, clock, sync
         self.slices: dict[str, list[float]] = {name: [] for name in names}
         self._condition = threading.Condition()
         self._turn, self._ended, self._started = 0, set(), 0.0
@@ -74,6 +85,7 @@ class Turns:
         """Block until it is `name`'s turn; its turn's clock starts then."""
         with self._condition:
             self._condition.wait_for(lambda: self.names[self._turn] == name)
+            self.sync()
             self._started = self.clock()
 
     def on_token(self, name: str) -> Callable[[int], None]:
@@ -81,6 +93,7 @@ class Turns:
 
         def tick(count: int) -> None:
             if count % self.slice_tokens == 0:
+                self.sync()
                 self.slices[name].append(self.clock() - self._started)
                 self._pass(name)
                 self.wait(name)
@@ -151,18 +164,30 @@ def run(settings: Settings) -> str:
         for name in names
         for policy in [bench_policy(name, scorer)]
     }
-    turns = Turns(names, settings.slice_tokens)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    turns = Turns(names, settings.slice_tokens, sync=sync)
     prompts = [prompt] * settings.batch
-    take_turns(
-        {
-            name: lambda tick, engine=engine: engine.generate(prompts, settings.new_tokens, on_token=tick)
-            for name, engine in engines.items()
-        },
-        turns,
+    attention = {engine.attention for engine in engines.values()}.pop()  # one attention function for every engine
+    with attention_implementation(model, attention):  # held for the whole run: no thread's generate resets it
+        take_turns(
+            {
+                name: lambda tick, engine=engine: engine.generate(prompts, settings.new_tokens, on_token=tick)
+                for name, engine in engines.items()
+            },
+            turns,
+        )
+    # The first eviction comes B + L tokens into the cache (after the prompt for a policy that protects it).
+    first_eviction = max(
+        settings.budget + settings.interval - (0 if engine.protect_prompt else len(prompt))
+        for engine in engines.values()
     )
-    first_eviction = max(0, settings.budget + settings.interval - len(prompt))
-    skipped = -(-first_eviction // settings.slice_tokens) + 1  # the turns before it, and the one with the prefill
+    skipped = -(-max(first_eviction, 0) // settings.slice_tokens) + 1  # the turns before it, and the prefill's
     rounds = min(len(slices) for slices in turns.slices.values())
+    if rounds - skipped < 2:
+        raise ValueError(
+            f"new_tokens={settings.new_tokens} leaves {max(rounds - skipped, 0)} turns of {settings.slice_tokens} "
+            f"tokens after the first eviction ({first_eviction} tokens in): decode more tokens"
+        )
     steady = {name: slices[skipped:rounds] for name, slices in turns.slices.items()}
     return _report(settings, steady, describe(model), model.dtype)
 

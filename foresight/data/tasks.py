@@ -214,9 +214,8 @@ def _under_hash_seed_zero(source: str, num: int, seed: int) -> list[Problem]:
         check=False,
     )
     if child.returncode != 0:
-        raise RuntimeError(
-            f"making the problems of {source!r} failed in its child interpreter:\n{child.stderr.decode()}"
-        )
+        last = (child.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise RuntimeError(f"making the problems of {source!r} failed in its child interpreter: {last}")
     problems = pickle.loads(child.stdout)
     if isinstance(problems, Exception):
         raise problems
@@ -224,13 +223,15 @@ def _under_hash_seed_zero(source: str, num: int, seed: int) -> list[Problem]:
 
 
 def _answer_child(request) -> None:
-    """The child's side of `_under_hash_seed_zero`: the problems, or the error they raised, pickled to stdout."""
+    """The child's side of `_under_hash_seed_zero`: the problems, or the error they raised, pickled to stdout; what
+    a task prints goes to stderr, so it never mixes into the answer."""
+    answer_stream, sys.stdout = sys.stdout.buffer, sys.stderr
     source, num, seed = pickle.load(request)
     try:
         answer: list[Problem] | Exception = load_problems(source, num, seed)
-    except (ValueError, ImportError) as error:
+    except Exception as error:  # noqa: BLE001  # raised again by the parent, as it would have been here
         answer = error
-    sys.stdout.buffer.write(pickle.dumps(answer))
+    answer_stream.write(pickle.dumps(answer))
 
 
 def _source_problems(source: str, num: int, seed: int) -> list[Problem]:

@@ -320,7 +320,10 @@ class Foresight(Policy):
         if self.guided_rows and (
             self.guide is None or self.row_seeds is None or self.mode != EvictionMode.SAMPLED.value
         ):
-            raise ValueError("guided_rows need a guide (golden over the rows' labels), row_seeds and mode 'sampled'")
+            raise ValueError(
+                f"guided_rows={self.guided_rows} need a guide (golden over the rows' labels), row_seeds and mode "
+                f"'sampled', got guide={type(self.guide).__name__}, row_seeds={self.row_seeds}, mode={self.mode!r}"
+            )
         if self.guided_rows and not all(0 <= row < len(self.row_seeds) for row in self.guided_rows):
             raise ValueError(f"guided_rows must name rows 0..{len(self.row_seeds) - 1}, got {self.guided_rows}")
         if self.sampled_layers is not None:

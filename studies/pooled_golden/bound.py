@@ -147,15 +147,17 @@ def masked_replay(
     bounds = [position + 1 for position, _ in evictions] + [length]
     spans += [(start, end, state) for start, end, state in zip(bounds, bounds[1:], evictions) if start < end]
     nll, greedy = torch.empty(length - 1), torch.empty(length - 1, dtype=torch.long)
-    ids = input_ids.to(model.device)
+    device = model.device
+    ids = input_ids.to(device)
     with attention_implementation(model, MASKED_ATTENTION):
         for start, end, state in spans:
-            positions = torch.arange(end)
-            visible = (positions[None, :] <= torch.arange(start, end)[:, None]).expand(layers, heads, -1, -1)
+            positions = torch.arange(end, device=device)
+            queries = torch.arange(start, end, device=device)
+            visible = (positions[None, :] <= queries[:, None]).expand(layers, heads, -1, -1)
             if state is not None:
                 newest, kept = state
-                held = torch.zeros(layers, heads, end, dtype=torch.bool)
-                held[..., : min(kept.shape[-1], end)] = kept[..., :end]
+                held = torch.zeros(layers, heads, end, dtype=torch.bool, device=device)
+                held[..., : min(kept.shape[-1], end)] = kept[..., :end].to(device)
                 held[..., max(newest - interval + 1, 0) :] = True
                 visible = visible & held[:, :, None, :]
             logits = (

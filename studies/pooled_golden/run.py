@@ -50,6 +50,10 @@ class Settings(ReportSettings):
 
     def __post_init__(self) -> None:
         Regime.parse(self.regime)
+        if not 0 <= self.floor <= self.interval:
+            raise ValueError(
+                f"--floor {self.floor} must be 0..L={self.interval}: a head's L leaving entries must meet it"
+            )
 
 
 def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
@@ -83,6 +87,11 @@ def run(settings: Settings) -> str:
         raise ValueError(f"{settings.eval} holds no golden row at B={settings.budget}")
     store = TraceStore(settings.traces)
     by_index = {trace.index: trace for trace in store if trace.index in indices}
+    missing = sorted(set(indices) - set(by_index))
+    if missing:
+        raise ValueError(
+            f"{settings.traces} lacks trace(s) {missing[:5]} that {settings.eval} evaluated: give its traces"
+        )
     model, _ = load_model(settings.model)
     scores = [score for score in evaluated if score.index in indices]
     for index in tqdm(indices, desc=NAME, unit="trace"):
