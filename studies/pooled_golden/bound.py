@@ -12,11 +12,18 @@ The runtime holds the same count in every head, so a pooled schedule is scored b
 full-cache forward, each head's attention restricted to the entries its cache would hold (the kept set of the last
 eviction step plus the window and the tokens fed since). With per-head golden's kept sets it gives the engine's
 golden replay (tests/test_pooled_golden.py), so the difference between schedules is the schedules'.
+
+A heuristic's schedule depends on its own trajectory, so it is made during the replay (`SnapSchedule`): before
+each eviction step the replay hands it the attention logits of the last queries, and it keeps SnapKV's choice
+per head (R-KV's decoding SnapKV, `foresight.policies.snapkv`, the engine's twin) or, pooled, AdaKV's: one budget
+over a group of heads by the same scores, each head keeping at least the floor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +114,88 @@ def golden_evictions(
     ]
 
 
+class Schedule(Protocol):
+    """What the masked replay evicts by: the positions after which its steps run and each step's kept set, given the
+    attention logits of the `window` queries before it ([layers, Hkv, G, window, keys]; None when window is 0)."""
+
+    positions: list[int]
+    window: int
+
+    def kept(self, index: int, logits: torch.Tensor | None) -> torch.Tensor: ...
+
+
+@dataclass
+class FixedSchedule:
+    """A schedule made before the replay (`pooled_schedule`, `golden_evictions`)."""
+
+    evictions: Sequence[Eviction]
+    window: int = 0
+
+    @property
+    def positions(self) -> list[int]:
+        return [position for position, _ in self.evictions]
+
+    def kept(self, index: int, logits: torch.Tensor | None) -> torch.Tensor:
+        return self.evictions[index][1]
+
+
+@dataclass
+class SnapSchedule:
+    """SnapKV's evictions on its own trajectory (the engine's `snapkv` with its defaults: the last 8 queries' logits
+    max-pooled over the group's query heads, a softmax over the candidates, their mean over the queries, a
+    max-pool of 7 along the candidates in position order), per head, or pooled as AdaKV allocates: the heads of a
+    group keep their shares of B − L in all by those scores, each at least `floor`. Candidates as golden's: the
+    last kept set plus the L entries leaving the window (a decode compression: the prompt but its window)."""
+
+    budget: int
+    interval: int
+    num_steps: int
+    pool: Pool
+    floor: int = 0
+    shift: int = 0
+    window: int = 8
+    kernel: int = 7
+    _kept: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.window = min(self.window, self.interval)  # the engine's SnapKV clamps its window to L too
+
+    @property
+    def positions(self) -> list[int]:
+        compression = [self.budget - 1 + self.shift] if self.shift else []
+        return compression + [
+            self.budget + (step + 1) * self.interval - 1 + self.shift for step in range(self.num_steps)
+        ]
+
+    def kept(self, index: int, logits: torch.Tensor | None) -> torch.Tensor:
+        layers, heads, _, _, width = logits.shape
+        candidates = torch.zeros(layers, heads, width, dtype=torch.bool)
+        step = index - bool(self.shift)  # the index among steps 1..M
+        if step < 0:  # the decode compression: every prompt entry but the window
+            candidates[..., : self.budget + self.shift - self.interval] = True
+        else:
+            if self._kept is None:
+                candidates[..., : self.budget - self.interval] = True
+            else:
+                candidates[..., : self._kept.shape[-1]] = self._kept
+            leaving = self.budget + (step - 1) * self.interval + self.shift
+            candidates[..., leaving : leaving + self.interval] = True
+        scores = snapkv_scores(logits.float().cpu(), candidates, self.kernel)
+        self._kept = _select(scores, candidates, self.budget - self.interval, self.floor, Pool.parse(self.pool))
+        return self._kept
+
+
+def snapkv_scores(logits: torch.Tensor, candidates: torch.Tensor, kernel: int) -> torch.Tensor:
+    """`foresight.policies.snapkv.SnapKV.importance` over the candidates of each head ([layers, Hkv, keys] bool)
+    from the window's logits [layers, Hkv, G, window, keys]; −inf off the candidates."""
+    weights = torch.softmax(logits.amax(2).masked_fill(~candidates[:, :, None], float("-inf")), -1).mean(2)
+    order = torch.sort((~candidates).to(torch.int8), dim=-1, stable=True).indices  # candidates first, in order
+    packed = weights.gather(-1, order).masked_fill(~candidates.gather(-1, order), float("-inf"))
+    pooled = F.max_pool1d(packed.reshape(-1, 1, packed.shape[-1]), kernel, stride=1, padding=kernel // 2)
+    scores = torch.empty_like(packed).scatter_(-1, order, pooled.view_as(packed))
+    return scores.masked_fill(~candidates, float("-inf"))
+
+
 def _masked_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -117,10 +206,18 @@ def _masked_attention(
     scaling: float | None = None,
     *,
     visible: torch.Tensor,
+    window_logits: dict[int, torch.Tensor] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA with each KV head's own key mask (`visible` [layers, Hkv, queries, keys]), its query heads sharing it."""
+    """SDPA with each KV head's own key mask (`visible` [layers, Hkv, queries, keys]), its query heads sharing it;
+    with `window_logits` ({layer: window}), the logits of the last `window` queries are kept per layer as
+    [Hkv, G, window, keys]."""
     groups = query.shape[1] // key.shape[1]
+    if window_logits is not None:
+        window = window_logits[module.layer_idx]
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        logits = query[0, :, -window:].float() @ key[0].float().repeat_interleave(groups, dim=0).transpose(-1, -2)
+        window_logits[module.layer_idx] = (logits * scale).unflatten(0, (key.shape[1], groups))
     mask = visible[module.layer_idx].repeat_interleave(groups, dim=0)[None]
     key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
@@ -132,41 +229,56 @@ register_attention(MASKED_ATTENTION, _masked_attention, full_cache=True)
 
 @torch.no_grad()
 def masked_replay(
-    model: torch.nn.Module, input_ids: torch.Tensor, evictions: Sequence[Eviction], interval: int, chunk: int = 256
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    schedule: Schedule | Sequence[Eviction],
+    interval: int,
+    chunk: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token NLL [T − 1] and top-1 predictions [T − 1] of the trace, each head attending only to what its cache
     holds: before the first eviction every earlier token, after an eviction at position e its kept set, the
-    window (e − L, e] and the tokens fed since (no evictions: the full cache). `chunk` bounds the forwards before
-    the first eviction."""
+    window (e − L, e] and the tokens fed since (no evictions: the full cache). `schedule`: the evictions, or a
+    `Schedule` that chooses each kept set from the last queries' logits. `chunk` bounds the forwards before the
+    first eviction."""
+    schedule = schedule if hasattr(schedule, "kept") else FixedSchedule(schedule)
     length = input_ids.numel()
     config = model.config.get_text_config()
     layers, heads = config.num_hidden_layers, config.num_key_value_heads
     cache = DynamicCache(config=model.config)
-    unevicted = evictions[0][0] + 1 if evictions else length  # no schedule: the full cache throughout
-    spans = [(start, min(start + chunk, unevicted), None) for start in range(0, unevicted, chunk)]
-    bounds = [position + 1 for position, _ in evictions] + [length]
-    spans += [(start, end, state) for start, end, state in zip(bounds, bounds[1:], evictions) if start < end]
+    positions = [position for position in schedule.positions if position < length - 1]
+    unevicted = positions[0] + 1 if positions else length  # no schedule: the full cache throughout
+    starts = list(range(0, unevicted, chunk))
+    if len(starts) > 1 and unevicted - starts[-1] < schedule.window:
+        starts.pop()  # the span before the first step holds the window's queries whole
+    bounds = [*starts, *(position + 1 for position in positions), length]
     nll, greedy = torch.empty(length - 1), torch.empty(length - 1, dtype=torch.long)
     device = model.device
     ids = input_ids.to(device)
+    state: tuple[int, torch.Tensor] | None = None
     with attention_implementation(model, MASKED_ATTENTION):
-        for start, end, state in spans:
-            positions = torch.arange(end, device=device)
-            queries = torch.arange(start, end, device=device)
-            visible = (positions[None, :] <= queries[:, None]).expand(layers, heads, -1, -1)
+        for start, end in zip(bounds, bounds[1:]):
+            keys = torch.arange(end, device=device)
+            visible = (keys[None, :] <= torch.arange(start, end, device=device)[:, None]).expand(layers, heads, -1, -1)
             if state is not None:
                 newest, kept = state
                 held = torch.zeros(layers, heads, end, dtype=torch.bool, device=device)
                 held[..., : min(kept.shape[-1], end)] = kept[..., :end].to(device)
                 held[..., max(newest - interval + 1, 0) :] = True
                 visible = visible & held[:, :, None, :]
-            logits = (
-                model(input_ids=ids[start:end][None], **cache_argument(model, cache), use_cache=True, visible=visible)
-                .logits[0]
-                .float()
-            )
+            evicting = end - 1 in positions
+            captured = dict.fromkeys(range(layers), schedule.window) if evicting and schedule.window else None
+            logits = model(
+                input_ids=ids[start:end][None],
+                **cache_argument(model, cache),
+                use_cache=True,
+                visible=visible,
+                window_logits=captured,
+            ).logits[0]
             targets = slice(start, min(end, length - 1))
-            log_probs = logits[: targets.stop - start].log_softmax(-1)
+            log_probs = logits[: targets.stop - start].float().log_softmax(-1)
             nll[targets] = -log_probs.gather(-1, ids[start + 1 : targets.stop + 1, None])[:, 0].cpu()
             greedy[targets] = log_probs.argmax(-1).cpu()
+            if evicting:
+                window = None if captured is None else torch.stack([captured[layer] for layer in range(layers)])
+                state = (end - 1, schedule.kept(positions.index(end - 1), window))
     return nll, greedy
