@@ -7,9 +7,11 @@ against per-head golden and the best heuristic, no training (issue 57, Deliver 1
 `--eval` is a `foresight eval --traces` folder of the same traces, B, L and regime holding golden and the reference
 heuristics (its traces.json): their rows are read from it, and the pooled schedules are replayed here on the traces
 it scored. Each pooled oracle's share of the headroom is (best heuristic − it) / (best heuristic − golden), the best
-chosen again in every resample (docs/algorithms.md §8): above 100% by what pooling adds to today's headroom. Rows
-per token set (generated, prompt, all); `golden-head` is per-head golden replayed here by the masked replay, whose
-match with the evaluation's golden row checks the replay.
+chosen again in every resample (docs/algorithms.md §8): above 100% by what pooling adds to today's headroom. The
+same for SnapKV with the same freedom (`snapkv-layer`, `snapkv-all`: AdaKV's allocation over SnapKV's scores, the
+same floor), beside its per-head twin. Rows per token set (generated, prompt, all); `golden-head` and
+`snapkv-head` are per-head golden and SnapKV replayed here by the masked replay, whose match with the evaluation's
+golden and snapkv rows checks the replay.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from foresight.bench.common import ReportSettings
-from foresight.cadence import Regime, regime_shift
+from foresight.cadence import Regime, eviction_steps, regime_shift
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.eval.headroom import ORACLE, TraceScore, headroom, paired_gain, percent
 from foresight.eval.metric_registry import TokenSet
@@ -30,7 +32,7 @@ from foresight.labels import future_score_table
 from foresight.models import load_model
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
-from studies.pooled_golden.bound import Pool, masked_replay, pooled_schedule
+from studies.pooled_golden.bound import FixedSchedule, Pool, SnapSchedule, masked_replay, pooled_schedule
 
 NAME = "pooled-golden"
 
@@ -57,7 +59,7 @@ class Settings(ReportSettings):
 
 
 def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
-    """Every pool's trace scores for one trace (the golden-POOL rows), on golden's scored tokens."""
+    """Every pool's trace scores for one trace (the golden-POOL and snapkv-POOL rows), on golden's scored tokens."""
     budget, interval = settings.budget, settings.interval
     shift = regime_shift(trace.prompt_length, budget, interval, settings.regime)
     if shift:  # the compression's α is row 0 of the streaming table of budget P − L
@@ -67,13 +69,18 @@ def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
         future, compression = future_score_table(model, trace.input_ids, budget, interval), None
     _, full_greedy = masked_replay(model, trace.input_ids, [], interval)
     scores = []
+    steps = eviction_steps(trace.input_ids.numel(), budget, interval, shift)
     for pool in Pool:
         floor = settings.floor if pool is not Pool.HEAD else 0
-        schedule = pooled_schedule(future, budget, interval, pool, floor, shift, compression)
-        nll, greedy = masked_replay(model, trace.input_ids, schedule, interval)
-        tally = TraceTally()
-        tally.add_trace(trace, nll, schedule[0][0] + 1, None, flipped=greedy != full_greedy)
-        scores += tally.trace_scores(f"golden-{pool.value}", budget)
+        schedules = {
+            "golden": FixedSchedule(pooled_schedule(future, budget, interval, pool, floor, shift, compression)),
+            "snapkv": SnapSchedule(budget, interval, steps, pool, floor, shift),
+        }
+        for name, schedule in schedules.items():
+            nll, greedy = masked_replay(model, trace.input_ids, schedule, interval)
+            tally = TraceTally()
+            tally.add_trace(trace, nll, schedule.positions[0] + 1, None, flipped=greedy != full_greedy)
+            scores += tally.trace_scores(f"{name}-{pool.value}", budget)
     return scores
 
 
@@ -96,15 +103,16 @@ def run(settings: Settings) -> str:
     scores = [score for score in evaluated if score.index in indices]
     for index in tqdm(indices, desc=NAME, unit="trace"):
         scores += pooled_scores(model, by_index[index], settings)
-    pooled = tuple(f"golden-{pool.value}" for pool in Pool)
+    pooled = tuple(f"{name}-{pool.value}" for name in ("golden", "snapkv") for pool in Pool)
     lines = [
         f"Command: `{settings.command}`",
         "",
         f"B = {settings.budget}, L = {settings.interval}, {settings.regime} regime, {len(indices)} traces; pooled heads "
         f"keep at least {settings.floor} entries besides their window. Share: of the headroom between the best "
-        "heuristic and per-head golden (100% = per-head golden); Δ: the pool's loss ratio − golden-head's, paired.",
+        "heuristic and per-head golden (100% = per-head golden); Δ: the pool's loss ratio − its per-head twin's "
+        "(golden-head, snapkv-head), paired.",
         "",
-        "| tokens | oracle | loss ratio | best heuristic | share of the headroom | Δ loss ratio vs golden-head |",
+        "| tokens | policy | loss ratio | best heuristic | share of the headroom | Δ loss ratio vs its per-head twin |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for token_set in (TokenSet.GENERATED, TokenSet.PROMPT, TokenSet.ALL):
@@ -112,12 +120,9 @@ def run(settings: Settings) -> str:
             result = headroom(scores, settings.budget, name, other_learned=pooled, token_set=token_set)
             if result is None:
                 continue
-            gain = paired_gain(scores, settings.budget, "golden-head", name, token_set=token_set)
-            delta = (
-                "–"
-                if name == "golden-head" or gain is None
-                else f"{-gain.value:+.4f} [{-gain.high:+.4f}, {-gain.low:+.4f}]"
-            )
+            twin = f"{name.split('-')[0]}-head"
+            gain = paired_gain(scores, settings.budget, twin, name, token_set=token_set)
+            delta = "–" if name == twin or gain is None else f"{-gain.value:+.4f} [{-gain.high:+.4f}, {-gain.low:+.4f}]"
             best = f"{result.loss_ratio[result.best_heuristic].value:.4f} ({result.best_heuristic})"
             lines.append(
                 f"| {token_set.value} | {name} | {result.loss_ratio[name]} | {best} | {percent(result.share, 1)} | {delta} |"
