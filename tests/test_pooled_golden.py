@@ -10,7 +10,7 @@ from foresight.cadence import Regime, eviction_steps, regime_prefill, regime_shi
 from foresight.labels import compute_golden_labels, future_score_table
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
-from studies.pooled_golden.bound import Pool, SnapSchedule, golden_evictions, masked_replay, pooled_schedule
+from studies.pooled_golden.bound import HeuristicSchedule, Pool, golden_evictions, masked_replay, pooled_schedule
 from tests.rl_runs import L_, B, random_trace
 
 PROMPT = 30  # > B + L: the decode regime compresses the prompt
@@ -98,24 +98,27 @@ def test_a_floor_a_head_cannot_meet_is_one_line():
         pooled_schedule(torch.zeros(1, 1, 1, B + L_), B, L_, Pool.LAYER, floor=5)
 
 
+@pytest.mark.parametrize("heuristic", ["snapkv", "tova"])
 @pytest.mark.parametrize("regime", list(Regime))
-def test_snapkv_per_head_is_the_engines_and_pooled_spends_each_layers_share(llama, regime):
-    """SnapKV scored inside the masked replay from its own trajectory's logits keeps what the engine's `snapkv`
-    keeps: the same token losses (1e-4); pooled over a layer's heads (AdaKV's allocation) every step keeps the
-    layer's share in all, each head at least the floor, and the heads keep different counts."""
+def test_a_heuristic_per_head_is_the_engines_and_pooled_spends_each_layers_share(llama, regime, heuristic):
+    """SnapKV and TOVA scored inside the masked replay from their own trajectory's logits keep what the engine's
+    policies keep: the same token losses (1e-4); pooled over a layer's heads (AdaKV's allocation) every step keeps
+    the layer's share in all, each head at least the floor, and the heads keep different counts."""
     trace = random_trace(llama, 90, prompt=PROMPT, seed=3)
     shift = regime_shift(PROMPT, B, L_, regime)
     steps = eviction_steps(90, B, L_, shift)
-    per_head = SnapSchedule(B, L_, steps, Pool.HEAD, shift=shift)
+    per_head = HeuristicSchedule(heuristic, B, L_, steps, Pool.HEAD, shift=shift)
     nll, _ = masked_replay(llama, trace.input_ids, per_head, L_)
-    engine = EvictionEngine(llama, make_policy("snapkv"), EvictionConfig(B, L_))
+    engine = EvictionEngine(llama, make_policy(heuristic), EvictionConfig(B, L_))
     replayed = engine.replay([trace.input_ids], [regime_prefill(PROMPT, B, L_, regime)])
     first = replayed.first_eviction[0]
     assert first == per_head.positions[0] + 1
     torch.testing.assert_close(nll[first:], replayed.nll[0][first:].float(), rtol=1e-4, atol=1e-4)
-    pooled, kept = SnapSchedule(B, L_, steps, Pool.LAYER, floor=2, shift=shift), []
+    pooled, kept = HeuristicSchedule(heuristic, B, L_, steps, Pool.LAYER, floor=2, shift=shift), []
     choose = pooled.kept
-    pooled.kept = lambda index, logits: kept.append(choose(index, logits)) or kept[-1]
+    pooled.kept = lambda *args: kept.append(choose(*args)) or kept[-1]
     masked_replay(llama, trace.input_ids, pooled, L_)
     counts = torch.stack([held.sum(-1) for held in kept])  # [steps, layers, heads]
     assert (counts.sum(-1) == 2 * (B - L_)).all() and int(counts.min()) >= 2 and len(set(counts.flatten().tolist())) > 1
+    with pytest.raises(ValueError, match="heuristic 'h2o': the masked replay scores 'snapkv' and 'tova'"):
+        HeuristicSchedule("h2o", B, L_, steps, Pool.HEAD)

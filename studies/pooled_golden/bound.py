@@ -13,9 +13,9 @@ full-cache forward, each head's attention restricted to the entries its cache wo
 eviction step plus the window and the tokens fed since). With per-head golden's kept sets it gives the engine's
 golden replay (tests/test_pooled_golden.py), so the difference between schedules is the schedules'.
 
-A heuristic's schedule depends on its own trajectory, so it is made during the replay (`SnapSchedule`): before
-each eviction step the replay hands it the attention logits of the last queries, and it keeps SnapKV's choice
-per head (R-KV's decoding SnapKV, `foresight.policies.snapkv`, the engine's twin) or, pooled, AdaKV's: one budget
+A heuristic's schedule depends on its own trajectory, so it is made during the replay (`HeuristicSchedule`): before
+each eviction step the replay hands it the attention logits of the last queries, and it keeps SnapKV's or TOVA's
+choice per head (the engine's twins, `foresight.policies.snapkv` and `.tova`) or, pooled, AdaKV's: one budget
 over a group of heads by the same scores, each head keeping at least the floor.
 """
 
@@ -116,12 +116,13 @@ def golden_evictions(
 
 class Schedule(Protocol):
     """What the masked replay evicts by: the positions after which its steps run and each step's kept set, given the
-    attention logits of the `window` queries before it ([layers, Hkv, G, window, keys]; None when window is 0)."""
+    attention logits of the `window` queries before it ([layers, Hkv, G, window, keys]; None when window is 0) and
+    the keys the newest of them sees ([layers, Hkv, keys])."""
 
     positions: list[int]
     window: int
 
-    def kept(self, index: int, logits: torch.Tensor | None) -> torch.Tensor: ...
+    def kept(self, index: int, logits: torch.Tensor | None, visible: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -135,30 +136,42 @@ class FixedSchedule:
     def positions(self) -> list[int]:
         return [position for position, _ in self.evictions]
 
-    def kept(self, index: int, logits: torch.Tensor | None) -> torch.Tensor:
+    def kept(self, index: int, logits: torch.Tensor | None, visible: torch.Tensor | None = None) -> torch.Tensor:
         return self.evictions[index][1]
 
 
 @dataclass
-class SnapSchedule:
-    """SnapKV's evictions on its own trajectory (the engine's `snapkv` with its defaults: the last 8 queries' logits
-    max-pooled over the group's query heads, a softmax over the candidates, their mean over the queries, a
-    max-pool of 7 along the candidates in position order), per head, or pooled as AdaKV allocates: the heads of a
-    group keep their shares of B − L in all by those scores, each at least `floor`. Candidates as golden's: the
-    last kept set plus the L entries leaving the window (a decode compression: the prompt but its window)."""
+class HeuristicSchedule:
+    """A heuristic's evictions on its own trajectory, per head as the engine runs it or pooled as AdaKV allocates:
+    the heads of a group keep their shares of B − L in all by the heuristic's scores, each at least `floor`.
+    Candidates as golden's: the last kept set plus the L entries leaving the window (a decode compression: the
+    prompt but its window).
 
+    heuristic: "snapkv" (the engine's `snapkv` with its defaults: the last 8 queries' logits max-pooled over the
+    group's query heads, a softmax over the candidates, their mean over the queries, a max-pool of 7 along the
+    candidates in position order) or "tova" (the newest query's attention over everything the cache holds, its
+    mean over the layer's heads as the engine's `tova` keeps one set per layer; pooled, over each KV head's group
+    only, the per-head statistic an allocation needs)."""
+
+    heuristic: str
     budget: int
     interval: int
     num_steps: int
     pool: Pool
     floor: int = 0
     shift: int = 0
-    window: int = 8
     kernel: int = 7
     _kept: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.window = min(self.window, self.interval)  # the engine's SnapKV clamps its window to L too
+        if self.heuristic not in ("snapkv", "tova"):
+            raise ValueError(f"heuristic {self.heuristic!r}: the masked replay scores 'snapkv' and 'tova'")
+        self.pool = Pool.parse(self.pool)
+
+    @property
+    def window(self) -> int:
+        """Queries whose logits a step reads: SnapKV's 8, clamped to L as the engine does; TOVA's newest one."""
+        return min(8, self.interval) if self.heuristic == "snapkv" else 1
 
     @property
     def positions(self) -> list[int]:
@@ -167,7 +180,7 @@ class SnapSchedule:
             self.budget + (step + 1) * self.interval - 1 + self.shift for step in range(self.num_steps)
         ]
 
-    def kept(self, index: int, logits: torch.Tensor | None) -> torch.Tensor:
+    def kept(self, index: int, logits: torch.Tensor | None, visible: torch.Tensor | None = None) -> torch.Tensor:
         layers, heads, _, _, width = logits.shape
         candidates = torch.zeros(layers, heads, width, dtype=torch.bool)
         step = index - bool(self.shift)  # the index among steps 1..M
@@ -180,8 +193,12 @@ class SnapSchedule:
                 candidates[..., : self._kept.shape[-1]] = self._kept
             leaving = self.budget + (step - 1) * self.interval + self.shift
             candidates[..., leaving : leaving + self.interval] = True
-        scores = snapkv_scores(logits.float().cpu(), candidates, self.kernel)
-        self._kept = _select(scores, candidates, self.budget - self.interval, self.floor, Pool.parse(self.pool))
+        logits = logits.float().cpu()
+        if self.heuristic == "snapkv":
+            scores = snapkv_scores(logits, candidates, self.kernel)
+        else:
+            scores = tova_scores(logits, visible.cpu(), per_head=self.pool is not Pool.HEAD)
+        self._kept = _select(scores, candidates, self.budget - self.interval, self.floor, self.pool)
         return self._kept
 
 
@@ -194,6 +211,16 @@ def snapkv_scores(logits: torch.Tensor, candidates: torch.Tensor, kernel: int) -
     pooled = F.max_pool1d(packed.reshape(-1, 1, packed.shape[-1]), kernel, stride=1, padding=kernel // 2)
     scores = torch.empty_like(packed).scatter_(-1, order, pooled.view_as(packed))
     return scores.masked_fill(~candidates, float("-inf"))
+
+
+def tova_scores(logits: torch.Tensor, visible: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """`foresight.policies.tova.TOVA` from the newest query's logits [layers, Hkv, G, 1, keys] and what it sees
+    [layers, Hkv, keys]: its softmax over the visible keys, the mean over the layer's heads (`per_head`: over each
+    KV head's group) -> [layers, Hkv, keys]."""
+    weights = torch.softmax(logits[..., -1, :].masked_fill(~visible[:, :, None], float("-inf")), -1)
+    if per_head:
+        return weights.mean(2)
+    return weights.mean((1, 2), keepdim=True)[:, :, 0].expand(-1, logits.shape[1], -1)
 
 
 def _masked_attention(
@@ -280,5 +307,5 @@ def masked_replay(
             greedy[targets] = log_probs.argmax(-1).cpu()
             if evicting:
                 window = None if captured is None else torch.stack([captured[layer] for layer in range(layers)])
-                state = (end - 1, schedule.kept(positions.index(end - 1), window))
+                state = (end - 1, schedule.kept(positions.index(end - 1), window, visible[:, :, -1]))
     return nll, greedy

@@ -8,10 +8,10 @@ against per-head golden and the best heuristic, no training (issue 57, Deliver 1
 heuristics (its traces.json): their rows are read from it, and the pooled schedules are replayed here on the traces
 it scored. Each pooled oracle's share of the headroom is (best heuristic − it) / (best heuristic − golden), the best
 chosen again in every resample (docs/algorithms.md §8): above 100% by what pooling adds to today's headroom. The
-same for SnapKV with the same freedom (`snapkv-layer`, `snapkv-all`: AdaKV's allocation over SnapKV's scores, the
-same floor), beside its per-head twin. Rows per token set (generated, prompt, all); `golden-head` and
-`snapkv-head` are per-head golden and SnapKV replayed here by the masked replay, whose match with the evaluation's
-golden and snapkv rows checks the replay.
+same for SnapKV and TOVA with the same freedom (`snapkv-layer`, `tova-all`, ...: AdaKV's allocation over their
+scores, the same floor; TOVA's per KV head), beside their per-head twins. Rows per token set (generated, prompt,
+all); the -head rows are golden, SnapKV and TOVA as the engine runs them, replayed here by the masked replay, whose
+match with the evaluation's golden, snapkv and tova rows checks the replay.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from foresight.labels import future_score_table
 from foresight.models import load_model
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
-from studies.pooled_golden.bound import FixedSchedule, Pool, SnapSchedule, masked_replay, pooled_schedule
+from studies.pooled_golden.bound import FixedSchedule, HeuristicSchedule, Pool, masked_replay, pooled_schedule
 
 NAME = "pooled-golden"
 
@@ -59,7 +59,7 @@ class Settings(ReportSettings):
 
 
 def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
-    """Every pool's trace scores for one trace (the golden-POOL and snapkv-POOL rows), on golden's scored tokens."""
+    """Every pool's trace scores for one trace (the golden-, snapkv- and tova-POOL rows), on golden's scored tokens."""
     budget, interval = settings.budget, settings.interval
     shift = regime_shift(trace.prompt_length, budget, interval, settings.regime)
     if shift:  # the compression's α is row 0 of the streaming table of budget P − L
@@ -74,7 +74,10 @@ def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
         floor = settings.floor if pool is not Pool.HEAD else 0
         schedules = {
             "golden": FixedSchedule(pooled_schedule(future, budget, interval, pool, floor, shift, compression)),
-            "snapkv": SnapSchedule(budget, interval, steps, pool, floor, shift),
+            **{
+                name: HeuristicSchedule(name, budget, interval, steps, pool, floor, shift)
+                for name in ("snapkv", "tova")
+            },
         }
         for name, schedule in schedules.items():
             nll, greedy = masked_replay(model, trace.input_ids, schedule, interval)
@@ -103,7 +106,7 @@ def run(settings: Settings) -> str:
     scores = [score for score in evaluated if score.index in indices]
     for index in tqdm(indices, desc=NAME, unit="trace"):
         scores += pooled_scores(model, by_index[index], settings)
-    pooled = tuple(f"{name}-{pool.value}" for name in ("golden", "snapkv") for pool in Pool)
+    pooled = tuple(f"{name}-{pool.value}" for name in ("golden", "snapkv", "tova") for pool in Pool)
     lines = [
         f"Command: `{settings.command}`",
         "",
