@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foresight.artifacts import ArtifactError
 from foresight.cadence import Regime, eviction_steps, regime_prefill, regime_shift
+from foresight.eval.headroom import TraceScore
 from foresight.labels import compute_golden_labels, future_score_table
 from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from studies.pooled_golden.bound import HeuristicSchedule, Pool, golden_evictions, masked_replay, pooled_schedule
+from studies.pooled_golden.run import Settings, kept_scores
 from tests.rl_runs import L_, B, random_trace
 
 PROMPT = 30  # > B + L: the decode regime compresses the prompt
@@ -122,3 +125,18 @@ def test_a_heuristic_per_head_is_the_engines_and_pooled_spends_each_layers_share
     assert (counts.sum(-1) == 2 * (B - L_)).all() and int(counts.min()) >= 2 and len(set(counts.flatten().tolist())) > 1
     with pytest.raises(ValueError, match="heuristic 'h2o': the masked replay scores 'snapkv' and 'tova'"):
         HeuristicSchedule("h2o", B, L_, steps, Pool.HEAD)
+
+
+def test_the_study_keeps_each_traces_scores_and_refuses_other_settings(tmp_path):
+    """--work keeps a trace's scores once computed and reads them back instead of computing again; a run of other
+    settings on the same folder is refused in one line."""
+    (tmp_path / "eval").mkdir()
+    settings = Settings(traces=tmp_path / "traces", eval=tmp_path / "eval", work=tmp_path / "work")
+    score = TraceScore("golden-layer", 128, 3, "tiny", 10, 11.0, 10.0, 8, 1.0, flipped=0.0, squared_sum=0.5)
+    calls = []
+    first = kept_scores(settings, 3, lambda: calls.append(1) or [score])
+    again = kept_scores(settings, 3, lambda: calls.append(1) or [])
+    assert first == again == [score] and calls == [1]
+    other = Settings(traces=tmp_path / "traces", eval=tmp_path / "eval", work=tmp_path / "work", floor=8)
+    with pytest.raises(ArtifactError, match="made with other settings \\(floor=19, not 8\\); give another --work"):
+        kept_scores(other, 3, lambda: [score])

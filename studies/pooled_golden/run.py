@@ -16,12 +16,14 @@ match with the evaluation's golden, snapkv and tova rows checks the replay.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from foresight.artifacts import check_settings, write_text
 from foresight.bench.common import ReportSettings
 from foresight.cadence import Regime, eviction_steps, regime_shift
 from foresight.data.trace_store import Trace, TraceStore
@@ -48,6 +50,10 @@ class Settings(ReportSettings):
     model: str = field(default="default", metadata={"help": "the frozen model that made the traces"})
     max_traces: int | None = field(
         default=None, metadata={"help": "the first N of the evaluated traces (default: all)"}
+    )
+    work: Path | None = field(
+        default=None,
+        metadata={"help": "a folder keeping each trace's scores as it ends, so a stopped run resumes (default: none)"},
     )
 
     def __post_init__(self) -> None:
@@ -87,6 +93,30 @@ def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
     return scores
 
 
+def kept_scores(settings: Settings, index: int, compute) -> list[TraceScore]:
+    """One trace's scores: read from --work where a run of the same settings kept them, else computed and kept
+    (a --work folder of other settings is refused in one line)."""
+    if settings.work is None:
+        return compute()
+    made_with = {
+        name: str(getattr(settings, name))
+        for name in ("traces", "eval", "budget", "interval", "regime", "floor", "model")
+    }
+    record = settings.work / "settings.json"
+    if record.is_file():
+        check_settings(
+            f"the scores in {settings.work}", json.loads(record.read_text()), made_with, "give another --work"
+        )
+    else:
+        write_text(record, json.dumps(made_with, indent=1))
+    path = settings.work / f"trace-{index}.json"
+    if path.is_file():
+        return [TraceScore(**entry) for entry in json.loads(path.read_text())]
+    scores = compute()
+    write_text(path, json.dumps([dataclasses.asdict(score) for score in scores]))
+    return scores
+
+
 def run(settings: Settings) -> str:
     if not (settings.eval / "traces.json").is_file():
         raise ValueError(f"--eval {settings.eval} holds no traces.json: give a `foresight eval --traces` folder")
@@ -105,7 +135,7 @@ def run(settings: Settings) -> str:
     model, _ = load_model(settings.model)
     scores = [score for score in evaluated if score.index in indices]
     for index in tqdm(indices, desc=NAME, unit="trace"):
-        scores += pooled_scores(model, by_index[index], settings)
+        scores += kept_scores(settings, index, lambda index=index: pooled_scores(model, by_index[index], settings))
     pooled = tuple(f"{name}-{pool.value}" for name in ("golden", "snapkv", "tova") for pool in Pool)
     lines = [
         f"Command: `{settings.command}`",
