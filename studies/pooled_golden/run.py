@@ -98,10 +98,8 @@ def kept_scores(settings: Settings, index: int, compute) -> list[TraceScore]:
     (a --work folder of other settings is refused in one line)."""
     if settings.work is None:
         return compute()
-    made_with = {
-        name: str(getattr(settings, name))
-        for name in ("traces", "eval", "budget", "interval", "regime", "floor", "model")
-    }
+    made_with = {name: getattr(settings, name) for name in ("budget", "interval", "regime", "floor", "model")}
+    made_with |= {"traces": str(settings.traces), "eval": str(settings.eval)}
     record = settings.work / "settings.json"
     if record.is_file():
         check_settings(
