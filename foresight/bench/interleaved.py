@@ -46,10 +46,11 @@ class Settings(RuntimeSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.batch < 1 or self.slice_tokens < 1 or self.new_tokens % self.slice_tokens:
+        if self.batch < 1 or self.slice_tokens < 1 or self.new_tokens < 2 * self.slice_tokens:
             raise ValueError(
-                f"need batch >= 1 and new_tokens a multiple of slice_tokens >= 1 (whole turns), got batch={self.batch}, "
-                f"slice_tokens={self.slice_tokens}, new_tokens={self.new_tokens}"
+                f"need batch >= 1, slice_tokens >= 1 and new_tokens >= 2 * slice_tokens (a turn's tokens past the "
+                f"last whole turn are not timed), got batch={self.batch}, slice_tokens={self.slice_tokens}, "
+                f"new_tokens={self.new_tokens}"
             )
         named = self.decoders
         if len(named) < 2 or len(set(named)) < len(named):

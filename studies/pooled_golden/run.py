@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from foresight.artifacts import check_settings, write_text
-from foresight.bench.common import ReportSettings
+from foresight.bench.common import ReportSettings, budget_field, interval_field, regime_field
 from foresight.cadence import Regime, eviction_steps, regime_shift
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.eval.headroom import ORACLE, TraceScore, headroom, paired_gain, percent
@@ -43,9 +43,9 @@ NAME = "pooled-golden"
 class Settings(ReportSettings):
     traces: Path = field(metadata={"help": "the traces folder the evaluation replayed"})
     eval: Path = field(metadata={"help": "a `foresight eval --traces` folder of those traces with golden's rows"})
-    budget: int = field(default=128, metadata={"help": "B"})
-    interval: int = field(default=32, metadata={"help": "L"})
-    regime: str = field(default=Regime.STREAMING.value, metadata={"help": "the evaluation's regime"})
+    budget: int = budget_field()
+    interval: int = interval_field()
+    regime: str = regime_field()
     floor: int = field(default=19, metadata={"help": "entries every head keeps at least besides its window (0..L)"})
     model: str = field(default="default", metadata={"help": "the frozen model that made the traces"})
     max_traces: int | None = field(
