@@ -435,6 +435,17 @@ def test_a_distilled_fit_ranks_by_its_teacher_and_logs_the_agreement(
         assert message in error and "\n" not in error, error
 
 
+def test_a_residual_fit_exports_a_scorer_that_corrects_its_feature(tmp_path, tiny_dir, traces_dir):
+    """model.residual through `foresight fit`: the exported scorer adds the MLP to the group's mean last_1 column,
+    and the fit moved the output layer off its zero start."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, feature_set="standardised-heuristic")
+    out = tmp_path / "residual"
+    assert cli.main(fit_args(config, out, traces_dir, "model.residual=last_1", "trainer.max_steps=3")) == 0
+    scorer = load_scorer(out / "scorer")
+    assert scorer.config.residual == "last_1" and scorer.config.feature_set.value == "standardised-heuristic"
+    assert bool(scorer.w2.abs().sum() > 0)
+
+
 def test_fit_on_another_label_kind_makes_and_reads_its_own_labels_and_examples(tmp_path, tiny_dir, traces_dir):
     """`data.label_kind: value`: the fit makes the value labels beside α's and an example cache keyed to them."""
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
