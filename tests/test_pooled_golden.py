@@ -110,21 +110,21 @@ def test_a_heuristic_per_head_is_the_engines_and_pooled_spends_each_layers_share
     trace = random_trace(llama, 90, prompt=PROMPT, seed=3)
     shift = regime_shift(PROMPT, B, L_, regime)
     steps = eviction_steps(90, B, L_, shift)
-    per_head = HeuristicSchedule(heuristic, B, L_, steps, Pool.HEAD, shift=shift)
+    per_head = HeuristicSchedule(B, L_, steps, Pool.HEAD, shift=shift, heuristic=heuristic)
     nll, _ = masked_replay(llama, trace.input_ids, per_head, L_)
     engine = EvictionEngine(llama, make_policy(heuristic), EvictionConfig(B, L_))
     replayed = engine.replay([trace.input_ids], [regime_prefill(PROMPT, B, L_, regime)])
     first = replayed.first_eviction[0]
     assert first == per_head.positions[0] + 1
     torch.testing.assert_close(nll[first:], replayed.nll[0][first:].float(), rtol=1e-4, atol=1e-4)
-    pooled, kept = HeuristicSchedule(heuristic, B, L_, steps, Pool.LAYER, floor=2, shift=shift), []
+    pooled, kept = HeuristicSchedule(B, L_, steps, Pool.LAYER, floor=2, shift=shift, heuristic=heuristic), []
     choose = pooled.kept
     pooled.kept = lambda *args: kept.append(choose(*args)) or kept[-1]
     masked_replay(llama, trace.input_ids, pooled, L_)
     counts = torch.stack([held.sum(-1) for held in kept])  # [steps, layers, heads]
     assert (counts.sum(-1) == 2 * (B - L_)).all() and int(counts.min()) >= 2 and len(set(counts.flatten().tolist())) > 1
     with pytest.raises(ValueError, match="heuristic 'h2o': the masked replay scores 'snapkv' and 'tova'"):
-        HeuristicSchedule("h2o", B, L_, steps, Pool.HEAD)
+        HeuristicSchedule(B, L_, steps, Pool.HEAD, heuristic="h2o")
 
 
 def test_the_study_keeps_each_traces_scores_and_refuses_other_settings(tmp_path):

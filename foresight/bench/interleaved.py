@@ -96,7 +96,7 @@ class Turns:
             if count % self.slice_tokens == 0:
                 self.sync()
                 self.slices[name].append(self.clock() - self._started)
-                self._pass(name)
+                self._pass()
                 self.wait(name)
 
         return tick
@@ -108,7 +108,7 @@ class Turns:
             if self.names[self._turn] == name:
                 self._advance()
 
-    def _pass(self, name: str) -> None:
+    def _pass(self) -> None:
         with self._condition:
             self._advance()
 

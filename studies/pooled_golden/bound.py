@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from foresight.cadence import top_k_mask
+from foresight.cadence import step_position, top_k_mask
 from foresight.choices import Choice
+from foresight.policies.snapkv import masked_softmax
 from foresight.runtime.capture import attention_implementation, cache_argument, register_attention
 
 MASKED_ATTENTION = "foresight_masked_replay"
@@ -57,32 +58,75 @@ def pooled_schedule(
     shift: int = 0,
     compression: torch.Tensor | None = None,
 ) -> list[Eviction]:
-    """The greedy schedule of one trace: every eviction step's position and kept set.
+    """The greedy schedule of one trace by α: every eviction step's position and kept set.
 
     future: α of steps t = 1..M, [M, layers, H, N] (N covers every candidate position). shift and compression: a
-    decode regime's compression step after position P − 1 = B − 1 + shift, whose candidates are positions
-    0..P − L − 1 and whose α row ([layers, H, N]) is `compression`; without one, step 1's candidates are 0..B − 1.
-    Every group keeps its heads' share of B − L entries each, a head at least `floor` (0..L, so that its L leaving
-    entries can always meet it) and the rest by α; ties keep the lower head, then the lower position."""
-    pool = Pool.parse(pool)
-    if not 0 <= floor <= interval:
-        raise ValueError(f"floor={floor} must be 0..L={interval}: a head's L leaving entries must be able to meet it")
-    num_steps, layers, heads, width = future.shape
-    kept = torch.zeros(layers, heads, width, dtype=torch.bool)
-    evictions = []
-    if compression is not None:
-        kept[..., : budget + shift - interval] = True  # every prompt entry but the window is a candidate
-        kept = _select(compression, kept, budget - interval, floor, pool)
-        evictions.append((budget - 1 + shift, kept))
-    else:
-        kept[..., : budget - interval] = True
-    for step in range(num_steps):
-        leaving = budget + (step - 1) * interval + shift
-        candidates = kept.clone()
-        candidates[..., leaving : leaving + interval] = True
-        kept = _select(future[step], candidates, budget - interval, floor, pool)
-        evictions.append((budget + (step + 1) * interval - 1 + shift, kept))
-    return evictions
+    decode regime's compression step after position P − 1 = B − 1 + shift, whose α row ([layers, H, N]) is
+    `compression` (`Greedy` says which entries each step chooses among)."""
+    if (shift > 0) != (compression is not None):
+        raise ValueError(
+            f"shift={shift} and a compression row go together: a decode regime's shift is its compression's"
+        )
+    schedule = Greedy(budget, interval, future.shape[0], Pool.parse(pool), floor, shift)
+    rows = ([] if compression is None else [compression]) + list(future)
+    width = future.shape[-1]
+    return [
+        (position, schedule.keep(alpha, schedule.candidates(index, width)))
+        for index, (position, alpha) in enumerate(zip(schedule.positions, rows))
+    ]
+
+
+@dataclass
+class Greedy:
+    """The candidates and the kept sets of a greedy schedule on its own trajectory: at each step the entries kept at
+    the step before plus the L leaving the window (step 1: positions 0..B − 1; a decode compression after position
+    P − 1 = B − 1 + shift: every prompt entry but the window); every group of heads (`Pool`) keeps its heads' share
+    of B − L entries each, a head at least `floor` (0..L, so that its L leaving entries can always meet it), the
+    rest by score; ties keep the lower head, then the lower position."""
+
+    budget: int
+    interval: int
+    num_steps: int
+    pool: Pool
+    floor: int = 0
+    shift: int = 0
+    _kept: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.pool = Pool.parse(self.pool)
+        if not 0 <= self.floor <= self.interval:
+            raise ValueError(
+                f"floor={self.floor} must be 0..L={self.interval}: a head's L leaving entries must be able to meet it"
+            )
+
+    @property
+    def positions(self) -> list[int]:
+        """The newest position at each eviction step (`foresight.cadence.step_position`; step 0: the compression)."""
+        first = 0 if self.shift else 1
+        return [
+            step_position(step, self.budget, self.interval, self.shift) for step in range(first, self.num_steps + 1)
+        ]
+
+    def candidates(self, index: int, width: int) -> torch.Tensor:
+        """The candidates [layers, H, width] of eviction step `index` (of `positions`), after the steps before it."""
+        layers, heads = (1, 1) if self._kept is None else self._kept.shape[:2]
+        candidates = torch.zeros(layers, heads, width, dtype=torch.bool)
+        step = index - bool(self.shift)  # the index among steps 1..M
+        if step < 0:
+            candidates[..., : self.budget + self.shift - self.interval] = True
+            return candidates
+        if self._kept is None:
+            candidates[..., : self.budget - self.interval] = True
+        else:
+            candidates[..., : self._kept.shape[-1]] = self._kept
+        leaving = self.budget + (step - 1) * self.interval + self.shift
+        candidates[..., leaving : leaving + self.interval] = True
+        return candidates
+
+    def keep(self, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """The step's kept set by `scores` [layers, H, width] among `candidates` (broadcast over layers and heads)."""
+        self._kept = _select(scores, candidates.expand_as(scores), self.budget - self.interval, self.floor, self.pool)
+        return self._kept
 
 
 def _select(alpha: torch.Tensor, candidates: torch.Tensor, share: int, floor: int, pool: Pool) -> torch.Tensor:
@@ -108,9 +152,9 @@ def golden_evictions(
         held = torch.zeros(*positions.shape[:-1], width, dtype=torch.bool)
         return held.scatter(-1, positions.long(), True)
 
-    evictions = [] if prefill_kept is None else [(budget - 1 + shift, mask(prefill_kept))]
+    evictions = [] if prefill_kept is None else [(step_position(0, budget, interval, shift), mask(prefill_kept))]
     return evictions + [
-        (budget + (step + 1) * interval - 1 + shift, mask(kept)) for step, kept in enumerate(kept_positions)
+        (step_position(step, budget, interval, shift), mask(kept)) for step, kept in enumerate(kept_positions, 1)
     ]
 
 
@@ -141,11 +185,10 @@ class FixedSchedule:
 
 
 @dataclass
-class HeuristicSchedule:
-    """A heuristic's evictions on its own trajectory, per head as the engine runs it or pooled as AdaKV allocates:
-    the heads of a group keep their shares of B − L in all by the heuristic's scores, each at least `floor`.
-    Candidates as golden's: the last kept set plus the L entries leaving the window (a decode compression: the
-    prompt but its window).
+class HeuristicSchedule(Greedy):
+    """A heuristic's evictions on its own trajectory (`Greedy`'s candidates), per head as the engine runs it or pooled
+    as AdaKV allocates: the heads of a group keep their shares of B − L in all by the heuristic's scores, each at
+    least `floor`.
 
     heuristic: "snapkv" (the engine's `snapkv` with its defaults: the last 8 queries' logits max-pooled over the
     group's query heads, a softmax over the candidates, their mean over the queries, a max-pool of 7 along the
@@ -153,59 +196,34 @@ class HeuristicSchedule:
     mean over the layer's heads as the engine's `tova` keeps one set per layer; pooled, over each KV head's group
     only, the per-head statistic an allocation needs)."""
 
-    heuristic: str
-    budget: int
-    interval: int
-    num_steps: int
-    pool: Pool
-    floor: int = 0
-    shift: int = 0
+    heuristic: str = "snapkv"
     kernel: int = 7
-    _kept: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.heuristic not in ("snapkv", "tova"):
             raise ValueError(f"heuristic {self.heuristic!r}: the masked replay scores 'snapkv' and 'tova'")
-        self.pool = Pool.parse(self.pool)
 
     @property
     def window(self) -> int:
         """Queries whose logits a step reads: SnapKV's 8, clamped to L as the engine does; TOVA's newest one."""
         return min(8, self.interval) if self.heuristic == "snapkv" else 1
 
-    @property
-    def positions(self) -> list[int]:
-        compression = [self.budget - 1 + self.shift] if self.shift else []
-        return compression + [
-            self.budget + (step + 1) * self.interval - 1 + self.shift for step in range(self.num_steps)
-        ]
-
     def kept(self, index: int, logits: torch.Tensor | None, visible: torch.Tensor | None = None) -> torch.Tensor:
         layers, heads, _, _, width = logits.shape
-        candidates = torch.zeros(layers, heads, width, dtype=torch.bool)
-        step = index - bool(self.shift)  # the index among steps 1..M
-        if step < 0:  # the decode compression: every prompt entry but the window
-            candidates[..., : self.budget + self.shift - self.interval] = True
-        else:
-            if self._kept is None:
-                candidates[..., : self.budget - self.interval] = True
-            else:
-                candidates[..., : self._kept.shape[-1]] = self._kept
-            leaving = self.budget + (step - 1) * self.interval + self.shift
-            candidates[..., leaving : leaving + self.interval] = True
+        candidates = self.candidates(index, width).expand(layers, heads, width)
         logits = logits.float().cpu()
         if self.heuristic == "snapkv":
             scores = snapkv_scores(logits, candidates, self.kernel)
         else:
             scores = tova_scores(logits, visible.cpu(), per_head=self.pool is not Pool.HEAD)
-        self._kept = _select(scores, candidates, self.budget - self.interval, self.floor, self.pool)
-        return self._kept
+        return self.keep(scores, candidates)
 
 
 def snapkv_scores(logits: torch.Tensor, candidates: torch.Tensor, kernel: int) -> torch.Tensor:
     """`foresight.policies.snapkv.SnapKV.importance` over the candidates of each head ([layers, Hkv, keys] bool)
     from the window's logits [layers, Hkv, G, window, keys]; −inf off the candidates."""
-    weights = torch.softmax(logits.amax(2).masked_fill(~candidates[:, :, None], float("-inf")), -1).mean(2)
+    weights = masked_softmax(logits.amax(2), candidates[:, :, None]).mean(2)
     order = torch.sort((~candidates).to(torch.int8), dim=-1, stable=True).indices  # candidates first, in order
     packed = weights.gather(-1, order).masked_fill(~candidates.gather(-1, order), float("-inf"))
     pooled = F.max_pool1d(packed.reshape(-1, 1, packed.shape[-1]), kernel, stride=1, padding=kernel // 2)
@@ -217,7 +235,7 @@ def tova_scores(logits: torch.Tensor, visible: torch.Tensor, per_head: bool) -> 
     """`foresight.policies.tova.TOVA` from the newest query's logits [layers, Hkv, G, 1, keys] and what it sees
     [layers, Hkv, keys]: its softmax over the visible keys, the mean over the layer's heads (`per_head`: over each
     KV head's group) -> [layers, Hkv, keys]."""
-    weights = torch.softmax(logits[..., -1, :].masked_fill(~visible[:, :, None], float("-inf")), -1)
+    weights = masked_softmax(logits[..., -1, :], visible[:, :, None])
     if per_head:
         return weights.mean(2)
     return weights.mean((1, 2), keepdim=True)[:, :, 0].expand(-1, logits.shape[1], -1)

@@ -81,7 +81,7 @@ def pooled_scores(model, trace: Trace, settings: Settings) -> list[TraceScore]:
         schedules = {
             "golden": FixedSchedule(pooled_schedule(future, budget, interval, pool, floor, shift, compression)),
             **{
-                name: HeuristicSchedule(name, budget, interval, steps, pool, floor, shift)
+                name: HeuristicSchedule(budget, interval, steps, pool, floor, shift, heuristic=name)
                 for name in ("snapkv", "tova")
             },
         }

@@ -344,6 +344,17 @@ class Planted:
     rows: list[PlantedFigures]
 
 
+@dataclass(frozen=True)
+class PlantedStates:
+    """The planted check's states, held fixed: the keep scores of their pools [layers, steps, traces, Hkv, P] (no
+    graph), which pool entries may be evicted and which carry the penalty, and the evictions a state draws."""
+
+    scores: torch.Tensor
+    eligible: torch.Tensor
+    penalised: torch.Tensor
+    num_evict: int
+
+
 def planted_check(
     scorer: ForesightScorer, recorded: Sequence[EvictionActions], settings: Settings, branch_tokens: float
 ) -> Planted:
@@ -364,7 +375,8 @@ def planted_check(
         grads = torch.autograd.grad(scores, trained_parameters(scorer), gradient, retain_graph=True)
         return torch.cat([grad.flatten() for grad in grads]).double()
 
-    halves = reference_gradient(fixed, eligible, planted, num_evict, settings, generator)
+    held = PlantedStates(fixed, eligible, planted, num_evict)
+    halves = reference_gradient(held, settings, generator)
     true_a, true_b = (weights_of(half) for half in halves)
     truth = (true_a + true_b) / 2
     size = settings.group_size
@@ -418,31 +430,29 @@ def planted_check(
             )
         del per_episode
     for swaps in (0, 1):
-        figures = planted_branches(fixed, eligible, planted, num_evict, settings, generator, swaps, weights_of, truth)
+        figures = planted_branches(held, settings, generator, swaps, weights_of, truth, ladder)
         rows.append(dataclasses.replace(figures, group_tokens=branch_tokens))
     reference = float(torch.nn.functional.cosine_similarity(true_a, true_b, dim=0))
     return Planted(ladder, reference, actions, rows)
 
 
 def planted_branches(
-    fixed: torch.Tensor,
-    eligible: torch.Tensor,
-    planted: torch.Tensor,
-    num_evict: int,
+    states: PlantedStates,
     settings: Settings,
     generator: torch.Generator,
     swaps: int,
     weights_of,
     truth: torch.Tensor,
+    ladder: Sequence[int],
 ) -> PlantedFigures:
     """Per-layer branch groups on the planted reward: each group one state (a layer at a step) of every trace, its
     K rows drawing that layer's eviction (every KV head) by Eq. 2, the last `swaps` of them instead evicting the
     pool's unpenalised entries first (the golden swap: golden keeps what costs to evict); reward −(penalised
     entries evicted) at that state alone, group-normalised advantages, order log-probability. The cosine of the
-    mean group gradient to the true one after n groups per trace, n as the episodes' ladder."""
+    mean group gradient to the true one after n groups per trace, n on the episodes' `ladder`."""
+    fixed, eligible, planted = states.scores, states.eligible, states.penalised
     layers, steps, traces = fixed.shape[:3]
-    rows, size = settings.branch_rows, settings.group_size
-    ladder = [size * 2**k for k in range(int(math.log2(settings.planted_groups)) + 1)]
+    rows = settings.branch_rows
     every = torch.arange(traces, device=fixed.device)
     total = torch.zeros_like(fixed, dtype=torch.float64)
     parts = [torch.zeros_like(total) for _ in range(CHUNKS)]
@@ -452,10 +462,11 @@ def planted_branches(
         step = torch.randint(steps, (traces,), generator=generator, device=fixed.device)
         scores, allowed, costly = (tensor[layer, step, every] for tensor in (fixed, eligible, planted))
         temperature = settings.sample_temperature
-        orders = draw_eviction(scores.expand(rows - swaps, *scores.shape), num_evict, generator, allowed, temperature)
+        expanded = scores.expand(rows - swaps, *scores.shape)
+        orders = draw_eviction(expanded, states.num_evict, generator, allowed, temperature)
         order = orders.order
         if swaps:
-            swap = guided_eviction(scores, num_evict, costly, allowed, temperature).order
+            swap = guided_eviction(scores, states.num_evict, costly, allowed, temperature).order
             order = torch.cat([order, swap.expand(swaps, *swap.shape)])
         rewards = -costly.expand(rows, *costly.shape).gather(-1, order).sum((-1, -2)).double()  # [K, traces]
         weight = ADVANTAGE_RULES["group_normalised"](rewards[None], dim=1)[0]
@@ -477,16 +488,12 @@ def planted_branches(
 
 
 def reference_gradient(
-    fixed: torch.Tensor,
-    eligible: torch.Tensor,
-    planted: torch.Tensor,
-    num_evict: int,
-    settings: Settings,
-    generator: torch.Generator,
+    states: PlantedStates, settings: Settings, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent estimates (halves of the draws) of the planted reward's true gradient w.r.t. the keep
     scores: every state's own penalty −(planted entries evicted), its leave-one-out baseline over the draws
     at that state, and the order's log-probability (unbiased: the penalty reads the set only)."""
+    fixed, eligible, planted, num_evict = states.scores, states.eligible, states.penalised, states.num_evict
     halves = []
     for _ in range(2):
         draws = max(2, settings.reference_draws // 2)
