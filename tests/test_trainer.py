@@ -446,6 +446,24 @@ def test_a_residual_fit_exports_a_scorer_that_corrects_its_feature(tmp_path, tin
     assert bool(scorer.w2.abs().sum() > 0)
 
 
+def test_a_transfer_fit_saves_its_models_output_factors_and_evaluates(tmp_path, tiny_dir, traces_dir):
+    """data.feature_set=transfer through `foresight fit`: the exported scorer holds the output factors of the model it
+    was fitted with (a fresh scorer set from that model has the same), and `foresight eval` replays with it."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir, feature_set="transfer")
+    out = tmp_path / "transfer"
+    assert cli.main(fit_args(config, out, traces_dir, "trainer.max_steps=3")) == 0
+    scorer = load_scorer(out / "scorer")
+    assert scorer.config.feature_set.value == "transfer" and not scorer.needs_output_factors
+    fresh = type(scorer)(scorer.config)
+    fresh.set_output_factors(load_model(str(tiny_dir))[0])
+    assert torch.equal(fresh.output_factors, scorer.output_factors)
+    run = ["eval", "--traces", str(traces_dir), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]
+    run += ["--policies", "full,tova", "--scorer", f"transfer={out / 'scorer'}", "--out", str(tmp_path / "eval")]
+    assert cli.main(run) == 0
+    rows = json.loads((tmp_path / "eval" / "traces.json").read_text())
+    assert {row["policy"] for row in rows} >= {"transfer", "tova"}
+
+
 def test_fit_on_another_label_kind_makes_and_reads_its_own_labels_and_examples(tmp_path, tiny_dir, traces_dir):
     """`data.label_kind: value`: the fit makes the value labels beside α's and an example cache keyed to them."""
     config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)

@@ -33,6 +33,12 @@ class ScorerModule(L.LightningModule):
         metrics = {name: round(float(value), 6) for name, value in sorted(latest.items())}
         return {**data, **self.stage_settings(), "optimisation steps": self.global_step, "metrics": metrics}
 
+    def setup(self, stage: str) -> None:
+        """A new scorer that reads log‖W_o v‖ (the transfer set) takes its output factors from the frozen model
+        its data is made with, so the factors it saves are those of the model it was trained on."""
+        if self.scorer.needs_output_factors:
+            self.scorer.set_output_factors(self.trainer.datamodule.frozen.load()[0])
+
     def freeze_untrained(self) -> None:
         """Stop gradients to b2 (call once `self.scorer` is set).
 

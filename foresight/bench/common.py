@@ -317,6 +317,8 @@ def random_scorer(
         scorer = ForesightScorer(fields)
     with torch.no_grad():
         scorer.w1.mul_(spread)
+    if scorer.needs_output_factors and isinstance(model, torch.nn.Module):
+        scorer.set_output_factors(model)
     return scorer.to(model.device) if hasattr(model, "device") else scorer
 
 

@@ -101,6 +101,11 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
     )
     if blocks is None:
         blocks = [(context.attention, context.query_positions)]
+    moments = None
+    if FeatureSet.parse(feature_set).reads_window_logits:
+        moments = standardised.window_logit_moments(
+            context.queries, context.query_positions, context.keys, context.scaling
+        )
     return _features(
         blocks,
         context.state,
@@ -109,6 +114,7 @@ def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.
         context.num_candidates,
         feature_set,
         context.first_observed,
+        moments,
     )
 
 
@@ -153,10 +159,12 @@ def _features(
     num_candidates: int,
     feature_set: str,
     first_observed: torch.Tensor | None = None,
+    logit_moments: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`observe_features` of block attention in `blocks` [(weights [batch, Hkv, G, l, N], their query positions)],
     oldest first (one block for the older sets); every batch row on its own. The state runs in float32 from
-    block to block and is stored back at its fields' dtypes once."""
+    block to block and is stored back at its fields' dtypes once. logit_moments: the whole window's
+    (`standardised.window_logit_moments`), for a set that reads them."""
     candidates = slice(0, num_candidates)
     if FeatureSet.parse(feature_set).standardised:
         if first_observed is None:
@@ -170,6 +178,7 @@ def _features(
                 block_positions,
                 feature_set,
                 first_observed,
+                logit_moments,
             )
         valid = positions[..., candidates] >= 0
         new_state = {name: value.to(state[name].dtype) for name, value in _stored(running, feature_set).items()}
@@ -264,7 +273,7 @@ class Foresight(Policy):
       it and keeps the window's sums per entry (`ObservedQueries.STREAM`), so no ring of L queries is held (30%
       of the default model's K/V bytes at B = 128, L = 32); "window" reads a ring of the window's L queries at
       the step, as kvpress's press must. The standardised sets only: the older sets' block max and min need the
-      whole block, so they always read the window.
+      whole block, and the transfer set's logit moments the window's queries, so they always read the window.
     stream_block: the queries a streaming policy is handed at once (default 4): each decode forward's query waits
       until 4 have come (or until an eviction step), so the runtime holds up to 4 queries of every query head
       (3.75% of the default model's K/V bytes) and the per-query work runs once per 4 tokens (1: none held
@@ -307,6 +316,11 @@ class Foresight(Policy):
             raise ValueError(
                 f"scorer must be a ForesightScorer or a folder to load one from, got {type(self.scorer).__name__}"
             )
+        if self.scorer.needs_output_factors:
+            raise ValueError(
+                "the scorer reads log‖W_o v‖ (the transfer set) but holds no output factors: a fit sets them from "
+                "its model; for a scorer made by hand call ForesightScorer.set_output_factors(model)"
+            )
         self.mode = EvictionMode.parse(self.mode).value
         self.observation = Observation.parse(self.observation).value
         if not isinstance(self.stream_block, int) or self.stream_block < 1:
@@ -336,8 +350,11 @@ class Foresight(Policy):
 
     @property
     def observed_queries(self) -> ObservedQueries:
-        """STREAM where `observation` asks for it and the feature set allows it (its statistics are sums)."""
-        streams = self.observation == Observation.STREAM.value and self._standardised
+        """STREAM where `observation` asks for it and the feature set allows it (its statistics are sums; the
+        transfer set's logit moments are not)."""
+        feature_set = FeatureSet.parse(self.scorer.config.feature_set)
+        sums_only = self._standardised and not feature_set.reads_window_logits
+        streams = self.observation == Observation.STREAM.value and sums_only
         return ObservedQueries.STREAM if streams else ObservedQueries.WINDOW
 
     @property

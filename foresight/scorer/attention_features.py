@@ -28,6 +28,12 @@ head g of the group (head-major), with f following `FEATURE_NAMES`:
 - "standardised-grouped" (F = 7, ours, issue 41): the standardised seven of the attention the G query heads of
   the group pay together (A summed over the group before any sum), so a_n has F numbers, not F*G, and the
   per-entry state is one set of sums per KV head, G times smaller (`FeatureSet.per_query_head`).
+- "transfer" (F = 11, ours, issue 55): the heuristic set's nine, then the expected-attention terms of the
+  window's queries: "mean_logit" (k·μ_q, the mean logit over the window's queries) and "logit_variance"
+  (kᵀΣ_q k, their variance, logged), standardised like the rest; its scorer reads no key or value vector,
+  only three projections of them: log‖k‖, log‖v‖ and log‖W_o v‖ (`FeatureSet.projected_key_values`).
+  Nothing in it reads absolute position (RoPE writes it into the raw keys), so what it learns is about how
+  entries are read, not which tokens or where: what carries to families it never saw.
 A window larger than L covers the whole block (it clamps to L), so with L < 32 some window sums equal
 the block sum.
 
@@ -64,6 +70,7 @@ class FeatureSet(Choice):
     STANDARDISED_HEURISTIC = "standardised-heuristic"
     STANDARDISED_NORMS = "standardised-norms"
     STANDARDISED_GROUPED = "standardised-grouped"
+    TRANSFER = "transfer"
 
     @property
     def standardised(self) -> bool:
@@ -74,6 +81,7 @@ class FeatureSet(Choice):
             FeatureSet.STANDARDISED_HEURISTIC,
             FeatureSet.STANDARDISED_NORMS,
             FeatureSet.STANDARDISED_GROUPED,
+            FeatureSet.TRANSFER,
         )
 
     @property
@@ -90,17 +98,33 @@ class FeatureSet(Choice):
         return self == FeatureSet.STANDARDISED_NORMS
 
     @property
+    def projected_key_values(self) -> bool:
+        """Whether the scorer reads each key and value through three numbers, log‖k‖, log‖v‖ and log‖W_o v‖
+        (`ForesightScorer.output_factors`), instead of the vectors: the raw vectors carry token content and
+        RoPE's absolute position, which a scorer memorises on its training families."""
+        return self == FeatureSet.TRANSFER
+
+    @property
+    def reads_window_logits(self) -> bool:
+        """Whether the set reads the window's attention logits at the step (the expected-attention terms are
+        moments of logits, not sums of probabilities), so its policy holds the window's queries and never
+        streams (`Foresight.observed_queries`)."""
+        return self == FeatureSet.TRANSFER
+
+    @property
     def unit_key_values(self) -> bool:
         """Whether the scorer reads L2-normalised keys and values (`ForesightScorer`): only the standardised
         sets, whose inputs must all sit on scales that do not depend on the model or the head; the older
         sets' scorers were trained on raw keys and values and keep reading them."""
-        return self.standardised
+        return self.standardised and not self.projected_key_values
 
     @property
     def transform(self) -> str:
         """How the features are normalised, in words (an exported scorer's model card says it)."""
         if self.key_value_norms:
             return "log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values, their log norms"
+        if self.projected_key_values:
+            return "log(x + 1e-6), standardised over each step's candidates; log‖k‖, log‖v‖ and log‖W_o v‖"
         if not self.per_query_head:
             return "the group's summed attention; log(x + 1e-6), standardised over each step's candidates; unit-norm keys and values"
         if self.standardised:
@@ -128,6 +152,7 @@ FEATURE_NAMES: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.STANDARDISED_HEURISTIC: (*STANDARDISED_NAMES, "last_1", "pooled_last_8"),
     FeatureSet.STANDARDISED_NORMS: STANDARDISED_NAMES,  # the norms are the scorer's inputs, not features
     FeatureSet.STANDARDISED_GROUPED: STANDARDISED_NAMES,  # of the group's summed attention
+    FeatureSet.TRANSFER: (*STANDARDISED_NAMES, "last_1", "pooled_last_8", "mean_logit", "logit_variance"),
 }
 """Per-query-head feature order of each set (see the module docstring)."""
 

@@ -57,6 +57,8 @@ def ensemble(scorers: Sequence[ForesightScorer]) -> ForesightScorer:
         merged.b1.copy_(torch.cat([scorer.b1 for scorer in scorers], dim=-1))
         merged.w2.copy_(torch.cat([scorer.w2 for scorer in scorers], dim=-1) / len(scorers))
         merged.b2.copy_(torch.stack([scorer.b2 for scorer in scorers]).mean(0))
+        for name, buffer in merged.named_buffers():  # the base model's, alike in every member (the transfer set's)
+            buffer.copy_(getattr(scorers[0], name))
     return merged.eval()
 
 

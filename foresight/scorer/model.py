@@ -37,6 +37,7 @@ from torch import nn
 
 from foresight.cadence import Regime, check_budget
 from foresight.choices import Choice
+from foresight.models import describe
 from foresight.scorer.attention_features import FEATURE_NAMES, FeatureSet, feature_width
 
 
@@ -152,8 +153,16 @@ class ScorerConfig:
 
     @property
     def norm_width(self) -> int:
-        """2 when x_n ends with log‖k_n‖ and log‖v_n‖ (`FeatureSet.key_value_norms`), else 0."""
-        return 2 * (self.key_values and self.feature_set.key_value_norms)
+        """How many log norms x_n ends with: 2, log‖k_n‖ and log‖v_n‖ (`FeatureSet.key_value_norms`); 3, those
+        and log‖W_o v_n‖ (`FeatureSet.projected_key_values`); else 0."""
+        if not self.key_values:
+            return 0
+        return 3 if self.feature_set.projected_key_values else 2 * self.feature_set.key_value_norms
+
+    @property
+    def vector_width(self) -> int:
+        """2D when x_n holds the key and value vectors themselves, else 0 (features only, or their projections)."""
+        return 2 * self.head_dim * (self.key_values and not self.feature_set.projected_key_values)
 
     @property
     def residual_columns(self) -> slice | None:
@@ -165,8 +174,8 @@ class ScorerConfig:
 
     @property
     def input_dim(self) -> int:
-        """2D + F*G (+ 2 log norms), the width of x_n (F*G without keys and values)."""
-        return 2 * self.head_dim * self.key_values + self.feature_width + self.norm_width
+        """2D + F*G (+ 2 log norms), the width of x_n (F*G without keys and values; F*G + 3 for the projections)."""
+        return self.vector_width + self.feature_width + self.norm_width
 
 
 UNIT_EPS = 1e-6
@@ -206,6 +215,10 @@ class ForesightScorer(
         self.b1 = nn.Parameter(torch.empty(layers, heads, hidden))
         self.w2 = nn.Parameter(torch.empty(layers, heads, hidden))
         self.b2 = nn.Parameter(torch.empty(layers, heads))
+        if config.feature_set.projected_key_values and config.key_values:
+            # Not trained: the base model's output projection, saved with the weights (`set_output_factors`).
+            dim = config.head_dim
+            self.register_buffer("output_factors", torch.full((layers, heads, dim, dim), float("nan")))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -219,6 +232,30 @@ class ForesightScorer(
             if self.config.residual is not None:
                 self.w2.zero_()
                 self.b2.zero_()
+
+    @property
+    def needs_output_factors(self) -> bool:
+        """Whether this scorer reads log‖W_o v‖ and its output factors are not set yet (`set_output_factors`)."""
+        factors = getattr(self, "output_factors", None)
+        return factors is not None and bool(factors.isnan().any())
+
+    def set_output_factors(self, model: nn.Module) -> None:
+        """Take log‖W_o v‖'s factors from `model` (a decoder whose attention layers have an `o_proj`): per (layer,
+        KV head) R [D, D] with ‖R v‖ = ‖W v‖, W [G * hidden, D] the output projection's columns of the group's G
+        query heads stacked, so ‖R v‖² = Σ_g ‖W_g v‖²: how far the entry's value can move the layer's output,
+        whichever of the group's heads reads it. R is the triangular factor of W's QR decomposition (D x D
+        instead of the projection's hidden x D)."""
+        config = self.config
+        self.check_compatible(describe(model))
+        layers = model.get_decoder().layers
+        with torch.no_grad():
+            for index, layer in enumerate(layers):
+                weight = layer.self_attn.o_proj.weight.detach().double()  # [hidden, Hq * D]
+                heads = weight.unflatten(1, (config.num_kv_heads, config.group_size, config.head_dim))
+                for head in range(config.num_kv_heads):
+                    stacked = heads[:, head].transpose(0, 1).flatten(0, 1)  # [G * hidden, D]
+                    factor = torch.linalg.qr(stacked, mode="r").R
+                    self.output_factors[index, head] = factor.to(self.output_factors.dtype)
 
     def check_compatible(self, shape: HasModelShape) -> None:
         """Raise a one-line ValueError naming both shapes when `shape` is not the model this scorer is for."""
@@ -301,7 +338,12 @@ class ForesightScorer(
         w1, b1, w2, b2 = (weight[layers].flatten(0, 1) for weight in (self.w1, self.b1, self.w2, self.b2))
         count, batch, heads, entries = parts[0].shape[:4]
         grouped = [_by_head(part, w1.dtype) for part in (parts if config.key_values else parts[2:])]
-        widths = [part.shape[-1] for part in grouped] + [config.norm_width] * bool(config.norm_width)
+        if config.feature_set.projected_key_values:
+            vectors, grouped = grouped[:-1], grouped[-1:]
+            widths = [config.feature_width] + [config.norm_width] * bool(vectors)
+        else:
+            vectors = []
+            widths = [part.shape[-1] for part in grouped] + [config.norm_width] * bool(config.norm_width)
         blocks = w1.split(widths, dim=1)
         features = len(grouped) - 1
         hidden = torch.baddbmm(b1.unsqueeze(1), grouped[features], blocks[features])
@@ -312,6 +354,8 @@ class ForesightScorer(
                 part = part / norm
                 norms.append(norm.log())
             hidden.baddbmm_(part, block)
+        if vectors:  # the transfer set's projections: log‖k_n‖, log‖v_n‖, log‖W_o v_n‖
+            norms = self._projections(*vectors, layers)
         if config.norm_width:  # log‖k_n‖, log‖v_n‖: the scale the unit vectors leave out
             hidden.baddbmm_(torch.cat(norms, dim=-1), blocks[-1])
         scores = torch.bmm(nn.functional.gelu(hidden), w2.unsqueeze(-1)).squeeze(-1) + b2.unsqueeze(-1)
@@ -319,6 +363,16 @@ class ForesightScorer(
         if config.residual_columns is None:
             return scores
         return scores + parts[2][..., config.residual_columns].to(scores.dtype).mean(-1)
+
+    def _projections(
+        self, keys: torch.Tensor, values: torch.Tensor, layers: slice | torch.Tensor
+    ) -> list[torch.Tensor]:
+        """log‖k_n‖, log‖v_n‖ and log‖W_o v_n‖ of keys, values [layers * Hkv, batch * N, D], each [..., 1]."""
+        factors = self.output_factors[layers].flatten(0, 1).to(values.dtype)  # [layers * Hkv, D, D]
+        outputs = torch.bmm(values, factors.transpose(-1, -2))
+        return [
+            torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(UNIT_EPS).log() for x in (keys, values, outputs)
+        ]
 
     @classmethod
     def _from_pretrained(

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 import torch
 
 from foresight.masked import masked_moments
-from foresight.runtime.capture import first_observed_query
+from foresight.runtime.capture import attention_logits, first_observed_query
 from foresight.scorer.attention_features import (
     FEATURE_NAMES,
     WINDOWS,
@@ -98,6 +98,7 @@ def standardised_features(
     query_positions: torch.Tensor,
     feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
     first_observed: torch.Tensor | None = None,
+    logit_moments: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Features of every entry before standardisation, and the updated state.
 
@@ -105,7 +106,8 @@ def standardised_features(
     state: the raw sums [batch, Hkv, N, G] (module docstring); positions [batch, Hkv, N] (-1: invalid),
     query_positions [batch, l] (-1: padding); feature_set: one of the standardised sets (both keep the same
     state); first_observed [batch]: each row's first observed query position (None: this block is the row's
-    first observation, `first_observed_query`). Returns features
+    first observation, `first_observed_query`); logit_moments: the transfer set's window logit columns
+    (`window_logit_moments`, each [batch, Hkv, N, G]). Returns features
     [batch, Hkv, N, F*G] (head-major, `FEATURE_NAMES`; log(x + LOG_EPS) of the sums, log1p of the age)
     and the new state in the dtypes it came in. `standardise_candidates` finishes them.
     """
@@ -116,8 +118,32 @@ def standardised_features(
     rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
     new = _decayed_sums(rows, state)
     sums = {name: window_sum(rows, size) for name, size in _windows(names).items()}
-    features = _columns(sums, new, positions, query_positions.amax(-1), first_observed, names)
+    features = _columns(sums, new, positions, query_positions.amax(-1), first_observed, names, logit_moments)
     return features, {name: value.to(state[name].dtype) for name, value in new.items()}
+
+
+LOGIT_MOMENTS = ("mean_logit", "logit_variance")
+"""The expected-attention columns of the transfer set (kvpress's expected attention scores an entry by
+exp(k·μ_q/√d + kᵀΣ_q k/2d) from the mean μ_q and covariance Σ_q of the window's queries)."""
+
+
+def window_logit_moments(
+    queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, scaling: float
+) -> dict[str, torch.Tensor]:
+    """The expected-attention terms of each entry over the window's queries, per query head: "mean_logit"
+    (k·μ_q × scaling, the mean logit) and "logit_variance" (log(kᵀΣ_q k × scaling² + LOG_EPS), the logits'
+    population variance) [batch, Hkv, N, G]. queries [batch, Hq, l, D] oldest first, query_positions
+    [batch, l] (-1: padding, left out), keys [batch, Hkv, N, D]. The moments of the logits themselves, which
+    equal those of the queries projected on k, so no D×D covariance is formed; the mean's shift by the row's
+    softmax normaliser, which is the same for every entry, cancels in `standardise_candidates`. A candidate
+    is older than every query of the window, so no causal mask is needed (a window entry's value is unused)."""
+    logits = attention_logits(queries, keys, scaling)  # [batch, Hkv, G, l, N] float32
+    weights = (query_positions >= 0).to(logits.dtype)
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1)
+    weights = weights[:, None, None, :, None]
+    mean = (logits * weights).sum(-2)
+    variance = ((logits - mean.unsqueeze(-2)).square() * weights).sum(-2)
+    return {"mean_logit": mean.transpose(-1, -2), "logit_variance": torch.log(variance + LOG_EPS).transpose(-1, -2)}
 
 
 def window_state(feature_set: str | FeatureSet) -> tuple[str, ...]:
@@ -213,9 +239,12 @@ def _columns(
     newest: torch.Tensor,
     first_observed: torch.Tensor,
     names: tuple[str, ...],
+    logit_moments: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The features [batch, Hkv, N, F*G] of the window sums `sums` and the three sums `new` [batch, Hkv, N, G]
-    as of the newest query position `newest` [batch]."""
+    as of the newest query position `newest` [batch], with the window's logit moments where the set reads them."""
+    if any(name in names for name in LOGIT_MOMENTS) and logit_moments is None:
+        raise ValueError("the transfer set's features need the window's queries (its logit moments) at the step")
     dtype = new[CUMULATIVE].dtype
     observed = observed_queries(positions, newest, first_observed).to(dtype)
     sums = {**sums, "recent_128": new[RECENT], "decayed": new[DECAYED]}
@@ -225,6 +254,7 @@ def _columns(
     age = (newest[:, None, None] - positions).clamp_min(0).to(dtype)
     columns = {name: torch.log(value + LOG_EPS) for name, value in sums.items()}
     columns["log_age"] = torch.log1p(age)[..., None].expand_as(sums["decayed"])
+    columns.update({name: value.to(dtype) for name, value in (logit_moments or {}).items()})
     return torch.stack([columns[name] for name in names], dim=-1).flatten(-2)  # [batch, Hkv, N, G*F]
 
 
