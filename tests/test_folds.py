@@ -3,6 +3,7 @@ scorers fitted without its family, test families refused before any fit, and too
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -67,6 +68,11 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
     assert sorted(scored) == sorted(set(scored))  # each trace once, in the fold of its family
     assert "| base | " in report and "| wide | " in report and "### decode regime, held-out families" in report
     assert run(settings) == report  # finished fits and evaluations are read again, not redone
+    replays = sorted((tmp_path / "work" / "decode").glob("eval-fold-*/replays/base/*/batch-*.pt"))
+    kept = {path: path.stat().st_mtime_ns for path in replays}
+    later = run(dataclasses.replace(settings, variant=(*settings.variant, "late=model.hidden=4")))
+    assert "| late | " in later and report.split("| base | ")[1].split("\n")[0] in later
+    assert kept and {path: path.stat().st_mtime_ns for path in replays} == kept  # only the new variant replayed
 
 
 def test_a_corpus_holding_a_test_family_is_refused_before_any_fit(corpus, tmp_path, tiny_dir):

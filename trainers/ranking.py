@@ -46,6 +46,37 @@ class PairWeight(Choice):
     GAP = "gap"
 
 
+class ProblemWeight(Choice):
+    """How much each ranking problem (a step's (layer, KV head)) counts in the batch's mean.
+
+    "equal": every problem alike (Eq. 6). "regret": in proportion to what the scorer's eviction of that problem
+    costs now, the target mass of the L candidates it scores lowest minus that of the L golden evicts
+    (`eviction_regret`; with loss-aligned labels, `data.label_kind: value`, the loss change), normalised to a
+    mean of 1 over the batch: problems where the scorer already evicts golden's choice weigh nothing, those where
+    its mistakes cost most weigh most (`SupervisedScorer`, problem_weight)."""
+
+    EQUAL = "equal"
+    REGRET = "regret"
+
+
+def eviction_regret(scores: torch.Tensor, alpha: torch.Tensor, evicted: int) -> torch.Tensor:
+    """Per problem [...]: Σ α over the `evicted` lowest-scored candidates minus Σ α over the `evicted` smallest α
+    (golden's eviction; ties as `top_k_mask` breaks them): >= 0, and 0 when the scorer evicts as golden does."""
+    kept = alpha.shape[-1] - evicted
+    ours = (alpha * ~top_k_mask(scores, kept)).sum(-1)
+    golden = (alpha * ~top_k_mask(alpha, kept)).sum(-1)
+    return ours - golden
+
+
+def regret_weights(scores: torch.Tensor, alpha: torch.Tensor, evicted: int) -> torch.Tensor:
+    """`ProblemWeight.REGRET`'s weights [...]: each problem's regret over the mean regret of all of them, no
+    gradient (all ones when no problem has any)."""
+    with torch.no_grad():
+        regret = eviction_regret(scores.detach(), alpha, evicted)
+        mean = regret.mean()
+        return regret / mean if mean > 0 else torch.ones_like(regret)
+
+
 def pairwise_ranking_loss(
     scores: torch.Tensor,
     alpha: torch.Tensor,

@@ -25,11 +25,13 @@ from trainers.ranking import (
     DEFAULT_MARGIN,
     PAIR_BLOCK_ELEMENTS,
     PairWeight,
+    ProblemWeight,
     RankingPairs,
     calibration_loss,
     kept_overlap,
     pairwise_ranking_loss,
     pooled_overlap,
+    regret_weights,
     spearman,
 )
 from trainers.scorer_module import ScorerModule
@@ -46,6 +48,8 @@ class SupervisedScorer(ScorerModule):
     pairs: "all" (Eq. 6, every pair) or "evicted" (only pairs whose lower member is one of the L
       entries the golden step evicts; `RankingPairs`).
     pair_weight: "uniform" (Eq. 6) or "gap" (each pair in proportion to α_j − α_i; `PairWeight`).
+    problem_weight: "equal" (Eq. 6: every (step, layer, head) problem alike) or "regret" (each in proportion to
+      what the scorer's current eviction of it costs against golden's, `ProblemWeight`).
     pair_chunk: rows of the pair matrix built at once (memory only; the loss uses every chosen pair).
     pair_block: pair-matrix numbers built at once over problems and rows (speed only: a block that stays in
       cache; null builds every problem of the batch at once, the layout before blocks).
@@ -74,6 +78,7 @@ class SupervisedScorer(ScorerModule):
         weight_decay: float = 0.0,
         pairs: str = RankingPairs.ALL.value,
         pair_weight: str = PairWeight.UNIFORM.value,
+        problem_weight: str = ProblemWeight.EQUAL.value,
         pair_chunk: int = 256,
         pair_block: int | None = PAIR_BLOCK_ELEMENTS,
         init_scorer: str | None = None,
@@ -83,6 +88,7 @@ class SupervisedScorer(ScorerModule):
     ) -> None:
         super().__init__()
         pairs, pair_weight = RankingPairs.parse(pairs).value, PairWeight.parse(pair_weight).value
+        problem_weight = ProblemWeight.parse(problem_weight).value
         for name, value in (("pair_chunk", pair_chunk), ("pair_block", pair_block)):
             if value is not None and value < 1:
                 raise ValueError(
@@ -123,6 +129,8 @@ class SupervisedScorer(ScorerModule):
         hparams = self.hparams
         pairs = "every pair" if hparams.pairs == RankingPairs.ALL.value else "the pairs of a golden-evicted entry"
         weight = "each weighted by α_j − α_i" if hparams.pair_weight == PairWeight.GAP.value else "each alike (Eq. 6)"
+        if hparams.get("problem_weight", ProblemWeight.EQUAL.value) == ProblemWeight.REGRET.value:
+            weight += "; each problem weighted by the regret of the scorer's eviction against golden's"
         calibrated = (
             f", plus {hparams.calibration} × the squared error against log(α + ε)" if hparams.calibration else ""
         )
@@ -150,6 +158,8 @@ class SupervisedScorer(ScorerModule):
             PairWeight.parse(self.hparams.pair_weight),
             self.hparams.pair_block,
         )
+        if self.hparams.problem_weight == ProblemWeight.REGRET.value:
+            per_problem = per_problem * regret_weights(scores, alpha, self.scorer.config.interval)
         if self.hparams.calibration:
             per_problem = per_problem + self.hparams.calibration * calibration_loss(scores, alpha)
         count = torch.tensor(float(per_problem.numel()), device=per_problem.device)

@@ -11,7 +11,8 @@ a family that a test set (data/corpus/unseen-*) holds is refused before any fit.
 
 A variant is NAME=OVERRIDES, the fit config's overrides joined by `;` (`wide=model.hidden=32;ensemble.members=1`;
 `base=` for the config as it is). Fits and evaluations land under --work, one folder per (regime, variant, fold),
-and a finished one is read again, never redone, so a stopped study resumes.
+and a finished one is read again, never redone, so a stopped study resumes and a variant added later is fitted
+and replayed alone.
 
     python -m studies folds --traces data/corpus/train66 --folds 5 --config configs/default.yaml \\
         --variant base= --variant one=ensemble.members=1 --regime decode --regime streaming
@@ -121,9 +122,10 @@ def _fitted(settings: Settings, regime: str, name: str, overrides: list[str], fo
 def _evaluated(
     settings: Settings, regime: str, fold: int, held: list[str], scorers: dict[str, Path]
 ) -> list[TraceScore]:
-    """Fold `fold`'s traces replayed under the reference list, golden and every variant; their trace scores."""
+    """Fold `fold`'s traces replayed under the reference list, golden and every variant; their trace scores. A
+    variant added to a finished study replays only itself: the evaluation keeps each policy's replays."""
     out = settings.work / regime / f"eval-fold-{fold}"
-    if not (out / "traces.json").is_file():
+    if not _holds(out / "traces.json", scorers):
         config = read_scorer_config(next(iter(scorers.values())) / "config.json")
         policies = ",".join(["full", "golden", *REFERENCE_HEURISTICS])
         words = ["eval", "--traces", str(settings.traces), "--sources", ",".join(held), "--regime", regime]
@@ -148,6 +150,13 @@ def _evaluated(
         )
         _run(words)
     return [TraceScore(**entry) for entry in json.loads((out / "traces.json").read_text())]
+
+
+def _holds(scores: Path, scorers: dict[str, Path]) -> bool:
+    """Whether an evaluation's traces.json holds a row of every variant."""
+    if not scores.is_file():
+        return False
+    return set(scorers) <= {entry["policy"] for entry in json.loads(scores.read_text())}
 
 
 def _run(words: list[str]) -> None:
