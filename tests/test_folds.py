@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from foresight.data.trace_store import TraceStore
 from foresight.scorer.model import load_scorer
 from studies.folds.run import Settings, deal_folds, run
 from tests.fit_configs import tiny_config
@@ -50,6 +52,7 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
         config=config,
         variant=("base=", "wide=model.hidden=8"),
         regime=("decode",),
+        per_family=3,
         test_sets=tmp_path / "no-test-sets",
         work=tmp_path / "work",
         out=tmp_path / "folds.md",
@@ -57,7 +60,7 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
     report = run(settings)
     scored = []
     for fold in range(FAMILIES):
-        entries = json.loads((tmp_path / "work" / "decode" / f"eval-fold-{fold}" / "traces.json").read_text())
+        entries = json.loads((tmp_path / "work" / "decode" / f"eval-fold-{fold}-first3" / "traces.json").read_text())
         for name in ("base", "wide"):
             trained = set(
                 load_scorer(tmp_path / "work" / "decode" / name / f"fold-{fold}" / "scorer").config.training_sources
@@ -66,9 +69,11 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
             assert held and not held & trained and len(trained) == FAMILIES - 1
         scored += [e["index"] for e in entries if e["policy"] == "base" and e["token_set"] == "all"]
     assert sorted(scored) == sorted(set(scored))  # each trace once, in the fold of its family
+    by_family = Counter(trace.source for trace in TraceStore(corpus) if trace.index in scored)
+    assert len(by_family) == FAMILIES and set(by_family.values()) == {3}  # per_family: the first 3 of each
     assert "| base | " in report and "| wide | " in report and "### decode regime, held-out families" in report
     assert run(settings) == report  # finished fits and evaluations are read again, not redone
-    replays = sorted((tmp_path / "work" / "decode").glob("eval-fold-*/replays/base/*/batch-*.pt"))
+    replays = sorted((tmp_path / "work" / "decode").glob("eval-fold-*-first3/replays/base/*/batch-*.pt"))
     kept = {path: path.stat().st_mtime_ns for path in replays}
     later = run(dataclasses.replace(settings, variant=(*settings.variant, "late=model.hidden=4")))
     assert "| late | " in later and report.split("| base | ")[1].split("\n")[0] in later

@@ -123,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "families) (default: every source)",
     )
     parser.add_argument(
+        "--per-source",
+        type=int,
+        default=None,
+        metavar="N",
+        help="evaluate only the first N traces (by index) of each prompt source (default: all of them)",
+    )
+    parser.add_argument(
         "--label-kind",
         default=LabelKind.ALPHA.value,
         choices=[member.value for member in LabelKind],
@@ -245,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     store = TraceStore(args.traces)
     made_with = model_of_traces(args, args.traces, store.settings["model"])
-    traces = list(select_traces(store, args.holdout, args.holdout_seed, args.max_traces, args.sources))
+    traces = list(select_traces(store, args.holdout, args.holdout_seed, args.max_traces, args.sources, args.per_source))
     if not traces:
         raise ValueError(
             f"no traces to evaluate in {args.traces} (holdout={args.holdout}, max-traces={args.max_traces})"

@@ -497,16 +497,25 @@ def select_traces(
     seed: int,
     max_traces: int | None,
     sources: Collection[str] | None = None,
+    per_source: int | None = None,
 ) -> TraceView:
     """The held-out split (or every trace), of the prompt `sources` only when given (the held-out families of a
-    fold), cut to the first `max_traces`: what `foresight eval` and the benchmarks that compare on held-out
-    traces read."""
+    fold), the first `per_source` traces of each source when given (a fold study's sample of every family), cut
+    to the first `max_traces`: what `foresight eval` and the benchmarks that compare on held-out traces read."""
     view: TraceView = store if holdout is None else store.split(holdout, seed)[1]
     if sources is not None:
         held = set(store.sources())
         if unknown := sorted(set(sources) - held):
             raise ValueError(f"no trace of source {', '.join(unknown)}; the folder holds {', '.join(sorted(held))}")
         view = view.where(lambda trace: trace.source in sources)
+    if per_source is not None:
+        if per_source < 1:
+            raise ValueError(f"--per-source must be at least 1, got {per_source}")
+        firsts = {}
+        for trace in view:
+            firsts.setdefault(trace.source, []).append(trace.index)
+        chosen = {index for indices in firsts.values() for index in sorted(indices)[:per_source]}
+        view = view.where(lambda trace: trace.index in chosen)
     if max_traces is not None:
         if max_traces < 1:
             raise ValueError(f"--max-traces must be at least 1, got {max_traces}")

@@ -21,6 +21,7 @@ and replayed alone.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,11 +57,16 @@ class Settings(ReportSettings):
     test_sets: Path = field(default=CORPUS, metadata={"help": "the folder whose unseen-* trace folders are test sets"})
     work: Path = field(default=Path("runs/folds"), metadata={"help": "folder of the fits and evaluations"})
     batch_size: int = field(default=4, metadata={"help": "traces replayed together by each evaluation"})
+    per_family: int | None = field(
+        default=None, metadata={"help": "score only the first N traces of each held-out family (default: all)"}
+    )
 
     def __post_init__(self) -> None:
         self.variants  # a malformed variant is refused here
         if self.folds < 2:
             raise ValueError(f"--folds {self.folds}: a fold study needs at least 2 folds")
+        if self.per_family is not None and self.per_family < 1:
+            raise ValueError(f"--per-family {self.per_family}: score at least 1 trace of each family, or leave it out")
 
     @property
     def variants(self) -> dict[str, list[str]]:
@@ -111,12 +117,20 @@ def _fitted(settings: Settings, regime: str, name: str, overrides: list[str], fo
     if not (scorer / "config.json").is_file():
         sets = [
             f"data.exclude_sources={json.dumps(held)}",
-            f"data.examples_dir={settings.work / regime / name / 'examples'}",  # one cache for every fold
-            *overrides,
+            f"data.examples_dir={_examples(settings, regime, overrides)}",
         ]
+        sets += overrides
         words = ["fit", "--config", str(settings.config), "--traces", str(settings.traces), "--out", str(out)]
         _run([*words, "--regime", regime, *(word for s in sets for word in ("--set", s))])
     return scorer
+
+
+def _examples(settings: Settings, regime: str, overrides: list[str]) -> Path:
+    """The example cache of a variant: one for every fold and every variant that makes its examples alike (the
+    same `data.` overrides), so the variants of one feature set share one cache."""
+    made = sorted(override for override in overrides if override.startswith("data."))
+    name = re.sub(r"[^\w.=-]", "_", "-".join(["examples", *made]))
+    return settings.work / regime / name
 
 
 def _evaluated(
@@ -124,12 +138,15 @@ def _evaluated(
 ) -> list[TraceScore]:
     """Fold `fold`'s traces replayed under the reference list, golden and every variant; their trace scores. A
     variant added to a finished study replays only itself: the evaluation keeps each policy's replays."""
-    out = settings.work / regime / f"eval-fold-{fold}"
+    sample = "" if settings.per_family is None else f"-first{settings.per_family}"
+    out = settings.work / regime / f"eval-fold-{fold}{sample}"
     if not _holds(out / "traces.json", scorers):
         config = read_scorer_config(next(iter(scorers.values())) / "config.json")
         policies = ",".join(["full", "golden", *REFERENCE_HEURISTICS])
         words = ["eval", "--traces", str(settings.traces), "--sources", ",".join(held), "--regime", regime]
         words += ["-B", str(config.budget), "-L", str(config.interval), "--policies", policies, "--out", str(out)]
+        if settings.per_family is not None:
+            words += ["--per-source", str(settings.per_family)]
         words += [
             "--batch-size",
             str(settings.batch_size),
