@@ -72,6 +72,7 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
     by_family = Counter(trace.source for trace in TraceStore(corpus) if trace.index in scored)
     assert len(by_family) == FAMILIES and set(by_family.values()) == {3}  # per_family: the first 3 of each
     assert "| base | " in report and "| wide | " in report and "### decode regime, held-out families" in report
+    assert not list((tmp_path / "work" / "decode").glob("examples*"))  # each cache removed after its fits
     assert run(settings) == report  # finished fits and evaluations are read again, not redone
     replays = sorted((tmp_path / "work" / "decode").glob("eval-fold-*-first3/replays/base/*/batch-*.pt"))
     kept = {path: path.stat().st_mtime_ns for path in replays}

@@ -12,7 +12,9 @@ a family that a test set (data/corpus/unseen-*) holds is refused before any fit.
 A variant is NAME=OVERRIDES, the fit config's overrides joined by `;` (`wide=model.hidden=32;ensemble.members=1`;
 `base=` for the config as it is). Fits and evaluations land under --work, one folder per (regime, variant, fold),
 and a finished one is read again, never redone, so a stopped study resumes and a variant added later is fitted
-and replayed alone.
+and replayed alone. The variants that make their examples alike (the same `data.` overrides) share one example
+cache, made once for every fold; the fits run cache by cache and each cache is removed after its fits (one holds
+every step's keys and values: about 40 GB for the 755 traces of `train66`), unless --keep-examples.
 
     python -m studies folds --traces data/corpus/train66 --folds 5 --config configs/default.yaml \\
         --variant base= --variant one=ensemble.members=1 --regime decode --regime streaming
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +60,13 @@ class Settings(ReportSettings):
     test_sets: Path = field(default=CORPUS, metadata={"help": "the folder whose unseen-* trace folders are test sets"})
     work: Path = field(default=Path("runs/folds"), metadata={"help": "folder of the fits and evaluations"})
     batch_size: int = field(default=4, metadata={"help": "traces replayed together by each evaluation"})
+    keep_examples: bool = field(
+        default=False,
+        metadata={
+            "help": "keep each example cache once its variants' fits are done (at the corpus's size one holds about "
+            "40 GB, so by default the fits run cache by cache and each is removed after them)"
+        },
+    )
     per_family: int | None = field(
         default=None, metadata={"help": "score only the first N traces of each held-out family (default: all)"}
     )
@@ -96,33 +106,43 @@ def run(settings: Settings) -> str:
     refuse_test_families(settings.traces, test_set_folders(settings.test_sets))
     families = folder_sources(settings.traces)
     assignment = deal_folds(families, settings.folds, settings.fold_seed)
+    held = {fold: sorted(family for family, k in assignment.items() if k == fold) for fold in range(settings.folds)}
     sections = [f"Command: `{settings.command}`", "", _fold_table(assignment, settings.traces)]
     for regime in settings.regime:
+        scorers: dict[int, dict[str, Path]] = {fold: {} for fold in held}
+        for examples, variants in _by_examples(settings, regime).items():
+            for fold, families in held.items():
+                for name, overrides in variants:
+                    scorers[fold][name] = _fitted(settings, regime, name, overrides, fold, families, examples)
+            if not settings.keep_examples:
+                shutil.rmtree(examples, ignore_errors=True)
         scores = []
-        for fold in range(settings.folds):
-            held = sorted(family for family, k in assignment.items() if k == fold)
-            scorers = {
-                name: _fitted(settings, regime, name, overrides, fold, held)
-                for name, overrides in settings.variants.items()
-            }
-            scores += _evaluated(settings, regime, fold, held, scorers)
+        for fold, families in held.items():
+            ordered = {name: scorers[fold][name] for name in settings.variants}
+            scores += _evaluated(settings, regime, fold, families, ordered)
         sections.append(_regime_table(regime, scores, list(settings.variants), assignment))
     return "\n\n".join(sections)
 
 
-def _fitted(settings: Settings, regime: str, name: str, overrides: list[str], fold: int, held: list[str]) -> Path:
+def _fitted(
+    settings: Settings, regime: str, name: str, overrides: list[str], fold: int, held: list[str], examples: Path
+) -> Path:
     """The scorer of one variant fitted without fold `fold`'s families (a finished fit is read, not redone)."""
     out = settings.work / regime / name / f"fold-{fold}"
     scorer = out / "scorer"
     if not (scorer / "config.json").is_file():
-        sets = [
-            f"data.exclude_sources={json.dumps(held)}",
-            f"data.examples_dir={_examples(settings, regime, overrides)}",
-        ]
-        sets += overrides
+        sets = [f"data.exclude_sources={json.dumps(held)}", f"data.examples_dir={examples}", *overrides]
         words = ["fit", "--config", str(settings.config), "--traces", str(settings.traces), "--out", str(out)]
         _run([*words, "--regime", regime, *(word for s in sets for word in ("--set", s))])
     return scorer
+
+
+def _by_examples(settings: Settings, regime: str) -> dict[Path, list[tuple[str, list[str]]]]:
+    """The variants grouped by the example cache they read (`_examples`), in the order they first appear."""
+    groups: dict[Path, list[tuple[str, list[str]]]] = {}
+    for name, overrides in settings.variants.items():
+        groups.setdefault(_examples(settings, regime, overrides), []).append((name, overrides))
+    return groups
 
 
 def _examples(settings: Settings, regime: str, overrides: list[str]) -> Path:
