@@ -76,9 +76,22 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
     assert run(settings) == report  # finished fits and evaluations are read again, not redone
     replays = sorted((tmp_path / "work" / "decode").glob("eval-fold-*-first3/replays/base/*/batch-*.pt"))
     kept = {path: path.stat().st_mtime_ns for path in replays}
-    later = run(dataclasses.replace(settings, variant=(*settings.variant, "late=model.hidden=4")))
+    student = "late=model.hidden=4;model.teacher={fold_scorer:base}"  # one member distilled from the fold's base
+    later = run(dataclasses.replace(settings, variant=(*settings.variant, student)))
     assert "| late | " in later and report.split("| base | ")[1].split("\n")[0] in later
+    card = (tmp_path / "work" / "decode" / "late" / "fold-1" / "scorer" / "README.md").read_text()
+    assert f"the teacher {tmp_path / 'work' / 'decode' / 'base' / 'fold-1' / 'scorer'}" in card
     assert kept and {path: path.stat().st_mtime_ns for path in replays} == kept  # only the new variant replayed
+
+
+def test_a_variant_reading_a_later_or_unlike_scorer_is_refused_in_one_line(corpus, tmp_path):
+    for variants, message in (
+        (("a=model.teacher={fold_scorer:b}", "b="), "reads variant 'b'"),
+        (("b=data.feature_set=transfer", "a=model.teacher={fold_scorer:b}"), "whose examples differ"),
+    ):
+        with pytest.raises(ValueError, match=message) as error:
+            Settings(traces=corpus, variant=variants)
+        assert "\n" not in str(error.value)
 
 
 def test_a_corpus_holding_a_test_family_is_refused_before_any_fit(corpus, tmp_path, tiny_dir):

@@ -10,7 +10,8 @@ regime; the all-token share and each fold's own share stand beside it. No test s
 a family that a test set (data/corpus/unseen-*) holds is refused before any fit.
 
 A variant is NAME=OVERRIDES, the fit config's overrides joined by `;` (`wide=model.hidden=32;ensemble.members=1`;
-`base=` for the config as it is). Fits and evaluations land under --work, one folder per (regime, variant, fold),
+`base=` for the config as it is); `{fold_scorer:NAME}` in an override names the same fold's scorer of an earlier
+variant (`student=ensemble.members=1;model.teacher={fold_scorer:base}`: one member distilled from the ensemble). Fits and evaluations land under --work, one folder per (regime, variant, fold),
 and a finished one is read again, never redone, so a stopped study resumes and a variant added later is fitted
 and replayed alone. The variants that make their examples alike (the same `data.` overrides) share one example
 cache, made once for every fold; the fits run cache by cache and each cache is removed after its fits (one holds
@@ -86,7 +87,19 @@ class Settings(ReportSettings):
             name, sep, overrides = text.partition("=")
             if not sep or not name.strip() or name.strip() in found:
                 raise ValueError(f"--variant {text!r} must look like NAME=KEY=VALUE;KEY=VALUE, each NAME once")
-            found[name.strip()] = [override.strip() for override in overrides.split(";") if override.strip()]
+            own = [override.strip() for override in overrides.split(";") if override.strip()]
+            for earlier in re.findall(r"\{fold_scorer:([^}]+)\}", overrides):
+                if earlier not in found:
+                    raise ValueError(
+                        f"--variant {text!r} reads variant {earlier!r}'s scorer, which no earlier --variant names"
+                    )
+                if _made(found[earlier]) != _made(own):
+                    raise ValueError(
+                        f"--variant {text!r} reads variant {earlier!r}'s scorer, whose examples differ "
+                        f"({_made(found[earlier]) or 'none'} against {_made(own) or 'none'}): a teacher reads what "
+                        "its student reads"
+                    )
+            found[name.strip()] = own
         return found
 
 
@@ -131,10 +144,21 @@ def _fitted(
     out = settings.work / regime / name / f"fold-{fold}"
     scorer = out / "scorer"
     if not (scorer / "config.json").is_file():
-        sets = [f"data.exclude_sources={json.dumps(held)}", f"data.examples_dir={examples}", *overrides]
+        own = [_placed(override, settings, regime, fold) for override in overrides]
+        sets = [f"data.exclude_sources={json.dumps(held)}", f"data.examples_dir={examples}", *own]
         words = ["fit", "--config", str(settings.config), "--traces", str(settings.traces), "--out", str(out)]
         _run([*words, "--regime", regime, *(word for s in sets for word in ("--set", s))])
     return scorer
+
+
+def _placed(override: str, settings: Settings, regime: str, fold: int) -> str:
+    """An override with `{fold_scorer:NAME}` replaced by the folder of variant NAME's scorer of the same fold and
+    regime (a distilled variant's teacher: `model.teacher={fold_scorer:base}`); NAME must come earlier."""
+    return re.sub(
+        r"\{fold_scorer:([^}]+)\}",
+        lambda match: str(settings.work / regime / match.group(1) / f"fold-{fold}" / "scorer"),
+        override,
+    )
 
 
 def _by_examples(settings: Settings, regime: str) -> dict[Path, list[tuple[str, list[str]]]]:
@@ -148,9 +172,13 @@ def _by_examples(settings: Settings, regime: str) -> dict[Path, list[tuple[str, 
 def _examples(settings: Settings, regime: str, overrides: list[str]) -> Path:
     """The example cache of a variant: one for every fold and every variant that makes its examples alike (the
     same `data.` overrides), so the variants of one feature set share one cache."""
-    made = sorted(override for override in overrides if override.startswith("data."))
-    name = re.sub(r"[^\w.=-]", "_", "-".join(["examples", *made]))
+    name = re.sub(r"[^\w.=-]", "_", "-".join(["examples", *_made(overrides)]))
     return settings.work / regime / name
+
+
+def _made(overrides: list[str]) -> list[str]:
+    """The overrides that change how a variant's examples are made (its `data.` ones), sorted."""
+    return sorted(override for override in overrides if override.startswith("data."))
 
 
 def _evaluated(
