@@ -113,6 +113,20 @@ def test_a_prefix_recorded_in_one_layout_serves_the_other(llama):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
+def test_rows_copied_mid_replay_continue_as_those_rows_run_through(llama):
+    """A pooled replay at allocation 'layer' paused before step 4, its rows copied in the other order, then run on:
+    each copied row holds what the row run through holds (owners included) and gives its token losses."""
+    ids, config = sequences(llama.config.vocab_size), EvictionConfig(B, L, layout="pooled", allocation="layer", floor=2)
+    engine = EvictionEngine(llama, make_policy("snapkv"), config)
+    replay = engine.advance(engine.start_replay(ids, PROMPTS), stop_before_step=4)
+    forked = engine.advance(replay.select_rows([1, 0])).output()
+    forked_held = held_by_head(engine.last_cache)
+    through = engine.replay(ids[::-1], PROMPTS[::-1])
+    assert forked_held == held_by_head(engine.last_cache) and forked.stats.evictions == through.stats.evictions
+    for ours, theirs in zip(forked.nll, through.nll, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
 def recording(name: str, **options):
     """Policy `name` recording, at every step, its keep scores and candidate positions [layers, rows, H, C] and the
     run's rows they are."""
