@@ -19,18 +19,18 @@ Layout of one layer (N = entries held, the same for every row and head of a laye
 from them and `foresight.runtime.held_memory` counts from them.
 
 Entries stay in position order, so the most recent L entries of a row are its last L slots.
-
-The pooled layout (`pool_heads` = H): a layer's H KV heads share one pool, a cache of one KV head whose slots are
-tagged with their owner head (`OWNERS`). A token appends its H entries as H consecutive slots, so entries stay in
-position order, the recent window is the last H·L slots, and a head may hold more slots than another after a step
-(`foresight.runtime.pool`) while every row of every layer holds the same count: the storage and its one gather per
-field are the per-head layout's with Hkv = 1. Lengths and slot counts are then in slots (H per token).
 Keys, values, positions and state are views of the first N slots of buffers allocated once per run
 and stacked across layers (`EntryStorage`: one buffer per field, [layers, batch, Hkv, slots, *trailing];
 the query ring likewise, [layers, batch, Hq, L, D]): a layer's tensors are its slices, which the attention
 function reads without a copy; a new token is copied into the layer's next slot, and an eviction gathers
 the kept entries of every layer to the front at once, one gather per field whatever the depth. A run that
 evicts holds the same memory from its first eviction to its end.
+
+The pooled layout (`pool_heads` = H): a layer's H KV heads share one pool, a cache of one KV head whose slots are
+tagged with their owner head (`OWNERS`). A token appends its H entries as H consecutive slots, so entries stay in
+position order, the recent window is the last H·L slots, and a head may hold more slots than another after a step
+(`foresight.runtime.pool`) while every row of every layer holds the same count: the storage and its one gather per
+field are the per-head layout's with Hkv = 1. Lengths and slot counts are then in slots (H per token).
 
 Size: the layer, its preallocated storage and the Cache facade change together (every field the
 storage holds is one the layer gathers).
