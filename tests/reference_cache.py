@@ -66,7 +66,8 @@ class ConcatenatingLayer(EvictionLayer):
 
 
 class ConcatenatingCache(EvictionCache):
-    """`EvictionCache` with `ConcatenatingLayer`s; takes (and ignores) the capacity of the real one."""
+    """`EvictionCache` with `ConcatenatingLayer`s; takes (and ignores) the capacity of the real one. The per-head
+    layout only (`pool_heads` 0)."""
 
     def __init__(
         self,
@@ -78,7 +79,10 @@ class ConcatenatingCache(EvictionCache):
         capacity=None,
         query_dtype=None,
         stream_queries: int = 0,
+        pool_heads: int = 0,
     ):
+        if pool_heads:
+            raise ValueError(f"the concatenating cache holds a cache per KV head, not a pool of {pool_heads}")
         super().__init__(
             num_layers,
             state_fields,

@@ -443,6 +443,24 @@ def golden(candidates, alpha, keep):
     return [1.0 if n in kept else 0.0 for n in range(len(candidates))]
 
 
+# -- the pooled layout's allocation ----------------------------------------------------------------------------
+def pooled_keep(scores, positions, keep, floor):
+    """AdaKV's allocation over one layer's heads in one row: scores[h][n] and positions[h][n] (-1: invalid) of
+    each head's candidates. Each head keeps its `floor` best (ties to the older), then the layer keeps the best
+    H·(keep - floor) of the rest whichever head holds them (ties to the lower head, then the older). Returns each
+    head's kept positions, sorted."""
+    heads = len(scores)
+    kept = [[] for _ in range(heads)]
+    rest = []
+    for h in range(heads):
+        mine = sorted((-scores[h][n], positions[h][n]) for n in range(len(scores[h])) if positions[h][n] >= 0)
+        kept[h] += [position for _, position in mine[:floor]]
+        rest += [(score, h, position) for score, position in mine[floor:]]
+    for _, h, position in sorted(rest)[: heads * (keep - floor)]:
+        kept[h].append(position)
+    return [sorted(positions) for positions in kept]
+
+
 TWINS = {
     "epikv": epikv,
     "foresight": foresight,

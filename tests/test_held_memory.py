@@ -1,5 +1,5 @@
 """The held-memory accounting (`foresight.runtime.held_memory`) against the live cache after a run, per
-policy, and against the issue's hand count on the default model's shape."""
+policy and cache layout, and against the issue's hand count on the default model's shape."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import foresight.bench.held_memory as held_memory_bench
 from foresight.models import ModelShape, describe, tiny_model
 from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.held_memory import held_bytes
 from foresight.scorer.model import ForesightScorer
 from tests.policy_lists import constructible_policies
@@ -115,3 +116,54 @@ def test_the_table_of_bytes_per_entry_on_qwen3_4bs_shape():
     for parts in rows.values():
         assert sum(parts[:5]) == pytest.approx(parts[5], abs=0.3)
         assert parts[6] == pytest.approx(100 * (parts[5] - parts[0]) / parts[0], abs=0.06)
+
+
+POOLED = [("snapkv", {}, "head"), ("tova", {}, "head"), ("streaming", {}, "head"), ("snapkv", {}, "layer")]
+POOLED += [("tova", {"per_kv_head": True}, "layer")]
+
+
+@pytest.mark.parametrize(("name", "options", "allocation"), POOLED)
+def test_the_pooled_layout_holds_the_per_head_bytes_and_a_one_byte_owner_tag(qwen3, name, options, allocation):
+    """One pool of H·(B + L) slots per layer and row, each a key, a value and a position of one head and its owner
+    tag: the live storage is what `held_bytes` counts for the pooled layout, which is the per-head layout's count
+    plus one byte per slot (in the state), whatever the allocation."""
+    policy = make_policy(name, **options)
+    engine = EvictionEngine(qwen3, policy, EvictionConfig(B, L, layout="pooled", allocation=allocation))
+    batch = prompts([5, 9, 14], seed=3)
+    assert engine.generate(batch, 30).stats.evictions >= 3
+    shape = describe(qwen3)
+    pooled = held_bytes(shape, policy, B, L, torch.float32, layout="pooled")
+    per_head = held_bytes(shape, policy, B, L, torch.float32)
+    cache = engine.last_cache
+    assert cache.layers[0].storage.slots == shape.num_kv_heads * (B + L) == shape.num_kv_heads * pooled.entries
+    assert cache.storage_bytes() == len(batch) * pooled.total
+    tag = shape.num_layers * shape.num_kv_heads * (B + L)
+    assert pooled.state - per_head.state == pooled.total - per_head.total == tag
+    assert (pooled.kv, pooled.positions, pooled.ring) == (per_head.kv, per_head.positions, per_head.ring)
+
+
+def test_the_default_models_pooled_figures():
+    """SmolLM2-135M's shape in float32 at B = 128, L = 32: 3 x 160 slots per layer and sequence of 2 x 64 float32,
+    an int32 position and a one-byte tag (517 bytes each; 7,444,800 over 30 layers), 14,400 bytes over the per-head
+    layout's; SnapKV's ring on top. A policy the pooled layout does not run has no pooled figure."""
+    shape = ModelShape(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64)
+    snapkv = make_policy("snapkv")
+    pooled = held_bytes(shape, snapkv, 128, 32, torch.float32, layout="pooled")
+    per_head = held_bytes(shape, snapkv, 128, 32, torch.float32)
+    assert pooled.kv + pooled.positions + pooled.state == 30 * 3 * 160 * (2 * 64 * 4 + 4 + 1) == 7_444_800
+    assert pooled.total - per_head.total == 14_400 and pooled.total == 7_998_720
+    with pytest.raises(ValueError, match="^layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova and"):
+        held_bytes(shape, make_policy("h2o"), 128, 32, torch.float32, layout="pooled")
+
+
+def test_the_table_in_the_pooled_layout_lists_the_policies_it_runs():
+    """`foresight bench held-memory --layout pooled`: 'all' is the full cache (the per-head reference) and the
+    policies the pooled layout runs, each with one byte of owner tag per (layer, KV head) of an entry as state."""
+    settings = held_memory_bench.Settings(model="configs/models/qwen3-4b.json", dtype="bfloat16", layout="pooled")
+    rows = {
+        line.split("|")[1].strip(): [float(cell.strip(" %+")) for cell in line.split("|")[2:-1]]
+        for line in held_memory_bench.run(settings).splitlines()
+        if line.startswith("| ") and not line.startswith("| policy")
+    }
+    assert set(rows) == {"full", "snapkv", "streaming", "tova"}
+    assert rows["full"][2] == 0 and rows["snapkv"][2] == rows["streaming"][2] == rows["tova"][2] == 36 * 8

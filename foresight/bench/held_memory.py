@@ -8,11 +8,16 @@ K/V; a policy that protects the prompt holds the prompt's entries on top, at the
 
     foresight bench held-memory                                            # default model, float32, B = 128, L = 32
     foresight bench held-memory --model configs/models/qwen3-4b.json --dtype bfloat16 -B 1024 -L 256
+    foresight bench held-memory --layout pooled                            # one slot pool per layer
+
+With `--layout pooled` the evicting rows are counted in the pooled layout (`foresight.runtime.pool`: a one-byte owner
+tag per slot, counted as state), and 'all' names the policies it runs; the full cache stays the per-head reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from foresight.bench.common import (
     LEARNED,
@@ -30,7 +35,9 @@ from foresight.bench.common import (
     selected_policies,
 )
 from foresight.models import architecture_config, describe, float_dtype, is_architecture_config, load_config
+from foresight.policies import POLICIES
 from foresight.runtime.held_memory import MIB, PARTS, held_bytes
+from foresight.runtime.pool import Layout
 from foresight.scorer.model import ForesightScorer, load_scorer
 
 NAME = "held-memory"
@@ -49,6 +56,10 @@ class Settings(OneScorer, ReportSettings):
     feature_set: str = field(
         default="standardised",
         metadata={"help": "the learned policy's feature set without --scorer (the shipped recipe's by default)"},
+    )
+    layout: Literal["heads", "pooled"] = field(
+        default=Layout.HEADS.value,
+        metadata={"help": "the cache layout of the evicting rows: a cache per KV head, or one slot pool per layer"},
     )
 
     def __post_init__(self) -> None:
@@ -82,17 +93,27 @@ def run(settings: Settings) -> str:
         f"Model {settings.model} ({shape}), {settings.dtype}; B = {settings.budget}, L = {settings.interval}: "
         f"{entries} entries per sequence. Bytes per entry: every layer and KV head of one entry; ring and buffered "
         f"queries divided by the {entries} entries. Overhead: bytes held beyond K/V, over K/V. The learned policy: "
-        f"{settings.learned[1] if settings.learned else f'the {settings.feature_set} feature set'}.",
+        f"{settings.learned[1] if settings.learned else f'the {settings.feature_set} feature set'}. Layout: "
+        f"{settings.layout}.",
         "",
         "| policy | K/V B / entry | positions | state | query ring | buffered queries | total B / entry | over K/V | "
         "MiB / sequence |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in selected_policies(settings.policies, learned=True):
+    for name in _policies(settings):
         policy = bench_policy(name, scorer if name == LEARNED else None)
-        held = held_bytes(shape, policy, settings.budget, settings.interval, dtype, entries=entries)
+        layout = settings.layout if policy.evicts else Layout.HEADS
+        held = held_bytes(shape, policy, settings.budget, settings.interval, dtype, entries=entries, layout=layout)
         parts = " | ".join(f"{held.per_entry(part):.1f}" for part in PARTS)
         lines.append(
             f"| {name} | {parts} | {held.per_entry('total'):.1f} | {held.overhead:+.1%} | {held.total / MIB:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _policies(settings: Settings) -> list[str]:
+    """The rows: the full cache and --policies, of which 'all' in the pooled layout is the policies it runs."""
+    names = selected_policies(settings.policies, learned=True)
+    if Layout.parse(settings.layout) is Layout.POOLED and settings.policies == "all":
+        return [name for name in names if name == "full" or POLICIES[name].runs_pooled]
+    return names

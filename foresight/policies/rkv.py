@@ -46,6 +46,7 @@ class RKV(SnapKV):
 
     name = "rkv"
     summary = "λ·snapkv importance − (1−λ)·key redundancy (R-KV)"
+    runs_pooled = False  # not SnapKV's: its redundancy over each head's view is not checked against its twin yet
     mix_lambda: float = 0.1
     threshold: float = 0.5
 

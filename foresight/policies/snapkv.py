@@ -37,6 +37,7 @@ class SnapKV(Policy):
     summary = "last-α-query attention over candidates, max-pooled (R-KV's decoding SnapKV)"
     needs_attention = True
     rows_alone = True
+    runs_pooled = True
     window: int = 8
     kernel_size: int = 7
 
@@ -49,6 +50,11 @@ class SnapKV(Policy):
     @property
     def latest_queries(self) -> int:
         return self.window
+
+    @property
+    def scores_compare_across_heads(self) -> bool:
+        """Each a share of its own head's attention (AdaKV's allocation over SnapKV's scores)."""
+        return True
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         return self.importance(context)

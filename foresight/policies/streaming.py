@@ -19,6 +19,12 @@ class Streaming(Policy):
     name = "streaming"
     summary = "sinks + most recent"
     default_sinks = 4
+    runs_pooled = True
+
+    @property
+    def scores_compare_across_heads(self) -> bool:
+        """Positions: the same scale in every head."""
+        return True
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         return context.candidate_positions.float()

@@ -9,6 +9,7 @@ Layout of one layer (N = entries held, the same for every row and head of a laye
                                      front), so validity is derived, never stored per head;
 - state          {name: [batch, Hkv, N, *trailing]}  per-entry policy state at its field's declared dtype,
                                      gathered with K and V;
+- owners         [batch, 1, N]       the pooled layout only: the KV head each slot holds an entry of (below), uint8;
 - the post-RoPE queries the policy observes: a ring buffer of the last L queries and their positions,
   or, for a policy that observes every query, each query until it has been handed out once (for a policy
   that streams its observation, each forward's latest L until handed out right after it); the ring
@@ -24,6 +25,12 @@ the query ring likewise, [layers, batch, Hq, L, D]): a layer's tensors are its s
 function reads without a copy; a new token is copied into the layer's next slot, and an eviction gathers
 the kept entries of every layer to the front at once, one gather per field whatever the depth. A run that
 evicts holds the same memory from its first eviction to its end.
+
+The pooled layout (`pool_heads` = H): a layer's H KV heads share one pool, a cache of one KV head whose slots are
+tagged with their owner head (`OWNERS`). A token appends its H entries as H consecutive slots, so entries stay in
+position order, the recent window is the last H·L slots, and a head may hold more slots than another after a step
+(`foresight.runtime.pool`) while every row of every layer holds the same count: the storage and its one gather per
+field are the per-head layout's with Hkv = 1. Lengths and slot counts are then in slots (H per token).
 
 Size: the layer, its preallocated storage and the Cache facade change together (every field the
 storage holds is one the layer gathers).
@@ -42,10 +49,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from foresight.device_checks import require
 from foresight.runtime.prefix import RecordedForward
 
-KEYS, VALUES, POSITIONS = "keys", "values", "positions"
-_ENTRY_TENSORS = (KEYS, VALUES, POSITIONS)
+KEYS, VALUES, POSITIONS, OWNERS = "keys", "values", "positions", "owners"
+_ENTRY_TENSORS = (KEYS, VALUES, POSITIONS, OWNERS)
 POSITION_DTYPE = torch.int32
 """Sequence positions of entries and buffered queries: exact below 2**31 tokens, 4 bytes per entry and KV head."""
+OWNER_DTYPE = torch.uint8
+"""The owner head of a pooled slot: one byte per slot, so a pool holds at most `MAX_POOL_HEADS` KV heads."""
+MAX_POOL_HEADS = 256
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes a per-entry state field may be stored at."""
 
@@ -82,15 +92,23 @@ QUERIES, QUERY_POSITIONS = "queries", "query_positions"
 
 
 def entry_layouts(
-    state_fields: tuple[StateField, ...], group_size: int, key_dim: int, value_dim: int, dtype: torch.dtype
+    state_fields: tuple[StateField, ...],
+    group_size: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    pooled: bool = False,
 ) -> dict[str, EntryLayout]:
     """Every per-entry tensor of a layer for a model of `dtype` (what `EntryStorage` allocates and
-    `foresight.runtime.held_memory` counts): keys, values, positions and each state field."""
+    `foresight.runtime.held_memory` counts): keys, values, positions, the owner tag of a `pooled` slot and each
+    state field."""
     layouts = {
         KEYS: EntryLayout((key_dim,), dtype),
         VALUES: EntryLayout((value_dim,), dtype),
         POSITIONS: EntryLayout((), POSITION_DTYPE),
     }
+    if pooled:
+        layouts[OWNERS] = EntryLayout((), OWNER_DTYPE)
     for field in state_fields:
         layouts[field.name] = EntryLayout((group_size,) if field.per_query_head else (), field.dtype)
     return layouts
@@ -181,7 +199,7 @@ class EntryStorage:
         width = index.shape[-1]
         shrink = self.capacity is not None and width <= self.capacity < self.slots
         for name in self.buffers:
-            kept = _gather_entries(self.view(name), index)  # a temporary: slots may overlap
+            kept = gather_entries(self.view(name), index)  # a temporary: slots may overlap
             if shrink:
                 self.buffers[name] = self._new_buffer(name, self.capacity)
             self.buffers[name][:, :, :, :width].copy_(kept)
@@ -261,7 +279,8 @@ class EvictionLayer(CacheLayerMixin):
     cache evicts every layer at once (`EvictionCache.compact`).
 
     `capacity` is the most entries a run can hold (its storage is sized for it up front); None grows
-    the storage as entries arrive."""
+    the storage as entries arrive. `pool_heads`: the KV heads of the pooled layout's one pool (module docstring;
+    `capacity` then counts slots), 0 for a cache per KV head."""
 
     is_compileable = False
     is_sliding = False
@@ -277,6 +296,7 @@ class EvictionLayer(CacheLayerMixin):
         stack: LayerStack | None = None,
         index: int = 0,
         stream_queries: int = 0,
+        pool_heads: int = 0,
     ):
         super().__init__()
         self.stack = LayerStack(1) if stack is None else stack
@@ -286,10 +306,12 @@ class EvictionLayer(CacheLayerMixin):
         self.query_window = query_window
         self.keep_every_query = keep_every_query
         self.stream_queries = stream_queries
+        self.pool_heads = pool_heads
         self.capacity = capacity
         self.query_dtype = query_dtype
         self.storage: EntryStorage | None = None
         self.positions: torch.Tensor | None = None
+        self.owners: torch.Tensor | None = None  # [batch, 1, N] the pooled layout's owner head of each slot
         self.lengths: torch.Tensor | None = None
         self.state: MappingProxyType[str, torch.Tensor] = MappingProxyType({})  # write with `write_state`
         self.queries: torch.Tensor | None = None  # [batch, Hq, window, D] ring buffer, a slice of the stack's
@@ -305,7 +327,11 @@ class EvictionLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, count, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        layouts = entry_layouts(self.state_fields, self.group_size, dim, value_states.shape[-1], key_states.dtype)
+        layouts = entry_layouts(
+            self.state_fields, self.group_size, dim, value_states.shape[-1], key_states.dtype, bool(self.pool_heads)
+        )
+        if self.pool_heads:
+            heads, count = 1, count * heads
         stack = self.stack
         if stack.storage is None:
             slots = max(self.capacity or 0, count)
@@ -325,16 +351,39 @@ class EvictionLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.stack.static is not None:
             return self._static_update(key_states, value_states)
-        entries: dict[str, torch.Tensor | float] = {
-            KEYS: key_states,
-            VALUES: value_states,
-            POSITIONS: self.pending_positions[:, None, :],
-        }
+        entries = self._new_entries(key_states, value_states)
         entries.update({field.name: float(field.fill) for field in self.state_fields})
-        self.storage.append(self.index, key_states.shape[2], entries)
-        self.lengths = self.lengths + self.pending_valid
+        self.storage.append(self.index, entries[KEYS].shape[2], entries)
+        self.lengths = self.lengths + self.pending_valid * self.slots_per_token
         self._refresh_views()
         return self.keys, self.values
+
+    @property
+    def slots_per_token(self) -> int:
+        """Slots a token's entries take: one per KV head in the pooled layout, one in each head's cache otherwise."""
+        return self.pool_heads or 1
+
+    def _new_entries(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        """A forward's new keys, values and positions as this layer's slots: [batch, Hkv, q] as they come, or pooled,
+        each token's H entries as H consecutive slots of the one pool, [batch, 1, q·H], tagged with their head."""
+        positions = self.pending_positions[:, None, :]
+        if not self.pool_heads:
+            return {KEYS: key_states, VALUES: value_states, POSITIONS: positions}
+        heads, count = key_states.shape[1], key_states.shape[2]
+        owners = torch.arange(heads, dtype=OWNER_DTYPE, device=key_states.device).repeat(count)
+        return {
+            KEYS: key_states.transpose(1, 2).flatten(1, 2)[:, None],
+            VALUES: value_states.transpose(1, 2).flatten(1, 2)[:, None],
+            POSITIONS: positions.repeat_interleave(heads, dim=2),
+            OWNERS: owners,
+        }
+
+    def newest_entries(self, tensor: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The entries of the newest `tokens` tokens in this layer's `tensor` (its keys or values), per KV head:
+        [batch, Hkv, tokens, D] (what a recorded forward appends again, `foresight.runtime.prefix`)."""
+        if not self.pool_heads:
+            return tensor[:, :, -tokens:]
+        return tensor[:, 0, -tokens * self.pool_heads :].unflatten(1, (tokens, self.pool_heads)).transpose(1, 2)
 
     def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """`update` of a static decode forward (one token per row): write its entry at the device cursor, count it
@@ -387,6 +436,7 @@ class EvictionLayer(CacheLayerMixin):
             self.stack,
             self.index,
             self.stream_queries,
+            self.pool_heads,
         )
 
     # -- eviction runtime --------------------------------------------------------------------------
@@ -395,6 +445,8 @@ class EvictionLayer(CacheLayerMixin):
         storage, index = self.storage, self.index
         self.keys, self.values = storage.view(KEYS, index), storage.view(VALUES, index)
         self.positions = storage.view(POSITIONS, index)
+        if self.pool_heads:
+            self.owners = storage.view(OWNERS, index)
         self.state = MappingProxyType({field.name: storage.view(field.name, index) for field in self.state_fields})
 
     def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -507,7 +559,7 @@ def ring_dtype(model_dtype: torch.dtype, query_dtype: torch.dtype | None) -> tor
     return query_dtype
 
 
-def _gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Gather [..., N, *trailing] along the entry dim with index [..., W] (leading dims: [layers,] batch, Hkv)."""
     trailing = tensor.shape[index.dim() :]
     expanded = index.reshape(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing)
@@ -521,7 +573,8 @@ class EvictionCache(Cache):
     allocated at its first forward (None: grow as entries arrive). `query_dtype`: the dtype the query ring may
     narrow to (`ring_dtype`; None: the model's). `stream_queries` (with `keep_every_query`): record only each
     forward's latest `stream_queries` queries (L), which a streaming policy observes in blocks of `query_window`
-    (0: every query)."""
+    (0: every query). `pool_heads`: the pooled layout's KV heads per layer (module docstring; `capacity` in slots),
+    0 for a cache per KV head."""
 
     def __init__(
         self,
@@ -533,6 +586,7 @@ class EvictionCache(Cache):
         capacity: int | None = None,
         query_dtype: torch.dtype | None = None,
         stream_queries: int = 0,
+        pool_heads: int = 0,
     ):
         stack = LayerStack(num_layers)
         layers = [
@@ -546,10 +600,12 @@ class EvictionCache(Cache):
                 stack,
                 index,
                 stream_queries,
+                pool_heads,
             )
             for index in range(num_layers)
         ]
         super().__init__(layers=layers)
+        self.slots_per_token = pool_heads or 1  # the layers' `slots_per_token`
         self.has_padding = False
         self.records_queries = True
         self.recorder: RecordedForward | None = None  # set while a forward is recorded for reuse (runtime/prefix.py)
@@ -563,8 +619,9 @@ class EvictionCache(Cache):
 
         Also decides once per forward, from the host's lengths, whether any row will hold invalid slots,
         which every layer's attention needs to know."""
-        entries = self.layers[0].get_seq_length() + positions.shape[1]
-        self.has_padding = min(lengths) < entries
+        per_token = self.slots_per_token
+        entries = self.layers[0].get_seq_length() + positions.shape[1] * per_token
+        self.has_padding = min(lengths) * per_token < entries
         self.records_queries = record_queries
         for layer in self.layers:
             layer.pending_positions = positions
@@ -701,12 +758,12 @@ class EvictionCache(Cache):
 
     @property
     def lengths(self) -> torch.Tensor:
-        """[batch] valid entries per row (equal across layers)."""
+        """[batch] valid entries per row (equal across layers; slots in the pooled layout)."""
         return self.layers[0].lengths
 
     def max_entries(self) -> int:
-        """Largest number of entries any layer holds."""
-        return max(layer.get_seq_length() for layer in self.layers)
+        """Largest number of entries any layer holds (pooled: its slots over its heads, the per-head count)."""
+        return max(layer.get_seq_length() for layer in self.layers) // self.slots_per_token
 
     def storage_bytes(self) -> int:
         """Bytes held by every layer's entry storage and query ring buffer, and static decode's stream buffer."""

@@ -11,6 +11,8 @@ L recorded queries at a time. Kernels, best first:
 - CPU: SDPA with the boolean padding-and-causal mask, or none for one query without padding.
 - Static decode (`foresight.runtime.static_decode`), any device: SDPA over every slot of the storage under the
   forward's mask of valid slots, made on the device, so the shapes never change.
+- The pooled layout (`foresight.runtime.cache`), any device: SDPA over the pool's one key head, each query head
+  reading only its own KV head's slots (`_owner_mask`); flash-attn's kernels take no such mask, so they never run.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def eviction_attention(
     layer = eviction_cache.layers[module.layer_idx]
     layer.scaling = scaling
     if eviction_cache.recorder is not None:
-        eviction_cache.recorder.add(module.layer_idx, query, key, value, scaling)
+        new = [layer.newest_entries(tensor, query.shape[2]) for tensor in (key, value)]
+        eviction_cache.recorder.add(module.layer_idx, query, *new, scaling)
     if layer.query_window and eviction_cache.records_queries:
         layer.record_queries(query, layer.pending_positions)
     static = eviction_cache.static
@@ -60,11 +63,13 @@ def eviction_attention(
             query, key, value, attn_mask=static.mask, scale=scaling, enable_gqa=True
         )
         return output.transpose(1, 2).contiguous(), None
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    if HAS_FLASH_ATTENTION and query.is_cuda and half:
-        return _flash_attention(query, key, value, layer, scaling, eviction_cache.has_padding), None
     num_queries, has_padding = query.shape[2], eviction_cache.has_padding
-    if query.is_cuda and num_queries > 1 and not has_padding:
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if layer.pool_heads:
+        mask = _owner_mask(layer, query.shape[1], num_queries, has_padding)
+    elif HAS_FLASH_ATTENTION and query.is_cuda and half:
+        return _flash_attention(query, key, value, layer, scaling, has_padding), None
+    elif query.is_cuda and num_queries > 1 and not has_padding:
         mask = causal_lower_right(num_queries, layer.get_seq_length())  # fused kernels, nothing materialised
     else:
         mask = _padding_causal_mask(layer, num_queries, has_padding)
@@ -73,7 +78,8 @@ def eviction_attention(
 
 
 def _padding_causal_mask(layer: EvictionLayer, num_queries: int, has_padding: bool) -> torch.Tensor | None:
-    """[batch, 1, q, N] boolean mask: causal among the q new entries (the last q slots) and no padding.
+    """[batch, 1, q, N] boolean mask: causal among the q new tokens (the last q slots, pooled the last q·H) and no
+    padding.
 
     Padding query rows (only in a padded prefill) keep their causal row so they never see an empty
     row (no NaN); nothing valid attends to them. Returns None when nothing needs masking."""
@@ -82,14 +88,25 @@ def _padding_causal_mask(layer: EvictionLayer, num_queries: int, has_padding: bo
     if num_queries == 1 and no_padding:
         return None
     slots = torch.arange(entries, device=layer.device)
-    query_slots = slots[entries - num_queries :]
+    per_token = layer.slots_per_token
+    query_slots = slots[entries - (num_queries - 1) * per_token - 1 :: per_token]  # each new token's last slot
     causal = slots[None, :] <= query_slots[:, None]  # [q, N]
     if no_padding:
         return causal[None, None]
     valid = layer.valid  # [batch, N]
-    query_valid = valid[:, entries - num_queries :]  # [batch, q]
+    query_valid = valid[:, query_slots]  # [batch, q]
     mask = causal[None] & (valid[:, None, :] | ~query_valid[:, :, None])
     return mask[:, None]
+
+
+def _owner_mask(layer: EvictionLayer, query_heads: int, num_queries: int, has_padding: bool) -> torch.Tensor:
+    """[batch, Hq, q, N] boolean mask of a pooled layer: query head j reads only the slots of its KV head j // G,
+    and the padding-and-causal rule of `_padding_causal_mask`, so each query head attends exactly as it would to its
+    own head's cache."""
+    readers = torch.arange(query_heads, device=layer.device) // (query_heads // layer.pool_heads)
+    owned = layer.owners[:, :, None, :] == readers[None, :, None, None]  # [batch, Hq, 1, N]
+    mask = _padding_causal_mask(layer, num_queries, has_padding)
+    return owned if mask is None else owned & mask
 
 
 def _flash_attention(

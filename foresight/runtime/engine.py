@@ -31,12 +31,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from foresight.cache_argument import cache_argument
 from foresight.cadence import check_budget
-from foresight.runtime.cache import EvictionCache
+from foresight.runtime.cache import MAX_POOL_HEADS, EvictionCache
 from foresight.runtime.capture import ATTENTION_NAME, attention_implementation
 from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.eviction_step import EvictionStep
 from foresight.runtime.held_memory import keeps_every_query, query_window
 from foresight.runtime.policy import ObservedQueries, Policy, select_state_rows
+from foresight.runtime.pool import Allocation, Layout, check_runs_pooled, default_floor
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.run_state import HostCadence, Run, RunStats
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
@@ -47,17 +48,43 @@ from foresight.runtime.static_decode import DecodeStep, StaticDecode
 class EvictionConfig:
     """Budget B (entries kept after an eviction) and interval L (entries evicted per step).
 
-    `sinks` and `protect_prompt` default to the policy's own defaults when None."""
+    `sinks` and `protect_prompt` default to the policy's own defaults when None. `layout`: a cache per KV head
+    ("heads") or one pool per layer ("pooled", `foresight.runtime.pool`), where `allocation` divides the layer's
+    H·(B − L) kept candidates: B − L per head ("head") or AdaKV's ("layer"), each head keeping at least `floor`
+    (default AdaKV's 0.2 of B − L)."""
 
     budget: int
     interval: int
     sinks: int | None = None
     protect_prompt: bool | None = None
+    layout: Layout = Layout.HEADS
+    allocation: Allocation = Allocation.HEAD
+    floor: int | None = None
 
     def __post_init__(self) -> None:
         check_budget(self.budget, self.interval)
-        if self.sinks is not None and not 0 <= self.sinks <= self.budget - self.interval:
-            raise ValueError(f"sinks={self.sinks} must be between 0 and B - L = {self.budget - self.interval}")
+        share = self.budget - self.interval
+        if self.sinks is not None and not 0 <= self.sinks <= share:
+            raise ValueError(f"sinks={self.sinks} must be between 0 and B - L = {share}")
+        object.__setattr__(self, "layout", Layout.parse(self.layout))
+        object.__setattr__(self, "allocation", Allocation.parse(self.allocation))
+        if self.allocation is Allocation.LAYER and self.layout is not Layout.POOLED:
+            raise ValueError(
+                f"allocation='layer' needs layout='pooled': layout={self.layout.value!r} holds B - L = {share} "
+                "candidates in every KV head's cache"
+            )
+        if self.allocation is Allocation.HEAD:
+            if self.floor is not None:
+                raise ValueError(
+                    f"floor={self.floor} is allocation 'layer''s; allocation 'head' keeps B - L = {share} in every head"
+                )
+            return
+        if self.floor is None:
+            object.__setattr__(self, "floor", default_floor(self.budget, self.interval))
+        elif not 1 <= self.floor <= share:
+            raise ValueError(
+                f"floor={self.floor} must be 1..B - L = {share}: the candidates every head keeps before the layer's best"
+            )
 
 
 @dataclass
@@ -198,6 +225,7 @@ class EvictionEngine:
         self.num_layers = text_config.num_hidden_layers
         self.group_size = text_config.num_attention_heads // text_config.num_key_value_heads
         self.evicts = policy.evicts and config is not None
+        self.pool_heads = self._pool_heads(text_config.num_key_value_heads)
         self.streams_queries = self.evicts and policy.observed_queries is ObservedQueries.STREAM
         self.observes_every_query = self.evicts and keeps_every_query(policy) and not self.streams_queries
         self._taps: dict[int, torch.Tensor] = {}
@@ -216,13 +244,39 @@ class EvictionEngine:
             self.step_observer,
             self.streams_queries,
             self.observes_every_query,
+            Allocation.HEAD if config is None else config.allocation,
+            0 if config is None or config.floor is None else config.floor,
         )
+
+    def _pool_heads(self, kv_heads: int) -> int:
+        """The KV heads of each layer's pool in the pooled layout (0: a cache per KV head), after refusing what it
+        does not run yet: a policy that does not declare `runs_pooled`, allocation 'layer' over scores that do not
+        compare across heads, and more heads than a one-byte owner tag names."""
+        if not self.evicts or self.config.layout is Layout.HEADS:
+            return 0
+        policy = self.policy
+        check_runs_pooled(policy)
+        if self.config.allocation is Allocation.LAYER and not policy.scores_compare_across_heads:
+            raise ValueError(
+                f"allocation='layer' ranks keep scores across a layer's heads, and policy {policy.name!r} with options "
+                f"{policy.options()} scores no head apart; allowed: snapkv, streaming, tova with per_kv_head=True"
+            )
+        if kv_heads > MAX_POOL_HEADS:
+            raise ValueError(
+                f"layout='pooled' tags a slot's head in one byte: at most {MAX_POOL_HEADS} KV heads, the model has "
+                f"{kv_heads}"
+            )
+        return kv_heads
 
     def _check_decode_step(self, decode_step: DecodeStep) -> DecodeStep:
         """A static step keeps queries in fixed buffers and runs no Python between its operations: refuse the policies
         that keep a list of every query or read each forward's hidden states, and a graph off CUDA."""
         if decode_step is DecodeStep.EAGER:
             return decode_step
+        if self.pool_heads:
+            raise ValueError(
+                f"decode_step={decode_step.value!r} runs fixed-shape forwards; layout='pooled' runs 'eager' only"
+            )
         if self.observes_every_query or type(self.policy).on_forward is not Policy.on_forward:
             raise ValueError(
                 f"decode_step={decode_step.value!r} runs fixed-shape forwards; policy {self.policy.name!r} observes every "
@@ -471,9 +525,10 @@ class EvictionEngine:
             group_size=self.group_size,
             query_window=self.policy.stream_block if self.streams_queries else self._query_window(interval),
             keep_every_query=self.observes_every_query or self.streams_queries,
-            capacity=min(width + new_tokens, max(cadence.limits)),  # the most entries a layer holds
+            capacity=min(width + new_tokens, max(cadence.limits)) * max(self.pool_heads, 1),  # the most a layer holds
             query_dtype=self.policy.buffered_query_dtype,
             stream_queries=interval if self.streams_queries else 0,
+            pool_heads=self.pool_heads,
         )
         self.last_cache = cache
         run = Run(

@@ -1,7 +1,8 @@
 """The eviction step of docs/algorithms.md §1, apart from the drivers that feed it tokens (`engine.py`): hand a
 policy the queries it observes, then, for the rows that reached their limit, every layer's context, the policy's
 new state and keep scores, one top-k over the stacked layers (the recent window, sinks and protected prompt
-always kept) and one compaction of the cache.
+always kept) and one compaction of the cache. In the pooled layout the contexts are each head's view of its
+layer's pool and the top-k is the step's allocation (`foresight.runtime.pool`).
 
 It reads and writes a run's cache and counters and decides nothing about when it runs: the engine calls it after
 every forward, and its host cadence says which rows are due.
@@ -14,18 +15,29 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from foresight.cadence import top_k_mask
-from foresight.runtime.cache import KEYS, POSITION_DTYPE, POSITIONS, QUERIES, VALUES, EvictionCache, EvictionLayer
+from foresight.runtime.cache import (
+    KEYS,
+    OWNERS,
+    POSITION_DTYPE,
+    POSITIONS,
+    QUERIES,
+    VALUES,
+    EvictionCache,
+    EvictionLayer,
+)
 from foresight.runtime.capture import first_observed_query
 from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.policy import EvictionContext, Policy, StepLayers
+from foresight.runtime.pool import Allocation, OwnerView, keep_candidates
 from foresight.runtime.run_state import Run
 
 
 class EvictionStep:
     """The eviction step of one engine: its policy, interval L and layer count, where its seconds are counted
     (`clock`) and what is entered around every step (`step_observer`); `streams_queries` and
-    `observes_every_query` say how the policy sees the queries between steps."""
+    `observes_every_query` say how the policy sees the queries between steps; `allocation` and `floor` how a step
+    divides a layer's kept candidates among its heads (`foresight.runtime.pool`; the per-head layout's is
+    `Allocation.HEAD`)."""
 
     def __init__(
         self,
@@ -36,10 +48,13 @@ class EvictionStep:
         step_observer: AbstractContextManager,
         streams_queries: bool,
         observes_every_query: bool,
+        allocation: Allocation = Allocation.HEAD,
+        floor: int = 0,
     ) -> None:
         self.policy, self.interval, self.num_layers = policy, interval, num_layers
         self.clock, self.step_observer = clock, step_observer
         self.streams_queries, self.observes_every_query = streams_queries, observes_every_query
+        self.allocation, self.floor = allocation, floor
 
     def __call__(self, run: Run) -> None:
         """Hand every-query policies their complete query blocks (all that is left when a row evicts),
@@ -57,24 +72,28 @@ class EvictionStep:
         elif self.streams_queries:
             self._stream_queries(run, complete_blocks_only=not evicting)
         if evicting:
-            due = run.cache.lengths >= run.limits  # due_rows on the device, read before the compaction
+            cache = run.cache
+            due = cache.lengths >= run.limits * cache.slots_per_token  # due_rows on the device, before the compaction
             rows = None if all(due_rows) else _host_index([row for row, evicts in enumerate(due_rows) if evicts], due)
             lengths = [length for length, evicts in zip(run.cadence.lengths, due_rows) if evicts]
-            candidates = [length - self.interval for length in lengths]
+            candidates = tuple(length - self.interval for length in lengths)
             width = run.cadence.evict(due_rows)
-            cache = run.cache
             first_observed = self._first_observed(run, due, rows)
             window = self._streamed_window(run, rows) if self.streams_queries else self._window_queries(cache, rows)
             step = _step_layers(cache, _entry_positions(cache, lengths, rows), *window, rows)
-            entries = cache.layers[0].get_seq_length()
-            contexts = self._contexts(
-                cache, step, entries - self.interval, tuple(candidates), first_observed, rows=rows
-            )
+            view = _owner_view(cache, step, rows)
+            if view is not None:  # the pooled layout: each head's slots as its own cache
+                step, candidates = view.step(step), None  # a head's valid candidates differ by head
+            entries = cache.layers[0].get_seq_length() if view is None else view.width
+            contexts = self._contexts(cache, step, entries - self.interval, candidates, first_observed, rows=rows)
             if not self.observes_every_query:  # every-query policies observed all their queries already
                 self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows)
             scores = self.policy.step_keep_scores(contexts)
             keep = self._keep_top(run, rows, scores, step.positions[..., : contexts[0].num_candidates])
-            cache.compact(keep if rows is None else _with_rows(cache.layers[0], keep, rows), width)
+            if view is not None:
+                keep = view.to_pool(keep, cache.layers[0].get_seq_length())
+            keep = keep if rows is None else _with_rows(cache.layers[0], keep, rows)
+            cache.compact(keep, width * cache.slots_per_token)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
             run.stats.evictions += 1
             run.stats.row_evictions = [count + evicts for count, evicts in zip(run.stats.row_evictions, due_rows)]
@@ -213,7 +232,7 @@ class EvictionStep:
     ) -> torch.Tensor:
         """[layers, rows, Hkv, N] entries every layer keeps, in one pass over the layers' stacked keep
         scores and candidate positions [layers, rows, Hkv, C]: the recent window, sinks, the protected
-        prompt and the top candidates by keep score."""
+        prompt and the top candidates by keep score, divided among the heads by the step's allocation."""
 
         def select(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if rows is None else tensor[rows]
@@ -221,9 +240,9 @@ class EvictionStep:
         scores = scores.float().nan_to_num(nan=0.0, posinf=1e30, neginf=-1e30)
         protected = (candidates >= 0) & ((candidates < run.sinks) | (candidates < select(run.protected)[:, None, None]))
         scores = scores.masked_fill(protected, float("inf")).masked_fill(candidates < 0, float("-inf"))
-        keep_candidates = top_k_mask(scores, select(run.keep_counts)[:, None, None])
-        recent = torch.ones_like(keep_candidates[..., : self.interval])
-        return torch.cat([keep_candidates, recent], dim=-1)
+        kept = keep_candidates(scores, select(run.keep_counts), self.allocation, self.floor)
+        recent = torch.ones_like(kept[..., : self.interval])
+        return torch.cat([kept, recent], dim=-1)
 
 
 def _host_index(indices: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -259,13 +278,21 @@ def _step_layers(
     )
 
 
+def _owner_view(cache: EvictionCache, step: StepLayers, rows: torch.Tensor | None) -> OwnerView | None:
+    """Each KV head's slots of the pooled layout's pools, for the rows of a `step` (None in the per-head layout)."""
+    if cache.slots_per_token == 1:
+        return None
+    owners = cache.stacked(OWNERS)
+    return OwnerView.of(owners if rows is None else owners[:, rows], step.positions, cache.slots_per_token)
+
+
 def _entry_positions(cache: EvictionCache, lengths: Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:
     """Every layer's entry positions [layers, rows, Hkv, N] with -1 on invalid slots, for the batch rows `rows`
     (None: all) whose valid entries are `lengths` (from the host's cadence). Where every such row fills the slots
     they are the stored positions themselves (a view); else one mask of the invalid slots, which every layer
     shares (their rows hold the same valid slots), marks them all."""
     positions, first = cache.stacked(POSITIONS), cache.layers[0]
-    if min(lengths) < first.get_seq_length():
+    if min(lengths) * cache.slots_per_token < first.get_seq_length():
         positions = positions.masked_fill(~first.valid[None, :, None, :], -1)
     return positions if rows is None else positions[:, rows]
 

@@ -13,6 +13,10 @@ Per layer and batch row, a policy that evicts every L tokens at budget B holds:
   its last observation, at most its `stream_block` between two decode forwards (the figure published; a
   teacher-forced chunk of up to L is observed right after its forward).
 
+In the pooled layout (`foresight.runtime.pool`) a layer's H KV heads share one pool of H·(B + L) slots per row
+(plus H per protected prompt token), each a key, a value and a position of one head and a one-byte owner tag:
+the per-head layout's bytes plus the tag, counted with the per-entry state.
+
 `held_bytes` counts this from a model shape and a policy without running anything; the live cache's
 `EvictionCache.storage_bytes()` reads the same tensors after a run, and the tests check the two agree.
 Every published figure of KV memory (eval's column and plots, the baselines tables, the benchmarks)
@@ -28,6 +32,7 @@ import torch
 
 from foresight.runtime.cache import KEYS, POSITIONS, VALUES, EntryLayout, entry_layouts, query_layouts
 from foresight.runtime.policy import ObservedQueries, Policy
+from foresight.runtime.pool import Layout, check_runs_pooled
 
 MIB = 2**20
 
@@ -103,12 +108,17 @@ def held_bytes(
     protected: int = 0,
     entries: int | None = None,
     buffered: int | None = None,
+    layout: Layout | str = Layout.HEADS,
 ) -> HeldBytes:
     """What `policy` holds per sequence at budget B and interval L, for a model of `shape` in `dtype`.
 
     `entries`: entries held (default B + L + `protected`, the most an evicting run holds; every token for
     a policy that does not evict, which then needs it). `buffered`: queries recorded and not yet observed
-    (default `buffered_queries`: L for a policy that observes every query, its block for a streaming one, else 0)."""
+    (default `buffered_queries`: L for a policy that observes every query, its block for a streaming one, else 0).
+    `layout`: the cache's (`EvictionConfig.layout`); pooled, each entry of a head is a slot with its owner tag."""
+    pooled = Layout.parse(layout) is Layout.POOLED
+    if pooled:
+        check_runs_pooled(policy)
     if entries is None:
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} keeps every token: give the entries it holds")
@@ -116,8 +126,8 @@ def held_bytes(
     if entries < 0:
         raise ValueError(f"entries held must be >= 0, got {entries}")
     group = shape.num_query_heads // shape.num_kv_heads
-    layouts = entry_layouts(policy.state_fields, group, shape.head_dim, shape.head_dim, dtype)
-    per_entry = {name: shape.num_kv_heads * _bytes(layout) for name, layout in layouts.items()}
+    layouts = entry_layouts(policy.state_fields, group, shape.head_dim, shape.head_dim, dtype, pooled)
+    per_entry = {name: shape.num_kv_heads * _bytes(entry) for name, entry in layouts.items()}
     state = sum(size for name, size in per_entry.items() if name not in (KEYS, VALUES, POSITIONS))
     every_query = keeps_every_query(policy)
     if buffered is None:

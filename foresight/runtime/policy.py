@@ -141,6 +141,15 @@ class Policy:
     step's layers then run as the rows of one batch (`layers_as_rows`), one pass for every layer."""
     default_sinks: ClassVar[int] = 0
     default_protect_prompt: ClassVar[bool] = False
+    runs_pooled: ClassVar[bool] = False
+    """True for a policy the pooled layout runs (`foresight.runtime.pool`): one whose step reads each head's
+    entries and the window's queries only, and that checks it scores each head's view as its own cache."""
+
+    @property
+    def scores_compare_across_heads(self) -> bool:
+        """Whether keep scores of a layer's different KV heads are on one scale, so that one top-k over the
+        layer's heads (AdaKV's allocation, `foresight.runtime.pool.Allocation.LAYER`) ranks them meaningfully."""
+        return False
 
     @property
     def latest_queries(self) -> int | None:

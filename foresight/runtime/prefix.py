@@ -42,15 +42,15 @@ class RecordedForward:
     def add(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
     ) -> None:
-        """Called by the attention function with the layer's whole cache: the new entries are its last q slots."""
+        """Called by the attention function with the forward's queries and new keys and values [batch, Hkv, q, D]
+        (`EvictionLayer.newest_entries`)."""
         if layer_idx != len(self.queries):
             raise RuntimeError(
                 f"layers must be recorded in order: got layer {layer_idx} after {len(self.queries)} layers"
             )
-        new = query.shape[2]
         self.queries.append(query.clone())
-        self.keys.append(key[:, :, -new:].clone())
-        self.values.append(value[:, :, -new:].clone())
+        self.keys.append(key.clone())
+        self.values.append(value.clone())
         self.scaling.append(scaling)
 
     def matches(self, input_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> bool:

@@ -1,0 +1,239 @@
+"""The pooled layout (foresight.runtime.pool): one slot pool per layer whose slots are tagged with their KV head.
+At allocation 'head' it is the per-head layout's twin (same token losses, same kept positions per layer and head
+after every step, in replay and in generation); at allocation 'layer' every step keeps what AdaKV's rule keeps by
+a slow loop over the policy's own scores, and the token losses of the study's masked replay of the same rule
+(studies/pooled_golden/bound.py); what it does not run yet is refused in one line."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+import pytest
+import torch
+
+from foresight.cadence import Regime, eviction_steps, regime_prefill, regime_shift
+from foresight.policies import make_policy
+from foresight.runtime.engine import EvictionConfig, EvictionEngine
+from foresight.runtime.prefix import ReplayPrefix
+from studies.pooled_golden.bound import HeuristicSchedule, Pool, masked_replay
+from tests.reference_policies import pooled_keep
+from tests.rl_runs import L_, random_trace
+from tests.rl_runs import B as TRACE_B
+
+B, L = 12, 4
+PROMPTS = [5, 11]  # rows of different lengths: left padding, and rows that evict at different steps
+WINDOW_HEURISTICS = [("snapkv", {}), ("tova", {}), ("streaming", {})]
+
+
+def sequences(vocab: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    return [torch.randint(0, vocab, (length,), generator=generator) for length in (70, 61)]
+
+
+def held_by_head(cache) -> list[list[list[list[int]]]]:
+    """The positions each (layer, row, KV head) holds, ascending, in either layout."""
+    held = []
+    for layer in cache.layers:
+        positions = layer.entry_positions()
+        if layer.pool_heads:
+            owners = layer.owners[:, 0]
+            heads = [positions[:, 0].masked_fill(owners != head, -1) for head in range(layer.pool_heads)]
+            positions = torch.stack(heads, dim=1)
+        held.append([[[p for p in head if p >= 0] for head in row] for row in positions.tolist()])
+    return held
+
+
+class AfterEachStep(AbstractContextManager):
+    """An engine's `step_observer` that keeps `held_by_head` after every eviction step."""
+
+    def __init__(self) -> None:
+        self.engine: EvictionEngine | None = None
+        self.held: list[list] = []
+
+    def __exit__(self, *exc) -> None:
+        if self.engine.last_stats.evictions > len(self.held):
+            self.held.append(held_by_head(self.engine.last_cache))
+
+
+def observed_engine(model, policy, config: EvictionConfig) -> tuple[EvictionEngine, AfterEachStep]:
+    steps = AfterEachStep()
+    steps.engine = EvictionEngine(model, policy, config, step_observer=steps)
+    return steps.engine, steps
+
+
+@pytest.mark.parametrize(("name", "options"), WINDOW_HEURISTICS)
+def test_allocation_head_replays_as_the_per_head_layout(llama, name, options):
+    """Teacher-forced, two rows of unequal prompts: the same kept positions in every (layer, row, head) after every
+    step and the same token losses (float32: the masked softmax over a pool sums in another order)."""
+    runs = []
+    for layout in ("heads", "pooled"):
+        engine, steps = observed_engine(llama, make_policy(name, **options), EvictionConfig(B, L, layout=layout))
+        runs.append((engine.replay(sequences(llama.config.vocab_size), PROMPTS), steps.held, engine.last_cache))
+    (heads, held_heads, _), (pooled, held_pooled, cache) = runs
+    assert cache.layers[0].pool_heads == llama.config.num_key_value_heads == 2
+    assert heads.stats.evictions == pooled.stats.evictions == len(held_pooled) >= 10
+    assert held_pooled == held_heads
+    assert heads.first_eviction == pooled.first_eviction
+    for ours, theirs in zip(pooled.nll, heads.nll, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "options"), WINDOW_HEURISTICS)
+def test_allocation_head_generates_as_the_per_head_layout(llama, name, options):
+    """Prefill of unequal prompts, then greedy decode through several steps: the same tokens, logits and held
+    positions."""
+    runs = []
+    for layout in ("heads", "pooled"):
+        engine, steps = observed_engine(llama, make_policy(name, **options), EvictionConfig(B, L, layout=layout))
+        prompts = [ids[:length].tolist() for ids, length in zip(sequences(llama.config.vocab_size), PROMPTS)]
+        runs.append((engine.generate(prompts, 30, return_logits=True), steps.held))
+    (heads, held_heads), (pooled, held_pooled) = runs
+    assert heads.stats.evictions == pooled.stats.evictions >= 6
+    assert pooled.tokens == heads.tokens and held_pooled == held_heads
+    torch.testing.assert_close(pooled.logits, heads.logits, rtol=0, atol=1e-5)
+
+
+def test_a_prefix_recorded_in_one_layout_serves_the_other(llama):
+    """A recorded forward holds each KV head's new keys and values, whichever layout recorded it: replays that inject
+    it give the token losses of replays that run the model."""
+    ids = sequences(llama.config.vocab_size)
+    for recorder, injector in (("heads", "pooled"), ("pooled", "heads")):
+        prefix = ReplayPrefix()
+        EvictionEngine(llama, make_policy("snapkv"), EvictionConfig(B, L, layout=recorder)).replay(
+            ids, PROMPTS, prefix=prefix
+        )
+        assert prefix.forwards
+        injected, ran = (
+            EvictionEngine(llama, make_policy("snapkv"), EvictionConfig(B, L, layout=injector)).replay(
+                ids, PROMPTS, prefix=p
+            )
+            for p in (prefix, None)
+        )
+        for ours, theirs in zip(injected.nll, ran.nll, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_rows_copied_mid_replay_continue_as_those_rows_run_through(llama):
+    """A pooled replay at allocation 'layer' paused before step 4, its rows copied in the other order, then run on:
+    each copied row holds what the row run through holds (owners included) and gives its token losses."""
+    ids, config = sequences(llama.config.vocab_size), EvictionConfig(B, L, layout="pooled", allocation="layer", floor=2)
+    engine = EvictionEngine(llama, make_policy("snapkv"), config)
+    replay = engine.advance(engine.start_replay(ids, PROMPTS), stop_before_step=4)
+    forked = engine.advance(replay.select_rows([1, 0])).output()
+    forked_held = held_by_head(engine.last_cache)
+    through = engine.replay(ids[::-1], PROMPTS[::-1])
+    assert forked_held == held_by_head(engine.last_cache) and forked.stats.evictions == through.stats.evictions
+    for ours, theirs in zip(forked.nll, through.nll, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def recording(name: str, **options):
+    """Policy `name` recording, at every step, its keep scores and candidate positions [layers, rows, H, C] and the
+    run's rows they are."""
+    policy = make_policy(name, **options)
+    steps = []
+
+    class Recording(type(policy)):
+        def step_keep_scores(self, contexts):
+            scores = super().step_keep_scores(contexts)
+            positions = torch.stack([context.candidate_positions for context in contexts])
+            rows = contexts[0].rows
+            steps.append((scores.tolist(), positions.tolist(), None if rows is None else rows.tolist()))
+            return scores
+
+    return Recording(**policy.options()), steps
+
+
+@pytest.mark.parametrize(("name", "options"), [("snapkv", {}), ("tova", {"per_kv_head": True})])
+def test_allocation_layer_keeps_what_a_loop_of_adakvs_rule_keeps(llama, name, options):
+    """At every step, in every layer and evicting row: each head keeps its floor of best-scored candidates and the
+    layer its H·(B - L - floor) best of the rest, as `pooled_keep` loops it over the same scores; so every head
+    keeps at least the floor and the layer H·(B - L) candidates, and the heads do keep different counts."""
+    floor, heads = 2, llama.config.num_key_value_heads
+    policy, scored = recording(name, **options)
+    config = EvictionConfig(B, L, layout="pooled", allocation="layer", floor=floor)
+    engine, steps = observed_engine(llama, policy, config)
+    engine.replay(sequences(llama.config.vocab_size), PROMPTS)
+    assert len(scored) == len(steps.held) >= 10
+    counts = set()
+    for (scores, positions, rows), held in zip(scored, steps.held, strict=True):
+        for layer, (layer_scores, layer_positions) in enumerate(zip(scores, positions, strict=True)):
+            for index, row in enumerate(range(len(PROMPTS)) if rows is None else rows):
+                expected = pooled_keep(layer_scores[index], layer_positions[index], B - L, floor)
+                newest = max(max(head) for head in held[layer][row])
+                kept = [[p for p in head if p <= newest - L] for head in held[layer][row]]
+                assert kept == expected
+                assert min(map(len, kept)) >= floor and sum(map(len, kept)) == heads * (B - L)
+                counts.update(map(len, kept))
+    assert len(counts) > 1
+
+
+@pytest.mark.parametrize(("name", "options"), [("snapkv", {}), ("tova", {"per_kv_head": True})])
+@pytest.mark.parametrize("regime", list(Regime))
+def test_allocation_layer_gives_the_masked_replays_token_losses(llama, regime, name, options):
+    """The engine's pooled replay at allocation 'layer' against the study's masked replay of AdaKV's allocation over
+    the same heuristic (full-cache forwards, each head's attention masked to its kept set): the same token losses
+    (float32, other kernels: 1e-4) after the same first eviction."""
+    trace = random_trace(llama, 90, prompt=30, seed=3)
+    shift = regime_shift(30, TRACE_B, L_, regime)
+    steps = eviction_steps(90, TRACE_B, L_, shift)
+    schedule = HeuristicSchedule(TRACE_B, L_, steps, Pool.LAYER, floor=2, shift=shift, heuristic=name)
+    nll, _ = masked_replay(llama, trace.input_ids, schedule, L_)
+    config = EvictionConfig(TRACE_B, L_, layout="pooled", allocation="layer", floor=2)
+    replayed = EvictionEngine(llama, make_policy(name, **options), config).replay(
+        [trace.input_ids], [regime_prefill(30, TRACE_B, L_, regime)]
+    )
+    first = replayed.first_eviction[0]
+    assert first == schedule.positions[0] + 1
+    torch.testing.assert_close(nll[first:], replayed.nll[0][first:].float(), rtol=1e-4, atol=1e-4)
+
+
+REFUSALS = [
+    (dict(layout="pool"), "snapkv", {}, "unknown layout 'pool'; allowed: 'heads', 'pooled'"),
+    (dict(layout="pooled", allocation="model"), "snapkv", {}, "unknown allocation 'model'; allowed: 'head', 'layer'"),
+    (
+        dict(allocation="layer"),
+        "snapkv",
+        {},
+        "allocation='layer' needs layout='pooled': layout='heads' holds B - L = 8",
+    ),
+    (dict(layout="pooled", allocation="layer", floor=0), "snapkv", {}, "floor=0 must be 1..B - L = 8"),
+    (dict(layout="pooled", allocation="layer", floor=9), "snapkv", {}, "floor=9 must be 1..B - L = 8"),
+    (
+        dict(layout="pooled", floor=2),
+        "snapkv",
+        {},
+        "floor=2 is allocation 'layer''s; allocation 'head' keeps B - L = 8",
+    ),
+    (dict(layout="pooled", sinks=9), "streaming", {}, "sinks=9 must be between 0 and B - L = 8"),
+    (dict(layout="pooled"), "h2o", {}, "layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova and"),
+    (dict(layout="pooled"), "rkv", {}, "layout='pooled' does not run policy 'rkv' yet"),
+    (
+        dict(layout="pooled", allocation="layer"),
+        "tova",
+        {},
+        "allocation='layer' ranks keep scores across a layer's heads, and policy 'tova' with options "
+        "{'per_kv_head': False} scores no head apart; allowed: snapkv, streaming, tova with per_kv_head=True",
+    ),
+]
+
+
+@pytest.mark.parametrize(("config", "name", "options", "message"), REFUSALS)
+def test_what_the_pooled_layout_does_not_run_is_refused_in_one_line(llama, config, name, options, message):
+    with pytest.raises(ValueError) as refused:
+        EvictionEngine(llama, make_policy(name, **options), EvictionConfig(B, L, **config))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("decode_step", ["static", "graph"])
+def test_a_fixed_shape_decode_is_refused_in_one_line(llama, decode_step):
+    with pytest.raises(ValueError) as refused:
+        EvictionEngine(llama, make_policy("snapkv"), EvictionConfig(B, L, layout="pooled"), decode_step=decode_step)
+    message = str(refused.value)
+    assert f"decode_step={decode_step!r} runs fixed-shape forwards; layout='pooled' runs 'eager' only" == message
+
+
+def test_the_default_floor_is_adakvs_share():
+    assert EvictionConfig(128, 32, layout="pooled", allocation="layer").floor == 19
+    assert EvictionConfig(12, 8, layout="pooled", allocation="layer").floor == 1
+    assert EvictionConfig(128, 32, layout="pooled").floor is None
