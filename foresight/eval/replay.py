@@ -68,6 +68,7 @@ from foresight.models import describe
 from foresight.policies.golden import GoldenSchedule
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, ReplayOutput
 from foresight.runtime.held_memory import MIB, Shape, held_bytes
+from foresight.runtime.pool import Layout
 from foresight.runtime.prefix import ReplayPrefix
 
 REFERENCE_CHUNK = 256  # tokens per forward of the full-cache replay (bounds the [batch, chunk, vocab] logits)
@@ -197,7 +198,9 @@ def kv_memory(
         else min(t.input_ids.numel(), budget + interval + (t.prompt_length if spec.protects_prompt else 0))
         for t in traces
     ]
-    held = [held_bytes(shape, policy, budget, interval, dtype, entries=peak).total for peak in peaks]
+    config = spec.config(eviction)
+    layout = config.layout if config is not None else Layout.HEADS
+    held = [held_bytes(shape, policy, budget, interval, dtype, entries=peak, layout=layout).total for peak in peaks]
     return {"kv_entries": sum(peaks) / len(peaks), "kv_mib": sum(held) / len(held) / MIB}
 
 

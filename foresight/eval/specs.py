@@ -15,6 +15,7 @@ from foresight.labels import GoldenLabels
 from foresight.policies import POLICIES, Policy, make_policy
 from foresight.policies.options import describe_type, parse_value, typed_options
 from foresight.runtime.engine import EvictionConfig
+from foresight.runtime.pool import Allocation, Layout, pooled_refusal
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer
 
@@ -31,13 +32,18 @@ class PolicySpec:
 
     name: the row's name; policy: the registered policy it runs (default: `name`), so one policy can
     run under two settings as two rows; options: its constructor options (e.g. triattention's
-    stats); protect_prompt and sinks: override the policy's own defaults (None keeps them)."""
+    stats); protect_prompt and sinks: override the policy's own defaults (None keeps them); layout, allocation and
+    floor: the cache layout and how a step divides a layer's kept candidates among its heads (`EvictionConfig`;
+    None keeps a cache per KV head)."""
 
     name: str
     policy: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
     protect_prompt: bool | None = None
     sinks: int | None = None
+    layout: str | None = None
+    allocation: str | None = None
+    floor: int | None = None
 
     @property
     def policy_class(self) -> type[Policy]:
@@ -71,7 +77,8 @@ class PolicySpec:
         """What the row sets beyond its policy's defaults: its options, then the cadence overrides that differ
         from the policy's own (the report's line on the row, and what identifies its completions)."""
         cls, given = self.policy_class, dict(self.options)
-        for key, default in (("protect_prompt", cls.default_protect_prompt), ("sinks", cls.default_sinks)):
+        defaults = {"protect_prompt": cls.default_protect_prompt, "sinks": cls.default_sinks, **LAYOUT_DEFAULTS}
+        for key, default in defaults.items():
             if (value := getattr(self, key)) is not None and value != default:
                 given[key] = value
         return given
@@ -93,7 +100,8 @@ class PolicySpec:
             return None
         if self.needs_labels:
             return replace(eviction, sinks=0, protect_prompt=False)
-        return replace(eviction, sinks=self.sinks, protect_prompt=self.protect_prompt)
+        layout = {key: getattr(self, key) for key in LAYOUT_DEFAULTS if getattr(self, key) is not None}
+        return replace(eviction, sinks=self.sinks, protect_prompt=self.protect_prompt, **layout)
 
     def skip_reason(self, eviction: EvictionConfig) -> str | None:
         """Why the policy cannot run at this budget and interval (a learned scorer runs only at its own)."""
@@ -199,8 +207,10 @@ REFERENCE = PolicySpec("full")
 
 LEARNED = "foresight"
 """The learned policy: its rows come from trained scorers (`ScorerSpec`), never from --policies alone."""
-CADENCE_OPTIONS = {"protect_prompt": bool, "sinks": int}
+CADENCE_OPTIONS = {"protect_prompt": bool, "sinks": int, "layout": str, "allocation": str, "floor": int}
 """Option keys that override a policy's cadence defaults (not policy fields: the engine applies them)."""
+LAYOUT_DEFAULTS = {"layout": Layout.HEADS.value, "allocation": Allocation.HEAD.value, "floor": None}
+"""The cadence keys of the cache layout (`EvictionConfig`), as a row that gives none runs."""
 
 
 def resolve_policies(
@@ -271,6 +281,9 @@ def cadence_overrides(row: str, texts: dict[str, str], refused: bool = False) ->
             raise ValueError(f"-o {row}.{key} expects {describe_type(CADENCE_OPTIONS[key])}, got {text!r}") from None
     if overrides.get("sinks", 0) < 0:
         raise ValueError(f"-o {row}.sinks must be 0 or more, got {overrides['sinks']}")
+    for key, choice in (("layout", Layout), ("allocation", Allocation)):
+        if key in overrides:
+            overrides[key] = choice.parse(overrides[key]).value
     return overrides
 
 
@@ -285,6 +298,8 @@ def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec
     spec = replace(spec, options=tuple(sorted(typed.items())), **overrides)
     if typed and not spec.missing_artifacts and not spec.needs_labels:
         spec.build(None)
+    if spec.layout == Layout.POOLED.value and not spec.policy_class.runs_pooled:
+        raise ValueError(f"-o {row}.layout=pooled: {pooled_refusal(spec.policy_class.name)}")
     return spec
 
 

@@ -45,10 +45,15 @@ def default_floor(budget: int, interval: int) -> int:
     return max(1, int(ADAKV_FLOOR_SHARE * (budget - interval)))
 
 
+def pooled_refusal(name: str) -> str:
+    """Why the pooled layout refuses policy `name` (one that does not declare `Policy.runs_pooled`)."""
+    return f"layout='pooled' does not run policy {name!r} yet; it runs snapkv, tova and streaming"
+
+
 def check_runs_pooled(policy: Policy) -> None:
     """Refuse, in one line, a policy the pooled layout does not run yet (`Policy.runs_pooled`)."""
     if not (policy.evicts and policy.runs_pooled):
-        raise ValueError(f"layout='pooled' does not run policy {policy.name!r} yet; it runs snapkv, tova and streaming")
+        raise ValueError(pooled_refusal(policy.name))
 
 
 def keep_candidates(scores: torch.Tensor, counts: torch.Tensor, allocation: Allocation, floor: int) -> torch.Tensor:
