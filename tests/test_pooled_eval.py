@@ -9,7 +9,7 @@ import json
 import pytest
 
 from foresight import cli
-from tests.fit_configs import B, L_
+from tests.fit_configs import L_, B
 
 
 def rows(folder) -> dict[str, dict]:
