@@ -134,13 +134,15 @@ def test_decode_runs_the_learned_scorer_beside_the_heuristics(shrunk_config, tmp
 
 def test_interleaved_bench_reports_every_policy_against_the_first(shrunk_config, tmp_path):
     out = tmp_path / "bench.md"
-    argv = ["bench", "interleaved", "--model", str(shrunk_config), "--policies", "snapkv,streaming,foresight"]
+    decoders = "snapkv,snapkv:pooled:layer,streaming,foresight"  # one on the pooled layout, AdaKV's allocation
+    argv = ["bench", "interleaved", "--model", str(shrunk_config), "--policies", decoders]
     argv += ["-B", "32", "-L", "8", "--new-tokens", "96", "--slice-tokens", "8", "--out", str(out)]
     assert main(argv) == 0
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
-    assert [row[0] for row in rows[1:]] == ["| snapkv", "| streaming", "| foresight"]
+    assert [row[0] for row in rows[1:]] == ["| snapkv", "| snapkv:pooled:layer", "| streaming", "| foresight"]
     assert rows[1][2] == "– |" and all("[" in row[2] for row in rows[2:])
-    for policies, tokens in (("snapkv", "96"), ("snapkv,snapkv", "96"), ("snapkv,streaming", "15"), ("all", "96")):
+    refused = (("snapkv", "96"), ("snapkv,snapkv", "96"), ("snapkv,streaming", "15"), ("all", "96"))
+    for policies, tokens in (*refused, ("snapkv,snapkv:heads", "96"), ("snapkv,h2o:pooled", "96")):
         assert main(["bench", "interleaved", "--policies", policies, "--new-tokens", tokens, "--out", str(out)]) == 2
     argv[argv.index("--new-tokens") + 1] = "16"  # two turns, the first with the prefill: one steady round, too few
     assert main(argv) == 2

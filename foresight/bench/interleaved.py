@@ -10,6 +10,7 @@ then), with a 95% bootstrap interval over rounds.
 
     foresight bench interleaved --policies snapkv,foresight --scorer checkpoints/default --batch 4 \\
         --new-tokens 2048 --slice-tokens 32
+    foresight bench interleaved --policies snapkv,snapkv:pooled,snapkv:pooled:layer --batch 4   # the pooled layout
 
 Size: the turn taking, the run it drives and its report change together.
 """
@@ -19,17 +20,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark_model, machine, prompt_ids
+from foresight.bench.common import (
+    RuntimeSettings,
+    bench_policy,
+    load_benchmark_model,
+    machine,
+    prompt_ids,
+    selected_policies,
+)
 from foresight.eval.headroom import Estimate
 from foresight.eval.stats import percentile_interval, resample_counts
 from foresight.models import describe
+from foresight.policies import POLICIES
 from foresight.runtime.capture import attention_implementation
 from foresight.runtime.engine import EvictionEngine
+from foresight.runtime.pool import Allocation, Layout, pooled_refusal
 
 NAME = "interleaved"
 
@@ -38,7 +48,11 @@ NAME = "interleaved"
 class Settings(RuntimeSettings):
     policies: str = field(
         default="snapkv,foresight",
-        metadata={"help": "comma-separated policies, the first the reference (full is not added)", "metavar": "LIST"},
+        metadata={
+            "help": "comma-separated policies, the first the reference (full is not added); POLICY:pooled or "
+            "POLICY:pooled:layer runs it on one pool per layer (per head or with AdaKV's allocation)",
+            "metavar": "LIST",
+        },
     )
     batch: int = field(default=1, metadata={"help": "rows every policy decodes at once"})
     new_tokens: int = field(default=2048, metadata={"help": "tokens each policy decodes (EOS ignored)"})
@@ -57,11 +71,33 @@ class Settings(RuntimeSettings):
             raise ValueError(
                 f"--policies {self.policies!r}: give at least two different policies by name, the first the reference"
             )
+        for name in named:
+            self.layout(name)
 
     @property
     def decoders(self) -> list[str]:
         """The policies that take turns, as given (the full cache only where named)."""
         return [name.strip() for name in self.policies.split(",") if name.strip()]
+
+    def layout(self, decoder: str) -> tuple[str, dict[str, str]]:
+        """A decoder's policy and its cache layout (`EvictionConfig` fields): POLICY, POLICY:pooled (per head) or
+        POLICY:pooled:ALLOCATION."""
+        policy, *layout = decoder.split(":")
+        if len(layout) > 2 or (layout and layout[0] != Layout.POOLED.value):
+            raise ValueError(
+                f"--policies item {decoder!r} must be POLICY, POLICY:pooled or POLICY:pooled:ALLOCATION "
+                f"(allocation one of {', '.join(a.value for a in Allocation)})"
+            )
+        if not layout:
+            return policy, {}
+        if policy in POLICIES and not POLICIES[policy].runs_pooled:
+            raise ValueError(f"--policies item {decoder!r}: {pooled_refusal(policy)}")
+        return policy, {"layout": layout[0], "allocation": Allocation.parse(layout[1] if len(layout) > 1 else "head")}
+
+    @property
+    def policy_names(self) -> list[str]:
+        """The policies the decoders run (their layouts aside), checked as every runtime benchmark checks them."""
+        return selected_policies(",".join(dict.fromkeys(self.layout(name)[0] for name in self.decoders)), learned=True)
 
 
 class Turns:
@@ -160,11 +196,11 @@ def run(settings: Settings) -> str:
     prompt = prompt_ids(tokenizer, model.config.vocab_size)
     scorer = settings.learned_scorer(model)
     names = settings.decoders
-    engines = {
-        name: EvictionEngine(model, policy, settings.eviction if policy.evicts else None)
-        for name in names
-        for policy in [bench_policy(name, scorer)]
-    }
+    engines = {}
+    for name in names:
+        policy_name, layout = settings.layout(name)
+        policy = bench_policy(policy_name, scorer)
+        engines[name] = EvictionEngine(model, policy, replace(settings.eviction, **layout) if policy.evicts else None)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     turns = Turns(names, settings.slice_tokens, sync=sync)
     prompts = [prompt] * settings.batch
