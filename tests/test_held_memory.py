@@ -14,7 +14,7 @@ from foresight.runtime.held_memory import held_bytes
 from foresight.scorer.model import ForesightScorer
 from tests.policy_lists import constructible_policies
 from tests.prompts import prompts
-from tests.scorers import make_config
+from tests.scorers import make_config, random_scorer
 from tests.storage_engines import B, L, make
 
 
@@ -120,13 +120,18 @@ def test_the_table_of_bytes_per_entry_on_qwen3_4bs_shape():
 
 POOLED = [("snapkv", {}, "head"), ("tova", {}, "head"), ("streaming", {}, "head"), ("snapkv", {}, "layer")]
 POOLED += [("tova", {"per_kv_head": True}, "layer")]
+POOLED += [("foresight", {"observation": "window"}, "head"), ("foresight", {"observation": "window"}, "layer")]
 
 
 @pytest.mark.parametrize(("name", "options", "allocation"), POOLED)
 def test_the_pooled_layout_holds_the_per_head_bytes_and_a_one_byte_owner_tag(qwen3, name, options, allocation):
-    """One pool of H·(B + L) slots per layer and row, each a key, a value and a position of one head and its owner
-    tag: the live storage is what `held_bytes` counts for the pooled layout, which is the per-head layout's count
-    plus one byte per slot (in the state), whatever the allocation."""
+    """One pool of H·(B + L) slots per layer and row, each a key, a value, a position and the policy's state of one
+    head and its owner tag, and the policy's ring: the live storage is what `held_bytes` counts for the pooled layout,
+    which is the per-head layout's count plus one byte per slot (in the state), whatever the allocation. The learned
+    policy runs a calibrated random scorer (its scores compare across heads) of the standardised set."""
+    if name == "foresight":
+        scorer = random_scorer(qwen3, B, L, feature_set="standardised", scale="log-target")
+        options = {**options, "scorer": scorer}
     policy = make_policy(name, **options)
     engine = EvictionEngine(qwen3, policy, EvictionConfig(B, L, layout="pooled", allocation=allocation))
     batch = prompts([5, 9, 14], seed=3)
@@ -140,6 +145,10 @@ def test_the_pooled_layout_holds_the_per_head_bytes_and_a_one_byte_owner_tag(qwe
     tag = shape.num_layers * shape.num_kv_heads * (B + L)
     assert pooled.state - per_head.state == pooled.total - per_head.total == tag
     assert (pooled.kv, pooled.positions, pooled.ring) == (per_head.kv, per_head.positions, per_head.ring)
+    assert (pooled.state > tag) == bool(policy.state_fields)
+    layer = cache.layers[0]
+    ring = sum(t.nbytes for t in (layer.queries, layer.query_positions) if t is not None)
+    assert pooled.ring == ring * len(cache.layers) // len(batch)
 
 
 def test_the_default_models_pooled_figures():
@@ -152,18 +161,24 @@ def test_the_default_models_pooled_figures():
     per_head = held_bytes(shape, snapkv, 128, 32, torch.float32)
     assert pooled.kv + pooled.positions + pooled.state == 30 * 3 * 160 * (2 * 64 * 4 + 4 + 1) == 7_444_800
     assert pooled.total - per_head.total == 14_400 and pooled.total == 7_998_720
-    with pytest.raises(ValueError, match="^layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova and"):
+    with pytest.raises(
+        ValueError,
+        match="^layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova, streaming and foresight",
+    ):
         held_bytes(shape, make_policy("h2o"), 128, 32, torch.float32, layout="pooled")
 
 
 def test_the_table_in_the_pooled_layout_lists_the_policies_it_runs():
     """`foresight bench held-memory --layout pooled`: 'all' is the full cache (the per-head reference) and the
-    policies the pooled layout runs, each with one byte of owner tag per (layer, KV head) of an entry as state."""
+    policies the pooled layout runs, each with one byte of owner tag per (layer, KV head) of an entry as state, the
+    learned one with the ring of the window it reads on the pool."""
     settings = held_memory_bench.Settings(model="configs/models/qwen3-4b.json", dtype="bfloat16", layout="pooled")
     rows = {
         line.split("|")[1].strip(): [float(cell.strip(" %+")) for cell in line.split("|")[2:-1]]
         for line in held_memory_bench.run(settings).splitlines()
         if line.startswith("| ") and not line.startswith("| policy")
     }
-    assert set(rows) == {"full", "snapkv", "streaming", "tova"}
+    assert set(rows) == {"full", "snapkv", "streaming", "tova", "foresight"}
     assert rows["full"][2] == 0 and rows["snapkv"][2] == rows["streaming"][2] == rows["tova"][2] == 36 * 8
+    # the learned policy reads the window's ring on the pool: three float32 sums per query head of the group
+    assert rows["foresight"][2] == 36 * 8 * (1 + 3 * 4 * 4) and rows["foresight"][3] > 0 == rows["foresight"][4]

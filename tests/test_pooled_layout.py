@@ -6,8 +6,6 @@ a slow loop over the policy's own scores, and the token losses of the study's ma
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
 import pytest
 import torch
 
@@ -16,49 +14,20 @@ from foresight.policies import make_policy
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.prefix import ReplayPrefix
 from studies.pooled_golden.bound import HeuristicSchedule, Pool, masked_replay
-from tests.reference_policies import pooled_keep
+from tests.pooled_runs import (
+    PROMPTS,
+    B,
+    L,
+    assert_keeps_adakvs_rule,
+    held_by_head,
+    observed_engine,
+    recording,
+    sequences,
+)
 from tests.rl_runs import L_, random_trace
 from tests.rl_runs import B as TRACE_B
 
-B, L = 12, 4
-PROMPTS = [5, 11]  # rows of different lengths: left padding, and rows that evict at different steps
 WINDOW_HEURISTICS = [("snapkv", {}), ("tova", {}), ("streaming", {})]
-
-
-def sequences(vocab: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(4)
-    return [torch.randint(0, vocab, (length,), generator=generator) for length in (70, 61)]
-
-
-def held_by_head(cache) -> list[list[list[list[int]]]]:
-    """The positions each (layer, row, KV head) holds, ascending, in either layout."""
-    held = []
-    for layer in cache.layers:
-        positions = layer.entry_positions()
-        if layer.pool_heads:
-            owners = layer.owners[:, 0]
-            heads = [positions[:, 0].masked_fill(owners != head, -1) for head in range(layer.pool_heads)]
-            positions = torch.stack(heads, dim=1)
-        held.append([[[p for p in head if p >= 0] for head in row] for row in positions.tolist()])
-    return held
-
-
-class AfterEachStep(AbstractContextManager):
-    """An engine's `step_observer` that keeps `held_by_head` after every eviction step."""
-
-    def __init__(self) -> None:
-        self.engine: EvictionEngine | None = None
-        self.held: list[list] = []
-
-    def __exit__(self, *exc) -> None:
-        if self.engine.last_stats.evictions > len(self.held):
-            self.held.append(held_by_head(self.engine.last_cache))
-
-
-def observed_engine(model, policy, config: EvictionConfig) -> tuple[EvictionEngine, AfterEachStep]:
-    steps = AfterEachStep()
-    steps.engine = EvictionEngine(model, policy, config, step_observer=steps)
-    return steps.engine, steps
 
 
 @pytest.mark.parametrize(("name", "options"), WINDOW_HEURISTICS)
@@ -127,45 +96,17 @@ def test_rows_copied_mid_replay_continue_as_those_rows_run_through(llama):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
-def recording(name: str, **options):
-    """Policy `name` recording, at every step, its keep scores and candidate positions [layers, rows, H, C] and the
-    run's rows they are."""
-    policy = make_policy(name, **options)
-    steps = []
-
-    class Recording(type(policy)):
-        def step_keep_scores(self, contexts):
-            scores = super().step_keep_scores(contexts)
-            positions = torch.stack([context.candidate_positions for context in contexts])
-            rows = contexts[0].rows
-            steps.append((scores.tolist(), positions.tolist(), None if rows is None else rows.tolist()))
-            return scores
-
-    return Recording(**policy.options()), steps
-
-
 @pytest.mark.parametrize(("name", "options"), [("snapkv", {}), ("tova", {"per_kv_head": True})])
 def test_allocation_layer_keeps_what_a_loop_of_adakvs_rule_keeps(llama, name, options):
     """At every step, in every layer and evicting row: each head keeps its floor of best-scored candidates and the
     layer its H·(B - L - floor) best of the rest, as `pooled_keep` loops it over the same scores; so every head
     keeps at least the floor and the layer H·(B - L) candidates, and the heads do keep different counts."""
-    floor, heads = 2, llama.config.num_key_value_heads
+    floor = 2
     policy, scored = recording(name, **options)
     config = EvictionConfig(B, L, layout="pooled", allocation="layer", floor=floor)
     engine, steps = observed_engine(llama, policy, config)
     engine.replay(sequences(llama.config.vocab_size), PROMPTS)
-    assert len(scored) == len(steps.held) >= 10
-    counts = set()
-    for (scores, positions, rows), held in zip(scored, steps.held, strict=True):
-        for layer, (layer_scores, layer_positions) in enumerate(zip(scores, positions, strict=True)):
-            for index, row in enumerate(range(len(PROMPTS)) if rows is None else rows):
-                expected = pooled_keep(layer_scores[index], layer_positions[index], B - L, floor)
-                newest = max(max(head) for head in held[layer][row])
-                kept = [[p for p in head if p <= newest - L] for head in held[layer][row]]
-                assert kept == expected
-                assert min(map(len, kept)) >= floor and sum(map(len, kept)) == heads * (B - L)
-                counts.update(map(len, kept))
-    assert len(counts) > 1
+    assert len(assert_keeps_adakvs_rule(scored, steps.held, floor, llama.config.num_key_value_heads)) > 1
 
 
 @pytest.mark.parametrize(("name", "options"), [("snapkv", {}), ("tova", {"per_kv_head": True})])
@@ -206,7 +147,12 @@ REFUSALS = [
         "floor=2 is allocation 'layer''s; allocation 'head' keeps B - L = 8",
     ),
     (dict(layout="pooled", sinks=9), "streaming", {}, "sinks=9 must be between 0 and B - L = 8"),
-    (dict(layout="pooled"), "h2o", {}, "layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova and"),
+    (
+        dict(layout="pooled"),
+        "h2o",
+        {},
+        "layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova, streaming",
+    ),
     (dict(layout="pooled"), "rkv", {}, "layout='pooled' does not run policy 'rkv' yet"),
     (
         dict(layout="pooled", allocation="layer"),

@@ -28,7 +28,7 @@ from foresight.scorer.eviction_sampling import (
     guided_eviction,
     plackett_luce_logprob,
 )
-from foresight.scorer.model import ForesightScorer, load_scorer
+from foresight.scorer.model import ForesightScorer, ScoreScale, load_scorer
 
 CUMULATIVE = "cumulative"
 DECAYED = "decayed"
@@ -284,11 +284,16 @@ class Foresight(Policy):
     step but the run's first (a prefill of a prompt longer than B + L brings more), so the policy
     refuses a protected prompt (the scorer never saw one in training). In sampled mode the engine
     must add no sinks (the default), so that it evicts exactly the sampled entries.
+
+    The pooled layout (`EvictionConfig(layout="pooled")`) runs it deterministically with observation "window"
+    (`pooled_limit`): each head's state is gathered into its view at the step and written back to the pool. Its
+    allocation "layer" needs a calibrated scorer (`scores_compare_across_heads`).
     """
 
     name = "foresight"
     summary = "learned per-(layer, KV head) MLP keep scores (ForesightKV)"
     needs_attention = True
+    runs_pooled = True  # deterministic, reading the window (`pooled_limit`)
 
     scorer: ForesightScorer | str | os.PathLike
     mode: str = EvictionMode.DETERMINISTIC.value
@@ -356,6 +361,27 @@ class Foresight(Policy):
         sums_only = self._standardised and not feature_set.reads_window_logits
         streams = self.observation == Observation.STREAM.value and sums_only
         return ObservedQueries.STREAM if streams else ObservedQueries.WINDOW
+
+    @property
+    def scores_compare_across_heads(self) -> bool:
+        """A calibrated scorer's scores estimate log α on one scale for every head (`ScoreScale.LOG_TARGET`); an
+        ordinal scorer's rank the candidates of one head only."""
+        return self.scorer.config.scale is ScoreScale.LOG_TARGET
+
+    @property
+    def scores_apart_in_words(self) -> str:
+        return f"the scorer's scale is {self.scorer.config.scale.value!r}, which ranks within a head only"
+
+    @property
+    def pooled_limit(self) -> str | None:
+        """The pool runs the window's observation, its state gathered into each head's view at the step and written
+        back; a streamed block would need the view at every forward. A sampled draw is per head, so its pool of
+        the 2L lowest is the per-head layout's only."""
+        if self.observed_queries is ObservedQueries.STREAM:
+            return "with observation='stream' yet; give observation='window'"
+        if self.mode != EvictionMode.DETERMINISTIC.value:
+            return f"in mode {self.mode!r} yet; give mode='deterministic'"
+        return None
 
     @property
     def _standardised(self) -> bool:
@@ -568,8 +594,8 @@ class Foresight(Policy):
         config = scorer.config
         interval = context.keys.shape[2] - context.num_candidates
         counts = context.candidate_counts
-        if counts is None:  # a context built outside the engine: count on the device
-            counts = (context.candidate_positions[:, 0] >= 0).sum(-1).tolist()
+        if counts is None:  # a pooled step's, or a context built outside the engine: count on the device
+            counts = _candidates_per_head(context.candidate_positions).tolist()
         fewest, most = min(counts), max(counts)
         # A prefill of a long prompt may bring more candidates, only at the run's first step.
         budget_fits = fewest >= config.budget and (self._steps == 0 or most == config.budget)
@@ -593,6 +619,12 @@ class Foresight(Policy):
             query_heads = kv_heads * self.scorer.config.group_size
         shape = ModelShape(context.num_layers, query_heads, kv_heads, context.keys.shape[-1])
         self.scorer.check_compatible(shape)
+
+
+def _candidates_per_head(positions: torch.Tensor) -> torch.Tensor:
+    """[batch] valid candidates per KV head of each row, of candidate positions [batch, Hkv, C]: a pooled layer's
+    heads hold different counts at allocation 'layer', B on average at every step but the run's first."""
+    return (positions >= 0).sum((-2, -1)) // positions.shape[1]
 
 
 def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -656,10 +656,13 @@ class EvictionCache(Cache):
             return self.layers[0].stack.queries
         return self.layers[0].storage.view(name)
 
-    def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor) -> None:
-        """Overwrite state field `name` of batch rows `rows` [R] in every layer with `value` [layers, R, Hkv, N,
-        *trailing], in place."""
-        self.stacked(name)[:, rows] = value
+    def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Overwrite state field `name` of batch rows `rows` [R] (None: every row) in every layer with `value`
+        [layers, R, Hkv, N, *trailing], in place."""
+        if rows is None:
+            self.stacked(name).copy_(value)
+        else:
+            self.stacked(name)[:, rows] = value
 
     def take_unobserved(self, complete_blocks_only: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Hand out every layer's recorded queries, oldest first, in blocks of `query_window`: [(queries [layers,

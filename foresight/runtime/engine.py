@@ -258,8 +258,8 @@ class EvictionEngine:
         check_runs_pooled(policy)
         if self.config.allocation is Allocation.LAYER and not policy.scores_compare_across_heads:
             raise ValueError(
-                f"allocation='layer' ranks keep scores across a layer's heads, and policy {policy.name!r} with options "
-                f"{policy.options()} scores no head apart; allowed: snapkv, streaming, tova with per_kv_head=True"
+                f"allocation='layer' ranks keep scores across a layer's heads, and {policy.scores_apart_in_words}; "
+                "allowed: snapkv, streaming, tova with per_kv_head=True, foresight with a scorer of scale 'log-target'"
             )
         if kv_heads > MAX_POOL_HEADS:
             raise ValueError(

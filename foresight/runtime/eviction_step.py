@@ -2,7 +2,8 @@
 policy the queries it observes, then, for the rows that reached their limit, every layer's context, the policy's
 new state and keep scores, one top-k over the stacked layers (the recent window, sinks and protected prompt
 always kept) and one compaction of the cache. In the pooled layout the contexts are each head's view of its
-layer's pool and the top-k is the step's allocation (`foresight.runtime.pool`).
+layer's pool, the new state is written back through the view and the top-k is the step's allocation
+(`foresight.runtime.pool`).
 
 It reads and writes a run's cache and counters and decides nothing about when it runs: the engine calls it after
 every forward, and its host cadence says which rows are due.
@@ -87,11 +88,11 @@ class EvictionStep:
             entries = cache.layers[0].get_seq_length() if view is None else view.width
             contexts = self._contexts(cache, step, entries - self.interval, candidates, first_observed, rows=rows)
             if not self.observes_every_query:  # every-query policies observed all their queries already
-                self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows)
+                self._write_state(cache, step, contexts, self.policy.step_observe(contexts), rows, view)
             scores = self.policy.step_keep_scores(contexts)
             keep = self._keep_top(run, rows, scores, step.positions[..., : contexts[0].num_candidates])
             if view is not None:
-                keep = view.to_pool(keep, cache.layers[0].get_seq_length())
+                keep = view.to_pool(keep)
             keep = keep if rows is None else _with_rows(cache.layers[0], keep, rows)
             cache.compact(keep, width * cache.slots_per_token)
             run.first_eviction = torch.where(due & (run.first_eviction < 0), run.next_positions, run.first_eviction)
@@ -211,21 +212,27 @@ class EvictionStep:
         contexts: Sequence[EvictionContext],
         states: Sequence[dict[str, torch.Tensor]],
         rows: torch.Tensor | None,
+        view: OwnerView | None = None,
     ) -> None:
         """Hand each layer's new per-entry state to its context and write it to the cache: for every layer and
         field in one multi-tensor copy when every row evicts (the step's state views the storage, so it reads
         the new state too), else one stack and one write of the evicting `rows` per field (the new state the
-        step's then)."""
+        step's then). In the pooled layout the step's state is each head's `view` of it: the held view slots go
+        back to their pool slots."""
         for context, state in zip(contexts, states, strict=True):
             context.state.update(state)
-        if rows is None:
+        if rows is None and view is None:
             targets = [layer.state[name] for layer, state in zip(cache.layers, states) for name in state]
             if targets:
                 torch._foreach_copy_(targets, [value for state in states for value in state.values()])
             return
         for name in states[0]:
             step.state[name] = torch.stack([state[name] for state in states])
-            cache.write_state(name, step.state[name], rows)
+            value = step.state[name]
+            if view is not None:
+                pool = cache.stacked(name)
+                value = view.scatter(value, pool if rows is None else pool[:, rows])
+            cache.write_state(name, value, rows)
 
     def _keep_top(
         self, run: Run, rows: torch.Tensor | None, scores: torch.Tensor, candidates: torch.Tensor

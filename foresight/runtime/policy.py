@@ -152,6 +152,18 @@ class Policy:
         return False
 
     @property
+    def scores_apart_in_words(self) -> str:
+        """Why this policy's keep scores do not compare across heads, for the engine's one-line refusal of AdaKV's
+        allocation."""
+        return f"policy {self.name!r} with options {self.options()} scores no head apart"
+
+    @property
+    def pooled_limit(self) -> str | None:
+        """Which of this policy's options the pooled layout does not run yet, in words, for its one-line refusal
+        (None: it runs the policy as it is); only for a policy that declares `runs_pooled`."""
+        return None
+
+    @property
     def latest_queries(self) -> int | None:
         """How many of the latest queries a WINDOW policy reads at an eviction step (None: all L). The
         runtime keeps only that many per layer: SnapKV's 8-query window would otherwise hold L queries

@@ -4,7 +4,8 @@ pool per layer").
 In the pooled layout (`foresight.runtime.cache`) a layer's H KV heads hold their entries in one pool of slots,
 each slot tagged with its owner head, so a head may hold more entries than another while the layer holds H·B. At a
 step each head's slots are seen as its own cache (`OwnerView`): the policy reads the per-head tensors it reads
-in the per-head layout and scores each head's candidates as there. Which candidates stay is `keep_candidates`:
+in the per-head layout, per-entry state included, and scores each head's candidates as there; the new state goes
+back to the pool's slots (`OwnerView.scatter`) before the compaction. Which candidates stay is `keep_candidates`:
 B − L per head (`Allocation.HEAD`, the per-head layout's rule), or AdaKV's allocation (`Allocation.LAYER`): each
 head its `floor` best, then the layer's H·(B − L − floor) best left whichever head holds them, which only means
 something where the policy's scores compare across heads (`Policy.scores_compare_across_heads`).
@@ -47,13 +48,19 @@ def default_floor(budget: int, interval: int) -> int:
 
 def pooled_refusal(name: str) -> str:
     """Why the pooled layout refuses policy `name` (one that does not declare `Policy.runs_pooled`)."""
-    return f"layout='pooled' does not run policy {name!r} yet; it runs snapkv, tova and streaming"
+    return (
+        f"layout='pooled' does not run policy {name!r} yet; it runs snapkv, tova, streaming and foresight "
+        "(observation='window')"
+    )
 
 
 def check_runs_pooled(policy: Policy) -> None:
-    """Refuse, in one line, a policy the pooled layout does not run yet (`Policy.runs_pooled`)."""
+    """Refuse, in one line, a policy the pooled layout does not run yet (`Policy.runs_pooled`), or not with its
+    options (`Policy.pooled_limit`)."""
     if not (policy.evicts and policy.runs_pooled):
         raise ValueError(pooled_refusal(policy.name))
+    if policy.pooled_limit is not None:
+        raise ValueError(f"layout='pooled' does not run policy {policy.name!r} {policy.pooled_limit}")
 
 
 def keep_candidates(scores: torch.Tensor, counts: torch.Tensor, allocation: Allocation, floor: int) -> torch.Tensor:
@@ -73,10 +80,13 @@ def keep_candidates(scores: torch.Tensor, counts: torch.Tensor, allocation: Allo
 class OwnerView:
     """Each KV head's slots of a pool as its own cache of `width` slots: `index` [layers, rows, H, width] is the pool
     slot of each, a head's valid slots in position order and right-aligned as in a per-head cache, and `held` says
-    which are the head's (the others, in front, are padding, seen as invalid entries)."""
+    which are the head's (the others, in front, are padding, seen as invalid entries). `source` [layers, rows, N] is
+    the way back: the view slot (flat over the heads, h·width + w) that holds each pool slot, -1 for a slot no head
+    holds (an invalid one)."""
 
     index: torch.Tensor
     held: torch.Tensor
+    source: torch.Tensor
 
     @classmethod
     def of(cls, owners: torch.Tensor, positions: torch.Tensor, heads: int) -> OwnerView:
@@ -87,7 +97,12 @@ class OwnerView:
         width = int(mine.sum(-1).amax())
         # A stable sort of the 0/1 mask puts a head's slots last, in position order (as `EvictionCache.compact`).
         index = torch.sort(mine.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
-        return cls(index, mine.gather(-1, index))
+        held = mine.gather(-1, index)
+        # Every valid pool slot is one head's: of the view slots that point at it one is held, so the sum of the held
+        # ones' numbers (from 1) names it, and a slot no head holds sums to 0 (-1 after the shift).
+        number = torch.arange(1, heads * width + 1, device=owners.device) * held.flatten(2)
+        source = torch.zeros_like(mine[:, :, 0], dtype=torch.long).scatter_add_(-1, index.flatten(2), number) - 1
+        return cls(index, held, source)
 
     @property
     def width(self) -> int:
@@ -99,20 +114,25 @@ class OwnerView:
         heads = self.index.shape[2]
         return gather_entries(tensor.expand(-1, -1, heads, *tensor.shape[3:]), self.index)
 
+    def scatter(self, tensor: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """The view's per-slot `tensor` [layers, rows, H, width, *trailing] on the pool: `pool` [layers, rows, 1, N,
+        *trailing] with each held slot's value taken from its view slot (the slots no head holds as they are)."""
+        taken = gather_entries(tensor.flatten(2, 3), self.source.clamp(min=0))
+        held = (self.source >= 0).view(*self.source.shape, *(1,) * (tensor.dim() - 4))
+        return torch.where(held, taken, pool[:, :, 0])[:, :, None]
+
     def step(self, pooled: StepLayers) -> StepLayers:
-        """A step's tensors of the pool (`pooled`) as each head's, the padding in front with position -1 (the pooled
-        layout runs policies without per-entry state, so there is none to carry)."""
+        """A step's tensors of the pool (`pooled`) as each head's, the padding in front with position -1, and the
+        per-entry state gathered with them (`scatter` writes a policy's new state back)."""
         return StepLayers(
             keys=self.gather(pooled.keys),
             values=self.gather(pooled.values),
             positions=self.gather(pooled.positions).masked_fill(~self.held, -1),
+            state={name: self.gather(value) for name, value in pooled.state.items()},
             queries=pooled.queries,
             query_positions=pooled.query_positions,
         )
 
-    def to_pool(self, keep: torch.Tensor, slots: int) -> torch.Tensor:
-        """The view's kept slots `keep` [layers, rows, H, width] as the pool's, [layers, rows, 1, `slots`]: every
-        pool slot is one head's, so at most one held view slot marks it."""
-        marks = (keep & self.held).flatten(2).to(torch.int32)
-        pool = torch.zeros(*keep.shape[:2], slots, dtype=torch.int32, device=keep.device)
-        return pool.scatter_add_(-1, self.index.flatten(2), marks).bool()[:, :, None]
+    def to_pool(self, keep: torch.Tensor) -> torch.Tensor:
+        """The view's kept slots `keep` [layers, rows, H, width] as the pool's, [layers, rows, 1, N]."""
+        return self.scatter(keep, torch.zeros_like(self.source, dtype=torch.bool)[:, :, None])
