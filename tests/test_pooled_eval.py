@@ -1,6 +1,6 @@
-"""The pooled layout as rows of `foresight eval` (`-o ROW.layout=pooled`, `-o ROW.allocation=layer`): per head it is
-its per-head twin's row, its memory column counts the owner tag, and a policy the pool does not run is refused
-in one line before any replay."""
+"""The pooled layout as rows of `foresight eval` (`-o ROW.layout=pooled`, `-o ROW.allocation=layer`), a heuristic's or
+a learned scorer's: per head it is its per-head twin's row, its memory column counts the owner tag, and what the pool
+does not run is refused in one line before any replay."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import json
 import pytest
 
 from foresight import cli
+from foresight.models import tiny_model
 from tests.fit_configs import L_, B
+from tests.scorers import random_scorer
 
 
 def rows(folder) -> dict[str, dict]:
@@ -32,3 +34,44 @@ def test_pooled_rows_of_eval(traces_dir, tiny_dir, tmp_path, capsys):
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "layout='pooled' does not run policy 'h2o' yet" in error
     assert not (tmp_path / "no" / "replays").exists()
+
+
+def test_pooled_rows_of_a_learned_scorer(traces_dir, tiny_dir, tmp_path, capsys):
+    """Three --scorer rows of one calibrated scorer reading the window: per head, pooled (its twin: the same loss
+    ratio, the owner tag's bytes on top) and pooled at allocation 'layer' (other evictions, the same bytes). An
+    ordinal scorer at allocation 'layer', the streamed observation and the sampled rows on the pool are refused in
+    one line before any replay."""
+    folders = {}
+    for scale in ("log-target", "ordinal"):
+        folders[scale] = tmp_path / scale
+        scorer = random_scorer(
+            tiny_model("llama"), B, L_, base_model=str(tiny_dir), feature_set="standardised", scale=scale
+        )
+        scorer.save_pretrained(folders[scale])
+    words = ["eval", "--traces", str(traces_dir), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]
+    words += ["--policies", "full", "--max-traces", "4"]
+    out = tmp_path / "eval"
+    given = []
+    for row in ("mine", "pool", "ada"):
+        given += ["--scorer", f"{row}={folders['log-target']}", "-o", f"{row}.observation=window"]
+    given += ["-o", "pool.layout=pooled", "-o", "ada.layout=pooled", "-o", "ada.allocation=layer"]
+    assert cli.main([*words, *given, "--out", str(out)]) == 0
+    found = rows(out)
+    per_head, pooled, ada = found["mine"], found["pool"], found["ada"]
+    assert pooled["loss_ratio"] == pytest.approx(per_head["loss_ratio"], abs=1e-5)
+    assert pooled["kv_mib"] > per_head["kv_mib"] == pytest.approx(pooled["kv_mib"], rel=0.01)  # one byte a slot
+    assert ada["kv_mib"] == pooled["kv_mib"] and ada["loss_ratio"] != pooled["loss_ratio"]
+    window = ["-o", "x.observation=window"]
+    for index, (scale, extra, message) in enumerate(
+        (
+            ("ordinal", [*window, "-o", "x.allocation=layer"], "-o x.layout=pooled: allocation='layer' ranks keep "),
+            ("log-target", [], "-o x.layout=pooled: layout='pooled' does not run policy 'foresight' with observation="),
+            ("log-target", [*window, "--sampled-seeds", "2"], "--sampled-seeds: row 'x' runs on layout='pooled', "),
+        )
+    ):
+        refused = tmp_path / f"refused-{index}"
+        given = ["--scorer", f"x={folders[scale]}", "-o", "x.layout=pooled", *extra, "--out", str(refused)]
+        assert cli.main([*words, *given]) == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in error
+        assert not (refused / "replays").exists()

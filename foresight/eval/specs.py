@@ -15,7 +15,7 @@ from foresight.labels import GoldenLabels
 from foresight.policies import POLICIES, Policy, make_policy
 from foresight.policies.options import describe_type, parse_value, typed_options
 from foresight.runtime.engine import EvictionConfig
-from foresight.runtime.pool import Allocation, Layout, pooled_refusal
+from foresight.runtime.pool import Allocation, Layout, check_pooled, pooled_refusal
 from foresight.scorer.eviction_sampling import check_temperature
 from foresight.scorer.model import ForesightScorer, load_scorer
 
@@ -100,8 +100,11 @@ class PolicySpec:
             return None
         if self.needs_labels:
             return replace(eviction, sinks=0, protect_prompt=False)
-        layout = {key: getattr(self, key) for key in LAYOUT_DEFAULTS if getattr(self, key) is not None}
-        return replace(eviction, sinks=self.sinks, protect_prompt=self.protect_prompt, **layout)
+        return replace(eviction, sinks=self.sinks, protect_prompt=self.protect_prompt, **self.layout_settings())
+
+    def layout_settings(self) -> dict[str, Any]:
+        """The cache layout keys the row sets (`LAYOUT_DEFAULTS`), for its `EvictionConfig`."""
+        return {key: getattr(self, key) for key in LAYOUT_DEFAULTS if getattr(self, key) is not None}
 
     def skip_reason(self, eviction: EvictionConfig) -> str | None:
         """Why the policy cannot run at this budget and interval (a learned scorer runs only at its own)."""
@@ -112,7 +115,8 @@ class PolicySpec:
 class ScorerSpec(PolicySpec):
     """The learned `foresight` policy with one trained scorer, run at the B and L it was trained for,
     with no sinks and no protected prompt (as in training); `options` are the policy's own (e.g. its
-    observation, `-o NAME.observation=window`), none of which changes what the scorer was trained for."""
+    observation, `-o NAME.observation=window`), none of which changes what the scorer was trained for, and the
+    cache layout is a setting as a heuristic row's (`-o NAME.layout=pooled -o NAME.allocation=layer`)."""
 
     scorer: ForesightScorer = field(default=None, compare=False, repr=False)
 
@@ -137,7 +141,7 @@ class ScorerSpec(PolicySpec):
         return make_policy("foresight", scorer=self.scorer, **dict(self.options))
 
     def config(self, eviction: EvictionConfig) -> EvictionConfig | None:
-        return replace(eviction, sinks=0, protect_prompt=False)
+        return replace(eviction, sinks=0, protect_prompt=False, **self.layout_settings())
 
     def skip_reason(self, eviction: EvictionConfig) -> str | None:
         trained = (self.scorer.config.budget, self.scorer.config.interval)
@@ -167,7 +171,12 @@ class SampledScorerSpec(ScorerSpec):
 
     @classmethod
     def of(cls, spec: ScorerSpec, seeds: int, temperature: float) -> SampledScorerSpec:
-        """`spec`'s scorer sampled with seeds 0..seeds-1, its row named NAME-sampled."""
+        """`spec`'s scorer sampled with seeds 0..seeds-1, its row named NAME-sampled (a pooled row has none: the
+        pooled layout does not run the sampled mode)."""
+        if spec.layout == Layout.POOLED.value:
+            raise ValueError(
+                f"--sampled-seeds: row {spec.name!r} runs on layout='pooled', which does not run the sampled mode yet"
+            )
         return cls(
             name=f"{spec.name}-sampled",
             options=spec.options,
@@ -298,9 +307,21 @@ def _with_options(row: str, policy: str, texts: Mapping[str, str]) -> PolicySpec
     spec = replace(spec, options=tuple(sorted(typed.items())), **overrides)
     if typed and not spec.missing_artifacts and not spec.needs_labels:
         spec.build(None)
-    if spec.layout == Layout.POOLED.value and not spec.policy_class.runs_pooled:
-        raise ValueError(f"-o {row}.layout=pooled: {pooled_refusal(spec.policy_class.name)}")
+    _check_layout(spec)
     return spec
+
+
+def _check_layout(spec: PolicySpec) -> None:
+    """Refuse, in one line naming the row, a pooled row that the pooled layout does not run (its policy, its options
+    or its allocation: `check_pooled`), before any replay; the policy is built only where its class runs pooled."""
+    if spec.layout != Layout.POOLED.value:
+        return
+    try:
+        if not spec.policy_class.runs_pooled:
+            raise ValueError(pooled_refusal(spec.policy_class.name))
+        check_pooled(spec.build(None), Allocation.parse(spec.allocation or Allocation.HEAD.value))
+    except ValueError as error:
+        raise ValueError(f"-o {spec.name}.layout=pooled: {error}") from None
 
 
 # -- from the command line ------------------------------------------------------------------------
@@ -341,7 +362,9 @@ def policy_specs(policies: str, scorers: list[str], options: Sequence[str] = ())
         return specs, [LEARNED_NOTE if note.startswith("foresight:") else note for note in notes]
     others = policies if policies == "all" else ",".join(name for name in names if name != "foresight")
     learned = [ScorerSpec.from_source(source, several=len(scorers) > 1) for source in scorers]
-    learned = [replace(spec, options=_scorer_options(spec.name, row_options.pop(spec.name, {}))) for spec in learned]
+    learned = [replace(spec, **_scorer_settings(spec.name, row_options.pop(spec.name, {}))) for spec in learned]
+    for spec in learned:
+        _check_layout(spec)
     if row_options and not others.strip(","):
         raise ValueError(
             f"-o {next(iter(row_options)) or 'KEY'}...: --policies names no heuristic to take options "
@@ -354,11 +377,13 @@ def policy_specs(policies: str, scorers: list[str], options: Sequence[str] = ())
     return specs, notes
 
 
-def _scorer_options(row: str, texts: dict[str, str]) -> tuple[tuple[str, Any], ...]:
-    """A --scorer row's -o options, typed as the learned policy declares them; its cadence (no sinks, no protected
-    prompt, the scorer's B and L) is what it was trained for, so those keys are refused."""
-    cadence_overrides(row, texts, refused=bool(set(texts) & set(CADENCE_OPTIONS)))
-    return tuple(typed_options(POLICIES[LEARNED], texts, label=row).items())
+def _scorer_settings(row: str, texts: dict[str, str]) -> dict[str, Any]:
+    """A --scorer row's -o options, typed as the learned policy declares them, and its cache layout (layout,
+    allocation, floor, as a heuristic row's); the rest of its cadence (no sinks, no protected prompt, the scorer's B
+    and L) is what it was trained for, so those keys are refused."""
+    trained = set(texts) & (set(CADENCE_OPTIONS) - set(LAYOUT_DEFAULTS))
+    layout = cadence_overrides(row, texts, refused=bool(trained))
+    return {"options": tuple(typed_options(POLICIES[LEARNED], texts, label=row).items()), **layout}
 
 
 def check_distinct_names(specs: list[PolicySpec]) -> None:

@@ -37,7 +37,7 @@ from foresight.runtime.device_clock import DeviceClock, adding_to
 from foresight.runtime.eviction_step import EvictionStep
 from foresight.runtime.held_memory import keeps_every_query, query_window
 from foresight.runtime.policy import ObservedQueries, Policy, select_state_rows
-from foresight.runtime.pool import Allocation, Layout, check_runs_pooled, default_floor
+from foresight.runtime.pool import Allocation, Layout, check_pooled, default_floor
 from foresight.runtime.prefix import RecordedForward, ReplayPrefix
 from foresight.runtime.run_state import HostCadence, Run, RunStats
 from foresight.runtime.sampling import SamplingConfig, logits_processors, next_token
@@ -254,13 +254,7 @@ class EvictionEngine:
         compare across heads, and more heads than a one-byte owner tag names."""
         if not self.evicts or self.config.layout is Layout.HEADS:
             return 0
-        policy = self.policy
-        check_runs_pooled(policy)
-        if self.config.allocation is Allocation.LAYER and not policy.scores_compare_across_heads:
-            raise ValueError(
-                f"allocation='layer' ranks keep scores across a layer's heads, and {policy.scores_apart_in_words}; "
-                "allowed: snapkv, streaming, tova with per_kv_head=True, foresight with a scorer of scale 'log-target'"
-            )
+        check_pooled(self.policy, self.config.allocation)
         if kv_heads > MAX_POOL_HEADS:
             raise ValueError(
                 f"layout='pooled' tags a slot's head in one byte: at most {MAX_POOL_HEADS} KV heads, the model has "

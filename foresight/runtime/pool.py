@@ -63,6 +63,17 @@ def check_runs_pooled(policy: Policy) -> None:
         raise ValueError(f"layout='pooled' does not run policy {policy.name!r} {policy.pooled_limit}")
 
 
+def check_pooled(policy: Policy, allocation: Allocation) -> None:
+    """Refuse, in one line, what the pooled layout does not run of `policy` (`check_runs_pooled`), and `allocation`
+    'layer' over keep scores that do not compare across heads (`Policy.scores_compare_across_heads`)."""
+    check_runs_pooled(policy)
+    if allocation is Allocation.LAYER and not policy.scores_compare_across_heads:
+        raise ValueError(
+            f"allocation='layer' ranks keep scores across a layer's heads, and {policy.scores_apart_in_words}; "
+            "allowed: snapkv, streaming, tova with per_kv_head=True, foresight with a scorer of scale 'log-target'"
+        )
+
+
 def keep_candidates(scores: torch.Tensor, counts: torch.Tensor, allocation: Allocation, floor: int) -> torch.Tensor:
     """Which candidates a step keeps, [layers, rows, Hkv, C] bool, from their keep `scores` [layers, rows, Hkv, C]
     (protected +inf, invalid -inf) and the candidates a head keeps in each row (`counts` [rows]): `counts` per head,
