@@ -1,6 +1,7 @@
 """Pooled-layout runs the tests compare with their twins: the cadence and two rows of unequal lengths, the positions
-each (layer, row, KV head) holds after every eviction step, a policy that records its keep scores, and the check of
-AdaKV's allocation against its loop twin over those scores."""
+each (layer, row, KV head) holds after every eviction step, the checks that a policy replays and generates on the pool
+at allocation 'head' as per head, a policy that records its keep scores, and the check of AdaKV's allocation against
+its loop twin over those scores."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from foresight.policies import make_policy
+from foresight.policies import Policy, make_policy
 from foresight.runtime.cache import EvictionCache
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from tests.reference_policies import pooled_keep
@@ -57,6 +58,37 @@ def observed_engine(
     steps = AfterEachStep(read)
     steps.engine = EvictionEngine(model, policy, config, step_observer=steps)
     return steps.engine, steps
+
+
+def assert_replays_alike(model, new_policy: Callable[[], Policy], prompts: list[int] = PROMPTS) -> None:
+    """Teacher-forced, two rows of unequal `prompts`, per head and pooled at allocation 'head' (a fresh policy each):
+    the same kept positions in every (layer, row, head) after every step and the same token losses (float32: the
+    masked softmax over a pool sums in another order)."""
+    runs = []
+    for layout in ("heads", "pooled"):
+        engine, steps = observed_engine(model, new_policy(), EvictionConfig(B, L, layout=layout))
+        runs.append((engine.replay(sequences(model.config.vocab_size), prompts), steps.held, engine.last_cache))
+    (heads, held_heads, _), (pooled, held_pooled, cache) = runs
+    assert cache.layers[0].pool_heads == model.config.num_key_value_heads == 2
+    assert heads.stats.evictions == pooled.stats.evictions == len(held_pooled) >= 10
+    assert held_pooled == held_heads
+    assert heads.first_eviction == pooled.first_eviction
+    for ours, theirs in zip(pooled.nll, heads.nll, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def assert_generates_alike(model, new_policy: Callable[[], Policy]) -> None:
+    """Prefill of unequal prompts, then greedy decode through several steps, per head and pooled at allocation
+    'head': the same tokens, logits and held positions."""
+    runs = []
+    for layout in ("heads", "pooled"):
+        engine, steps = observed_engine(model, new_policy(), EvictionConfig(B, L, layout=layout))
+        prompts = [ids[:length].tolist() for ids, length in zip(sequences(model.config.vocab_size), PROMPTS)]
+        runs.append((engine.generate(prompts, 30, return_logits=True), steps.held))
+    (heads, held_heads), (pooled, held_pooled) = runs
+    assert heads.stats.evictions == pooled.stats.evictions >= 6
+    assert pooled.tokens == heads.tokens and held_pooled == held_heads
+    torch.testing.assert_close(pooled.logits, heads.logits, rtol=0, atol=1e-5)
 
 
 def recording(name: str, **options):

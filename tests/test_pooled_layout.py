@@ -18,7 +18,9 @@ from tests.pooled_runs import (
     PROMPTS,
     B,
     L,
+    assert_generates_alike,
     assert_keeps_adakvs_rule,
+    assert_replays_alike,
     held_by_head,
     observed_engine,
     recording,
@@ -32,34 +34,12 @@ WINDOW_HEURISTICS = [("snapkv", {}), ("tova", {}), ("streaming", {})]
 
 @pytest.mark.parametrize(("name", "options"), WINDOW_HEURISTICS)
 def test_allocation_head_replays_as_the_per_head_layout(llama, name, options):
-    """Teacher-forced, two rows of unequal prompts: the same kept positions in every (layer, row, head) after every
-    step and the same token losses (float32: the masked softmax over a pool sums in another order)."""
-    runs = []
-    for layout in ("heads", "pooled"):
-        engine, steps = observed_engine(llama, make_policy(name, **options), EvictionConfig(B, L, layout=layout))
-        runs.append((engine.replay(sequences(llama.config.vocab_size), PROMPTS), steps.held, engine.last_cache))
-    (heads, held_heads, _), (pooled, held_pooled, cache) = runs
-    assert cache.layers[0].pool_heads == llama.config.num_key_value_heads == 2
-    assert heads.stats.evictions == pooled.stats.evictions == len(held_pooled) >= 10
-    assert held_pooled == held_heads
-    assert heads.first_eviction == pooled.first_eviction
-    for ours, theirs in zip(pooled.nll, heads.nll, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert_replays_alike(llama, lambda: make_policy(name, **options))
 
 
 @pytest.mark.parametrize(("name", "options"), WINDOW_HEURISTICS)
 def test_allocation_head_generates_as_the_per_head_layout(llama, name, options):
-    """Prefill of unequal prompts, then greedy decode through several steps: the same tokens, logits and held
-    positions."""
-    runs = []
-    for layout in ("heads", "pooled"):
-        engine, steps = observed_engine(llama, make_policy(name, **options), EvictionConfig(B, L, layout=layout))
-        prompts = [ids[:length].tolist() for ids, length in zip(sequences(llama.config.vocab_size), PROMPTS)]
-        runs.append((engine.generate(prompts, 30, return_logits=True), steps.held))
-    (heads, held_heads), (pooled, held_pooled) = runs
-    assert heads.stats.evictions == pooled.stats.evictions >= 6
-    assert pooled.tokens == heads.tokens and held_pooled == held_heads
-    torch.testing.assert_close(pooled.logits, heads.logits, rtol=0, atol=1e-5)
+    assert_generates_alike(llama, lambda: make_policy(name, **options))
 
 
 def test_a_prefix_recorded_in_one_layout_serves_the_other(llama):

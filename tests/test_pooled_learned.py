@@ -15,7 +15,17 @@ from foresight.runtime.cache import OWNERS, EvictionCache
 from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.held_memory import held_bytes
 from foresight.runtime.pool import OwnerView
-from tests.pooled_runs import PROMPTS, B, L, assert_keeps_adakvs_rule, observed_engine, recording, sequences
+from tests.pooled_runs import (
+    PROMPTS,
+    B,
+    L,
+    assert_generates_alike,
+    assert_keeps_adakvs_rule,
+    assert_replays_alike,
+    observed_engine,
+    recording,
+    sequences,
+)
 from tests.scorers import random_scorer
 
 REGIME_PROMPTS = {Regime.STREAMING: PROMPTS, Regime.DECODE: [23, 30]}  # the decode regime's prompts pass B + L
@@ -48,20 +58,15 @@ def state_by_head(cache: EvictionCache) -> dict[str, tuple[torch.Tensor, torch.T
 @pytest.mark.parametrize("feature_set", FEATURE_SETS)
 @pytest.mark.parametrize("regime", list(Regime))
 def test_allocation_head_replays_as_the_per_head_layout(llama, regime, feature_set):
-    """Teacher-forced, two rows of unequal prompts, in either regime: the same kept positions in every (layer, row,
-    head) after every step and the same token losses (float32: the pool's masked softmax sums in another order)."""
+    """`assert_replays_alike` in either regime (the decode regime's prompts compress at their prefill) and for each
+    kind of state: per query head, per KV head (a grouped set's, no trailing dim), the older sets' sums."""
     prompts = REGIME_PROMPTS[regime]
     assert all((regime_shift(length, B, L, regime) > 0) == (regime is Regime.DECODE) for length in prompts)
-    runs = []
-    for layout in ("heads", "pooled"):
-        engine, steps = observed_engine(llama, learned(llama, feature_set), EvictionConfig(B, L, layout=layout))
-        runs.append((engine.replay(sequences(llama.config.vocab_size), prompts), steps.held))
-    (heads, held_heads), (pooled, held_pooled) = runs
-    assert heads.stats.evictions == pooled.stats.evictions == len(held_pooled) >= 10
-    assert held_pooled == held_heads
-    assert heads.first_eviction == pooled.first_eviction
-    for ours, theirs in zip(pooled.nll, heads.nll, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert_replays_alike(llama, lambda: learned(llama, feature_set), prompts)
+
+
+def test_allocation_head_generates_as_the_per_head_layout(llama):
+    assert_generates_alike(llama, lambda: learned(llama))
 
 
 @pytest.mark.parametrize("feature_set", FEATURE_SETS)
