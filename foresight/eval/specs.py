@@ -1,5 +1,8 @@
 """What `foresight eval` compares: a policy by name and options, or a learned scorer, with the checks that
 tell which budgets each can run at. Shared by the teacher-forced replay and the accuracy evaluation.
+
+Size: the specs and the command-line texts that make them (--policies rows, --scorer sources, -o options) change
+together: every option a row takes is a field of its spec, checked here before any replay.
 """
 
 from __future__ import annotations
