@@ -120,15 +120,16 @@ def test_the_table_of_bytes_per_entry_on_qwen3_4bs_shape():
 
 POOLED = [("snapkv", {}, "head"), ("tova", {}, "head"), ("streaming", {}, "head"), ("snapkv", {}, "layer")]
 POOLED += [("tova", {"per_kv_head": True}, "layer")]
-POOLED += [("foresight", {"observation": "window"}, "head"), ("foresight", {"observation": "window"}, "layer")]
+POOLED += [("foresight", {"observation": "window"}, "head"), ("foresight", {}, "layer")]
 
 
 @pytest.mark.parametrize(("name", "options", "allocation"), POOLED)
 def test_the_pooled_layout_holds_the_per_head_bytes_and_a_one_byte_owner_tag(qwen3, name, options, allocation):
     """One pool of H·(B + L) slots per layer and row, each a key, a value, a position and the policy's state of one
-    head and its owner tag, and the policy's ring: the live storage is what `held_bytes` counts for the pooled layout,
-    which is the per-head layout's count plus one byte per slot (in the state), whatever the allocation. The learned
-    policy runs a calibrated random scorer (its scores compare across heads) of the standardised set."""
+    head and its owner tag, and the policy's ring or buffered queries: the live storage is what `held_bytes` counts
+    for the pooled layout, which is the per-head layout's count plus one byte per slot (in the state), whatever the
+    allocation. The learned policy runs a calibrated random scorer (its scores compare across heads) of the
+    standardised set, reading the window or streamed."""
     if name == "foresight":
         scorer = random_scorer(qwen3, B, L, feature_set="standardised", scale="log-target")
         options = {**options, "scorer": scorer}
@@ -136,10 +137,10 @@ def test_the_pooled_layout_holds_the_per_head_bytes_and_a_one_byte_owner_tag(qwe
     engine = EvictionEngine(qwen3, policy, EvictionConfig(B, L, layout="pooled", allocation=allocation))
     batch = prompts([5, 9, 14], seed=3)
     assert engine.generate(batch, 30).stats.evictions >= 3
-    shape = describe(qwen3)
-    pooled = held_bytes(shape, policy, B, L, torch.float32, layout="pooled")
-    per_head = held_bytes(shape, policy, B, L, torch.float32)
-    cache = engine.last_cache
+    shape, cache = describe(qwen3), engine.last_cache
+    buffered = cache.layers[0].unobserved_count  # a streaming policy's queries in flight at the end
+    pooled = held_bytes(shape, policy, B, L, torch.float32, layout="pooled", buffered=buffered)
+    per_head = held_bytes(shape, policy, B, L, torch.float32, buffered=buffered)
     assert cache.layers[0].storage.slots == shape.num_kv_heads * (B + L) == shape.num_kv_heads * pooled.entries
     assert cache.storage_bytes() == len(batch) * pooled.total
     tag = shape.num_layers * shape.num_kv_heads * (B + L)
@@ -170,8 +171,7 @@ def test_the_default_models_pooled_figures():
 
 def test_the_table_in_the_pooled_layout_lists_the_policies_it_runs():
     """`foresight bench held-memory --layout pooled`: 'all' is the full cache (the per-head reference) and the
-    policies the pooled layout runs, each with one byte of owner tag per (layer, KV head) of an entry as state, the
-    learned one with the ring of the window it reads on the pool."""
+    policies the pooled layout runs, each with one byte of owner tag per (layer, KV head) of an entry as state."""
     settings = held_memory_bench.Settings(model="configs/models/qwen3-4b.json", dtype="bfloat16", layout="pooled")
     rows = {
         line.split("|")[1].strip(): [float(cell.strip(" %+")) for cell in line.split("|")[2:-1]]
@@ -180,5 +180,5 @@ def test_the_table_in_the_pooled_layout_lists_the_policies_it_runs():
     }
     assert set(rows) == {"full", "snapkv", "streaming", "tova", "foresight"}
     assert rows["full"][2] == 0 and rows["snapkv"][2] == rows["streaming"][2] == rows["tova"][2] == 36 * 8
-    # the learned policy reads the window's ring on the pool: three float32 sums per query head of the group
-    assert rows["foresight"][2] == 36 * 8 * (1 + 3 * 4 * 4) and rows["foresight"][3] > 0 == rows["foresight"][4]
+    # the learned policy streams its observation: six float32 sums per query head of the group, no ring
+    assert rows["foresight"][2] == 36 * 8 * (1 + 6 * 4 * 4) and rows["foresight"][3] == 0 < rows["foresight"][4]

@@ -37,10 +37,9 @@ def test_pooled_rows_of_eval(traces_dir, tiny_dir, tmp_path, capsys):
 
 
 def test_pooled_rows_of_a_learned_scorer(traces_dir, tiny_dir, tmp_path, capsys):
-    """Three --scorer rows of one calibrated scorer reading the window: per head, pooled (its twin: the same loss
-    ratio, the owner tag's bytes on top) and pooled at allocation 'layer' (other evictions, the same bytes). An
-    ordinal scorer at allocation 'layer', the streamed observation and the sampled rows on the pool are refused in
-    one line before any replay."""
+    """Three --scorer rows of one calibrated scorer: per head, pooled (its twin: the same loss ratio, the owner tag's
+    bytes on top) and pooled at allocation 'layer' (other evictions, the same bytes). An ordinal scorer at allocation
+    'layer' and the sampled rows of a pooled row are refused in one line before any replay."""
     folders = {}
     for scale in ("log-target", "ordinal"):
         folders[scale] = tmp_path / scale
@@ -51,9 +50,7 @@ def test_pooled_rows_of_a_learned_scorer(traces_dir, tiny_dir, tmp_path, capsys)
     words = ["eval", "--traces", str(traces_dir), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]
     words += ["--policies", "full", "--max-traces", "4"]
     out = tmp_path / "eval"
-    given = []
-    for row in ("mine", "pool", "ada"):
-        given += ["--scorer", f"{row}={folders['log-target']}", "-o", f"{row}.observation=window"]
+    given = [word for row in ("mine", "pool", "ada") for word in ("--scorer", f"{row}={folders['log-target']}")]
     given += ["-o", "pool.layout=pooled", "-o", "ada.layout=pooled", "-o", "ada.allocation=layer"]
     assert cli.main([*words, *given, "--out", str(out)]) == 0
     found = rows(out)
@@ -61,12 +58,18 @@ def test_pooled_rows_of_a_learned_scorer(traces_dir, tiny_dir, tmp_path, capsys)
     assert pooled["loss_ratio"] == pytest.approx(per_head["loss_ratio"], abs=1e-5)
     assert pooled["kv_mib"] > per_head["kv_mib"] == pytest.approx(pooled["kv_mib"], rel=0.01)  # one byte a slot
     assert ada["kv_mib"] == pooled["kv_mib"] and ada["loss_ratio"] != pooled["loss_ratio"]
-    window = ["-o", "x.observation=window"]
     for index, (scale, extra, message) in enumerate(
         (
-            ("ordinal", [*window, "-o", "x.allocation=layer"], "-o x.layout=pooled: allocation='layer' ranks keep "),
-            ("log-target", [], "-o x.layout=pooled: layout='pooled' does not run policy 'foresight' with observation="),
-            ("log-target", [*window, "--sampled-seeds", "2"], "--sampled-seeds: row 'x' runs on layout='pooled', "),
+            (
+                "ordinal",
+                ["-o", "x.allocation=layer"],
+                "-o x.layout=pooled: allocation='layer' ranks keep scores across ",
+            ),
+            (
+                "log-target",
+                ["--sampled-seeds", "2"],
+                "--sampled-seeds: row 'x' runs on layout='pooled', which does not",
+            ),
         )
     ):
         refused = tmp_path / f"refused-{index}"

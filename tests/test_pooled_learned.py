@@ -1,7 +1,8 @@
-"""The learned policy on the pooled layout (foresight.runtime.pool), reading the window's queries at each step: its
-per-entry state rides in the pool's slots, is gathered into each head's view at a step and written back. At
-allocation 'head' it is the per-head layout's twin; at allocation 'layer' a calibrated scorer's steps keep what
-AdaKV's loop twin keeps over its scores; what the pool does not run of it is refused in one line."""
+"""The learned policy on the pooled layout (foresight.runtime.pool), reading the window's queries at each step or
+streaming them: its per-entry state rides in the pool's slots, is gathered into each head's view at a step (or a
+streamed block) and written back. At allocation 'head' it is the per-head layout's twin; at allocation 'layer' a
+calibrated scorer's steps keep what AdaKV's loop twin keeps over its scores; what the pool does not run of it is
+refused in one line."""
 
 from __future__ import annotations
 
@@ -29,13 +30,16 @@ from tests.pooled_runs import (
 from tests.scorers import random_scorer
 
 REGIME_PROMPTS = {Regime.STREAMING: PROMPTS, Regime.DECODE: [23, 30]}  # the decode regime's prompts pass B + L
-FEATURE_SETS = ["standardised", "standardised-grouped", "paper"]  # state per query head, per KV head, the older sums
+OBSERVED = [("standardised", "window"), ("standardised-grouped", "window"), ("paper", "window")]
+OBSERVED += [("standardised", "stream"), ("standardised-grouped", "stream")]
+"""(feature set, observation): state per query head, per KV head (no trailing dim) and the older sets' sums, read at
+the step; the standardised sets' streamed, their window sums in the state too."""
 
 
 def learned(model, feature_set: str = "standardised", scale: str = "ordinal", **options):
-    """The learned policy with a random scorer of `model` at (B, L), reading the window unless `options` say."""
+    """The learned policy with a random scorer of `model` at (B, L) (its default observation streams)."""
     scorer = random_scorer(model, B, L, feature_set=feature_set, scale=scale)
-    return make_policy("foresight", **{"scorer": scorer, "observation": "window", **options})
+    return make_policy("foresight", scorer=scorer, **options)
 
 
 def state_by_head(cache: EvictionCache) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -55,50 +59,55 @@ def state_by_head(cache: EvictionCache) -> dict[str, tuple[torch.Tensor, torch.T
     return held
 
 
-@pytest.mark.parametrize("feature_set", FEATURE_SETS)
+@pytest.mark.parametrize(("feature_set", "observation"), OBSERVED)
 @pytest.mark.parametrize("regime", list(Regime))
-def test_allocation_head_replays_as_the_per_head_layout(llama, regime, feature_set):
-    """`assert_replays_alike` in either regime (the decode regime's prompts compress at their prefill) and for each
-    kind of state: per query head, per KV head (a grouped set's, no trailing dim), the older sets' sums."""
+def test_allocation_head_replays_as_the_per_head_layout(llama, regime, feature_set, observation):
+    """`assert_replays_alike` in either regime (the decode regime's prompts compress at their prefill), for each kind
+    of state and observation."""
     prompts = REGIME_PROMPTS[regime]
     assert all((regime_shift(length, B, L, regime) > 0) == (regime is Regime.DECODE) for length in prompts)
-    assert_replays_alike(llama, lambda: learned(llama, feature_set), prompts)
+    assert learned(llama, feature_set, observation=observation).observed_queries.value == observation
+    assert_replays_alike(llama, lambda: learned(llama, feature_set, observation=observation), prompts)
 
 
-def test_allocation_head_generates_as_the_per_head_layout(llama):
-    assert_generates_alike(llama, lambda: learned(llama))
+@pytest.mark.parametrize("observation", ["window", "stream"])
+def test_allocation_head_generates_as_the_per_head_layout(llama, observation):
+    assert_generates_alike(llama, lambda: learned(llama, observation=observation))
 
 
-@pytest.mark.parametrize("feature_set", FEATURE_SETS)
-def test_the_state_written_back_to_the_pool_is_the_per_head_runs(llama, feature_set):
+@pytest.mark.parametrize(("feature_set", "observation"), OBSERVED)
+def test_the_state_written_back_to_the_pool_is_the_per_head_runs(llama, feature_set, observation):
     """After every step, each state field of the pool gathered through a fresh view holds, at the positions each head
     holds, what the per-head run holds there (float32: the keys differ by the pool's rounding of attention)."""
     runs = []
     for layout in ("heads", "pooled"):
         config = EvictionConfig(B, L, layout=layout)
-        engine, steps = observed_engine(llama, learned(llama, feature_set), config, read=state_by_head)
+        policy = learned(llama, feature_set, observation=observation)
+        engine, steps = observed_engine(llama, policy, config, read=state_by_head)
         engine.replay(sequences(llama.config.vocab_size), PROMPTS)
         runs.append(steps.held)
     heads, pooled = runs
     assert len(heads) == len(pooled) >= 10
-    assert set(pooled[0]) == {field.name for field in learned(llama, feature_set).state_fields}
+    assert set(pooled[0]) == {field.name for field in policy.state_fields}
     for per_head, pool in zip(heads, pooled, strict=True):
+        assert any(state.abs().amax() > 0 for _, state in pool.values())  # a step resets the streamed window sums
         for name, (positions, state) in pool.items():
             head_positions, head_state = per_head[name]
             width = positions.shape[3]  # the fullest head's; the per-head cache holds its rows' invalid slots too
             assert (head_positions[..., :-width] < 0).all() and (positions >= 0).any()
             assert torch.equal(positions, head_positions[..., -width:])
-            assert state.abs().amax() > 0
             torch.testing.assert_close(state, head_state[:, :, :, -width:])
 
 
+@pytest.mark.parametrize("observation", ["window", "stream"])
 @pytest.mark.parametrize("regime", list(Regime))
-def test_allocation_layer_keeps_what_a_loop_of_adakvs_rule_keeps(llama, regime):
+def test_allocation_layer_keeps_what_a_loop_of_adakvs_rule_keeps(llama, regime, observation):
     """A calibrated scorer (scale 'log-target') at allocation 'layer': at every step each head keeps its floor of
     best-scored candidates and the layer its best of the rest, as `pooled_keep` loops it over the scorer's keep
     scores, and the heads keep different counts."""
     floor = 2
-    policy, scored = recording("foresight", **learned(llama, scale="log-target").options())
+    options = learned(llama, scale="log-target", observation=observation).options()
+    policy, scored = recording("foresight", **options)
     assert policy.scores_compare_across_heads
     engine, steps = observed_engine(
         llama, policy, EvictionConfig(B, L, layout="pooled", allocation="layer", floor=floor)
@@ -114,11 +123,6 @@ REFUSALS = [
         "allocation='layer' ranks keep scores across a layer's heads, and the scorer's scale is 'ordinal', which ranks "
         "within a head only; allowed: snapkv, streaming, tova with per_kv_head=True, foresight with a scorer of scale "
         "'log-target'",
-    ),
-    (
-        dict(),
-        dict(observation="stream"),
-        "layout='pooled' does not run policy 'foresight' with observation='stream' yet; give observation='window'",
     ),
     (
         dict(),

@@ -11,8 +11,7 @@ K/V; a policy that protects the prompt holds the prompt's entries on top, at the
     foresight bench held-memory --layout pooled                            # one slot pool per layer
 
 With `--layout pooled` the evicting rows are counted in the pooled layout (`foresight.runtime.pool`: a one-byte owner
-tag per slot, counted as state), and 'all' names the policies it runs, the learned one with observation "window" (the
-one the pool runs: a ring of L queries); the full cache stays the per-head reference.
+tag per slot, counted as state), and 'all' names the policies it runs; the full cache stays the per-head reference.
 """
 
 from __future__ import annotations
@@ -36,13 +35,12 @@ from foresight.bench.common import (
     selected_policies,
 )
 from foresight.models import architecture_config, describe, float_dtype, is_architecture_config, load_config
-from foresight.policies import POLICIES, Policy, make_policy
+from foresight.policies import POLICIES
 from foresight.runtime.held_memory import MIB, PARTS, held_bytes
 from foresight.runtime.pool import Layout
 from foresight.scorer.model import ForesightScorer, load_scorer
 
 NAME = "held-memory"
-POOLED_NOTE = ", the learned policy with observation 'window' (the one the pool runs)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,14 +94,14 @@ def run(settings: Settings) -> str:
         f"{entries} entries per sequence. Bytes per entry: every layer and KV head of one entry; ring and buffered "
         f"queries divided by the {entries} entries. Overhead: bytes held beyond K/V, over K/V. The learned policy: "
         f"{settings.learned[1] if settings.learned else f'the {settings.feature_set} feature set'}. Layout: "
-        f"{settings.layout}{POOLED_NOTE if Layout.parse(settings.layout) is Layout.POOLED else ''}.",
+        f"{settings.layout}.",
         "",
         "| policy | K/V B / entry | positions | state | query ring | buffered queries | total B / entry | over K/V | "
         "MiB / sequence |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in _policies(settings):
-        policy = _policy(name, scorer, Layout.parse(settings.layout))
+        policy = bench_policy(name, scorer if name == LEARNED else None)
         layout = settings.layout if policy.evicts else Layout.HEADS
         held = held_bytes(shape, policy, settings.budget, settings.interval, dtype, entries=entries, layout=layout)
         parts = " | ".join(f"{held.per_entry(part):.1f}" for part in PARTS)
@@ -111,13 +109,6 @@ def run(settings: Settings) -> str:
             f"| {name} | {parts} | {held.per_entry('total'):.1f} | {held.overhead:+.1%} | {held.total / MIB:.2f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _policy(name: str, scorer: ForesightScorer, layout: Layout) -> Policy:
-    """A row's policy; the learned one in the pooled layout reads the window's ring (`Foresight.pooled_limit`)."""
-    if name == LEARNED and layout is Layout.POOLED:
-        return make_policy(LEARNED, scorer=scorer, observation="window")
-    return bench_policy(name, scorer if name == LEARNED else None)
 
 
 def _policies(settings: Settings) -> list[str]:

@@ -285,15 +285,15 @@ class Foresight(Policy):
     refuses a protected prompt (the scorer never saw one in training). In sampled mode the engine
     must add no sinks (the default), so that it evicts exactly the sampled entries.
 
-    The pooled layout (`EvictionConfig(layout="pooled")`) runs it deterministically with observation "window"
-    (`pooled_limit`): each head's state is gathered into its view at the step and written back to the pool. Its
-    allocation "layer" needs a calibrated scorer (`scores_compare_across_heads`).
+    The pooled layout (`EvictionConfig(layout="pooled")`) runs it deterministically (`pooled_limit`), in either
+    observation: each head's state is gathered into its view at a step or a streamed block and written back to the
+    pool. Its allocation "layer" needs a calibrated scorer (`scores_compare_across_heads`).
     """
 
     name = "foresight"
     summary = "learned per-(layer, KV head) MLP keep scores (ForesightKV)"
     needs_attention = True
-    runs_pooled = True  # deterministic, reading the window (`pooled_limit`)
+    runs_pooled = True  # deterministic (`pooled_limit`)
 
     scorer: ForesightScorer | str | os.PathLike
     mode: str = EvictionMode.DETERMINISTIC.value
@@ -374,11 +374,8 @@ class Foresight(Policy):
 
     @property
     def pooled_limit(self) -> str | None:
-        """The pool runs the window's observation, its state gathered into each head's view at the step and written
-        back; a streamed block would need the view at every forward. A sampled draw is per head, so its pool of
-        the 2L lowest is the per-head layout's only."""
-        if self.observed_queries is ObservedQueries.STREAM:
-            return "with observation='stream' yet; give observation='window'"
+        """A sampled draw evicts L of each head's 2L lowest keep scores, which the heads' different counts at
+        allocation 'layer' do not follow: the pool runs the deterministic mode only."""
         if self.mode != EvictionMode.DETERMINISTIC.value:
             return f"in mode {self.mode!r} yet; give mode='deterministic'"
         return None

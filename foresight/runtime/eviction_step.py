@@ -82,7 +82,7 @@ class EvictionStep:
             first_observed = self._first_observed(run, due, rows)
             window = self._streamed_window(run, rows) if self.streams_queries else self._window_queries(cache, rows)
             step = _step_layers(cache, _entry_positions(cache, lengths, rows), *window, rows)
-            view = _owner_view(cache, step, rows)
+            view = _owner_view(cache, step.positions, rows)
             if view is not None:  # the pooled layout: each head's slots as its own cache
                 step, candidates = view.step(step), None  # a head's valid candidates differ by head
             entries = cache.layers[0].get_seq_length() if view is None else view.width
@@ -119,7 +119,8 @@ class EvictionStep:
         eviction step), those inside their row's next eviction window (the L queries before its step; the others
         get position -1, so they add nothing), against the keys in the cache now, which are the ones they attended
         to: no row evicted since they ran. Each block knows where its rows' next steps come
-        (`EvictionContext.evicts_after`), from the host's cadence."""
+        (`EvictionContext.evicts_after`), from the host's cadence. In the pooled layout the blocks are observed on each
+        head's view of the pool, and the new state goes back through it."""
         cache, interval = run.cache, self.interval
         if cache.layers[0].unobserved_count < (self.policy.stream_block if complete_blocks_only else 1):
             return
@@ -127,12 +128,14 @@ class EvictionStep:
         ahead = [max(0, limit - length) for limit, length in zip(run.cadence.limits, run.cadence.lengths)]
         evicts_after = run.next_positions - 1 + _host_index(ahead, run.next_positions)
         positions = _entry_positions(cache, run.cadence.lengths)
+        view = _owner_view(cache, positions, rows=None)
         for queries, query_positions in blocks:
             outside = (query_positions < 0) | (evicts_after[:, None] - query_positions >= interval)
             step = _step_layers(cache, positions, queries, query_positions.masked_fill(outside, -1))
+            step = step if view is None else view.step(step)
             contexts = self._contexts(cache, step, num_candidates=0, evicts_after=evicts_after)
             for name, value in self.policy.stream_observe(contexts).items():
-                cache.stacked(name).copy_(value)
+                cache.write_state(name, value if view is None else view.scatter(value, cache.stacked(name)))
 
     def _first_observed(self, run: Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW or
@@ -285,12 +288,13 @@ def _step_layers(
     )
 
 
-def _owner_view(cache: EvictionCache, step: StepLayers, rows: torch.Tensor | None) -> OwnerView | None:
-    """Each KV head's slots of the pooled layout's pools, for the rows of a `step` (None in the per-head layout)."""
+def _owner_view(cache: EvictionCache, positions: torch.Tensor, rows: torch.Tensor | None) -> OwnerView | None:
+    """Each KV head's slots of the pooled layout's pools, for the batch rows `rows` (None: all) whose entry positions
+    are `positions` (None in the per-head layout)."""
     if cache.slots_per_token == 1:
         return None
     owners = cache.stacked(OWNERS)
-    return OwnerView.of(owners if rows is None else owners[:, rows], step.positions, cache.slots_per_token)
+    return OwnerView.of(owners if rows is None else owners[:, rows], positions, cache.slots_per_token)
 
 
 def _entry_positions(cache: EvictionCache, lengths: Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -48,10 +48,7 @@ def default_floor(budget: int, interval: int) -> int:
 
 def pooled_refusal(name: str) -> str:
     """Why the pooled layout refuses policy `name` (one that does not declare `Policy.runs_pooled`)."""
-    return (
-        f"layout='pooled' does not run policy {name!r} yet; it runs snapkv, tova, streaming and foresight "
-        "(observation='window')"
-    )
+    return f"layout='pooled' does not run policy {name!r} yet; it runs snapkv, tova, streaming and foresight"
 
 
 def check_runs_pooled(policy: Policy) -> None:
