@@ -1,5 +1,6 @@
 """A random eviction step as the engine builds it (the policy tests' input), a step of many zero entries (to
-see a random policy's score distribution), and a policy's keep scores of one step from fresh per-entry state."""
+see a random policy's score distribution), a policy's keep scores of one step from fresh per-entry state, and a
+hand-built step of the learned scorer's standardised sets."""
 
 from __future__ import annotations
 
@@ -90,3 +91,36 @@ def keep_scores(policy, context: EvictionContext) -> torch.Tensor:
         context.state[field.name] = torch.full((*shape, *trailing), field.fill, device=context.positions.device)
     context.state.update(policy.observe(context))
     return policy.keep_scores(context)
+
+
+def standardised_step(scorer, scale: float = 1.0, budget: int = 12, interval: int = 4) -> EvictionContext:
+    """A hand-built step of layer 1 for a standardised scorer at B = `budget`, L = `interval`: two rows, row 1 with
+    padding slots; `scale` multiplies the block attention and every raw sum of the state."""
+    shape = scorer.config
+    generator = torch.Generator().manual_seed(6)
+    rows, kv_heads, group, dim, entries = 2, shape.num_kv_heads, shape.group_size, shape.head_dim, budget + interval
+    positions = torch.cat(
+        [torch.randperm(40, generator=generator)[:budget].sort().values, torch.arange(40, 40 + interval)]
+    )
+    positions = positions.repeat(rows, kv_heads, 1)
+    positions[1, :, :3] = -1
+    sums = (rows, kv_heads, entries, group)
+    context = EvictionContext(
+        layer_idx=1,
+        num_layers=shape.num_layers,
+        keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
+        positions=positions,
+        num_candidates=budget,
+        scaling=dim**-0.5,
+        state={
+            "cumulative": torch.rand(sums, generator=generator) * 3 * scale,
+            "decayed": torch.rand(sums, generator=generator) * scale,
+            "recent": torch.rand(sums, generator=generator) * 0.5 * scale,
+        },
+        queries=torch.randn(rows, shape.num_query_heads, interval, dim, generator=generator),
+        query_positions=torch.arange(40, 40 + interval).repeat(rows, 1),
+        first_observed=torch.tensor([12, 40]),  # row 0 observed from 12 on before this block; row 1 from this one
+    )
+    context.attention = context.attention * scale  # fills the cached property
+    return context

@@ -21,7 +21,7 @@ from foresight.bench.common import random_scorer
 from foresight.choices import Choice
 from foresight.cli import ALLOCATOR_VARIABLES, ArgumentParser, HelpFormatter, _verbs, main, owns_help
 from foresight.commands._model import model_options
-from foresight.commands._policy import policy_options
+from foresight.commands._policy import policy_from_args, policy_options
 from foresight.commands.bench import MOVED_TO_STUDIES
 from foresight.commands.eval import policy_specs
 from foresight.models import tiny_model
@@ -529,3 +529,16 @@ def test_demo_generation_evicts_and_every_heuristic_gets_a_finite_loss_ratio(cap
     rows = printed.split("(1.0 = full cache):\n")[1].split("best heuristic")[0].strip().splitlines()
     ratios = [float(row.split()[1]) for row in rows]
     assert steps >= 1 and len(rows) >= 12 and all(math.isfinite(ratio) for ratio in ratios), printed
+
+
+def test_generate_and_replay_take_the_pooled_layout_as_options():
+    """`-o layout=pooled -o allocation=layer` reach the eviction config (they were parsed and dropped before)."""
+    args = argparse.Namespace(
+        verb="generate", scorer=(), policy="snapkv", option=["layout=pooled", "allocation=layer", "floor=3"]
+    )
+    args.budget, args.interval, args.sinks, args.protect_prompt = 32, 8, None, None
+    _, config = policy_from_args(args)
+    assert (config.layout.value, config.allocation.value, config.floor) == ("pooled", "layer", 3)
+    args.option = ["layout=pools"]
+    with pytest.raises(ValueError, match="unknown layout 'pools'; allowed: 'heads', 'pooled'"):
+        policy_from_args(args)

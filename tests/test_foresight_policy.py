@@ -19,6 +19,7 @@ from foresight.runtime.engine import EvictionConfig, EvictionEngine
 from foresight.runtime.policy import EvictionContext
 from foresight.scorer.attention_features import DECAY, FEATURE_NAMES, FeatureSet
 from tests import reference_policies as ref
+from tests.eviction_steps import standardised_step
 from tests.prompts import random_prompts
 from tests.reference_features import independent_mlp, loop_standardise, loop_standardised_features
 from tests.scorers import random_scorer
@@ -117,37 +118,6 @@ def test_an_existing_scorer_loads_and_scores_as_before_the_standardised_set():
     # 480 scores.
     torch.testing.assert_close(scores[0, :, :4], torch.tensor(pinned), rtol=0, atol=1e-5)
     assert scores.double().sum().item() == pytest.approx(-18.79833535850048, abs=1e-3)
-
-
-def standardised_step(scorer, scale: float = 1.0) -> EvictionContext:
-    """A hand-built step of layer 1 for a standardised scorer: two rows, row 1 with padding slots; `scale`
-    multiplies the block attention and every raw sum of the state."""
-    shape = scorer.config
-    generator = torch.Generator().manual_seed(6)
-    rows, kv_heads, group, dim, entries = 2, shape.num_kv_heads, shape.group_size, shape.head_dim, B + L
-    positions = torch.cat([torch.randperm(40, generator=generator)[:B].sort().values, torch.arange(40, 40 + L)])
-    positions = positions.repeat(rows, kv_heads, 1)
-    positions[1, :, :3] = -1
-    sums = (rows, kv_heads, entries, group)
-    context = EvictionContext(
-        layer_idx=1,
-        num_layers=shape.num_layers,
-        keys=torch.randn(rows, kv_heads, entries, dim, generator=generator),
-        values=torch.randn(rows, kv_heads, entries, dim, generator=generator),
-        positions=positions,
-        num_candidates=B,
-        scaling=dim**-0.5,
-        state={
-            "cumulative": torch.rand(sums, generator=generator) * 3 * scale,
-            "decayed": torch.rand(sums, generator=generator) * scale,
-            "recent": torch.rand(sums, generator=generator) * 0.5 * scale,
-        },
-        queries=torch.randn(rows, shape.num_query_heads, L, dim, generator=generator),
-        query_positions=torch.arange(40, 40 + L).repeat(rows, 1),
-        first_observed=torch.tensor([12, 40]),  # row 0 observed from 12 on before this block; row 1 from this one
-    )
-    context.attention = context.attention * scale  # fills the cached property
-    return context
 
 
 @pytest.mark.parametrize("feature_set", ["standardised", "standardised-heuristic"])

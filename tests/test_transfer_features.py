@@ -17,9 +17,9 @@ from foresight.scorer.attention_features import FEATURE_NAMES, FeatureSet
 from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import ForesightScorer, load_scorer
 from foresight.scorer.standardised_features import window_logit_moments
+from tests.eviction_steps import standardised_step
 from tests.reference_features import independent_mlp, loop_standardise, loop_standardised_features
 from tests.scorers import random_scorer
-from tests.test_foresight_policy import B, standardised_step
 
 SUMS = FEATURE_NAMES[FeatureSet.STANDARDISED_HEURISTIC]
 """The transfer set's first nine features, the heuristic set's."""
@@ -98,9 +98,10 @@ def test_transfer_keep_scores_equal_independent_mlps_on_loop_features(llama, tmp
     moments = loop_logit_moments(context.queries, context.query_positions, context.keys, context.scaling)
     per_head = torch.cat([sums.unflatten(-1, (group, len(SUMS))), torch.stack(moments, -1)], -1)
     valid = context.candidate_positions >= 0
-    features = loop_standardise(per_head.flatten(-2)[..., :B, :], valid).float()
+    features = loop_standardise(per_head.flatten(-2)[..., : context.num_candidates, :], valid).float()
+    candidates = context.num_candidates
     for row, head in itertools.product(range(2), range(config.num_kv_heads)):
-        keys, values = context.keys[row, head, :B], context.values[row, head, :B]
+        keys, values = context.keys[row, head, :candidates], context.values[row, head, :candidates]
         norms = [keys.norm(dim=-1), values.norm(dim=-1), loop_output_norms(llama, 1, head, values).float()]
         inputs = torch.cat([features[row, head], torch.stack(norms, -1).log()], -1)
         expected = independent_mlp(scorer, 1, head)(inputs).squeeze(-1)

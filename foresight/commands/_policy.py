@@ -12,7 +12,7 @@ from typing import Any
 from foresight.bench import options as words
 from foresight.cadence import Regime
 from foresight.commands._grammar import int_list
-from foresight.eval.specs import LEARNED, cadence_overrides, one_scorer, options_by_row, options_of
+from foresight.eval.specs import LAYOUT_DEFAULTS, LEARNED, cadence_overrides, one_scorer, options_by_row, options_of
 from foresight.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
 from foresight.policies.options import describe_type, required_options, settable_options, typed_options
 from foresight.runtime.engine import EvictionConfig
@@ -142,11 +142,12 @@ def policy_from_args(args: argparse.Namespace) -> tuple[Policy, EvictionConfig |
     given = {"scorer": learned[1]} if learned else {}
     options = policy_options(POLICIES[name], texts, given)
     policy = make_policy(name, **options, **given)
-    for key in cadence:
-        if getattr(args, key) is not None:
+    for key in ("sinks", "protect_prompt"):
+        if key in cadence and getattr(args, key) is not None:
             raise ValueError(f"give --{key.replace('_', '-')} or -o {key}, not both")
     sinks, protect = (cadence.get(key, getattr(args, key)) for key in ("sinks", "protect_prompt"))
-    config = EvictionConfig(args.budget, args.interval, sinks, protect)
+    layout = {key: cadence[key] for key in LAYOUT_DEFAULTS if key in cadence}  # -o layout=pooled, allocation, floor
+    config = EvictionConfig(args.budget, args.interval, sinks, protect, **layout)
     return policy, (config if policy.evicts else None)
 
 
