@@ -22,6 +22,7 @@ from foresight.runtime.sampling import REASONING_SAMPLING, Draws
 from tests.decoding import assert_batch_decodes_as_each_row_alone, assert_decodes_alike
 from tests.eviction_steps import GROUP, keep_scores, random_context
 from tests.policy_lists import SCORED, make
+from tests.pooled_runs import assert_replays_alike
 from tests.prompts import prompts
 from tests.scorers import random_scorer
 
@@ -280,3 +281,10 @@ def test_a_cuda_graph_decodes_as_the_eager_engine(name):
     assert outputs[1].tokens == outputs[0].tokens
     assert outputs[1].stats.row_evictions == outputs[0].stats.row_evictions
     torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova"])
+def test_the_pooled_layout_replays_as_the_per_head_one_on_cuda(name):
+    """The pooled layout's owner-masked SDPA and its step's views on CUDA, float32: the per-head layout's kept sets and
+    token losses (the CPU twin's, tests/test_pooled_layout.py)."""
+    assert_replays_alike(tiny_model("llama").to(CUDA), lambda: make_policy(name))
