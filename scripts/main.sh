@@ -19,11 +19,12 @@ out=${1:-runs/main}
 foresight fit --config configs/default.yaml --out "$out" \
   --set traces.num=24 --set traces.max_new_tokens=512 --set traces.batch_size=24 \
   --set data.holdout=0.25 --set trainer.max_steps=120 --set trainer.log_every_n_steps=5  # an epoch is 6 batches here
-# The reinforcement is a short run of the pre-registered recipe (configs/default-rl-branch.yaml,
-# docs/notes/rl-preregistration.md: per-layer branch groups, the dense reward, τ = 0.05, the anchor β = 0.1
-# held to a KL budget), 3 steps with branches of 8 chunks instead of 16 so the job keeps its time.
-foresight rl --config configs/default-rl-branch.yaml --scorer "$out/scorer" --out "$out/rl" --traces "$out/traces" \
-  --set data.holdout=0.25 --set data.batch_size=2 --set trainer.max_steps=3 --set model.branch_chunks=8
+# The reinforcement runs step-level branch groups with the dense reward and the evicted set's
+# log-probability, the estimator docs/notes/rl-signal.md picked (configs/default-rl.yaml keeps the paper's
+# episode rollouts, the recipe of the shipped checkpoints/default-rl).
+foresight rl --config configs/default-rl.yaml --scorer "$out/scorer" --out "$out/rl" --traces "$out/traces" \
+  --set data.holdout=0.25 --set data.batch_size=2 --set model.group_size=4 --set trainer.max_steps=3 \
+  --set model.rollout=branch --set model.reward_rule=dense --set model.logprob_rule=set
 foresight labels --traces "$out/traces" --budget 256 --interval 32  # fit labelled B = 128; golden needs both
 # The 2026 baselines too: random eviction with the prompt protected, VaSE, and TriAttention (its statistics
 # calibrated on data/corpus/train52) as its authors run it (prompt protected) and on the same memory as the
