@@ -18,8 +18,12 @@ def rows(folder) -> dict[str, dict]:
     return {row["policy"]: row for row in json.loads((folder / "results.json").read_text())}
 
 
-def test_pooled_rows_of_eval(traces_dir, tiny_dir, tmp_path, capsys):
-    out = tmp_path / "eval"
+def test_pooled_rows_of_eval(fresh_traces, tiny_dir, tmp_path, capsys):
+    """With golden's labels made, so the golden-overlap column reads each head's entries of the pool too."""
+    assert (
+        cli.main(["labels", "--traces", str(fresh_traces), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]) == 0
+    )
+    out, traces_dir = tmp_path / "eval", fresh_traces
     words = ["eval", "--traces", str(traces_dir), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]
     words += ["--policies", "full,snapkv,snapkv-pool=snapkv,snapkv-ada=snapkv", "--out", str(out), "--max-traces", "4"]
     words += ["-o", "snapkv-pool.layout=pooled", "-o", "snapkv-ada.layout=pooled", "-o", "snapkv-ada.allocation=layer"]
@@ -27,6 +31,8 @@ def test_pooled_rows_of_eval(traces_dir, tiny_dir, tmp_path, capsys):
     found = rows(out)
     per_head, pooled, ada = found["snapkv"], found["snapkv-pool"], found["snapkv-ada"]
     assert pooled["loss_ratio"] == pytest.approx(per_head["loss_ratio"], abs=1e-5)
+    assert per_head["golden_overlap"] is not None
+    assert pooled["golden_overlap"] == pytest.approx(per_head["golden_overlap"], abs=1e-12)
     assert pooled["kv_mib"] > per_head["kv_mib"] == pytest.approx(pooled["kv_mib"], rel=0.01)  # one byte a slot
     assert ada["kv_mib"] == pooled["kv_mib"] and ada["loss_ratio"] != pooled["loss_ratio"]
     refused = [*words[:-10], "--policies", "h2o", "--out", str(tmp_path / "no"), "-o", "h2o.layout=pooled"]
@@ -36,7 +42,7 @@ def test_pooled_rows_of_eval(traces_dir, tiny_dir, tmp_path, capsys):
     assert not (tmp_path / "no" / "replays").exists()
 
 
-def test_pooled_rows_of_a_learned_scorer(traces_dir, tiny_dir, tmp_path, capsys):
+def test_pooled_rows_of_a_learned_scorer(fresh_traces, tiny_dir, tmp_path, capsys):
     """Three --scorer rows of one calibrated scorer: per head, pooled (its twin: the same loss ratio, the owner tag's
     bytes on top) and pooled at allocation 'layer' (other evictions, the same bytes). An ordinal scorer at allocation
     'layer' and the sampled rows of a pooled row are refused in one line before any replay."""
@@ -47,7 +53,10 @@ def test_pooled_rows_of_a_learned_scorer(traces_dir, tiny_dir, tmp_path, capsys)
             tiny_model("llama"), B, L_, base_model=str(tiny_dir), feature_set="standardised", scale=scale
         )
         scorer.save_pretrained(folders[scale])
-    words = ["eval", "--traces", str(traces_dir), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]
+    assert (
+        cli.main(["labels", "--traces", str(fresh_traces), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]) == 0
+    )
+    words = ["eval", "--traces", str(fresh_traces), "--model", str(tiny_dir), "-B", str(B), "-L", str(L_)]
     words += ["--policies", "full", "--max-traces", "4"]
     out = tmp_path / "eval"
     given = [word for row in ("mine", "pool", "ada") for word in ("--scorer", f"{row}={folders['log-target']}")]
@@ -56,6 +65,8 @@ def test_pooled_rows_of_a_learned_scorer(traces_dir, tiny_dir, tmp_path, capsys)
     found = rows(out)
     per_head, pooled, ada = found["mine"], found["pool"], found["ada"]
     assert pooled["loss_ratio"] == pytest.approx(per_head["loss_ratio"], abs=1e-5)
+    assert per_head["golden_overlap"] is not None
+    assert pooled["golden_overlap"] == pytest.approx(per_head["golden_overlap"], abs=1e-12)
     assert pooled["kv_mib"] > per_head["kv_mib"] == pytest.approx(pooled["kv_mib"], rel=0.01)  # one byte a slot
     assert ada["kv_mib"] == pooled["kv_mib"] and ada["loss_ratio"] != pooled["loss_ratio"]
     for index, (scale, extra, message) in enumerate(

@@ -117,7 +117,7 @@ def _probe_attention(module, query, key, value, attention_mask, eviction_cache=N
     probe = _ACTIVE_PROBE.get()
     if probe is not None:
         layer = eviction_cache.layers[module.layer_idx]
-        probe.record(module.layer_idx, layer.pending_positions, layer.entry_positions(), output)
+        probe.record(module.layer_idx, layer.pending_positions, layer.positions_by_head(), output)
     return output, weights
 
 

@@ -466,6 +466,16 @@ class EvictionLayer(CacheLayerMixin):
         """[batch, Hkv, N] positions with -1 on invalid slots (padding, eviction leftovers)."""
         return self.positions.masked_fill(~self.valid[:, None, :], -1)
 
+    def positions_by_head(self) -> torch.Tensor:
+        """[batch, Hkv, N] the positions each KV head holds, -1 elsewhere: `entry_positions`, or in the pooled layout
+        the pool's positions seen once per head with every other head's slots at -1 (what a per-head reader such as
+        the evaluation's golden overlap reads)."""
+        held = self.entry_positions()
+        if not self.pool_heads:
+            return held
+        heads = torch.arange(self.pool_heads, device=held.device)[None, :, None]
+        return held.expand(-1, self.pool_heads, -1).masked_fill(self.owners != heads, -1)
+
     def record_queries(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Record a forward's post-RoPE queries [batch, Hq, q, D] and their positions [batch, q]: every one
         until `take_unobserved` hands it out (`keep_every_query`), else the last `query_window` in the ring buffer

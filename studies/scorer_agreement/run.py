@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from foresight.bench.common import ReportSettings, traces_field
+from foresight.bench.common import ReportSettings, scorer_field, traces_field
 from foresight.cadence import Regime
 from foresight.data.trace_store import TraceStore, select_traces
+from foresight.eval.specs import split_scorer
 from foresight.eval.stats import percentile_interval, resample_counts
 from foresight.labels import future_score_table
 from foresight.models import load_model
@@ -44,7 +45,7 @@ SHARED = ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "budget",
 @dataclass(frozen=True, kw_only=True)
 class Settings(ReportSettings):
     traces: Path = traces_field("traces folder the scorers never trained on")
-    scorer: tuple[str, ...] = field(metadata={"help": "NAME=FOLDER of a scorer to compare (repeat; at least two)"})
+    scorer: tuple[str, ...] = scorer_field("the scorers compared, at least two (unnamed: by folder)", required=True)
     driver: str | None = field(default=None, metadata={"help": "whose evictions the replay follows (default: first)"})
     regime: str = field(default=Regime.DECODE.value, metadata={"help": "the eviction regime of the replay"})
     sources: tuple[str, ...] = field(
@@ -65,10 +66,11 @@ class Settings(ReportSettings):
         """{name: folder} of the compared scorers, in order."""
         found: dict[str, Path] = {}
         for text in self.scorer:
-            name, sep, folder = text.partition("=")
-            if not sep or not name or not folder or name in found or name == GOLDEN:
-                raise ValueError(f"--scorer {text!r} must be NAME=FOLDER, each NAME once and not {GOLDEN!r}")
-            found[name] = Path(folder)
+            name, source = split_scorer(text)
+            name = name or Path(source).name
+            if name in found or name == GOLDEN:
+                raise ValueError(f"--scorer {text!r}: each scorer needs a name of its own, not {GOLDEN!r}")
+            found[name] = Path(source)
         return found
 
 
