@@ -11,11 +11,14 @@ a family that a test set (data/corpus/unseen-*) holds is refused before any fit.
 
 A variant is NAME=OVERRIDES, the fit config's overrides joined by `;` (`wide=model.hidden=32;ensemble.members=1`;
 `base=` for the config as it is); `{fold_scorer:NAME}` in an override names the same fold's scorer of an earlier
-variant (`student=ensemble.members=1;model.teacher={fold_scorer:base}`: one member distilled from the ensemble). Fits and evaluations land under --work, one folder per (regime, variant, fold),
+variant (`student=ensemble.members=1;model.teacher={fold_scorer:base}`: one member distilled from the ensemble).
+
+Fits and evaluations land under --work, one folder per (regime, variant, fold),
 and a finished one is read again, never redone, so a stopped study resumes and a variant added later is fitted
 and replayed alone. The variants that make their examples alike (the same `data.` overrides) share one example
 cache, made once for every fold; the fits run cache by cache and each cache is removed after its fits (one holds
-every step's keys and values: about 40 GB for the 755 traces of `train66`), unless --keep-examples.
+every step's candidate keys and values: about 4.5 GB for the 755 traces of `train66` in the decode regime), unless
+--keep-examples.
 
     python -m studies folds --traces data/corpus/train66 --folds 5 --config configs/default.yaml \\
         --variant base= --variant one=ensemble.members=1 --regime decode --regime streaming
@@ -64,8 +67,8 @@ class Settings(ReportSettings):
     keep_examples: bool = field(
         default=False,
         metadata={
-            "help": "keep each example cache once its variants' fits are done (at the corpus's size one holds about "
-            "40 GB, so by default the fits run cache by cache and each is removed after them)"
+            "help": "keep each example cache once its variants' fits are done (at the corpus's size one holds a few "
+            "GB, so by default the fits run cache by cache and each is removed after them)"
         },
     )
     per_family: int | None = field(
