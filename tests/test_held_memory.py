@@ -164,7 +164,7 @@ def test_the_default_models_pooled_figures():
     assert pooled.total - per_head.total == 14_400 and pooled.total == 7_998_720
     with pytest.raises(
         ValueError,
-        match="^layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova, streaming and foresight",
+        match="^layout='pooled' does not run policy 'h2o' yet; it runs foresight, snapkv, streaming, tova",
     ):
         held_bytes(shape, make_policy("h2o"), 128, 32, torch.float32, layout="pooled")
 

@@ -18,6 +18,17 @@ def rows(folder) -> dict[str, dict]:
     return {row["policy"]: row for row in json.loads((folder / "results.json").read_text())}
 
 
+def assert_pooled_rows(found: dict[str, dict], per_head: str, pooled: str, ada: str) -> None:
+    """A row per head, its pooled twin (allocation 'head') and AdaKV's allocation on the pool: the twin has the same
+    loss ratio and golden overlap and one byte a slot more memory; AdaKV's row the same memory, other evictions."""
+    per_head, pooled, ada = found[per_head], found[pooled], found[ada]
+    assert pooled["loss_ratio"] == pytest.approx(per_head["loss_ratio"], abs=1e-5)
+    assert per_head["golden_overlap"] is not None
+    assert pooled["golden_overlap"] == pytest.approx(per_head["golden_overlap"], abs=1e-12)
+    assert pooled["kv_mib"] > per_head["kv_mib"] == pytest.approx(pooled["kv_mib"], rel=0.01)
+    assert ada["kv_mib"] == pooled["kv_mib"] and ada["loss_ratio"] != pooled["loss_ratio"]
+
+
 def test_pooled_rows_of_eval(fresh_traces, tiny_dir, tmp_path, capsys):
     """With golden's labels made, so the golden-overlap column reads each head's entries of the pool too."""
     assert (
@@ -28,13 +39,7 @@ def test_pooled_rows_of_eval(fresh_traces, tiny_dir, tmp_path, capsys):
     words += ["--policies", "full,snapkv,snapkv-pool=snapkv,snapkv-ada=snapkv", "--out", str(out), "--max-traces", "4"]
     words += ["-o", "snapkv-pool.layout=pooled", "-o", "snapkv-ada.layout=pooled", "-o", "snapkv-ada.allocation=layer"]
     assert cli.main(words) == 0
-    found = rows(out)
-    per_head, pooled, ada = found["snapkv"], found["snapkv-pool"], found["snapkv-ada"]
-    assert pooled["loss_ratio"] == pytest.approx(per_head["loss_ratio"], abs=1e-5)
-    assert per_head["golden_overlap"] is not None
-    assert pooled["golden_overlap"] == pytest.approx(per_head["golden_overlap"], abs=1e-12)
-    assert pooled["kv_mib"] > per_head["kv_mib"] == pytest.approx(pooled["kv_mib"], rel=0.01)  # one byte a slot
-    assert ada["kv_mib"] == pooled["kv_mib"] and ada["loss_ratio"] != pooled["loss_ratio"]
+    assert_pooled_rows(rows(out), "snapkv", "snapkv-pool", "snapkv-ada")
     refused = [*words[:-10], "--policies", "h2o", "--out", str(tmp_path / "no"), "-o", "h2o.layout=pooled"]
     assert cli.main(refused) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -62,13 +67,7 @@ def test_pooled_rows_of_a_learned_scorer(fresh_traces, tiny_dir, tmp_path, capsy
     given = [word for row in ("mine", "pool", "ada") for word in ("--scorer", f"{row}={folders['log-target']}")]
     given += ["-o", "pool.layout=pooled", "-o", "ada.layout=pooled", "-o", "ada.allocation=layer"]
     assert cli.main([*words, *given, "--out", str(out)]) == 0
-    found = rows(out)
-    per_head, pooled, ada = found["mine"], found["pool"], found["ada"]
-    assert pooled["loss_ratio"] == pytest.approx(per_head["loss_ratio"], abs=1e-5)
-    assert per_head["golden_overlap"] is not None
-    assert pooled["golden_overlap"] == pytest.approx(per_head["golden_overlap"], abs=1e-12)
-    assert pooled["kv_mib"] > per_head["kv_mib"] == pytest.approx(pooled["kv_mib"], rel=0.01)  # one byte a slot
-    assert ada["kv_mib"] == pooled["kv_mib"] and ada["loss_ratio"] != pooled["loss_ratio"]
+    assert_pooled_rows(rows(out), "mine", "pool", "ada")
     for index, (scale, extra, message) in enumerate(
         (
             (

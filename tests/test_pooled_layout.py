@@ -131,7 +131,7 @@ REFUSALS = [
         dict(layout="pooled"),
         "h2o",
         {},
-        "layout='pooled' does not run policy 'h2o' yet; it runs snapkv, tova, streaming",
+        "layout='pooled' does not run policy 'h2o' yet; it runs foresight, snapkv, streaming, tova",
     ),
     (dict(layout="pooled"), "rkv", {}, "layout='pooled' does not run policy 'rkv' yet"),
     (

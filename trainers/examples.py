@@ -36,7 +36,7 @@ import torch
 
 from foresight.cadence import Regime, eviction_steps, golden_prefill, regime_shift, step_of
 from foresight.data.trace_store import Trace
-from foresight.labels import GoldenLabels
+from foresight.labels import GoldenLabels, LabelKind, future_score_table
 from foresight.policies import make_policy
 from foresight.policies.foresight import Foresight, feature_state, observe_features
 from foresight.runtime.cache import StateField
@@ -252,6 +252,32 @@ def golden_steps(
     """Replay `traces` as one batch along their golden schedules; the training examples of each."""
     golden = make_policy("golden", labels=list(labels))
     return _replay(model, traces, StepRecorder(golden, LabelTargets(labels), feature_set, storage_dtype))
+
+
+def future_tables(
+    model,
+    traces: Sequence[Trace],
+    budget: int,
+    interval: int,
+    regime: Regime,
+    kind: LabelKind | str = LabelKind.ALPHA,
+    chunk_size: int = 256,
+) -> list[torch.Tensor]:
+    """Each trace's table of future scores at B and L in `regime` (`foresight.labels.future_score_table`): what an
+    on-policy replay (`scorer_steps`) labels the scorer's own candidates with."""
+    return [
+        future_score_table(
+            model,
+            trace.input_ids,
+            budget,
+            interval,
+            chunk_size=chunk_size,
+            kind=kind,
+            regime=regime,
+            prompt_length=trace.prompt_length,
+        )
+        for trace in traces
+    ]
 
 
 @torch.no_grad()

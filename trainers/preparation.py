@@ -17,12 +17,12 @@ from tqdm.auto import tqdm
 
 from foresight.cadence import Regime
 from foresight.data.trace_store import Trace, TraceStore
-from foresight.labels import LabelStore, future_score_table
+from foresight.labels import LabelStore
 from foresight.models import dtype_name, float_dtype
 from foresight.scorer.model import ForesightScorer
 from trainers.data_stage import FrozenModel, StepPlan, StepSummary
 from trainers.example_cache import ExampleCache
-from trainers.examples import golden_steps, scorer_steps
+from trainers.examples import future_tables, golden_steps, scorer_steps
 
 MAX_ROUNDS = 10
 """The most on-policy rounds a fit runs (each replays every training trace and refits)."""
@@ -113,19 +113,7 @@ def make_on_policy_examples(
         _length_groups(plan.todo, replay_batch_size), desc="on-policy", unit="batch", disable=not progress
     ):
         model = frozen.load()[0]
-        tables = [
-            future_score_table(
-                model,
-                trace.input_ids,
-                key.budget,
-                key.interval,
-                chunk_size=chunk_size,
-                kind=key.label_kind,
-                regime=regime,
-                prompt_length=trace.prompt_length,
-            )
-            for trace in group
-        ]
+        tables = future_tables(model, group, key.budget, key.interval, regime, key.label_kind, chunk_size)
         for trace, tensors in zip(group, scorer_steps(model, group, tables, scorer, storage_dtype, regime)):
             cache.write(trace, tensors)
     action = "made the on-policy examples of"

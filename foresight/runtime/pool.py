@@ -46,9 +46,21 @@ def default_floor(budget: int, interval: int) -> int:
     return max(1, int(ADAKV_FLOOR_SHARE * (budget - interval)))
 
 
+def pooled_policies() -> list[str]:
+    """The names of the policies the pooled layout runs: every `Policy` subclass that declares `runs_pooled` (read
+    from the classes, so the refusal below cannot drift from them)."""
+    names, classes = set(), list(Policy.__subclasses__())
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        if cls.runs_pooled and cls.name:
+            names.add(cls.name)
+    return sorted(names)
+
+
 def pooled_refusal(name: str) -> str:
     """Why the pooled layout refuses policy `name` (one that does not declare `Policy.runs_pooled`)."""
-    return f"layout='pooled' does not run policy {name!r} yet; it runs snapkv, tova, streaming and foresight"
+    return f"layout='pooled' does not run policy {name!r} yet; it runs {', '.join(pooled_policies())}"
 
 
 def check_runs_pooled(policy: Policy) -> None:

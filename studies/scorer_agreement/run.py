@@ -28,12 +28,11 @@ from foresight.cadence import Regime
 from foresight.data.trace_store import TraceStore, select_traces
 from foresight.eval.specs import split_scorer
 from foresight.eval.stats import percentile_interval, resample_counts
-from foresight.labels import future_score_table
 from foresight.models import load_model
 from foresight.scorer.model import ForesightScorer, load_scorer
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
-from trainers.examples import scorer_steps
+from trainers.examples import future_tables, scorer_steps
 from trainers.ranking import kept_overlap
 
 NAME = "scorer-agreement"
@@ -84,15 +83,8 @@ def run(settings: Settings) -> str:
     regime, config = Regime.parse(settings.regime), driver.config
     per_trace = []
     for trace in traces:
-        table = future_score_table(
-            model,
-            trace.input_ids,
-            config.budget,
-            config.interval,
-            regime=regime,
-            prompt_length=trace.prompt_length,
-        )
-        (steps,) = scorer_steps(model, [trace], [table], driver, torch.float32, regime)
+        tables = future_tables(model, [trace], config.budget, config.interval, regime)
+        (steps,) = scorer_steps(model, [trace], tables, driver, torch.float32, regime)
         per_trace.append(trace_agreement(scorers, steps, config.budget - config.interval))
     return _report(settings, per_trace, list(scorers))
 
