@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from foresight.eval.headroom import TraceScore, headroom, paired_gain, resample_weights
+from foresight.eval.metric_registry import TokenSet
 from studies.__main__ import main as studies_main
 
 B = 128
@@ -297,3 +298,17 @@ def test_baselines_tables_every_policy_against_the_learned_scorer(tmp_path):
         baselines_report((("a", (tmp_path / "a",)),), ("foresight",), (B,), tmp_path)
     with pytest.raises(ValueError, match="figure 'nope' is not one of: loss_ratio, low_entropy_damage"):
         paired_gain(RUN, B, "h2o", "foresight", "nope")
+
+
+def test_ablation_reads_the_token_set_it_is_asked_for(tmp_path):
+    """The same rows over generated tokens, where the learned scorer keeps three quarters of the headroom instead of
+    half: `token_set` picks those sums for every figure, its name heads the report, and all tokens stay the default."""
+    from studies.ablation.report import ablation_report
+
+    generated = [replace(s, token_set="generated") for s in RUN if s.policy != "foresight"]
+    generated += [replace(s, token_set="generated") for s in scores("foresight", (57.5, 23.0, 46.0))]  # 1.15
+    _eval_folder(tmp_path / "run", [*RUN, *generated])
+    sets = (("set", (tmp_path / "run",)),)
+    assert "| 50.0% [" in ablation_report(sets, (("foresight", "x"),), B)
+    report = ablation_report(sets, (("foresight", "x"),), B, token_set=TokenSet.GENERATED)
+    assert report.startswith("Predictions of generated tokens") and "| 75.0% [" in report

@@ -35,6 +35,7 @@ from foresight.eval.headroom import (
     paired_gain,
     percent,
 )
+from foresight.eval.metric_registry import TokenSet
 
 TraceSets = Sequence[tuple[str, Sequence[Path]]]
 """(name, `foresight eval` folders of its traces) per trace set."""
@@ -77,12 +78,19 @@ def _agreed(earlier: TraceScore, later: TraceScore, folder: Path) -> TraceScore:
     return TraceScore(*values)
 
 
-def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str], ...], budget: int) -> str:
-    """One set's rows: golden, the best heuristic and every learned scorer it holds."""
+def set_table(
+    name: str,
+    scores: list[TraceScore],
+    learned: tuple[tuple[str, str], ...],
+    budget: int,
+    token_set: TokenSet = TokenSet.ALL,
+) -> str:
+    """One set's rows over the predictions of `token_set`: golden, the best heuristic and every learned scorer it
+    holds."""
     names = [row for row, _ in learned]
     results: list[tuple[str, Headroom]] = []
     for row, what in learned:
-        found = headroom(scores, budget, row, other_learned=[n for n in names if n != row])
+        found = headroom(scores, budget, row, other_learned=[n for n in names if n != row], token_set=token_set)
         if found is not None:
             results.append((what, found))
     if not results:
@@ -100,18 +108,22 @@ def set_table(name: str, scores: list[TraceScore], learned: tuple[tuple[str, str
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for what, result in results:
-        over_first = paired_gain(scores, budget, first.learned, result.learned) if result is not first else None
+        over_first = None
+        if result is not first:
+            over_first = paired_gain(scores, budget, first.learned, result.learned, token_set=token_set)
         lines.append(
             f"| {result.learned} | {what} | {result.loss_ratio[result.learned]} | "
             f"{percent(result.damage[result.learned])} | {percent(result.share, 1)} | {result.ratio_gain} | "
             f"{percent(result.damage_gain)} | {over_first or '–'} |"
         )
     if len(results) > 1:
-        lines += ["", *paired_table(scores, [result.learned for _, result in results], budget)]
+        lines += ["", *paired_table(scores, [result.learned for _, result in results], budget, token_set)]
     return "\n".join(lines)
 
 
-def paired_table(scores: list[TraceScore], names: Sequence[str], budget: int) -> list[str]:
+def paired_table(
+    scores: list[TraceScore], names: Sequence[str], budget: int, token_set: TokenSet = TokenSet.ALL
+) -> list[str]:
     """Every later scorer against the first, paired over the traces both scored alike: the differences in loss
     ratio, low-entropy damage and flip rate (later − first) and the relative change of −R (negative: lower)."""
     first = names[0]
@@ -123,10 +135,10 @@ def paired_table(scores: list[TraceScore], names: Sequence[str], budget: int) ->
     ]
     for name in names[1:]:
         ratio, damage, flips = (
-            paired_gain(scores, budget, name, first, figure)
+            paired_gain(scores, budget, name, first, figure, token_set=token_set)
             for figure in ("loss_ratio", "low_entropy_damage", "low_entropy_flip_rate")
         )
-        penalty = paired_gain(scores, budget, first, name, "low_entropy_penalty", relative=True)
+        penalty = paired_gain(scores, budget, first, name, "low_entropy_penalty", relative=True, token_set=token_set)
         cells = [_or_dash(ratio, str), _or_dash(damage, percent), _or_dash(penalty, percent), _or_dash(flips, percent)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
@@ -157,16 +169,23 @@ def pooled_scores(sets: list[list[TraceScore]]) -> list[TraceScore]:
 
 
 def ablation_report(
-    trace_sets: TraceSets, learned: tuple[tuple[str, str], ...], budget: int, pooled: Sequence[str] = ()
+    trace_sets: TraceSets,
+    learned: tuple[tuple[str, str], ...],
+    budget: int,
+    pooled: Sequence[str] = (),
+    token_set: TokenSet = TokenSet.ALL,
 ) -> str:
-    """The tables of every set (and of the `pooled` sets as one) in markdown: `learned` is (row name, what it
-    is) per scorer, in table order."""
+    """The tables of every set (and of the `pooled` sets as one) in markdown over the predictions of `token_set`:
+    `learned` is (row name, what it is) per scorer, in table order."""
     sets = [(name, merged_scores(folders)) for name, folders in trace_sets]
     unknown = [name for name in pooled if name not in dict(sets)]
     if unknown:
         raise ValueError(f"--pool names {unknown[0]!r}, which is not a set; the sets are: {', '.join(dict(sets))}")
     if pooled:
         sets.append((f"pooled over {' + '.join(pooled)}", pooled_scores([dict(sets)[name] for name in pooled])))
-    tables = [set_table(name, scores, learned, budget) for name, scores in sets]
-    intervals = "95% paired bootstrap intervals over traces; every scorer against the same best heuristic."
+    tables = [set_table(name, scores, learned, budget, token_set) for name, scores in sets]
+    intervals = (
+        f"Predictions of {token_set.value} tokens; 95% paired bootstrap intervals over traces; every scorer against "
+        "the same best heuristic."
+    )
     return "\n\n".join([intervals, *tables])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from foresight.bench.common import ReportSettings, budget_field, named, trace_sets, trace_sets_field
+from foresight.eval.metric_registry import TokenSet
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
 from studies.ablation.report import ablation_report
@@ -31,6 +32,10 @@ class Settings(ReportSettings):
         }
     )
     budget: int = budget_field()
+    token_set: str = field(
+        default=TokenSet.ALL.value,
+        metadata={"help": "the scored predictions: all, or generated (the tokens a deployed model makes)"},
+    )
     pool: str = field(
         default="",
         metadata={
@@ -41,6 +46,7 @@ class Settings(ReportSettings):
 
     def __post_init__(self) -> None:
         trace_sets(self.sets), named(self.learned, "--learned", "ROW=WHAT")  # malformed texts: refused here
+        TokenSet.parse(self.token_set)
 
 
 def section(settings: Settings) -> str:
@@ -50,6 +56,10 @@ def section(settings: Settings) -> str:
 def run(settings: Settings) -> str:
     pooled = [name.strip() for name in settings.pool.split(",") if name.strip()]
     report = ablation_report(
-        trace_sets(settings.sets), named(settings.learned, "--learned", "ROW=WHAT"), settings.budget, pooled
+        trace_sets(settings.sets),
+        named(settings.learned, "--learned", "ROW=WHAT"),
+        settings.budget,
+        pooled,
+        TokenSet.parse(settings.token_set),
     )
     return f"Command: `{settings.command}`\n\n{report}"
