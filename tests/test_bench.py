@@ -166,6 +166,33 @@ def test_eviction_step_counts_and_times_every_policys_steps_beside_snapkv(shrunk
     assert [row[7].rstrip(" |") for row in rows if row[0] == "| snapkv"] == ["1.00", "1.00"]
 
 
+def test_runtime_benchmarks_take_policy_options(shrunk_config, tmp_path, capsys):
+    """-o ROW.KEY=VALUE reaches the policy: the learned cycle observed in the forward runs no streamed block, so
+    fewer operations than the streamed one, and the report's command carries the option. A key the policy lacks, a
+    row --policies does not name, and a row-less option among several policies are refused in one line."""
+    out = tmp_path / "bench.md"
+    random_scorer(random_model(shrunk_config), 32, 8, feature_set="standardised").save_pretrained(tmp_path / "scorer")
+    argv = ["bench", "eviction-step", "--model", str(shrunk_config), "--policies", "snapkv,foresight", "-B", "32"]
+    argv += ["-L", "8", "--max-new-tokens", "40", "--counted-steps", "2", "--batch-sizes", "1", "--device", "cpu"]
+    argv += ["--scorer", str(tmp_path / "scorer")]
+    operations = {}
+    for observation in ("stream", "forward"):
+        section = ["--out", str(out), "--section", observation]
+        assert main([*argv, "-o", f"foresight.observation={observation}", *section]) == 0
+        text = out.read_text().split(f"<!-- {observation}:start -->")[1]
+        assert f"--option foresight.observation={observation}" in text
+        rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if "%" in line}
+        operations[observation] = int(rows["| foresight"][2].replace(",", ""))
+    assert operations["forward"] < operations["stream"]
+    for option, message in (
+        ("foresight.nope=1", "policy 'foresight' has no option 'nope'"),
+        ("h2o.window=8", "names no policy of --policies"),
+        ("observation=forward", "name its policy"),
+    ):
+        assert main([*argv, "-o", option, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_a_scorer_trained_for_another_cadence_is_refused_in_one_line(shrunk_config, tmp_path, capsys):
     scorer = random_scorer(random_model(shrunk_config), 48, 16)
     scorer.save_pretrained(tmp_path / "scorer")

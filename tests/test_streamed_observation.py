@@ -2,7 +2,8 @@
 observes each query of an eviction window right after the forward that made it and keeps the window's sums per
 entry, instead of a ring of the window's L queries read at the step. Its features equal one block's (the loop
 reference), and in the engine it keeps what the ring keeps, for replays and generations, ragged rows, a prompt
-past the limit, and the sampled mode, while holding fewer bytes."""
+past the limit, and the sampled mode, while holding fewer bytes. Observation "forward" (`ObservedQueries.FORWARD`)
+adds the same sums in the attention of the forward that made each query and is held to the same twins."""
 
 from __future__ import annotations
 
@@ -104,15 +105,17 @@ class Compactions:
         return steps
 
 
-BLOCKS = [{"stream_block": 1}, {"stream_block": 3}, {}]  # every query, blocks across the windows, the default 4
+BLOCKS = [{"stream_block": 1}, {"stream_block": 3}, {}, {"observation": "forward"}]
+"""Every query, blocks across the windows, the default 4, and the sums added by the forward's own attention."""
 
 
-def _twins(llama, feature_set: str, run, **options):
-    """`run(engine)` under the streaming policy and under the ring's: their outputs, kept sets and held bytes."""
+def _twins(llama, feature_set: str, run, observation: str = "stream", **options):
+    """`run(engine)` under the streaming policy (`observation` "stream" or "forward") and under the ring's: their
+    outputs, kept sets and held bytes."""
     scorer = random_scorer(llama, feature_set=feature_set)
     results = []
-    for observation in ("stream", "window"):
-        policy = make_policy("foresight", scorer=scorer, observation=observation, **options)
+    for twin in (observation, "window"):
+        policy = make_policy("foresight", scorer=scorer, observation=twin, **options)
         engine = EvictionEngine(llama, policy, EvictionConfig(B, L, sinks=0, protect_prompt=False))
         results.append((run(engine), policy, engine.last_cache.storage_bytes()))
     return results
@@ -210,3 +213,43 @@ def test_queries_before_every_rows_first_window_are_not_recorded(llama, monkeypa
     EvictionEngine(llama, policy, EvictionConfig(B, L)).generate(random_prompts([5, 7], seed=2), 30)
     assert len(observed) > 4 and all(bool((block >= 0).any()) for block in observed)
     assert int(observed[0].max()) >= B  # position 12 is a row's 13th token
+
+
+def test_sums_of_16_bits_add_in_the_forward_as_in_a_stream_of_one_query(llama, monkeypatch):
+    """Decayed and recent sums stored at float16 (computed in float32 and stored once per query either way): the
+    forward's observation keeps exactly what a stream of one query at a time keeps, at every step."""
+    log = Compactions(monkeypatch)
+    scorer = random_scorer(llama, feature_set="standardised")
+    kept = []
+    for options in ({"observation": "forward"}, {"observation": "stream", "stream_block": 1}):
+        policy = make_policy("foresight", scorer=scorer, sums_dtype="float16", **options)
+        engine = EvictionEngine(llama, policy, EvictionConfig(B, L, sinks=0, protect_prompt=False))
+        engine.generate(random_prompts([5, 11, 14], seed=4), 30)
+        kept.append(log.take())
+    assert len(kept[0]) == len(kept[1]) > 5 and all(torch.equal(a, b) for a, b in zip(*kept))
+
+
+def test_an_observing_forward_holds_no_query(llama):
+    """Observation "forward" holds the streamed sums and no query, ring or block: its accounting has neither, and the
+    live cache after a run matches it."""
+    scorer = random_scorer(llama, feature_set="standardised")
+    forward = make_policy("foresight", scorer=scorer, observation="forward")
+    assert forward.observed_queries is ObservedQueries.FORWARD
+    assert forward.state_fields == make_policy("foresight", scorer=scorer).state_fields
+    held = held_bytes(describe(llama), forward, B, L, torch.float32)
+    stream = held_bytes(describe(llama), make_policy("foresight", scorer=scorer), B, L, torch.float32)
+    assert held.ring == held.buffered == 0 and held.state == stream.state and held.total < stream.total
+    engine = EvictionEngine(llama, forward, EvictionConfig(B, L))
+    engine.generate(random_prompts([6], seed=3), 24)
+    assert engine.last_cache.storage_bytes() == held.total
+    assert all(not layer.unobserved and layer.queries is None for layer in engine.last_cache.layers)
+
+
+def test_an_observing_forward_is_refused_where_attention_is_not_its_own(llama):
+    """A static decode step (SDPA over fixed buffers) and the pooled layout (owner-masked SDPA) do not run the
+    observing attention: each is one line naming the value and what is allowed."""
+    forward = make_policy("foresight", scorer=random_scorer(llama, feature_set="standardised"), observation="forward")
+    with pytest.raises(ValueError, match="decode_step='static'.*give observation='stream'"):
+        EvictionEngine(llama, forward, EvictionConfig(B, L), decode_step="static")
+    with pytest.raises(ValueError, match="observation 'forward'.*give observation='stream'"):
+        EvictionEngine(llama, forward, EvictionConfig(B, L, layout="pooled"))

@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from foresight.bench.common import (
     RuntimeSettings,
-    bench_policy,
     budget_field,
     interval_field,
     load_benchmark_model,
@@ -109,7 +108,7 @@ def run(settings: Settings) -> str:
     sync_scorer = None if scorer is None else random_scorer(model, SYNC_CONFIG.budget, SYNC_CONFIG.interval)
 
     def engine(name: str, config: EvictionConfig = settings.eviction, learned=scorer) -> EvictionEngine:
-        policy = bench_policy(name, learned)
+        policy = settings.policy(name, learned)
         return EvictionEngine(model, policy, config if policy.evicts else None)
 
     for name in settings.policy_names:

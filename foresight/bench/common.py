@@ -34,9 +34,10 @@ from foresight.bench.options import (
 )
 from foresight.cadence import Regime
 from foresight.data.tasks import chat_prompt_ids
-from foresight.eval.specs import one_scorer
+from foresight.eval.specs import one_scorer, options_by_row
 from foresight.models import DEFAULT_MODEL, ModelShape, check_device, describe, load_for_benchmark, placement
 from foresight.policies import POLICIES, Policy, constructible, make_policy
+from foresight.policies.options import typed_options
 from foresight.runtime.engine import EvictionConfig
 from foresight.scorer.model import ForesightScorer, ScorerConfig, load_scorer
 
@@ -214,10 +215,33 @@ class RuntimeSettings(OneScorer, ModelSettings):
         "without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the same "
         "cost)"
     )
+    option: tuple[str, ...] = option_field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.policy_names  # unknown or unrunnable policies, or several scorers, are refused before any model loads
+        for name in self.policy_names:
+            self.policy_options(name)  # so are options a policy does not have
+        unknown = set(options_by_row(self.option)) - {None, *self.policy_names}
+        if unknown:
+            raise ValueError(
+                f"-o {sorted(unknown)[0]}.KEY=VALUE names no policy of --policies {self.policies!r}; rows: "
+                f"{', '.join(self.policy_names)}"
+            )
+
+    def policy_options(self, name: str) -> dict[str, Any]:
+        """Policy `name`'s -o options, typed: those given as NAME.KEY=VALUE, and as KEY=VALUE where it is the one
+        evicting policy (`-o observation=forward` for a run of the learned policy alone)."""
+        rows = options_by_row(self.option)
+        evicting = [row for row in self.policy_names if row != "full"]
+        texts = {**(rows.get(None, {}) if evicting == [name] else {}), **rows.get(name, {})}
+        if rows.get(None) and len(evicting) > 1:
+            raise ValueError(f"-o {next(iter(rows[None]))}=...: name its policy, e.g. -o {evicting[-1]}.KEY=VALUE")
+        return typed_options(POLICIES[name], texts)
+
+    def policy(self, name: str, scorer: ForesightScorer | None) -> Policy:
+        """A fresh policy of the run with its -o options; the learned one runs `scorer`."""
+        return bench_policy(name, scorer, self.policy_options(name))
 
     @property
     def eviction(self) -> EvictionConfig:
@@ -289,9 +313,10 @@ def selected_policies(text: str, learned: bool) -> list[str]:
     return ["full"] + [n for n in names if n != "full"]
 
 
-def bench_policy(name: str, scorer: ForesightScorer | None) -> Policy:
-    """A fresh policy of a runtime benchmark; the learned one runs `scorer`."""
-    return make_policy(name, scorer=scorer) if name == LEARNED else make_policy(name)
+def bench_policy(name: str, scorer: ForesightScorer | None, options: dict[str, Any] | None = None) -> Policy:
+    """A fresh policy of a runtime benchmark with `options`; the learned one runs `scorer`."""
+    options = options or {}
+    return make_policy(name, scorer=scorer, **options) if name == LEARNED else make_policy(name, **options)
 
 
 def random_scorer(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark_model, machine, prompt_ids
+from foresight.bench.common import RuntimeSettings, load_benchmark_model, machine, prompt_ids
 from foresight.models import describe
 from foresight.runtime.engine import EvictionConfig, EvictionEngine, RunStats
 
@@ -57,7 +57,7 @@ def run(settings: Settings) -> str:
     results = []
     for batch in settings.batch_sizes:
         for name in settings.policy_names:
-            policy = bench_policy(name, scorer)
+            policy = settings.policy(name, scorer)
             results.append(
                 _decode(model, policy, settings.eviction, [prompt] * batch, settings.max_new_tokens, len(prompt))
             )

@@ -25,7 +25,6 @@ from tqdm import tqdm
 from foresight.bench.common import (
     LEARNED,
     RuntimeSettings,
-    bench_policy,
     budget_field,
     interval_field,
     load_benchmark_model,
@@ -91,12 +90,12 @@ def run(settings: Settings) -> str:
         for batch in settings.batch_sizes:
             for name in names:
                 counts = StepCounts()
-                engine = EvictionEngine(model, bench_policy(name, scorer), config, step_observer=counts)
+                engine = EvictionEngine(model, settings.policy(name, scorer), config, step_observer=counts)
                 counted = engine.generate([prompt] * batch, counted_tokens).stats.evictions
                 reads, ops = counts.per_step(counted)
                 bar.update()
                 stats = (
-                    EvictionEngine(model, bench_policy(name, scorer), config)
+                    EvictionEngine(model, settings.policy(name, scorer), config)
                     .generate([prompt] * batch, settings.max_new_tokens)
                     .stats
                 )

@@ -27,7 +27,6 @@ import torch
 
 from foresight.bench.common import (
     RuntimeSettings,
-    bench_policy,
     load_benchmark_model,
     machine,
     prompt_ids,
@@ -199,7 +198,7 @@ def run(settings: Settings) -> str:
     engines = {}
     for name in names:
         policy_name, layout = settings.layout(name)
-        policy = bench_policy(policy_name, scorer)
+        policy = settings.policy(policy_name, scorer)
         engines[name] = EvictionEngine(model, policy, replace(settings.eviction, **layout) if policy.evicts else None)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     turns = Turns(names, settings.slice_tokens, sync=sync)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from foresight.bench.common import RuntimeSettings, bench_policy, load_benchmark_model, machine, prompt_ids
+from foresight.bench.common import RuntimeSettings, load_benchmark_model, machine, prompt_ids
 from foresight.bench.process_memory import held_bytes, peak_bytes, reset_peak, resident_bytes
 from foresight.models import describe
 from foresight.runtime.engine import EvictionEngine
@@ -92,7 +92,7 @@ def run(settings: Settings) -> str:
     scorer = settings.learned_scorer(model)
     traces = []
     for name in settings.policy_names:
-        policy = bench_policy(name, scorer)
+        policy = settings.policy(name, scorer)
         engine = EvictionEngine(model, policy, settings.eviction if policy.evicts else None)
         trace = MemoryTrace(name)
         with tqdm(total=settings.max_new_tokens, desc=name, unit="tok", leave=False) as progress:

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from foresight.artifacts import write_text
-from foresight.bench.common import PROMPT, RuntimeSettings, bench_policy, machine, model_field
+from foresight.bench.common import PROMPT, RuntimeSettings, machine, model_field
 from foresight.bench.kvpress_worker import PRESSES, KvpressDecoder
 from foresight.bench.watched_run import MiB, RunResult, format_bytes, timed_run
 from foresight.data.tasks import chat_prompt_ids
@@ -235,7 +235,7 @@ def run(settings: Settings) -> str:
     model, tokenizer = load_model(settings.model, device=device, dtype=settings.run_dtype)
     prompt = chat_prompt_ids(tokenizer, PROMPT)
     scorer = settings.learned_scorer(model)
-    decoders = [EngineDecoder(name, model, bench_policy(name, scorer), settings.eviction, prompt) for name in names]
+    decoders = [EngineDecoder(name, model, settings.policy(name, scorer), settings.eviction, prompt) for name in names]
     decoders += [
         KvpressDecoder(
             settings.kvpress_python,

@@ -62,7 +62,7 @@ def feature_state(
 def _summed_over_group(attention: torch.Tensor, feature_set: str) -> torch.Tensor:
     """Block attention [batch, Hkv, G, l, N] as the feature functions read it: for the grouped set, the group's
     query heads summed ([batch, Hkv, 1, l, N]); else as it is."""
-    return attention if FeatureSet.parse(feature_set).per_query_head else attention.sum(2, keepdim=True)
+    return attention if FeatureSet.parse(feature_set).per_query_head else attention.sum(-3, keepdim=True)
 
 
 def _readable(state: Mapping[str, torch.Tensor], feature_set: str) -> dict[str, torch.Tensor]:
@@ -84,6 +84,7 @@ class Observation(Choice):
 
     STREAM = ObservedQueries.STREAM.value
     WINDOW = ObservedQueries.WINDOW.value
+    FORWARD = ObservedQueries.FORWARD.value
 
 
 def observe_features(context: EvictionContext, feature_set: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -272,8 +273,11 @@ class Foresight(Policy):
     observation: "stream" (default) observes each query of an eviction window right after the forward that made
       it and keeps the window's sums per entry (`ObservedQueries.STREAM`), so no ring of L queries is held (30%
       of the default model's K/V bytes at B = 128, L = 32); "window" reads a ring of the window's L queries at
-      the step, as kvpress's press must. The standardised sets only: the older sets' block max and min need the
-      whole block, and the transfer set's logit moments the window's queries, so they always read the window.
+      the step, as kvpress's press must; "forward" adds the same sums inside the attention of the forward that made
+      each query, from the probabilities that give its output (`ObservedQueries.FORWARD`): no query is held or
+      computed against the keys again (the per-head layout and eager decode only). The standardised sets only: the
+      older sets' block max and min need the whole block, and the transfer set's logit moments the window's
+      queries, so they always read the window.
     stream_block: the queries a streaming policy is handed at once (default 4): each decode forward's query waits
       until 4 have come (or until an eviction step), so the runtime holds up to 4 queries of every query head
       (3.75% of the default model's K/V bytes) and the per-query work runs once per 4 tokens (1: none held
@@ -355,12 +359,12 @@ class Foresight(Policy):
 
     @property
     def observed_queries(self) -> ObservedQueries:
-        """STREAM where `observation` asks for it and the feature set allows it (its statistics are sums; the
-        transfer set's logit moments are not)."""
+        """STREAM or FORWARD where `observation` asks for it and the feature set allows it (its statistics are sums;
+        the transfer set's logit moments are not), else WINDOW."""
         feature_set = FeatureSet.parse(self.scorer.config.feature_set)
-        sums_only = self._standardised and not feature_set.reads_window_logits
-        streams = self.observation == Observation.STREAM.value and sums_only
-        return ObservedQueries.STREAM if streams else ObservedQueries.WINDOW
+        if not self._standardised or feature_set.reads_window_logits:
+            return ObservedQueries.WINDOW
+        return ObservedQueries(self.observation)
 
     @property
     def scores_compare_across_heads(self) -> bool:
@@ -378,6 +382,8 @@ class Foresight(Policy):
         allocation 'layer' do not follow: the pool runs the deterministic mode only."""
         if self.mode != EvictionMode.DETERMINISTIC.value:
             return f"in mode {self.mode!r} yet; give mode='deterministic'"
+        if self.observed_queries is ObservedQueries.FORWARD:
+            return "in observation 'forward' (the pool's attention is masked SDPA); give observation='stream'"
         return None
 
     @property
@@ -392,7 +398,7 @@ class Foresight(Policy):
             self.scorer.config.feature_set,
             float_dtype("sums_dtype", self.sums_dtype),
             float_dtype("cumulative_dtype", self.cumulative_dtype),
-            streamed=self.observed_queries is ObservedQueries.STREAM,
+            streamed=self.observed_queries in (ObservedQueries.STREAM, ObservedQueries.FORWARD),
         )
 
     @property
@@ -466,6 +472,31 @@ class Foresight(Policy):
         if len(passes) == 1:
             return passes[0]
         return {name: torch.cat([state[name] for state in passes]) for name in passes[0]}
+
+    def forward_weights(self, query_positions: torch.Tensor, evicts_after: torch.Tensor) -> standardised.StreamWeights:
+        """`standardised.stream_weights` of one forward's observed queries, shared by its layers."""
+        return standardised.stream_weights(query_positions, evicts_after, self.scorer.config.feature_set)
+
+    def forward_observe(
+        self, attention: torch.Tensor, state: Mapping[str, torch.Tensor], weights: standardised.StreamWeights
+    ) -> None:
+        """`stream_observe` of attention in its forward, written into `state`: one layer's ([batch, ...]) or every
+        layer's at once ([layers, batch, ...]); in place where every sum is float32 (`standardised.stream_update_`),
+        else computed in float32 and stored at its dtype."""
+        config = self.scorer.config
+        group = config.num_query_heads // config.num_kv_heads
+        if self._steps == 0 and attention.shape[-3] != group:
+            raise ValueError(
+                f"scorer trained for {config.base_model} with {group} query heads per KV head does not fit this "
+                f"model's {attention.shape[-3]}"
+            )
+        feature_set = config.feature_set
+        summed, readable = _summed_over_group(attention, feature_set), _readable(state, feature_set)
+        if all(readable[name].dtype == torch.float32 for name in weights.names):
+            standardised.stream_update_(summed, readable, weights)
+            return
+        new = _stored(standardised.stream_update(summed, readable, weights), feature_set)
+        torch._foreach_copy_([state[name] for name in new], list(new.values()))
 
     def _layer_features(self, contexts: Sequence[EvictionContext]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`observe_features` of the layers [layers, batch, ...], as the rows of one batch (`layers_as_rows`: views
@@ -584,7 +615,7 @@ class Foresight(Policy):
     def _check(self, context: EvictionContext) -> None:
         """One-line errors when the cache is not the model shape or the (B, L) the scorer was trained for."""
         scorer = self.scorer
-        if context.queries is None and self.observed_queries is not ObservedQueries.STREAM:
+        if context.queries is None and self.observed_queries is ObservedQueries.WINDOW:
             raise ValueError("the foresight policy needs the buffered queries of block attention")
         self._check_shape(context)
         scorer.to(context.keys.device)

@@ -39,9 +39,10 @@ storage holds is one the layer gathers).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -576,6 +577,33 @@ def gather_entries(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return tensor.gather(index.dim() - 1, expanded)
 
 
+@dataclass
+class ForwardObservation:
+    """One forward observed by its own attention (`ObservedQueries.FORWARD`): `observe` (the policy's
+    `forward_observe`) gets the attention probabilities of the forward's latest `count` queries (at most L, the most
+    an eviction window holds) with the state they update and the `weights` every layer shares (the policy's
+    `forward_weights`)."""
+
+    observe: Callable[[torch.Tensor, Mapping[str, torch.Tensor], Any], None]
+    weights: Any
+    count: int
+    pending: torch.Tensor | None = None  # a decode forward's probabilities of the layers so far [layers, ...]
+
+    def add(self, layer: EvictionLayer, probabilities: torch.Tensor) -> None:
+        """Layer `layer`'s probabilities [batch, Hkv, G, count, N]. A longer forward's update the layer's sums at
+        once; a decode forward's one query per layer waits for the last layer's, then one update of every layer's
+        sums (their stacked storage) follows: a few operations a token instead of a few a layer and token."""
+        if probabilities.shape[-2] > 1:
+            self.observe(probabilities, layer.state, self.weights)
+            return
+        depth = layer.stack.depth
+        if self.pending is None:
+            self.pending = probabilities.new_empty((depth, *probabilities.shape))
+        self.pending[layer.index].copy_(probabilities)
+        if layer.index == depth - 1:
+            self.observe(self.pending, {name: layer.storage.view(name) for name in layer.state}, self.weights)
+
+
 class EvictionCache(Cache):
     """The Cache facade the model calls; the engine announces each forward's positions first.
 
@@ -619,13 +647,20 @@ class EvictionCache(Cache):
         self.has_padding = False
         self.records_queries = True
         self.recorder: RecordedForward | None = None  # set while a forward is recorded for reuse (runtime/prefix.py)
+        self.forward_observation: ForwardObservation | None = None  # set while a forward observes (runtime/capture.py)
 
     def begin_forward(
-        self, positions: torch.Tensor, valid: torch.Tensor, lengths: Sequence[int], record_queries: bool = True
+        self,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        lengths: Sequence[int],
+        record_queries: bool = True,
+        observation: ForwardObservation | None = None,
     ) -> None:
         """Announce the tokens of the next forward: positions [batch, q] and valid counts [batch], each
-        row's valid entries after it (`lengths`, on the host), and whether their queries are recorded
-        (where the layers record queries at all).
+        row's valid entries after it (`lengths`, on the host), whether their queries are recorded
+        (where the layers record queries at all), and how its attention observes them (`ForwardObservation`, None:
+        it does not).
 
         Also decides once per forward, from the host's lengths, whether any row will hold invalid slots,
         which every layer's attention needs to know."""
@@ -633,6 +668,7 @@ class EvictionCache(Cache):
         entries = self.layers[0].get_seq_length() + positions.shape[1] * per_token
         self.has_padding = min(lengths) * per_token < entries
         self.records_queries = record_queries
+        self.forward_observation = observation if record_queries else None
         for layer in self.layers:
             layer.pending_positions = positions
             layer.pending_valid = valid

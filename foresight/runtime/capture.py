@@ -11,6 +11,8 @@ L recorded queries at a time. Kernels, best first:
 - CPU: SDPA with the boolean padding-and-causal mask, or none for one query without padding.
 - Static decode (`foresight.runtime.static_decode`), any device: SDPA over every slot of the storage under the
   forward's mask of valid slots, made on the device, so the shapes never change.
+- A policy that observes in the forward (`ObservedQueries.FORWARD`), any device: the probabilities in float32, from
+  which the output comes (a decode forward) and the policy's sums are updated in place (`_observing_attention`).
 - The pooled layout (`foresight.runtime.cache`), any device: SDPA over the pool's one key head, each query head
   reading only its own KV head's slots (`_owner_mask`); flash-attn's kernels take no such mask, so they never run.
 """
@@ -29,7 +31,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from foresight.cache_argument import cache_argument
-from foresight.runtime.cache import EvictionCache, EvictionLayer
+from foresight.runtime.cache import EvictionCache, EvictionLayer, ForwardObservation
 
 ATTENTION_NAME = "foresight"
 HAS_FLASH_ATTENTION = importlib.util.find_spec("flash_attn") is not None
@@ -58,6 +60,9 @@ def eviction_attention(
     if layer.query_window and eviction_cache.records_queries:
         layer.record_queries(query, layer.pending_positions)
     static = eviction_cache.static
+    observation = eviction_cache.forward_observation
+    if observation is not None:
+        return _observing_attention(query, key, value, layer, scaling, eviction_cache.has_padding, observation), None
     if static is not None:  # every slot, under the forward's mask of valid ones (`EvictionLayer._static_update`)
         output = F.scaled_dot_product_attention(
             query, key, value, attn_mask=static.mask, scale=scaling, enable_gqa=True
@@ -75,6 +80,40 @@ def eviction_attention(
         mask = _padding_causal_mask(layer, num_queries, has_padding)
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _observing_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: EvictionLayer,
+    scaling: float,
+    has_padding: bool,
+    observation: ForwardObservation,
+) -> torch.Tensor:
+    """Attention that observes as it runs: the float32 probabilities of the latest `observation.count` queries under
+    the forward's mask (those of `block_attention` for the same queries and entries, up to rounding), handed to the
+    policy with the layer's state, which is written in place; the output [batch, q, Hq, D] from the same
+    probabilities where they are every query's (a decode forward), else SDPA's (a prefill or a teacher-forced
+    chunk longer than the window, whose earlier queries nothing observes). The policy's update waits for the last
+    layer in a decode forward (`ForwardObservation.add`)."""
+    num_queries, count = query.shape[2], observation.count
+    mask = _padding_causal_mask(layer, num_queries, has_padding)  # [batch or 1, 1, q, N] or None
+    batch, query_heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    observed = query[:, :, num_queries - count :].reshape(batch, kv_heads, -1, dim).float()
+    logits = (observed @ key.float().transpose(-1, -2)).mul_(scaling)  # [batch, Hkv, G·count, N]
+    logits = logits.unflatten(2, (query_heads // kv_heads, count))  # as `attention_logits`, a matmul's rounding
+    if mask is not None:
+        logits.masked_fill_(~mask[:, :, None, num_queries - count :], float("-inf"))
+    probabilities = torch.softmax(logits, dim=-1)
+    observation.add(layer, probabilities)
+    if count < num_queries:
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    else:  # [batch, Hkv, G·q, N] @ [batch, Hkv, N, D], back to [batch, Hq, q, D]
+        output = probabilities.to(value.dtype).flatten(2, 3) @ value
+        output = output.unflatten(2, (-1, num_queries)).flatten(1, 2)
+    return output.transpose(1, 2).contiguous()
 
 
 def _padding_causal_mask(layer: EvictionLayer, num_queries: int, has_padding: bool) -> torch.Tensor | None:

@@ -226,7 +226,9 @@ class EvictionEngine:
         self.group_size = text_config.num_attention_heads // text_config.num_key_value_heads
         self.evicts = policy.evicts and config is not None
         self.pool_heads = self._pool_heads(text_config.num_key_value_heads)
-        self.streams_queries = self.evicts and policy.observed_queries is ObservedQueries.STREAM
+        observed = policy.observed_queries
+        self.observes_in_forward = self.evicts and observed is ObservedQueries.FORWARD
+        self.streams_queries = self.evicts and observed is ObservedQueries.STREAM or self.observes_in_forward
         self.observes_every_query = self.evicts and keeps_every_query(policy) and not self.streams_queries
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)
@@ -270,6 +272,11 @@ class EvictionEngine:
         if self.pool_heads:
             raise ValueError(
                 f"decode_step={decode_step.value!r} runs fixed-shape forwards; layout='pooled' runs 'eager' only"
+            )
+        if self.observes_in_forward:
+            raise ValueError(
+                f"decode_step={decode_step.value!r} runs SDPA over fixed buffers; a policy that observes in the "
+                "forward's attention (observation 'forward') runs 'eager' only: give observation='stream'"
             )
         if self.observes_every_query or type(self.policy).on_forward is not Policy.on_forward:
             raise ValueError(
@@ -517,11 +524,11 @@ class EvictionEngine:
             self.num_layers,
             state_fields=self.policy.state_fields,
             group_size=self.group_size,
-            query_window=self.policy.stream_block if self.streams_queries else self._query_window(interval),
-            keep_every_query=self.observes_every_query or self.streams_queries,
+            query_window=self.policy.stream_block if self.records_stream else self._query_window(interval),
+            keep_every_query=self.observes_every_query or self.records_stream,
             capacity=min(width + new_tokens, max(cadence.limits)) * max(self.pool_heads, 1),  # the most a layer holds
             query_dtype=self.policy.buffered_query_dtype,
-            stream_queries=interval if self.streams_queries else 0,
+            stream_queries=interval if self.records_stream else 0,
             pool_heads=self.pool_heads,
         )
         self.last_cache = cache
@@ -539,6 +546,11 @@ class EvictionEngine:
         run.stats.row_evictions = [0] * len(prompts)
         self.last_stats = run.stats
         return run, input_ids, positions, lengths
+
+    @property
+    def records_stream(self) -> bool:
+        """Whether the cache records a streaming policy's queries for its blocks (STREAM; FORWARD records none)."""
+        return self.streams_queries and not self.observes_in_forward
 
     def _reaches_a_window(self, run: Run) -> bool:
         """Whether a forward just fed can hold a query a streaming policy observes: one in some row's eviction
@@ -589,7 +601,10 @@ class EvictionEngine:
         skip_prompt = not run.prefilled and self.policy.observed_queries is ObservedQueries.DECODE
         run.cadence.fed(counts)
         records_queries = not skip_prompt and (static is not None or self._reaches_a_window(run))
-        run.cache.begin_forward(positions, valid, run.cadence.lengths, record_queries=records_queries)
+        observation = self.evict.forward_observation(run, positions) if self.observes_in_forward else None
+        run.cache.begin_forward(
+            positions, valid, run.cadence.lengths, record_queries=records_queries, observation=observation
+        )
         logits = None
         if inject is not None:
             self._inject(run, inject)

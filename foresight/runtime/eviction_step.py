@@ -25,6 +25,7 @@ from foresight.runtime.cache import (
     VALUES,
     EvictionCache,
     EvictionLayer,
+    ForwardObservation,
 )
 from foresight.runtime.capture import first_observed_query
 from foresight.runtime.device_clock import DeviceClock, adding_to
@@ -121,21 +122,34 @@ class EvictionStep:
         to: no row evicted since they ran. Each block knows where its rows' next steps come
         (`EvictionContext.evicts_after`), from the host's cadence. In the pooled layout the blocks are observed on each
         head's view of the pool, and the new state goes back through it."""
-        cache, interval = run.cache, self.interval
+        cache = run.cache
         if cache.layers[0].unobserved_count < (self.policy.stream_block if complete_blocks_only else 1):
             return
         blocks = cache.take_unobserved(complete_blocks_only)
-        ahead = [max(0, limit - length) for limit, length in zip(run.cadence.limits, run.cadence.lengths)]
-        evicts_after = run.next_positions - 1 + _host_index(ahead, run.next_positions)
+        evicts_after = _next_steps(run, run.next_positions - 1)
         positions = _entry_positions(cache, run.cadence.lengths)
         view = _owner_view(cache, positions, rows=None)
         for queries, query_positions in blocks:
-            outside = (query_positions < 0) | (evicts_after[:, None] - query_positions >= interval)
-            step = _step_layers(cache, positions, queries, query_positions.masked_fill(outside, -1))
+            step = _step_layers(cache, positions, queries, self._in_window(query_positions, evicts_after))
             step = step if view is None else view.step(step)
             contexts = self._contexts(cache, step, num_candidates=0, evicts_after=evicts_after)
             for name, value in self.policy.stream_observe(contexts).items():
                 cache.write_state(name, value if view is None else view.scatter(value, cache.stacked(name)))
+
+    def forward_observation(self, run: Run, positions: torch.Tensor) -> ForwardObservation:
+        """ObservedQueries.FORWARD: how the attention of the forward about to run on the tokens at `positions`
+        [batch, q] (-1: padding) observes them: its latest L queries at most (the most one eviction window holds),
+        those outside their row's next window given position -1, as `_stream_queries` hands a block."""
+        count = min(positions.shape[1], self.interval)
+        evicts_after = _next_steps(run, positions.amax(-1))
+        weights = self.policy.forward_weights(self._in_window(positions[:, -count:], evicts_after), evicts_after)
+        return ForwardObservation(self.policy.forward_observe, weights, count)
+
+    def _in_window(self, query_positions: torch.Tensor, evicts_after: torch.Tensor) -> torch.Tensor:
+        """query_positions [batch, l] with -1 for each query outside its row's next eviction window (the L queries up
+        to evicts_after [batch]), which a streaming policy does not observe."""
+        outside = (query_positions < 0) | (evicts_after[:, None] - query_positions >= self.interval)
+        return query_positions.masked_fill(outside, -1)
 
     def _first_observed(self, run: Run, due: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The evicting rows' first observed query positions (`EvictionContext.first_observed`) for a WINDOW or
@@ -253,6 +267,13 @@ class EvictionStep:
         kept = keep_candidates(scores, select(run.keep_counts), self.allocation, self.floor)
         recent = torch.ones_like(kept[..., : self.interval])
         return torch.cat([kept, recent], dim=-1)
+
+
+def _next_steps(run: Run, newest: torch.Tensor) -> torch.Tensor:
+    """[batch] the position of the query after which each row's next eviction step runs, from its newest fed query's
+    position `newest` [batch] and the tokens its host cadence has left before the step."""
+    ahead = [max(0, limit - length) for limit, length in zip(run.cadence.limits, run.cadence.lengths)]
+    return newest + _host_index(ahead, newest)
 
 
 def _host_index(indices: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ Per layer and batch row, a policy that evicts every L tokens at budget B holds:
   observed, at most L between two observations (`query_layouts`; the figure published is that peak);
 - a policy that streams its observation (the learned scorer's standardised sets): the queries recorded since
   its last observation, at most its `stream_block` between two decode forwards (the figure published; a
-  teacher-forced chunk of up to L is observed right after its forward).
+  teacher-forced chunk of up to L is observed right after its forward); one that observes in the forward's own
+  attention (`ObservedQueries.FORWARD`) holds no query at all.
 
 In the pooled layout (`foresight.runtime.pool`) a layer's H KV heads share one pool of H·(B + L) slots per row
 (plus H per protected prompt token), each a key, a value and a position of one head and a one-byte owner tag:
@@ -50,15 +51,16 @@ def query_window(policy: Policy, interval: int) -> int:
     """Queries each layer keeps for a WINDOW policy: the latest it reads (`Policy.latest_queries`), at most L
     (the block size in which a policy that observes every query sees them); none for a policy that reads no
     attention."""
-    if not (policy.evicts and policy.needs_attention):
+    if not (policy.evicts and policy.needs_attention) or policy.observed_queries is ObservedQueries.FORWARD:
         return 0
     return min(interval, policy.latest_queries or interval)
 
 
 def keeps_every_query(policy: Policy) -> bool:
     """Whether the runtime records queries until the policy has observed them (DECODE, ALL and STREAM policies)
-    instead of holding a ring of the latest."""
-    return policy.evicts and policy.observed_queries is not ObservedQueries.WINDOW
+    instead of holding a ring of the latest (WINDOW) or none (FORWARD: its attention observes them)."""
+    observed = policy.observed_queries
+    return policy.evicts and observed is not ObservedQueries.WINDOW and observed is not ObservedQueries.FORWARD
 
 
 def buffered_queries(policy: Policy, interval: int) -> int:

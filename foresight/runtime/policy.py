@@ -10,7 +10,7 @@ tensors with a slow loop-based twin in the tests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import cached_property
@@ -34,12 +34,15 @@ class ObservedQueries(str, Enum):
     STREAM: the WINDOW's queries (the L before each eviction step), each observed after the forward that made
     it, against the cache then (the same entries the step would show it), with the position of the query its
     row's next step follows (`EvictionContext.evicts_after`); the step itself then sees no queries. A policy
-    whose window statistics are sums keeps them in its per-entry state, so no ring of L queries is held."""
+    whose window statistics are sums keeps them in its per-entry state, so no ring of L queries is held.
+    FORWARD: STREAM's sums, added by the attention of the forward that made each query, from the probabilities that
+    produce the token's output (`Policy.forward_observe`): no query is held and no block attention is computed."""
 
     WINDOW = "window"
     DECODE = "decode"
     ALL = "all"
     STREAM = "stream"
+    FORWARD = "forward"
 
 
 def select_state_rows(state: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
@@ -56,6 +59,7 @@ _OBSERVED_IN_WORDS = {
     ObservedQueries.DECODE: " of every decode query",
     ObservedQueries.ALL: " of every query",
     ObservedQueries.STREAM: ", streamed into per-entry sums",
+    ObservedQueries.FORWARD: ", summed per entry by the forward's attention",
 }
 
 
@@ -227,6 +231,19 @@ class Policy:
         for the engine to write each field at once; the eviction step then calls `step_observe` on contexts
         without queries."""
         raise NotImplementedError(f"policy {self.name!r} does not stream its observation")
+
+    def forward_weights(self, query_positions: torch.Tensor, evicts_after: torch.Tensor) -> Any:
+        """`ObservedQueries.FORWARD`: what every layer's `forward_observe` of one forward shares, made once before it
+        from the forward's observed queries' positions [batch, l] (-1: outside every row's next eviction window) and
+        the query each row's next step follows, evicts_after [batch]."""
+        raise NotImplementedError(f"policy {self.name!r} does not observe in the forward")
+
+    def forward_observe(self, attention: torch.Tensor, state: Mapping[str, torch.Tensor], weights: Any) -> None:
+        """`ObservedQueries.FORWARD`: update per-entry `state` (the cache's storage, [batch, Hkv, N, *trailing] of one
+        layer, or [layers, batch, ...] of every layer at once after a decode forward) in place with the forward's
+        attention probabilities `attention` [batch, Hkv, G, l, N] (float32; [layers, batch, ...] with the stacked
+        state) of its observed queries and the forward's `weights` (`forward_weights`, for [batch] rows)."""
+        raise NotImplementedError(f"policy {self.name!r} does not observe in the forward")
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         """KEEP score of each candidate: [batch, Hkv, num_candidates], higher = keep."""

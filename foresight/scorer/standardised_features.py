@@ -44,6 +44,8 @@ position minus the later of the entry's position and that first query's, plus on
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -164,27 +166,79 @@ def stream_observe(
     attention of the queries that fall in its window of the next eviction step.
 
     block_attention [batch, Hkv, G, l, N] of the forward's queries (query_positions [batch, l], oldest first; a
-    query outside the row's next eviction window is given position -1, so its row is 0); state: the sums and
+    query outside the row's next eviction window is given position -1, so it adds nothing); state: the sums and
     window sums [batch, Hkv, N, G]; evicts_after [batch]: the position of the query after which each row's next
     eviction step runs. The sums are block-size invariant, so observing L queries one forward at a time gives
     the window's block sums up to float32 rounding, from a state of G sums per window instead of a ring of L
-    queries of every query head. One product weighs the queries for every sum at once (a decode forward runs a
-    fixed handful of operations whatever the model's depth)."""
-    rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
-    dtype, (batch, count) = rows.dtype, query_positions.shape
-    decayed_step, decayed_weights = token_decay(DECAY, DECAY_TOKENS, count, rows)
-    recent_step, recent_weights = token_decay(RECENT_DECAY, RECENT_TOKENS, count, rows)
+    queries of every query head. `stream_weights` then `stream_update`: the weights are the same for every layer,
+    so a caller that observes the layers one at a time (`ObservedQueries.FORWARD`) makes them once."""
+    weights = stream_weights(query_positions, evicts_after, feature_set, block_attention.dtype)
+    return stream_update(block_attention, state, weights)
+
+
+@dataclass(frozen=True)
+class StreamWeights:
+    """How one block of l queries adds to each streamed sum: `weights` [batch, l, sums] (a query's weight in each
+    sum: 1 in the cumulative one, its decay by age in the decayed and recent ones, whether it falls in each window;
+    0 for a query of position -1), `factors` the ageing of each sum's old value over the block, `names` the
+    sums."""
+
+    names: tuple[str, ...]
+    weights: torch.Tensor
+    factors: tuple[float, ...]
+
+    @cached_property
+    def newest(self) -> list[torch.Tensor]:
+        """Each sum's weight of the block's newest query, [batch, 1, 1, 1] (one per sum): a decode forward's one."""
+        return list(self.weights[:, -1, :, None, None, None].unbind(1))
+
+
+def stream_weights(
+    query_positions: torch.Tensor,
+    evicts_after: torch.Tensor,
+    feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
+    dtype: torch.dtype = torch.float32,
+) -> StreamWeights:
+    """`StreamWeights` of the queries at query_positions [batch, l] (oldest first, -1: not observed) for rows whose
+    next eviction step follows the query at evicts_after [batch]."""
+    batch, count = query_positions.shape
+    like = torch.empty(0, dtype=dtype, device=query_positions.device)
+    decayed_step, decayed_weights = token_decay(DECAY, DECAY_TOKENS, count, like)
+    recent_step, recent_weights = token_decay(RECENT_DECAY, RECENT_TOKENS, count, like)
     sizes = tuple(_windows(_standardised_names(feature_set)).values())
     before = evicts_after[:, None] - query_positions  # [batch, l] queries from each one to the eviction step
     inside = torch.stack([before < size for size in sizes], -1)  # [batch, l, windows], no host-to-device copy
     decays = torch.stack([torch.ones_like(decayed_weights), decayed_weights, recent_weights], -1)  # [l, 3]
     weights = torch.cat([decays.expand(batch, count, 3), inside.to(dtype)], -1)  # [batch, l, 3 + windows]
-    added = (rows @ weights[:, None, None]).transpose(-2, -3).unbind(-1)  # each [batch, Hkv, N, G]
+    weights = weights * (query_positions >= 0)[..., None]
     names = (*PER_QUERY_HEAD_STATE, *(f"window_{size}" for size in sizes))
-    factors = [1.0, decayed_step, recent_step, *(1.0 for _ in sizes)]
-    aged = torch._foreach_mul([state[name].to(dtype) for name in names], factors)
+    return StreamWeights(names, weights, (1.0, decayed_step, recent_step, *(1.0 for _ in sizes)))
+
+
+def stream_update_(block_attention: torch.Tensor, state: Mapping[str, torch.Tensor], weights: StreamWeights) -> None:
+    """`stream_update` written into the float32 sums `state` in place: two multi-tensor operations for every sum
+    at once where a decode forward's query is the block. Leading dims before the batch (a layer dim: every layer's
+    sums at once) broadcast against the weights' rows."""
+    sums = [state[name] for name in weights.names]
+    torch._foreach_mul_(sums, list(weights.factors))
+    if block_attention.shape[-2] == 1:
+        newest = block_attention[..., 0, :].transpose(-1, -2)  # [batch, Hkv, N, G]
+        torch._foreach_addcmul_(sums, [newest] * len(sums), weights.newest)
+        return
+    rows = block_attention.transpose(-1, -2)
+    torch._foreach_add_(sums, list((rows @ weights.weights[:, None, None]).transpose(-2, -3).unbind(-1)))
+
+
+def stream_update(
+    block_attention: torch.Tensor, state: Mapping[str, torch.Tensor], weights: StreamWeights
+) -> dict[str, torch.Tensor]:
+    """The streamed sums `state` [batch, Hkv, N, G] after the block block_attention [batch, Hkv, G, l, N] weighed by
+    `weights` (`stream_weights`), in the state's dtypes. One product weighs the queries for every sum at once."""
+    rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
+    added = (rows @ weights.weights[:, None, None].to(rows.dtype)).transpose(-2, -3).unbind(-1)  # [batch, Hkv, N, G]
+    aged = torch._foreach_mul([state[name].to(rows.dtype) for name in weights.names], list(weights.factors))
     new = torch._foreach_add(aged, list(added))
-    return {name: value.to(state[name].dtype) for name, value in zip(names, new, strict=True)}
+    return {name: value.to(state[name].dtype) for name, value in zip(weights.names, new, strict=True)}
 
 
 def streamed_features(
