@@ -244,3 +244,25 @@ def test_decode_examples_record_each_rows_labelled_steps_in_a_ragged_batch():
     for example, label in zip(examples, labels, strict=True):
         assert example["alpha"].shape[0] == label.num_steps
         torch.testing.assert_close(example["alpha"], label.alpha)
+
+
+def test_a_step_beside_another_rows_compression_reads_its_own_candidates():
+    """Decode regime, a prompt of exactly B + L (its step 1 at the prefill) beside a longer one (its compression at the
+    same prefill): the step's candidate slots widen to the longer prompt's, the shorter row's B come last. Golden
+    replays the batch, and each row's supervised examples are those of its trace replayed alone."""
+    from trainers.examples import golden_steps
+
+    model = tiny_model("llama", seed=0)
+    generator = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, model.config.vocab_size, (n,), generator=generator) for n in (52, 55)]
+    prompts = [B + L, PROMPT]
+    labels = [compute_golden_labels(model, i, B, L, regime="decode", prompt_length=p) for i, p in zip(ids, prompts)]
+    traces = [replace(trace_of(i.tolist(), p), index=row) for row, (i, p) in enumerate(zip(ids, prompts))]
+    together = golden_steps(model, traces, labels, "standardised", storage_dtype=torch.float32)
+    for row, example in enumerate(together):
+        (alone,) = golden_steps(model, traces[row : row + 1], labels[row : row + 1], "standardised", torch.float32)
+        assert example["alpha"].shape[0] == labels[row].num_steps > 0
+        torch.testing.assert_close(example["alpha"], alone["alpha"], rtol=0, atol=0)  # looked up by position
+        for name in ("keys", "values"):  # the padded forward's float32 rounding
+            torch.testing.assert_close(example[name], alone[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(example["features"], alone["features"], rtol=0, atol=1e-4)

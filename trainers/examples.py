@@ -202,7 +202,9 @@ class StepRecorder(Policy):
         features = self._features.pop(context.layer_idx)  # the candidates', as the scorer reads them
         if local.numel() == 0:
             return
-        candidates = slice(0, targets.budget)  # a compression step (more candidates) is never recorded
+        # A compression step (more candidates) is never recorded; a row stepping beside another row's compression
+        # has its B candidates last among the widened candidate slots, its invalid ones first.
+        candidates = slice(context.num_candidates - targets.budget, context.num_candidates)
         keys, values = context.keys[..., candidates, :], context.values[..., candidates, :]
         inputs = {"keys": keys, "values": values, "features": features[..., candidates, :]}
         if not self.buffers:

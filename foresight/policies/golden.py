@@ -123,7 +123,10 @@ class GoldenEviction(Policy):
         budget = schedule.budget
         expected = schedule.candidates[rows, index, context.layer_idx].to(device)
         stepping = active.to(device)[:, None, None]
-        differs = stepping & ((positions[..., :budget] != expected) | (positions[..., budget:] >= 0).any(-1, True))
+        # A row's B candidates are the last of the candidate slots: another row's compression at the same step
+        # widens them, and this row's invalid slots come first.
+        extra = positions.shape[-1] - budget
+        differs = stepping & ((positions[..., extra:] != expected) | (positions[..., :extra] >= 0).any(-1, True))
         if own_schedule and bool(differs.any()):
             row = int(differs.flatten(1).any(1).nonzero()[0])
             raise ValueError(
