@@ -228,7 +228,7 @@ class EvictionEngine:
         self.pool_heads = self._pool_heads(text_config.num_key_value_heads)
         observed = policy.observed_queries
         self.observes_in_forward = self.evicts and observed is ObservedQueries.FORWARD
-        self.streams_queries = self.evicts and observed is ObservedQueries.STREAM or self.observes_in_forward
+        self.streams_queries = (self.evicts and observed is ObservedQueries.STREAM) or self.observes_in_forward
         self.observes_every_query = self.evicts and keeps_every_query(policy) and not self.streams_queries
         self._taps: dict[int, torch.Tensor] = {}
         self._tap_layers = policy.tapped_layers(self.num_layers)

@@ -225,8 +225,7 @@ def stream_update_(block_attention: torch.Tensor, state: Mapping[str, torch.Tens
         newest = block_attention[..., 0, :].transpose(-1, -2)  # [batch, Hkv, N, G]
         torch._foreach_addcmul_(sums, [newest] * len(sums), weights.newest)
         return
-    rows = block_attention.transpose(-1, -2)
-    torch._foreach_add_(sums, list((rows @ weights.weights[:, None, None]).transpose(-2, -3).unbind(-1)))
+    torch._foreach_add_(sums, _weighted_block(block_attention, weights))
 
 
 def stream_update(
@@ -234,11 +233,16 @@ def stream_update(
 ) -> dict[str, torch.Tensor]:
     """The streamed sums `state` [batch, Hkv, N, G] after the block block_attention [batch, Hkv, G, l, N] weighed by
     `weights` (`stream_weights`), in the state's dtypes. One product weighs the queries for every sum at once."""
-    rows = block_attention.transpose(-1, -2)  # [batch, Hkv, G, N, l]
-    added = (rows @ weights.weights[:, None, None].to(rows.dtype)).transpose(-2, -3).unbind(-1)  # [batch, Hkv, N, G]
-    aged = torch._foreach_mul([state[name].to(rows.dtype) for name in weights.names], list(weights.factors))
-    new = torch._foreach_add(aged, list(added))
+    aged = torch._foreach_mul([state[name].to(block_attention.dtype) for name in weights.names], list(weights.factors))
+    new = torch._foreach_add(aged, _weighted_block(block_attention, weights))
     return {name: value.to(state[name].dtype) for name, value in zip(weights.names, new, strict=True)}
+
+
+def _weighted_block(block_attention: torch.Tensor, weights: StreamWeights) -> list[torch.Tensor]:
+    """What the block [..., G, l, N] adds to each sum: one product weighs its queries for every sum at once, each
+    [..., N, G]."""
+    rows = block_attention.transpose(-1, -2)  # [..., G, N, l]
+    return list((rows @ weights.weights[:, None, None].to(rows.dtype)).transpose(-2, -3).unbind(-1))
 
 
 def streamed_features(
