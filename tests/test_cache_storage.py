@@ -100,7 +100,11 @@ def test_full_cache_is_sized_for_the_whole_run(qwen3):
 
 # -- EntryStorage ---------------------------------------------------------------------------------
 def storage(slots: int, capacity: int | None = None, layers: int = 1) -> EntryStorage:
-    layouts = {"keys": EntryLayout((3,), torch.float32), "mark": EntryLayout((), torch.long)}
+    layouts = {
+        "keys": EntryLayout((3,), torch.float32),
+        "mark": EntryLayout((), torch.long),
+        "sum": EntryLayout((), torch.float32, fill=0.5),  # a state field: new entries start at 0.5
+    }
     return EntryStorage(layouts, layers, batch=2, heads=2, slots=slots, device=torch.device("cpu"), capacity=capacity)
 
 
@@ -109,29 +113,37 @@ def test_appends_grow_by_doubling_and_keep_every_entry():
     keys = torch.randn(2, 2, 2, 11, 3)
     for start, count in [(0, 2), (2, 1), (3, 4), (7, 4)]:  # needs 2 -> 4 -> 8 -> 16 slots
         for layer in range(2):  # as a forward does: layer 0 grows the buffers of both
-            held.append(layer, count, {"keys": keys[layer, :, :, start : start + count], "mark": 7.0})
+            new = keys[layer, :, :, start : start + count]
+            held.append(layer, count, {"keys": new, "mark": torch.full(new.shape[:3], 7)})
+            held.view("sum", layer)[..., start:].add_(layer + 1)  # a policy's update of its new entries
             assert torch.equal(held.view("keys", layer), keys[layer, :, :, : start + count])
     assert held.slots == 16 and held.allocations == 4 and held.filled == [11, 11]
     assert torch.equal(held.view("keys"), keys)
     assert bool((held.view("mark") == 7).all())
+    assert held.view("sum")[:, 0, 0].tolist() == [[1.5] * 11, [2.5] * 11]  # a grown buffer kept the written sums
 
 
 def test_compaction_gathers_every_layer_in_place_and_shrinks_to_capacity():
     held = storage(slots=9, capacity=6, layers=2)
     keys = torch.randn(2, 2, 2, 9, 3)
     for layer in range(2):
-        held.append(layer, 9, {"keys": keys[layer], "mark": torch.arange(9) + 10 * layer})
+        held.append(layer, 9, {"keys": keys[layer], "mark": (torch.arange(9) + 10 * layer).expand(2, 2, 9)})
+    held.view("sum").copy_(torch.arange(9.0))
     kept = [[0, 2, 3, 7, 8], [1, 2, 4, 5, 6]]
     held.compact(torch.tensor(kept)[:, None, None, :].expand(2, 2, 2, 5))
     assert held.slots == 6 and held.filled == [5, 5] and held.allocations == 2
     for layer in range(2):
         assert torch.equal(held.view("keys", layer), keys[layer, :, :, kept[layer]])
+        assert held.view("sum", layer)[0, 0].tolist() == [float(slot) for slot in kept[layer]]
     pointer = held.buffers["keys"].data_ptr()
     for layer in range(2):
-        held.append(layer, 1, {"keys": keys[layer, :, :, :1], "mark": -1.0})
+        held.append(layer, 1, {"keys": keys[layer, :, :, :1], "mark": torch.full((2, 2, 1), -1)})
+    assert held.view("sum")[:, 0, 0, -1].tolist() == [0.5, 0.5]  # the new entry's state starts at its fill
     held.compact(torch.tensor([[[1, 5], [0, 3]]]).expand(2, 2, 2, 2))
     assert held.buffers["keys"].data_ptr() == pointer and held.allocations == 2
     assert held.view("mark").tolist() == [[[[2, -1], [0, 7]]] * 2, [[[12, -1], [11, 15]]] * 2]
+    assert held.view("sum").tolist() == [[[[2.0, 0.5], [0.0, 7.0]]] * 2, [[[2.0, 0.5], [1.0, 5.0]]] * 2]
+    assert bool((held.buffers["sum"][:, :, :, 2:] == 0.5).all())  # every slot past the kept ones starts anew
 
 
 def test_a_state_field_may_not_shadow_an_entry_tensor():

@@ -83,10 +83,12 @@ class StateField:
 
 @dataclass(frozen=True)
 class EntryLayout:
-    """One per-entry tensor of a layer: its trailing shape after [batch, Hkv, entries] and dtype."""
+    """One per-entry tensor of a layer: its trailing shape after [batch, Hkv, entries], its dtype and, for a state
+    field, the value a new entry starts with (`fill`; None: a tensor every new entry is copied into)."""
 
     trailing: tuple[int, ...]
     dtype: torch.dtype
+    fill: float | None = None
 
 
 QUERIES, QUERY_POSITIONS = "queries", "query_positions"
@@ -111,7 +113,7 @@ def entry_layouts(
     if pooled:
         layouts[OWNERS] = EntryLayout((), OWNER_DTYPE)
     for field in state_fields:
-        layouts[field.name] = EntryLayout((group_size,) if field.per_query_head else (), field.dtype)
+        layouts[field.name] = EntryLayout((group_size,) if field.per_query_head else (), field.dtype, float(field.fill))
     return layouts
 
 
@@ -137,6 +139,10 @@ class EntryStorage:
     buffers start with `capacity` slots (the most a run can hold: B + L + protected prompt) and grow, by
     doubling, only when a forward brings more than fits (a prefill longer than the budget, a full cache); a
     compaction that leaves at most `capacity` entries brings grown buffers back to it.
+
+    A state field's slots past a layer's filled ones hold its fill value (written when a buffer is made and after
+    each compaction), so `append` copies only keys, values and positions: a stateful policy's token costs the
+    storage what a stateless one's does, and a compaction one fill per state field.
     """
 
     def __init__(
@@ -150,6 +156,8 @@ class EntryStorage:
         capacity: int | None = None,
     ):
         self.layouts = layouts
+        # the fields a new entry is copied into: not the state fields, whose unwritten slots hold their fill value
+        self.copied = tuple(name for name, layout in layouts.items() if layout.fill is None)
         self.batch, self.heads, self.device = batch, heads, device
         self.capacity = capacity
         self.filled = [0] * layers  # entries held per layer
@@ -180,20 +188,21 @@ class EntryStorage:
             return self.buffers[name][:, :, :, : self.entries]
         return self.buffers[name][layer, :, :, : self.filled[layer]]
 
-    def append(self, layer: int, count: int, entries: dict[str, torch.Tensor | float]) -> None:
-        """Copy `count` new entries of `layer` into its next slots: a tensor broadcast to
-        [batch, Hkv, count, *trailing], or a fill value, for every buffer."""
+    def append(self, layer: int, count: int, entries: Mapping[str, torch.Tensor]) -> None:
+        """Copy `count` new entries of `layer` into its next slots: for every buffer but the state fields (whose
+        next slots hold their fill value already), a tensor broadcast to [batch, Hkv, count, *trailing]."""
         start = self.filled[layer]
         if start + count > self.slots:
             self._allocate(max(start + count, 2 * self.slots), keep=max(self.filled))
-        for name, buffer in self.buffers.items():
-            value = entries[name]
-            target = buffer[layer, :, :, start : start + count]
-            if isinstance(value, float):
-                target.fill_(value)
-            else:
-                target.copy_(value)
+        for name in self.copied:
+            self.buffers[name][layer, :, :, start : start + count].copy_(entries[name])
         self.filled[layer] = start + count
+
+    def fill_unwritten(self, start: int) -> None:
+        """Write each state field's fill value into slots [start, slots) of every layer."""
+        for name, layout in self.layouts.items():
+            if layout.fill is not None:
+                self.buffers[name][:, :, :, start:].fill_(layout.fill)
 
     def compact(self, index: torch.Tensor) -> None:
         """Keep the entries at slots `index` [layers, batch, Hkv, W], in that order, in slots [0, W) of every layer."""
@@ -206,6 +215,8 @@ class EntryStorage:
             self.buffers[name][:, :, :, :width].copy_(kept)
         if shrink:
             self.allocations += 1
+        else:
+            self.fill_unwritten(width)
         self.filled = [width] * len(self.filled)
 
     def select_rows(self, rows: torch.Tensor) -> EntryStorage:
@@ -225,9 +236,12 @@ class EntryStorage:
         self.allocations += 1
 
     def _new_buffer(self, name: str, slots: int) -> torch.Tensor:
+        """An unwritten buffer: a state field's holds its fill value in every slot."""
         layout = self.layouts[name]
         shape = (len(self.filled), self.batch, self.heads, slots, *layout.trailing)
-        return torch.empty(shape, dtype=layout.dtype, device=self.device)
+        if layout.fill is None:
+            return torch.empty(shape, dtype=layout.dtype, device=self.device)
+        return torch.full(shape, layout.fill, dtype=layout.dtype, device=self.device)
 
 
 @dataclass
@@ -353,7 +367,6 @@ class EvictionLayer(CacheLayerMixin):
         if self.stack.static is not None:
             return self._static_update(key_states, value_states)
         entries = self._new_entries(key_states, value_states)
-        entries.update({field.name: float(field.fill) for field in self.state_fields})
         self.storage.append(self.index, entries[KEYS].shape[2], entries)
         self.lengths = self.lengths + self.pending_valid * self.slots_per_token
         self._refresh_views()
@@ -364,7 +377,7 @@ class EvictionLayer(CacheLayerMixin):
         """Slots a token's entries take: one per KV head in the pooled layout, one in each head's cache otherwise."""
         return self.pool_heads or 1
 
-    def _new_entries(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[str, torch.Tensor | float]:
+    def _new_entries(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """A forward's new keys, values and positions as this layer's slots: [batch, Hkv, q] as they come, or pooled,
         each token's H entries as H consecutive slots of the one pool, [batch, 1, q·H], tagged with their head."""
         positions = self.pending_positions[:, None, :]
@@ -387,9 +400,9 @@ class EvictionLayer(CacheLayerMixin):
         return tensor[:, 0, -tokens * self.pool_heads :].unflatten(1, (tokens, self.pool_heads)).transpose(1, 2)
 
     def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """`update` of a static decode forward (one token per row): write its entry at the device cursor, count it
-        in place, and return every slot's keys and values; layer 0 makes the forward's mask of valid slots, which
-        every layer's attention reads (`StaticDecodeState.mask`)."""
+        """`update` of a static decode forward (one token per row): write its entry at the device cursor (its state
+        slots hold their fill value already), count it in place, and return every slot's keys and values; layer 0
+        makes the forward's mask of valid slots, which every layer's attention reads (`StaticDecodeState.mask`)."""
         static, buffers = self.stack.static, self.storage.buffers
         batch, heads = key_states.shape[:2]
         new = {
@@ -397,13 +410,9 @@ class EvictionLayer(CacheLayerMixin):
             VALUES: value_states,
             POSITIONS: self.pending_positions.to(POSITION_DTYPE)[:, None, :].expand(batch, heads, 1),
         }
-        fills = {field.name: float(field.fill) for field in self.state_fields}
-        for name, buffer in buffers.items():
-            target = buffer[self.index]
-            if name in fills:
-                target.index_fill_(2, static.cursor, fills[name])
-            else:
-                target.index_copy_(2, static.cursor, new[name].to(target.dtype))
+        for name in self.storage.copied:
+            target = buffers[name][self.index]
+            target.index_copy_(2, static.cursor, new[name].to(target.dtype))
         self.lengths.add_(self.pending_valid)
         if self.index == 0:
             filled = static.cursor + 1
@@ -753,14 +762,15 @@ class EvictionCache(Cache):
         slots under a mask of the valid ones, and records its query at a device slot (`StaticDecodeState`).
         Between forwards the host advances its mirrors (`advance_static`) and the eager eviction step runs as
         before, compacting in place. A streaming policy's queries not yet handed out move into the stream buffer.
-        Slots the run has not written are zeroed: masked out, they must still be finite for the attention."""
+        Slots the run has not written are zeroed (the state's hold its fill): masked out, they must still be finite
+        for the attention."""
         first, storage = self.layers[0], self.layers[0].storage
         if storage.capacity is None or storage.slots != storage.capacity:
             raise ValueError(
                 f"static decode needs storage of the run's capacity ({storage.capacity} entries), got {storage.slots}"
             )
-        for buffer in storage.buffers.values():
-            buffer[:, :, :, storage.entries :].zero_()
+        for name in storage.copied:
+            storage.buffers[name][:, :, :, storage.entries :].zero_()
         device, window = storage.device, first.query_window
         static = StaticDecodeState(
             cursor=torch.tensor([storage.entries], device=device),
