@@ -2,9 +2,11 @@
 
 Runs in separate processes, or one after another in one, see the machine at different moments: on a shared
 CPU the median of three runs places a throughput ratio no closer than about ±10%. Here every policy decodes the
-same batch on a thread of its own and the threads take strict turns (`Turns`): policy 1 decodes `slice_tokens`
-tokens, then policy 2 as many, and so on round after round, so a drift of the machine's speed reaches every
-policy within one round. A round's slices are paired: policy p's throughput against the first's is Σ (first's
+same batch and the policies take strict turns in one thread (`take_turns`, each a paused `EvictionEngine.generation`):
+policy 1 decodes `slice_tokens` tokens, then policy 2 as many, and so on round after round, so a drift of the
+machine's speed reaches every policy within one round. One thread, not one per policy: on a 2-core CPU a parallel
+operation ran about 50 µs slower on a second Python thread than on the first (OpenMP), which made the default
+model's decode step 22% slower there and charged a policy by its operation count. A round's slices are paired: policy p's throughput against the first's is Σ (first's
 slice times) / Σ (p's slice times) over the rounds after every policy's first eviction (the cycle decode pays
 then), with a 95% bootstrap interval over rounds.
 
@@ -17,9 +19,8 @@ Size: the turn taking, the run it drives and its report change together.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -99,84 +100,31 @@ class Settings(RuntimeSettings):
         return selected_policies(",".join(dict.fromkeys(self.layout(name)[0] for name in self.decoders)), learned=True)
 
 
-class Turns:
-    """Strict turns between decoders on threads: one decodes at a time, `slice_tokens` tokens a turn, in the
-    order of `names`; a decoder that ends leaves the rotation. `clock` times each turn (its seconds are kept
-    per decoder, in order), after `sync` (on a GPU: the device's queued work, which belongs to the turn that
-    queued it)."""
-
-    def __init__(
-        self,
-        names: Sequence[str],
-        slice_tokens: int,
-        clock: Callable[[], float] = time.perf_counter,
-        sync: Callable[[], None] = lambda: None,
-    ):
-        self.names, self.slice_tokens, self.clock, self.sync = list(names), slice_tokens, clock, sync
-        self.slices: dict[str, list[float]] = {name: [] for name in names}
-        self._condition = threading.Condition()
-        self._turn, self._ended, self._started = 0, set(), 0.0
-
-    def wait(self, name: str) -> None:
-        """Block until it is `name`'s turn; its turn's clock starts then."""
-        with self._condition:
-            self._condition.wait_for(lambda: self.names[self._turn] == name)
-            self.sync()
-            self._started = self.clock()
-
-    def on_token(self, name: str) -> Callable[[int], None]:
-        """The `EvictionEngine.generate` callback of decoder `name`: every `slice_tokens` tokens, its turn ends."""
-
-        def tick(count: int) -> None:
-            if count % self.slice_tokens == 0:
-                self.sync()
-                self.slices[name].append(self.clock() - self._started)
-                self._pass()
-                self.wait(name)
-
-        return tick
-
-    def end(self, name: str) -> None:
-        """`name` decoded its last token (or failed): the others go on without it."""
-        with self._condition:
-            self._ended.add(name)
-            if self.names[self._turn] == name:
-                self._advance()
-
-    def _pass(self) -> None:
-        with self._condition:
-            self._advance()
-
-    def _advance(self) -> None:
-        if len(self._ended) == len(self.names):
-            return
-        self._turn = (self._turn + 1) % len(self.names)
-        while self.names[self._turn] in self._ended:
-            self._turn = (self._turn + 1) % len(self.names)
-        self._condition.notify_all()
-
-
-def take_turns(decoders: dict[str, Callable[[Callable[[int], None]], None]], turns: Turns) -> None:
-    """Run every decoder (called with its token callback) on a thread of its own, in `turns`; re-raise the first
-    error once all have ended."""
-    errors: list[BaseException] = []
-
-    def run(name: str, decode: Callable[[Callable[[int], None]], None]) -> None:
-        try:
-            turns.wait(name)
-            decode(turns.on_token(name))
-        except BaseException as error:  # noqa: BLE001  # handed to the caller, after the others end
-            errors.append(error)
-        finally:
-            turns.end(name)
-
-    threads = [threading.Thread(target=run, args=item, daemon=True) for item in decoders.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+def take_turns(
+    decoders: dict[str, Iterator[int]],
+    slice_tokens: int,
+    clock: Callable[[], float] = time.perf_counter,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """Advance every decoder (an iterator yielding its tokens so far after each token) `slice_tokens` tokens a turn,
+    in the order given, round after round, until all have ended; a decoder that ends leaves the rotation. Returns
+    each decoder's turn times, in order: a turn is timed by `clock` from its start to its last token, after `sync` at
+    both ends (on a GPU: the device's queued work, which belongs to the turn that queued it); a turn cut short by the
+    decoder's end is not kept."""
+    slices: dict[str, list[float]] = {name: [] for name in decoders}
+    running = dict(decoders)
+    while running:
+        for name, decoder in list(running.items()):
+            sync()
+            started = clock()
+            for count in decoder:
+                if count % slice_tokens == 0:
+                    sync()
+                    slices[name].append(clock() - started)
+                    break
+            else:
+                del running[name]
+    return slices
 
 
 def paired_ratio(reference: Sequence[float], other: Sequence[float], seed: int = 0) -> Estimate:
@@ -201,30 +149,24 @@ def run(settings: Settings) -> str:
         policy = settings.policy(policy_name, scorer)
         engines[name] = EvictionEngine(model, policy, replace(settings.eviction, **layout) if policy.evicts else None)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    turns = Turns(names, settings.slice_tokens, sync=sync)
     prompts = [prompt] * settings.batch
     attention = {engine.attention for engine in engines.values()}.pop()  # one attention function for every engine
-    with attention_implementation(model, attention):  # held for the whole run: no thread's generate resets it
-        take_turns(
-            {
-                name: lambda tick, engine=engine: engine.generate(prompts, settings.new_tokens, on_token=tick)
-                for name, engine in engines.items()
-            },
-            turns,
-        )
+    with attention_implementation(model, attention):  # held for the whole run: no generation's end resets it
+        decoders = {name: engine.generation(prompts, settings.new_tokens) for name, engine in engines.items()}
+        turns = take_turns(decoders, settings.slice_tokens, sync=sync)
     # The first eviction comes B + L tokens into the cache (after the prompt for a policy that protects it).
     first_eviction = max(
         settings.budget + settings.interval - (0 if engine.protect_prompt else len(prompt))
         for engine in engines.values()
     )
     skipped = -(-max(first_eviction, 0) // settings.slice_tokens) + 1  # the turns before it, and the prefill's
-    rounds = min(len(slices) for slices in turns.slices.values())
+    rounds = min(len(slices) for slices in turns.values())
     if rounds - skipped < 2:
         raise ValueError(
             f"new_tokens={settings.new_tokens} leaves {max(rounds - skipped, 0)} turns of {settings.slice_tokens} "
             f"tokens after the first eviction ({first_eviction} tokens in): decode more tokens"
         )
-    steady = {name: slices[skipped:rounds] for name, slices in turns.slices.items()}
+    steady = {name: slices[skipped:rounds] for name, slices in turns.items()}
     return _report(settings, steady, describe(model), model.dtype)
 
 

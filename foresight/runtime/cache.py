@@ -39,7 +39,8 @@ storage holds is one the layer gathers).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -288,6 +289,26 @@ class LayerStack:
         return selected
 
 
+class LayerState(Mapping[str, torch.Tensor]):
+    """A layer's state fields, each a view of its filled region of the storage made when read: a decode forward
+    refreshes every layer's views and reads none of its state, so it makes none (six fields a layer and token for
+    the learned policy)."""
+
+    def __init__(self, storage: EntryStorage, layer: int, names: tuple[str, ...]):
+        self._storage, self._layer, self._names = storage, layer, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._storage.view(name, self._layer)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class EvictionLayer(CacheLayerMixin):
     """One decoder layer's cache: its slice `index` of the storage and query ring its cache's layers share
     (`stack`; a layer made on its own has a stack of one). It appends by copy into preallocated slots; the
@@ -328,7 +349,7 @@ class EvictionLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.owners: torch.Tensor | None = None  # [batch, 1, N] the pooled layout's owner head of each slot
         self.lengths: torch.Tensor | None = None
-        self.state: MappingProxyType[str, torch.Tensor] = MappingProxyType({})  # write with `write_state`
+        self.state: Mapping[str, torch.Tensor] = MappingProxyType({})  # write with `write_state`
         self.queries: torch.Tensor | None = None  # [batch, Hq, window, D] ring buffer, a slice of the stack's
         self.query_positions: torch.Tensor | None = None  # [batch, window], a slice of the stack's
         self.query_cursor = 0  # next slot of the ring buffer
@@ -457,7 +478,7 @@ class EvictionLayer(CacheLayerMixin):
         self.positions = storage.view(POSITIONS, index)
         if self.pool_heads:
             self.owners = storage.view(OWNERS, index)
-        self.state = MappingProxyType({field.name: storage.view(field.name, index) for field in self.state_fields})
+        self.state = LayerState(storage, index, tuple(field.name for field in self.state_fields))
 
     def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrite state field `name` with `value` [batch or len(rows), Hkv, N, *trailing], in place."""
@@ -596,7 +617,9 @@ class ForwardObservation:
     observe: Callable[[torch.Tensor, Mapping[str, torch.Tensor], Any], None]
     weights: Any
     count: int
-    pending: torch.Tensor | None = None  # a decode forward's probabilities of the layers so far [layers, ...]
+    pending: list[torch.Tensor] = dataclasses.field(
+        default_factory=list
+    )  # a decode forward's probabilities of the layers so far
 
     def add(self, layer: EvictionLayer, probabilities: torch.Tensor) -> None:
         """Layer `layer`'s probabilities [batch, Hkv, G, count, N]. A longer forward's update the layer's sums at
@@ -605,12 +628,11 @@ class ForwardObservation:
         if probabilities.shape[-2] > 1:
             self.observe(probabilities, layer.state, self.weights)
             return
-        depth = layer.stack.depth
-        if self.pending is None:
-            self.pending = probabilities.new_empty((depth, *probabilities.shape))
-        self.pending[layer.index].copy_(probabilities)
-        if layer.index == depth - 1:
-            self.observe(self.pending, {name: layer.storage.view(name) for name in layer.state}, self.weights)
+        self.pending.append(probabilities)
+        if layer.index == layer.stack.depth - 1:
+            stacked = torch.stack(self.pending)
+            self.pending.clear()
+            self.observe(stacked, {name: layer.storage.view(name) for name in layer.state}, self.weights)
 
 
 class EvictionCache(Cache):

@@ -101,19 +101,21 @@ def _observing_attention(
     mask = _padding_causal_mask(layer, num_queries, has_padding)  # [batch or 1, 1, q, N] or None
     batch, query_heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    observed = query[:, :, num_queries - count :].reshape(batch, kv_heads, -1, dim).float()
-    logits = (observed @ key.float().transpose(-1, -2)).mul_(scaling)  # [batch, Hkv, G·count, N]
-    logits = logits.unflatten(2, (query_heads // kv_heads, count))  # as `attention_logits`, a matmul's rounding
+    group = query_heads // kv_heads
+    # [batch·Hkv, G·count, D] @ [batch·Hkv, D, N]: one batched product (a view of the stacked keys, no copy)
+    observed = query[:, :, num_queries - count :].reshape(batch * kv_heads, group * count, dim).float()
+    logits = torch.bmm(observed, key.float().flatten(0, 1).transpose(-1, -2)).mul_(scaling)
+    logits = logits.view(batch, kv_heads, group, count, -1)  # as `attention_logits`, a matmul's rounding
     if mask is not None:
         logits.masked_fill_(~mask[:, :, None, num_queries - count :], float("-inf"))
     probabilities = torch.softmax(logits, dim=-1)
     observation.add(layer, probabilities)
     if count < num_queries:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    else:  # [batch, Hkv, G·q, N] @ [batch, Hkv, N, D], back to [batch, Hq, q, D]
-        output = probabilities.to(value.dtype).flatten(2, 3) @ value
-        output = output.unflatten(2, (-1, num_queries)).flatten(1, 2)
-    return output.transpose(1, 2).contiguous()
+        return output.transpose(1, 2).contiguous()
+    flat = probabilities.to(value.dtype).view(batch * kv_heads, group * num_queries, -1)
+    output = torch.bmm(flat, value.flatten(0, 1)).view(batch, kv_heads, group, num_queries, dim)
+    return output.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, query_heads, dim)  # a view for one query
 
 
 def _padding_causal_mask(layer: EvictionLayer, num_queries: int, has_padding: bool) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ it is the rule every policy runs under.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -291,7 +291,6 @@ class EvictionEngine:
         return decode_step
 
     # -- public entry points -------------------------------------------------------------------------
-    @torch.no_grad()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -303,26 +302,50 @@ class EvictionEngine:
         on_token: Callable[[int], None] | None = None,
         row_seeds: Sequence[int] | None = None,
     ) -> GenerationOutput:
-        """Prefill left-padded prompts, then decode up to `max_new_tokens` per row.
+        """Prefill left-padded prompts, then decode up to `max_new_tokens` per row; `on_token(n)` after each
+        decoded token, n the tokens so far.
 
         Sampling draws from one generator seeded with `sampling.seed`; with `row_seeds` (one per row)
         each row draws from its own, so a row samples the same tokens whatever rows share its batch
         and, under another policy, from the same random numbers."""
+        steps = self.generation(prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, row_seeds)
+        while True:
+            try:
+                count = next(steps)
+            except StopIteration as done:
+                return done.value
+            if on_token is not None:
+                on_token(count)
+
+    @torch.no_grad()
+    def generation(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingConfig = SamplingConfig(),
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int = 0,
+        return_logits: bool = False,
+        row_seeds: Sequence[int] | None = None,
+    ) -> Generator[int, None, GenerationOutput]:
+        """`generate` a token at a time: yields the tokens decoded so far after each, returns the output. Several
+        generations advanced in turns share one thread (`foresight bench interleaved`): decoding on threads of
+        their own costs each CPU operation the forking of another thread team."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if row_seeds is not None and len(row_seeds) != len(prompts):
             raise ValueError(f"got {len(row_seeds)} row seeds for {len(prompts)} prompts")
         try:
             with attention_implementation(self.model, self.attention):
-                return self._generate(
-                    prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
+                return (
+                    yield from self._generate(
+                        prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, row_seeds
+                    )
                 )
         finally:
             self.clock.settle()
 
-    def _generate(
-        self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, on_token, row_seeds
-    ):
+    def _generate(self, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, return_logits, row_seeds):
         run, input_ids, positions, valid = self._start(
             prompts, pad_token_id, max(max_new_tokens - 1, 0)
         )  # the last token is never fed
@@ -343,8 +366,7 @@ class EvictionEngine:
             token = token.masked_fill(finished, pad_token_id)
             new_tokens.append(token)
             finished |= torch.isin(token, eos)
-            if on_token is not None:
-                on_token(len(new_tokens))
+            yield len(new_tokens)
             if bool(finished.all()) or len(new_tokens) == max_new_tokens:
                 break
             start = self.clock.start()

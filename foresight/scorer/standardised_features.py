@@ -43,6 +43,7 @@ position minus the later of the entry's position and that first query's, plus on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -200,19 +201,34 @@ def stream_weights(
     dtype: torch.dtype = torch.float32,
 ) -> StreamWeights:
     """`StreamWeights` of the queries at query_positions [batch, l] (oldest first, -1: not observed) for rows whose
-    next eviction step follows the query at evicts_after [batch]."""
+    next eviction step follows the query at evicts_after [batch]. A few operations: a decode forward makes them for
+    every token."""
     batch, count = query_positions.shape
-    like = torch.empty(0, dtype=dtype, device=query_positions.device)
+    sizes = tuple(_windows(_standardised_names(feature_set)).values())
+    decays, factors = _decay_weights(count, dtype, query_positions.device)
+    before = evicts_after[:, None] - query_positions  # [batch, l] queries from each one to the eviction step
+    inside = before[..., None] < _window_sizes(sizes, query_positions.device)  # [batch, l, windows]
+    observed = (query_positions >= 0)[..., None]
+    weights = torch.cat([decays.expand(batch, count, 3) * observed, (inside & observed).to(dtype)], -1)
+    names = (*PER_QUERY_HEAD_STATE, *(f"window_{size}" for size in sizes))
+    return StreamWeights(names, weights, (*factors, *(1.0 for _ in sizes)))
+
+
+@functools.cache
+def _decay_weights(count: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, tuple[float, ...]]:
+    """The three sums' weights of a block of `count` queries [count, 3] (1 in the cumulative sum, the decay by age in
+    the decayed and recent ones) and how each sum's old value ages over the block."""
+    like = torch.empty(0, dtype=dtype, device=device)
     decayed_step, decayed_weights = token_decay(DECAY, DECAY_TOKENS, count, like)
     recent_step, recent_weights = token_decay(RECENT_DECAY, RECENT_TOKENS, count, like)
-    sizes = tuple(_windows(_standardised_names(feature_set)).values())
-    before = evicts_after[:, None] - query_positions  # [batch, l] queries from each one to the eviction step
-    inside = torch.stack([before < size for size in sizes], -1)  # [batch, l, windows], no host-to-device copy
-    decays = torch.stack([torch.ones_like(decayed_weights), decayed_weights, recent_weights], -1)  # [l, 3]
-    weights = torch.cat([decays.expand(batch, count, 3), inside.to(dtype)], -1)  # [batch, l, 3 + windows]
-    weights = weights * (query_positions >= 0)[..., None]
-    names = (*PER_QUERY_HEAD_STATE, *(f"window_{size}" for size in sizes))
-    return StreamWeights(names, weights, (1.0, decayed_step, recent_step, *(1.0 for _ in sizes)))
+    weights = torch.stack([torch.ones_like(decayed_weights), decayed_weights, recent_weights], -1)
+    return weights, (1.0, decayed_step, recent_step)
+
+
+@functools.cache
+def _window_sizes(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The window sizes as a tensor on `device`, made once."""
+    return torch.tensor(sizes, device=device)
 
 
 def stream_update_(block_attention: torch.Tensor, state: Mapping[str, torch.Tensor], weights: StreamWeights) -> None:
