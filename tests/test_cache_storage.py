@@ -143,7 +143,9 @@ def test_compaction_gathers_every_layer_in_place_and_shrinks_to_capacity():
     assert held.buffers["keys"].data_ptr() == pointer and held.allocations == 2
     assert held.view("mark").tolist() == [[[[2, -1], [0, 7]]] * 2, [[[12, -1], [11, 15]]] * 2]
     assert held.view("sum").tolist() == [[[[2.0, 0.5], [0.0, 7.0]]] * 2, [[[2.0, 0.5], [1.0, 5.0]]] * 2]
-    assert bool((held.buffers["sum"][:, :, :, 2:] == 0.5).all())  # every slot past the kept ones starts anew
+    for layer in range(2):  # every slot past the kept ones starts anew
+        held.append(layer, 4, {"keys": keys[layer, :, :, :4], "mark": torch.zeros(2, 2, 4, dtype=torch.long)})
+    assert bool((held.view("sum")[:, :, :, 2:] == 0.5).all())
 
 
 def test_a_state_field_may_not_shadow_an_entry_tensor():

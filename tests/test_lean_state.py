@@ -43,9 +43,12 @@ def test_every_field_is_held_at_its_declared_dtype(llama):
         buffers = layer.storage.buffers
         assert buffers["keys"].dtype == buffers["values"].dtype == torch.float32
         assert buffers["positions"].dtype == layer.query_positions.dtype == POSITION_DTYPE == torch.int32
-        assert {f.name: buffers[f.name].dtype for f in policy.state_fields} == {
+        assert {f.name: layer.state[f.name].dtype for f in policy.state_fields} == {
             f.name: f.dtype for f in policy.state_fields
         }
+        assert {f.name: layer.state[f.name].shape for f in policy.state_fields} == dict.fromkeys(
+            (f.name for f in policy.state_fields), (2, llama.config.num_key_value_heads, B, 2)
+        )  # [batch, Hkv, N, G]: packed by dtype, each field a view of its pack
         assert layer.queries.dtype == torch.float16
 
 

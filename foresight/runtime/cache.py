@@ -132,7 +132,9 @@ def query_layouts(
 
 class EntryStorage:
     """Per-entry tensors of every layer of a cache that share the entry dim (dim 3), stacked across layers in
-    buffers of fixed size: one buffer per field, [layers, batch, Hkv, slots, *trailing].
+    buffers of fixed size: one buffer per copied field, [layers, batch, Hkv, slots, *trailing], and the state fields
+    of one trailing shape and dtype packed in one, [layers, batch, Hkv, slots, *trailing, fields], so that a
+    compaction gathers every state field at once (the learned policy's six in one gather).
 
     Slots [0, filled[l]) of layer l hold its entries; `view` returns that region of one layer, or of every layer
     once they hold the same count (between forwards). `append` copies a layer's new entries into its next slots
@@ -159,6 +161,11 @@ class EntryStorage:
         self.layouts = layouts
         # the fields a new entry is copied into: not the state fields, whose unwritten slots hold their fill value
         self.copied = tuple(name for name, layout in layouts.items() if layout.fill is None)
+        self.packs = _state_packs(layouts)
+        # each field's buffer and, for a state field, its index in the buffer's last dim
+        self._places: dict[str, tuple[str, int | None]] = {name: (name, None) for name in self.copied}
+        for pack, names in self.packs.items():
+            self._places.update({name: (pack, index) for index, name in enumerate(names)})
         self.batch, self.heads, self.device = batch, heads, device
         self.capacity = capacity
         self.filled = [0] * layers  # entries held per layer
@@ -185,9 +192,12 @@ class EntryStorage:
     def view(self, name: str, layer: int | None = None) -> torch.Tensor:
         """The entries held, a view into the buffer: [batch, Hkv, filled, *trailing] of `layer`, or
         [layers, batch, Hkv, entries, *trailing] of every layer (None)."""
+        buffer, component = self._places[name]
         if layer is None:
-            return self.buffers[name][:, :, :, : self.entries]
-        return self.buffers[name][layer, :, :, : self.filled[layer]]
+            held = self.buffers[buffer][:, :, :, : self.entries]
+        else:
+            held = self.buffers[buffer][layer, :, :, : self.filled[layer]]
+        return held if component is None else held[..., component]
 
     def append(self, layer: int, count: int, entries: Mapping[str, torch.Tensor]) -> None:
         """Copy `count` new entries of `layer` into its next slots: for every buffer but the state fields (whose
@@ -200,17 +210,26 @@ class EntryStorage:
         self.filled[layer] = start + count
 
     def fill_unwritten(self, start: int) -> None:
-        """Write each state field's fill value into slots [start, slots) of every layer."""
-        for name, layout in self.layouts.items():
-            if layout.fill is not None:
-                self.buffers[name][:, :, :, start:].fill_(layout.fill)
+        """Write each state field's fill value into slots [start, slots) of every layer: one fill a pack whose fields
+        start alike (the learned policy's sums all start at 0)."""
+        for pack, names in self.packs.items():
+            self._fill(self.buffers[pack][:, :, :, start:], names)
+
+    def _fill(self, unwritten: torch.Tensor, names: tuple[str, ...]) -> None:
+        fills = [self.layouts[name].fill for name in names]
+        if len(set(fills)) == 1:
+            unwritten.fill_(fills[0])
+            return
+        for component, fill in enumerate(fills):
+            unwritten[..., component].fill_(fill)
 
     def compact(self, index: torch.Tensor) -> None:
         """Keep the entries at slots `index` [layers, batch, Hkv, W], in that order, in slots [0, W) of every layer."""
         width = index.shape[-1]
         shrink = self.capacity is not None and width <= self.capacity < self.slots
+        entries = self.entries
         for name in self.buffers:
-            kept = gather_entries(self.view(name), index)  # a temporary: slots may overlap
+            kept = gather_entries(self.buffers[name][:, :, :, :entries], index)  # a temporary: slots may overlap
             if shrink:
                 self.buffers[name] = self._new_buffer(name, self.capacity)
             self.buffers[name][:, :, :, :width].copy_(kept)
@@ -231,18 +250,31 @@ class EntryStorage:
     def _allocate(self, slots: int, keep: int = 0) -> None:
         """New buffers of `slots` entries holding the first `keep` entries of the old ones."""
         old = self.buffers
-        self.buffers = {name: self._new_buffer(name, slots) for name in self.layouts}
+        self.buffers = {name: self._new_buffer(name, slots) for name in (*self.copied, *self.packs)}
         for name, buffer in old.items():
             self.buffers[name][:, :, :, :keep].copy_(buffer[:, :, :, :keep])
         self.allocations += 1
 
     def _new_buffer(self, name: str, slots: int) -> torch.Tensor:
-        """An unwritten buffer: a state field's holds its fill value in every slot."""
-        layout = self.layouts[name]
-        shape = (len(self.filled), self.batch, self.heads, slots, *layout.trailing)
-        if layout.fill is None:
-            return torch.empty(shape, dtype=layout.dtype, device=self.device)
-        return torch.full(shape, layout.fill, dtype=layout.dtype, device=self.device)
+        """An unwritten buffer (a copied field's, or a pack of state fields holding their fill values)."""
+        fields = self.packs.get(name, (name,))
+        layout = self.layouts[fields[0]]
+        packed = (len(fields),) if name in self.packs else ()
+        shape = (len(self.filled), self.batch, self.heads, slots, *layout.trailing, *packed)
+        buffer = torch.empty(shape, dtype=layout.dtype, device=self.device)
+        if name in self.packs:
+            self._fill(buffer, fields)
+        return buffer
+
+
+def _state_packs(layouts: Mapping[str, EntryLayout]) -> dict[str, tuple[str, ...]]:
+    """The state fields grouped by trailing shape and dtype, in their order: each group one buffer, named for its
+    fields ("state:cumulative+decayed+recent")."""
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
+    for name, layout in layouts.items():
+        if layout.fill is not None:
+            groups.setdefault((layout.trailing, layout.dtype), []).append(name)
+    return {"state:" + "+".join(names): tuple(names) for names in groups.values()}
 
 
 @dataclass
