@@ -315,7 +315,9 @@ class Foresight(Policy):
     stream_block: int = 4
     records: list[SampledEviction] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
-    _pending: dict[int, tuple[EvictionContext, torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
+    _pending: dict[int, tuple[EvictionContext, torch.Tensor, int]] = field(
+        default_factory=dict, init=False, repr=False
+    )  # layer -> its context, the features of its pass [layers, ...] and its index there
     _generator: torch.Generator | list[torch.Generator] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -446,7 +448,7 @@ class Foresight(Policy):
         for layers in _attention_batches(contexts):
             features, state = self._layer_features(layers)
             for index, context in enumerate(layers):
-                self._pending[context.layer_idx] = (context, features[index])
+                self._pending[context.layer_idx] = (context, features, index)
                 states.append({name: value[index] for name, value in state.items()})
         if contexts[-1].layer_idx == contexts[-1].num_layers - 1:
             self._steps += 1
@@ -511,10 +513,26 @@ class Foresight(Policy):
     def observed_features(self, context: EvictionContext) -> torch.Tensor:
         """The candidates' features [batch, Hkv, C, F*G] that `observe` computed for this context (what
         `keep_scores` will read; the supervised data maker records them instead of computing them again)."""
+        _, features, index = self._observed(context)
+        return features[index]
+
+    def _observed(self, context: EvictionContext) -> tuple[EvictionContext, torch.Tensor, int]:
         pending = self._pending.get(context.layer_idx)
         if pending is None or pending[0] is not context:
             raise RuntimeError("keep_scores and observed_features must follow observe on the same eviction context")
-        return pending[1]
+        return pending
+
+    def _step_features(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
+        """The candidates' features of the step's layers [layers, batch, Hkv, C, F*G]: the features of their one
+        pass as they are (no copy), else stacked head-major (`_stacked`)."""
+        observed = [self._observed(context) for context in contexts]
+        for context in contexts:
+            del self._pending[context.layer_idx]
+        features = observed[0][1]
+        whole = len(features) == len(observed) and all(
+            passed is features and index == at for at, (_, passed, index) in enumerate(observed)
+        )
+        return features if whole else _stacked([passed[index] for _, passed, index in observed])
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         return self.step_keep_scores([context])[0]
@@ -525,12 +543,14 @@ class Foresight(Policy):
         first = contexts[0].layer_idx
         if [context.layer_idx for context in contexts] != list(range(first, first + len(contexts))):
             raise ValueError(f"a step's contexts must be consecutive layers, got {[c.layer_idx for c in contexts]}")
-        features = _stacked([self.observed_features(context) for context in contexts])
-        for context in contexts:
-            del self._pending[context.layer_idx]
+        features = self._step_features(contexts)
         candidates = slice(0, contexts[0].num_candidates)
-        keys = _stacked([context.keys[..., candidates, :] for context in contexts])
-        values = _stacked([context.values[..., candidates, :] for context in contexts])
+        step = contexts[0].step
+        if step is not None and step.keys.shape[0] == len(contexts) and first == 0:  # every layer: the step's views
+            keys, values = step.keys[..., candidates, :], step.values[..., candidates, :]
+        else:
+            keys = _stacked([context.keys[..., candidates, :] for context in contexts])
+            values = _stacked([context.values[..., candidates, :] for context in contexts])
         scores = self.scorer.score_layers(first, keys, values, features)
         if self.mode == EvictionMode.DETERMINISTIC.value or contexts[0].num_candidates != self.scorer.config.budget:
             return scores  # a decode compression (more than B candidates) is taken deterministically, unrecorded
