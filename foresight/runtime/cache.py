@@ -370,6 +370,7 @@ class EvictionLayer(CacheLayerMixin):
         self.stack = LayerStack(1) if stack is None else stack
         self.index = index
         self.state_fields = state_fields
+        self.state_names = tuple(field.name for field in state_fields)  # made once, read every token
         self.group_size = group_size
         self.query_window = query_window
         self.keep_every_query = keep_every_query
@@ -510,7 +511,7 @@ class EvictionLayer(CacheLayerMixin):
         self.positions = storage.view(POSITIONS, index)
         if self.pool_heads:
             self.owners = storage.view(OWNERS, index)
-        self.state = LayerState(storage, index, tuple(field.name for field in self.state_fields))
+        self.state = LayerState(storage, index, self.state_names)
 
     def write_state(self, name: str, value: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrite state field `name` with `value` [batch or len(rows), Hkv, N, *trailing], in place."""
