@@ -1,6 +1,6 @@
 """The gate of a state change (issue 41 §2, one-sided since issue 58; docs/notes/lean-state.md): replay held-out traces
 teacher-forced under one state configuration, record every eviction step's kept (layer, KV head, position) sets
-and every trace's losses, then compare two recordings.
+and every trace's losses, then compare two recordings. Two scorers compare the same way (a distilled member against its ensemble: `--scorer`).
 
     # the old state: the same script run against a checkout of the commit before the change
     PYTHONPATH=runs/base python scripts/state_gate.py record --traces data/corpus/gsm-heldout -o runs/gate/base.pt
@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from foresight.data.trace_store import TraceStore
+from foresight.cadence import Regime
+from foresight.data.trace_store import TraceStore, select_traces
 from foresight.eval.replay import Cadence
 from foresight.eval.stats import percentile_interval, resample_counts
 from foresight.models import load_model
@@ -61,9 +62,8 @@ class KeptSets:
 def record(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)
-    traces = sorted(
-        (trace for folder in args.traces for trace in TraceStore(folder)), key=lambda t: t.input_ids.numel()
-    )
+    views = (select_traces(TraceStore(folder), None, 0, None, per_source=args.per_source) for folder in args.traces)
+    traces = sorted((trace for view in views for trace in view), key=lambda t: t.input_ids.numel())
     traces = [t for t in traces if t.input_ids.numel() > args.budget + args.interval]
     options = typed_options(POLICIES["foresight"], dict(_option(text) for text in args.option))
     batches = []
@@ -71,7 +71,7 @@ def record(args: argparse.Namespace) -> None:
         batch = traces[start : start + args.batch_size]
         policy = make_policy("foresight", scorer=args.scorer, record=False, **options)
         kept = KeptSets()
-        cadence = Cadence(args.budget, args.interval)
+        cadence = Cadence(args.budget, args.interval, Regime.parse(args.regime))
         engine = EvictionEngine(model, policy, cadence.eviction, step_observer=kept)
         kept.engine = engine
         prefill = cadence.prefill_lengths(batch, engine.protect_prompt)
@@ -89,7 +89,14 @@ def record(args: argparse.Namespace) -> None:
         )
         print(f"batch {len(batches)}: {len(batch)} traces, {len(kept.steps)} steps", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    settings = {"options": options, "budget": args.budget, "interval": args.interval, "batch_size": args.batch_size}
+    settings = {
+        "options": options,
+        "scorer": args.scorer,
+        "regime": args.regime,
+        "budget": args.budget,
+        "interval": args.interval,
+        "batch_size": args.batch_size,
+    }
     torch.save({**settings, "batches": batches}, args.out)
     print(f"wrote {args.out}")
 
@@ -158,6 +165,8 @@ def compare(args: argparse.Namespace) -> None:
         recording = torch.load(path)
         figures = gate(base, recording)
         options = " ".join(f"{name}={value}" for name, value in recording["options"].items()) or "no option"
+        if recording.get("scorer") != base.get("scorer"):
+            options = f"{recording['scorer']}, {options}"
         print(
             f"| {options} (batch {recording.get('batch_size', '?')}) | {100 * figures.identity:.2f}% of "
             f"{figures.sets} | {100 * figures.common:.3f}% | {figures.new_ratio:.5f} (old {figures.old_ratio:.5f}) "
@@ -195,6 +204,8 @@ def main() -> None:
     run.add_argument("--model", default="default")
     run.add_argument("-B", "--budget", type=int, default=128)
     run.add_argument("-L", "--interval", type=int, default=32)
+    run.add_argument("--regime", default=Regime.STREAMING.value, help="streaming (default) or decode")
+    run.add_argument("--per-source", type=int, default=None, help="the first N traces of each prompt source")
     run.add_argument("--batch-size", type=int, default=4)
     run.add_argument("--threads", type=int, default=1)
     run.add_argument("--option", action="append", default=[], help="policy option NAME=VALUE (the lever)")

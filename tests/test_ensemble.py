@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foresight.scorer.ensemble import ensemble
+from foresight.scorer.ensemble import ensemble, split
 from foresight.scorer.model import load_scorer
 from tests.scorers import make_scorer, random_inputs
 
@@ -46,3 +46,20 @@ def test_members_that_read_other_inputs_are_refused():
     heuristic = "standardised-heuristic"
     with pytest.raises(ValueError, match="residual None vs 'last_1'"):
         ensemble([make_scorer(feature_set=heuristic), make_scorer(feature_set=heuristic, residual="last_1")])
+
+
+def test_split_gives_back_each_members_scores_up_to_their_output_bias():
+    members = [make_scorer(seed, feature_set="standardised-grouped", hidden=8) for seed in range(3)]
+    merged = ensemble(members)
+    keys, values, features = random_inputs(merged.config, merged.config.num_layers, 2)
+    parts = split(merged, 3)
+    assert [part.config.hidden for part in parts] == [8, 8, 8]
+    with torch.no_grad():
+        for member, part in zip(members, parts):
+            shift = (merged.b2 - member.b2)[:, None, :, None]  # the ensemble's bias replaces the member's
+            expected = member(keys, values, features) + shift
+            torch.testing.assert_close(part(keys, values, features), expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="divide the scorer's width 24, got 5"):
+        split(merged, 5)
+    with pytest.raises(ValueError, match="at least 2 and divide the scorer's width 24, got 1"):
+        split(merged, 1)

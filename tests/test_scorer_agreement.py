@@ -11,6 +11,7 @@ import torch
 from foresight.data.trace_store import TraceStore
 from foresight.labels import future_score_table
 from foresight.models import load_model, tiny_model
+from foresight.scorer.ensemble import ensemble
 from foresight.scorer.model import load_scorer
 from studies.scorer_agreement.run import GOLDEN, Settings, run, trace_agreement
 from tests.fit_configs import L_, B
@@ -64,3 +65,15 @@ def test_fewer_than_two_or_unlike_scorers_are_refused_in_one_line(scorers, trace
     with pytest.raises(ValueError, match=r"scorer wide reads other inputs than a \(budget differ\)") as error:
         run(settings)
     assert "\n" not in str(error.value)
+
+
+def test_a_split_ensembles_members_agree_with_the_scorers_it_averaged(scorers, traces_dir, tmp_path):
+    ensemble([load_scorer(scorers["a"]), load_scorer(scorers["b"])]).save_pretrained(tmp_path / "ens")
+    settings = Settings(
+        traces=traces_dir, scorer=(f"ens={tmp_path / 'ens'}", f"a={scorers['a']}"), split="ens=2", max_traces=2
+    )
+    report = run(settings)
+    assert "| a · ens.member-0 | 1.000 [1.000, 1.000] |" in report
+    assert "| a · ens.member-1 | 1.000" not in report
+    with pytest.raises(ValueError, match=r"--split 'a=x' must be NAME=K with NAME one of the scorers \(ens, a\)"):
+        Settings(traces=traces_dir, scorer=settings.scorer, split="a=x")

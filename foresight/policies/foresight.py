@@ -46,17 +46,16 @@ def feature_state(
     streamed: bool = False,
 ) -> tuple[StateField, ...]:
     """The per-entry state a feature set keeps in the cache (only what it reads, so the older sets'
-    caches stay as they were), its cumulative sum stored at `cumulative` and its other sums at `sums`; with
-    `streamed`, also the window sums of a streamed observation (`standardised.window_state`, float32: the
-    kept-set gate failed every 16-bit sum, docs/notes/lean-state.md)."""
+    caches stay as they were), its cumulative sum stored at `cumulative` and its bounded sums at `sums`; with
+    `streamed`, also the window sums of a streamed observation (`standardised.window_state`), bounded too (a
+    window of w queries sums to at most w per query head), at `sums`."""
     feature_set = FeatureSet.parse(feature_set)
     names = STANDARDISED_STATE if feature_set.standardised else FEATURE_STATE
-    per_head = feature_set.per_query_head
-    fields = tuple(
-        StateField(name, per_query_head=per_head, dtype=cumulative if name == CUMULATIVE else sums) for name in names
-    )
     windows = standardised.window_state(feature_set) if streamed else ()
-    return fields + tuple(StateField(name, per_query_head=per_head) for name in windows)
+    return tuple(
+        StateField(name, per_query_head=feature_set.per_query_head, dtype=cumulative if name == CUMULATIVE else sums)
+        for name in (*names, *windows)
+    )
 
 
 def _summed_over_group(attention: torch.Tensor, feature_set: str) -> torch.Tensor:

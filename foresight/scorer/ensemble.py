@@ -62,6 +62,31 @@ def ensemble(scorers: Sequence[ForesightScorer]) -> ForesightScorer:
     return merged.eval()
 
 
+def split(scorer: ForesightScorer, members: int) -> list[ForesightScorer]:
+    """The `members` equal-width scorers `ensemble` averaged into `scorer`, undone: each member's W1 and b1 its
+    own columns, its W2 the columns times `members`. A member's own output bias is lost in the mean, so each takes
+    the ensemble's: it shifts every score of a (layer, head) alike, so no kept set of a head depends on it (the
+    members of a calibrated scorer compare across heads only up to it)."""
+    hidden = scorer.config.hidden
+    if members < 2 or hidden % members:
+        raise ValueError(f"members must be at least 2 and divide the scorer's width {hidden}, got {members}")
+    width = hidden // members
+    config = dataclasses.replace(scorer.config, hidden=width)
+    parts = []
+    with torch.no_grad():
+        for index in range(members):
+            columns = slice(index * width, (index + 1) * width)
+            member = ForesightScorer(config)
+            member.w1.copy_(scorer.w1[..., columns])
+            member.b1.copy_(scorer.b1[..., columns])
+            member.w2.copy_(scorer.w2[..., columns] * members)
+            member.b2.copy_(scorer.b2)
+            for name, buffer in member.named_buffers():
+                buffer.copy_(getattr(scorer, name))
+            parts.append(member.eval())
+    return parts
+
+
 def _shown(config, name: str):
     """A config field as a user writes it (a feature set by its name)."""
     value = getattr(config, name)

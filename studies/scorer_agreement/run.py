@@ -29,6 +29,7 @@ from foresight.data.trace_store import TraceStore, select_traces
 from foresight.eval.specs import split_scorer
 from foresight.eval.stats import percentile_interval, resample_counts
 from foresight.models import load_model
+from foresight.scorer.ensemble import split
 from foresight.scorer.model import ForesightScorer, load_scorer
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
@@ -52,12 +53,21 @@ class Settings(ReportSettings):
     )
     per_source: int | None = field(default=None, metadata={"help": "the first N traces of each prompt source"})
     max_traces: int | None = field(default=None, metadata={"help": "at most this many traces, in order"})
+    split: str | None = field(
+        default=None,
+        metadata={
+            "help": "NAME=K: the first two of the K members that the ensemble scorer NAME averages join the "
+            "comparison as NAME.member-0 and NAME.member-1 (a shipped ensemble keeps no member folders)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if len(self.folders) < 2:
             raise ValueError(f"--scorer: compare at least two scorers, got {len(self.folders)}")
         if self.driver is not None and self.driver not in self.folders:
             raise ValueError(f"--driver {self.driver!r} is none of the scorers {', '.join(self.folders)}")
+        if self.split is not None and self.split_members is None:
+            raise AssertionError("unreachable: split_members raises on a malformed --split")
         Regime.parse(self.regime)
 
     @property
@@ -72,9 +82,26 @@ class Settings(ReportSettings):
             found[name] = Path(source)
         return found
 
+    @property
+    def split_members(self) -> tuple[str, int] | None:
+        """(the ensemble's name, its member count) of `split`, or None."""
+        if self.split is None:
+            return None
+        name, sep, count = self.split.partition("=")
+        if not sep or not count.isdigit() or name not in self.folders:
+            raise ValueError(
+                f"--split {self.split!r} must be NAME=K with NAME one of the scorers ({', '.join(self.folders)}) "
+                "and K its member count"
+            )
+        return name, int(count)
+
 
 def run(settings: Settings) -> str:
     scorers = {name: load_scorer(folder) for name, folder in settings.folders.items()}
+    if settings.split_members is not None:
+        name, count = settings.split_members
+        members = split(scorers[name], count)[:2]
+        scorers.update({f"{name}.member-{index}": member for index, member in enumerate(members)})
     _check_alike(scorers)
     driver = scorers[settings.driver or next(iter(scorers))]
     store = TraceStore(settings.traces)
