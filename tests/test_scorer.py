@@ -51,10 +51,12 @@ def test_a_features_only_scorer_is_the_mlp_of_the_features_alone():
             torch.testing.assert_close(scores[layer, :, head], expected, rtol=0, atol=1e-6)
 
 
-def test_a_standardised_scorer_reads_unit_norm_keys_and_values_and_older_ones_raw_keys(tmp_path):
-    """The standardised set's MLP sees k / |k| and v / |v| (so per-entry rescaling changes nothing); a scorer
-    of an older set still sees raw keys and values; both survive a save and load."""
-    scorer = make_scorer(feature_set="standardised")
+@pytest.mark.parametrize("hidden", [16, 4])  # wider than the head dim 8 (vectors normalised) and narrower (products)
+def test_a_standardised_scorer_reads_unit_norm_keys_and_values_and_older_ones_raw_keys(tmp_path, hidden):
+    """The standardised set's MLP sees k / |k| and v / |v| (so per-entry rescaling changes nothing), whichever side
+    of its first matmul it normalises; a scorer of an older set still sees raw keys and values; both survive a save
+    and load."""
+    scorer = make_scorer(feature_set="standardised", hidden=hidden)
     config = scorer.config
     assert (config.feature_width, config.input_dim) == (7 * 2, 2 * 8 + 14)
     keys, values, features = random_inputs(config, config.num_layers, 2)

@@ -267,14 +267,19 @@ def streamed_features(
     newest: torch.Tensor,
     first_observed: torch.Tensor,
     feature_set: str | FeatureSet = FeatureSet.STANDARDISED,
+    candidates: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`standardised_features` at an eviction step whose queries were streamed (`stream_observe`): the features
     from the state alone, newest [batch] the step's newest query position, and the state the step changes (the
-    window sums, back to 0 for the next window; the three sums stay as they are)."""
+    window sums, back to 0 for the next window; the three sums stay as they are). With `candidates`, the features
+    of the first `candidates` entries only, computed for them alone where no column reads a neighbouring slot."""
     names = _standardised_names(feature_set)
-    sums = {name: state[f"window_{size}"].float() for name, size in _windows(names).items()}
-    running = {name: state[name].float() for name in PER_QUERY_HEAD_STATE}
-    features = _columns(sums, running, positions, newest, first_observed, names)
+    entries = slice(None) if candidates is None or "pooled_last_8" in names else slice(0, candidates)
+    sums = {name: state[f"window_{size}"][..., entries, :].float() for name, size in _windows(names).items()}
+    running = {name: state[name][..., entries, :].float() for name in PER_QUERY_HEAD_STATE}
+    features = _columns(sums, running, positions[..., entries], newest, first_observed, names)
+    if candidates is not None:
+        features = features[..., :candidates, :]
     return features, {name: torch.zeros_like(state[name]) for name in window_state(feature_set)}
 
 
