@@ -3,6 +3,8 @@ a model card; pushing without a token or a network fails in one line and leaves 
 
 from __future__ import annotations
 
+import json
+
 import huggingface_hub
 import pytest
 import torch
@@ -10,6 +12,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from foresight import cli
+from foresight.policies import make_policy
 from foresight.scorer.model import load_scorer
 from tests.scorers import quiet_trainer, scorer_spec, synthetic_traces
 from trainers.data import concat_steps
@@ -98,6 +101,31 @@ def test_export_reexports_a_scorer_folder(checkpoint, tmp_path):
     assert cli.main(["export", "--scorer", str(checkpoint[0]), "--out", str(first)]) == 0
     assert cli.main(["export", "--scorer", str(first), "--out", str(second)]) == 0
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+
+
+def test_export_writes_the_sums_dtype_the_policy_then_holds(checkpoint, tmp_path, capsys):
+    """A scorer exported with --sums-dtype float16 is run with 16-bit sums unless the policy is told otherwise; an
+    older scorer's config names none and runs at float32; a dtype that is not a float is refused in one line."""
+    folder = tmp_path / "half"
+    assert cli.main(["export", "--scorer", str(checkpoint[0]), "--out", str(folder), "--sums-dtype", "float16"]) == 0
+    assert json.loads((folder / "config.json").read_text())["sums_dtype"] == "float16"
+    dtypes = {field.name: field.dtype for field in make_policy("foresight", scorer=folder).state_fields}
+    assert dtypes["decayed"] == torch.float16 and dtypes["cumulative"] == torch.float32
+    told = make_policy("foresight", scorer=folder, sums_dtype="float32").state_fields
+    assert {field.dtype for field in told} == {torch.float32}
+    assert load_scorer(checkpoint_folder(checkpoint, tmp_path)).config.sums_dtype == "float32"
+    assert (
+        cli.main(["export", "--scorer", str(checkpoint[0]), "--out", str(tmp_path / "x"), "--sums-dtype", "int8"]) == 2
+    )
+    assert (
+        "sums_dtype must name a torch float dtype such as 'float16' or 'float32', got 'int8'" in capsys.readouterr().err
+    )
+
+
+def checkpoint_folder(checkpoint, tmp_path):
+    folder = tmp_path / "plain"
+    assert cli.main(["export", "--scorer", str(checkpoint[0]), "--out", str(folder)]) == 0
+    return folder
 
 
 def test_push_without_a_token_fails_in_one_line_and_keeps_the_folder(checkpoint, tmp_path, monkeypatch, capsys):

@@ -259,9 +259,9 @@ class Foresight(Policy):
     record: keep each sampled draw in `records` (default true, what the reinforcement stage learns from);
       false when only the evictions matter (`foresight eval`, `foresight generate`), as the records of
       a long run hold the pool's keys, values and features of every step and layer.
-    sums_dtype: the dtype the cache stores the decayed and recent sums at (default "float32"). "float16" saves
-      2.3 points of K/V bytes on the default model but failed the kept-set identity gate: 93.97% of kept sets
-      identical on gsm-heldout, Δ loss ratio −0.0010 [−0.0026, +0.0004] (docs/notes/lean-state.md).
+    sums_dtype: the dtype the cache stores the bounded sums at (decayed, recent and a streamed observation's window
+      sums; default: the scorer's `ScorerConfig.sums_dtype`, "float32" unless its folder names another).
+      "float16" passes the one-sided state gate for the serving scorer (docs/notes/lean-state.md), which holds it.
     cumulative_dtype: the dtype of the cumulative sum (default "float32": it grows with the trace, so a 16-bit
       copy rounds each block's share relative to the whole sum, and overflows fp16 past 65504 queries).
     query_dtype: the dtype the buffered queries of block attention are held at where narrower than the model's
@@ -307,7 +307,7 @@ class Foresight(Policy):
     guide: GoldenEviction | None = field(default=None, repr=False)
     guided_rows: tuple[int, ...] = ()
     record: bool = True
-    sums_dtype: str = "float32"
+    sums_dtype: str | None = None
     cumulative_dtype: str = "float32"
     query_dtype: str = "float32"
     observation: str = Observation.STREAM.value
@@ -331,6 +331,8 @@ class Foresight(Policy):
                 "the scorer reads log‖W_o v‖ (the transfer set) but holds no output factors: a fit sets them from "
                 "its model; for a scorer made by hand call ForesightScorer.set_output_factors(model)"
             )
+        if self.sums_dtype is None:
+            self.sums_dtype = self.scorer.config.sums_dtype
         self.mode = EvictionMode.parse(self.mode).value
         self.observation = Observation.parse(self.observation).value
         if not isinstance(self.stream_block, int) or self.stream_block < 1:

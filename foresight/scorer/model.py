@@ -37,7 +37,7 @@ from torch import nn
 
 from foresight.cadence import Regime, check_budget
 from foresight.choices import Choice
-from foresight.models import describe
+from foresight.models import describe, float_dtype
 from foresight.scorer.attention_features import FEATURE_NAMES, FeatureSet, feature_width
 
 
@@ -98,6 +98,9 @@ class ScorerConfig:
     mean over the group's query heads is added to the MLP's output, the output layer starting at 0: the scorer
     starts as that heuristic's order (per KV head, on the standardised log scale) and trains as a correction to
     it, so off its training distribution it stays near the heuristic rather than below it (None: the MLP alone).
+    sums_dtype: the dtype the learned policy holds this scorer's bounded sums at unless told otherwise
+    (`Foresight.sums_dtype`): "float32" (older scorers hold none), or a 16-bit dtype where the state gate passed
+    it for this scorer (scripts/state_gate.py).
     """
 
     num_layers: int
@@ -116,9 +119,11 @@ class ScorerConfig:
     regime: Regime = Regime.STREAMING
     scale: ScoreScale = ScoreScale.ORDINAL
     residual: str | None = None
+    sums_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         self.feature_set = FeatureSet.parse(self.feature_set)
+        float_dtype("sums_dtype", self.sums_dtype)
         names = FEATURE_NAMES[self.feature_set]
         if self.residual is not None and self.residual not in names:
             raise ValueError(
