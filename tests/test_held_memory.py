@@ -118,6 +118,22 @@ def test_the_table_of_bytes_per_entry_on_qwen3_4bs_shape():
         assert parts[6] == pytest.approx(100 * (parts[5] - parts[0]) / parts[0], abs=0.06)
 
 
+def test_the_table_counts_a_policy_as_its_options_set_it():
+    """`foresight bench held-memory -o`: the learned policy observed in the forward holds no buffered query, and with
+    16-bit sums its state is the cumulative float32 sum and five float16 sums per (layer, KV head) of the grouped set;
+    an option the policy lacks is refused before anything is counted."""
+    settings = dict(model="configs/models/qwen3-4b.json", dtype="bfloat16", budget=1024, interval=256)
+    options = ("foresight.observation=forward", "foresight.sums_dtype=float16")
+    report = held_memory_bench.run(
+        held_memory_bench.Settings(**settings, policies="foresight", feature_set="standardised-grouped", option=options)
+    )
+    (row,) = [line.split("|")[2:-1] for line in report.splitlines() if line.startswith("| foresight")]
+    state, ring, buffered = (float(cell) for cell in row[2:5])
+    assert state == 36 * 8 * (4 + 5 * 2) and ring == buffered == 0
+    with pytest.raises(ValueError, match="sums_dtyp"):
+        held_memory_bench.Settings(**settings, policies="foresight", option=("foresight.sums_dtyp=float16",))
+
+
 POOLED = [("snapkv", {}, "head"), ("tova", {}, "head"), ("streaming", {}, "head"), ("snapkv", {}, "layer")]
 POOLED += [("tova", {"per_kv_head": True}, "layer")]
 POOLED += [("foresight", {"observation": "window"}, "head"), ("foresight", {}, "layer")]

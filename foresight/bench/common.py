@@ -198,30 +198,22 @@ class OneScorer:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RuntimeSettings(OneScorer, ModelSettings):
-    """A benchmark of the eviction runtime: the full cache and `policies` at (budget, interval) on the
-    model (an architecture config: random weights, since speed and memory depend on the shape alone). The
-    learned policy runs `scorer`, or without one a scorer of the model's shape with seeded random weights:
-    its cost does not depend on its weights."""
+class PolicyOptions:
+    """Settings whose rows (`policy_names`, the full cache among them, and `policies` as given) take -o options."""
 
-    device: str = device_field("auto")
-    dtype: DtypeName = dtype_field("auto")
-    policies: str = policies_field(
-        "every policy that needs no labels or scorer, and the learned one with --scorer; full is always included"
-    )
-    budget: int = budget_field()
-    interval: int = interval_field()
-    scorer: tuple[str, ...] = scorer_field(
-        "without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the same "
-        "cost)"
-    )
+    policies: str
     option: tuple[str, ...] = option_field()
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.policy_names  # unknown or unrunnable policies, or several scorers, are refused before any model loads
+    @property
+    def policy_names(self) -> list[str]:
+        """The rows, in order (each settings class names its own)."""
+        raise NotImplementedError
+
+    def check_options(self) -> None:
+        """Unknown or unrunnable policies, several scorers, options a policy does not have and options of no row are
+        refused before any model loads."""
         for name in self.policy_names:
-            self.policy_options(name)  # so are options a policy does not have
+            self.policy_options(name)
         unknown = set(options_by_row(self.option)) - {None, *self.policy_names}
         if unknown:
             raise ValueError(
@@ -238,6 +230,30 @@ class RuntimeSettings(OneScorer, ModelSettings):
         if rows.get(None) and len(evicting) > 1:
             raise ValueError(f"-o {next(iter(rows[None]))}=...: name its policy, e.g. -o {evicting[-1]}.KEY=VALUE")
         return typed_options(POLICIES[name], texts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSettings(OneScorer, PolicyOptions, ModelSettings):
+    """A benchmark of the eviction runtime: the full cache and `policies` at (budget, interval) on the
+    model (an architecture config: random weights, since speed and memory depend on the shape alone). The
+    learned policy runs `scorer`, or without one a scorer of the model's shape with seeded random weights:
+    its cost does not depend on its weights."""
+
+    device: str = device_field("auto")
+    dtype: DtypeName = dtype_field("auto")
+    policies: str = policies_field(
+        "every policy that needs no labels or scorer, and the learned one with --scorer; full is always included"
+    )
+    budget: int = budget_field()
+    interval: int = interval_field()
+    scorer: tuple[str, ...] = scorer_field(
+        "without it, --policies ...,foresight runs a scorer of the model's shape with seeded random weights (the same "
+        "cost)"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_options()
 
     def policy(self, name: str, scorer: ForesightScorer | None) -> Policy:
         """A fresh policy of the run with its -o options; the learned one runs `scorer`."""

@@ -9,6 +9,7 @@ K/V; a policy that protects the prompt holds the prompt's entries on top, at the
     foresight bench held-memory                                            # default model, float32, B = 128, L = 32
     foresight bench held-memory --model configs/models/qwen3-4b.json --dtype bfloat16 -B 1024 -L 256
     foresight bench held-memory --layout pooled                            # one slot pool per layer
+    foresight bench held-memory --scorer checkpoints/default-grouped -o observation=forward   # a policy's options
 
 With `--layout pooled` the evicting rows are counted in the pooled layout (`foresight.runtime.pool`: a one-byte owner
 tag per slot, counted as state), and 'all' names the policies it runs; the full cache stays the per-head reference.
@@ -23,6 +24,7 @@ from foresight.bench.common import (
     LEARNED,
     DtypeName,
     OneScorer,
+    PolicyOptions,
     ReportSettings,
     bench_policy,
     budget_field,
@@ -44,7 +46,7 @@ NAME = "held-memory"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings(OneScorer, ReportSettings):
+class Settings(OneScorer, PolicyOptions, ReportSettings):
     model: str = model_field()
     dtype: DtypeName = dtype_field()
     budget: int = budget_field()
@@ -65,8 +67,16 @@ class Settings(OneScorer, ReportSettings):
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             raise ValueError("--dtype must name the model's dtype (float32, bfloat16, float16), got 'auto'")
-        selected_policies(self.policies, learned=True)
         self.learned  # several scorers: refused here
+        self.check_options()
+
+    @property
+    def policy_names(self) -> list[str]:
+        """The rows: the full cache and --policies, of which 'all' in the pooled layout is the policies it runs."""
+        names = selected_policies(self.policies, learned=True)
+        if Layout.parse(self.layout) is Layout.POOLED and self.policies == "all":
+            return [name for name in names if name == "full" or POLICIES[name].runs_pooled]
+        return names
 
 
 def _scorer(settings: Settings, shape) -> ForesightScorer:
@@ -100,8 +110,8 @@ def run(settings: Settings) -> str:
         "MiB / sequence |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in _policies(settings):
-        policy = bench_policy(name, scorer if name == LEARNED else None)
+    for name in settings.policy_names:
+        policy = bench_policy(name, scorer if name == LEARNED else None, settings.policy_options(name))
         layout = settings.layout if policy.evicts else Layout.HEADS
         held = held_bytes(shape, policy, settings.budget, settings.interval, dtype, entries=entries, layout=layout)
         parts = " | ".join(f"{held.per_entry(part):.1f}" for part in PARTS)
@@ -109,11 +119,3 @@ def run(settings: Settings) -> str:
             f"| {name} | {parts} | {held.per_entry('total'):.1f} | {held.overhead:+.1%} | {held.total / MIB:.2f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _policies(settings: Settings) -> list[str]:
-    """The rows: the full cache and --policies, of which 'all' in the pooled layout is the policies it runs."""
-    names = selected_policies(settings.policies, learned=True)
-    if Layout.parse(settings.layout) is Layout.POOLED and settings.policies == "all":
-        return [name for name in names if name == "full" or POLICIES[name].runs_pooled]
-    return names
