@@ -8,6 +8,8 @@ and every trace's losses, then compare two recordings. Two scorers compare the s
     python scripts/state_gate.py record --traces data/corpus/gsm-heldout -o runs/gate/sums.pt \\
         --option state_dtype=float16
     python scripts/state_gate.py compare runs/gate/base.pt runs/gate/sums.pt
+    # several trace sets as one: BASE NEW pairs, their traces pooled in one paired interval
+    python scripts/state_gate.py compare --pool runs/gate/base-a.pt runs/gate/sums-a.pt runs/gate/base-b.pt runs/gate/sums-b.pt
 
 Gate (one-sided, non-inferiority; 0.11.0): the upper end of the 95% paired bootstrap interval over traces of the
 change of the loss ratio on generated tokens (Σ evicted NLL / Σ full-cache NLL over the predictions of generated
@@ -158,15 +160,33 @@ def gate(base: dict, recording: dict) -> Gate:
 
 
 def compare(args: argparse.Namespace) -> None:
-    base = torch.load(args.base)
+    if args.pool:
+        if len(args.pool) % 2:
+            raise ValueError(f"--pool takes BASE NEW pairs of recordings, got {len(args.pool)} files")
+        base = _pooled([torch.load(path) for path in args.pool[::2]])
+        _print_rows(base, [_pooled([torch.load(path) for path in args.pool[1::2]])], "pooled sets: ")
+        return
+    _print_rows(torch.load(args.base), [torch.load(path) for path in args.new])
+
+
+def _pooled(recordings: list[dict]) -> dict:
+    """Recordings of other trace sets as one (their traces pooled; each set's sources named by its set)."""
+    batches = []
+    for index, recording in enumerate(recordings):
+        for batch in recording["batches"]:
+            batches.append({**batch, "sources": [f"{index}:{source}" for source in batch["sources"]]})
+    return {**recordings[0], "batches": batches}
+
+
+def _print_rows(base: dict, recordings: list[dict], label: str = "") -> None:
     print("| configuration | kept sets identical | entries in common | loss ratio | Δ loss ratio [95% paired] | gate |")
     print("|---|---:|---:|---:|---:|---|")
-    for path in args.new:
-        recording = torch.load(path)
+    for recording in recordings:
         figures = gate(base, recording)
         options = " ".join(f"{name}={value}" for name, value in recording["options"].items()) or "no option"
         if recording.get("scorer") != base.get("scorer"):
             options = f"{recording['scorer']}, {options}"
+        options = label + options
         print(
             f"| {options} (batch {recording.get('batch_size', '?')}) | {100 * figures.identity:.2f}% of "
             f"{figures.sets} | {100 * figures.common:.3f}% | {figures.new_ratio:.5f} (old {figures.old_ratio:.5f}) "
@@ -212,8 +232,11 @@ def main() -> None:
     run.add_argument("-o", "--out", required=True)
     run.set_defaults(handler=record)
     versus = commands.add_parser("compare", help="the gate's figures of recordings against a base recording")
-    versus.add_argument("base")
-    versus.add_argument("new", nargs="+")
+    versus.add_argument("base", nargs="?")
+    versus.add_argument("new", nargs="*")
+    versus.add_argument(
+        "--pool", nargs="+", default=[], metavar="FILE", help="BASE NEW pairs of other trace sets, compared as one"
+    )
     versus.set_defaults(handler=compare)
     args = parser.parse_args()
     args.handler(args)

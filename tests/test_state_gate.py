@@ -64,3 +64,13 @@ def test_a_recording_without_prompt_lengths_is_refused():
         del batch["prompts"]
     with pytest.raises(ValueError, match="a recording made before 0.11.0 holds no prompt lengths"):
         state_gate.gate(old, old)
+
+
+def test_pooled_sets_are_gated_as_one_set_of_their_traces():
+    """Two trace sets whose sources coincide pool into one paired interval over all 24 traces, each set's traces kept
+    apart; the pooled change is the token-weighted change of the two."""
+    base = recording(torch.zeros(TRACES))
+    first, second = recording(torch.full((TRACES,), 0.01)), recording(torch.full((TRACES,), -0.01))
+    pooled = state_gate.gate(state_gate._pooled([base, base]), state_gate._pooled([first, second]))
+    assert pooled.sets == 2 * state_gate.gate(base, first).sets
+    assert pooled.delta == pytest.approx(0.0, abs=1e-12) and pooled.low < 0 < pooled.high
