@@ -525,7 +525,7 @@ class Foresight(Policy):
 
     def _step_features(self, contexts: Sequence[EvictionContext]) -> torch.Tensor:
         """The candidates' features of the step's layers [layers, batch, Hkv, C, F*G]: the features of their one
-        pass as they are (no copy), else stacked."""
+        pass as they are (no copy), else stacked head-major (`_stacked`)."""
         observed = [self._observed(context) for context in contexts]
         for context in contexts:
             del self._pending[context.layer_idx]
@@ -533,7 +533,7 @@ class Foresight(Policy):
         whole = len(features) == len(observed) and all(
             passed is features and index == at for at, (_, passed, index) in enumerate(observed)
         )
-        return features if whole else torch.stack([passed[index] for _, passed, index in observed])
+        return features if whole else _stacked([passed[index] for _, passed, index in observed])
 
     def keep_scores(self, context: EvictionContext) -> torch.Tensor:
         return self.step_keep_scores([context])[0]
@@ -550,8 +550,8 @@ class Foresight(Policy):
         if step is not None and step.keys.shape[0] == len(contexts) and first == 0:  # every layer: the step's views
             keys, values = step.keys[..., candidates, :], step.values[..., candidates, :]
         else:
-            keys = torch.stack([context.keys[..., candidates, :] for context in contexts])
-            values = torch.stack([context.values[..., candidates, :] for context in contexts])
+            keys = _stacked([context.keys[..., candidates, :] for context in contexts])
+            values = _stacked([context.values[..., candidates, :] for context in contexts])
         scores = self.scorer.score_layers(first, keys, values, features)
         if self.mode == EvictionMode.DETERMINISTIC.value or contexts[0].num_candidates != self.scorer.config.budget:
             return scores  # a decode compression (more than B candidates) is taken deterministically, unrecorded
@@ -674,6 +674,13 @@ def _candidates_per_head(positions: torch.Tensor) -> torch.Tensor:
     """[batch] valid candidates per KV head of each row, of candidate positions [batch, Hkv, C]: a pooled layer's
     heads hold different counts at allocation 'layer', B on average at every step but the run's first."""
     return (positions >= 0).sum((-2, -1)) // positions.shape[1]
+
+
+def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-layer [batch, Hkv, ...] tensors as one [layers, batch, Hkv, ...] laid out head-major in memory
+    ([layers, Hkv, batch, ...]), the layout the scorer's per-(layer, head) matmuls read without another
+    copy (when the scorer's dtype is theirs; else its one casting copy)."""
+    return torch.stack([tensor.transpose(0, 1) for tensor in tensors]).transpose(1, 2)
 
 
 def _pooled(tensor: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:

@@ -193,18 +193,15 @@ in the attention features. Per entry, not over the candidates, so a recorded evi
 (`SampledEviction`) scores exactly as at sampling time."""
 
 
-def _rows(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[layers, batch, Hkv, N, W] -> [layers * batch * Hkv, N, W] in `dtype`: a view of the tensor where it is in
-    `dtype` (an eviction step's keys and values, views of the cache), else its one casting copy."""
-    return tensor.to(dtype).flatten(0, 2)
-
-
-def _per_row(weight: torch.Tensor, batch: int) -> torch.Tensor:
-    """A weight [layers, Hkv, *] for each of `batch` rows, [layers * batch * Hkv, *], as `_rows` lays inputs out:
-    a view for one row, else a copy (H/N of the inputs' size, where laying the inputs out head by head would copy
-    them instead)."""
-    count, heads = weight.shape[:2]
-    return weight.unsqueeze(1).expand(count, batch, *weight.shape[1:]).reshape(count * batch * heads, *weight.shape[2:])
+def _by_head(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[layers, batch, Hkv, N, W] -> [layers * Hkv, batch * N, W] in `dtype`: cast and laid out in one copy,
+    or a view where the tensor already is in `dtype` and that layout (one sequence at inference)."""
+    count, batch, heads, entries, width = tensor.shape
+    by_head = tensor.permute(0, 2, 1, 3, 4)
+    if tensor.dtype == dtype:
+        return by_head.reshape(count * heads, batch * entries, width)
+    grouped = torch.empty(count, heads, batch, entries, width, dtype=dtype, device=tensor.device)
+    return grouped.copy_(by_head).view(count * heads, batch * entries, width)
 
 
 class ForesightScorer(
@@ -336,18 +333,16 @@ class ForesightScorer(
         """ForesightKV Eq. 22 for every (layer, head) of `layers` at once: parts (keys, values, features)
         [layers, batch, Hkv, N, *] -> [layers, batch, Hkv, N].
 
-        Each (layer, batch row, head) is one matmul of its entries ([N, in] x [in, H]) in one batched product over
-        the inputs as they lie ([layers * batch * Hkv, N, *], `_rows`: the step's keys and values are read where
-        the cache holds them), the weights repeated for each row (`_per_row`). W1 x_n is accumulated in place from
-        its key, value and feature blocks, so neither x_n nor a partial sum of the hidden layer is ever copied: the
-        hidden layer is one tensor written three times, which on a CPU saves the page faults of fresh sums. A key
-        the standardised set reads at unit norm enters as k_n / |k_n|, normalised on the narrower side of its
-        matmul: the vectors before it (D <= H, the shipped ensembles), or its product after it (H < D, one
-        member)."""
+        Each (layer, head) is one matmul over all its batch's entries ([batch * N, in] x [in, H]), and
+        W1 x_n is accumulated in place from its key, value and feature blocks, so neither x_n nor a
+        partial sum of the hidden layer is ever copied: the hidden layer is one tensor written three
+        times, which on a CPU saves the page faults of fresh [layers * Hkv, batch * N, H] sums. A key the
+        standardised set reads at unit norm enters as k_n / |k_n|, normalised before its matmul (the
+        narrower side: D <= H for every shipped scorer)."""
         config = self.config
+        w1, b1, w2, b2 = (weight[layers].flatten(0, 1) for weight in (self.w1, self.b1, self.w2, self.b2))
         count, batch, heads, entries = parts[0].shape[:4]
-        w1, b1, w2, b2 = (_per_row(weight[layers], batch) for weight in (self.w1, self.b1, self.w2, self.b2))
-        grouped = [_rows(part, w1.dtype) for part in (parts if config.key_values else parts[2:])]
+        grouped = [_by_head(part, w1.dtype) for part in (parts if config.key_values else parts[2:])]
         if config.feature_set.projected_key_values:
             vectors, grouped = grouped[:-1], grouped[-1:]
             widths = [config.feature_width] + [config.norm_width] * bool(vectors)
@@ -359,30 +354,26 @@ class ForesightScorer(
         hidden = torch.baddbmm(b1.unsqueeze(1), grouped[features], blocks[features])
         norms = []
         for part, block in zip(grouped[:features], blocks[:features]):
-            if not config.feature_set.unit_key_values:
-                hidden.baddbmm_(part, block)
-                continue
-            norm = torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(UNIT_EPS)
-            norms.append(norm.log())
-            if block.shape[-1] < part.shape[-1]:  # a narrow scorer: its product scaled, not the vectors
-                hidden.addcdiv_(torch.bmm(part, block), norm)
-            else:
-                hidden.baddbmm_(part / norm, block)
+            if config.feature_set.unit_key_values:
+                norm = torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(UNIT_EPS)
+                part = part / norm
+                norms.append(norm.log())
+            hidden.baddbmm_(part, block)
         if vectors:  # the transfer set's projections: log‖k_n‖, log‖v_n‖, log‖W_o v_n‖
-            norms = self._projections(*vectors, layers, batch)
+            norms = self._projections(*vectors, layers)
         if config.norm_width:  # log‖k_n‖, log‖v_n‖: the scale the unit vectors leave out
             hidden.baddbmm_(torch.cat(norms, dim=-1), blocks[-1])
         scores = torch.bmm(nn.functional.gelu(hidden), w2.unsqueeze(-1)).squeeze(-1) + b2.unsqueeze(-1)
-        scores = scores.view(count, batch, heads, entries)
+        scores = scores.unflatten(0, (count, heads)).unflatten(-1, (batch, entries)).permute(0, 2, 1, 3)
         if config.residual_columns is None:
             return scores
         return scores + parts[2][..., config.residual_columns].to(scores.dtype).mean(-1)
 
     def _projections(
-        self, keys: torch.Tensor, values: torch.Tensor, layers: slice | torch.Tensor, batch: int
+        self, keys: torch.Tensor, values: torch.Tensor, layers: slice | torch.Tensor
     ) -> list[torch.Tensor]:
-        """log‖k_n‖, log‖v_n‖ and log‖W_o v_n‖ of keys, values [layers * batch * Hkv, N, D], each [..., 1]."""
-        factors = _per_row(self.output_factors[layers], batch).to(values.dtype)  # [layers * batch * Hkv, D, D]
+        """log‖k_n‖, log‖v_n‖ and log‖W_o v_n‖ of keys, values [layers * Hkv, batch * N, D], each [..., 1]."""
+        factors = self.output_factors[layers].flatten(0, 1).to(values.dtype)  # [layers * Hkv, D, D]
         outputs = torch.bmm(values, factors.transpose(-1, -2))
         return [
             torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(UNIT_EPS).log() for x in (keys, values, outputs)
