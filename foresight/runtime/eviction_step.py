@@ -239,8 +239,7 @@ class EvictionStep:
         for context, state in zip(contexts, states, strict=True):
             context.state.update(state)
         if rows is None and view is None:
-            layers = {name: cache.stacked(name).unbind(0) for name in states[0]}  # every layer's views at once
-            targets = [layers[name][index] for index, state in enumerate(states) for name in state]
+            targets = [layer.state[name] for layer, state in zip(cache.layers, states) for name in state]
             if targets:
                 torch._foreach_copy_(targets, [value for state in states for value in state.values()])
             return
