@@ -66,8 +66,7 @@ class Settings(ReportSettings):
             raise ValueError(f"--scorer: compare at least two scorers, got {len(self.folders)}")
         if self.driver is not None and self.driver not in self.folders:
             raise ValueError(f"--driver {self.driver!r} is none of the scorers {', '.join(self.folders)}")
-        if self.split is not None and self.split_members is None:
-            raise AssertionError("unreachable: split_members raises on a malformed --split")
+        _ = self.split_members  # a malformed --split is refused before any replay
         Regime.parse(self.regime)
 
     @property
