@@ -71,17 +71,56 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
     assert sorted(scored) == sorted(set(scored))  # each trace once, in the fold of its family
     by_family = Counter(trace.source for trace in TraceStore(corpus) if trace.index in scored)
     assert len(by_family) == FAMILIES and set(by_family.values()) == {3}  # per_family: the first 3 of each
-    assert "| base | " in report and "| wide | " in report and "### decode regime, held-out families" in report
+    assert "| base | 3 of 3 | " in report and "| wide | 3 of 3 | " in report
+    assert "### decode regime, held-out families" in report
     assert not list((tmp_path / "work" / "decode").glob("examples*"))  # each cache removed after its fits
     assert run(settings) == report  # finished fits and evaluations are read again, not redone
     replays = sorted((tmp_path / "work" / "decode").glob("eval-fold-*-first3/replays/base/*/batch-*.pt"))
     kept = {path: path.stat().st_mtime_ns for path in replays}
     student = "late=model.hidden=4;model.teacher={fold_scorer:base}"  # one member distilled from the fold's base
-    later = run(dataclasses.replace(settings, variant=(*settings.variant, student)))
-    assert "| late | " in later and report.split("| base | ")[1].split("\n")[0] in later
+    later_settings = dataclasses.replace(settings, variant=(*settings.variant, student))
+    later = run(later_settings)
+    assert "| late | 3 of 3 | " in later and report.split("| base | ")[1].split("\n")[0] in later
     card = (tmp_path / "work" / "decode" / "late" / "fold-1" / "scorer" / "README.md").read_text()
     assert f"the teacher {tmp_path / 'work' / 'decode' / 'base' / 'fold-1' / 'scorer'}" in card
     assert kept and {path: path.stat().st_mtime_ns for path in replays} == kept  # only the new variant replayed
+
+
+def test_a_fold_study_resumes_on_a_fresh_machine_from_its_record_alone(corpus, tmp_path, tiny_dir):
+    settings = Settings(
+        traces=corpus,
+        folds=FAMILIES,
+        config=tiny_config(tmp_path / "tiny.yaml", tiny_dir, holdout=0.0),
+        variant=("base=model.hidden=4",),
+        regime=("decode",),
+        per_family=2,
+        test_sets=tmp_path / "no-test-sets",
+        work=tmp_path / "work",
+        record=tmp_path / "record",
+        out=tmp_path / "folds.md",
+    )
+    report = run(settings)
+    files = {path.name: path.read_text() for path in sorted((tmp_path / "record").iterdir())}
+    assert sorted(files) == [f"decode-fold-{fold}.json" for fold in range(FAMILIES)]
+    rows = [json.loads(text) for text in files.values()]
+    assert {row["variants"]["base"] for row in rows} == {"model.hidden=4"}
+    token_sets = {entry[row["columns"].index("token_set")] for row in rows for entry in row["rows"]}
+    assert token_sets == {"generated", "all"}
+    shutil.rmtree(tmp_path / "work")  # the machine is gone; the record was committed
+    assert run(settings) == report
+    assert not (tmp_path / "work").exists()  # nothing fitted, labelled or replayed again
+    student = dataclasses.replace(settings, variant=(*settings.variant, "late=model.teacher={fold_scorer:base}"))
+    assert "| late | 3 of 3 | " in run(student)  # its teacher refitted, since the teacher's fit was gone
+    assert (tmp_path / "work" / "decode" / "base" / "fold-0" / "scorer" / "config.json").is_file()
+    for changed, message in (
+        (dataclasses.replace(settings, variant=("base=model.hidden=8",)), "records variant 'base' as 'model.hidden=4'"),
+        (dataclasses.replace(settings, per_family=3), r"made with other settings \(per_family=2, not 3\)"),
+    ):
+        before = {path.name: path.read_text() for path in (tmp_path / "record").iterdir()}
+        with pytest.raises(Exception, match=message) as error:
+            run(changed)
+        assert "\n" not in str(error.value)
+        assert {path.name: path.read_text() for path in (tmp_path / "record").iterdir()} == before
 
 
 def test_a_variant_reading_a_later_or_unlike_scorer_is_refused_in_one_line(corpus, tmp_path):

@@ -13,12 +13,13 @@ A variant is NAME=OVERRIDES, the fit config's overrides joined by `;` (`wide=mod
 `base=` for the config as it is); `{fold_scorer:NAME}` in an override names the same fold's scorer of an earlier
 variant (`student=ensemble.members=1;model.teacher={fold_scorer:base}`: one member distilled from the ensemble).
 
-Fits and evaluations land under --work, one folder per (regime, variant, fold),
-and a finished one is read again, never redone, so a stopped study resumes and a variant added later is fitted
+Fits and evaluations land under --work, one folder per (regime, variant, fold), and every trace score goes into
+the record (--record, `record.py`: small files kept in the repository), so a stopped study resumes on any machine:
+a fold whose every policy is recorded is neither fitted nor replayed again, and a variant added later is fitted
 and replayed alone. The variants that make their examples alike (the same `data.` overrides) share one example
-cache, made once for every fold; the fits run cache by cache and each cache is removed after its fits (one holds
-every step's candidate keys and values: about 4.5 GB for the 755 traces of `train66` in the decode regime), unless
---keep-examples.
+cache, made once for every fold; the work runs cache by cache, fold by fold (each fold's fits, then its
+evaluation, then its record), and each cache is removed after its folds (one holds every step's candidate keys
+and values: 28-32 GB for the 755 traces of `train66`), unless --keep-examples.
 
     python -m studies folds --traces data/corpus/train66 --folds 5 --config configs/default.yaml \\
         --variant base= --variant one=ensemble.members=1 --regime decode --regime streaming
@@ -33,16 +34,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from foresight.bench.common import ReportSettings
 from foresight.cli import main as foresight
 from foresight.data.corpus import refuse_test_families, test_set_folders
 from foresight.data.trace_store import TraceStore, folder_sources
-from foresight.eval.headroom import REFERENCE_HEURISTICS, TraceScore, headroom, percent
+from foresight.eval.headroom import ORACLE, REFERENCE, REFERENCE_HEURISTICS, TraceScore, headroom, percent
 from foresight.eval.metric_registry import TokenSet
-from foresight.scorer.model import read_scorer_config
+from foresight.eval.specs import LEARNED
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
+from studies.folds.record import FoldRecord, file_digest
 
 NAME = "folds"
 CORPUS = Path("data/corpus")
@@ -63,6 +66,10 @@ class Settings(ReportSettings):
     )
     test_sets: Path = field(default=CORPUS, metadata={"help": "the folder whose unseen-* trace folders are test sets"})
     work: Path = field(default=Path("runs/folds"), metadata={"help": "folder of the fits and evaluations"})
+    record: Path | None = field(
+        default=None,
+        metadata={"help": "folder of the trace scores the study resumes from on any machine (default: WORK/record)"},
+    )
     batch_size: int = field(default=4, metadata={"help": "traces replayed together by each evaluation"})
     keep_examples: bool = field(
         default=False,
@@ -123,30 +130,43 @@ def run(settings: Settings) -> str:
     families = folder_sources(settings.traces)
     assignment = deal_folds(families, settings.folds, settings.fold_seed)
     held = {fold: sorted(family for family, k in assignment.items() if k == fold) for fold in range(settings.folds)}
+    record = FoldRecord(settings.record or settings.work / "record", _study(settings), settings.variants)
     sections = [f"Command: `{settings.command}`", "", _fold_table(assignment, settings.traces)]
     for regime in settings.regime:
-        scorers: dict[int, dict[str, Path]] = {fold: {} for fold in held}
         for examples, variants in _by_examples(settings, regime).items():
             for fold, families in held.items():
-                for name, overrides in variants:
-                    scorers[fold][name] = _fitted(settings, regime, name, overrides, fold, families, examples)
+                missing = [name for name in variants if not record.holds(regime, fold, name, families)]
+                reference = not record.holds(regime, fold, ORACLE, families)
+                if missing or reference:
+                    scorers = {name: _fitted(settings, regime, name, fold, families, examples) for name in missing}
+                    record.add(regime, fold, _evaluated(settings, regime, fold, families, scorers, reference))
             if not settings.keep_examples:
                 shutil.rmtree(examples, ignore_errors=True)
-        scores = []
-        for fold, families in held.items():
-            ordered = {name: scorers[fold][name] for name in settings.variants}
-            scores += _evaluated(settings, regime, fold, families, ordered)
-        sections.append(_regime_table(regime, scores, list(settings.variants), assignment))
+        scores = {fold: record.scores(regime, fold) for fold in held}
+        sections.append(_regime_table(regime, scores, list(settings.variants), held))
     return "\n\n".join(sections)
 
 
-def _fitted(
-    settings: Settings, regime: str, name: str, overrides: list[str], fold: int, held: list[str], examples: Path
-) -> Path:
-    """The scorer of one variant fitted without fold `fold`'s families (a finished fit is read, not redone)."""
+def _study(settings: Settings) -> dict[str, object]:
+    """What makes two runs one study: the corpus, the deal of its families, the scored sample and the fit config."""
+    return {
+        "corpus": file_digest(settings.traces / "manifest.json"),
+        "folds": settings.folds,
+        "fold_seed": settings.fold_seed,
+        "per_family": settings.per_family,
+        "config": file_digest(settings.config),
+    }
+
+
+def _fitted(settings: Settings, regime: str, name: str, fold: int, held: list[str], examples: Path) -> Path:
+    """The scorer of variant `name` fitted without fold `fold`'s families (a finished fit is read, not redone),
+    after the scorers its overrides read (`{fold_scorer:NAME}`)."""
     out = settings.work / regime / name / f"fold-{fold}"
     scorer = out / "scorer"
     if not (scorer / "config.json").is_file():
+        overrides = settings.variants[name]
+        for earlier in re.findall(r"\{fold_scorer:([^}]+)\}", ";".join(overrides)):
+            _fitted(settings, regime, earlier, fold, held, examples)
         own = [_placed(override, settings, regime, fold) for override in overrides]
         sets = [f"data.exclude_sources={json.dumps(held)}", f"data.examples_dir={examples}", *own]
         words = ["fit", "--config", str(settings.config), "--traces", str(settings.traces), "--out", str(out)]
@@ -164,11 +184,11 @@ def _placed(override: str, settings: Settings, regime: str, fold: int) -> str:
     )
 
 
-def _by_examples(settings: Settings, regime: str) -> dict[Path, list[tuple[str, list[str]]]]:
-    """The variants grouped by the example cache they read (`_examples`), in the order they first appear."""
-    groups: dict[Path, list[tuple[str, list[str]]]] = {}
+def _by_examples(settings: Settings, regime: str) -> dict[Path, list[str]]:
+    """The variants' names grouped by the example cache they read (`_examples`), in the order they first appear."""
+    groups: dict[Path, list[str]] = {}
     for name, overrides in settings.variants.items():
-        groups.setdefault(_examples(settings, regime, overrides), []).append((name, overrides))
+        groups.setdefault(_examples(settings, regime, overrides), []).append(name)
     return groups
 
 
@@ -185,46 +205,33 @@ def _made(overrides: list[str]) -> list[str]:
 
 
 def _evaluated(
-    settings: Settings, regime: str, fold: int, held: list[str], scorers: dict[str, Path]
+    settings: Settings, regime: str, fold: int, held: list[str], scorers: dict[str, Path], reference: bool
 ) -> list[TraceScore]:
-    """Fold `fold`'s traces replayed under the reference list, golden and every variant; their trace scores. A
-    variant added to a finished study replays only itself: the evaluation keeps each policy's replays."""
+    """Fold `fold`'s traces replayed under every variant of `scorers` and, with `reference`, the full cache, golden
+    and the reference list; their trace scores. The evaluation keeps each policy's replays, so a policy replayed
+    earlier on this machine is read, not replayed again."""
     sample = "" if settings.per_family is None else f"-first{settings.per_family}"
     out = settings.work / regime / f"eval-fold-{fold}{sample}"
-    if not _holds(out / "traces.json", scorers):
-        config = read_scorer_config(next(iter(scorers.values())) / "config.json")
-        policies = ",".join(["full", "golden", *REFERENCE_HEURISTICS])
-        words = ["eval", "--traces", str(settings.traces), "--sources", ",".join(held), "--regime", regime]
-        words += ["-B", str(config.budget), "-L", str(config.interval), "--policies", policies, "--out", str(out)]
-        if settings.per_family is not None:
-            words += ["--per-source", str(settings.per_family)]
-        words += [
-            "--batch-size",
-            str(settings.batch_size),
-            *(w for n, s in scorers.items() for w in ("--scorer", f"{n}={s}")),
-        ]
-        _run(
-            [
-                "labels",
-                "--traces",
-                str(settings.traces),
-                "-B",
-                str(config.budget),
-                "-L",
-                str(config.interval),
-                "--regime",
-                regime,
-            ]
-        )
-        _run(words)
-    return [TraceScore(**entry) for entry in json.loads((out / "traces.json").read_text())]
+    budget, interval = (str(_fit_data(settings.config)[key]) for key in ("budget", "interval"))
+    _run(["labels", "--traces", str(settings.traces), "-B", budget, "-L", interval, "--regime", regime])
+    policies = ",".join([REFERENCE, ORACLE, *REFERENCE_HEURISTICS] if reference else [LEARNED])
+    words = ["eval", "--traces", str(settings.traces), "--sources", ",".join(held), "--regime", regime]
+    words += ["-B", budget, "-L", interval, "--policies", policies, "--out", str(out)]
+    if settings.per_family is not None:
+        words += ["--per-source", str(settings.per_family)]
+    words += [
+        "--batch-size",
+        str(settings.batch_size),
+        *(w for n, s in scorers.items() for w in ("--scorer", f"{n}={s}")),
+    ]
+    _run(words)
+    asked = {*scorers, *([REFERENCE, ORACLE, *REFERENCE_HEURISTICS] if reference else [])}
+    return [TraceScore(**entry) for entry in json.loads((out / "traces.json").read_text()) if entry["policy"] in asked]
 
 
-def _holds(scores: Path, scorers: dict[str, Path]) -> bool:
-    """Whether an evaluation's traces.json holds a row of every variant."""
-    if not scores.is_file():
-        return False
-    return set(scorers) <= {entry["policy"] for entry in json.loads(scores.read_text())}
+def _fit_data(config: Path) -> dict:
+    """The `data` section of a fit config (its budget and interval are the study's)."""
+    return yaml.safe_load(config.read_text())["data"]
 
 
 def _run(words: list[str]) -> None:
@@ -241,24 +248,32 @@ def _fold_table(assignment: dict[str, int], traces: Path) -> str:
     return "\n".join(lines)
 
 
-def _regime_table(regime: str, scores: list[TraceScore], variants: list[str], assignment: dict[str, int]) -> str:
-    """Per variant: the share of the headroom on generated and all tokens over every held-out trace, then per fold."""
-    budgets = sorted({s.budget for s in scores})
+def _regime_table(
+    regime: str, scores: dict[int, list[TraceScore]], variants: list[str], held: dict[int, list[str]]
+) -> str:
+    """Per variant: the share of the headroom on generated and all tokens over the held-out traces of every fold it
+    has scores for (a study in progress says how many), then per fold."""
     lines = [
         f"### {regime} regime, held-out families",
         "",
-        "| variant | generated tokens | all tokens | per fold (generated) |",
-        "|---|---:|---:|---|",
+        "| variant | folds | generated tokens | all tokens | per fold (generated) |",
+        "|---|---:|---:|---:|---|",
     ]
     for name in variants:
-        cells = []
-        for token_set in (TokenSet.GENERATED, TokenSet.ALL):
-            found = headroom(scores, budgets[0], name, variants, token_set=token_set)
-            cells.append("–" if found is None else percent(found.share, 1))
-        folds = []
-        for fold in sorted(set(assignment.values())):
-            own = [s for s in scores if assignment.get(s.source) == fold]
-            found = headroom(own, budgets[0], name, variants, token_set=TokenSet.GENERATED)
-            folds.append("–" if found is None else f"{found.share.value:.1%}")
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {', '.join(folds)} |")
+        done = [
+            fold for fold, rows in scores.items() if {r.source for r in rows if r.policy == name} >= set(held[fold])
+        ]
+        pooled = [row for fold in done for row in scores[fold]]
+        cells = [_share(pooled, name, variants, token_set) for token_set in (TokenSet.GENERATED, TokenSet.ALL)]
+        folds = [_share(scores[fold], name, variants, TokenSet.GENERATED, short=True) for fold in sorted(scores)]
+        lines.append(f"| {name} | {len(done)} of {len(scores)} | {cells[0]} | {cells[1]} | {', '.join(folds)} |")
     return "\n".join(lines)
+
+
+def _share(scores: list[TraceScore], name: str, variants: list[str], token_set: TokenSet, short: bool = False) -> str:
+    """A variant's share of the headroom over `scores` (with its interval unless `short`), or – where not scored."""
+    budgets = sorted({s.budget for s in scores})
+    found = headroom(scores, budgets[0], name, variants, token_set=token_set) if budgets else None
+    if found is None:
+        return "–"
+    return f"{found.share.value:.1%}" if short else percent(found.share, 1)
