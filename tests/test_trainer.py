@@ -474,6 +474,25 @@ def test_fit_on_another_label_kind_makes_and_reads_its_own_labels_and_examples(t
     assert json.loads((out / "examples" / "examples.json").read_text())["label_kind"] == "value"
 
 
+def test_a_fit_on_the_first_traces_of_each_source_labels_and_caches_only_those(tmp_path, tiny_dir, fresh_traces):
+    """`data.per_source: N` (a fold study's training sample): labels, examples and the fit read the first N traces of
+    each prompt source, by problem index, and nothing else."""
+    config = tiny_config(tmp_path / "tiny.yaml", tiny_dir)
+    out = tmp_path / "sample"
+    assert cli.main(fit_args(config, out, fresh_traces, "data.per_source=3", "trainer.max_steps=2")) == 0
+    first = [trace.index for trace in TraceStore(fresh_traces).first_of_each(3) if trace.input_ids.numel() >= B + L_]
+    labelled = sorted(LabelStore(fresh_traces, B, L_).directory.glob("trace-*.safetensors"))
+    cached = sorted((out / "examples").glob("trace-*.safetensors"))
+    assert (
+        [path.name for path in labelled]
+        == [path.name for path in cached]
+        == [f"trace-{index:06d}.safetensors" for index in first]
+    )
+    assert 0 < len(first) < len(TraceStore(fresh_traces))
+    with pytest.raises(ValueError, match=r"per_source must be at least 1 \(or null for every trace\), got 0"):
+        GoldenDataModule(str(fresh_traces), B, L_, model=str(tiny_dir), per_source=0)
+
+
 def test_fit_runs_the_verbs_steps_and_resumes_each(tmp_path, tiny_dir, capsys, monkeypatch):
     """Traces from the recipe, labels, features and training, each step printed; a rerun finds every step
     done (loading no model) and resumes the training; data the verbs made is data fit finds made."""

@@ -139,6 +139,9 @@ class GoldenDataModule(TraceSplitDataModule):
       config records it.
     exclude_sources: prompt sources whose traces are never read (`TraceSplitDataModule`); the example cache
       still holds them, so every fold of a fold study reads one cache.
+    per_source: read only the first N traces (by problem index) of each prompt source, and label and cache only
+      those (None: every trace): a sample of every family, whose labels and examples a machine makes in a
+      fraction of the corpus's time.
     device, dtype: where and in which dtype the frozen model runs, for the features (the dtype is part
       of the cache's key) or the replay.
     replay_batch_size: traces replayed together through the frozen model.
@@ -174,8 +177,12 @@ class GoldenDataModule(TraceSplitDataModule):
         label_kind: str = LabelKind.ALPHA.value,
         regime: str = Regime.STREAMING.value,
         exclude_sources: list[str] | None = None,
+        per_source: int | None = None,
     ) -> None:
         super().__init__(traces_dir, budget, interval, model, holdout, split_seed, batch_size, exclude_sources)
+        if per_source is not None and per_source < 1:
+            raise ValueError(f"per_source must be at least 1 (or null for every trace), got {per_source}")
+        self.per_source = per_source
         if replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be at least 1, got {replay_batch_size}")
         if num_workers is not None and num_workers < 0:
@@ -226,7 +233,8 @@ class GoldenDataModule(TraceSplitDataModule):
         if self.train is not None:
             return
         store = self.open_store()
-        traces = [trace for trace in store if self._num_steps(trace) and self.reads(trace)]
+        sample = store if self.per_source is None else store.first_of_each(self.per_source)
+        traces = [trace for trace in sample if self._num_steps(trace) and self.reads(trace)]
         if not traces:
             raise ValueError(
                 f"no trace of {self.traces_dir} reaches B + L = {self.budget + self.interval} tokens, so none has an "
@@ -268,6 +276,8 @@ class GoldenDataModule(TraceSplitDataModule):
         }
         if self.on_policy:
             self._summary["on-policy examples"] = f"{len(self.on_policy)} round(s) of the scorer's own trajectories"
+        if self.per_source is not None:
+            self._summary["sample"] = f"the first {self.per_source} traces of each prompt source"
         if self.excluded_sources:
             self._summary["sources never read"] = ", ".join(sorted(self.excluded_sources))
         self.train_indices = [trace.index for trace in splits["train"]]

@@ -131,16 +131,19 @@ def make_labels(
     progress: bool = True,
     kind: LabelKind | str = LabelKind.ALPHA,
     regime: Regime | str = Regime.STREAMING,
+    per_source: int | None = None,
 ) -> StepSummary:
     """`foresight labels`: the golden labels (of label kind `kind`, on the steps of `regime`) of every trace of
-    `traces_dir` long enough to have an eviction step.
+    `traces_dir` long enough to have an eviction step (of the first `per_source` of each prompt source when given:
+    a fit's sample of every family).
 
     Processes started on one folder (or the ranks of a `torchrun` launch) share its traces by per-trace claims
     (`foresight.artifacts.claimed`): each trace is labelled by one of them, a trace claimed by a killed process
     is taken over, and each returns when the folder is complete, with the files one process would write."""
     started = time.perf_counter()
-    traces = TraceStore(traces_dir)
-    traces.require_model(frozen.name)
+    folder = TraceStore(traces_dir)
+    folder.require_model(frozen.name)
+    traces = folder if per_source is None else folder.first_of_each(per_source)
     store = LabelStore(traces_dir, budget, interval, kind, regime)
 
     def problem(trace: Trace) -> str | None:

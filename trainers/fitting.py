@@ -122,11 +122,16 @@ def prepare(request: FitRequest, cli=None):
             progress=show,
             kind=data.labels.kind,
             regime=data.regime,
+            per_source=data.per_source,
         )
         _report("labels", labels, show)
         if data.examples is not None:
             examples = make_examples(
-                data.frozen, data.examples, replay_batch_size=data.replay_batch_size, progress=show
+                data.frozen,
+                data.examples,
+                replay_batch_size=data.replay_batch_size,
+                progress=show,
+                per_source=data.per_source,
             )
             _report("examples", examples, show)
     return cli

@@ -60,13 +60,20 @@ class SeedEnsemble:
 
 
 def make_examples(
-    frozen: FrozenModel, cache: ExampleCache, *, replay_batch_size: int = 4, progress: bool = True
+    frozen: FrozenModel,
+    cache: ExampleCache,
+    *,
+    replay_batch_size: int = 4,
+    progress: bool = True,
+    per_source: int | None = None,
 ) -> StepSummary:
-    """`foresight examples`: the training examples of every labelled trace of the cache's traces folder,
-    replayed `replay_batch_size` traces at a time (similar lengths together)."""
+    """`foresight examples`: the training examples of every labelled trace of the cache's traces folder (of the
+    first `per_source` of each prompt source when given), replayed `replay_batch_size` traces at a time (similar
+    lengths together)."""
     started = time.perf_counter()
     key = cache.key
-    traces = _opened_traces(frozen, cache, replay_batch_size)
+    folder = _opened_traces(frozen, cache, replay_batch_size)
+    traces = folder if per_source is None else folder.first_of_each(per_source)
     labels = LabelStore(cache.traces_dir, key.budget, key.interval, key.label_kind, key.regime)
     plan = StepPlan.of(traces, key.budget, key.interval, cache.problem, labels.regime)
     for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay

@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="label kind: alpha (Eq. 5), value, gradient, gradient-magnitude or removal (docs/algorithms.md §4); "
         "in the folder's name",
     )
+    parser.add_argument(
+        "--per-source",
+        type=int,
+        default=None,
+        metavar="N",
+        help="label only the first N traces (by index) of each prompt source (default: all of them)",
+    )
     add_regime_argument(parser)
     refuse_old_spelling(parser, "--kind", "--label-kind")
 
@@ -55,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             kind=args.kind,
             regime=args.regime,
+            per_source=args.per_source,
         ).describe()
     )
     return 0

@@ -464,6 +464,13 @@ class TraceView:
         """How many traces come from each source."""
         return Counter(self._dataset["source"])
 
+    def first_of_each(self, count: int) -> TraceView:
+        """The first `count` traces (by problem index) of each source, in order: a sample of every family that does
+        not change as a folder gains shards of later problems."""
+        if count < 1:
+            raise ValueError(f"per_source must be at least 1, got {count}")
+        return self._subset(_first_of_each(self._dataset, count))
+
     def where(self, keep: Callable[[Trace], bool]) -> TraceView:
         """The traces for which ``keep`` is true, in order."""
         return self._subset(np.flatnonzero([keep(trace) for trace in self]))
@@ -509,9 +516,7 @@ def select_traces(
             raise ValueError(f"no trace of source {', '.join(unknown)}; the folder holds {', '.join(sorted(held))}")
         view = view.where(lambda trace: trace.source in sources)
     if per_source is not None:
-        if per_source < 1:
-            raise ValueError(f"--per-source must be at least 1, got {per_source}")
-        view = view._subset(_first_of_each(view.dataset(), per_source))
+        view = view.first_of_each(per_source)
     if max_traces is not None:
         if max_traces < 1:
             raise ValueError(f"--max-traces must be at least 1, got {max_traces}")

@@ -17,8 +17,8 @@ Fits and evaluations land under --work, one folder per (regime, variant, fold), 
 the record (--record, `record.py`: small files kept in the repository), so a stopped study resumes on any machine:
 a fold whose every policy is recorded is neither fitted nor replayed again, and a variant added later is fitted
 and replayed alone. The variants that make their examples alike (the same `data.` overrides) share one example
-cache, made once for every fold; the work runs cache by cache, fold by fold (each fold's fits, then its
-evaluation, then its record), and each cache is removed after its folds (one holds every step's candidate keys
+cache, made once for every fold; the work runs cache by cache, variant by variant, fold by fold (a fold's fit,
+then its evaluation, then its record), and each cache is removed after its variants (one holds every step's candidate keys
 and values: 28-32 GB for the 755 traces of `train66`), unless --keep-examples.
 
     python -m studies folds --traces data/corpus/train66 --folds 5 --config configs/default.yaml \\
@@ -81,13 +81,21 @@ class Settings(ReportSettings):
     per_family: int | None = field(
         default=None, metadata={"help": "score only the first N traces of each held-out family (default: all)"}
     )
+    train_per_family: int | None = field(
+        default=None,
+        metadata={
+            "help": "fit on the first N traces of each training family only, and label and cache only those "
+            "(default: all; the fits' `data.per_source`)"
+        },
+    )
 
     def __post_init__(self) -> None:
         self.variants  # a malformed variant is refused here
         if self.folds < 2:
             raise ValueError(f"--folds {self.folds}: a fold study needs at least 2 folds")
-        if self.per_family is not None and self.per_family < 1:
-            raise ValueError(f"--per-family {self.per_family}: score at least 1 trace of each family, or leave it out")
+        for name, value in (("--per-family", self.per_family), ("--train-per-family", self.train_per_family)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} {value}: take at least 1 trace of each family, or leave it out")
 
     @property
     def variants(self) -> dict[str, list[str]]:
@@ -134,12 +142,13 @@ def run(settings: Settings) -> str:
     sections = [f"Command: `{settings.command}`", "", _fold_table(assignment, settings.traces)]
     for regime in settings.regime:
         for examples, variants in _by_examples(settings, regime).items():
-            for fold, families in held.items():
-                missing = [name for name in variants if not record.holds(regime, fold, name, families)]
-                reference = not record.holds(regime, fold, ORACLE, families)
-                if missing or reference:
-                    scorers = {name: _fitted(settings, regime, name, fold, families, examples) for name in missing}
-                    record.add(regime, fold, _evaluated(settings, regime, fold, families, scorers, reference))
+            for name in variants:  # variant by variant: a row of the table is whole before the next one starts
+                for fold, families in held.items():
+                    if record.holds(regime, fold, name, families):
+                        continue
+                    scorer = {name: _fitted(settings, regime, name, fold, families, examples)}
+                    reference = not record.holds(regime, fold, ORACLE, families)
+                    record.add(regime, fold, _evaluated(settings, regime, fold, families, scorer, reference))
             if not settings.keep_examples:
                 shutil.rmtree(examples, ignore_errors=True)
         scores = {fold: record.scores(regime, fold) for fold in held}
@@ -154,6 +163,7 @@ def _study(settings: Settings) -> dict[str, object]:
         "folds": settings.folds,
         "fold_seed": settings.fold_seed,
         "per_family": settings.per_family,
+        "train_per_family": settings.train_per_family,
         "config": file_digest(settings.config),
     }
 
@@ -169,6 +179,8 @@ def _fitted(settings: Settings, regime: str, name: str, fold: int, held: list[st
             _fitted(settings, regime, earlier, fold, held, examples)
         own = [_placed(override, settings, regime, fold) for override in overrides]
         sets = [f"data.exclude_sources={json.dumps(held)}", f"data.examples_dir={examples}", *own]
+        if settings.train_per_family is not None:
+            sets.append(f"data.per_source={settings.train_per_family}")
         words = ["fit", "--config", str(settings.config), "--traces", str(settings.traces), "--out", str(out)]
         _run([*words, "--regime", regime, *(word for s in sets for word in ("--set", s))])
     return scorer
@@ -213,12 +225,11 @@ def _evaluated(
     sample = "" if settings.per_family is None else f"-first{settings.per_family}"
     out = settings.work / regime / f"eval-fold-{fold}{sample}"
     budget, interval = (str(_fit_data(settings.config)[key]) for key in ("budget", "interval"))
-    _run(["labels", "--traces", str(settings.traces), "-B", budget, "-L", interval, "--regime", regime])
+    scored = [] if settings.per_family is None else ["--per-source", str(settings.per_family)]
+    _run(["labels", "--traces", str(settings.traces), "-B", budget, "-L", interval, "--regime", regime, *scored])
     policies = ",".join([REFERENCE, ORACLE, *REFERENCE_HEURISTICS] if reference else [LEARNED])
     words = ["eval", "--traces", str(settings.traces), "--sources", ",".join(held), "--regime", regime]
-    words += ["-B", budget, "-L", interval, "--policies", policies, "--out", str(out)]
-    if settings.per_family is not None:
-        words += ["--per-source", str(settings.per_family)]
+    words += ["-B", budget, "-L", interval, "--policies", policies, "--out", str(out), *scored]
     words += [
         "--batch-size",
         str(settings.batch_size),
