@@ -35,6 +35,12 @@ def corpus(tmp_path_factory, tiny_dir) -> Path:
     return out
 
 
+def recorded(path: Path) -> list[dict]:
+    """The trace scores of one record file, as dicts."""
+    stored = json.loads(path.read_text())
+    return [dict(zip(stored["columns"], row, strict=True)) for row in stored["rows"]]
+
+
 def test_families_are_dealt_into_folds_of_near_equal_size():
     families = [f"f{i}" for i in range(7)]
     folds = deal_folds(families, 3, seed=0)
@@ -60,7 +66,7 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
     report = run(settings)
     scored = []
     for fold in range(FAMILIES):
-        entries = json.loads((tmp_path / "work" / "decode" / f"eval-fold-{fold}-first3" / "traces.json").read_text())
+        entries = recorded(tmp_path / "work" / "record" / f"decode-fold-{fold}.json")
         for name in ("base", "wide"):
             trained = set(
                 load_scorer(tmp_path / "work" / "decode" / name / f"fold-{fold}" / "scorer").config.training_sources
@@ -99,7 +105,11 @@ def test_a_fold_study_resumes_on_a_fresh_machine_from_its_record_alone(corpus, t
         record=tmp_path / "record",
         out=tmp_path / "folds.md",
     )
+    run(dataclasses.replace(settings, fold=(0,)))  # one process's share: fold 0 alone
+    assert [path.name for path in (tmp_path / "record").iterdir()] == ["decode-fold-0.json"]
+    assert list((tmp_path / "work" / "decode").glob("examples*"))  # kept: the other folds' processes read it
     report = run(settings)
+    assert not list((tmp_path / "work" / "decode").glob("examples*"))  # every fold done: removed
     files = {path.name: path.read_text() for path in sorted((tmp_path / "record").iterdir())}
     assert sorted(files) == [f"decode-fold-{fold}.json" for fold in range(FAMILIES)]
     rows = [json.loads(text) for text in files.values()]
@@ -123,13 +133,15 @@ def test_a_fold_study_resumes_on_a_fresh_machine_from_its_record_alone(corpus, t
         assert {path.name: path.read_text() for path in (tmp_path / "record").iterdir()} == before
 
 
-def test_a_variant_reading_a_later_or_unlike_scorer_is_refused_in_one_line(corpus, tmp_path):
-    for variants, message in (
-        (("a=model.teacher={fold_scorer:b}", "b="), "reads variant 'b'"),
-        (("b=data.feature_set=transfer", "a=model.teacher={fold_scorer:b}"), "whose examples differ"),
+def test_a_variant_reading_a_later_or_unlike_scorer_or_a_fold_outside_is_refused_in_one_line(corpus, tmp_path):
+    for options, message in (
+        ({"variant": ("a=model.teacher={fold_scorer:b}", "b=")}, "reads variant 'b'"),
+        ({"variant": ("b=data.feature_set=transfer", "a=model.teacher={fold_scorer:b}")}, "whose examples differ"),
+        ({"folds": 3, "fold": (1, 3)}, r"--fold 3: the folds are 0\.\.2"),
+        ({"train_per_family": 0}, "--train-per-family 0: take at least 1 trace of each family"),
     ):
         with pytest.raises(ValueError, match=message) as error:
-            Settings(traces=corpus, variant=variants)
+            Settings(traces=corpus, **options)
         assert "\n" not in str(error.value)
 
 

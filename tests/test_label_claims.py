@@ -1,5 +1,6 @@
-"""Labelling that scales out: processes on one traces folder share its traces by per-trace claims
-(`foresight.artifacts.claimed` in `trainers.data_stage.make_labels`)."""
+"""Labelling and example making that scale out: processes on one traces folder share its traces by per-trace
+claims (`foresight.artifacts.claimed` in `trainers.data_stage.make_labels`), processes on one example cache its
+replay batches (`trainers.preparation.make_examples`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from foresight.commands.labels import rank_placement
 from foresight.data.trace_store import TraceStore
 from foresight.labels import LabelStore
 from trainers.data_stage import FrozenModel, make_labels
+from trainers.example_cache import ExampleCache, ExampleKey
+from trainers.preparation import make_examples
 
 B, L_ = 16, 4
 HOLD_A_CLAIM = """
@@ -54,6 +57,32 @@ def meeting_once(*args, **kwargs):
 data_stage.compute_golden_labels = meeting_once
 summary = data_stage.make_labels(data_stage.FrozenModel(model), traces, 16, 4, progress=False)
 print(json.dumps({"made": summary.made, "by_others": summary.by_others, "line": summary.describe()}))
+"""
+
+
+EXAMPLER = """
+import json, sys, time
+from pathlib import Path
+from trainers import preparation
+from trainers.example_cache import ExampleCache, ExampleKey
+
+traces, model, out, me, other = sys.argv[1:]
+replay, replayed = preparation.golden_steps, []
+
+def meeting_once(frozen, group, *args, **kwargs):
+    # this process's first batch waits until the other has claimed one too: both hold a claim at once
+    if not Path(me).exists():
+        Path(me).touch()
+        deadline = time.monotonic() + 120
+        while not Path(other).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    replayed.extend(trace.index for trace in group)
+    return replay(frozen, group, *args, **kwargs)
+
+preparation.golden_steps = meeting_once
+cache = ExampleCache(out, traces, ExampleKey(model, "float32", 16, 4, "paper", "float16"))
+preparation.make_examples(preparation.FrozenModel(model), cache, replay_batch_size=2, progress=False)
+print(json.dumps(replayed))
 """
 
 
@@ -97,6 +126,32 @@ def test_two_labelling_processes_split_a_folder_and_write_one_processs_files(
     together = label_files(fresh_traces)
     assert together == label_files(alone)
     assert not any(name.endswith(".claim") for name in together)  # claims are gone once their traces are done
+
+
+def test_two_processes_on_one_example_cache_split_its_batches(fresh_traces, tmp_path, tiny_dir):
+    frozen = FrozenModel(str(tiny_dir))
+    make_labels(frozen, fresh_traces, B, L_, progress=False)
+    key = ExampleKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
+    make_examples(frozen, ExampleCache(tmp_path / "alone", fresh_traces, key), replay_batch_size=2, progress=False)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    names = ("a", "b")
+    makers = [
+        subprocess.Popen(
+            [sys.executable, "-c", EXAMPLER, str(fresh_traces), str(tiny_dir), str(tmp_path / "shared")]
+            + [str(tmp_path / n) for n in (me, other)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for me, other in (names, names[::-1])
+    ]
+    a, b = (json.loads(maker.communicate(timeout=300)[0]) for maker in makers)
+    assert all(maker.returncode == 0 for maker in makers)
+    assert a and b and not set(a) & set(b)  # each replayed some batches, no trace twice
+    files = {path.name for path in (tmp_path / "alone").glob("trace-*.safetensors")}
+    assert {f"trace-{index:06d}.safetensors" for index in a + b} == files
+    assert {path.name for path in (tmp_path / "shared").glob("trace-*.safetensors")} == files
+    assert not list((tmp_path / "shared").glob(".*.claim"))  # claims are gone once their batches are done
 
 
 def test_a_killed_labellers_claim_is_taken_over(fresh_traces, tiny_dir):

@@ -179,6 +179,7 @@ class StepPlan:
     done: int
     too_short: int
     min_tokens: int
+    long_enough: list[Trace] = field(default_factory=list)  # every trace with a step: the to-do and the done
 
     @classmethod
     def of(
@@ -197,6 +198,7 @@ class StepPlan:
             except TraceTooShort:
                 plan.too_short += 1
                 continue
+            plan.long_enough.append(trace)
             found = problem(trace)
             if found is None:
                 plan.done += 1

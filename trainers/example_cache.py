@@ -96,6 +96,10 @@ class ExampleCache:
     def path(self, trace_index: int) -> Path:
         return self.directory / f"trace-{trace_index:06d}.safetensors"
 
+    def claim_path(self, first_index: int) -> Path:
+        """The file a process locks while it replays the batch of traces whose first is `first_index`."""
+        return self.directory / f".batch-{first_index:06d}.claim"
+
     @classmethod
     def of_trajectory(
         cls, directory: str | os.PathLike, traces_dir: str | os.PathLike, key: ExampleKey

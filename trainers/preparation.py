@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
+from foresight.artifacts import claimed
 from foresight.cadence import Regime
 from foresight.data.trace_store import Trace, TraceStore
 from foresight.labels import LabelStore
@@ -69,7 +70,8 @@ def make_examples(
 ) -> StepSummary:
     """`foresight examples`: the training examples of every labelled trace of the cache's traces folder (of the
     first `per_source` of each prompt source when given), replayed `replay_batch_size` traces at a time (similar
-    lengths together)."""
+    lengths together). Processes started on one cache (a fold study's, one per fold) share its replay batches by
+    claims (`foresight.artifacts.claimed`), each returning when the cache is complete."""
     started = time.perf_counter()
     key = cache.key
     folder = _opened_traces(frozen, cache, replay_batch_size)
@@ -79,9 +81,19 @@ def make_examples(
     for trace in plan.todo:  # all labels first: a missing one fails now, not after hours of replay
         labels.require(trace.index, num_tokens=trace.input_ids.numel())
     storage_dtype = float_dtype("storage_dtype", key.storage_dtype)
-    for group in tqdm(
-        _length_groups(plan.todo, replay_batch_size), desc="examples", unit="batch", disable=not progress
-    ):
+
+    def undone(group: list[Trace]) -> list[Trace]:
+        return [trace for trace in group if cache.problem(trace) is not None]
+
+    todo = {trace.index for trace in plan.todo}
+    groups = [  # the same groups in every process sharing the cache, so a group's claim means one thing
+        group
+        for group in _length_groups(plan.long_enough, replay_batch_size)
+        if any(trace.index in todo for trace in group)
+    ]
+    mine = claimed(groups, lambda group: cache.claim_path(group[0].index), lambda group: not undone(group))
+    for whole in tqdm(mine, total=len(groups), desc="examples", unit="batch", disable=not progress):
+        group = undone(whole)
         group_labels = [labels.load(trace.index, num_tokens=trace.input_ids.numel()) for trace in group]
         examples = golden_steps(frozen.load()[0], group, group_labels, key.feature_set, storage_dtype)
         for trace, tensors in zip(group, examples):

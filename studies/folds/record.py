@@ -30,21 +30,19 @@ def file_digest(path: Path) -> str:
 
 
 class FoldRecord:
-    """The trace scores of one fold study, one file per (regime, fold) under `folder`."""
+    """The trace scores of one fold study, one file per (regime, fold) under `folder`; a fold's file is written by
+    the one process working on that fold (`--fold`)."""
 
     def __init__(self, folder: Path, study: Mapping[str, object], variants: Mapping[str, list[str]]) -> None:
         self.folder = folder
         self.study = dict(study)
         self.variants = {name: ";".join(overrides) for name, overrides in variants.items()}
-        self._rows: dict[tuple[str, int], list[TraceScore]] = {}
 
     def scores(self, regime: str, fold: int) -> list[TraceScore]:
-        """The recorded scores of one fold (empty when none); a file of another study or of a variant recorded
-        with other overrides is refused in one line."""
-        key = (regime, fold)
-        if key not in self._rows:
-            self._rows[key] = self._read(self._path(regime, fold))
-        return self._rows[key]
+        """The recorded scores of one fold (empty when none), read again at every call, since processes working on
+        other folds write theirs meanwhile; a file of another study or of a variant recorded with other overrides
+        is refused in one line."""
+        return self._read(self._path(regime, fold))
 
     def holds(self, regime: str, fold: int, policy: str, families: Iterable[str]) -> bool:
         """Whether `policy` has rows for every one of the fold's held-out families."""
@@ -56,7 +54,6 @@ class FoldRecord:
         replaced = {row.policy for row in new}
         kept = [row for row in self.scores(regime, fold) if row.policy not in replaced]
         rows = sorted([*kept, *new], key=lambda row: (row.policy, row.index, row.token_set, row.budget))
-        self._rows[(regime, fold)] = rows
         variants = {name: text for name, text in self.variants.items() if name in {row.policy for row in rows}}
         lines = ",\n".join(json.dumps([getattr(row, column) for column in COLUMNS]) for row in rows)
         header = {"study": self.study, "variants": variants, "columns": list(COLUMNS)}

@@ -78,6 +78,13 @@ class Settings(ReportSettings):
             "GB, so by default the fits run cache by cache and each is removed after them)"
         },
     )
+    fold: tuple[int, ...] = field(
+        default=(),
+        metadata={
+            "help": "a fold this process works on (repeat; default: every fold): processes on different folds share "
+            "the example caches and the record"
+        },
+    )
     per_family: int | None = field(
         default=None, metadata={"help": "score only the first N traces of each held-out family (default: all)"}
     )
@@ -93,6 +100,8 @@ class Settings(ReportSettings):
         self.variants  # a malformed variant is refused here
         if self.folds < 2:
             raise ValueError(f"--folds {self.folds}: a fold study needs at least 2 folds")
+        if outside := sorted(set(self.fold) - set(range(self.folds))):
+            raise ValueError(f"--fold {outside[0]}: the folds are 0..{self.folds - 1}")
         for name, value in (("--per-family", self.per_family), ("--train-per-family", self.train_per_family)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} {value}: take at least 1 trace of each family, or leave it out")
@@ -140,16 +149,19 @@ def run(settings: Settings) -> str:
     held = {fold: sorted(family for family, k in assignment.items() if k == fold) for fold in range(settings.folds)}
     record = FoldRecord(settings.record or settings.work / "record", _study(settings), settings.variants)
     sections = [f"Command: `{settings.command}`", "", _fold_table(assignment, settings.traces)]
+    mine = {fold: held[fold] for fold in settings.fold or held}
     for regime in settings.regime:
+        for fold, families in mine.items():  # the reference rows first: they need labels only, no fit
+            if not record.holds(regime, fold, ORACLE, families):
+                record.add(regime, fold, _evaluated(settings, regime, fold, families, {}, reference=True))
         for examples, variants in _by_examples(settings, regime).items():
             for name in variants:  # variant by variant: a row of the table is whole before the next one starts
-                for fold, families in held.items():
-                    if record.holds(regime, fold, name, families):
-                        continue
-                    scorer = {name: _fitted(settings, regime, name, fold, families, examples)}
-                    reference = not record.holds(regime, fold, ORACLE, families)
-                    record.add(regime, fold, _evaluated(settings, regime, fold, families, scorer, reference))
-            if not settings.keep_examples:
+                for fold, families in mine.items():
+                    if not record.holds(regime, fold, name, families):
+                        scorer = {name: _fitted(settings, regime, name, fold, families, examples)}
+                        record.add(regime, fold, _evaluated(settings, regime, fold, families, scorer, reference=False))
+            done = all(record.holds(regime, fold, name, held[fold]) for fold in held for name in variants)
+            if done and not settings.keep_examples:  # a process on other folds may still read it otherwise
                 shutil.rmtree(examples, ignore_errors=True)
         scores = {fold: record.scores(regime, fold) for fold in held}
         sections.append(_regime_table(regime, scores, list(settings.variants), held))
