@@ -16,6 +16,8 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import yaml
+
 from foresight.artifacts import check_settings, write_text
 from foresight.eval.headroom import TraceScore
 
@@ -24,9 +26,11 @@ KEPT_TOKEN_SETS = ("generated", "all")
 COLUMNS = tuple(field.name for field in dataclasses.fields(TraceScore))
 
 
-def file_digest(path: Path) -> str:
-    """A file's sha256, the first 16 hex digits: what names a corpus or config in the record."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def content_digest(path: Path) -> str:
+    """The sha256 (first 16 hex digits) of a JSON or YAML file's content, comments and layout aside: what names a
+    corpus manifest or a fit config in the record, so editing a comment does not orphan a study."""
+    content = json.dumps(yaml.safe_load(path.read_text()), sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
 
 
 class FoldRecord:

@@ -45,7 +45,7 @@ from foresight.eval.metric_registry import TokenSet
 from foresight.eval.specs import LEARNED
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
-from studies.folds.record import FoldRecord, file_digest
+from studies.folds.record import FoldRecord, content_digest
 
 NAME = "folds"
 CORPUS = Path("data/corpus")
@@ -171,12 +171,12 @@ def run(settings: Settings) -> str:
 def _study(settings: Settings) -> dict[str, object]:
     """What makes two runs one study: the corpus, the deal of its families, the scored sample and the fit config."""
     return {
-        "corpus": file_digest(settings.traces / "manifest.json"),
+        "corpus": content_digest(settings.traces / "manifest.json"),
         "folds": settings.folds,
         "fold_seed": settings.fold_seed,
         "per_family": settings.per_family,
         "train_per_family": settings.train_per_family,
-        "config": file_digest(settings.config),
+        "config": content_digest(settings.config),
     }
 
 
