@@ -337,8 +337,9 @@ class ForesightScorer(
         W1 x_n is accumulated in place from its key, value and feature blocks, so neither x_n nor a
         partial sum of the hidden layer is ever copied: the hidden layer is one tensor written three
         times, which on a CPU saves the page faults of fresh [layers * Hkv, batch * N, H] sums. A key the
-        standardised set reads at unit norm enters as k_n / |k_n|, normalised before its matmul (the
-        narrower side: D <= H for every shipped scorer)."""
+        standardised set reads at unit norm enters as k_n / |k_n|, divided on the narrower side of its matmul:
+        after it, (k_n W) / |k_n|, when the hidden width H is below D (one member: a quarter of the divisions),
+        before it when not (a fused ensemble)."""
         config = self.config
         w1, b1, w2, b2 = (weight[layers].flatten(0, 1) for weight in (self.w1, self.b1, self.w2, self.b2))
         count, batch, heads, entries = parts[0].shape[:4]
@@ -354,11 +355,15 @@ class ForesightScorer(
         hidden = torch.baddbmm(b1.unsqueeze(1), grouped[features], blocks[features])
         norms = []
         for part, block in zip(grouped[:features], blocks[:features]):
-            if config.feature_set.unit_key_values:
-                norm = torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(UNIT_EPS)
-                part = part / norm
-                norms.append(norm.log())
-            hidden.baddbmm_(part, block)
+            if not config.feature_set.unit_key_values:
+                hidden.baddbmm_(part, block)
+                continue
+            norm = torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(UNIT_EPS)
+            norms.append(norm.log())
+            if block.shape[-1] < part.shape[-1]:  # (k / |k|) W = (k W) / |k|, divided where it is narrower
+                hidden.addcdiv_(torch.bmm(part, block), norm)
+            else:
+                hidden.baddbmm_(part / norm, block)
         if vectors:  # the transfer set's projections: log‖k_n‖, log‖v_n‖, log‖W_o v_n‖
             norms = self._projections(*vectors, layers)
         if config.norm_width:  # log‖k_n‖, log‖v_n‖: the scale the unit vectors leave out
