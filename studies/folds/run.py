@@ -16,10 +16,12 @@ variant (`student=ensemble.members=1;model.teacher={fold_scorer:base}`: one memb
 Fits and evaluations land under --work, one folder per (regime, variant, fold), and every trace score goes into
 the record (--record, `record.py`: small files kept in the repository), so a stopped study resumes on any machine:
 a fold whose every policy is recorded is neither fitted nor replayed again, and a variant added later is fitted
-and replayed alone. The variants that make their examples alike (the same `data.` overrides) share one example
-cache, made once for every fold; the work runs cache by cache, variant by variant, fold by fold (a fold's fit,
-then its evaluation, then its record), and each cache is removed after its variants (one holds every step's candidate keys
-and values: 28-32 GB for the 755 traces of `train66`), unless --keep-examples.
+and replayed alone. Each fold's reference rows (full cache, golden, the reference list) come first, since they
+need labels and no fit; then the variants that make their examples alike (the same `data.` overrides) share one
+example cache, made once for every fold, and run variant by variant, fold by fold (a fold's fit, its evaluation,
+its record). A cache is removed once every fold of its variants is recorded (one holds every step's candidate
+keys and values: 28-32 GB for the 755 traces of `train66`), unless --keep-examples. `--fold` gives a process its
+share of the folds: processes on different folds share the labels, the caches (by claims) and the record.
 
     python -m studies folds --traces data/corpus/train66 --folds 5 --config configs/default.yaml \\
         --variant base= --variant one=ensemble.members=1 --regime decode --regime streaming
