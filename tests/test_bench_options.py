@@ -143,6 +143,8 @@ def varied(settings):
             changes[option.name] = value + 3
         elif kind in (float, float | None):
             changes[option.name] = 0.375
+        elif kind == tuple[int, ...] and option.name == "fold":
+            changes[option.name] = (0, 1)  # folds of the study, which has at least 2
         elif kind == tuple[int, ...] and option.name != "budgets":
             changes[option.name] = (96, 160)
         elif kind == Path | None:

@@ -90,6 +90,11 @@ def test_every_held_out_trace_is_scored_by_scorers_that_never_saw_its_family(cor
     card = (tmp_path / "work" / "decode" / "late" / "fold-1" / "scorer" / "README.md").read_text()
     assert f"the teacher {tmp_path / 'work' / 'decode' / 'base' / 'fold-1' / 'scorer'}" in card
     assert kept and {path: path.stat().st_mtime_ns for path in replays} == kept  # only the new variant replayed
+    shipped = tmp_path / "work" / "decode" / "base" / "fold-0" / "scorer"  # a scorer as it is, on every fold
+    with_shipped = run(dataclasses.replace(later_settings, scorer=(f"shipped={shipped}",)))
+    assert "| shipped | 3 of 3 | " in with_shipped and not (tmp_path / "work" / "decode" / "shipped").exists()
+    with pytest.raises(ValueError, match=r"--scorer base=\.\.\.: a variant has that name"):
+        run(dataclasses.replace(settings, scorer=(f"base={shipped}",)))
 
 
 def test_a_fold_study_resumes_on_a_fresh_machine_from_its_record_alone(corpus, tmp_path, tiny_dir):

@@ -26,7 +26,10 @@ def add_options(parser: argparse.ArgumentParser, settings_class: type) -> None:
             keywords.update(action="store_true", default=False)
         elif element_type(kind) is int:
             keywords.update(
-                nargs="+", type=int_list, action=_Joined, default=None if required else option_text(default)
+                nargs="+",
+                type=int_list,
+                action=_Joined,
+                default=None if required or not default else option_text(default),
             )
         elif element_type(kind) is str:
             keywords.update(action="append", default=None)

@@ -38,13 +38,14 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from foresight.bench.common import ReportSettings
+from foresight.bench.common import ReportSettings, scorer_field
 from foresight.cli import main as foresight
 from foresight.data.corpus import refuse_test_families, test_set_folders
 from foresight.data.trace_store import TraceStore, folder_sources
 from foresight.eval.headroom import ORACLE, REFERENCE, REFERENCE_HEURISTICS, TraceScore, headroom, percent
 from foresight.eval.metric_registry import TokenSet
-from foresight.eval.specs import LEARNED
+from foresight.eval.specs import LEARNED, ScorerSpec, split_scorer
+from foresight.scorer.model import weights_digest
 from studies import COMMAND as COMMAND  # how its report names it, where it goes
 from studies import REPORTS as REPORTS
 from studies.folds.record import FoldRecord, content_digest
@@ -79,6 +80,10 @@ class Settings(ReportSettings):
             "help": "keep each example cache once its variants' fits are done (at the corpus's size one holds a few "
             "GB, so by default the fits run cache by cache and each is removed after them)"
         },
+    )
+    scorer: tuple[str, ...] = scorer_field(
+        "a scorer replayed as it is on every fold beside the variants, never fitted (today's default, "
+        "`shipped=checkpoints/default`)"
     )
     fold: tuple[int, ...] = field(
         default=(),
@@ -149,13 +154,23 @@ def run(settings: Settings) -> str:
     families = folder_sources(settings.traces)
     assignment = deal_folds(families, settings.folds, settings.fold_seed)
     held = {fold: sorted(family for family, k in assignment.items() if k == fold) for fold in range(settings.folds)}
-    record = FoldRecord(settings.record or settings.work / "record", _study(settings), settings.variants)
+    specs = [ScorerSpec.from_source(text, several=True) for text in settings.scorer]
+    fixed = {spec.name: Path(split_scorer(text)[1]) for text, spec in zip(settings.scorer, specs, strict=True)}
+    if repeated := sorted(set(fixed) & set(settings.variants)):
+        raise ValueError(f"--scorer {repeated[0]}=...: a variant has that name; name the scorer apart")
+    weights = {spec.name: [f"scorer:{weights_digest(spec.scorer)[:16]}"] for spec in specs}  # a new one: new rows
+    record = FoldRecord(settings.record or settings.work / "record", _study(settings), {**settings.variants, **weights})
     sections = [f"Command: `{settings.command}`", "", _fold_table(assignment, settings.traces)]
     mine = {fold: held[fold] for fold in settings.fold or held}
     for regime in settings.regime:
-        for fold, families in mine.items():  # the reference rows first: they need labels only, no fit
+        for fold, families in mine.items():  # the reference rows and the fixed scorers first: no fit
             if not record.holds(regime, fold, ORACLE, families):
                 record.add(regime, fold, _evaluated(settings, regime, fold, families, {}, reference=True))
+            for name, folder in fixed.items():
+                if not record.holds(regime, fold, name, families):
+                    record.add(
+                        regime, fold, _evaluated(settings, regime, fold, families, {name: folder}, reference=False)
+                    )
         for examples, variants in _by_examples(settings, regime).items():
             for name in variants:  # variant by variant: a row of the table is whole before the next one starts
                 for fold, families in mine.items():
@@ -166,7 +181,7 @@ def run(settings: Settings) -> str:
             if done and not settings.keep_examples:  # a process on other folds may still read it otherwise
                 shutil.rmtree(examples, ignore_errors=True)
         scores = {fold: record.scores(regime, fold) for fold in held}
-        sections.append(_regime_table(regime, scores, list(settings.variants), held))
+        sections.append(_regime_table(regime, scores, [*settings.variants, *fixed], held))
     return "\n\n".join(sections)
 
 
