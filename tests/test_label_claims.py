@@ -86,6 +86,24 @@ print(json.dumps(replayed))
 """
 
 
+def meeting_pair(script: str, args: list[str], folder: Path, env: dict[str, str]) -> tuple:
+    """The JSON that two processes of `script` print, started together on the same `args`, each also given its own
+    meeting file and the other's (so that both hold a claim at once); both must exit with 0."""
+    names = ("a", "b")
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args, str(folder / me), str(folder / other)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for me, other in (names, names[::-1])
+    ]
+    printed = [json.loads(process.communicate(timeout=300)[0]) for process in processes]
+    assert all(process.returncode == 0 for process in processes)
+    return tuple(printed)
+
+
 def label_files(traces: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(LabelStore(traces, B, L_).directory.iterdir())}
 
@@ -100,25 +118,7 @@ def test_two_labelling_processes_split_a_folder_and_write_one_processs_files(
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
         "OMP_NUM_THREADS": str(torch.get_num_threads()),
     }
-    names = ("a", "b")
-    labellers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                LABELLER,
-                str(fresh_traces),
-                str(tiny_dir),
-                *(str(tmp_path / n) for n in (me, other)),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for me, other in (names, names[::-1])
-    ]
-    a, b = (json.loads(labeller.communicate(timeout=300)[0]) for labeller in labellers)
-    assert all(labeller.returncode == 0 for labeller in labellers)
+    a, b = meeting_pair(LABELLER, [str(fresh_traces), str(tiny_dir)], tmp_path, env)
     assert a["made"] and b["made"] and not set(a["made"]) & set(b["made"])  # each labelled some, none twice
     assert sorted(a["made"] + b["made"]) == list(single.made) == [trace.index for trace in TraceStore(fresh_traces)]
     assert (a["by_others"], b["by_others"]) == (len(b["made"]), len(a["made"]))
@@ -134,19 +134,7 @@ def test_two_processes_on_one_example_cache_split_its_batches(fresh_traces, tmp_
     key = ExampleKey(str(tiny_dir), "float32", B, L_, "paper", "float16")
     make_examples(frozen, ExampleCache(tmp_path / "alone", fresh_traces, key), replay_batch_size=2, progress=False)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    names = ("a", "b")
-    makers = [
-        subprocess.Popen(
-            [sys.executable, "-c", EXAMPLER, str(fresh_traces), str(tiny_dir), str(tmp_path / "shared")]
-            + [str(tmp_path / n) for n in (me, other)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for me, other in (names, names[::-1])
-    ]
-    a, b = (json.loads(maker.communicate(timeout=300)[0]) for maker in makers)
-    assert all(maker.returncode == 0 for maker in makers)
+    a, b = meeting_pair(EXAMPLER, [str(fresh_traces), str(tiny_dir), str(tmp_path / "shared")], tmp_path, env)
     assert a and b and not set(a) & set(b)  # each replayed some batches, no trace twice
     files = {path.name for path in (tmp_path / "alone").glob("trace-*.safetensors")}
     assert {f"trace-{index:06d}.safetensors" for index in a + b} == files
